@@ -8,7 +8,9 @@ pub mod dtype;
 pub mod gguf;
 pub mod safetensors;
 pub mod template;
+pub mod tensor;
 pub mod tokenizer;
 
 pub use bytes::Bytes;
 pub use dtype::DType;
+pub use tensor::TensorView;

@@ -24,6 +24,14 @@ const MAX_DIMS: u32 = 4;
 /// Arrays nested deeper than this are surely corrupt; the cap keeps the
 /// recursive reader off the end of the stack.
 const MAX_ARRAY_DEPTH: usize = 16;
+/// Most entries reserved ahead from a count read in the file. Counts are
+/// already bounded by the bytes left, but an in-memory `Value` is larger than
+/// its encoding; beyond this, memory grows only with what is actually parsed.
+const MAX_RESERVE: usize = 1 << 16;
+
+fn reserve(n: u64) -> usize {
+    n.min(MAX_RESERVE as u64) as usize
+}
 
 // Metadata value type ids.
 const T_U8: u32 = 0;
@@ -453,7 +461,7 @@ impl Gguf {
         match version {
             2 | 3 => {}
             1 => bail!("{file}: GGUF version 1 is not supported (only versions 2 and 3)"),
-            v if v.swap_bytes() <= 3 => {
+            v if (1..=3).contains(&v.swap_bytes()) => {
                 bail!("{file}: big-endian GGUF is not supported (version field reads {v:#x})")
             }
             v => bail!("{file}: unknown GGUF version {v} (only versions 2 and 3 are supported)"),
@@ -466,8 +474,8 @@ impl Gguf {
         r.check_count(n_kv, 8 + 4 + 1, "metadata count")?;
         r.check_count(n_tensors, 8 + 4 + 4 + 8, "tensor count")?;
 
-        let mut metadata = Vec::with_capacity(n_kv as usize);
-        let mut meta_index = HashMap::with_capacity(n_kv as usize);
+        let mut metadata = Vec::with_capacity(reserve(n_kv));
+        let mut meta_index = HashMap::with_capacity(reserve(n_kv));
         for i in 0..n_kv {
             let key = r.string(&format!("metadata key #{i}"))?;
             let ty = r.u32(&format!("the type of metadata key `{key}`"))?;
@@ -501,8 +509,8 @@ impl Gguf {
             rel_offset: u64,
             size: usize,
         }
-        let mut raws = Vec::with_capacity(n_tensors as usize);
-        let mut tensor_index = HashMap::with_capacity(n_tensors as usize);
+        let mut raws = Vec::with_capacity(reserve(n_tensors));
+        let mut tensor_index = HashMap::with_capacity(reserve(n_tensors));
         for i in 0..n_tensors {
             let name = r.string(&format!("the name of tensor #{i}"))?;
             let what = format!("tensor `{name}`");
@@ -748,7 +756,7 @@ impl<'a> Reader<'a> {
                 })?;
                 let n = self.u64(&format!("the array length of metadata key `{key}`"))?;
                 self.check_count(n, min, &format!("metadata key `{key}`: array length"))?;
-                let mut v = Vec::with_capacity(n as usize);
+                let mut v = Vec::with_capacity(reserve(n));
                 for _ in 0..n {
                     v.push(self.value(elem, key, depth + 1)?);
                 }

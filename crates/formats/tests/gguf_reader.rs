@@ -545,6 +545,13 @@ fn open_maps_a_real_file_and_names_it_in_errors() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn handles_are_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Gguf>();
+    send_sync::<braid_formats::TensorView>();
+}
+
 // ---------------------------------------------------------------- corruptions
 
 #[test]
@@ -569,6 +576,8 @@ fn bad_magic_and_versions() {
     assert_err(w.build(), &["version 1", "not supported"]);
     w.version = 4;
     assert_err(w.build(), &["version 4"]);
+    w.version = 0;
+    assert_err(w.build(), &["unknown GGUF version 0"]);
     w.version = 3u32.swap_bytes();
     assert_err(w.build(), &["big-endian"]);
 }

@@ -273,6 +273,12 @@ fn sharded_folder() {
 }
 
 #[test]
+fn folder_is_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<HfFolder>();
+}
+
+#[test]
 fn missing_files() {
     let d = TempDir::new("missing");
     let e = err(d.path());

@@ -131,6 +131,40 @@ impl ChatTemplate {
             .map_err(|e| anyhow!("{}: {e:#}", g.path().display()))
     }
 
+    /// The `chat_template` of a parsed `tokenizer_config.json` (a string, or
+    /// a list of `{name, template}` of which "default" is taken), with its
+    /// `bos_token` / `eos_token`; `None` when it has none. (Newer repositories
+    /// ship `chat_template.jinja` instead: pass its text to [`new`](Self::new).)
+    pub fn from_tokenizer_config(config: &serde_json::Value) -> Result<Option<ChatTemplate>> {
+        let src = match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(s)) => s.as_str(),
+            Some(serde_json::Value::Array(list)) => {
+                let named = |want: &str| {
+                    list.iter()
+                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(want))
+                };
+                let Some(t) = named("default").or_else(|| list.first()) else {
+                    return Ok(None);
+                };
+                t.get("template").and_then(|s| s.as_str()).ok_or_else(|| {
+                    anyhow!("tokenizer_config chat_template entry has no `template` string")
+                })?
+            }
+            Some(other) => {
+                return Err(anyhow!(
+                    "tokenizer_config chat_template is neither a string nor a list: {other}"
+                ))
+            }
+        };
+        let token = |key: &str| {
+            let v = config.get(key);
+            v.and_then(|v| v.as_str().or_else(|| v.get("content")?.as_str()))
+                .unwrap_or("")
+        };
+        ChatTemplate::new(src, token("bos_token"), token("eos_token")).map(Some)
+    }
+
     pub fn source(&self) -> &str {
         &self.source
     }

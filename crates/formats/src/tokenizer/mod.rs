@@ -377,6 +377,10 @@ impl Tokenizer {
     /// becomes that token. `add_special` adds BOS (and EOS) where the model
     /// adds them.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        // Positions are kept in 32 bits inside; no prompt comes near this.
+        if text.len() > i32::MAX as usize {
+            bail!("text of {} bytes is too long to tokenize", text.len());
+        }
         if let Model::Hf(h) = &self.model {
             return h.encode(
                 text,

@@ -5,8 +5,8 @@
 //! non-overlapping) occurrences. So a longer special token wins over a
 //! shorter one that overlaps it, even one that starts earlier. We get the same
 //! result in one pass: find every occurrence of every special token with a
-//! trie, then accept them in order (longest first, then lowest id, then
-//! leftmost), skipping any that overlap one already accepted.
+//! trie, then accept them in order (longest first, then leftmost), skipping
+//! any that overlap one already accepted.
 
 /// A piece of the input: plain text to tokenize, or a special token.
 #[derive(Debug, PartialEq, Eq)]
@@ -69,8 +69,8 @@ impl SpecialMatcher {
             return vec![Fragment::Text(text)];
         }
         let bytes = text.as_bytes();
-        // Every occurrence: (start, len, id).
-        let mut found: Vec<(usize, usize, u32)> = Vec::new();
+        // Every occurrence, bucketed by length; each bucket is in text order.
+        let mut by_len: Vec<Vec<(u32, u32)>> = Vec::new();
         for start in 0..bytes.len() {
             let mut cur = 0usize;
             for (k, &b) in bytes[start..].iter().enumerate() {
@@ -80,24 +80,35 @@ impl SpecialMatcher {
                     Err(_) => break,
                 }
                 if let Some(id) = self.nodes[cur].token {
-                    found.push((start, k + 1, id));
+                    let len = k + 1;
+                    if by_len.len() <= len {
+                        by_len.resize_with(len + 1, Vec::new);
+                    }
+                    by_len[len].push((start as u32, id));
                 }
             }
         }
-        if found.is_empty() {
+        if by_len.is_empty() {
             return vec![Fragment::Text(text)];
         }
-        found.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0)));
+        // Longest first, then leftmost. (Equal-length tokens that overlap
+        // each other are taken leftmost first; llama.cpp leaves their order
+        // unspecified.) Every interval accepted so far is at least as long as
+        // the candidate, so it overlaps the candidate exactly when it covers
+        // one of the candidate's two ends.
         let mut covered = vec![false; bytes.len()];
         let mut accepted: Vec<(usize, usize, u32)> = Vec::new();
-        for (start, len, id) in found {
-            if covered[start..start + len].iter().any(|&c| c) {
-                continue;
+        for (len, found) in by_len.iter().enumerate().rev() {
+            for &(start, id) in found {
+                let start = start as usize;
+                if covered[start] || covered[start + len - 1] {
+                    continue;
+                }
+                covered[start..start + len]
+                    .iter_mut()
+                    .for_each(|c| *c = true);
+                accepted.push((start, len, id));
             }
-            covered[start..start + len]
-                .iter_mut()
-                .for_each(|c| *c = true);
-            accepted.push((start, len, id));
         }
         accepted.sort_unstable_by_key(|a| a.0);
         let mut out = Vec::with_capacity(accepted.len() * 2 + 1);

@@ -7,12 +7,19 @@ use std::path::PathBuf;
 use braid_formats::tokenizer::{TokenKind, Tokenizer};
 use serde_json::{json, Value};
 
-fn write_temp(name: &str, v: &Value) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("braid-tokjson-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
+/// A file in the temp folder, removed when dropped.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn write_temp(name: &str, v: &Value) -> TempFile {
+    let p = std::env::temp_dir().join(format!("braid-tokjson-{}-{name}", std::process::id()));
     std::fs::write(&p, serde_json::to_string_pretty(v).unwrap()).unwrap();
-    p
+    TempFile(p)
 }
 
 fn added(id: u32, content: &str, special: bool) -> Value {
@@ -64,7 +71,7 @@ fn byte_level_json() -> Value {
 fn byte_level_bpe_json() {
     let path = write_temp("bytelevel.json", &byte_level_json());
     let config = json!({"bos_token": null, "eos_token": "<|im_end|>", "add_bos_token": false});
-    let tok = Tokenizer::from_tokenizer_json(&path, Some(&config)).unwrap();
+    let tok = Tokenizer::from_tokenizer_json(&path.0, Some(&config)).unwrap();
     assert_eq!(tok.vocab_size(), 259 + 7);
     let b = |c: char| 3 + c as u32; // byte tokens of ASCII characters
     let hello = tok.token_id("hello").unwrap();
@@ -142,7 +149,7 @@ fn spm_json() -> Value {
 fn sentencepiece_style_json_with_byte_fallback() {
     let path = write_temp("spm.json", &spm_json());
     let config = json!({"bos_token": {"content": "<s>"}, "eos_token": "</s>"});
-    let tok = Tokenizer::from_tokenizer_json(&path, Some(&config)).unwrap();
+    let tok = Tokenizer::from_tokenizer_json(&path.0, Some(&config)).unwrap();
     let hi = tok.token_id("▁hi").unwrap();
     // The post-processor adds <s>; "é" is not in the vocabulary: bytes C3 A9.
     let ids = tok.encode("hi é", true).unwrap();
@@ -171,14 +178,14 @@ fn bad_tokenizer_json_files_are_errors() {
     assert!(err.contains("braid-no-such-tokenizer.json"), "{err}");
 
     let p = write_temp("notjson.json", &json!("just a string"));
-    assert!(Tokenizer::from_tokenizer_json(&p, None).is_err());
+    assert!(Tokenizer::from_tokenizer_json(&p.0, None).is_err());
     let p = write_temp("badmodel.json", &json!({"model": {"type": "Nope"}}));
-    assert!(Tokenizer::from_tokenizer_json(&p, None).is_err());
+    assert!(Tokenizer::from_tokenizer_json(&p.0, None).is_err());
 
     // A config naming a BOS that is not in the vocabulary.
     let p = write_temp("bytelevel2.json", &byte_level_json());
     let config = json!({"bos_token": "<nope>"});
-    let err = Tokenizer::from_tokenizer_json(&p, Some(&config))
+    let err = Tokenizer::from_tokenizer_json(&p.0, Some(&config))
         .unwrap_err()
         .to_string();
     assert!(err.contains("<nope>"), "{err}");

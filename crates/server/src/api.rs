@@ -1,0 +1,742 @@
+//! The generation endpoints: `/v1/chat/completions` and `/v1/completions`,
+//! streamed (SSE) or not.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch};
+
+use crate::error::ApiError;
+use crate::generate::{Finish, GenEvent, GenRequest, Refusal, Sampling, Sink, Ticket};
+use crate::params::{self, Common, Endpoint, Prompt};
+use crate::{App, Loaded, ModelInfo};
+
+pub(crate) async fn chat(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, Endpoint::Chat, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub(crate) async fn completions(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, Endpoint::Completions, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A body the extractor refused (too large, or unreadable).
+fn rejected(r: BytesRejection) -> ApiError {
+    let status = r.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError {
+            status,
+            ..ApiError::invalid("The request body is too large.")
+        }
+        .with_code("request_too_large")
+    } else {
+        ApiError {
+            status,
+            ..ApiError::invalid(format!(
+                "Could not read the request body: {}",
+                r.body_text()
+            ))
+        }
+    }
+}
+
+async fn generate(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let body = body.map_err(rejected)?;
+    let map = params::parse_object(&body)?;
+    let max_n = app.cfg.max_n;
+    let (common, prompts) = match endpoint {
+        Endpoint::Chat => {
+            let req = params::parse_chat(&map, max_n)?;
+            (req.common, Input::Chat(req.messages))
+        }
+        Endpoint::Completions => {
+            let req = params::parse_completion(&map, max_n)?;
+            (req.common, Input::Prompts(req.prompts))
+        }
+    };
+    if let Some(model) = &common.model {
+        if *model != app.cfg.model_name {
+            return Err(ApiError::model_not_found(model, &app.cfg.model_name));
+        }
+    }
+    let Loaded { gen, info } = app.loaded()?;
+    let prompts = match prompts {
+        Input::Chat(messages) => vec![crate::chat_prompt(&info, &messages)?],
+        Input::Prompts(ps) => ps
+            .into_iter()
+            .map(|p| tokenize(&info, p))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let max_tokens = prompts
+        .iter()
+        .map(|p| {
+            fit(
+                &common,
+                p.len(),
+                info.context,
+                endpoint,
+                app.cfg.default_max_tokens,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let n = common.n;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut tickets = Vec::with_capacity(prompts.len() * n);
+    for (i, prompt) in prompts.iter().enumerate() {
+        for j in 0..n {
+            let req = GenRequest {
+                prompt: prompt.clone(),
+                sampling: Sampling {
+                    temperature: common.temperature,
+                    top_p: common.top_p,
+                    top_k: common.top_k,
+                    min_p: common.min_p,
+                    presence_penalty: common.presence_penalty,
+                    frequency_penalty: common.frequency_penalty,
+                    repetition_penalty: common.repetition_penalty,
+                    // Each choice its own seed, so n > 1 with a seed still
+                    // gives different (but reproducible) choices.
+                    seed: common.seed.map(|s| s.wrapping_add(j as u64)),
+                },
+                max_tokens: max_tokens[i],
+                stop_ids: Vec::new(),
+                stop_strings: common.stop.clone(),
+                ignore_eos: common.ignore_eos,
+                logprobs: common.logprobs,
+            };
+            // On refusal, dropping the tickets cancels the choices already queued.
+            tickets.push(
+                gen.submit(
+                    req,
+                    Sink {
+                        index: i * n + j,
+                        tx: tx.clone(),
+                    },
+                )
+                .map_err(refusal)?,
+            );
+        }
+    }
+    drop(tx);
+
+    let run = Run {
+        app: app.clone(),
+        info,
+        id: format!(
+            "{}{}",
+            if endpoint == Endpoint::Chat {
+                "chatcmpl-"
+            } else {
+                "cmpl-"
+            },
+            random_id()
+        ),
+        endpoint,
+        created: unix_now(),
+        model: app.cfg.model_name.clone(),
+        arrived,
+        n,
+        prompt_lens: prompts.iter().map(Vec::len).collect(),
+        choices: (0..prompts.len() * n).map(|_| Choice::default()).collect(),
+        logprobs: common.logprobs,
+        include_usage: common.include_usage,
+        user: common.user.clone(),
+        done: false,
+        _tickets: tickets,
+    };
+    let cancel = app.cancel.subscribe();
+    if common.stream {
+        Ok(stream_response(run, rx, cancel))
+    } else {
+        whole_response(run, rx, cancel).await
+    }
+}
+
+enum Input {
+    Chat(Vec<params::Message>),
+    Prompts(Vec<Prompt>),
+}
+
+fn tokenize(info: &ModelInfo, p: Prompt) -> Result<Vec<u32>, ApiError> {
+    match p {
+        Prompt::Text(s) => info.tokenizer.encode(&s, true).map_err(|e| {
+            ApiError::param("prompt", format!("Could not tokenize the prompt: {e:#}"))
+        }),
+        Prompt::Tokens(ids) => {
+            let vocab = info.tokenizer.vocab_size();
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(ApiError::param(
+                    "prompt",
+                    format!("Token id {bad} is outside the vocabulary (0..{vocab})."),
+                ));
+            }
+            Ok(ids)
+        }
+    }
+}
+
+/// The completion budget of one prompt: `max_tokens` if prompt and
+/// completion fit the context, else a 400 naming both numbers.
+fn fit(
+    common: &Common,
+    prompt: usize,
+    context: usize,
+    endpoint: Endpoint,
+    default_max: Option<usize>,
+) -> Result<usize, ApiError> {
+    let prompt_param = if endpoint == Endpoint::Chat {
+        "messages"
+    } else {
+        "prompt"
+    };
+    match common.max_tokens {
+        Some(m) if prompt.saturating_add(m) > context => Err(ApiError::param(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {context} tokens, but {} tokens were requested \
+                 ({prompt} in the prompt, {m} for the completion). Shorten the prompt or lower max_tokens.",
+                prompt.saturating_add(m)
+            ),
+        )
+        .with_code("context_length_exceeded")),
+        Some(m) => Ok(m),
+        None if prompt >= context => Err(ApiError::param(
+            prompt_param,
+            format!(
+                "This model's maximum context length is {context} tokens, but the prompt alone has \
+                 {prompt} tokens, leaving no room for a completion."
+            ),
+        )
+        .with_code("context_length_exceeded")),
+        None => Ok((context - prompt).min(default_max.unwrap_or(usize::MAX))),
+    }
+}
+
+fn refusal(r: Refusal) -> ApiError {
+    match r {
+        Refusal::Overloaded(m) => ApiError::overloaded(m),
+        Refusal::TooLong { prompt, max_tokens, context } => ApiError::param(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {context} tokens, but {} tokens were requested \
+                 ({prompt} in the prompt, {max_tokens} for the completion).",
+                prompt + max_tokens
+            ),
+        )
+        .with_code("context_length_exceeded"),
+        Refusal::Invalid(m) => ApiError::invalid(m),
+        Refusal::Closed(m) => ApiError::unavailable(m),
+    }
+}
+
+/// One choice's progress.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    tokens: usize,
+    finish: Option<Finish>,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    cached: usize,
+    logprobs: Vec<TokenLogprob>,
+}
+
+#[derive(Clone)]
+struct TokenLogprob {
+    id: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+    /// Where this token's text begins in the choice's text (completions'
+    /// `text_offset`).
+    offset: usize,
+}
+
+/// What one event changed, for the streaming writer.
+enum Update {
+    /// New text (maybe empty) with its token's logprobs when asked for.
+    Token {
+        index: usize,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// The choice ended; `text` is what was still held back.
+    Finished {
+        index: usize,
+        text: String,
+        reason: Finish,
+    },
+    Error(String),
+    Nothing,
+}
+
+/// One request's streams, from submission to the log line.
+struct Run {
+    app: Arc<App>,
+    info: Arc<ModelInfo>,
+    id: String,
+    endpoint: Endpoint,
+    created: u64,
+    model: String,
+    arrived: Instant,
+    n: usize,
+    prompt_lens: Vec<usize>,
+    choices: Vec<Choice>,
+    logprobs: Option<usize>,
+    include_usage: bool,
+    user: Option<String>,
+    done: bool,
+    /// The streams' lifelines: dropped with the run, they cancel whatever
+    /// is still running.
+    _tickets: Vec<Ticket>,
+}
+
+impl Run {
+    fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    fn apply(&mut self, index: usize, event: GenEvent) -> Update {
+        let now = Instant::now();
+        let Some(choice) = self.choices.get_mut(index) else {
+            return Update::Nothing;
+        };
+        match event {
+            GenEvent::Queued { .. } => Update::Nothing,
+            GenEvent::Started { cached_tokens } => {
+                choice.cached = cached_tokens;
+                Update::Nothing
+            }
+            GenEvent::Token {
+                id,
+                text,
+                logprob,
+                top,
+            } => {
+                let m = &self.app.metrics;
+                match choice.last {
+                    None => m.ttft.observe((now - self.arrived).as_secs_f64()),
+                    Some(last) => m.inter_token.observe((now - last).as_secs_f64()),
+                }
+                choice.first.get_or_insert(now);
+                choice.last = Some(now);
+                choice.tokens += 1;
+                let lp = match (self.logprobs, logprob) {
+                    (Some(k), Some(logprob)) => {
+                        let top = top.into_iter().take(k).collect();
+                        let t = TokenLogprob {
+                            id,
+                            logprob,
+                            top,
+                            offset: choice.text.len(),
+                        };
+                        choice.logprobs.push(t.clone());
+                        Some(t)
+                    }
+                    _ => None,
+                };
+                choice.text.push_str(&text);
+                Update::Token {
+                    index,
+                    text,
+                    logprob: lp,
+                }
+            }
+            GenEvent::Finished {
+                reason,
+                text,
+                completion_tokens,
+                cached_tokens,
+                ..
+            } => {
+                choice.text.push_str(&text);
+                choice.tokens = completion_tokens;
+                choice.cached = choice.cached.max(cached_tokens);
+                choice.finish = Some(reason);
+                Update::Finished {
+                    index,
+                    text,
+                    reason,
+                }
+            }
+            GenEvent::Error(m) => Update::Error(m),
+        }
+    }
+
+    fn usage(&self) -> Value {
+        let prompt: usize = self.prompt_lens.iter().sum();
+        let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
+        // Prompt tokens count once per prompt (not per choice), as OpenAI does.
+        let cached: usize = self
+            .choices
+            .iter()
+            .step_by(self.n.max(1))
+            .map(|c| c.cached)
+            .sum();
+        json!({
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completions, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, choices: Value, chunk: bool) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if chunk && self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    fn token_string(&self, id: u32) -> (String, Vec<u8>) {
+        let t = &self.info.tokenizer;
+        let bytes = t.token_bytes(id).to_vec();
+        if bytes.is_empty() {
+            // Control tokens print nothing; show their name instead.
+            let name = t.token_text(id).unwrap_or_default().to_string();
+            return (name.clone(), name.into_bytes());
+        }
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    fn chat_logprobs(&self, lps: &[TokenLogprob]) -> Value {
+        let entry = |id: u32, logprob: f32| {
+            let (token, bytes) = self.token_string(id);
+            json!({"token": token, "logprob": logprob, "bytes": bytes})
+        };
+        let content: Vec<Value> = lps
+            .iter()
+            .map(|t| {
+                let mut e = entry(t.id, t.logprob);
+                e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+                e
+            })
+            .collect();
+        json!({"content": content, "refusal": null})
+    }
+
+    fn completion_logprobs(&self, lps: &[TokenLogprob], base: usize) -> Value {
+        let tokens: Vec<String> = lps.iter().map(|t| self.token_string(t.id).0).collect();
+        let token_logprobs: Vec<f32> = lps.iter().map(|t| t.logprob).collect();
+        let top: Vec<Value> = lps
+            .iter()
+            .map(|t| {
+                let mut m = serde_json::Map::new();
+                for &(id, lp) in &t.top {
+                    m.entry(self.token_string(id).0).or_insert(json!(lp));
+                }
+                Value::Object(m)
+            })
+            .collect();
+        let offsets: Vec<usize> = lps.iter().map(|t| base + t.offset).collect();
+        json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+    }
+
+    fn whole_body(&self) -> Value {
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let finish = c.finish.map(Finish::as_str);
+                match self.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self.logprobs.map(|_| self.chat_logprobs(&c.logprobs)),
+                        "finish_reason": finish,
+                    }),
+                    Endpoint::Completions => json!({
+                        "index": i,
+                        "text": c.text,
+                        "logprobs": self.logprobs.map(|_| self.completion_logprobs(&c.logprobs, 0)),
+                        "finish_reason": finish,
+                    }),
+                }
+            })
+            .collect();
+        let mut v = self.envelope(Value::Array(choices), false);
+        v["usage"] = self.usage();
+        v
+    }
+
+    /// The SSE frames one update produces.
+    fn frames(&self, update: Update, out: &mut VecDeque<Bytes>) {
+        match update {
+            Update::Nothing => {}
+            Update::Error(m) => {
+                let e = ApiError::internal(format!("Generation failed: {m}"));
+                out.push_back(sse(&e.body()));
+            }
+            Update::Token {
+                index,
+                text,
+                logprob,
+            } => {
+                if text.is_empty() && logprob.is_none() {
+                    return;
+                }
+                let choice = match self.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": index,
+                        "delta": {"content": text},
+                        "logprobs": logprob.map(|t| self.chat_logprobs(&[t])),
+                        "finish_reason": null,
+                    }),
+                    Endpoint::Completions => json!({
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprob.map(|t| self.completion_logprobs(&[t], 0)),
+                        "finish_reason": null,
+                    }),
+                };
+                out.push_back(sse(&self.envelope(json!([choice]), true)));
+            }
+            Update::Finished {
+                index,
+                text,
+                reason,
+            } => {
+                if !text.is_empty() {
+                    self.frames(
+                        Update::Token {
+                            index,
+                            text,
+                            logprob: None,
+                        },
+                        out,
+                    );
+                }
+                let choice = match self.endpoint {
+                    Endpoint::Chat => {
+                        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason.as_str()})
+                    }
+                    Endpoint::Completions => {
+                        json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason.as_str()})
+                    }
+                };
+                out.push_back(sse(&self.envelope(json!([choice]), true)));
+            }
+        }
+    }
+
+    /// The first frames of a stream: chat announces the assistant role.
+    fn opening(&self, out: &mut VecDeque<Bytes>) {
+        if self.endpoint == Endpoint::Chat {
+            for i in 0..self.choices.len() {
+                let choice = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+                out.push_back(sse(&self.envelope(json!([choice]), true)));
+            }
+        }
+    }
+
+    fn closing(&self, out: &mut VecDeque<Bytes>) {
+        if self.include_usage {
+            let mut v = self.envelope(json!([]), true);
+            v["usage"] = self.usage();
+            out.push_back(sse(&v));
+        }
+        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
+}
+
+impl Drop for Run {
+    /// The request's log line and its totals, however it ended (finished,
+    /// failed, or the client left).
+    fn drop(&mut self) {
+        let prompt: usize = self.prompt_lens.iter().sum();
+        let generated: usize = self.choices.iter().map(|c| c.tokens).sum();
+        let m = &self.app.metrics;
+        m.add_tokens(prompt, generated);
+        m.duration.observe(self.arrived.elapsed().as_secs_f64());
+        let ttft_ms = self
+            .choices
+            .iter()
+            .filter_map(|c| c.first)
+            .min()
+            .map(|t| (t - self.arrived).as_secs_f64() * 1e3);
+        let reasons: Vec<&str> = self
+            .choices
+            .iter()
+            .map(|c| c.finish.map(Finish::as_str).unwrap_or("cancelled"))
+            .collect();
+        tracing::info!(
+            id = %self.id,
+            endpoint = self.endpoint.path(),
+            prompt_tokens = prompt,
+            generated_tokens = generated,
+            ttft_ms = ttft_ms.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
+            total_ms = format!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
+            finish = reasons.join(","),
+            user = self.user.as_deref().unwrap_or("-"),
+            "request done"
+        );
+    }
+}
+
+/// Resolves when the server decides to cancel every stream (shutdown);
+/// never if that signal is gone.
+async fn cancelled(cancel: &mut watch::Receiver<bool>) {
+    if cancel.wait_for(|c| *c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+async fn whole_response(
+    mut run: Run,
+    mut rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
+    mut cancel: watch::Receiver<bool>,
+) -> Result<Response, ApiError> {
+    while !run.all_finished() {
+        tokio::select! {
+            ev = rx.recv() => match ev {
+                Some((i, ev)) => {
+                    if let Update::Error(m) = run.apply(i, ev) {
+                        return Err(ApiError::internal(format!("Generation failed: {m}")));
+                    }
+                }
+                None => return Err(ApiError::unavailable("The lane stopped before the request finished.")),
+            },
+            _ = cancelled(&mut cancel) => return Err(ApiError::unavailable("The server is shutting down.")),
+        }
+    }
+    Ok(axum::Json(run.whole_body()).into_response())
+}
+
+struct Streaming {
+    run: Run,
+    rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
+    cancel: watch::Receiver<bool>,
+    out: VecDeque<Bytes>,
+}
+
+impl Streaming {
+    /// Wait for the next event and turn it into frames.
+    async fn step(&mut self) {
+        tokio::select! {
+            ev = self.rx.recv() => match ev {
+                Some((i, ev)) => {
+                    let update = self.run.apply(i, ev);
+                    let failed = matches!(update, Update::Error(_));
+                    self.run.frames(update, &mut self.out);
+                    if failed {
+                        self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                        self.run.done = true;
+                    } else if self.run.all_finished() {
+                        self.run.closing(&mut self.out);
+                        self.run.done = true;
+                    }
+                }
+                None => {
+                    let e = ApiError::unavailable("The lane stopped before the request finished.");
+                    self.out.push_back(sse(&e.body()));
+                    self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    self.run.done = true;
+                }
+            },
+            _ = cancelled(&mut self.cancel) => {
+                let e = ApiError::unavailable("The server is shutting down.");
+                self.out.push_back(sse(&e.body()));
+                self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                self.run.done = true;
+            }
+        }
+    }
+}
+
+fn stream_response(
+    run: Run,
+    rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
+    cancel: watch::Receiver<bool>,
+) -> Response {
+    let mut out = VecDeque::new();
+    run.opening(&mut out);
+    let state = Streaming {
+        run,
+        rx,
+        cancel,
+        out,
+    };
+    // When the client leaves, hyper drops this stream: `rx` goes with it,
+    // and the lane side sees its sinks closed and cancels.
+    let body = futures::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(b) = st.out.pop_front() {
+                return Some((Ok::<_, Infallible>(b), st));
+            }
+            if st.run.done {
+                return None;
+            }
+            st.step().await;
+        }
+    });
+    let mut res = Response::new(Body::from_stream(body));
+    let h = res.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    res
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// 24 hex digits, unique enough for request ids (no RNG crate needed: the
+/// std hasher is randomly keyed per instance).
+pub(crate) fn random_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let a = h.finish();
+    h.write_u64(a);
+    format!("{:016x}{:08x}", a, h.finish() as u32)
+}

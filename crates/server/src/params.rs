@@ -1,0 +1,558 @@
+//! Request bodies: parsed from JSON by hand, field by field, so that every
+//! wrong type or out-of-range value is a 400 naming the field (serde's
+//! derive would give one opaque message). Unknown fields are ignored.
+
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// The most top-logprob entries a request may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+/// The most stop strings a request may give.
+pub const MAX_STOP: usize = 16;
+
+/// Which endpoint a body was sent to; some fields differ between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// The fields both endpoints share, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Common {
+    pub model: Option<String>,
+    /// `None`: up to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// `0`: off (OpenAI-style clients send `-1` for off as well).
+    pub top_k: usize,
+    pub min_p: f32,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+    pub user: Option<String>,
+    /// Logprobs asked for: `Some(k)` gives the chosen token's logprob and
+    /// the `k` most likely alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// One chat message, content flattened to text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRequest {
+    pub common: Common,
+    pub messages: Vec<Message>,
+}
+
+/// One prompt of a completions request: text, or token ids as given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletionRequest {
+    pub common: Common,
+    /// One or more prompts; each gets `n` choices.
+    pub prompts: Vec<Prompt>,
+}
+
+/// Parses the raw body into a JSON object.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::invalid(
+            "The request body is empty; send a JSON object.",
+        ));
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(other) => Err(ApiError::invalid(format!(
+            "The request body must be a JSON object, got {}.",
+            type_name(&other)
+        ))),
+        Err(e) => Err(ApiError::invalid(format!(
+            "The request body is not valid JSON: {e}."
+        ))),
+    }
+}
+
+pub fn parse_chat(map: &Map<String, Value>, max_n: usize) -> Result<ChatRequest, ApiError> {
+    let f = Fields(map);
+    let messages = match map.get("messages") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::param("messages", "`messages` is required."))
+        }
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(f.wrong("messages", "an array of messages", other)),
+    };
+    if messages.is_empty() {
+        return Err(ApiError::param(
+            "messages",
+            "`messages` must hold at least one message.",
+        ));
+    }
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    // Chat takes `logprobs: bool` and `top_logprobs: int`.
+    let want = f.bool("logprobs")?.unwrap_or(false);
+    let top = f.int("top_logprobs")?;
+    let logprobs = match (want, top) {
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::param(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs` set to true.",
+            ))
+        }
+        (false, _) => None,
+        (true, None) => Some(0),
+        (true, Some(k)) => Some(top_count("top_logprobs", k)?),
+    };
+    let max_tokens = match f.int("max_completion_tokens")? {
+        Some(v) => Some(v),
+        None => f.int("max_tokens")?,
+    };
+    let param = if f
+        .0
+        .get("max_completion_tokens")
+        .is_some_and(|v| !v.is_null())
+    {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let common = common(&f, max_n, logprobs, max_tokens, param)?;
+    Ok(ChatRequest { common, messages })
+}
+
+pub fn parse_completion(
+    map: &Map<String, Value>,
+    max_n: usize,
+) -> Result<CompletionRequest, ApiError> {
+    let f = Fields(map);
+    let prompts = prompts(&f)?;
+    let logprobs = match f.int("logprobs")? {
+        None => None,
+        Some(k) => Some(top_count("logprobs", k)?),
+    };
+    // Features that would change the answer's meaning are refused rather
+    // than silently ignored.
+    if f.bool("echo")? == Some(true) {
+        return Err(ApiError::param("echo", "`echo` is not supported."));
+    }
+    if f.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::param("suffix", "`suffix` is not supported."));
+    }
+    if let Some(best_of) = f.int("best_of")? {
+        let n = f.int("n")?.unwrap_or(1);
+        if best_of != n && best_of != 1 {
+            return Err(ApiError::param(
+                "best_of",
+                "`best_of` is not supported (only equal to `n`).",
+            ));
+        }
+    }
+    let max_tokens = f.int("max_tokens")?;
+    let common = common(&f, max_n, logprobs, max_tokens, "max_tokens")?;
+    Ok(CompletionRequest { common, prompts })
+}
+
+fn common(
+    f: &Fields,
+    max_n: usize,
+    logprobs: Option<usize>,
+    max_tokens: Option<i64>,
+    max_tokens_param: &str,
+) -> Result<Common, ApiError> {
+    let model = f.str("model")?.map(str::to_string);
+    let max_tokens = match max_tokens {
+        None => None,
+        Some(v) if v < 1 => {
+            return Err(ApiError::param(
+                max_tokens_param,
+                format!("`{max_tokens_param}` must be at least 1, got {v}."),
+            ))
+        }
+        Some(v) => Some(usize::try_from(v).unwrap_or(usize::MAX)),
+    };
+    let temperature = f.range("temperature", 0.0, 2.0)?.unwrap_or(1.0);
+    let top_p = f.num("top_p")?;
+    if let Some(p) = top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::param(
+                "top_p",
+                format!("`top_p` must be in (0, 1], got {p}."),
+            ));
+        }
+    }
+    let top_k = match f.int("top_k")? {
+        None => 0,
+        Some(k) if k < -1 => {
+            return Err(ApiError::param(
+                "top_k",
+                format!("`top_k` must be -1 or 0 (off) or positive, got {k}."),
+            ))
+        }
+        Some(k) => usize::try_from(k.max(0)).unwrap_or(usize::MAX),
+    };
+    let min_p = f.range("min_p", 0.0, 1.0)?.unwrap_or(0.0);
+    let seed = match f.0.get("seed") {
+        None | Some(Value::Null) => None,
+        // Negative seeds are fine: only the bits matter.
+        Some(Value::Number(n)) if n.is_u64() => n.as_u64(),
+        Some(Value::Number(n)) if n.is_i64() => n.as_i64().map(|v| v as u64),
+        Some(other) => return Err(f.wrong("seed", "an integer", other)),
+    };
+    let stop = stops(f)?;
+    let presence_penalty = f.range("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0);
+    let frequency_penalty = f.range("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0);
+    let repetition_penalty = match f.num("repetition_penalty")? {
+        None => 1.0,
+        Some(r) if r > 0.0 && r.is_finite() => r,
+        Some(r) => {
+            return Err(ApiError::param(
+                "repetition_penalty",
+                format!("`repetition_penalty` must be above 0, got {r}."),
+            ))
+        }
+    };
+    let n = match f.int("n")? {
+        None => 1,
+        Some(n) if n < 1 => {
+            return Err(ApiError::param(
+                "n",
+                format!("`n` must be at least 1, got {n}."),
+            ))
+        }
+        Some(n) if n as u64 > max_n as u64 => {
+            return Err(ApiError::param(
+                "n",
+                format!("`n` must be at most {max_n}, got {n}."),
+            ))
+        }
+        Some(n) => n as usize,
+    };
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.0.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => Fields(o).bool("include_usage")?.unwrap_or(false),
+        Some(other) => return Err(f.wrong("stream_options", "an object", other)),
+    };
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let user = f.str("user")?.map(str::to_string);
+    if let Some(bias) = f.0.get("logit_bias") {
+        match bias {
+            Value::Null => {}
+            Value::Object(o) if o.is_empty() => {}
+            Value::Object(_) => {
+                return Err(ApiError::param(
+                    "logit_bias",
+                    "`logit_bias` is not supported.",
+                ))
+            }
+            other => return Err(f.wrong("logit_bias", "an object", other)),
+        }
+    }
+    Ok(Common {
+        model,
+        max_tokens,
+        temperature: temperature as f32,
+        top_p: top_p.unwrap_or(1.0) as f32,
+        top_k,
+        min_p: min_p as f32,
+        seed,
+        stop,
+        presence_penalty: presence_penalty as f32,
+        frequency_penalty: frequency_penalty as f32,
+        repetition_penalty: repetition_penalty as f32,
+        n,
+        stream,
+        include_usage,
+        ignore_eos,
+        user,
+        logprobs,
+    })
+}
+
+fn top_count(param: &str, k: i64) -> Result<usize, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS as i64).contains(&k) {
+        return Err(ApiError::param(
+            param,
+            format!("`{param}` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+        ));
+    }
+    Ok(k as usize)
+}
+
+fn stops(f: &Fields) -> Result<Vec<String>, ApiError> {
+    let list = match f.0.get("stop") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s) => out.push(s.clone()),
+                    other => return Err(f.wrong(&format!("stop[{i}]"), "a string", other)),
+                }
+            }
+            out
+        }
+        Some(other) => return Err(f.wrong("stop", "a string or an array of strings", other)),
+    };
+    if list.len() > MAX_STOP {
+        return Err(ApiError::param(
+            "stop",
+            format!(
+                "`stop` may hold at most {MAX_STOP} strings, got {}.",
+                list.len()
+            ),
+        ));
+    }
+    // An empty stop string would end every stream at once; OpenAI ignores it.
+    Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
+    let empty = || ApiError::param("prompt", "`prompt` must not be empty.");
+    let value = match f.0.get("prompt") {
+        None | Some(Value::Null) => return Err(ApiError::param("prompt", "`prompt` is required.")),
+        Some(v) => v,
+    };
+    let out = match value {
+        Value::String(s) => vec![Prompt::Text(s.clone())],
+        Value::Array(items) if items.is_empty() => return Err(empty()),
+        // An array of numbers is one prompt of token ids.
+        Value::Array(items) if items[0].is_number() => {
+            vec![Prompt::Tokens(token_ids("prompt", items)?)]
+        }
+        Value::Array(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                let param = format!("prompt[{i}]");
+                match item {
+                    Value::String(s) => out.push(Prompt::Text(s.clone())),
+                    Value::Array(ids) => out.push(Prompt::Tokens(token_ids(&param, ids)?)),
+                    other => {
+                        return Err(f.wrong(&param, "a string or an array of token ids", other));
+                    }
+                }
+            }
+            out
+        }
+        other => {
+            return Err(f.wrong(
+                "prompt",
+                "a string, an array of strings, or token ids",
+                other,
+            ))
+        }
+    };
+    for p in &out {
+        let is_empty = match p {
+            Prompt::Text(s) => s.is_empty(),
+            Prompt::Tokens(t) => t.is_empty(),
+        };
+        if is_empty {
+            return Err(empty());
+        }
+    }
+    Ok(out)
+}
+
+fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| {
+                    ApiError::param(
+                        param,
+                        format!(
+                            "`{param}[{i}]` must be a token id (a non-negative integer), got {v}."
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
+    let param = format!("messages[{i}]");
+    let Value::Object(o) = m else {
+        return Err(Fields::wrong_at(
+            &param,
+            "an object with `role` and `content`",
+            m,
+        ));
+    };
+    let role = match o.get("role") {
+        Some(Value::String(r)) if !r.is_empty() => r.clone(),
+        None | Some(Value::Null) => {
+            return Err(ApiError::param(
+                &format!("{param}.role"),
+                format!("`{param}.role` is required."),
+            ))
+        }
+        Some(other) => {
+            return Err(Fields::wrong_at(
+                &format!("{param}.role"),
+                "a non-empty string",
+                other,
+            ))
+        }
+    };
+    let content = match o.get("content") {
+        // Assistant turns that only carried tool calls have no content.
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let at = format!("{param}.content[{j}]");
+                let Value::Object(p) = part else {
+                    return Err(Fields::wrong_at(&at, "a content part object", part));
+                };
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text"), _) => {
+                        return Err(ApiError::param(
+                            &at,
+                            format!("`{at}.text` must be a string."),
+                        ));
+                    }
+                    (Some(other), _) => {
+                        return Err(ApiError::param(
+                            &at,
+                            format!(
+                                "Content parts of type `{other}` are not supported; only `text`."
+                            ),
+                        ))
+                    }
+                    (None, _) => {
+                        return Err(ApiError::param(&at, format!("`{at}.type` is required.")))
+                    }
+                }
+            }
+            text
+        }
+        Some(other) => {
+            return Err(Fields::wrong_at(
+                &format!("{param}.content"),
+                "a string or an array of content parts",
+                other,
+            ))
+        }
+    };
+    Ok(Message { role, content })
+}
+
+/// Typed access to a body's fields; `null` counts as absent.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn wrong(&self, param: &str, want: &str, got: &Value) -> ApiError {
+        Fields::wrong_at(param, want, got)
+    }
+
+    fn wrong_at(param: &str, want: &str, got: &Value) -> ApiError {
+        ApiError::param(
+            param,
+            format!("`{param}` must be {want}, got {}.", type_name(got)),
+        )
+    }
+
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn num(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(other) => Err(self.wrong(name, "a number", other)),
+        }
+    }
+
+    /// A number in `lo..=hi`.
+    fn range(&self, name: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.num(name)? {
+            Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::param(
+                name,
+                format!("`{name}` must be between {lo} and {hi}, got {v}."),
+            )),
+            v => Ok(v),
+        }
+    }
+
+    fn int(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Number(n)) => match (n.as_i64(), n.as_u64()) {
+                (Some(v), _) => Ok(Some(v)),
+                // Above i64::MAX: still an integer, just a huge one.
+                (None, Some(_)) => Ok(Some(i64::MAX)),
+                _ => Err(ApiError::param(
+                    name,
+                    format!("`{name}` must be an integer, got {n}."),
+                )),
+            },
+            Some(other) => Err(self.wrong(name, "an integer", other)),
+        }
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(self.wrong(name, "a boolean", other)),
+        }
+    }
+
+    fn str(&self, name: &str) -> Result<Option<&str>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(self.wrong(name, "a string", other)),
+        }
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}

@@ -1,0 +1,193 @@
+//! A fake lane for testing the HTTP layer without a model: a byte-level
+//! tokenizer (one token per byte) and a generator that "writes" a fixed
+//! text one byte per tick, with a bounded queue and a running limit like
+//! the real lane's.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use braid_formats::template::ChatTemplate;
+use braid_formats::tokenizer::{GgufTokenizerSpec, Tokenizer};
+use braid_server::{
+    Finish, GenEvent, GenRequest, Generator, LaneNumbers, ModelInfo, Refusal, Sink, Ticket,
+};
+
+/// What every fake stream writes, cut at `max_tokens` (then "length"); the
+/// whole of it ends with "stop".
+pub const REPLY: &str = "Hello from the fake lane.";
+pub const EOS: u32 = 256;
+
+/// GPT-2's byte-to-character map: printable bytes stand for themselves,
+/// the rest move to U+0100 and up.
+fn byte_char(b: u8) -> char {
+    let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    if printable {
+        return b as char;
+    }
+    let shift = (0..b)
+        .filter(|&x| {
+            !((33..=126).contains(&x) || (161..=172).contains(&x) || (174..=255).contains(&x))
+        })
+        .count();
+    char::from_u32(256 + shift as u32).unwrap()
+}
+
+pub fn tokenizer() -> Tokenizer {
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
+    tokens.push("<|endoftext|>".into());
+    let mut types = vec![1; 256];
+    types.push(3);
+    Tokenizer::from_spec(GgufTokenizerSpec {
+        model: "gpt2".into(),
+        tokens,
+        token_types: Some(types),
+        merges: Some(Vec::new()),
+        eos: Some(EOS),
+        add_bos: Some(false),
+        ..GgufTokenizerSpec::default()
+    })
+    .expect("byte tokenizer")
+}
+
+pub fn model_info(with_template: bool, context: usize) -> ModelInfo {
+    let template = with_template.then(|| {
+        ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+            "",
+            "<|endoftext|>",
+        )
+        .expect("template")
+    });
+    ModelInfo {
+        tokenizer: Arc::new(tokenizer()),
+        template,
+        context,
+        stop_ids: vec![EOS],
+    }
+}
+
+#[derive(Default)]
+struct State {
+    queued: usize,
+    running: usize,
+}
+
+pub struct FakeLane {
+    pub max_running: usize,
+    pub queue: usize,
+    pub tick: Duration,
+    state: Arc<(Mutex<State>, Condvar)>,
+    pub cancelled: Arc<AtomicU64>,
+    /// Every request submitted, in order.
+    pub seen: Mutex<Vec<GenRequest>>,
+}
+
+impl FakeLane {
+    pub fn new(max_running: usize, queue: usize, tick: Duration) -> Arc<FakeLane> {
+        Arc::new(FakeLane {
+            max_running,
+            queue,
+            tick,
+            state: Arc::default(),
+            cancelled: Arc::default(),
+            seen: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn queued(&self) -> usize {
+        self.state.0.lock().unwrap().queued
+    }
+
+    pub fn running(&self) -> usize {
+        self.state.0.lock().unwrap().running
+    }
+}
+
+impl Generator for FakeLane {
+    fn submit(&self, req: GenRequest, sink: Sink) -> Result<Ticket, Refusal> {
+        {
+            let mut s = self.state.0.lock().unwrap();
+            if s.running >= self.max_running && s.queued >= self.queue {
+                return Err(Refusal::Overloaded("the queue is full".into()));
+            }
+            s.queued += 1;
+        }
+        self.seen.lock().unwrap().push(req.clone());
+        let state = self.state.clone();
+        let cancelled = self.cancelled.clone();
+        let (max_running, tick) = (self.max_running, self.tick);
+        std::thread::spawn(move || {
+            let (lock, cv) = &*state;
+            // Wait for a running slot; leave the queue if the client left.
+            {
+                let mut s = lock.lock().unwrap();
+                sink.send(GenEvent::Queued {
+                    position: s.queued - 1,
+                });
+                while s.running >= max_running {
+                    if sink.is_closed() {
+                        s.queued -= 1;
+                        cancelled.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    s = cv.wait_timeout(s, Duration::from_millis(5)).unwrap().0;
+                }
+                s.queued -= 1;
+                s.running += 1;
+            }
+            let leave = || {
+                lock.lock().unwrap().running -= 1;
+                cv.notify_all();
+            };
+            sink.send(GenEvent::Started { cached_tokens: 0 });
+            let bytes = REPLY.as_bytes();
+            let mut n = 0;
+            let reason = loop {
+                if n == req.max_tokens {
+                    break Finish::Length;
+                }
+                if n == bytes.len() {
+                    break Finish::Stop;
+                }
+                std::thread::sleep(tick);
+                let b = bytes[n];
+                let ev = GenEvent::Token {
+                    id: b as u32,
+                    text: (b as char).to_string(),
+                    logprob: req.logprobs.map(|_| -0.25),
+                    top: vec![(b as u32, -0.25), (b'?' as u32, -2.0), (EOS, -3.0)],
+                };
+                if !sink.send(ev) {
+                    cancelled.fetch_add(1, Ordering::Relaxed);
+                    leave();
+                    return;
+                }
+                n += 1;
+            };
+            leave();
+            sink.send(GenEvent::Finished {
+                reason,
+                text: String::new(),
+                prompt_tokens: req.prompt.len(),
+                completion_tokens: n,
+                cached_tokens: 0,
+            });
+        });
+        Ok(Ticket::default())
+    }
+
+    fn numbers(&self) -> LaneNumbers {
+        let s = self.state.0.lock().unwrap();
+        LaneNumbers {
+            queued: s.queued,
+            running: s.running,
+            fill_used: s.running,
+            fill_total: self.max_running,
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            ..LaneNumbers::default()
+        }
+    }
+
+    fn shutdown(&self) {}
+}

@@ -3,5 +3,10 @@
 //! against recording fake backends.
 
 pub mod backend;
+pub mod rng;
+pub mod sampling;
+pub mod stop;
 
 pub use backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
+pub use sampling::{Sampled, Sampler, SamplingParams};
+pub use stop::{StopRules, TextStops, TokenText};

@@ -1,0 +1,579 @@
+//! Token sampling: penalties, temperature, top-k / top-p / min-p, a seeded
+//! RNG per stream, and logprobs.
+//!
+//! Built for large vocabularies (262k rows): greedy is one argmax pass;
+//! plain temperature sampling is two linear passes; top-k selects its
+//! candidates without sorting the vocabulary; top-p alone grows a partial
+//! selection until it holds the nucleus, so no token pays for a full sort.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::rng::Rng;
+
+/// How a stream picks its tokens. The defaults sample the model's own
+/// distribution (temperature 1, no filters, no penalties).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` (or less) means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; `0` keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`;
+    /// `1` keeps all.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely; `0` keeps all.
+    pub min_p: f32,
+    /// llama.cpp's repetition penalty over the last `repetition_window`
+    /// tokens of prompt + completion: a positive logit is divided by it, a
+    /// negative one multiplied. `1` is off.
+    pub repetition_penalty: f32,
+    /// How many recent tokens (prompt + completion) the repetition penalty
+    /// sees; `0` means all of them.
+    pub repetition_window: usize,
+    /// OpenAI's presence penalty: subtracted once from every token the
+    /// completion already holds.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted once per occurrence in the
+    /// completion.
+    pub frequency_penalty: f32,
+    /// Seed of the stream's RNG; the same seed gives the same tokens. `None`
+    /// draws a fresh seed.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repetition_window: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Always the most likely token.
+    pub fn greedy() -> SamplingParams {
+        SamplingParams { temperature: 0.0, ..SamplingParams::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    /// Check the values are usable; the error says which one is not.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.temperature.is_finite() {
+            return Err(format!("temperature must be a finite number, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!("repetition_penalty must be positive, got {}", self.repetition_penalty));
+        }
+        if !self.presence_penalty.is_finite() {
+            return Err(format!("presence_penalty must be finite, got {}", self.presence_penalty));
+        }
+        if !self.frequency_penalty.is_finite() {
+            return Err(format!("frequency_penalty must be finite, got {}", self.frequency_penalty));
+        }
+        Ok(())
+    }
+}
+
+/// One sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// Log-probability of `token` under the raw logits (log-softmax before
+    /// penalties, temperature and filters), when logprobs were asked for.
+    pub logprob: Option<f32>,
+    /// The `n` most likely tokens under the raw logits, with their
+    /// log-probabilities, most likely first (empty unless asked for).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One stream's sampler: its parameters, RNG and token history.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    /// The last `repetition_window` tokens of prompt + completion, and how
+    /// often each occurs in them.
+    window: VecDeque<u32>,
+    window_counts: HashMap<u32, u32>,
+    /// How often each token occurs in the completion.
+    completion_counts: HashMap<u32, u32>,
+}
+
+/// NaN logits (a broken model) are treated as impossible tokens rather than
+/// poisoning comparisons.
+fn key(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        x
+    }
+}
+
+/// Index of the largest logit (the first one on ties); 0 for an empty or
+/// all-NaN row.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `n` largest logits with their indices, largest first. Small `n` keeps
+/// a short sorted list and scans once; large `n` partitions an index array
+/// (`select_nth_unstable`) and sorts only the selected part.
+pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let n = n.min(logits.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    let desc = |a: &(u32, f32), b: &(u32, f32)| key(b.1).total_cmp(&key(a.1)).then(a.0.cmp(&b.0));
+    if n <= 64 {
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+        for (i, &v) in logits.iter().enumerate() {
+            let v = key(v);
+            if best.len() == n && v <= best[n - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| b >= v);
+            best.insert(at, (i as u32, v));
+            best.truncate(n);
+        }
+        best
+    } else {
+        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, key(v))).collect();
+        if n < all.len() {
+            all.select_nth_unstable_by(n - 1, desc);
+            all.truncate(n);
+        }
+        all.sort_unstable_by(desc);
+        all
+    }
+}
+
+/// `log(sum(exp(x)))` over a row, stably.
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(key(x)));
+    if max == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY;
+    }
+    let sum: f64 = logits.iter().map(|&x| ((key(x) - max) as f64).exp()).sum();
+    max + sum.ln() as f32
+}
+
+impl Sampler {
+    /// A sampler for a stream whose prompt is `prompt` (the repetition
+    /// penalty sees its tail).
+    pub fn new(params: &SamplingParams, prompt: &[u32]) -> Sampler {
+        let seed = params.seed.unwrap_or_else(Rng::fresh_seed);
+        let mut s =
+            Sampler { params: params.clone(), rng: Rng::new(seed), window: VecDeque::new(), window_counts: HashMap::new(), completion_counts: HashMap::new() };
+        let from = match s.params.repetition_window {
+            0 => 0,
+            w => prompt.len().saturating_sub(w),
+        };
+        for &t in &prompt[from..] {
+            s.push_window(t);
+        }
+        s
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    fn push_window(&mut self, token: u32) {
+        self.window.push_back(token);
+        *self.window_counts.entry(token).or_insert(0) += 1;
+        let w = self.params.repetition_window;
+        if w > 0 && self.window.len() > w {
+            if let Some(old) = self.window.pop_front() {
+                if let Some(c) = self.window_counts.get_mut(&old) {
+                    *c -= 1;
+                    if *c == 0 {
+                        self.window_counts.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Record `token` as the completion's newest token (for penalties).
+    pub fn accept(&mut self, token: u32) {
+        self.push_window(token);
+        *self.completion_counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// Apply repetition / presence / frequency penalties in place; only the
+    /// logits of tokens in the history change.
+    pub fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for &t in self.window_counts.keys() {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.completion_counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + c as f32 * p.frequency_penalty;
+                }
+            }
+        }
+    }
+
+    /// Pick the next token from one logits row (the row is used as scratch
+    /// and left penalised). `logprobs` asks for the chosen token's
+    /// log-probability and the `n` most likely alternatives. Does not
+    /// record the token: call [`Sampler::accept`] for a token that is kept.
+    /// Non-greedy sampling draws exactly one random number per call.
+    pub fn sample(&mut self, logits: &mut [f32], logprobs: Option<usize>) -> Sampled {
+        if logits.is_empty() {
+            return Sampled { token: 0, logprob: None, top: Vec::new() };
+        }
+        // Logprobs describe the model's own distribution, so they are read
+        // off the raw row before anything below changes it.
+        let raw = logprobs.map(|n| (log_sum_exp(logits), top_n(logits, n), logits.to_vec()));
+        self.apply_penalties(logits);
+        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        match raw {
+            None => Sampled { token, logprob: None, top: Vec::new() },
+            Some((lse, top, row)) => {
+                Sampled { token, logprob: Some(key(row[token as usize]) - lse), top: top.into_iter().map(|(t, l)| (t, l - lse)).collect() }
+            }
+        }
+    }
+
+    /// Temperature, then top-k, top-p and min-p, then one draw.
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature as f64;
+        let v = logits.len();
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(key(x)));
+        if max == f32::NEG_INFINITY {
+            return argmax(logits);
+        }
+        let weight = |l: f32| ((key(l) - max) as f64 * inv_t).exp();
+
+        // Candidates, most likely first, when some filter narrows the set.
+        let mut cands: Option<Vec<(u32, f32)>> = None;
+        if p.top_k > 0 && p.top_k < v {
+            cands = Some(top_n(logits, p.top_k));
+        } else if p.top_p < 1.0 {
+            // Nucleus over the whole vocabulary: grow a sorted head until
+            // it holds `top_p` of the mass.
+            let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+            let mut m = 64usize.min(v);
+            loop {
+                let head = top_n(logits, m);
+                let mut cum = 0.0;
+                let mut cut = None;
+                for (i, &(_, l)) in head.iter().enumerate() {
+                    cum += weight(l);
+                    if cum >= p.top_p as f64 * total {
+                        cut = Some(i + 1);
+                        break;
+                    }
+                }
+                if let Some(c) = cut {
+                    cands = Some(head[..c].to_vec());
+                    break;
+                }
+                if m == v {
+                    cands = Some(head);
+                    break;
+                }
+                m = (m * 4).min(v);
+            }
+        }
+        if let Some(c) = cands.as_mut() {
+            if p.top_k > 0 && p.top_p < 1.0 {
+                // top-p among the top-k survivors, renormalised.
+                let total: f64 = c.iter().map(|&(_, l)| weight(l)).sum();
+                let mut cum = 0.0;
+                let mut keep = c.len();
+                for (i, &(_, l)) in c.iter().enumerate() {
+                    cum += weight(l);
+                    if cum >= p.top_p as f64 * total {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+                c.truncate(keep);
+            }
+        }
+        if p.min_p > 0.0 {
+            // p_i / p_max >= min_p  <=>  (l_i - l_max) / T >= ln(min_p)
+            let floor = max as f64 + (p.min_p as f64).ln() * p.temperature as f64;
+            match cands.as_mut() {
+                Some(c) => c.retain(|&(_, l)| key(l) as f64 >= floor),
+                None => cands = Some(logits.iter().enumerate().filter(|&(_, &l)| key(l) as f64 >= floor).map(|(i, &l)| (i as u32, l)).collect()),
+            }
+        }
+
+        let u = self.rng.next_f64();
+        match cands {
+            Some(c) if !c.is_empty() => {
+                let total: f64 = c.iter().map(|&(_, l)| weight(l)).sum();
+                let target = u * total;
+                let mut cum = 0.0;
+                for &(t, l) in &c {
+                    cum += weight(l);
+                    if cum > target {
+                        return t;
+                    }
+                }
+                c[c.len() - 1].0
+            }
+            Some(_) => argmax(logits),
+            None => {
+                let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+                let target = u * total;
+                let mut cum = 0.0;
+                let mut last = 0;
+                for (i, &l) in logits.iter().enumerate() {
+                    let w = weight(l);
+                    if w > 0.0 {
+                        cum += w;
+                        last = i;
+                        if cum > target {
+                            return i as u32;
+                        }
+                    }
+                }
+                last as u32
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// Logits whose softmax is exactly `probs`.
+    fn from_probs(probs: &[f64]) -> Vec<f32> {
+        probs.iter().map(|&p| p.ln() as f32).collect()
+    }
+
+    fn support(params: SamplingParams, logits: &[f32], draws: usize) -> HashSet<u32> {
+        let mut s = Sampler::new(&SamplingParams { seed: Some(7), ..params }, &[]);
+        (0..draws).map(|_| s.sample(&mut logits.to_vec(), None).token).collect()
+    }
+
+    fn pseudo_logits(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = Rng::new(seed);
+        (0..n).map(|_| (r.next_f64() * 12.0 - 6.0) as f32).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax_and_needs_no_seed() {
+        for seed in 0..20 {
+            let logits = pseudo_logits(1000, seed);
+            let (best, _) = logits.iter().enumerate().fold((0, f32::MIN), |a, (i, &v)| if v > a.1 { (i, v) } else { a });
+            let mut s = Sampler::new(&SamplingParams::greedy(), &[]);
+            assert_eq!(s.sample(&mut logits.clone(), None).token, best as u32);
+        }
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_other_tokens() {
+        let logits = pseudo_logits(500, 1);
+        let run = |seed| {
+            let mut s = Sampler::new(&SamplingParams { seed: Some(seed), temperature: 1.5, ..Default::default() }, &[1, 2, 3]);
+            (0..64)
+                .map(|_| {
+                    let t = s.sample(&mut logits.clone(), None).token;
+                    s.accept(t);
+                    t
+                })
+                .collect::<Vec<u32>>()
+        };
+        assert_eq!(run(11), run(11));
+        assert_ne!(run(11), run(12));
+    }
+
+    #[test]
+    fn temperature_sampling_follows_the_softmax() {
+        let probs = [0.5, 0.3, 0.15, 0.05];
+        let logits = from_probs(&probs);
+        let mut s = Sampler::new(&SamplingParams { seed: Some(3), ..Default::default() }, &[]);
+        let mut counts = [0usize; 4];
+        let n = 20_000;
+        for _ in 0..n {
+            counts[s.sample(&mut logits.clone(), None).token as usize] += 1;
+        }
+        for (c, p) in counts.iter().zip(probs) {
+            let f = *c as f64 / n as f64;
+            assert!((f - p).abs() < 0.015, "frequency {f} for probability {p}");
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_the_support_to_the_k_best() {
+        let logits = pseudo_logits(5000, 2);
+        let mut order: Vec<u32> = (0..5000).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        let best3: HashSet<u32> = order[..3].iter().copied().collect();
+        // A high temperature flattens the distribution so all three show up.
+        let got = support(SamplingParams { top_k: 3, temperature: 5.0, ..Default::default() }, &logits, 2000);
+        assert_eq!(got, best3);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        let logits = from_probs(&[0.05, 0.5, 0.15, 0.3]);
+        let got = support(SamplingParams { top_p: 0.7, ..Default::default() }, &logits, 2000);
+        assert_eq!(got, HashSet::from([1, 3]));
+        let got = support(SamplingParams { top_p: 0.9, ..Default::default() }, &logits, 2000);
+        assert_eq!(got, HashSet::from([1, 3, 2]));
+    }
+
+    #[test]
+    fn top_p_over_a_large_vocabulary_matches_a_full_sort() {
+        let v = 262_144;
+        let logits = pseudo_logits(v, 9);
+        let mut order: Vec<u32> = (0..v as u32).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        let max = logits[order[0] as usize] as f64;
+        let w: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut cum = 0.0;
+        let mut nucleus = HashSet::new();
+        for &t in &order {
+            nucleus.insert(t);
+            cum += w[t as usize];
+            if cum >= 0.2 * total {
+                break;
+            }
+        }
+        let got = support(SamplingParams { top_p: 0.2, ..Default::default() }, &logits, 300);
+        assert!(nucleus.len() > 64, "the nucleus should need more than one growth step");
+        assert!(got.is_subset(&nucleus), "sampled outside the nucleus");
+        assert!(got.len() > 10);
+    }
+
+    #[test]
+    fn top_k_then_top_p_renormalises_over_the_survivors() {
+        // Top-2 leaves {1: 0.5, 3: 0.3}; renormalised 0.625 / 0.375, so
+        // top_p 0.6 keeps only token 1.
+        let logits = from_probs(&[0.05, 0.5, 0.15, 0.3]);
+        let got = support(SamplingParams { top_k: 2, top_p: 0.6, ..Default::default() }, &logits, 500);
+        assert_eq!(got, HashSet::from([1]));
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_a_fraction_of_the_best() {
+        let logits = from_probs(&[0.5, 0.3, 0.15, 0.05]);
+        // 0.25 * 0.5 = 0.125: tokens 0, 1, 2 stay.
+        let got = support(SamplingParams { min_p: 0.25, ..Default::default() }, &logits, 3000);
+        assert_eq!(got, HashSet::from([0, 1, 2]));
+        // 0.7 * 0.5 = 0.35: only token 0 stays.
+        let got = support(SamplingParams { min_p: 0.7, ..Default::default() }, &logits, 500);
+        assert_eq!(got, HashSet::from([0]));
+    }
+
+    #[test]
+    fn repetition_penalty_touches_only_the_window() {
+        let params = SamplingParams { repetition_penalty: 2.0, repetition_window: 3, ..Default::default() };
+        // Prompt tail within the window: 2, 3, 4 (token 1 falls outside).
+        let s = Sampler::new(&params, &[1, 2, 3, 4]);
+        let mut l = vec![1.0, 1.0, -1.0, 4.0, 0.5, 1.0];
+        s.apply_penalties(&mut l);
+        assert_eq!(l, vec![1.0, 1.0, -2.0, 2.0, 0.25, 1.0]);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_see_only_the_completion() {
+        let params = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        let mut s = Sampler::new(&params, &[0, 1, 2]);
+        s.accept(2);
+        s.accept(2);
+        s.accept(3);
+        let mut l = vec![0.0; 5];
+        s.apply_penalties(&mut l);
+        // Token 2: 0.5 + 2 * 0.25; token 3: 0.5 + 0.25; prompt tokens 0, 1 untouched.
+        assert_eq!(l, vec![0.0, 0.0, -1.0, -0.75, 0.0]);
+    }
+
+    #[test]
+    fn penalties_steer_greedy_away_from_repeats() {
+        let mut s = Sampler::new(&SamplingParams { repetition_penalty: 4.0, ..SamplingParams::greedy() }, &[0]);
+        let logits = vec![3.0, 2.0, 1.0];
+        assert_eq!(s.sample(&mut logits.clone(), None).token, 1);
+    }
+
+    #[test]
+    fn logprobs_are_the_raw_log_softmax() {
+        let logits = pseudo_logits(300, 5);
+        let lse = logits.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        let mut s = Sampler::new(&SamplingParams { seed: Some(1), temperature: 0.7, repetition_penalty: 1.5, ..Default::default() }, &[5, 6, 7]);
+        let out = s.sample(&mut logits.clone(), Some(5));
+        let want = logits[out.token as usize] as f64 - lse;
+        assert!((out.logprob.unwrap() as f64 - want).abs() < 1e-4);
+        assert_eq!(out.top.len(), 5);
+        let mut order: Vec<usize> = (0..300).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        for (i, &(t, lp)) in out.top.iter().enumerate() {
+            assert_eq!(t as usize, order[i]);
+            assert!((lp as f64 - (logits[order[i]] as f64 - lse)).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn top_n_agrees_with_sorting_for_small_and_large_n() {
+        let logits = pseudo_logits(4000, 4);
+        let mut order: Vec<u32> = (0..4000).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        for n in [1, 7, 64, 65, 500, 4000, 5000] {
+            let got: Vec<u32> = top_n(&logits, n).into_iter().map(|(t, _)| t).collect();
+            assert_eq!(got, order[..n.min(4000)].to_vec(), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn nan_logits_do_not_win_or_panic() {
+        let mut s = Sampler::new(&SamplingParams::greedy(), &[]);
+        assert_eq!(s.sample(&mut [f32::NAN, 1.0, f32::NAN], None).token, 1);
+        let mut s = Sampler::new(&SamplingParams { seed: Some(1), top_k: 2, ..Default::default() }, &[]);
+        for _ in 0..50 {
+            let t = s.sample(&mut [f32::NAN, 1.0, 0.5, f32::NAN], None).token;
+            assert!(t == 1 || t == 2);
+        }
+        let mut s = Sampler::new(&SamplingParams { seed: Some(1), ..Default::default() }, &[]);
+        s.sample(&mut [f32::NAN; 4], Some(2));
+    }
+
+    #[test]
+    fn bad_parameters_are_named() {
+        let e = SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err();
+        assert!(e.contains("top_p"));
+        let e = SamplingParams { repetition_penalty: -1.0, ..Default::default() }.validate().unwrap_err();
+        assert!(e.contains("repetition_penalty"));
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

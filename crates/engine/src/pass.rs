@@ -1,0 +1,243 @@
+//! Prompt passes: cut planning and the one chunk body that both the whole
+//! pass and the stepped pass run.
+//!
+//! Cuts are a pure function of the pass's fixed inputs and the current
+//! position, so a pass run back to back, one chunk per round, or cancelled
+//! and resumed, cuts at the same places and hands the backend the same rows.
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Result};
+
+use crate::backend::{Backend, Chunk, MarkId, StreamId};
+use crate::drafter::Drafter;
+
+/// The fixed inputs that decide a pass's cuts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CutPlan {
+    /// Rows in the prompt.
+    pub prompt_len: usize,
+    /// The prompt chunk cap: cuts fall every `chunk_tokens` rows counted
+    /// from `planned_start`.
+    pub chunk_tokens: usize,
+    /// Where the pass begins (after a restored prefix; 0 without one).
+    pub planned_start: usize,
+    /// Positions where a mark is to be kept, ascending; a chunk must end at
+    /// each of them.
+    pub marks: Vec<usize>,
+    /// Per-step row cap, for fairness.
+    pub max_rows: Option<usize>,
+    /// The backend's results do not depend on chunking; only then does
+    /// `max_rows` apply.
+    pub chunk_invariant: bool,
+}
+
+impl CutPlan {
+    /// Where the chunk starting at `pos` ends. See [`chunk_end`].
+    pub fn chunk_end(&self, pos: usize) -> usize {
+        chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, self.max_rows, self.chunk_invariant)
+    }
+
+    /// Every cut of the pass from `from` on, in order (for tests and tools).
+    pub fn cuts_from(&self, from: usize) -> Vec<usize> {
+        let mut cuts = Vec::new();
+        let mut pos = from;
+        while pos < self.prompt_len {
+            pos = self.chunk_end(pos);
+            cuts.push(pos);
+        }
+        cuts
+    }
+}
+
+/// The scheduling policy's one place for cuts: the end of the chunk that
+/// starts at `pos`, the nearest of
+/// * the prompt end,
+/// * the next multiple of `chunk_tokens` past `planned_start` (the grid is
+///   anchored at the planned start, so a capped or resumed pass stays on it),
+/// * the next kept mark after `pos`,
+/// * `pos + max_rows`, only when the backend is `chunk_invariant` (a backend
+///   that is not keeps the whole pass's cuts, always).
+///
+/// Always returns more than `pos` while `pos < prompt_len`.
+pub fn chunk_end(
+    pos: usize,
+    prompt_len: usize,
+    chunk_tokens: usize,
+    planned_start: usize,
+    marks: &[usize],
+    max_rows: Option<usize>,
+    chunk_invariant: bool,
+) -> usize {
+    if pos >= prompt_len {
+        return prompt_len;
+    }
+    let chunk = chunk_tokens.max(1);
+    let mut end = prompt_len;
+    let grid = if pos < planned_start { planned_start } else { planned_start + ((pos - planned_start) / chunk + 1) * chunk };
+    end = end.min(grid);
+    if let Some(&m) = marks.iter().find(|&&m| m > pos) {
+        end = end.min(m);
+    }
+    if chunk_invariant {
+        if let Some(cap) = max_rows {
+            end = end.min(pos + cap.max(1));
+        }
+    }
+    end
+}
+
+/// What one chunk did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutcome {
+    pub start: usize,
+    pub end: usize,
+    /// The last row's logits, on the pass's last chunk when asked for.
+    pub logits: Option<Vec<f32>>,
+    /// A mark kept at `end`, if `end` is one of the plan's marks.
+    pub mark: Option<MarkId>,
+    /// The pass is complete.
+    pub done: bool,
+}
+
+/// One stream's prompt pass in progress.
+#[derive(Clone, Debug)]
+pub struct Pass {
+    stream: StreamId,
+    prompt: Arc<[u32]>,
+    plan: CutPlan,
+    pos: usize,
+    want_logits: bool,
+}
+
+impl Pass {
+    /// A pass over `prompt` whose state already holds `plan.planned_start`
+    /// rows. `want_logits`: return the last row's logits at the end.
+    pub fn new(stream: StreamId, prompt: Arc<[u32]>, plan: CutPlan, want_logits: bool) -> Pass {
+        let pos = plan.planned_start.min(prompt.len());
+        Pass { stream, prompt, plan, pos, want_logits }
+    }
+
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    pub fn plan(&self) -> &CutPlan {
+        &self.plan
+    }
+
+    pub fn prompt(&self) -> &Arc<[u32]> {
+        &self.prompt
+    }
+
+    /// Rows run so far (the stream's state length).
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    pub fn done(&self) -> bool {
+        self.pos >= self.prompt.len()
+    }
+
+    /// The chunk the next step will run.
+    pub fn next_chunk(&self) -> (usize, usize) {
+        (self.pos, self.plan.chunk_end(self.pos))
+    }
+
+    /// The chunk body: run the next chunk, let the drafter absorb its
+    /// features, then keep a mark if the chunk ends on one (only after
+    /// every consumer has absorbed the chunk). On error the position stays
+    /// where it was.
+    pub fn step(&mut self, backend: &mut dyn Backend, drafter: Option<&mut (dyn Drafter + '_)>) -> Result<StepOutcome> {
+        ensure!(!self.done(), "the prompt pass of stream {} is already complete", self.stream);
+        let (start, end) = self.next_chunk();
+        let last = end == self.prompt.len();
+        let chunk = Chunk { start, tokens: &self.prompt[start..end], want_logits: last && self.want_logits };
+        let logits = backend.prefill_step(self.stream, chunk)?;
+        ensure!(!chunk.want_logits || logits.is_some(), "the backend returned no logits for the last chunk of stream {}", self.stream);
+        self.pos = end;
+        if let Some(d) = drafter {
+            d.absorb(self.stream, backend.features().unwrap_or(&[]), end - start);
+        }
+        // A failed mark only costs a future cache hit; the pass goes on.
+        let mark = if self.plan.marks.binary_search(&end).is_ok() { backend.keep_mark(self.stream).ok() } else { None };
+        Ok(StepOutcome { start, end, logits, mark, done: last })
+    }
+
+    /// Stop between chunks: the backend keeps the state at the last chunk's
+    /// end, and the next `step` resumes exactly where an uninterrupted pass
+    /// would have gone on.
+    pub fn cancel(&mut self, backend: &mut dyn Backend) {
+        backend.cancel_prefill(self.stream);
+    }
+}
+
+/// What a whole pass produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WholePass {
+    /// The last row's logits, when the pass wanted them.
+    pub logits: Option<Vec<f32>>,
+    /// Marks kept, with their positions.
+    pub marks: Vec<(usize, MarkId)>,
+    /// `(start, end)` of each chunk run.
+    pub chunks: Vec<(usize, usize)>,
+}
+
+/// The whole pass: every remaining chunk back to back, through the same
+/// chunk body as the stepped pass.
+pub fn prefill_whole(backend: &mut dyn Backend, mut drafter: Option<&mut (dyn Drafter + '_)>, pass: &mut Pass) -> Result<WholePass> {
+    let mut out = WholePass::default();
+    while !pass.done() {
+        let step = pass.step(backend, drafter.as_deref_mut())?;
+        out.chunks.push((step.start, step.end));
+        if let Some(m) = step.mark {
+            out.marks.push((step.end, m));
+        }
+        if step.logits.is_some() {
+            out.logits = step.logits;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(len: usize, chunk: usize, start: usize, marks: &[usize], max_rows: Option<usize>, inv: bool) -> CutPlan {
+        CutPlan { prompt_len: len, chunk_tokens: chunk, planned_start: start, marks: marks.to_vec(), max_rows, chunk_invariant: inv }
+    }
+
+    #[test]
+    fn chunks_follow_the_cap_from_the_planned_start() {
+        assert_eq!(plan(10, 4, 0, &[], None, false).cuts_from(0), vec![4, 8, 10]);
+        assert_eq!(plan(10, 4, 3, &[], None, false).cuts_from(3), vec![7, 10]);
+    }
+
+    #[test]
+    fn marks_add_cuts_without_moving_the_grid() {
+        assert_eq!(plan(12, 4, 0, &[6], None, false).cuts_from(0), vec![4, 6, 8, 12]);
+    }
+
+    #[test]
+    fn max_rows_applies_only_to_chunk_invariant_backends() {
+        assert_eq!(plan(10, 8, 0, &[], Some(3), false).cuts_from(0), vec![8, 10]);
+        // Capped steps come back to the grid: 8 stays a cut.
+        assert_eq!(plan(10, 8, 0, &[], Some(3), true).cuts_from(0), vec![3, 6, 8, 10]);
+    }
+
+    #[test]
+    fn every_cut_moves_forward() {
+        for len in 1..30 {
+            for chunk in 0..6 {
+                let p = plan(len, chunk, len / 3, &[len / 2, len - 1], Some(0), true);
+                let mut pos = p.planned_start;
+                while pos < len {
+                    let end = p.chunk_end(pos);
+                    assert!(end > pos && end <= len);
+                    pos = end;
+                }
+            }
+        }
+    }
+}

@@ -114,6 +114,11 @@ pub struct Sampler {
     window_counts: HashMap<u32, u32>,
     /// How often each token occurs in the completion.
     completion_counts: HashMap<u32, u32>,
+    /// Per-token weights of the last draw (reused to avoid an allocation
+    /// per token).
+    scratch: Vec<f32>,
+    /// Sums of `scratch` by block of [`BLOCK`].
+    blocks: Vec<f64>,
 }
 
 /// NaN logits (a broken model) are treated as impossible tokens rather than
@@ -172,14 +177,119 @@ pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     }
 }
 
+/// `exp(x)` for `x <= 0` (NaN counts as -inf), to about 1e-6 relative
+/// error near 0 and 1e-5 near -87: `2^n * 2^f` with `n` the nearest
+/// integer and a degree-6 series for `2^f` on [-0.5, 0.5]. Branch-free so
+/// that a pass over a 262k-row vocabulary vectorises; libm's `expf` is
+/// several times slower there.
+#[inline]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    // Below -87 the result leaves f32's normal range: it is 0 (masked at
+    // the end). Every step is a select or integer op, so loops vectorise.
+    let keep = 0u32.wrapping_sub((x >= -87.0) as u32);
+    let x = if x < -87.0 { -87.0 } else { x };
+    let x = if x > 0.0 { 0.0 } else { x };
+    let t = x * std::f32::consts::LOG2_E;
+    // Round to nearest by adding 1.5 * 2^23: the integer lands in the low
+    // mantissa bits (exact for |t| < 2^22).
+    const MAGIC: f32 = 12_582_912.0;
+    let big = t + MAGIC;
+    let n = big - MAGIC;
+    let ni = (big.to_bits() as i32).wrapping_sub(0x4B40_0000);
+    let f = (t - n) * std::f32::consts::LN_2;
+    let p = 1.0 + f * (1.0 + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
+    let scale = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
+    f32::from_bits((p * scale).to_bits() & keep)
+}
+
+/// Largest value of a row (NaN ignored), in eight independent lanes so the
+/// pass vectorises.
+fn row_max(logits: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let chunks = logits.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            m[i] = if c[i] > m[i] { c[i] } else { m[i] };
+        }
+    }
+    m.iter().chain(rest).fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+}
+
+/// Block size of the two-level walk in [`walk`].
+const BLOCK: usize = 256;
+
+/// Weights `exp((l - max) / T)` of a whole row into `w`, and the sum of
+/// each block of [`BLOCK`] into `blocks`; returns the total. Each block is
+/// summed in eight f32 lanes (32 terms each, exact enough), blocks in f64.
+fn row_weights(logits: &[f32], max: f32, inv_t: f32, w: &mut Vec<f32>, blocks: &mut Vec<f64>) -> f64 {
+    w.clear();
+    // NaN - max stays NaN, fails `x >= -87` and comes out 0: no `key` needed.
+    w.extend(logits.iter().map(|&l| exp_nonpositive((l - max) * inv_t)));
+    blocks.clear();
+    blocks.extend(w.chunks(BLOCK).map(lane_sum));
+    blocks.iter().sum()
+}
+
+/// The first index where the running sum of `w` passes `target`: whole
+/// blocks are skipped by their sums, then one block is walked.
+fn walk(w: &[f32], blocks: &[f64], target: f64) -> usize {
+    let mut cum = 0.0;
+    for (b, &s) in blocks.iter().enumerate() {
+        if cum + s > target {
+            let base = b * BLOCK;
+            let mut last = None;
+            for (i, &x) in w[base..(base + BLOCK).min(w.len())].iter().enumerate() {
+                if x > 0.0 {
+                    cum += x as f64;
+                    last = Some(base + i);
+                    if cum > target {
+                        return base + i;
+                    }
+                }
+            }
+            // Rounding between the block sum and the walk: the target is
+            // at this block's end.
+            if let Some(l) = last {
+                return l;
+            }
+        }
+        cum += s;
+    }
+    w.iter().rposition(|&x| x > 0.0).unwrap_or(0)
+}
+
 /// `log(sum(exp(x)))` over a row, stably.
 fn log_sum_exp(logits: &[f32]) -> f32 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(key(x)));
+    let max = row_max(logits);
     if max == f32::NEG_INFINITY {
         return f32::NEG_INFINITY;
     }
-    let sum: f64 = logits.iter().map(|&x| ((key(x) - max) as f64).exp()).sum();
+    let mut buf = [0f32; BLOCK];
+    let sum: f64 = logits
+        .chunks(BLOCK)
+        .map(|c| {
+            let b = &mut buf[..c.len()];
+            for (o, &x) in b.iter_mut().zip(c) {
+                *o = exp_nonpositive(x - max);
+            }
+            lane_sum(b)
+        })
+        .sum();
     max + sum.ln() as f32
+}
+
+/// Sum of a short run (a block) in eight f32 lanes, so it vectorises.
+fn lane_sum(xs: &[f32]) -> f64 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    (acc.iter().sum::<f32>() + rest) as f64
 }
 
 impl Sampler {
@@ -187,8 +297,15 @@ impl Sampler {
     /// penalty sees its tail).
     pub fn new(params: &SamplingParams, prompt: &[u32]) -> Sampler {
         let seed = params.seed.unwrap_or_else(Rng::fresh_seed);
-        let mut s =
-            Sampler { params: params.clone(), rng: Rng::new(seed), window: VecDeque::new(), window_counts: HashMap::new(), completion_counts: HashMap::new() };
+        let mut s = Sampler {
+            params: params.clone(),
+            rng: Rng::new(seed),
+            window: VecDeque::new(),
+            window_counts: HashMap::new(),
+            completion_counts: HashMap::new(),
+            scratch: Vec::new(),
+            blocks: Vec::new(),
+        };
         let from = match s.params.repetition_window {
             0 => 0,
             w => prompt.len().saturating_sub(w),
@@ -255,14 +372,20 @@ impl Sampler {
             return Sampled { token: 0, logprob: None, top: Vec::new() };
         }
         // Logprobs describe the model's own distribution, so they are read
-        // off the raw row before anything below changes it.
-        let raw = logprobs.map(|n| (log_sum_exp(logits), top_n(logits, n), logits.to_vec()));
+        // off the raw row before penalties change it; only the penalised
+        // tokens' raw values need saving (the rest of the row stays raw).
+        let raw = logprobs.map(|n| {
+            let touched: Vec<(u32, f32)> =
+                self.window_counts.keys().chain(self.completion_counts.keys()).filter_map(|&t| logits.get(t as usize).map(|&l| (t, l))).collect();
+            (log_sum_exp(logits), top_n(logits, n), touched)
+        });
         self.apply_penalties(logits);
         let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
         match raw {
             None => Sampled { token, logprob: None, top: Vec::new() },
-            Some((lse, top, row)) => {
-                Sampled { token, logprob: Some(key(row[token as usize]) - lse), top: top.into_iter().map(|(t, l)| (t, l - lse)).collect() }
+            Some((lse, top, touched)) => {
+                let chosen = touched.iter().find(|&&(t, _)| t == token).map_or(logits[token as usize], |&(_, l)| l);
+                Sampled { token, logprob: Some(key(chosen) - lse), top: top.into_iter().map(|(t, l)| (t, l - lse)).collect() }
             }
         }
     }
@@ -270,13 +393,17 @@ impl Sampler {
     /// Temperature, then top-k, top-p and min-p, then one draw.
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let inv_t = 1.0 / p.temperature as f64;
+        let inv_t = 1.0 / p.temperature;
         let v = logits.len();
-        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(key(x)));
+        let max = row_max(logits);
         if max == f32::NEG_INFINITY {
             return argmax(logits);
         }
-        let weight = |l: f32| ((key(l) - max) as f64 * inv_t).exp();
+        // Unnormalised probability at temperature T; in (0, 1].
+        let weight = |l: f32| exp_nonpositive((key(l) - max) * inv_t);
+        // The whole row's weights, computed at most once per token.
+        let mut full: Option<f64> = None;
+        let mut whole_row = |w: &mut Vec<f32>, blocks: &mut Vec<f64>| -> f64 { *full.get_or_insert_with(|| row_weights(logits, max, inv_t, w, blocks)) };
 
         // Candidates, most likely first, when some filter narrows the set.
         let mut cands: Option<Vec<(u32, f32)>> = None;
@@ -285,21 +412,17 @@ impl Sampler {
         } else if p.top_p < 1.0 {
             // Nucleus over the whole vocabulary: grow a sorted head until
             // it holds `top_p` of the mass.
-            let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+            let total = whole_row(&mut self.scratch, &mut self.blocks);
             let mut m = 64usize.min(v);
             loop {
                 let head = top_n(logits, m);
                 let mut cum = 0.0;
-                let mut cut = None;
-                for (i, &(_, l)) in head.iter().enumerate() {
-                    cum += weight(l);
-                    if cum >= p.top_p as f64 * total {
-                        cut = Some(i + 1);
-                        break;
-                    }
-                }
+                let cut = head.iter().position(|&(_, l)| {
+                    cum += weight(l) as f64;
+                    cum >= p.top_p as f64 * total
+                });
                 if let Some(c) = cut {
-                    cands = Some(head[..c].to_vec());
+                    cands = Some(head[..=c].to_vec());
                     break;
                 }
                 if m == v {
@@ -312,17 +435,13 @@ impl Sampler {
         if let Some(c) = cands.as_mut() {
             if p.top_k > 0 && p.top_p < 1.0 {
                 // top-p among the top-k survivors, renormalised.
-                let total: f64 = c.iter().map(|&(_, l)| weight(l)).sum();
+                let total: f64 = c.iter().map(|&(_, l)| weight(l) as f64).sum();
                 let mut cum = 0.0;
-                let mut keep = c.len();
-                for (i, &(_, l)) in c.iter().enumerate() {
-                    cum += weight(l);
-                    if cum >= p.top_p as f64 * total {
-                        keep = i + 1;
-                        break;
-                    }
-                }
-                c.truncate(keep);
+                let keep = c.iter().position(|&(_, l)| {
+                    cum += weight(l) as f64;
+                    cum >= p.top_p as f64 * total
+                });
+                c.truncate(keep.map_or(c.len(), |k| k + 1));
             }
         }
         if p.min_p > 0.0 {
@@ -337,11 +456,11 @@ impl Sampler {
         let u = self.rng.next_f64();
         match cands {
             Some(c) if !c.is_empty() => {
-                let total: f64 = c.iter().map(|&(_, l)| weight(l)).sum();
+                let total: f64 = c.iter().map(|&(_, l)| weight(l) as f64).sum();
                 let target = u * total;
                 let mut cum = 0.0;
                 for &(t, l) in &c {
-                    cum += weight(l);
+                    cum += weight(l) as f64;
                     if cum > target {
                         return t;
                     }
@@ -350,21 +469,8 @@ impl Sampler {
             }
             Some(_) => argmax(logits),
             None => {
-                let total: f64 = logits.iter().map(|&l| weight(l)).sum();
-                let target = u * total;
-                let mut cum = 0.0;
-                let mut last = 0;
-                for (i, &l) in logits.iter().enumerate() {
-                    let w = weight(l);
-                    if w > 0.0 {
-                        cum += w;
-                        last = i;
-                        if cum > target {
-                            return i as u32;
-                        }
-                    }
-                }
-                last as u32
+                let total = whole_row(&mut self.scratch, &mut self.blocks);
+                walk(&self.scratch, &self.blocks, u * total) as u32
             }
         }
     }
@@ -566,6 +672,45 @@ mod tests {
         }
         let mut s = Sampler::new(&SamplingParams { seed: Some(1), ..Default::default() }, &[]);
         s.sample(&mut [f32::NAN; 4], Some(2));
+    }
+
+    #[test]
+    fn the_fast_exp_matches_libm() {
+        let mut worst = 0.0f64;
+        let mut x = 0.0f32;
+        while x > -80.0 {
+            let got = exp_nonpositive(x) as f64;
+            let want = (x as f64).exp();
+            worst = worst.max((got - want).abs() / want);
+            x -= 0.001_3;
+        }
+        // The error grows with |x| (rounding of x * log2(e)); weights that
+        // small hardly matter, and near the top it is float-exact.
+        assert!(worst < 1e-5, "worst relative error {worst}");
+        let near: f64 =
+            (0..10_000).map(|i| -(i as f32) * 0.001).map(|x| ((exp_nonpositive(x) as f64) - (x as f64).exp()).abs() / (x as f64).exp()).fold(0.0, f64::max);
+        assert!(near < 1e-6, "relative error near 0: {near}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-100.0), 0.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn a_large_vocabulary_samples_quickly() {
+        // Not a benchmark: a guard against an accidental full sort or
+        // several exp passes per token (a 262k-row sort takes ~10 ms).
+        let v = 262_144;
+        let logits = pseudo_logits(v, 12);
+        let mut s = Sampler::new(&SamplingParams { seed: Some(1), ..Default::default() }, &[]);
+        let mut row = logits.clone();
+        let t = std::time::Instant::now();
+        for _ in 0..20 {
+            row.copy_from_slice(&logits);
+            s.sample(&mut row, None);
+        }
+        let per = t.elapsed() / 20;
+        eprintln!("temperature sampling over {v} rows: {per:?} per token");
+        assert!(per < std::time::Duration::from_millis(25), "{per:?} per token");
     }
 
     #[test]

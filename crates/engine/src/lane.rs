@@ -725,6 +725,32 @@ struct Core {
 
 impl Core {
     fn run(mut self) {
+        // A panic (in a backend, say) must not leave streams waiting
+        // forever: each gets an error, and the lane closes (later
+        // submissions see `SubmitError::Closed`).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop()));
+        if let Err(p) = r {
+            let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+            let msg = format!("the lane failed: {what}");
+            while let Ok(c) = self.rx.try_recv() {
+                if let Command::Submit(p) = c {
+                    let s = self.new_stream(*p);
+                    self.queue.push_back(s);
+                }
+            }
+            for s in self.queue.iter_mut().chain(self.running.iter_mut()) {
+                s.fail(msg.clone());
+            }
+            let gone = self.queue.len();
+            self.shared.queued.fetch_sub(gone, Ordering::SeqCst);
+            for s in self.queue.drain(..).chain(self.running.drain(..)) {
+                count_end(&mut self.stats, &s);
+            }
+            *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats.clone();
+        }
+    }
+
+    fn run_loop(&mut self) {
         let mut progress = true;
         loop {
             let idle = self.queue.is_empty() && self.running.is_empty();

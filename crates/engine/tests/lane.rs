@@ -768,3 +768,137 @@ fn batches_hold_every_decoding_stream() {
     assert_eq!(st.generated_tokens, 120);
     assert_eq!(st.finished, 4);
 }
+
+/// A fake that panics in its `at`-th decode round.
+struct Exploding {
+    inner: FakeBackend,
+    rounds: usize,
+    at: usize,
+}
+
+impl Backend for Exploding {
+    fn capabilities(&self) -> braid_engine::Capabilities {
+        self.inner.capabilities()
+    }
+    fn fill(&self) -> braid_engine::Fill {
+        self.inner.fill()
+    }
+    fn open(&mut self, stream: u64) -> anyhow::Result<()> {
+        self.inner.open(stream)
+    }
+    fn prefill_step(&mut self, stream: u64, chunk: braid_engine::Chunk<'_>) -> anyhow::Result<Option<Vec<f32>>> {
+        self.inner.prefill_step(stream, chunk)
+    }
+    fn cancel_prefill(&mut self, stream: u64) {
+        self.inner.cancel_prefill(stream)
+    }
+    fn decode_round(&mut self, rows: &[braid_engine::DecodeRow]) -> anyhow::Result<Vec<f32>> {
+        self.rounds += 1;
+        if self.rounds == self.at {
+            panic!("boom in round {}", self.rounds);
+        }
+        self.inner.decode_round(rows)
+    }
+    fn forget(&mut self, stream: u64) {
+        self.inner.forget(stream)
+    }
+}
+
+#[test]
+fn a_panicking_backend_fails_its_streams_and_closes_the_lane() {
+    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
+    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 5 }), Arc::new(FakeText::default()), no_marks());
+    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
+    let out = drain(&h);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 5")), "{:?}", out.error);
+    assert_eq!(out.tokens.len(), 5, "the first token and four decoded ones came before the panic");
+    wait_until("the lane to close", || matches!(lane.submit(greedy(prompt(4, 101), 1)), Err(SubmitError::Closed)));
+    assert_eq!(lane.stats().errors, 1);
+}
+
+// Many streams with random prompts (sharing prefixes), limits, stop
+// strings, logprobs and cancels, on a small pool with marks and a drafter:
+// the fake refuses any contract breach (which would surface as an Error
+// event), every stream ends exactly once, greedy text matches the model,
+// and every slot returns.
+#[test]
+fn random_traffic_keeps_every_invariant() {
+    use braid_engine::rng::Rng;
+    for (seed, drafter) in [(1u64, false), (2, true), (3, true)] {
+        let mut rng = Rng::new(seed);
+        let mut pick = |n: usize| (rng.next_u64() % n as u64) as usize;
+        let fc = FakeConfig { blocks_total: 60, block_tokens: 4, decode_delay: SLOW, ..FakeConfig::default() };
+        let lc = LaneConfig { chunk_tokens: 8, mark_every: 8, prefix_marks: 6, max_running: 6, queue_capacity: 64, decode_reserve: 8, ..LaneConfig::default() };
+        let (lane, log) = if drafter { lane_with_drafter(fc, lc, 4) } else { lane(fc, lc) };
+        let bases: Vec<Vec<u32>> = (0..3).map(|i| prompt(24, 200 + i)).collect();
+        let mut streams = Vec::new();
+        for i in 0..40 {
+            let mut p = bases[pick(3)][..pick(25)].to_vec();
+            p.extend(prompt(1 + pick(40), 300 + i));
+            let max_tokens = 1 + pick(30);
+            let stop_strings = if pick(4) == 0 { vec!["ab".to_string()] } else { vec![] };
+            let req = Request {
+                stop: StopRules { max_tokens: Some(max_tokens), stop_strings, ..Default::default() },
+                logprobs: if pick(3) == 0 { Some(2) } else { None },
+                ..greedy(p.clone(), max_tokens)
+            };
+            let cancel_after = if pick(5) == 0 { Some(pick(6)) } else { None };
+            match lane.submit(req) {
+                Ok(h) => streams.push((h, p, max_tokens, cancel_after)),
+                Err(e) => panic!("unexpected refusal: {e}"),
+            }
+            if pick(3) == 0 {
+                std::thread::sleep(Duration::from_millis(pick(3) as u64));
+            }
+        }
+        // Read every stream on its own thread, so cancels land while the
+        // lane is busy.
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|(h, p, max_tokens, cancel_after)| {
+                std::thread::spawn(move || {
+                    let mut seen = 0;
+                    let mut ends = 0;
+                    let mut tokens = Vec::new();
+                    let mut cancelled = false;
+                    while let Ok(ev) = h.recv_timeout(WAIT) {
+                        seen += 1;
+                        if Some(seen) == cancel_after {
+                            h.cancel();
+                        }
+                        match ev {
+                            Event::Token { id, .. } => tokens.push(id),
+                            Event::Finished { reason, usage, .. } => {
+                                ends += 1;
+                                cancelled = reason == FinishReason::Cancelled;
+                                assert!(usage.completion_tokens <= max_tokens);
+                                assert!(usage.cached_tokens < p.len());
+                            }
+                            Event::Error(e) => panic!("seed {seed}: stream {} failed: {e}", h.id),
+                            _ => {}
+                        }
+                    }
+                    assert_eq!(ends, 1, "seed {seed}: stream {} ended {ends} times", h.id);
+                    // Whatever the ending, the tokens are the model's greedy ones.
+                    assert_eq!(tokens, oracle(&p, tokens.len(), 64), "seed {seed}: stream {}", h.id);
+                    cancelled
+                })
+            })
+            .collect();
+        let cancelled = readers.into_iter().map(|r| r.join().expect("a reader failed")).filter(|&c| c).count();
+        wait_until("every slot to return", || {
+            let s = lane.stats();
+            s.fill.slots_used == 0 && s.prefilling == 0 && s.decoding == 0 && s.queued == 0
+        });
+        let st = lane.stats();
+        eprintln!("seed {seed}: {st:?}");
+        assert_eq!(st.finished + st.cancelled, 40, "seed {seed}: {st:?}");
+        assert_eq!(st.cancelled as usize, cancelled, "seed {seed}");
+        assert!(st.cached_tokens > 0, "seed {seed}: no prefix was ever reused");
+        // Every opened stream was forgotten once.
+        let calls = log.snapshot();
+        let opens = calls.iter().filter(|c| matches!(c, Call::Open(_))).count();
+        let forgets = calls.iter().filter(|c| matches!(c, Call::Forget(_))).count();
+        assert_eq!(opens, forgets, "seed {seed}");
+    }
+}

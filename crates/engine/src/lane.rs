@@ -45,7 +45,9 @@ pub struct LaneConfig {
     pub eos_ids: Vec<u32>,
     /// Completion tokens of memory set aside for each admitted stream (at
     /// most its `max_tokens`): a stream is admitted only when its prompt
-    /// plus this reserve fits.
+    /// plus this reserve fits. A stream may grow past its reserve while
+    /// memory lasts; when a decode round no longer fits (after dropping
+    /// drafts and cached marks), the newest streams end with `length`.
     pub decode_reserve: usize,
     /// Most marks the prefix cache keeps (least recently used go first);
     /// 0 turns prefix caching off.
@@ -426,6 +428,7 @@ impl Lane {
         if caps.reports_fill && fill.blocks_total > 0 {
             max_context = max_context.min(fill.blocks_total * fill.block_tokens.max(1));
         }
+        config.max_context = max_context;
         let limits = Limits { max_context, vocab: caps.vocab_size, queue_capacity: config.queue_capacity, marks: config.prefix_marks > 0 };
         let shared = Arc::new(LaneShared {
             stats: Mutex::new(LaneStats { fill, ..LaneStats::default() }),

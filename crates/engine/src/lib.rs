@@ -3,7 +3,37 @@
 //! against recording fake backends (see [`fake`]).
 //!
 //! Start with [`Lane`]: spawn one per device over a [`Backend`], submit
-//! [`Request`]s, read [`Event`]s from each [`StreamHandle`].
+//! [`Request`]s, read [`Event`]s from each [`StreamHandle`] (or hand the
+//! lane an [`EventSink`], e.g. an async channel, with [`Lane::submit_with`]).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use braid_engine::fake::{CallLog, FakeBackend, FakeConfig, FakeText};
+//! use braid_engine::{Event, FinishReason, Lane, LaneConfig, Request, SamplingParams, StopRules};
+//!
+//! let backend = FakeBackend::new(FakeConfig::default(), CallLog::default());
+//! let lane = Lane::spawn(Box::new(backend), Arc::new(FakeText::default()), LaneConfig::default());
+//! let req = Request {
+//!     prompt: vec![1, 2, 3],
+//!     sampling: SamplingParams::greedy(),
+//!     stop: StopRules { max_tokens: Some(4), ..StopRules::default() },
+//!     logprobs: None,
+//! };
+//! let mut text = String::new();
+//! for event in lane.submit(req).unwrap() {
+//!     match event {
+//!         Event::Token { text: t, .. } => text.push_str(&t),
+//!         Event::Finished { reason, usage, tail, .. } => {
+//!             text.push_str(&tail);
+//!             assert_eq!(reason, FinishReason::Length);
+//!             assert_eq!(usage.completion_tokens, 4);
+//!         }
+//!         _ => {}
+//!     }
+//! }
+//! assert_eq!(text.len(), 4);
+//! lane.shutdown();
+//! ```
 
 pub mod backend;
 pub mod drafter;

@@ -331,7 +331,7 @@ fn a_stream_that_leaves_mid_pass_is_forgotten() {
     for how in ["drop", "cancel", "closed"] {
         let fc = FakeConfig { prefill_delay: Some(Duration::from_millis(5)), ..FakeConfig::default() };
         let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 4, ..no_marks() });
-        let req = greedy(prompt(80, 9), 4);
+        let req = greedy(prompt(160, 9), 4);
         let closed = Arc::new(AtomicBool::new(false));
         let events = Arc::new(Mutex::new(Vec::new()));
         let (id, handle, control) = match how {
@@ -359,7 +359,7 @@ fn a_stream_that_leaves_mid_pass_is_forgotten() {
         wait_log(&log, "forget", |l| l.contains(&Call::Forget(id)));
         let calls = log.snapshot();
         let n = prefills(&calls, id).len();
-        assert!(n < 20, "{how}: the pass ran to the end ({n} chunks)");
+        assert!(n < 40, "{how}: the pass ran to the end ({n} chunks)");
         let forget = calls.iter().position(|c| *c == Call::Forget(id)).unwrap();
         assert!(!calls[forget..].iter().any(|c| matches!(c, Call::Prefill { .. })), "{how}: chunks after forget");
         wait_until("fill to return", || lane.stats().fill.blocks_used == 0 && lane.stats().fill.slots_used == 0);
@@ -901,4 +901,14 @@ fn random_traffic_keeps_every_invariant() {
         let forgets = calls.iter().filter(|c| matches!(c, Call::Forget(_))).count();
         assert_eq!(opens, forgets, "seed {seed}");
     }
+}
+
+#[test]
+fn lanes_and_controls_can_be_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<Lane>();
+    send_sync::<braid_engine::StreamControl>();
+    send::<StreamHandle>();
+    send::<Event>();
 }

@@ -1,0 +1,570 @@
+//! AVX2 + FMA + F16C tiles.
+//!
+//! Integer dot products: weights unpacked to unsigned bytes (or signed
+//! bytes and their absolute values, for Q8_0), multiplied with the signed
+//! activation bytes by `maddubs` (u8 x i8 -> pairs summed to i16; the
+//! operand ranges here never saturate it), widened to i32 by `madd`, and
+//! scaled into f32 accumulators once per block. Each tile unpacks a
+//! weight block once and uses it for all of its activation rows.
+
+use std::arch::x86_64::*;
+
+use super::blocks::{k4_scale_min, Q8A, Q8KA};
+use super::matmul::{Kernel, Tile};
+use braid_formats::DType;
+
+/// Dispatch `rw x ra` to the instances built for this kernel; any other
+/// shape runs as 1x1 tiles.
+macro_rules! tiles {
+    ($name:ident, $f:ident $(:: < $($g:ty),* >)?, $RW:literal, $RA:literal, $RWG:literal) => {
+        unsafe fn $name(t: &Tile, rw: usize, ra: usize) {
+            if rw == $RW && ra == $RA {
+                $f::<$($($g,)*)? $RW, $RA>(t)
+            } else if rw == 1 && ra == $RA {
+                $f::<$($($g,)*)? 1, $RA>(t)
+            } else if rw == $RWG && ra == 1 {
+                $f::<$($($g,)*)? $RWG, 1>(t)
+            } else {
+                for c in 0..ra {
+                    for r in 0..rw {
+                        let one = Tile {
+                            dtype: t.dtype,
+                            w: t.w.add(r * t.w_stride),
+                            w_stride: t.w_stride,
+                            a: t.a.add(c * t.a_stride),
+                            a_stride: t.a_stride,
+                            n: t.n,
+                            out: t.out.add(c * t.out_stride + r),
+                            out_stride: t.out_stride,
+                        };
+                        $f::<$($($g,)*)? 1, 1>(&one)
+                    }
+                }
+            }
+        }
+    };
+}
+
+tiles!(t_q4_0, tile_b32::<Q40>, 2, 4, 4);
+tiles!(t_q4_1, tile_b32::<Q41>, 2, 4, 4);
+tiles!(t_q5_0, tile_b32::<Q50>, 2, 4, 4);
+tiles!(t_q5_1, tile_b32::<Q51>, 2, 4, 4);
+tiles!(t_q8_0, tile_b32::<Q80>, 2, 4, 4);
+tiles!(t_q8_1, tile_b32::<Q81>, 2, 4, 4);
+tiles!(t_q4k, tile_q45k::<NoHigh>, 1, 4, 2);
+tiles!(t_q5k, tile_q45k::<High>, 1, 4, 2);
+tiles!(t_q6k, tile_q6k, 1, 4, 2);
+tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
+tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
+tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
+
+/// The AVX2 kernel for `dtype`, if there is one (else the scalar one runs).
+pub(crate) fn kernel(dtype: DType) -> Option<Kernel> {
+    let k = |tile, rw, ra, rw_gemv| {
+        Some(Kernel {
+            tile,
+            rw,
+            ra,
+            rw_gemv,
+        })
+    };
+    match dtype {
+        DType::Q4_0 => k(t_q4_0, 2, 4, 4),
+        DType::Q4_1 => k(t_q4_1, 2, 4, 4),
+        DType::Q5_0 => k(t_q5_0, 2, 4, 4),
+        DType::Q5_1 => k(t_q5_1, 2, 4, 4),
+        DType::Q8_0 => k(t_q8_0, 2, 4, 4),
+        DType::Q8_1 => k(t_q8_1, 2, 4, 4),
+        DType::Q4K => k(t_q4k, 1, 4, 2),
+        DType::Q5K => k(t_q5k, 1, 4, 2),
+        DType::Q6K => k(t_q6k, 1, 4, 2),
+        DType::F32 => k(t_f32, 2, 4, 4),
+        DType::F16 => k(t_f16, 2, 4, 4),
+        DType::BF16 => k(t_bf16, 2, 4, 4),
+        DType::Q2K | DType::Q3K | DType::Q8K => None,
+    }
+}
+
+// ---- helpers ----
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// The f16 at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn h2f(p: *const u8) -> f32 {
+    let h = (p as *const u16).read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// Sum of `q[i] * a[i]` (u8 x i8) in 8 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_u8(q: __m256i, a: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), _mm256_set1_epi16(1))
+}
+
+/// 32 bytes of `0x10` where bit j of `bits` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bits_to_0x10(bits: u32) -> __m256i {
+    let v = _mm256_set1_epi32(bits as i32);
+    // Byte j takes the source byte holding bit j (j / 8); within a 128-bit
+    // lane the broadcast makes every source byte available.
+    let spread = _mm256_shuffle_epi8(
+        v,
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        ),
+    );
+    let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// 16 packed bytes at `p` to 32 nibbles: low nibbles first, then high.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles32(p: *const u8) -> __m256i {
+    let raw = _mm_loadu_si128(p as *const __m128i);
+    let both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
+}
+
+// ---- 32-element block types ----
+
+/// An unpacked 32-element weight block: `q` (unsigned values, or signed
+/// for Q8 with `abs` their magnitudes), the scale and the offset factor
+/// (value = d*q + m, where m multiplies the activation block's `s`).
+#[derive(Clone, Copy)]
+struct W32 {
+    q: __m256i,
+    abs: __m256i,
+    d: f32,
+    m: f32,
+}
+
+trait B32 {
+    const BYTES: usize;
+    /// q is signed (use the sign trick) rather than unsigned.
+    const SIGNED: bool;
+    /// Has an offset term.
+    const OFFSET: bool;
+    /// # Safety: AVX2+FMA+F16C available; `p` points at a whole block.
+    unsafe fn unpack(p: *const u8) -> W32;
+}
+
+struct Q40;
+struct Q41;
+struct Q50;
+struct Q51;
+struct Q80;
+struct Q81;
+
+impl B32 for Q40 {
+    const BYTES: usize = 18;
+    const SIGNED: bool = false;
+    const OFFSET: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let q = nibbles32(p.add(2));
+        let d = h2f(p);
+        W32 {
+            q,
+            abs: q,
+            d,
+            m: -8.0 * d,
+        }
+    }
+}
+
+impl B32 for Q41 {
+    const BYTES: usize = 20;
+    const SIGNED: bool = false;
+    const OFFSET: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let q = nibbles32(p.add(4));
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+        let d = _mm_cvtss_f32(dm);
+        let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        W32 { q, abs: q, d, m }
+    }
+}
+
+impl B32 for Q50 {
+    const BYTES: usize = 22;
+    const SIGNED: bool = false;
+    const OFFSET: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let qh = (p.add(2) as *const u32).read_unaligned();
+        let q = _mm256_or_si256(nibbles32(p.add(6)), bits_to_0x10(qh));
+        let d = h2f(p);
+        W32 {
+            q,
+            abs: q,
+            d,
+            m: -16.0 * d,
+        }
+    }
+}
+
+impl B32 for Q51 {
+    const BYTES: usize = 24;
+    const SIGNED: bool = false;
+    const OFFSET: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let qh = (p.add(4) as *const u32).read_unaligned();
+        let q = _mm256_or_si256(nibbles32(p.add(8)), bits_to_0x10(qh));
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+        let d = _mm_cvtss_f32(dm);
+        let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        W32 { q, abs: q, d, m }
+    }
+}
+
+impl B32 for Q80 {
+    const BYTES: usize = 34;
+    const SIGNED: bool = true;
+    const OFFSET: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let q = _mm256_loadu_si256(p.add(2) as *const __m256i);
+        W32 {
+            q,
+            abs: _mm256_sign_epi8(q, q),
+            d: h2f(p),
+            m: 0.0,
+        }
+    }
+}
+
+impl B32 for Q81 {
+    const BYTES: usize = 36;
+    const SIGNED: bool = true;
+    const OFFSET: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let q = _mm256_loadu_si256(p.add(4) as *const __m256i);
+        W32 {
+            q,
+            abs: _mm256_sign_epi8(q, q),
+            d: h2f(p),
+            m: 0.0,
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_b32<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
+    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
+    let mut off = [[0.0f32; RA]; RW];
+    let zero = W32 {
+        q: _mm256_setzero_si256(),
+        abs: _mm256_setzero_si256(),
+        d: 0.0,
+        m: 0.0,
+    };
+    for b in 0..t.n {
+        let mut wb = [zero; RW];
+        for (r, x) in wb.iter_mut().enumerate() {
+            *x = K::unpack(t.w.add(r * t.w_stride + b * K::BYTES));
+        }
+        for c in 0..RA {
+            let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
+            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            for r in 0..RW {
+                let p = if K::SIGNED {
+                    dot_u8(wb[r].abs, _mm256_sign_epi8(av, wb[r].q))
+                } else {
+                    dot_u8(wb[r].q, av)
+                };
+                let s = _mm256_set1_ps(wb[r].d * ab.d);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][c]);
+                if K::OFFSET {
+                    off[r][c] += wb[r].m * ab.s;
+                }
+            }
+        }
+    }
+    for c in 0..RA {
+        for r in 0..RW {
+            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
+        }
+    }
+}
+
+// ---- K-quants ----
+
+trait HighBit {
+    const ON: bool;
+}
+struct High;
+struct NoHigh;
+impl HighBit for High {
+    const ON: bool = true;
+}
+impl HighBit for NoHigh {
+    const ON: bool = false;
+}
+
+/// Q4_K (and Q5_K with the 5th bits): 8 sub-blocks of 32 with 6-bit
+/// scales and mins. Sum of scale_j * dot_j in integers per super-block;
+/// the mins through the activation's 16-sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q45k<H: HighBit, const RW: usize, const RA: usize>(t: &Tile) {
+    let (bytes, qs_off) = if H::ON { (176, 48) } else { (144, 16) };
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
+    let mut off = [[0.0f32; RA]; RW];
+    for b in 0..t.n {
+        let mut wp = [std::ptr::null::<u8>(); RW];
+        let mut sc = [[0i16; 8]; RW];
+        let mut mn = [[0i32; 8]; RW];
+        let mut d = [0.0f32; RW];
+        let mut dmin = [0.0f32; RW];
+        for r in 0..RW {
+            let p = t.w.add(r * t.w_stride + b * bytes);
+            wp[r] = p;
+            d[r] = h2f(p);
+            dmin[r] = h2f(p.add(2));
+            let s = std::slice::from_raw_parts(p.add(4), 12);
+            for j in 0..8 {
+                let (a, m) = k4_scale_min(s, j);
+                sc[r][j] = a as i16;
+                mn[r][j] = m as i32;
+            }
+        }
+        let mut iacc = [[_mm256_setzero_si256(); RA]; RW];
+        for j in 0..4 {
+            let mut lo = [_mm256_setzero_si256(); RW];
+            let mut hi = [_mm256_setzero_si256(); RW];
+            for r in 0..RW {
+                let raw = _mm256_loadu_si256(wp[r].add(qs_off + 32 * j) as *const __m256i);
+                lo[r] = _mm256_and_si256(raw, m4);
+                hi[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if H::ON {
+                    // Byte l of qh holds the 5th bit of element l of sub-block k in bit k.
+                    let qh = _mm256_loadu_si256(wp[r].add(16) as *const __m256i);
+                    let b0 = _mm256_set1_epi8(1 << (2 * j));
+                    let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
+                    let x10 = _mm256_set1_epi8(0x10);
+                    let h0 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0);
+                    let h1 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1);
+                    lo[r] = _mm256_or_si256(lo[r], _mm256_and_si256(h0, x10));
+                    hi[r] = _mm256_or_si256(hi[r], _mm256_and_si256(h1, x10));
+                }
+            }
+            for c in 0..RA {
+                let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+                let a0 = _mm256_loadu_si256(ab.qs.as_ptr().add(64 * j) as *const __m256i);
+                let a1 = _mm256_loadu_si256(ab.qs.as_ptr().add(64 * j + 32) as *const __m256i);
+                for r in 0..RW {
+                    let p0 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(lo[r], a0),
+                        _mm256_set1_epi16(sc[r][2 * j]),
+                    );
+                    let p1 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(hi[r], a1),
+                        _mm256_set1_epi16(sc[r][2 * j + 1]),
+                    );
+                    iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_add_epi32(p0, p1));
+                }
+            }
+        }
+        for c in 0..RA {
+            let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+            for r in 0..RW {
+                let s = _mm256_set1_ps(d[r] * ab.d);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), s, acc[r][c]);
+                let msum: i32 = (0..8)
+                    .map(|j| mn[r][j] * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32))
+                    .sum();
+                off[r][c] -= dmin[r] * ab.d * msum as f32;
+            }
+        }
+    }
+    for c in 0..RA {
+        for r in 0..RW {
+            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
+        }
+    }
+}
+
+/// Q6_K: 16 groups of 16 with i8 scales; values 0..63 with an offset of
+/// 32 taken out through the activation's 16-sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(0x03);
+    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
+    let mut off = [[0.0f32; RA]; RW];
+    for b in 0..t.n {
+        let mut wp = [std::ptr::null::<u8>(); RW];
+        let mut sc = [[0i8; 16]; RW];
+        let mut d = [0.0f32; RW];
+        for r in 0..RW {
+            let p = t.w.add(r * t.w_stride + b * 210);
+            wp[r] = p;
+            d[r] = h2f(p.add(208));
+            std::ptr::copy_nonoverlapping(p.add(192) as *const i8, sc[r].as_mut_ptr(), 16);
+        }
+        let mut iacc = [[_mm256_setzero_si256(); RA]; RW];
+        for h in 0..2 {
+            let mut q = [[_mm256_setzero_si256(); 4]; RW];
+            for r in 0..RW {
+                let l0 = _mm256_loadu_si256(wp[r].add(64 * h) as *const __m256i);
+                let l1 = _mm256_loadu_si256(wp[r].add(64 * h + 32) as *const __m256i);
+                let hb = _mm256_loadu_si256(wp[r].add(128 + 32 * h) as *const __m256i);
+                let hi = |s: i32| -> __m256i {
+                    let v = match s {
+                        0 => hb,
+                        2 => _mm256_srli_epi16(hb, 2),
+                        4 => _mm256_srli_epi16(hb, 4),
+                        _ => _mm256_srli_epi16(hb, 6),
+                    };
+                    _mm256_slli_epi16(_mm256_and_si256(v, m2), 4)
+                };
+                q[r][0] = _mm256_or_si256(_mm256_and_si256(l0, m4), hi(0));
+                q[r][1] = _mm256_or_si256(_mm256_and_si256(l1, m4), hi(2));
+                q[r][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(4));
+                q[r][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(6));
+            }
+            for c in 0..RA {
+                let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+                for g in 0..4 {
+                    let a =
+                        _mm256_loadu_si256(ab.qs.as_ptr().add(128 * h + 32 * g) as *const __m256i);
+                    for r in 0..RW {
+                        let gi = 8 * h + 2 * g;
+                        let scv = _mm256_setr_m128i(
+                            _mm_set1_epi16(sc[r][gi] as i16),
+                            _mm_set1_epi16(sc[r][gi + 1] as i16),
+                        );
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r][g], a), scv);
+                        iacc[r][c] = _mm256_add_epi32(iacc[r][c], p);
+                    }
+                }
+            }
+        }
+        for c in 0..RA {
+            let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+            for r in 0..RW {
+                let s = d[r] * ab.d;
+                acc[r][c] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(s), acc[r][c]);
+                let osum: i32 = (0..16).map(|g| sc[r][g] as i32 * ab.bsums[g] as i32).sum();
+                off[r][c] -= 32.0 * s * osum as f32;
+            }
+        }
+    }
+    for c in 0..RA {
+        for r in 0..RW {
+            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
+        }
+    }
+}
+
+// ---- float weights ----
+
+trait FloatW {
+    const BYTES: usize;
+    /// # Safety: AVX2+FMA+F16C available; 8 elements at `p` + i readable.
+    unsafe fn load8(p: *const u8, i: usize) -> __m256;
+    /// # Safety: element i readable.
+    unsafe fn load1(p: *const u8, i: usize) -> f32;
+}
+
+struct F32W;
+struct F16W;
+struct Bf16W;
+
+impl FloatW for F32W {
+    const BYTES: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8, i: usize) -> __m256 {
+        _mm256_loadu_ps((p as *const f32).add(i))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load1(p: *const u8, i: usize) -> f32 {
+        (p as *const f32).add(i).read_unaligned()
+    }
+}
+
+impl FloatW for F16W {
+    const BYTES: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8, i: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * i) as *const __m128i))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load1(p: *const u8, i: usize) -> f32 {
+        h2f(p.add(2 * i))
+    }
+}
+
+impl FloatW for Bf16W {
+    const BYTES: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8, i: usize) -> __m256 {
+        let h = _mm_loadu_si128(p.add(2 * i) as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load1(p: *const u8, i: usize) -> f32 {
+        let h = (p.add(2 * i) as *const u16).read_unaligned();
+        f32::from_bits((h as u32) << 16)
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_f<K: FloatW, const RW: usize, const RA: usize>(t: &Tile) {
+    let _ = K::BYTES;
+    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
+    let n8 = t.n / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        let mut wv = [_mm256_setzero_ps(); RW];
+        for (r, v) in wv.iter_mut().enumerate() {
+            *v = K::load8(t.w.add(r * t.w_stride), i);
+        }
+        for c in 0..RA {
+            let xv = _mm256_loadu_ps((t.a.add(c * t.a_stride) as *const f32).add(i));
+            for r in 0..RW {
+                acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+            }
+        }
+    }
+    for c in 0..RA {
+        let x = t.a.add(c * t.a_stride) as *const f32;
+        for r in 0..RW {
+            let w = t.w.add(r * t.w_stride);
+            let mut s = hsum(acc[r][c]);
+            for i in n8..t.n {
+                s += K::load1(w, i) * *x.add(i);
+            }
+            *t.out.add(c * t.out_stride + r) = s;
+        }
+    }
+}

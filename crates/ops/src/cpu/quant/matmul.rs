@@ -1,0 +1,326 @@
+//! The matmul driver: quantize the activations once, split the output over
+//! the pool, and run register tiles of `rw` weight rows x `ra` activation
+//! rows over each task's block of the output.
+//!
+//! Decode (small m) and prefill (large m) share the loop: a task owns a
+//! range of weight rows (and, for large m, a range of activation rows); it
+//! walks its activation rows a tile at a time, and for each, sweeps its
+//! weight rows. A task's weight rows are sized to stay in L2, so each
+//! weight block is fetched from memory once per call however large m is,
+//! and reused from cache by every activation tile.
+
+use std::cell::RefCell;
+
+use super::act::{quantize_q8a, quantize_q8k};
+use super::blocks::{Q8A, Q8KA};
+use super::scalar::{dot, ActRow};
+use super::{Isa, QMatRef};
+use crate::cpu::pool;
+use braid_formats::DType;
+
+/// One register tile's operands: `out[c * out_stride + r]` for `r < rw`,
+/// `c < ra` is the dot of weight row `w + r * w_stride` with activation
+/// row `a + c * a_stride` (byte strides), over `n` blocks (elements for
+/// float weights).
+pub(crate) struct Tile {
+    pub dtype: DType,
+    pub w: *const u8,
+    pub w_stride: usize,
+    pub a: *const u8,
+    pub a_stride: usize,
+    pub n: usize,
+    pub out: *mut f32,
+    pub out_stride: usize,
+}
+
+/// Computes a `rw x ra` tile. # Safety: the tile's pointers cover it, and
+/// the kernel's ISA is available.
+pub(crate) type TileFn = unsafe fn(&Tile, usize, usize);
+
+/// A type's tile function and the tile shapes it was built for: `rw x ra`
+/// for full tiles, `rw_gemv x 1` for single activation rows; any leftover
+/// rows run as `1 x ra` / `1 x 1`.
+#[derive(Clone, Copy)]
+pub(crate) struct Kernel {
+    pub tile: TileFn,
+    pub rw: usize,
+    pub ra: usize,
+    pub rw_gemv: usize,
+}
+
+/// How activations are fed to a weight type.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ActKind {
+    F32,
+    Q8,
+    Q8K,
+}
+
+fn act_kind(dtype: DType) -> ActKind {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => ActKind::F32,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
+            ActKind::Q8
+        }
+        DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::Q8K => ActKind::Q8K,
+    }
+}
+
+unsafe fn scalar_tile(t: &Tile, rw: usize, ra: usize) {
+    let row_bytes = t.dtype.bytes_for(t.n * t.dtype.block_size()).unwrap_or(0);
+    for c in 0..ra {
+        let ap = t.a.add(c * t.a_stride);
+        let act = match act_kind(t.dtype) {
+            ActKind::F32 => ActRow::F32(std::slice::from_raw_parts(ap as *const f32, t.n)),
+            ActKind::Q8 => ActRow::Q8(std::slice::from_raw_parts(ap as *const Q8A, t.n)),
+            ActKind::Q8K => ActRow::Q8K(std::slice::from_raw_parts(ap as *const Q8KA, t.n)),
+        };
+        for r in 0..rw {
+            let w = std::slice::from_raw_parts(t.w.add(r * t.w_stride), row_bytes);
+            *t.out.add(c * t.out_stride + r) = dot(t.dtype, w, act);
+        }
+    }
+}
+
+fn kernel(isa: Isa, dtype: DType) -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        if let Some(k) = super::avx2::kernel(dtype) {
+            return k;
+        }
+    }
+    let _ = isa;
+    Kernel {
+        tile: scalar_tile,
+        rw: 1,
+        ra: 1,
+        rw_gemv: 1,
+    }
+}
+
+thread_local! {
+    static SCRATCH_Q8: RefCell<Vec<Q8A>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_Q8K: RefCell<Vec<Q8KA>> = const { RefCell::new(Vec::new()) };
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    // A method, so closures capture the whole (Sync) wrapper, not the field.
+    fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
+/// Quantize `m` rows of `x` into `dst` (`m * per_row` blocks), over the
+/// pool when there are enough rows to be worth it.
+fn quantize_rows<B: Send>(
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    dst: &mut [B],
+    f: &(dyn Fn(&[f32], &mut [B]) + Sync),
+) {
+    let per_row = dst.len() / m.max(1);
+    let ptr = SendPtr(dst.as_mut_ptr());
+    let body = |i: usize| {
+        // SAFETY: each task writes only row i's blocks.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(i * per_row), per_row) };
+        f(&x[i * cols..(i + 1) * cols], out);
+    };
+    if m >= 8 && m * cols >= 1 << 15 {
+        pool::parallel_for(m, &body);
+    } else {
+        (0..m).for_each(body);
+    }
+}
+
+/// `out[m][rows] = x[m][cols] · Wᵀ` with the best kernels this CPU has.
+///
+/// # Panics
+/// When the shapes disagree (`x.len() != m * cols`, `out.len() != m *
+/// rows`, or `w.data` is not `rows` rows of `cols`): a caller's bug, as
+/// weights are validated ([`QMatRef::validate`]) when loaded.
+pub fn matmul(w: QMatRef<'_>, x: &[f32], m: usize, out: &mut [f32]) {
+    matmul_isa(Isa::best(), w, x, m, out)
+}
+
+/// [`matmul`] with the given kernels (the scalar ones when `isa` is not
+/// available here). For tests and benchmarks.
+pub fn matmul_isa(isa: Isa, w: QMatRef<'_>, x: &[f32], m: usize, out: &mut [f32]) {
+    run(isa, w, None, x, m, out)
+}
+
+/// `out[m][ids.len()] = x[m][cols] · W[ids]ᵀ`: the matmul restricted to the
+/// weight rows `ids` (e.g. logits for a few candidate tokens).
+///
+/// # Panics
+/// As [`matmul`], and when an id is not below `w.rows`.
+pub fn matmul_rows(w: QMatRef<'_>, ids: &[u32], x: &[f32], m: usize, out: &mut [f32]) {
+    run(Isa::best(), w, Some(ids), x, m, out)
+}
+
+fn run(isa: Isa, w: QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: &mut [f32]) {
+    if let Err(e) = w.validate() {
+        panic!("matmul: {e}");
+    }
+    let n_out = ids.map_or(w.rows, |ids| ids.len());
+    assert_eq!(
+        x.len(),
+        m * w.cols,
+        "matmul: x holds {} values, not {m} rows of {}",
+        x.len(),
+        w.cols
+    );
+    assert_eq!(
+        out.len(),
+        m * n_out,
+        "matmul: out holds {} values, not {m} x {n_out}",
+        out.len()
+    );
+    if let Some(ids) = ids {
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= w.rows) {
+            panic!(
+                "matmul_rows: row {bad} is past the weight's {} rows",
+                w.rows
+            );
+        }
+    }
+    if m == 0 || n_out == 0 {
+        return;
+    }
+    if w.cols == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let isa = if isa.available() { isa } else { Isa::Scalar };
+    let k = kernel(isa, w.dtype);
+    let cols = w.cols;
+    match act_kind(w.dtype) {
+        ActKind::F32 => {
+            let a = x.as_ptr() as *const u8;
+            drive(&k, w, ids, a, cols * 4, cols, m, out);
+        }
+        ActKind::Q8 => {
+            let nb = cols / 32;
+            with_scratch(&SCRATCH_Q8, m * nb, |buf| {
+                quantize_rows(x, m, cols, buf, &|xr, o| quantize_q8a(isa, xr, o));
+                let a = buf.as_ptr() as *const u8;
+                drive(&k, w, ids, a, nb * std::mem::size_of::<Q8A>(), nb, m, out);
+            });
+        }
+        ActKind::Q8K => {
+            let nb = cols / 256;
+            with_scratch(&SCRATCH_Q8K, m * nb, |buf| {
+                quantize_rows(x, m, cols, buf, &|xr, o| quantize_q8k(isa, xr, o));
+                let a = buf.as_ptr() as *const u8;
+                drive(&k, w, ids, a, nb * std::mem::size_of::<Q8KA>(), nb, m, out);
+            });
+        }
+    }
+}
+
+/// Run `f` on `n` blocks of this thread's scratch (grown, never shrunk, so
+/// steady-state calls do not allocate). A nested call, which cannot borrow
+/// it, gets a fresh buffer.
+fn with_scratch<B: Default + Clone>(
+    key: &'static std::thread::LocalKey<RefCell<Vec<B>>>,
+    n: usize,
+    f: impl FnOnce(&mut [B]),
+) {
+    let mut f = Some(f);
+    key.with(|cell| {
+        if let Ok(mut buf) = cell.try_borrow_mut() {
+            if buf.len() < n {
+                buf.resize(n, B::default());
+            }
+            (f.take().expect("called once"))(&mut buf[..n]);
+        }
+    });
+    if let Some(f) = f {
+        f(&mut vec![B::default(); n]);
+    }
+}
+
+/// Activation rows per task in the prefill case: enough to reuse each
+/// weight tile many times, few enough that both operands stay in L2.
+const ACT_CHUNK: usize = 64;
+/// Below this many multiply-adds a call runs on the calling thread alone:
+/// waking the pool would cost more than it saves.
+const MIN_PARALLEL_MACS: usize = 1 << 16;
+
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    k: &Kernel,
+    w: QMatRef<'_>,
+    ids: Option<&[u32]>,
+    a: *const u8,
+    a_stride: usize,
+    n: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    let rb = w.dtype.bytes_for(w.cols).unwrap_or(0);
+    let n_out = ids.map_or(w.rows, |ids| ids.len());
+    let threads = pool::threads();
+    let macs = n_out * w.cols * m;
+    let par = threads > 1 && macs >= MIN_PARALLEL_MACS;
+
+    let n_ac = if par { m.div_ceil(ACT_CHUNK) } else { 1 };
+    let ac_len = m.div_ceil(n_ac).next_multiple_of(k.ra);
+    let n_ac = m.div_ceil(ac_len);
+    // Aim for a few tasks per thread so uneven progress balances, with row
+    // ranges that are whole tiles.
+    let want_tasks = if par { threads * 4 } else { 1 };
+    let n_rc = want_tasks
+        .div_ceil(n_ac)
+        .clamp(1, n_out.div_ceil(k.rw.max(k.rw_gemv)));
+    let align = k.rw.max(k.rw_gemv);
+    let rc_len = n_out.div_ceil(n_rc).next_multiple_of(align);
+    let n_rc = n_out.div_ceil(rc_len);
+
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let a_ptr = SendPtr(a as *mut u8);
+    let task = |t: usize| {
+        let (rc, ac) = (t % n_rc, t / n_rc);
+        let (r0, r1) = (rc * rc_len, ((rc + 1) * rc_len).min(n_out));
+        let (c0, c1) = (ac * ac_len, ((ac + 1) * ac_len).min(m));
+        let mut c = c0;
+        while c < c1 {
+            let ra = if c1 - c >= k.ra { k.ra } else { 1 };
+            let full_rw = if ra == 1 { k.rw_gemv } else { k.rw };
+            let mut r = r0;
+            while r < r1 {
+                let rw = match ids {
+                    Some(_) => 1,
+                    None if r1 - r >= full_rw => full_rw,
+                    None => 1,
+                };
+                let row = ids.map_or(r, |ids| ids[r] as usize);
+                let tile = Tile {
+                    dtype: w.dtype,
+                    // SAFETY (all pointers): rows < w.rows and c < m were
+                    // checked; tasks write disjoint (row, c) outputs.
+                    w: unsafe { w.data.as_ptr().add(row * rb) },
+                    w_stride: rb,
+                    a: unsafe { (a_ptr.get() as *const u8).add(c * a_stride) },
+                    a_stride,
+                    n,
+                    out: unsafe { out_ptr.get().add(c * n_out + r) },
+                    out_stride: n_out,
+                };
+                unsafe { (k.tile)(&tile, rw, ra) };
+                r += rw;
+            }
+            c += ra;
+        }
+    };
+    let n_tasks = n_rc * n_ac;
+    if n_tasks == 1 {
+        task(0);
+    } else {
+        pool::parallel_for(n_tasks, &task);
+    }
+}

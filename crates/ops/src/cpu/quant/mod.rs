@@ -1,0 +1,134 @@
+//! GGML quantized blocks on the CPU: dequantization and matmul.
+//!
+//! Weights stay in their GGUF blocks. A matmul quantizes the activations
+//! once to 8-bit blocks (Q8_0-like for the 32-element types, Q8_K-like for
+//! the 256-element K-quants) and then does integer dot products block by
+//! block, as llama.cpp does. Float weights (F32/F16/BF16) take f32
+//! activations directly.
+//!
+//! Every kernel has a scalar version and, where the CPU has AVX2+FMA+F16C
+//! (checked at run time), a SIMD one; the tests hold one against the other.
+
+mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod blocks;
+mod dequant;
+mod matmul;
+mod scalar;
+
+use anyhow::{bail, Result};
+use braid_formats::DType;
+
+pub use blocks::{f16_to_f32, f32_to_f16};
+pub use matmul::{matmul, matmul_isa, matmul_rows};
+
+/// A weight matrix as the file stores it: `rows` output features, each a
+/// row of `cols` input features in `dtype`'s blocks, rows back to back.
+#[derive(Clone, Copy, Debug)]
+pub struct QMatRef<'a> {
+    pub dtype: DType,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// `rows * dtype.bytes_for(cols)` bytes.
+    pub data: &'a [u8],
+}
+
+impl QMatRef<'_> {
+    /// Bytes of one row, or an error when `cols` is not whole blocks.
+    pub fn row_bytes(&self) -> Result<usize> {
+        match self.dtype.bytes_for(self.cols) {
+            Some(b) => Ok(b),
+            None => bail!(
+                "{} rows hold whole blocks of {} elements; {} columns is not a multiple",
+                self.dtype,
+                self.dtype.block_size(),
+                self.cols
+            ),
+        }
+    }
+
+    /// Checks that the data has exactly the bytes the shape needs.
+    pub fn validate(&self) -> Result<()> {
+        let rb = self.row_bytes()?;
+        let need = rb.checked_mul(self.rows);
+        if need != Some(self.data.len()) {
+            bail!(
+                "a {} matrix of {}x{} needs {:?} bytes, got {}",
+                self.dtype,
+                self.rows,
+                self.cols,
+                need,
+                self.data.len()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Which kernels run: the portable scalar ones, or AVX2+FMA+F16C.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+}
+
+impl Isa {
+    /// The best kernels this CPU runs. `BRAID_CPU_ISA=scalar` forces the
+    /// scalar ones (for debugging and comparisons).
+    pub fn best() -> Isa {
+        use std::sync::atomic::{AtomicU8, Ordering};
+        static BEST: AtomicU8 = AtomicU8::new(0);
+        match BEST.load(Ordering::Relaxed) {
+            1 => return Isa::Scalar,
+            2 => return Isa::Avx2,
+            _ => {}
+        }
+        let forced_scalar = std::env::var("BRAID_CPU_ISA").is_ok_and(|v| v == "scalar");
+        let isa = if !forced_scalar && Isa::Avx2.available() {
+            Isa::Avx2
+        } else {
+            Isa::Scalar
+        };
+        BEST.store(if isa == Isa::Avx2 { 2 } else { 1 }, Ordering::Relaxed);
+        isa
+    }
+
+    /// Whether this CPU can run these kernels.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => false,
+        }
+    }
+}
+
+/// Dequantize `dst.len()` elements of `dtype` from `src`, which must hold
+/// exactly those elements' blocks.
+pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let Some(need) = dtype.bytes_for(dst.len()) else {
+        bail!(
+            "cannot dequantize {} elements of {dtype}: not a whole number of {}-element blocks",
+            dst.len(),
+            dtype.block_size()
+        );
+    };
+    if need != src.len() {
+        bail!(
+            "{} elements of {dtype} take {need} bytes, but {} bytes were given",
+            dst.len(),
+            src.len()
+        );
+    }
+    dequant::dequantize_blocks(dtype, src, dst);
+    Ok(())
+}

@@ -1,0 +1,339 @@
+//! Quantized matmul: SIMD kernels against the scalar ones, and both against
+//! a dequantize-then-f32 reference within the activation quantization's
+//! error bound.
+
+use braid_formats::DType;
+use braid_ops::cpu::quant::{
+    dequantize, f32_to_f16, matmul, matmul_isa, matmul_rows, Isa, QMatRef,
+};
+
+/// xorshift64*: deterministic, no dependencies.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+const ALL: [DType; 15] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q8_1,
+    DType::Q2K,
+    DType::Q3K,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+    DType::Q8K,
+];
+
+/// Offsets of the f16 scale fields of each block type.
+fn scale_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q8_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        _ => &[],
+    }
+}
+
+/// A random `rows x cols` weight: random bytes (every packed bit pattern)
+/// with sane scales.
+fn random_weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    let n = rows * cols;
+    match dtype {
+        DType::F32 => (0..n).flat_map(|_| rng.f().to_le_bytes()).collect(),
+        DType::F16 => (0..n)
+            .flat_map(|_| f32_to_f16(rng.f()).to_le_bytes())
+            .collect(),
+        DType::BF16 => (0..n)
+            .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
+            .collect(),
+        _ => {
+            let bytes = dtype.bytes_for(n).unwrap();
+            let mut w: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+            for blk in w.chunks_exact_mut(dtype.type_size()) {
+                for &o in scale_fields(dtype) {
+                    blk[o..o + 2].copy_from_slice(&f32_to_f16(rng.f() * 0.05).to_le_bytes());
+                }
+                if dtype == DType::Q8K {
+                    blk[0..4].copy_from_slice(&(rng.f() * 0.01).to_le_bytes());
+                }
+            }
+            w
+        }
+    }
+}
+
+/// Activations with some spread between blocks, and one zero block.
+fn random_x(rng: &mut Rng, m: usize, cols: usize) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..m * cols)
+        .map(|i| rng.f() * (1.0 + (i % 7) as f32))
+        .collect();
+    let z = cols.min(32);
+    x[..z].fill(0.0);
+    x
+}
+
+struct Case {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    m: usize,
+    w: Vec<u8>,
+    x: Vec<f32>,
+}
+
+fn case(rng: &mut Rng, dtype: DType, rows: usize, blocks: usize, m: usize) -> Case {
+    let bs = if dtype.is_quantized() {
+        dtype.block_size()
+    } else {
+        37
+    };
+    let cols = bs * blocks;
+    Case {
+        dtype,
+        rows,
+        cols,
+        m,
+        w: random_weight(rng, dtype, rows, cols),
+        x: random_x(rng, m, cols),
+    }
+}
+
+impl Case {
+    fn w(&self) -> QMatRef<'_> {
+        QMatRef {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.w,
+        }
+    }
+    fn run(&self, isa: Isa) -> Vec<f32> {
+        let mut out = vec![f32::NAN; self.m * self.rows];
+        matmul_isa(isa, self.w(), &self.x, self.m, &mut out);
+        out
+    }
+    /// (reference in f64 from dequantized weights and exact activations,
+    /// sum of |w*x| per output, activation quantization error bound).
+    fn reference(&self) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let mut wd = vec![0.0f32; self.rows * self.cols];
+        dequantize(self.dtype, &self.w, &mut wd).unwrap();
+        // Activation block: 32 for the 32-element types, 256 for K-quants.
+        let ab = if self.dtype.is_quantized() {
+            self.dtype.block_size()
+        } else {
+            0
+        };
+        let (mut r, mut a, mut e) = (vec![], vec![], vec![]);
+        for c in 0..self.m {
+            let x = &self.x[c * self.cols..(c + 1) * self.cols];
+            for row in 0..self.rows {
+                let w = &wd[row * self.cols..(row + 1) * self.cols];
+                let (mut s, mut abs, mut err) = (0.0f64, 0.0f64, 0.0f64);
+                for k in 0..self.cols {
+                    s += w[k] as f64 * x[k] as f64;
+                    abs += (w[k] as f64 * x[k] as f64).abs();
+                }
+                if ab > 0 {
+                    // Rounding to the nearest of steps amax/127 moves each
+                    // value by at most amax/254.
+                    for (wb, xb) in w.chunks(ab).zip(x.chunks(ab)) {
+                        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+                        let wsum: f64 = wb.iter().map(|v| v.abs() as f64).sum();
+                        err += wsum * amax / 254.0;
+                    }
+                }
+                r.push(s);
+                a.push(abs);
+                e.push(err);
+            }
+        }
+        (r, a, e)
+    }
+}
+
+fn shapes() -> Vec<(usize, usize, usize)> {
+    // (rows, blocks per row, m): one row, odd rows and m, tails of every
+    // tile shape, and an m large enough for the prefill split.
+    vec![
+        (1, 1, 1),
+        (3, 2, 1),
+        (7, 3, 5),
+        (9, 1, 4),
+        (33, 2, 9),
+        (64, 4, 3),
+        (21, 2, 70),
+        (130, 1, 2),
+    ]
+}
+
+#[test]
+fn simd_matches_scalar_for_every_type_and_shape() {
+    if !Isa::Avx2.available() {
+        eprintln!("no AVX2 on this CPU: SIMD kernels not tested");
+        return;
+    }
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for dtype in ALL {
+        for (rows, blocks, m) in shapes() {
+            let c = case(&mut rng, dtype, rows, blocks, m);
+            let simd = c.run(Isa::Avx2);
+            let scalar = c.run(Isa::Scalar);
+            let (_, abs, _) = c.reference();
+            for i in 0..simd.len() {
+                // Identical activation blocks and exact integer block sums:
+                // only the float summation order differs.
+                let tol = 2e-6 * abs[i] + 1e-6;
+                assert!(
+                    (simd[i] - scalar[i]).abs() as f64 <= tol,
+                    "{dtype} {rows}x{} m={m} out {i}: simd {} scalar {} (tol {tol:e})",
+                    c.cols,
+                    simd[i],
+                    scalar[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_dequantized_reference_within_activation_error() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for isa in [Isa::Scalar, Isa::Avx2] {
+        if !isa.available() {
+            continue;
+        }
+        for dtype in ALL {
+            for (rows, blocks, m) in [(5, 3, 3), (40, 2, 17)] {
+                let c = case(&mut rng, dtype, rows, blocks, m);
+                let got = c.run(isa);
+                let (want, abs, err) = c.reference();
+                let mut max_rel = 0.0f64;
+                for i in 0..got.len() {
+                    // Quantization bound plus f32 accumulation slack.
+                    let tol = err[i] * 1.001 + 1e-5 * abs[i] + 1e-6;
+                    let d = (got[i] as f64 - want[i]).abs();
+                    assert!(
+                        d <= tol,
+                        "{isa:?} {dtype} out {i}: {} vs {} (tol {tol:e})",
+                        got[i],
+                        want[i]
+                    );
+                    max_rel = max_rel.max(d / (abs[i] + 1e-9));
+                }
+                // Without 8-bit activations the result is plain f32 math.
+                if !dtype.is_quantized() {
+                    assert!(max_rel < 1e-5, "{dtype}: rel error {max_rel:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantization_error_is_small_on_realistic_data() {
+    // Uniform activations: 8-bit activations cost well under 1% (RMS).
+    let mut rng = Rng(42);
+    for dtype in [
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4K,
+        DType::Q6K,
+        DType::Q5_0,
+    ] {
+        let (rows, cols, m) = (16, 512, 3);
+        let w = random_weight(&mut rng, dtype, rows, cols);
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let mut got = vec![0.0; m * rows];
+        matmul(
+            QMatRef {
+                dtype,
+                rows,
+                cols,
+                data: &w,
+            },
+            &x,
+            m,
+            &mut got,
+        );
+        let mut wd = vec![0.0; rows * cols];
+        dequantize(dtype, &w, &mut wd).unwrap();
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for c in 0..m {
+            for r in 0..rows {
+                let want: f64 = (0..cols)
+                    .map(|k| wd[r * cols + k] as f64 * x[c * cols + k] as f64)
+                    .sum();
+                num += (got[c * rows + r] as f64 - want).powi(2);
+                den += want * want;
+            }
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel < 5e-3, "{dtype}: relative RMS error {rel:e}");
+    }
+}
+
+#[test]
+fn thread_counts_and_row_subsets_give_identical_results() {
+    let mut rng = Rng(7);
+    for dtype in [DType::Q4_1, DType::Q4K, DType::Q6K, DType::Q8_0, DType::F16] {
+        let c = case(&mut rng, dtype, 301, 3, 37);
+        let mut one = vec![0.0; c.m * c.rows];
+        let mut two = vec![0.0; c.m * c.rows];
+        braid_ops::cpu::pool::set_threads(1);
+        matmul(c.w(), &c.x, c.m, &mut one);
+        braid_ops::cpu::pool::set_threads(2);
+        matmul(c.w(), &c.x, c.m, &mut two);
+        braid_ops::cpu::pool::set_threads(0);
+        assert_eq!(one, two, "{dtype}: results depend on the thread count");
+
+        let ids = [300u32, 0, 17, 17, 150];
+        let mut sub = vec![0.0; c.m * ids.len()];
+        matmul_rows(c.w(), &ids, &c.x, c.m, &mut sub);
+        for row in 0..c.m {
+            for (j, &id) in ids.iter().enumerate() {
+                assert_eq!(
+                    sub[row * ids.len() + j],
+                    one[row * c.rows + id as usize],
+                    "{dtype}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "needs")]
+fn short_weight_data_panics_with_a_message() {
+    let w = vec![0u8; 19];
+    let x = vec![0.0; 32];
+    let mut out = vec![0.0; 1];
+    matmul(
+        QMatRef {
+            dtype: DType::Q4_1,
+            rows: 1,
+            cols: 32,
+            data: &w,
+        },
+        &x,
+        1,
+        &mut out,
+    );
+}

@@ -18,49 +18,36 @@ use crate::generate::{Finish, GenEvent, GenRequest, Refusal, Sampling, Sink, Tic
 use crate::params::{self, Common, Endpoint, Prompt};
 use crate::{App, Loaded, ModelInfo};
 
-pub(crate) async fn chat(
-    axum::extract::State(app): axum::extract::State<Arc<App>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    generate(app, Endpoint::Chat, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+pub(crate) async fn chat(axum::extract::State(app): axum::extract::State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    answer(app, Endpoint::Chat, body).await
 }
 
-pub(crate) async fn completions(
-    axum::extract::State(app): axum::extract::State<Arc<App>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    generate(app, Endpoint::Completions, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+pub(crate) async fn completions(axum::extract::State(app): axum::extract::State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    answer(app, Endpoint::Completions, body).await
+}
+
+async fn answer(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
+    match generate(app, endpoint, body).await {
+        Ok(res) => res,
+        Err(e) => {
+            // Requests that never reached the lane get their line too.
+            tracing::info!(endpoint = endpoint.path(), status = e.status.as_u16(), error = %e.message, "request refused");
+            e.into_response()
+        }
+    }
 }
 
 /// A body the extractor refused (too large, or unreadable).
 fn rejected(r: BytesRejection) -> ApiError {
     let status = r.status();
     if status == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError {
-            status,
-            ..ApiError::invalid("The request body is too large.")
-        }
-        .with_code("request_too_large")
+        ApiError { status, ..ApiError::invalid("The request body is too large.") }.with_code("request_too_large")
     } else {
-        ApiError {
-            status,
-            ..ApiError::invalid(format!(
-                "Could not read the request body: {}",
-                r.body_text()
-            ))
-        }
+        ApiError { status, ..ApiError::invalid(format!("Could not read the request body: {}", r.body_text())) }
     }
 }
 
-async fn generate(
-    app: Arc<App>,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn generate(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let body = body.map_err(rejected)?;
     let map = params::parse_object(&body)?;
@@ -81,25 +68,16 @@ async fn generate(
         }
     }
     let Loaded { gen, info } = app.loaded()?;
-    let prompts = match prompts {
-        Input::Chat(messages) => vec![crate::chat_prompt(&info, &messages)?],
-        Input::Prompts(ps) => ps
-            .into_iter()
-            .map(|p| tokenize(&info, p))
-            .collect::<Result<Vec<_>, _>>()?,
-    };
-    let max_tokens = prompts
-        .iter()
-        .map(|p| {
-            fit(
-                &common,
-                p.len(),
-                info.context,
-                endpoint,
-                app.cfg.default_max_tokens,
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    // Rendering and tokenizing a large prompt takes a while: keep it off
+    // the async workers.
+    let tok_info = info.clone();
+    let prompts = tokio::task::spawn_blocking(move || match prompts {
+        Input::Chat(messages) => Ok(vec![crate::chat_prompt(&tok_info, &messages)?]),
+        Input::Prompts(ps) => ps.into_iter().map(|p| tokenize(&tok_info, p)).collect::<Result<Vec<_>, _>>(),
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("Tokenizing the prompt failed: {e}")))??;
+    let max_tokens = prompts.iter().map(|p| fit(&common, p.len(), info.context, endpoint, app.cfg.default_max_tokens)).collect::<Result<Vec<_>, _>>()?;
 
     let n = common.n;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -127,16 +105,7 @@ async fn generate(
                 logprobs: common.logprobs,
             };
             // On refusal, dropping the tickets cancels the choices already queued.
-            tickets.push(
-                gen.submit(
-                    req,
-                    Sink {
-                        index: i * n + j,
-                        tx: tx.clone(),
-                    },
-                )
-                .map_err(refusal)?,
-            );
+            tickets.push(gen.submit(req, Sink { index: i * n + j, tx: tx.clone() }).map_err(refusal)?);
         }
     }
     drop(tx);
@@ -144,15 +113,7 @@ async fn generate(
     let run = Run {
         app: app.clone(),
         info,
-        id: format!(
-            "{}{}",
-            if endpoint == Endpoint::Chat {
-                "chatcmpl-"
-            } else {
-                "cmpl-"
-            },
-            random_id()
-        ),
+        id: format!("{}{}", if endpoint == Endpoint::Chat { "chatcmpl-" } else { "cmpl-" }, random_id()),
         endpoint,
         created: unix_now(),
         model: app.cfg.model_name.clone(),
@@ -181,16 +142,11 @@ enum Input {
 
 fn tokenize(info: &ModelInfo, p: Prompt) -> Result<Vec<u32>, ApiError> {
     match p {
-        Prompt::Text(s) => info.tokenizer.encode(&s, true).map_err(|e| {
-            ApiError::param("prompt", format!("Could not tokenize the prompt: {e:#}"))
-        }),
+        Prompt::Text(s) => info.tokenizer.encode(&s, true).map_err(|e| ApiError::param("prompt", format!("Could not tokenize the prompt: {e:#}"))),
         Prompt::Tokens(ids) => {
             let vocab = info.tokenizer.vocab_size();
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-                return Err(ApiError::param(
-                    "prompt",
-                    format!("Token id {bad} is outside the vocabulary (0..{vocab})."),
-                ));
+                return Err(ApiError::param("prompt", format!("Token id {bad} is outside the vocabulary (0..{vocab}).")));
             }
             Ok(ids)
         }
@@ -199,18 +155,8 @@ fn tokenize(info: &ModelInfo, p: Prompt) -> Result<Vec<u32>, ApiError> {
 
 /// The completion budget of one prompt: `max_tokens` if prompt and
 /// completion fit the context, else a 400 naming both numbers.
-fn fit(
-    common: &Common,
-    prompt: usize,
-    context: usize,
-    endpoint: Endpoint,
-    default_max: Option<usize>,
-) -> Result<usize, ApiError> {
-    let prompt_param = if endpoint == Endpoint::Chat {
-        "messages"
-    } else {
-        "prompt"
-    };
+fn fit(common: &Common, prompt: usize, context: usize, endpoint: Endpoint, default_max: Option<usize>) -> Result<usize, ApiError> {
+    let prompt_param = if endpoint == Endpoint::Chat { "messages" } else { "prompt" };
     match common.max_tokens {
         Some(m) if prompt.saturating_add(m) > context => Err(ApiError::param(
             "max_tokens",
@@ -328,12 +274,7 @@ impl Run {
                 choice.cached = cached_tokens;
                 Update::Nothing
             }
-            GenEvent::Token {
-                id,
-                text,
-                logprob,
-                top,
-            } => {
+            GenEvent::Token { id, text, logprob, top } => {
                 let m = &self.app.metrics;
                 match choice.last {
                     None => m.ttft.observe((now - self.arrived).as_secs_f64()),
@@ -345,40 +286,21 @@ impl Run {
                 let lp = match (self.logprobs, logprob) {
                     (Some(k), Some(logprob)) => {
                         let top = top.into_iter().take(k).collect();
-                        let t = TokenLogprob {
-                            id,
-                            logprob,
-                            top,
-                            offset: choice.text.len(),
-                        };
+                        let t = TokenLogprob { id, logprob, top, offset: choice.text.len() };
                         choice.logprobs.push(t.clone());
                         Some(t)
                     }
                     _ => None,
                 };
                 choice.text.push_str(&text);
-                Update::Token {
-                    index,
-                    text,
-                    logprob: lp,
-                }
+                Update::Token { index, text, logprob: lp }
             }
-            GenEvent::Finished {
-                reason,
-                text,
-                completion_tokens,
-                cached_tokens,
-                ..
-            } => {
+            GenEvent::Finished { reason, text, completion_tokens, cached_tokens, .. } => {
                 choice.text.push_str(&text);
                 choice.tokens = completion_tokens;
                 choice.cached = choice.cached.max(cached_tokens);
                 choice.finish = Some(reason);
-                Update::Finished {
-                    index,
-                    text,
-                    reason,
-                }
+                Update::Finished { index, text, reason }
             }
             GenEvent::Error(m) => Update::Error(m),
         }
@@ -388,12 +310,7 @@ impl Run {
         let prompt: usize = self.prompt_lens.iter().sum();
         let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
         // Prompt tokens count once per prompt (not per choice), as OpenAI does.
-        let cached: usize = self
-            .choices
-            .iter()
-            .step_by(self.n.max(1))
-            .map(|c| c.cached)
-            .sum();
+        let cached: usize = self.choices.iter().step_by(self.n.max(1)).map(|c| c.cached).sum();
         json!({
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -504,11 +421,7 @@ impl Run {
                 let e = ApiError::internal(format!("Generation failed: {m}"));
                 out.push_back(sse(&e.body()));
             }
-            Update::Token {
-                index,
-                text,
-                logprob,
-            } => {
+            Update::Token { index, text, logprob } => {
                 if text.is_empty() && logprob.is_none() {
                     return;
                 }
@@ -528,20 +441,9 @@ impl Run {
                 };
                 out.push_back(sse(&self.envelope(json!([choice]), true)));
             }
-            Update::Finished {
-                index,
-                text,
-                reason,
-            } => {
+            Update::Finished { index, text, reason } => {
                 if !text.is_empty() {
-                    self.frames(
-                        Update::Token {
-                            index,
-                            text,
-                            logprob: None,
-                        },
-                        out,
-                    );
+                    self.frames(Update::Token { index, text, logprob: None }, out);
                 }
                 let choice = match self.endpoint {
                     Endpoint::Chat => {
@@ -585,17 +487,8 @@ impl Drop for Run {
         let m = &self.app.metrics;
         m.add_tokens(prompt, generated);
         m.duration.observe(self.arrived.elapsed().as_secs_f64());
-        let ttft_ms = self
-            .choices
-            .iter()
-            .filter_map(|c| c.first)
-            .min()
-            .map(|t| (t - self.arrived).as_secs_f64() * 1e3);
-        let reasons: Vec<&str> = self
-            .choices
-            .iter()
-            .map(|c| c.finish.map(Finish::as_str).unwrap_or("cancelled"))
-            .collect();
+        let ttft_ms = self.choices.iter().filter_map(|c| c.first).min().map(|t| (t - self.arrived).as_secs_f64() * 1e3);
+        let reasons: Vec<&str> = self.choices.iter().map(|c| c.finish.map(Finish::as_str).unwrap_or("cancelled")).collect();
         tracing::info!(
             id = %self.id,
             endpoint = self.endpoint.path(),
@@ -618,11 +511,7 @@ async fn cancelled(cancel: &mut watch::Receiver<bool>) {
     }
 }
 
-async fn whole_response(
-    mut run: Run,
-    mut rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
-    mut cancel: watch::Receiver<bool>,
-) -> Result<Response, ApiError> {
+async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, GenEvent)>, mut cancel: watch::Receiver<bool>) -> Result<Response, ApiError> {
     while !run.all_finished() {
         tokio::select! {
             ev = rx.recv() => match ev {
@@ -680,19 +569,10 @@ impl Streaming {
     }
 }
 
-fn stream_response(
-    run: Run,
-    rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
-    cancel: watch::Receiver<bool>,
-) -> Response {
+fn stream_response(run: Run, rx: mpsc::UnboundedReceiver<(usize, GenEvent)>, cancel: watch::Receiver<bool>) -> Response {
     let mut out = VecDeque::new();
     run.opening(&mut out);
-    let state = Streaming {
-        run,
-        rx,
-        cancel,
-        out,
-    };
+    let state = Streaming { run, rx, cancel, out };
     // When the client leaves, hyper drops this stream: `rx` goes with it,
     // and the lane side sees its sinks closed and cancels.
     let body = futures::stream::unfold(state, |mut st| async move {
@@ -708,10 +588,7 @@ fn stream_response(
     });
     let mut res = Response::new(Body::from_stream(body));
     let h = res.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     res
@@ -722,10 +599,7 @@ fn sse(v: &Value) -> Bytes {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// 24 hex digits, unique enough for request ids (no RNG crate needed: the

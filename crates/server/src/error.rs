@@ -22,14 +22,7 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code: None,
-            retry_after: None,
-        }
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
     }
 
     /// 400: the request is wrong.
@@ -39,10 +32,7 @@ impl ApiError {
 
     /// 400 naming the field at fault.
     pub fn param(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            param: Some(param.to_string()),
-            ..ApiError::invalid(message)
-        }
+        ApiError { param: Some(param.to_string()), ..ApiError::invalid(message) }
     }
 
     pub fn with_code(mut self, code: &'static str) -> ApiError {
@@ -51,46 +41,30 @@ impl ApiError {
     }
 
     pub fn not_found(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
-            .with_code("not_found")
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message).with_code("not_found")
     }
 
     pub fn model_not_found(model: &str, served: &str) -> ApiError {
         ApiError {
             param: Some("model".into()),
-            ..ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                format!("The model `{model}` does not exist; this server serves `{served}`."),
-            )
+            ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist; this server serves `{served}`."))
         }
         .with_code("model_not_found")
     }
 
     pub fn unauthorized() -> ApiError {
-        ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "Missing or invalid API key: send `Authorization: Bearer <key>`.",
-        )
-        .with_code("invalid_api_key")
+        ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "Missing or invalid API key: send `Authorization: Bearer <key>`.")
+            .with_code("invalid_api_key")
     }
 
     /// 503: no room now; try again later.
     pub fn overloaded(message: impl Into<String>) -> ApiError {
-        ApiError {
-            retry_after: Some(1),
-            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
-                .with_code("server_overloaded")
-        }
+        ApiError { retry_after: Some(1), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message).with_code("server_overloaded") }
     }
 
     /// 503 while the model is still loading (or already shut down).
     pub fn unavailable(message: impl Into<String>) -> ApiError {
-        ApiError {
-            retry_after: Some(1),
-            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
-        }
+        ApiError { retry_after: Some(1), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message) }
     }
 
     pub fn internal(message: impl Into<String>) -> ApiError {
@@ -120,8 +94,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut res = (self.status, axum::Json(self.body())).into_response();
         if let Some(secs) = self.retry_after {
-            res.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         res
     }

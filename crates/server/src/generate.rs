@@ -109,11 +109,7 @@ pub enum Refusal {
     /// The queue is full: answer 503 with Retry-After.
     Overloaded(String),
     /// Prompt plus completion do not fit in the context.
-    TooLong {
-        prompt: usize,
-        max_tokens: usize,
-        context: usize,
-    },
+    TooLong { prompt: usize, max_tokens: usize, context: usize },
     /// The request is unusable for another reason (400).
     Invalid(String),
     /// The lane is gone (shut down or failed): 503.
@@ -149,9 +145,7 @@ pub struct Ticket {
 
 impl Ticket {
     pub fn new(guard: impl Send + Sync + 'static) -> Ticket {
-        Ticket {
-            _guard: Some(Box::new(guard)),
-        }
+        Ticket { _guard: Some(Box::new(guard)) }
     }
 }
 

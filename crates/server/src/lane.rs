@@ -5,15 +5,10 @@
 
 use std::sync::{Arc, RwLock};
 
-use braid_engine::{
-    Event, EventSink, FinishReason, Lane, Request, SamplingParams, StopRules, SubmitError,
-    TokenText,
-};
+use braid_engine::{Event, EventSink, FinishReason, Lane, Request, SamplingParams, StopRules, SubmitError, TokenText};
 use braid_formats::tokenizer::Tokenizer;
 
-use crate::generate::{
-    Finish, GenEvent, GenRequest, Generator, LaneNumbers, Refusal, Sink, Ticket,
-};
+use crate::generate::{Finish, GenEvent, GenRequest, Generator, LaneNumbers, Refusal, Sink, Ticket};
 
 /// A [`Tokenizer`] as the lane's [`TokenText`] (for `Lane::spawn`).
 pub struct TokenizerText(pub Arc<Tokenizer>);
@@ -37,24 +32,13 @@ impl LaneGenerator {
     /// `stop_ids` backs up the lane's own `LaneConfig::eos_ids` when those
     /// are empty.
     pub fn new(lane: Lane, stop_ids: &[u32]) -> LaneGenerator {
-        let stop_ids = if lane.config().eos_ids.is_empty() {
-            stop_ids.to_vec()
-        } else {
-            Vec::new()
-        };
-        LaneGenerator {
-            lane: RwLock::new(Some(lane)),
-            stop_ids,
-        }
+        let stop_ids = if lane.config().eos_ids.is_empty() { stop_ids.to_vec() } else { Vec::new() };
+        LaneGenerator { lane: RwLock::new(Some(lane)), stop_ids }
     }
 
     /// Longest stream the lane accepts (its context, capped by its memory).
     pub fn max_context(&self) -> Option<usize> {
-        self.lane
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(Lane::max_context)
+        self.lane.read().unwrap_or_else(|e| e.into_inner()).as_ref().map(Lane::max_context)
     }
 }
 
@@ -65,23 +49,8 @@ impl EventSink for LaneSink {
         let ev = match event {
             Event::Queued { position } => GenEvent::Queued { position },
             Event::Started { cached_tokens } => GenEvent::Started { cached_tokens },
-            Event::Token {
-                id,
-                text,
-                logprob,
-                top,
-            } => GenEvent::Token {
-                id,
-                text,
-                logprob,
-                top,
-            },
-            Event::Finished {
-                reason,
-                usage,
-                tail,
-                ..
-            } => GenEvent::Finished {
+            Event::Token { id, text, logprob, top } => GenEvent::Token { id, text, logprob, top },
+            Event::Finished { reason, usage, tail, .. } => GenEvent::Finished {
                 reason: match reason {
                     FinishReason::Stop | FinishReason::Warmed => Finish::Stop,
                     FinishReason::Length => Finish::Length,
@@ -124,11 +93,7 @@ impl Generator for LaneGenerator {
             },
             stop: StopRules {
                 max_tokens: Some(req.max_tokens),
-                stop_ids: if req.ignore_eos {
-                    req.stop_ids
-                } else {
-                    [req.stop_ids, self.stop_ids.clone()].concat()
-                },
+                stop_ids: if req.ignore_eos { req.stop_ids } else { [req.stop_ids, self.stop_ids.clone()].concat() },
                 stop_strings: req.stop_strings,
                 ignore_eos: req.ignore_eos,
             },
@@ -137,21 +102,13 @@ impl Generator for LaneGenerator {
         match lane.submit_with(request, Box::new(LaneSink(sink))) {
             // Dropping the control cancels the stream.
             Ok(control) => Ok(Ticket::new(control)),
-            Err(SubmitError::QueueFull { capacity }) => Err(Refusal::Overloaded(format!(
-                "The server is busy: all {capacity} queue places are taken. Retry later."
-            ))),
-            Err(SubmitError::TooLong {
-                prompt_tokens,
-                max_tokens,
-                max_context,
-            }) => Err(Refusal::TooLong {
-                prompt: prompt_tokens,
-                max_tokens: max_tokens.unwrap_or(0),
-                context: max_context,
-            }),
-            Err(SubmitError::Invalid(m)) | Err(SubmitError::Unsupported(m)) => {
-                Err(Refusal::Invalid(m))
+            Err(SubmitError::QueueFull { capacity }) => {
+                Err(Refusal::Overloaded(format!("The server is busy: all {capacity} queue places are taken. Retry later.")))
             }
+            Err(SubmitError::TooLong { prompt_tokens, max_tokens, max_context }) => {
+                Err(Refusal::TooLong { prompt: prompt_tokens, max_tokens: max_tokens.unwrap_or(0), context: max_context })
+            }
+            Err(SubmitError::Invalid(m)) | Err(SubmitError::Unsupported(m)) => Err(Refusal::Invalid(m)),
             Err(SubmitError::Closed) => Err(Refusal::Closed("The lane has shut down.".into())),
         }
     }

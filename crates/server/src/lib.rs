@@ -39,9 +39,7 @@ use serde_json::json;
 use tokio::sync::{oneshot, watch};
 
 pub use error::ApiError;
-pub use generate::{
-    Finish, GenEvent, GenRequest, Generator, LaneNumbers, Refusal, Sampling, Sink, Ticket,
-};
+pub use generate::{Finish, GenEvent, GenRequest, Generator, LaneNumbers, Refusal, Sampling, Sink, Ticket};
 pub use lane::{LaneGenerator, TokenizerText};
 
 /// How the server listens and what it accepts.
@@ -114,19 +112,12 @@ pub(crate) struct App {
 
 impl App {
     pub(crate) fn loaded(&self) -> Result<Loaded, ApiError> {
-        self.loaded
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| ApiError::unavailable("The model is still loading."))
+        self.loaded.read().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| ApiError::unavailable("The model is still loading."))
     }
 }
 
 /// Renders a chat with the model's template and tokenizes it.
-pub(crate) fn chat_prompt(
-    info: &ModelInfo,
-    messages: &[params::Message],
-) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn chat_prompt(info: &ModelInfo, messages: &[params::Message]) -> Result<Vec<u32>, ApiError> {
     let Some(template) = &info.template else {
         return Err(ApiError::invalid(
             "This model has no chat template, so /v1/chat/completions cannot format messages; \
@@ -134,29 +125,14 @@ pub(crate) fn chat_prompt(
         )
         .with_code("no_chat_template"));
     };
-    let messages: Vec<ChatMessage> = messages
-        .iter()
-        .map(|m| ChatMessage::new(&m.role, &m.content))
-        .collect();
-    let text = template.render(&messages, true).map_err(|e| {
-        ApiError::param(
-            "messages",
-            format!("The chat template could not render these messages: {e:#}"),
-        )
-    })?;
+    let messages: Vec<ChatMessage> = messages.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect();
+    let text =
+        template.render(&messages, true).map_err(|e| ApiError::param("messages", format!("The chat template could not render these messages: {e:#}")))?;
     // Templates usually write the BOS token themselves; add it only when
     // the text does not already start with it.
     let tok = &info.tokenizer;
-    let has_bos = tok
-        .bos()
-        .and_then(|b| tok.token_text(b))
-        .is_some_and(|b| !b.is_empty() && text.starts_with(b));
-    tok.encode(&text, !has_bos).map_err(|e| {
-        ApiError::param(
-            "messages",
-            format!("Could not tokenize the rendered chat: {e:#}"),
-        )
-    })
+    let has_bos = tok.bos().and_then(|b| tok.token_text(b)).is_some_and(|b| !b.is_empty() && text.starts_with(b));
+    tok.encode(&text, !has_bos).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
 }
 
 /// A bound, running server. Serves `/health` (503) and `/metrics` at once;
@@ -171,18 +147,14 @@ pub struct Server {
 impl Server {
     /// Binds `cfg.host:cfg.port` and starts serving. Call from a tokio runtime.
     pub async fn bind(cfg: ServerConfig) -> anyhow::Result<Server> {
-        let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
-            .await
-            .with_context(|| format!("could not listen on {}:{}", cfg.host, cfg.port))?;
+        let listener =
+            tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port)).await.with_context(|| format!("could not listen on {}:{}", cfg.host, cfg.port))?;
         let addr = listener.local_addr()?;
         let app = Arc::new(App {
             loaded: RwLock::new(None),
             metrics: metrics::Metrics::default(),
             cancel: watch::Sender::new(false),
-            started: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            started: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             cfg,
         });
         let router = router(app.clone());
@@ -195,12 +167,7 @@ impl Server {
                 .await
         });
         tracing::info!("listening on http://{addr}");
-        Ok(Server {
-            addr,
-            app,
-            stop: Some(stop),
-            task,
-        })
+        Ok(Server { addr, app, stop: Some(stop), task })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -220,10 +187,7 @@ impl Server {
 
     /// Like [`ready`](Self::ready) with any [`Generator`] (tests use fakes).
     pub fn ready_with(&self, gen: Arc<dyn Generator>, model: ModelInfo) {
-        *self.app.loaded.write().unwrap_or_else(|e| e.into_inner()) = Some(Loaded {
-            gen,
-            info: Arc::new(model),
-        });
+        *self.app.loaded.write().unwrap_or_else(|e| e.into_inner()) = Some(Loaded { gen, info: Arc::new(model) });
         tracing::info!(model = %self.app.cfg.model_name, "model ready");
     }
 
@@ -242,21 +206,12 @@ impl Server {
                 (&mut self.task).await
             }
         };
-        let loaded = self
-            .app
-            .loaded
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let loaded = self.app.loaded.write().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(l) = loaded {
             // Stopping the lane joins its thread: keep it off the runtime.
-            tokio::task::spawn_blocking(move || l.gen.shutdown())
-                .await
-                .context("the lane's shutdown panicked")?;
+            tokio::task::spawn_blocking(move || l.gen.shutdown()).await.context("the lane's shutdown panicked")?;
         }
-        result
-            .context("the server task panicked")?
-            .context("the server failed")?;
+        result.context("the server task panicked")?.context("the server failed")?;
         tracing::info!("server stopped");
         Ok(())
     }
@@ -271,12 +226,7 @@ impl Server {
 /// Binds, serves `lane` until `shutdown` resolves, then shuts down
 /// gracefully. For `/health` to answer 503 while the model loads, use
 /// [`Server::bind`] first and [`Server::ready`] once loaded.
-pub async fn serve(
-    cfg: ServerConfig,
-    lane: braid_engine::Lane,
-    model: ModelInfo,
-    shutdown: impl Future<Output = ()>,
-) -> anyhow::Result<()> {
+pub async fn serve(cfg: ServerConfig, lane: braid_engine::Lane, model: ModelInfo, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let server = Server::bind(cfg).await?;
     server.ready(lane, model);
     server.run_until(shutdown).await
@@ -291,12 +241,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(|| async { ApiError::not_found("Unknown route.") })
-        .method_not_allowed_fallback(|| async {
-            ApiError {
-                status: StatusCode::METHOD_NOT_ALLOWED,
-                ..ApiError::invalid("Method not allowed on this route.")
-            }
-        })
+        .method_not_allowed_fallback(|| async { ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("Method not allowed on this route.") } })
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
         .with_state(app)
@@ -319,9 +264,7 @@ fn route_label(path: &str) -> &'static str {
 async fn gate(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let route = route_label(req.uri().path());
     let res = match &app.cfg.api_key {
-        Some(key) if route != "/health" && !authorized(&req, key) => {
-            ApiError::unauthorized().into_response()
-        }
+        Some(key) if route != "/health" && !authorized(&req, key) => ApiError::unauthorized().into_response(),
         _ => next.run(req).await,
     };
     app.metrics.request(route, res.status().as_u16());
@@ -329,17 +272,10 @@ async fn gate(State(app): State<Arc<App>>, req: Request, next: Next) -> Response
 }
 
 fn authorized(req: &Request, key: &str) -> bool {
-    let Some(value) = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    else {
+    let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
         return false;
     };
-    let Some(given) = value
-        .strip_prefix("Bearer ")
-        .or_else(|| value.strip_prefix("bearer "))
-    else {
+    let Some(given) = value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")) else {
         return false;
     };
     // Compare in time independent of where the first difference is.
@@ -373,13 +309,8 @@ async fn health(State(app): State<Arc<App>>) -> Response {
     if app.loaded().is_ok() {
         Json(json!({"status": "ok"})).into_response()
     } else {
-        let mut res = (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "loading"})),
-        )
-            .into_response();
-        res.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(1));
+        let mut res = (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response();
+        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
         res
     }
 }
@@ -387,12 +318,5 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let numbers = app.loaded().ok().map(|l| l.gen.numbers());
     let text = app.metrics.render(numbers.as_ref());
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

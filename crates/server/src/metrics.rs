@@ -24,21 +24,11 @@ struct HistInner {
 
 impl Histogram {
     pub fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram {
-            bounds,
-            inner: Mutex::new(HistInner {
-                counts: vec![0; bounds.len() + 1],
-                ..HistInner::default()
-            }),
-        }
+        Histogram { bounds, inner: Mutex::new(HistInner { counts: vec![0; bounds.len() + 1], ..HistInner::default() }) }
     }
 
     pub fn observe(&self, v: f64) {
-        let i = self
-            .bounds
-            .iter()
-            .position(|&b| v <= b)
-            .unwrap_or(self.bounds.len());
+        let i = self.bounds.iter().position(|&b| v <= b).unwrap_or(self.bounds.len());
         let mut h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         h.counts[i] += 1;
         h.sum += v;
@@ -59,12 +49,8 @@ impl Histogram {
     }
 }
 
-const LATENCY: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
-const DURATION: &[f64] = &[
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-];
+const LATENCY: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0];
+const DURATION: &[f64] = &[0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 
 /// Everything `/metrics` reports that the server itself measures.
 pub struct Metrics {
@@ -92,19 +78,12 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn request(&self, route: &'static str, status: u16) {
-        *self
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry((route, status))
-            .or_default() += 1;
+        *self.requests.lock().unwrap_or_else(|e| e.into_inner()).entry((route, status)).or_default() += 1;
     }
 
     pub fn add_tokens(&self, prompt: usize, generated: usize) {
-        self.prompt_tokens
-            .fetch_add(prompt as u64, Ordering::Relaxed);
-        self.generated_tokens
-            .fetch_add(generated as u64, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+        self.generated_tokens.fetch_add(generated as u64, Ordering::Relaxed);
     }
 
     /// The whole exposition; `lane` is `None` while the model loads.
@@ -112,146 +91,45 @@ impl Metrics {
         let mut out = String::new();
         out.push_str("# HELP braid_requests_total HTTP requests answered, by route and status.\n");
         out.push_str("# TYPE braid_requests_total counter\n");
-        for ((route, status), n) in self
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            let _ = writeln!(
-                out,
-                "braid_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
-            );
+        for ((route, status), n) in self.requests.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = writeln!(out, "braid_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}");
         }
-        counter(
-            &mut out,
-            "braid_prompt_tokens_total",
-            "Prompt tokens of accepted requests.",
-            self.prompt_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "braid_generated_tokens_total",
-            "Tokens generated.",
-            self.generated_tokens.load(Ordering::Relaxed),
-        );
-        self.ttft.render(
-            &mut out,
-            "braid_time_to_first_token_seconds",
-            "Time from request arrival to a stream's first token.",
-        );
-        self.inter_token.render(
-            &mut out,
-            "braid_inter_token_seconds",
-            "Gap between consecutive tokens of one stream.",
-        );
-        self.duration.render(
-            &mut out,
-            "braid_request_duration_seconds",
-            "Time from request arrival to its last token.",
-        );
+        counter(&mut out, "braid_prompt_tokens_total", "Prompt tokens of accepted requests.", self.prompt_tokens.load(Ordering::Relaxed));
+        counter(&mut out, "braid_generated_tokens_total", "Tokens generated.", self.generated_tokens.load(Ordering::Relaxed));
+        self.ttft.render(&mut out, "braid_time_to_first_token_seconds", "Time from request arrival to a stream's first token.");
+        self.inter_token.render(&mut out, "braid_inter_token_seconds", "Gap between consecutive tokens of one stream.");
+        self.duration.render(&mut out, "braid_request_duration_seconds", "Time from request arrival to its last token.");
         out.push_str("# HELP braid_model_loaded Whether the model is loaded and serving.\n# TYPE braid_model_loaded gauge\n");
         let _ = writeln!(out, "braid_model_loaded {}", u8::from(lane.is_some()));
         if let Some(l) = lane {
-            gauge(
-                &mut out,
-                "braid_queue_depth",
-                "Streams waiting to start.",
-                l.queued as f64,
-            );
-            gauge(
-                &mut out,
-                "braid_running_streams",
-                "Streams prefilling or decoding.",
-                l.running as f64,
-            );
-            gauge(
-                &mut out,
-                "braid_fill_used",
-                "State memory in use (KV blocks).",
-                l.fill_used as f64,
-            );
-            gauge(
-                &mut out,
-                "braid_fill_total",
-                "State memory available (KV blocks).",
-                l.fill_total as f64,
-            );
-            let ratio = if l.fill_total > 0 {
-                l.fill_used as f64 / l.fill_total as f64
-            } else {
-                0.0
-            };
-            gauge(
-                &mut out,
-                "braid_fill_ratio",
-                "Fraction of state memory in use.",
-                ratio,
-            );
+            gauge(&mut out, "braid_queue_depth", "Streams waiting to start.", l.queued as f64);
+            gauge(&mut out, "braid_running_streams", "Streams prefilling or decoding.", l.running as f64);
+            gauge(&mut out, "braid_fill_used", "State memory in use (KV blocks).", l.fill_used as f64);
+            gauge(&mut out, "braid_fill_total", "State memory available (KV blocks).", l.fill_total as f64);
+            let ratio = if l.fill_total > 0 { l.fill_used as f64 / l.fill_total as f64 } else { 0.0 };
+            gauge(&mut out, "braid_fill_ratio", "Fraction of state memory in use.", ratio);
+            counter(&mut out, "braid_prefill_chunks_total", "Prefill chunks run.", l.prefill_chunks);
+            counter(&mut out, "braid_prefill_tokens_total", "Prompt tokens prefilled.", l.prefill_tokens);
+            counter(&mut out, "braid_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", l.cached_tokens);
+            counter(&mut out, "braid_decode_rounds_total", "Decode rounds run.", l.decode_rounds);
             counter(
                 &mut out,
-                "braid_prefill_chunks_total",
-                "Prefill chunks run.",
-                l.prefill_chunks,
+                "braid_decode_batch_streams_total",
+                "Streams in decode rounds, summed (mean decode batch = this / braid_decode_rounds_total).",
+                l.decode_streams,
             );
-            counter(
-                &mut out,
-                "braid_prefill_tokens_total",
-                "Prompt tokens prefilled.",
-                l.prefill_tokens,
-            );
-            counter(
-                &mut out,
-                "braid_cached_prompt_tokens_total",
-                "Prompt tokens served from the prefix cache.",
-                l.cached_tokens,
-            );
-            counter(
-                &mut out,
-                "braid_decode_rounds_total",
-                "Decode rounds run.",
-                l.decode_rounds,
-            );
-            counter(&mut out, "braid_decode_batch_streams_total", "Streams in decode rounds, summed (mean decode batch = this / braid_decode_rounds_total).", l.decode_streams);
-            gauge(
-                &mut out,
-                "braid_decode_batch_max",
-                "Largest decode round so far, in streams.",
-                l.max_decode_batch as f64,
-            );
-            let mean = if l.decode_rounds > 0 {
-                l.decode_streams as f64 / l.decode_rounds as f64
-            } else {
-                0.0
-            };
-            gauge(
-                &mut out,
-                "braid_decode_batch_mean",
-                "Mean streams per decode round so far.",
-                mean,
-            );
-            counter(
-                &mut out,
-                "braid_cancelled_streams_total",
-                "Streams cancelled before their end.",
-                l.cancelled,
-            );
-            counter(
-                &mut out,
-                "braid_rejected_streams_total",
-                "Submissions the lane refused (queue full, too long, invalid).",
-                l.rejected,
-            );
+            gauge(&mut out, "braid_decode_batch_max", "Largest decode round so far, in streams.", l.max_decode_batch as f64);
+            let mean = if l.decode_rounds > 0 { l.decode_streams as f64 / l.decode_rounds as f64 } else { 0.0 };
+            gauge(&mut out, "braid_decode_batch_mean", "Mean streams per decode round so far.", mean);
+            counter(&mut out, "braid_cancelled_streams_total", "Streams cancelled before their end.", l.cancelled);
+            counter(&mut out, "braid_rejected_streams_total", "Submissions the lane refused (queue full, too long, invalid).", l.rejected);
         }
         out
     }
 }
 
 fn counter(out: &mut String, name: &str, help: &str, v: u64) {
-    let _ = writeln!(
-        out,
-        "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-    );
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, v: f64) {
@@ -284,14 +162,8 @@ mod tests {
         m.request("/v1/completions", 200);
         m.request("/v1/completions", 400);
         let s = m.render(None);
-        assert!(
-            s.contains("braid_requests_total{route=\"/v1/completions\",status=\"200\"} 2\n"),
-            "{s}"
-        );
-        assert!(
-            s.contains("braid_requests_total{route=\"/v1/completions\",status=\"400\"} 1\n"),
-            "{s}"
-        );
+        assert!(s.contains("braid_requests_total{route=\"/v1/completions\",status=\"200\"} 2\n"), "{s}");
+        assert!(s.contains("braid_requests_total{route=\"/v1/completions\",status=\"400\"} 1\n"), "{s}");
         assert!(s.contains("braid_model_loaded 0\n"), "{s}");
     }
 }

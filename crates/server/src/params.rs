@@ -83,53 +83,32 @@ pub struct CompletionRequest {
 /// Parses the raw body into a JSON object.
 pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::invalid(
-            "The request body is empty; send a JSON object.",
-        ));
+        return Err(ApiError::invalid("The request body is empty; send a JSON object."));
     }
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(other) => Err(ApiError::invalid(format!(
-            "The request body must be a JSON object, got {}.",
-            type_name(&other)
-        ))),
-        Err(e) => Err(ApiError::invalid(format!(
-            "The request body is not valid JSON: {e}."
-        ))),
+        Ok(other) => Err(ApiError::invalid(format!("The request body must be a JSON object, got {}.", type_name(&other)))),
+        Err(e) => Err(ApiError::invalid(format!("The request body is not valid JSON: {e}."))),
     }
 }
 
 pub fn parse_chat(map: &Map<String, Value>, max_n: usize) -> Result<ChatRequest, ApiError> {
     let f = Fields(map);
     let messages = match map.get("messages") {
-        None | Some(Value::Null) => {
-            return Err(ApiError::param("messages", "`messages` is required."))
-        }
+        None | Some(Value::Null) => return Err(ApiError::param("messages", "`messages` is required.")),
         Some(Value::Array(items)) => items,
         Some(other) => return Err(f.wrong("messages", "an array of messages", other)),
     };
     if messages.is_empty() {
-        return Err(ApiError::param(
-            "messages",
-            "`messages` must hold at least one message.",
-        ));
+        return Err(ApiError::param("messages", "`messages` must hold at least one message."));
     }
-    let messages = messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| message(i, m))
-        .collect::<Result<Vec<_>, _>>()?;
+    let messages = messages.iter().enumerate().map(|(i, m)| message(i, m)).collect::<Result<Vec<_>, _>>()?;
 
     // Chat takes `logprobs: bool` and `top_logprobs: int`.
     let want = f.bool("logprobs")?.unwrap_or(false);
     let top = f.int("top_logprobs")?;
     let logprobs = match (want, top) {
-        (false, Some(k)) if k > 0 => {
-            return Err(ApiError::param(
-                "top_logprobs",
-                "`top_logprobs` needs `logprobs` set to true.",
-            ))
-        }
+        (false, Some(k)) if k > 0 => return Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs` set to true.")),
         (false, _) => None,
         (true, None) => Some(0),
         (true, Some(k)) => Some(top_count("top_logprobs", k)?),
@@ -138,23 +117,12 @@ pub fn parse_chat(map: &Map<String, Value>, max_n: usize) -> Result<ChatRequest,
         Some(v) => Some(v),
         None => f.int("max_tokens")?,
     };
-    let param = if f
-        .0
-        .get("max_completion_tokens")
-        .is_some_and(|v| !v.is_null())
-    {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
-    };
+    let param = if f.0.get("max_completion_tokens").is_some_and(|v| !v.is_null()) { "max_completion_tokens" } else { "max_tokens" };
     let common = common(&f, max_n, logprobs, max_tokens, param)?;
     Ok(ChatRequest { common, messages })
 }
 
-pub fn parse_completion(
-    map: &Map<String, Value>,
-    max_n: usize,
-) -> Result<CompletionRequest, ApiError> {
+pub fn parse_completion(map: &Map<String, Value>, max_n: usize) -> Result<CompletionRequest, ApiError> {
     let f = Fields(map);
     let prompts = prompts(&f)?;
     let logprobs = match f.int("logprobs")? {
@@ -172,10 +140,7 @@ pub fn parse_completion(
     if let Some(best_of) = f.int("best_of")? {
         let n = f.int("n")?.unwrap_or(1);
         if best_of != n && best_of != 1 {
-            return Err(ApiError::param(
-                "best_of",
-                "`best_of` is not supported (only equal to `n`).",
-            ));
+            return Err(ApiError::param("best_of", "`best_of` is not supported (only equal to `n`)."));
         }
     }
     let max_tokens = f.int("max_tokens")?;
@@ -183,42 +148,23 @@ pub fn parse_completion(
     Ok(CompletionRequest { common, prompts })
 }
 
-fn common(
-    f: &Fields,
-    max_n: usize,
-    logprobs: Option<usize>,
-    max_tokens: Option<i64>,
-    max_tokens_param: &str,
-) -> Result<Common, ApiError> {
+fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<i64>, max_tokens_param: &str) -> Result<Common, ApiError> {
     let model = f.str("model")?.map(str::to_string);
     let max_tokens = match max_tokens {
         None => None,
-        Some(v) if v < 1 => {
-            return Err(ApiError::param(
-                max_tokens_param,
-                format!("`{max_tokens_param}` must be at least 1, got {v}."),
-            ))
-        }
+        Some(v) if v < 1 => return Err(ApiError::param(max_tokens_param, format!("`{max_tokens_param}` must be at least 1, got {v}."))),
         Some(v) => Some(usize::try_from(v).unwrap_or(usize::MAX)),
     };
     let temperature = f.range("temperature", 0.0, 2.0)?.unwrap_or(1.0);
     let top_p = f.num("top_p")?;
     if let Some(p) = top_p {
         if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::param(
-                "top_p",
-                format!("`top_p` must be in (0, 1], got {p}."),
-            ));
+            return Err(ApiError::param("top_p", format!("`top_p` must be in (0, 1], got {p}.")));
         }
     }
     let top_k = match f.int("top_k")? {
         None => 0,
-        Some(k) if k < -1 => {
-            return Err(ApiError::param(
-                "top_k",
-                format!("`top_k` must be -1 or 0 (off) or positive, got {k}."),
-            ))
-        }
+        Some(k) if k < -1 => return Err(ApiError::param("top_k", format!("`top_k` must be -1 or 0 (off) or positive, got {k}."))),
         Some(k) => usize::try_from(k.max(0)).unwrap_or(usize::MAX),
     };
     let min_p = f.range("min_p", 0.0, 1.0)?.unwrap_or(0.0);
@@ -235,27 +181,12 @@ fn common(
     let repetition_penalty = match f.num("repetition_penalty")? {
         None => 1.0,
         Some(r) if r > 0.0 && r.is_finite() => r,
-        Some(r) => {
-            return Err(ApiError::param(
-                "repetition_penalty",
-                format!("`repetition_penalty` must be above 0, got {r}."),
-            ))
-        }
+        Some(r) => return Err(ApiError::param("repetition_penalty", format!("`repetition_penalty` must be above 0, got {r}."))),
     };
     let n = match f.int("n")? {
         None => 1,
-        Some(n) if n < 1 => {
-            return Err(ApiError::param(
-                "n",
-                format!("`n` must be at least 1, got {n}."),
-            ))
-        }
-        Some(n) if n as u64 > max_n as u64 => {
-            return Err(ApiError::param(
-                "n",
-                format!("`n` must be at most {max_n}, got {n}."),
-            ))
-        }
+        Some(n) if n < 1 => return Err(ApiError::param("n", format!("`n` must be at least 1, got {n}."))),
+        Some(n) if n as u64 > max_n as u64 => return Err(ApiError::param("n", format!("`n` must be at most {max_n}, got {n}."))),
         Some(n) => n as usize,
     };
     let stream = f.bool("stream")?.unwrap_or(false);
@@ -270,12 +201,7 @@ fn common(
         match bias {
             Value::Null => {}
             Value::Object(o) if o.is_empty() => {}
-            Value::Object(_) => {
-                return Err(ApiError::param(
-                    "logit_bias",
-                    "`logit_bias` is not supported.",
-                ))
-            }
+            Value::Object(_) => return Err(ApiError::param("logit_bias", "`logit_bias` is not supported.")),
             other => return Err(f.wrong("logit_bias", "an object", other)),
         }
     }
@@ -302,10 +228,7 @@ fn common(
 
 fn top_count(param: &str, k: i64) -> Result<usize, ApiError> {
     if !(0..=MAX_TOP_LOGPROBS as i64).contains(&k) {
-        return Err(ApiError::param(
-            param,
-            format!("`{param}` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
-        ));
+        return Err(ApiError::param(param, format!("`{param}` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}.")));
     }
     Ok(k as usize)
 }
@@ -327,13 +250,7 @@ fn stops(f: &Fields) -> Result<Vec<String>, ApiError> {
         Some(other) => return Err(f.wrong("stop", "a string or an array of strings", other)),
     };
     if list.len() > MAX_STOP {
-        return Err(ApiError::param(
-            "stop",
-            format!(
-                "`stop` may hold at most {MAX_STOP} strings, got {}.",
-                list.len()
-            ),
-        ));
+        return Err(ApiError::param("stop", format!("`stop` may hold at most {MAX_STOP} strings, got {}.", list.len())));
     }
     // An empty stop string would end every stream at once; OpenAI ignores it.
     Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
@@ -366,13 +283,7 @@ fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
             }
             out
         }
-        other => {
-            return Err(f.wrong(
-                "prompt",
-                "a string, an array of strings, or token ids",
-                other,
-            ))
-        }
+        other => return Err(f.wrong("prompt", "a string, an array of strings, or token ids", other)),
     };
     for p in &out {
         let is_empty = match p {
@@ -393,14 +304,7 @@ fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
         .map(|(i, v)| {
             v.as_u64()
                 .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| {
-                    ApiError::param(
-                        param,
-                        format!(
-                            "`{param}[{i}]` must be a token id (a non-negative integer), got {v}."
-                        ),
-                    )
-                })
+                .ok_or_else(|| ApiError::param(param, format!("`{param}[{i}]` must be a token id (a non-negative integer), got {v}.")))
         })
         .collect()
 }
@@ -408,27 +312,12 @@ fn token_ids(param: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
 fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
     let param = format!("messages[{i}]");
     let Value::Object(o) = m else {
-        return Err(Fields::wrong_at(
-            &param,
-            "an object with `role` and `content`",
-            m,
-        ));
+        return Err(Fields::wrong_at(&param, "an object with `role` and `content`", m));
     };
     let role = match o.get("role") {
         Some(Value::String(r)) if !r.is_empty() => r.clone(),
-        None | Some(Value::Null) => {
-            return Err(ApiError::param(
-                &format!("{param}.role"),
-                format!("`{param}.role` is required."),
-            ))
-        }
-        Some(other) => {
-            return Err(Fields::wrong_at(
-                &format!("{param}.role"),
-                "a non-empty string",
-                other,
-            ))
-        }
+        None | Some(Value::Null) => return Err(ApiError::param(&format!("{param}.role"), format!("`{param}.role` is required."))),
+        Some(other) => return Err(Fields::wrong_at(&format!("{param}.role"), "a non-empty string", other)),
     };
     let content = match o.get("content") {
         // Assistant turns that only carried tool calls have no content.
@@ -444,33 +333,15 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
                 match (p.get("type").and_then(Value::as_str), p.get("text")) {
                     (Some("text"), Some(Value::String(t))) => text.push_str(t),
                     (Some("text"), _) => {
-                        return Err(ApiError::param(
-                            &at,
-                            format!("`{at}.text` must be a string."),
-                        ));
+                        return Err(ApiError::param(&at, format!("`{at}.text` must be a string.")));
                     }
-                    (Some(other), _) => {
-                        return Err(ApiError::param(
-                            &at,
-                            format!(
-                                "Content parts of type `{other}` are not supported; only `text`."
-                            ),
-                        ))
-                    }
-                    (None, _) => {
-                        return Err(ApiError::param(&at, format!("`{at}.type` is required.")))
-                    }
+                    (Some(other), _) => return Err(ApiError::param(&at, format!("Content parts of type `{other}` are not supported; only `text`."))),
+                    (None, _) => return Err(ApiError::param(&at, format!("`{at}.type` is required."))),
                 }
             }
             text
         }
-        Some(other) => {
-            return Err(Fields::wrong_at(
-                &format!("{param}.content"),
-                "a string or an array of content parts",
-                other,
-            ))
-        }
+        Some(other) => return Err(Fields::wrong_at(&format!("{param}.content"), "a string or an array of content parts", other)),
     };
     Ok(Message { role, content })
 }
@@ -484,10 +355,7 @@ impl Fields<'_> {
     }
 
     fn wrong_at(param: &str, want: &str, got: &Value) -> ApiError {
-        ApiError::param(
-            param,
-            format!("`{param}` must be {want}, got {}.", type_name(got)),
-        )
+        ApiError::param(param, format!("`{param}` must be {want}, got {}.", type_name(got)))
     }
 
     fn get(&self, name: &str) -> Option<&Value> {
@@ -505,10 +373,7 @@ impl Fields<'_> {
     /// A number in `lo..=hi`.
     fn range(&self, name: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
         match self.num(name)? {
-            Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::param(
-                name,
-                format!("`{name}` must be between {lo} and {hi}, got {v}."),
-            )),
+            Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::param(name, format!("`{name}` must be between {lo} and {hi}, got {v}."))),
             v => Ok(v),
         }
     }
@@ -520,10 +385,7 @@ impl Fields<'_> {
                 (Some(v), _) => Ok(Some(v)),
                 // Above i64::MAX: still an integer, just a huge one.
                 (None, Some(_)) => Ok(Some(i64::MAX)),
-                _ => Err(ApiError::param(
-                    name,
-                    format!("`{name}` must be an integer, got {n}."),
-                )),
+                _ => Err(ApiError::param(name, format!("`{name}` must be an integer, got {n}."))),
             },
             Some(other) => Err(self.wrong(name, "an integer", other)),
         }

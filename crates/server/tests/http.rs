@@ -13,13 +13,7 @@ use common::*;
 use serde_json::{json, Value};
 
 fn config() -> ServerConfig {
-    ServerConfig {
-        port: 0,
-        model_name: "fake".into(),
-        max_body_bytes: 64 << 10,
-        max_n: 4,
-        ..ServerConfig::default()
-    }
+    ServerConfig { port: 0, model_name: "fake".into(), max_body_bytes: 64 << 10, max_n: 4, ..ServerConfig::default() }
 }
 
 async fn start_with(cfg: ServerConfig, lane: Arc<FakeLane>, template: bool) -> Server {
@@ -45,10 +39,7 @@ async fn health_is_503_until_the_model_is_ready() {
     let e = post(addr, "/v1/completions", &json!({"prompt": "hi"})).await;
     e.expect_error(503);
     assert!(e.header("retry-after").is_some());
-    server.ready_with(
-        FakeLane::new(1, 1, Duration::ZERO),
-        fake::model_info(true, 64),
-    );
+    server.ready_with(FakeLane::new(1, 1, Duration::ZERO), fake::model_info(true, 64));
     let r = get(addr, "/health").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.json(), json!({"status": "ok"}));
@@ -91,33 +82,18 @@ async fn completion_whole_response() {
 
     // Every parameter reached the lane.
     let seen = lane.seen.lock().unwrap()[0].clone();
-    assert_eq!(
-        seen.prompt,
-        b"abc".iter().map(|&b| b as u32).collect::<Vec<_>>()
-    );
+    assert_eq!(seen.prompt, b"abc".iter().map(|&b| b as u32).collect::<Vec<_>>());
     assert_eq!(seen.max_tokens, 5);
     let s = &seen.sampling;
-    assert_eq!(
-        (s.temperature, s.top_p, s.top_k, s.min_p),
-        (0.5, 0.9, 7, 0.1)
-    );
-    assert_eq!(
-        (
-            s.presence_penalty,
-            s.frequency_penalty,
-            s.repetition_penalty
-        ),
-        (0.5, -0.5, 1.1)
-    );
+    assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p), (0.5, 0.9, 7, 0.1));
+    assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty), (0.5, -0.5, 1.1));
     assert_eq!(s.seed, Some(42));
     assert_eq!(seen.stop_strings, vec!["xyz".to_string()]);
     assert!(seen.ignore_eos);
     assert_eq!(seen.logprobs, None);
 
     // Without max_tokens the stream may run to the end of the context.
-    let v = post(addr, "/v1/completions", &json!({"prompt": [1, 2, 3, 4]}))
-        .await
-        .json();
+    let v = post(addr, "/v1/completions", &json!({"prompt": [1, 2, 3, 4]})).await.json();
     assert_eq!(v["choices"][0]["text"], REPLY);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(lane.seen.lock().unwrap()[1].max_tokens, 256 - 4);
@@ -129,13 +105,7 @@ async fn completion_whole_response() {
 async fn several_prompts_and_n_give_one_choice_each() {
     let (server, lane) = start().await;
     let addr = server.local_addr();
-    let v = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": ["ab", [5, 6, 7]], "n": 2, "max_tokens": 3, "seed": 10}),
-    )
-    .await
-    .json();
+    let v = post(addr, "/v1/completions", &json!({"prompt": ["ab", [5, 6, 7]], "n": 2, "max_tokens": 3, "seed": 10})).await.json();
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 4);
     for (i, c) in choices.iter().enumerate() {
@@ -166,18 +136,12 @@ async fn chat_whole_response_renders_the_template() {
     let v = post(addr, "/v1/chat/completions", &body).await.json();
     assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
     assert_eq!(v["object"], "chat.completion");
-    assert_eq!(
-        v["choices"][0]["message"],
-        json!({"role": "assistant", "content": &REPLY[..4]})
-    );
+    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": &REPLY[..4]}));
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     let rendered = "<system>Be brief.\n<user>Hi!\n<assistant>";
     assert_eq!(v["usage"]["prompt_tokens"], rendered.len());
     let seen = lane.seen.lock().unwrap()[0].clone();
-    assert_eq!(
-        seen.prompt,
-        rendered.bytes().map(u32::from).collect::<Vec<_>>()
-    );
+    assert_eq!(seen.prompt, rendered.bytes().map(u32::from).collect::<Vec<_>>());
     assert_eq!(seen.max_tokens, 4);
     server.shutdown().await.unwrap();
 }
@@ -198,10 +162,7 @@ async fn chat_stream_frames() {
     }
     let id = events[0]["id"].as_str().unwrap();
     assert!(id.starts_with("chatcmpl-"));
-    assert!(
-        events.iter().all(|e| e["id"] == id),
-        "one id for the whole stream"
-    );
+    assert!(events.iter().all(|e| e["id"] == id), "one id for the whole stream");
     assert_eq!(stream_texts(&events, 2), vec![&REPLY[..6], &REPLY[..6]]);
     assert_eq!(stream_finishes(&events, 2), vec!["length", "length"]);
     // include_usage: `usage` null on every chunk but the last, which has no choices.
@@ -209,10 +170,7 @@ async fn chat_stream_frames() {
     assert!(rest.iter().all(|e| e["usage"].is_null()));
     assert_eq!(last["choices"], json!([]));
     assert_eq!(last["usage"]["completion_tokens"], 12);
-    assert_eq!(
-        last["usage"]["prompt_tokens"],
-        "<user>Hi\n<assistant>".len()
-    );
+    assert_eq!(last["usage"]["prompt_tokens"], "<user>Hi\n<assistant>".len());
     server.shutdown().await.unwrap();
 }
 
@@ -220,23 +178,14 @@ async fn chat_stream_frames() {
 async fn completion_stream_frames() {
     let (server, _) = start().await;
     let addr = server.local_addr();
-    let mut open = post_stream(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 3, "stream": true}),
-    )
-    .await;
+    let mut open = post_stream(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 3, "stream": true})).await;
     let events = open.events().await;
-    assert!(events
-        .iter()
-        .all(|e| e["object"] == "text_completion" && e.get("usage").is_none()));
+    assert!(events.iter().all(|e| e["object"] == "text_completion" && e.get("usage").is_none()));
     // One chunk per token, then the finish.
     assert_eq!(events.len(), 4);
     assert_eq!(stream_texts(&events, 1), vec![&REPLY[..3]]);
     assert_eq!(events[3]["choices"][0]["finish_reason"], "length");
-    assert!(events[..3]
-        .iter()
-        .all(|e| e["choices"][0]["finish_reason"].is_null()));
+    assert!(events[..3].iter().all(|e| e["choices"][0]["finish_reason"].is_null()));
     server.shutdown().await.unwrap();
 }
 
@@ -245,13 +194,7 @@ async fn logprobs_shapes() {
     let (server, lane) = start().await;
     let addr = server.local_addr();
     // Completions: `logprobs` is the count of alternatives.
-    let v = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 2, "logprobs": 2}),
-    )
-    .await
-    .json();
+    let v = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 2, "logprobs": 2})).await.json();
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"], json!(["H", "e"]));
     assert_eq!(lp["token_logprobs"], json!([-0.25, -0.25]));
@@ -273,38 +216,20 @@ async fn logprobs_shapes() {
 
     // Streamed chat carries each token's logprobs in its chunk.
     let body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": true, "stream": true});
-    let events = post_stream(addr, "/v1/chat/completions", &body)
-        .await
-        .events()
-        .await;
-    let lps: Vec<&Value> = events
-        .iter()
-        .filter_map(|e| e["choices"][0]["logprobs"]["content"].get(0))
-        .collect();
+    let events = post_stream(addr, "/v1/chat/completions", &body).await.events().await;
+    let lps: Vec<&Value> = events.iter().filter_map(|e| e["choices"][0]["logprobs"]["content"].get(0)).collect();
     assert_eq!(lps.len(), 2);
     assert_eq!(lps[1]["token"], "e");
     assert_eq!(lps[1]["top_logprobs"], json!([]));
 
     // No logprobs asked: none sent, and the lane is not asked for them.
-    let v = post(
-        addr,
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
-    )
-    .await
-    .json();
+    let v = post(addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})).await.json();
     assert_eq!(v["choices"][0]["logprobs"], Value::Null);
     server.shutdown().await.unwrap();
 }
 
 /// (path, body, status, param, words the error message must hold)
-type Case = (
-    &'static str,
-    Value,
-    u16,
-    Option<&'static str>,
-    &'static [&'static str],
-);
+type Case = (&'static str, Value, u16, Option<&'static str>, &'static [&'static str]);
 
 #[tokio::test]
 async fn bad_requests_get_openai_errors() {
@@ -312,251 +237,41 @@ async fn bad_requests_get_openai_errors() {
     let addr = server.local_addr();
     let user = json!([{"role": "user", "content": "x"}]);
     let cases: Vec<Case> = vec![
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "max_tokens": -1}),
-            400,
-            Some("max_tokens"),
-            &["at least 1", "-1"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "max_tokens": "5"}),
-            400,
-            Some("max_tokens"),
-            &["integer", "string"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "max_tokens": 2.5}),
-            400,
-            Some("max_tokens"),
-            &["integer"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "temperature": -0.1}),
-            400,
-            Some("temperature"),
-            &["between 0 and 2"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "temperature": 2.5}),
-            400,
-            Some("temperature"),
-            &["2.5"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "temperature": "hot"}),
-            400,
-            Some("temperature"),
-            &["number"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "top_p": 0}),
-            400,
-            Some("top_p"),
-            &["(0, 1]"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "top_p": 1.5}),
-            400,
-            Some("top_p"),
-            &["(0, 1]"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "top_k": -2}),
-            400,
-            Some("top_k"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "min_p": 2}),
-            400,
-            Some("min_p"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "presence_penalty": 3}),
-            400,
-            Some("presence_penalty"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "repetition_penalty": 0}),
-            400,
-            Some("repetition_penalty"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "n": 0}),
-            400,
-            Some("n"),
-            &["at least 1"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "n": 5}),
-            400,
-            Some("n"),
-            &["at most 4"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "logprobs": 21}),
-            400,
-            Some("logprobs"),
-            &["20"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "stop": 5}),
-            400,
-            Some("stop"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "stop": ["a", 1]}),
-            400,
-            Some("stop[1]"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "seed": "s"}),
-            400,
-            Some("seed"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "stream": "yes"}),
-            400,
-            Some("stream"),
-            &["boolean"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "echo": true}),
-            400,
-            Some("echo"),
-            &["not supported"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": ""}),
-            400,
-            Some("prompt"),
-            &["empty"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": []}),
-            400,
-            Some("prompt"),
-            &["empty"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": [[]]}),
-            400,
-            Some("prompt"),
-            &["empty"],
-        ),
-        (
-            "/v1/completions",
-            json!({"max_tokens": 3}),
-            400,
-            Some("prompt"),
-            &["required"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": 7}),
-            400,
-            Some("prompt"),
-            &[],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": [1, -2]}),
-            400,
-            Some("prompt"),
-            &["token id"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": [1, 999999]}),
-            400,
-            Some("prompt"),
-            &["999999", "vocabulary"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "model": "gpt-4"}),
-            404,
-            Some("model"),
-            &["gpt-4", "fake"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "max_tokens": 300}),
-            400,
-            Some("max_tokens"),
-            &["256", "301", "300"],
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": [vec![1; 256]]}),
-            400,
-            Some("prompt"),
-            &["256"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": []}),
-            400,
-            Some("messages"),
-            &["at least one"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({}),
-            400,
-            Some("messages"),
-            &["required"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": "hi"}),
-            400,
-            Some("messages"),
-            &["array"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"content": "x"}]}),
-            400,
-            Some("messages[0].role"),
-            &[],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": 5}]}),
-            400,
-            Some("messages[0].content"),
-            &[],
-        ),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": -1}), 400, Some("max_tokens"), &["at least 1", "-1"]),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": "5"}), 400, Some("max_tokens"), &["integer", "string"]),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 2.5}), 400, Some("max_tokens"), &["integer"]),
+        ("/v1/completions", json!({"prompt": "x", "temperature": -0.1}), 400, Some("temperature"), &["between 0 and 2"]),
+        ("/v1/completions", json!({"prompt": "x", "temperature": 2.5}), 400, Some("temperature"), &["2.5"]),
+        ("/v1/completions", json!({"prompt": "x", "temperature": "hot"}), 400, Some("temperature"), &["number"]),
+        ("/v1/completions", json!({"prompt": "x", "top_p": 0}), 400, Some("top_p"), &["(0, 1]"]),
+        ("/v1/completions", json!({"prompt": "x", "top_p": 1.5}), 400, Some("top_p"), &["(0, 1]"]),
+        ("/v1/completions", json!({"prompt": "x", "top_k": -2}), 400, Some("top_k"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "min_p": 2}), 400, Some("min_p"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "presence_penalty": 3}), 400, Some("presence_penalty"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "repetition_penalty": 0}), 400, Some("repetition_penalty"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "n": 0}), 400, Some("n"), &["at least 1"]),
+        ("/v1/completions", json!({"prompt": "x", "n": 5}), 400, Some("n"), &["at most 4"]),
+        ("/v1/completions", json!({"prompt": "x", "logprobs": 21}), 400, Some("logprobs"), &["20"]),
+        ("/v1/completions", json!({"prompt": "x", "stop": 5}), 400, Some("stop"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "stop": ["a", 1]}), 400, Some("stop[1]"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "seed": "s"}), 400, Some("seed"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "stream": "yes"}), 400, Some("stream"), &["boolean"]),
+        ("/v1/completions", json!({"prompt": "x", "echo": true}), 400, Some("echo"), &["not supported"]),
+        ("/v1/completions", json!({"prompt": ""}), 400, Some("prompt"), &["empty"]),
+        ("/v1/completions", json!({"prompt": []}), 400, Some("prompt"), &["empty"]),
+        ("/v1/completions", json!({"prompt": [[]]}), 400, Some("prompt"), &["empty"]),
+        ("/v1/completions", json!({"max_tokens": 3}), 400, Some("prompt"), &["required"]),
+        ("/v1/completions", json!({"prompt": 7}), 400, Some("prompt"), &[]),
+        ("/v1/completions", json!({"prompt": [1, -2]}), 400, Some("prompt"), &["token id"]),
+        ("/v1/completions", json!({"prompt": [1, 999999]}), 400, Some("prompt"), &["999999", "vocabulary"]),
+        ("/v1/completions", json!({"prompt": "x", "model": "gpt-4"}), 404, Some("model"), &["gpt-4", "fake"]),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 300}), 400, Some("max_tokens"), &["256", "301", "300"]),
+        ("/v1/completions", json!({"prompt": [vec![1; 256]]}), 400, Some("prompt"), &["256"]),
+        ("/v1/chat/completions", json!({"messages": []}), 400, Some("messages"), &["at least one"]),
+        ("/v1/chat/completions", json!({}), 400, Some("messages"), &["required"]),
+        ("/v1/chat/completions", json!({"messages": "hi"}), 400, Some("messages"), &["array"]),
+        ("/v1/chat/completions", json!({"messages": [{"content": "x"}]}), 400, Some("messages[0].role"), &[]),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}), 400, Some("messages[0].content"), &[]),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
@@ -564,48 +279,12 @@ async fn bad_requests_get_openai_errors() {
             Some("messages[0].content[0]"),
             &["image_url"],
         ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
-            400,
-            Some("top_logprobs"),
-            &["20"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": user, "top_logprobs": 2}),
-            400,
-            Some("top_logprobs"),
-            &["logprobs"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": user, "logprobs": 3}),
-            400,
-            Some("logprobs"),
-            &["boolean"],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": user, "max_completion_tokens": 0}),
-            400,
-            Some("max_completion_tokens"),
-            &[],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": user, "model": "nope"}),
-            404,
-            Some("model"),
-            &[],
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x".repeat(300)}], "max_tokens": 1}),
-            400,
-            Some("max_tokens"),
-            &["256"],
-        ),
+        ("/v1/chat/completions", json!({"messages": user, "logprobs": true, "top_logprobs": 21}), 400, Some("top_logprobs"), &["20"]),
+        ("/v1/chat/completions", json!({"messages": user, "top_logprobs": 2}), 400, Some("top_logprobs"), &["logprobs"]),
+        ("/v1/chat/completions", json!({"messages": user, "logprobs": 3}), 400, Some("logprobs"), &["boolean"]),
+        ("/v1/chat/completions", json!({"messages": user, "max_completion_tokens": 0}), 400, Some("max_completion_tokens"), &[]),
+        ("/v1/chat/completions", json!({"messages": user, "model": "nope"}), 404, Some("model"), &[]),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x".repeat(300)}], "max_tokens": 1}), 400, Some("max_tokens"), &["256"]),
     ];
     for (path, body, status, param, words) in cases {
         let r = post(addr, path, &body).await;
@@ -631,22 +310,11 @@ async fn bad_requests_get_openai_errors() {
     // None of these reached the lane.
     assert!(lane.seen.lock().unwrap().is_empty());
     // The server still works after all that.
-    let r = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 1}),
-    )
-    .await;
+    let r = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 1})).await;
     assert_eq!(r.status, 200);
     let m = get(addr, "/metrics").await.text();
-    assert!(
-        m.contains("braid_requests_total{route=\"/v1/completions\",status=\"400\"}"),
-        "{m}"
-    );
-    assert!(
-        m.contains("braid_requests_total{route=\"/v1/completions\",status=\"413\"} 1"),
-        "{m}"
-    );
+    assert!(m.contains("braid_requests_total{route=\"/v1/completions\",status=\"400\"}"), "{m}");
+    assert!(m.contains("braid_requests_total{route=\"/v1/completions\",status=\"413\"} 1"), "{m}");
     server.shutdown().await.unwrap();
 }
 
@@ -655,23 +323,10 @@ async fn a_model_without_template_refuses_chat_but_serves_completions() {
     let lane = FakeLane::new(2, 2, Duration::ZERO);
     let server = start_with(config(), lane, false).await;
     let addr = server.local_addr();
-    let r = post(
-        addr,
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "x"}]}),
-    )
-    .await;
+    let r = post(addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "x"}]})).await;
     let e = r.expect_error(400);
-    assert!(
-        e["message"].as_str().unwrap().contains("chat template"),
-        "{e}"
-    );
-    let r = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 2}),
-    )
-    .await;
+    assert!(e["message"].as_str().unwrap().contains("chat template"), "{e}");
+    let r = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(r.status, 200);
     server.shutdown().await.unwrap();
 }
@@ -679,10 +334,7 @@ async fn a_model_without_template_refuses_chat_but_serves_completions() {
 #[tokio::test]
 async fn api_key_guards_every_route_but_health() {
     let lane = FakeLane::new(2, 2, Duration::ZERO);
-    let cfg = ServerConfig {
-        api_key: Some("sekrit".into()),
-        ..config()
-    };
+    let cfg = ServerConfig { api_key: Some("sekrit".into()), ..config() };
     let server = start_with(cfg, lane, true).await;
     let addr = server.local_addr();
     let body = json!({"prompt": "x", "max_tokens": 1}).to_string();
@@ -690,41 +342,14 @@ async fn api_key_guards_every_route_but_health() {
         let r = get(addr, path).await;
         assert_eq!(r.expect_error(401)["type"], "authentication_error");
     }
-    for auth in [
-        None,
-        Some("Bearer wrong"),
-        Some("Bearer sekri"),
-        Some("sekrit"),
-        Some("Basic sekrit"),
-    ] {
+    for auth in [None, Some("Bearer wrong"), Some("Bearer sekri"), Some("sekrit"), Some("Basic sekrit")] {
         let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", *a)).collect();
-        let r = send(addr, "POST", "/v1/completions", &headers, body.as_bytes())
-            .await
-            .body()
-            .await;
+        let r = send(addr, "POST", "/v1/completions", &headers, body.as_bytes()).await.body().await;
         r.expect_error(401);
     }
-    let r = send(
-        addr,
-        "POST",
-        "/v1/completions",
-        &[("Authorization", "Bearer sekrit")],
-        body.as_bytes(),
-    )
-    .await
-    .body()
-    .await;
+    let r = send(addr, "POST", "/v1/completions", &[("Authorization", "Bearer sekrit")], body.as_bytes()).await.body().await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let r = send(
-        addr,
-        "GET",
-        "/v1/models",
-        &[("Authorization", "Bearer sekrit")],
-        b"",
-    )
-    .await
-    .body()
-    .await;
+    let r = send(addr, "GET", "/v1/models", &[("Authorization", "Bearer sekrit")], b"").await.body().await;
     assert_eq!(r.status, 200);
     assert_eq!(get(addr, "/health").await.status, 200);
     server.shutdown().await.unwrap();
@@ -741,12 +366,7 @@ async fn overload_queues_then_refuses_with_retry_after() {
     assert!(eventually(Duration::from_secs(5), || lane.running() == 1).await);
     let mut second = post_stream(addr, "/v1/completions", &body).await;
     assert!(eventually(Duration::from_secs(5), || lane.queued() == 1).await);
-    let r = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 10}),
-    )
-    .await;
+    let r = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 10})).await;
     assert_eq!(r.expect_error(503)["code"], "server_overloaded");
     assert_eq!(r.header("retry-after"), Some("1"));
     // The two accepted ones both complete.
@@ -768,16 +388,10 @@ async fn a_client_that_leaves_cancels_its_streams() {
     let queued = post_stream(addr, "/v1/completions", &body).await;
     assert!(eventually(Duration::from_secs(5), || lane.queued() == 1).await);
     drop(queued);
-    assert!(
-        eventually(Duration::from_secs(2), || lane.queued() == 0).await,
-        "a queued stream whose client left stays queued"
-    );
+    assert!(eventually(Duration::from_secs(2), || lane.queued() == 0).await, "a queued stream whose client left stays queued");
     drop(running);
     // Cancelled within a couple of ticks, long before its 25 tokens.
-    assert!(
-        eventually(Duration::from_millis(300), || lane.running() == 0).await,
-        "the stream kept running"
-    );
+    assert!(eventually(Duration::from_millis(300), || lane.running() == 0).await, "the stream kept running");
     assert_eq!(lane.cancelled.load(std::sync::atomic::Ordering::Relaxed), 2);
 
     // A non-streaming client that leaves also cancels.
@@ -785,10 +399,7 @@ async fn a_client_that_leaves_cancels_its_streams() {
     let r = send(addr, "POST", "/v1/completions", &[], whole.as_bytes());
     let r = tokio::time::timeout(Duration::from_millis(200), r).await;
     assert!(r.is_err(), "answered too early");
-    assert!(
-        eventually(Duration::from_millis(500), || lane.running() == 0).await,
-        "a whole-response stream kept running"
-    );
+    assert!(eventually(Duration::from_millis(500), || lane.running() == 0).await, "a whole-response stream kept running");
     server.shutdown().await.unwrap();
 }
 
@@ -796,21 +407,13 @@ async fn a_client_that_leaves_cancels_its_streams() {
 async fn metrics_report_tokens_latency_and_lane_gauges() {
     let (server, _) = start().await;
     let addr = server.local_addr();
-    post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "abcd", "max_tokens": 3}),
-    )
-    .await;
+    post(addr, "/v1/completions", &json!({"prompt": "abcd", "max_tokens": 3})).await;
     let m = get(addr, "/metrics").await;
     assert_eq!(m.status, 200);
     assert!(m.header("content-type").unwrap().starts_with("text/plain"));
     let m = m.text();
     let value = |name: &str| -> f64 {
-        let line = m
-            .lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .unwrap_or_else(|| panic!("no {name} in {m}"));
+        let line = m.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).unwrap_or_else(|| panic!("no {name} in {m}"));
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
     assert_eq!(value("braid_prompt_tokens_total"), 4.0);
@@ -819,10 +422,7 @@ async fn metrics_report_tokens_latency_and_lane_gauges() {
     assert_eq!(value("braid_inter_token_seconds_count"), 2.0);
     assert_eq!(value("braid_queue_depth"), 0.0);
     assert_eq!(value("braid_running_streams"), 0.0);
-    assert!(
-        m.contains("braid_requests_total{route=\"/v1/completions\",status=\"200\"} 1"),
-        "{m}"
-    );
+    assert!(m.contains("braid_requests_total{route=\"/v1/completions\",status=\"200\"} 1"), "{m}");
     assert!(m.contains("# TYPE braid_decode_batch_mean gauge"));
     server.shutdown().await.unwrap();
 }
@@ -830,25 +430,14 @@ async fn metrics_report_tokens_latency_and_lane_gauges() {
 #[tokio::test]
 async fn shutdown_cancels_streams_that_outlive_the_grace() {
     let lane = FakeLane::new(2, 2, Duration::from_millis(50));
-    let cfg = ServerConfig {
-        shutdown_grace: Duration::from_millis(200),
-        ..config()
-    };
+    let cfg = ServerConfig { shutdown_grace: Duration::from_millis(200), ..config() };
     let server = start_with(cfg, lane.clone(), true).await;
     let addr = server.local_addr();
-    let mut open = post_stream(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 25, "stream": true}),
-    )
-    .await;
+    let mut open = post_stream(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 25, "stream": true})).await;
     open.next_event().await.unwrap();
     let t = std::time::Instant::now();
     server.shutdown().await.expect("clean shutdown");
-    assert!(
-        t.elapsed() < Duration::from_secs(2),
-        "shutdown waited for the stream to finish"
-    );
+    assert!(t.elapsed() < Duration::from_secs(2), "shutdown waited for the stream to finish");
     // The client got an error event and [DONE], not a cut connection.
     let mut rest = Vec::new();
     while let Some(e) = open.next_event().await {

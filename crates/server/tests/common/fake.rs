@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::{GgufTokenizerSpec, Tokenizer};
-use braid_server::{
-    Finish, GenEvent, GenRequest, Generator, LaneNumbers, ModelInfo, Refusal, Sink, Ticket,
-};
+use braid_server::{Finish, GenEvent, GenRequest, Generator, LaneNumbers, ModelInfo, Refusal, Sink, Ticket};
 
 /// What every fake stream writes, cut at `max_tokens` (then "length"); the
 /// whole of it ends with "stop".
@@ -25,11 +23,7 @@ fn byte_char(b: u8) -> char {
     if printable {
         return b as char;
     }
-    let shift = (0..b)
-        .filter(|&x| {
-            !((33..=126).contains(&x) || (161..=172).contains(&x) || (174..=255).contains(&x))
-        })
-        .count();
+    let shift = (0..b).filter(|&x| !((33..=126).contains(&x) || (161..=172).contains(&x) || (174..=255).contains(&x))).count();
     char::from_u32(256 + shift as u32).unwrap()
 }
 
@@ -59,12 +53,7 @@ pub fn model_info(with_template: bool, context: usize) -> ModelInfo {
         )
         .expect("template")
     });
-    ModelInfo {
-        tokenizer: Arc::new(tokenizer()),
-        template,
-        context,
-        stop_ids: vec![EOS],
-    }
+    ModelInfo { tokenizer: Arc::new(tokenizer()), template, context, stop_ids: vec![EOS] }
 }
 
 #[derive(Default)]
@@ -85,14 +74,7 @@ pub struct FakeLane {
 
 impl FakeLane {
     pub fn new(max_running: usize, queue: usize, tick: Duration) -> Arc<FakeLane> {
-        Arc::new(FakeLane {
-            max_running,
-            queue,
-            tick,
-            state: Arc::default(),
-            cancelled: Arc::default(),
-            seen: Mutex::new(Vec::new()),
-        })
+        Arc::new(FakeLane { max_running, queue, tick, state: Arc::default(), cancelled: Arc::default(), seen: Mutex::new(Vec::new()) })
     }
 
     pub fn queued(&self) -> usize {
@@ -122,9 +104,7 @@ impl Generator for FakeLane {
             // Wait for a running slot; leave the queue if the client left.
             {
                 let mut s = lock.lock().unwrap();
-                sink.send(GenEvent::Queued {
-                    position: s.queued - 1,
-                });
+                sink.send(GenEvent::Queued { position: s.queued - 1 });
                 while s.running >= max_running {
                     if sink.is_closed() {
                         s.queued -= 1;
@@ -166,13 +146,7 @@ impl Generator for FakeLane {
                 n += 1;
             };
             leave();
-            sink.send(GenEvent::Finished {
-                reason,
-                text: String::new(),
-                prompt_tokens: req.prompt.len(),
-                completion_tokens: n,
-                cached_tokens: 0,
-            });
+            sink.send(GenEvent::Finished { reason, text: String::new(), prompt_tokens: req.prompt.len(), completion_tokens: n, cached_tokens: 0 });
         });
         Ok(Ticket::default())
     }

@@ -25,19 +25,11 @@ pub struct Reply {
 
 impl Reply {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!(
-                "body is not JSON ({e}): {}",
-                String::from_utf8_lossy(&self.body)
-            )
-        })
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
     pub fn text(&self) -> String {
@@ -46,19 +38,10 @@ impl Reply {
 
     /// Asserts an OpenAI-style error with this status; returns `error`.
     pub fn expect_error(&self, status: u16) -> Value {
-        assert_eq!(
-            self.status,
-            status,
-            "wanted {status}, got {}: {}",
-            self.status,
-            self.text()
-        );
+        assert_eq!(self.status, status, "wanted {status}, got {}: {}", self.status, self.text());
         let v = self.json();
         let e = v["error"].clone();
-        assert!(
-            e["message"].is_string() && !e["message"].as_str().unwrap().is_empty(),
-            "{v}"
-        );
+        assert!(e["message"].is_string() && !e["message"].as_str().unwrap().is_empty(), "{v}");
         assert!(e["type"].is_string(), "{v}");
         assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
         e
@@ -87,13 +70,7 @@ enum BodyMode {
     },
 }
 
-pub async fn send(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> Open {
+pub async fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Open {
     let mut s = TcpStream::connect(addr).await.expect("connect");
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in headers {
@@ -112,15 +89,8 @@ pub async fn send(
 async fn read_head(s: TcpStream) -> Open {
     let mut reader = BufReader::new(s);
     let mut line = String::new();
-    tokio::time::timeout(TIMEOUT, reader.read_line(&mut line))
-        .await
-        .expect("timed out waiting for a reply")
-        .expect("read");
-    let status: u16 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line {line:?}"));
+    tokio::time::timeout(TIMEOUT, reader.read_line(&mut line)).await.expect("timed out waiting for a reply").expect("read");
+    let status: u16 = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("bad status line {line:?}"));
     let mut headers = Vec::new();
     loop {
         line.clear();
@@ -133,44 +103,25 @@ async fn read_head(s: TcpStream) -> Open {
             headers.push((k.trim().to_string(), v.trim().to_string()));
         }
     }
-    let get = |n: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(n))
-            .map(|(_, v)| v.clone())
-    };
+    let get = |n: &str| headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(n)).map(|(_, v)| v.clone());
     let body = if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
-        BodyMode::Chunked {
-            left: 0,
-            done: false,
-        }
+        BodyMode::Chunked { left: 0, done: false }
     } else if let Some(n) = get("content-length") {
         BodyMode::Length(n.parse().expect("content-length"))
     } else {
         BodyMode::UntilClose { done: false }
     };
-    Open {
-        status,
-        headers,
-        reader,
-        body,
-        pending: Vec::new(),
-    }
+    Open { status, headers, reader, body, pending: Vec::new() }
 }
 
 impl Open {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// The next piece of body, `None` at its end.
     pub async fn read_some(&mut self) -> Option<Vec<u8>> {
-        tokio::time::timeout(TIMEOUT, self.read_some_inner())
-            .await
-            .expect("timed out reading the body")
+        tokio::time::timeout(TIMEOUT, self.read_some_inner()).await.expect("timed out reading the body")
     }
 
     async fn read_some_inner(&mut self) -> Option<Vec<u8>> {
@@ -195,8 +146,7 @@ impl Open {
                         self.reader.read_line(&mut line).await.expect("chunk size");
                     }
                     let size =
-                        usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
-                            .unwrap_or_else(|_| panic!("bad chunk size line {line:?}"));
+                        usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16).unwrap_or_else(|_| panic!("bad chunk size line {line:?}"));
                     if size == 0 {
                         *done = true;
                         return None;
@@ -228,11 +178,7 @@ impl Open {
         while let Some(b) = self.read_some().await {
             body.extend_from_slice(&b);
         }
-        Reply {
-            status: self.status,
-            headers: self.headers,
-            body,
-        }
+        Reply { status: self.status, headers: self.headers, body }
     }
 
     /// The next SSE event's `data:` payload, `None` at the end of the body.
@@ -241,10 +187,7 @@ impl Open {
             if let Some(at) = find(&self.pending, b"\n\n") {
                 let event: Vec<u8> = self.pending.drain(..at + 2).collect();
                 let text = String::from_utf8(event).expect("SSE is UTF-8");
-                let data: Vec<&str> = text
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("data: "))
-                    .collect();
+                let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
                 if data.is_empty() {
                     continue; // a comment or keep-alive
                 }
@@ -253,10 +196,7 @@ impl Open {
             match self.read_some().await {
                 Some(b) => self.pending.extend_from_slice(&b),
                 None => {
-                    assert!(
-                        self.pending.iter().all(u8::is_ascii_whitespace),
-                        "unterminated SSE event"
-                    );
+                    assert!(self.pending.iter().all(u8::is_ascii_whitespace), "unterminated SSE event");
                     return None;
                 }
             }
@@ -271,10 +211,7 @@ impl Open {
                 assert!(self.next_event().await.is_none(), "events after [DONE]");
                 return out;
             }
-            out.push(
-                serde_json::from_str(&data)
-                    .unwrap_or_else(|e| panic!("bad SSE JSON {data:?}: {e}")),
-            );
+            out.push(serde_json::from_str(&data).unwrap_or_else(|e| panic!("bad SSE JSON {data:?}: {e}")));
         }
         panic!("the stream ended without [DONE]; got {out:?}");
     }
@@ -293,28 +230,12 @@ pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
 }
 
 pub async fn post_raw(addr: SocketAddr, path: &str, body: &[u8]) -> Reply {
-    send(
-        addr,
-        "POST",
-        path,
-        &[("Content-Type", "application/json")],
-        body,
-    )
-    .await
-    .body()
-    .await
+    send(addr, "POST", path, &[("Content-Type", "application/json")], body).await.body().await
 }
 
 /// Starts a streaming POST; the caller reads events.
 pub async fn post_stream(addr: SocketAddr, path: &str, body: &Value) -> Open {
-    let open = send(
-        addr,
-        "POST",
-        path,
-        &[("Content-Type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-    .await;
+    let open = send(addr, "POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes()).await;
     assert_eq!(open.status, 200, "streaming request refused");
     assert_eq!(open.header("content-type"), Some("text/event-stream"));
     open
@@ -349,9 +270,7 @@ pub fn stream_finishes(events: &[Value], choices: usize) -> Vec<String> {
             }
         }
     }
-    out.into_iter()
-        .map(|r| r.expect("a choice without finish_reason"))
-        .collect()
+    out.into_iter().map(|r| r.expect("a choice without finish_reason")).collect()
 }
 
 /// Polls `cond` every 10 ms until it holds or `within` passes.

@@ -15,11 +15,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-/// Spin iterations a worker waits for the next job before parking. About
-/// 100-200 µs: long enough to span the gap between the matmuls of one
-/// forward pass, short enough not to burn a core when idle.
-const SPIN_ITERS: u32 = 1 << 15;
+/// How long a worker spins for the next job before parking: long enough
+/// to span the gaps between the ops of one forward pass, short enough not
+/// to burn a shared core when idle. (Timed, as `pause` costs anywhere from
+/// 10 to 140 cycles depending on the CPU.)
+const SPIN: Duration = Duration::from_micros(100);
 
 /// 0 = not set: use the machine's parallelism.
 static WANTED: AtomicUsize = AtomicUsize::new(0);
@@ -49,9 +51,7 @@ fn default_threads() -> usize {
     static DEFAULT: AtomicUsize = AtomicUsize::new(0);
     match DEFAULT.load(Ordering::Relaxed) {
         0 => {
-            let n = std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1);
+            let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             DEFAULT.store(n, Ordering::Relaxed);
             n
         }
@@ -143,9 +143,7 @@ impl Pool {
         let mut workers = Vec::with_capacity(n_workers);
         for i in 0..n_workers {
             let s = shared.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("braid-cpu-{}", i + 1))
-                .spawn(move || worker(&s));
+            let spawned = std::thread::Builder::new().name(format!("braid-cpu-{}", i + 1)).spawn(move || worker(&s));
             match spawned {
                 Ok(h) => workers.push(h),
                 // Fewer workers still give correct results.
@@ -219,6 +217,7 @@ fn worker(s: &Shared) {
     loop {
         // Wait for a new job: spin, then park.
         let mut spins = 0u32;
+        let mut since: Option<Instant> = None;
         loop {
             if s.shutdown.load(Ordering::Relaxed) {
                 return;
@@ -228,9 +227,13 @@ fn worker(s: &Shared) {
                 seen = e;
                 break;
             }
-            if spins < SPIN_ITERS {
-                spins += 1;
+            spins = spins.wrapping_add(1);
+            if spins % 64 != 0 {
                 std::hint::spin_loop();
+                continue;
+            }
+            let start = *since.get_or_insert_with(Instant::now);
+            if start.elapsed() < SPIN {
                 continue;
             }
             let g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -244,7 +247,7 @@ fn worker(s: &Shared) {
                 drop(g);
             }
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
-            spins = 0;
+            since = None;
         }
         // SAFETY: published before the epoch bump we acquired; valid until
         // we decrement `pending`.

@@ -84,22 +84,10 @@ unsafe fn amax_avx2(p: *const f32, n: usize) -> f32 {
 unsafe fn quant32_avx2(p: *const f32, id: f32) -> __m256i {
     let vid = _mm256_set1_ps(id);
     const RND: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    let q0 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(
-        _mm256_loadu_ps(p),
-        vid,
-    )));
-    let q1 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(
-        _mm256_loadu_ps(p.add(8)),
-        vid,
-    )));
-    let q2 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(
-        _mm256_loadu_ps(p.add(16)),
-        vid,
-    )));
-    let q3 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(
-        _mm256_loadu_ps(p.add(24)),
-        vid,
-    )));
+    let q0 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(_mm256_loadu_ps(p), vid)));
+    let q1 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(_mm256_loadu_ps(p.add(8)), vid)));
+    let q2 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(_mm256_loadu_ps(p.add(16)), vid)));
+    let q3 = _mm256_cvtps_epi32(_mm256_round_ps::<RND>(_mm256_mul_ps(_mm256_loadu_ps(p.add(24)), vid)));
     // packs work per 128-bit lane; the permute puts the 8 groups of 4 back in order.
     let a = _mm256_packs_epi32(q0, q1);
     let b = _mm256_packs_epi32(q2, q3);
@@ -111,10 +99,7 @@ unsafe fn quant32_avx2(p: *const f32, id: f32) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn sum_i8(v: __m256i) -> i32 {
-    let w = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(_mm256_set1_epi8(1), v),
-        _mm256_set1_epi16(1),
-    );
+    let w = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
     let s = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));

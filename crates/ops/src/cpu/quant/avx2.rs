@@ -60,14 +60,7 @@ tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
 
 /// The AVX2 kernel for `dtype`, if there is one (else the scalar one runs).
 pub(crate) fn kernel(dtype: DType) -> Option<Kernel> {
-    let k = |tile, rw, ra, rw_gemv| {
-        Some(Kernel {
-            tile,
-            rw,
-            ra,
-            rw_gemv,
-        })
-    };
+    let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv });
     match dtype {
         DType::Q4_0 => k(t_q4_0, 2, 4, 4),
         DType::Q4_1 => k(t_q4_1, 2, 4, 4),
@@ -139,6 +132,16 @@ unsafe fn nibbles32(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
 
+/// Matvecs stream weights from memory; the hardware prefetcher follows
+/// the few rows of a tile, but starts late on each new tile. Fetching the
+/// next tile's bytes (same offset, `RW` rows on) keeps DRAM busy. Prefetch
+/// never faults, so running past the matrix is harmless.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+}
+
 // ---- 32-element block types ----
 
 /// An unpacked 32-element weight block: `q` (unsigned values, or signed
@@ -178,12 +181,7 @@ impl B32 for Q40 {
     unsafe fn unpack(p: *const u8) -> W32 {
         let q = nibbles32(p.add(2));
         let d = h2f(p);
-        W32 {
-            q,
-            abs: q,
-            d,
-            m: -8.0 * d,
-        }
+        W32 { q, abs: q, d, m: -8.0 * d }
     }
 }
 
@@ -212,12 +210,7 @@ impl B32 for Q50 {
         let qh = (p.add(2) as *const u32).read_unaligned();
         let q = _mm256_or_si256(nibbles32(p.add(6)), bits_to_0x10(qh));
         let d = h2f(p);
-        W32 {
-            q,
-            abs: q,
-            d,
-            m: -16.0 * d,
-        }
+        W32 { q, abs: q, d, m: -16.0 * d }
     }
 }
 
@@ -245,12 +238,7 @@ impl B32 for Q80 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W32 {
         let q = _mm256_loadu_si256(p.add(2) as *const __m256i);
-        W32 {
-            q,
-            abs: _mm256_sign_epi8(q, q),
-            d: h2f(p),
-            m: 0.0,
-        }
+        W32 { q, abs: _mm256_sign_epi8(q, q), d: h2f(p), m: 0.0 }
     }
 }
 
@@ -262,12 +250,7 @@ impl B32 for Q81 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W32 {
         let q = _mm256_loadu_si256(p.add(4) as *const __m256i);
-        W32 {
-            q,
-            abs: _mm256_sign_epi8(q, q),
-            d: h2f(p),
-            m: 0.0,
-        }
+        W32 { q, abs: _mm256_sign_epi8(q, q), d: h2f(p), m: 0.0 }
     }
 }
 
@@ -275,26 +258,20 @@ impl B32 for Q81 {
 unsafe fn tile_b32<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
     let mut acc = [[_mm256_setzero_ps(); RA]; RW];
     let mut off = [[0.0f32; RA]; RW];
-    let zero = W32 {
-        q: _mm256_setzero_si256(),
-        abs: _mm256_setzero_si256(),
-        d: 0.0,
-        m: 0.0,
-    };
+    let zero = W32 { q: _mm256_setzero_si256(), abs: _mm256_setzero_si256(), d: 0.0, m: 0.0 };
     for b in 0..t.n {
         let mut wb = [zero; RW];
         for (r, x) in wb.iter_mut().enumerate() {
             *x = K::unpack(t.w.add(r * t.w_stride + b * K::BYTES));
+            if RA == 1 {
+                prefetch(t.w.wrapping_add((RW + r) * t.w_stride + b * K::BYTES));
+            }
         }
         for c in 0..RA {
             let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
             let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
             for r in 0..RW {
-                let p = if K::SIGNED {
-                    dot_u8(wb[r].abs, _mm256_sign_epi8(av, wb[r].q))
-                } else {
-                    dot_u8(wb[r].q, av)
-                };
+                let p = if K::SIGNED { dot_u8(wb[r].abs, _mm256_sign_epi8(av, wb[r].q)) } else { dot_u8(wb[r].q, av) };
                 let s = _mm256_set1_ps(wb[r].d * ab.d);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][c]);
                 if K::OFFSET {
@@ -342,6 +319,12 @@ unsafe fn tile_q45k<H: HighBit, const RW: usize, const RA: usize>(t: &Tile) {
         for r in 0..RW {
             let p = t.w.add(r * t.w_stride + b * bytes);
             wp[r] = p;
+            if RA == 1 {
+                let next = t.w.wrapping_add((RW + r) * t.w_stride + b * bytes);
+                for l in (0..bytes).step_by(64) {
+                    prefetch(next.wrapping_add(l));
+                }
+            }
             d[r] = h2f(p);
             dmin[r] = h2f(p.add(2));
             let s = std::slice::from_raw_parts(p.add(4), 12);
@@ -376,14 +359,8 @@ unsafe fn tile_q45k<H: HighBit, const RW: usize, const RA: usize>(t: &Tile) {
                 let a0 = _mm256_loadu_si256(ab.qs.as_ptr().add(64 * j) as *const __m256i);
                 let a1 = _mm256_loadu_si256(ab.qs.as_ptr().add(64 * j + 32) as *const __m256i);
                 for r in 0..RW {
-                    let p0 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(lo[r], a0),
-                        _mm256_set1_epi16(sc[r][2 * j]),
-                    );
-                    let p1 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(hi[r], a1),
-                        _mm256_set1_epi16(sc[r][2 * j + 1]),
-                    );
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[r], a0), _mm256_set1_epi16(sc[r][2 * j]));
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[r], a1), _mm256_set1_epi16(sc[r][2 * j + 1]));
                     iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_add_epi32(p0, p1));
                 }
             }
@@ -393,9 +370,7 @@ unsafe fn tile_q45k<H: HighBit, const RW: usize, const RA: usize>(t: &Tile) {
             for r in 0..RW {
                 let s = _mm256_set1_ps(d[r] * ab.d);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), s, acc[r][c]);
-                let msum: i32 = (0..8)
-                    .map(|j| mn[r][j] * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32))
-                    .sum();
+                let msum: i32 = (0..8).map(|j| mn[r][j] * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32)).sum();
                 off[r][c] -= dmin[r] * ab.d * msum as f32;
             }
         }
@@ -422,6 +397,12 @@ unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
         for r in 0..RW {
             let p = t.w.add(r * t.w_stride + b * 210);
             wp[r] = p;
+            if RA == 1 {
+                let next = t.w.wrapping_add((RW + r) * t.w_stride + b * 210);
+                for l in (0..210).step_by(64) {
+                    prefetch(next.wrapping_add(l));
+                }
+            }
             d[r] = h2f(p.add(208));
             std::ptr::copy_nonoverlapping(p.add(192) as *const i8, sc[r].as_mut_ptr(), 16);
         }
@@ -449,14 +430,10 @@ unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
             for c in 0..RA {
                 let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
                 for g in 0..4 {
-                    let a =
-                        _mm256_loadu_si256(ab.qs.as_ptr().add(128 * h + 32 * g) as *const __m256i);
+                    let a = _mm256_loadu_si256(ab.qs.as_ptr().add(128 * h + 32 * g) as *const __m256i);
                     for r in 0..RW {
                         let gi = 8 * h + 2 * g;
-                        let scv = _mm256_setr_m128i(
-                            _mm_set1_epi16(sc[r][gi] as i16),
-                            _mm_set1_epi16(sc[r][gi + 1] as i16),
-                        );
+                        let scv = _mm256_setr_m128i(_mm_set1_epi16(sc[r][gi] as i16), _mm_set1_epi16(sc[r][gi + 1] as i16));
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r][g], a), scv);
                         iacc[r][c] = _mm256_add_epi32(iacc[r][c], p);
                     }
@@ -467,8 +444,7 @@ unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
             let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
             for r in 0..RW {
                 let s = d[r] * ab.d;
-                acc[r][c] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(s), acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(s), acc[r][c]);
                 let osum: i32 = (0..16).map(|g| sc[r][g] as i32 * ab.bsums[g] as i32).sum();
                 off[r][c] -= 32.0 * s * osum as f32;
             }
@@ -541,13 +517,15 @@ impl FloatW for Bf16W {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_f<K: FloatW, const RW: usize, const RA: usize>(t: &Tile) {
-    let _ = K::BYTES;
     let mut acc = [[_mm256_setzero_ps(); RA]; RW];
     let n8 = t.n / 8 * 8;
     for i in (0..n8).step_by(8) {
         let mut wv = [_mm256_setzero_ps(); RW];
         for (r, v) in wv.iter_mut().enumerate() {
             *v = K::load8(t.w.add(r * t.w_stride), i);
+            if RA == 1 && i % (64 / K::BYTES) == 0 {
+                prefetch(t.w.wrapping_add((RW + r) * t.w_stride + i * K::BYTES));
+            }
         }
         for c in 0..RA {
             let xv = _mm256_loadu_ps((t.a.add(c * t.a_stride) as *const f32).add(i));

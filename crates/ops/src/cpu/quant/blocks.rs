@@ -53,10 +53,7 @@ pub(crate) fn k4_scale_min(s: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
-        (
-            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
-            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-        )
+        ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
     }
 }
 
@@ -91,10 +88,6 @@ pub struct Q8KA {
 
 impl Default for Q8KA {
     fn default() -> Self {
-        Q8KA {
-            d: 0.0,
-            qs: [0; 256],
-            bsums: [0; 16],
-        }
+        Q8KA { d: 0.0, qs: [0; 256], bsums: [0; 16] }
     }
 }

@@ -59,9 +59,7 @@ enum ActKind {
 fn act_kind(dtype: DType) -> ActKind {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => ActKind::F32,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
-            ActKind::Q8
-        }
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => ActKind::Q8,
         DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::Q8K => ActKind::Q8K,
     }
 }
@@ -90,12 +88,7 @@ fn kernel(isa: Isa, dtype: DType) -> Kernel {
         }
     }
     let _ = isa;
-    Kernel {
-        tile: scalar_tile,
-        rw: 1,
-        ra: 1,
-        rw_gemv: 1,
-    }
+    Kernel { tile: scalar_tile, rw: 1, ra: 1, rw_gemv: 1 }
 }
 
 thread_local! {
@@ -116,13 +109,7 @@ impl<T> SendPtr<T> {
 
 /// Quantize `m` rows of `x` into `dst` (`m * per_row` blocks), over the
 /// pool when there are enough rows to be worth it.
-fn quantize_rows<B: Send>(
-    x: &[f32],
-    m: usize,
-    cols: usize,
-    dst: &mut [B],
-    f: &(dyn Fn(&[f32], &mut [B]) + Sync),
-) {
+fn quantize_rows<B: Send>(x: &[f32], m: usize, cols: usize, dst: &mut [B], f: &(dyn Fn(&[f32], &mut [B]) + Sync)) {
     let per_row = dst.len() / m.max(1);
     let ptr = SendPtr(dst.as_mut_ptr());
     let body = |i: usize| {
@@ -167,25 +154,11 @@ fn run(isa: Isa, w: QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: 
         panic!("matmul: {e}");
     }
     let n_out = ids.map_or(w.rows, |ids| ids.len());
-    assert_eq!(
-        x.len(),
-        m * w.cols,
-        "matmul: x holds {} values, not {m} rows of {}",
-        x.len(),
-        w.cols
-    );
-    assert_eq!(
-        out.len(),
-        m * n_out,
-        "matmul: out holds {} values, not {m} x {n_out}",
-        out.len()
-    );
+    assert_eq!(x.len(), m * w.cols, "matmul: x holds {} values, not {m} rows of {}", x.len(), w.cols);
+    assert_eq!(out.len(), m * n_out, "matmul: out holds {} values, not {m} x {n_out}", out.len());
     if let Some(ids) = ids {
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= w.rows) {
-            panic!(
-                "matmul_rows: row {bad} is past the weight's {} rows",
-                w.rows
-            );
+            panic!("matmul_rows: row {bad} is past the weight's {} rows", w.rows);
         }
     }
     if m == 0 || n_out == 0 {
@@ -225,11 +198,7 @@ fn run(isa: Isa, w: QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: 
 /// Run `f` on `n` blocks of this thread's scratch (grown, never shrunk, so
 /// steady-state calls do not allocate). A nested call, which cannot borrow
 /// it, gets a fresh buffer.
-fn with_scratch<B: Default + Clone>(
-    key: &'static std::thread::LocalKey<RefCell<Vec<B>>>,
-    n: usize,
-    f: impl FnOnce(&mut [B]),
-) {
+fn with_scratch<B: Default + Clone>(key: &'static std::thread::LocalKey<RefCell<Vec<B>>>, n: usize, f: impl FnOnce(&mut [B])) {
     let mut f = Some(f);
     key.with(|cell| {
         if let Ok(mut buf) = cell.try_borrow_mut() {
@@ -252,16 +221,7 @@ const ACT_CHUNK: usize = 64;
 const MIN_PARALLEL_MACS: usize = 1 << 16;
 
 #[allow(clippy::too_many_arguments)]
-fn drive(
-    k: &Kernel,
-    w: QMatRef<'_>,
-    ids: Option<&[u32]>,
-    a: *const u8,
-    a_stride: usize,
-    n: usize,
-    m: usize,
-    out: &mut [f32],
-) {
+fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride: usize, n: usize, m: usize, out: &mut [f32]) {
     let rb = w.dtype.bytes_for(w.cols).unwrap_or(0);
     let n_out = ids.map_or(w.rows, |ids| ids.len());
     let threads = pool::threads();
@@ -274,9 +234,7 @@ fn drive(
     // Aim for a few tasks per thread so uneven progress balances, with row
     // ranges that are whole tiles.
     let want_tasks = if par { threads * 4 } else { 1 };
-    let n_rc = want_tasks
-        .div_ceil(n_ac)
-        .clamp(1, n_out.div_ceil(k.rw.max(k.rw_gemv)));
+    let n_rc = want_tasks.div_ceil(n_ac).clamp(1, n_out.div_ceil(k.rw.max(k.rw_gemv)));
     let align = k.rw.max(k.rw_gemv);
     let rc_len = n_out.div_ceil(n_rc).next_multiple_of(align);
     let n_rc = n_out.div_ceil(rc_len);

@@ -41,12 +41,7 @@ impl QMatRef<'_> {
     pub fn row_bytes(&self) -> Result<usize> {
         match self.dtype.bytes_for(self.cols) {
             Some(b) => Ok(b),
-            None => bail!(
-                "{} rows hold whole blocks of {} elements; {} columns is not a multiple",
-                self.dtype,
-                self.dtype.block_size(),
-                self.cols
-            ),
+            None => bail!("{} rows hold whole blocks of {} elements; {} columns is not a multiple", self.dtype, self.dtype.block_size(), self.cols),
         }
     }
 
@@ -55,14 +50,7 @@ impl QMatRef<'_> {
         let rb = self.row_bytes()?;
         let need = rb.checked_mul(self.rows);
         if need != Some(self.data.len()) {
-            bail!(
-                "a {} matrix of {}x{} needs {:?} bytes, got {}",
-                self.dtype,
-                self.rows,
-                self.cols,
-                need,
-                self.data.len()
-            );
+            bail!("a {} matrix of {}x{} needs {:?} bytes, got {}", self.dtype, self.rows, self.cols, need, self.data.len());
         }
         Ok(())
     }
@@ -87,11 +75,7 @@ impl Isa {
             _ => {}
         }
         let forced_scalar = std::env::var("BRAID_CPU_ISA").is_ok_and(|v| v == "scalar");
-        let isa = if !forced_scalar && Isa::Avx2.available() {
-            Isa::Avx2
-        } else {
-            Isa::Scalar
-        };
+        let isa = if !forced_scalar && Isa::Avx2.available() { Isa::Avx2 } else { Isa::Scalar };
         BEST.store(if isa == Isa::Avx2 { 2 } else { 1 }, Ordering::Relaxed);
         isa
     }
@@ -101,11 +85,7 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-                    && is_x86_feature_detected!("f16c")
-            }
+            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 => false,
         }
@@ -116,18 +96,10 @@ impl Isa {
 /// exactly those elements' blocks.
 pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     let Some(need) = dtype.bytes_for(dst.len()) else {
-        bail!(
-            "cannot dequantize {} elements of {dtype}: not a whole number of {}-element blocks",
-            dst.len(),
-            dtype.block_size()
-        );
+        bail!("cannot dequantize {} elements of {dtype}: not a whole number of {}-element blocks", dst.len(), dtype.block_size());
     };
     if need != src.len() {
-        bail!(
-            "{} elements of {dtype} take {need} bytes, but {} bytes were given",
-            dst.len(),
-            src.len()
-        );
+        bail!("{} elements of {dtype} take {need} bytes, but {} bytes were given", dst.len(), src.len());
     }
     dequant::dequantize_blocks(dtype, src, dst);
     Ok(())

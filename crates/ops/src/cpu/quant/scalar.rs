@@ -18,34 +18,16 @@ pub(crate) enum ActRow<'a> {
 /// `w` is one weight row of `dtype` whose length matches `a`.
 pub(crate) fn dot(dtype: DType, w: &[u8], a: ActRow<'_>) -> f32 {
     match (dtype, a) {
-        (DType::F32, ActRow::F32(x)) => w
-            .chunks_exact(4)
-            .zip(x)
-            .map(|(b, &v)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * v)
-            .sum(),
-        (DType::F16, ActRow::F32(x)) => w
-            .chunks_exact(2)
-            .zip(x)
-            .map(|(b, &v)| rd_f16(b, 0) * v)
-            .sum(),
-        (DType::BF16, ActRow::F32(x)) => w
-            .chunks_exact(2)
-            .zip(x)
-            .map(|(b, &v)| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) * v)
-            .sum(),
+        (DType::F32, ActRow::F32(x)) => w.chunks_exact(4).zip(x).map(|(b, &v)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * v).sum(),
+        (DType::F16, ActRow::F32(x)) => w.chunks_exact(2).zip(x).map(|(b, &v)| rd_f16(b, 0) * v).sum(),
+        (DType::BF16, ActRow::F32(x)) => w.chunks_exact(2).zip(x).map(|(b, &v)| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) * v).sum(),
         (_, ActRow::Q8(a)) => {
             let ts = dtype.type_size();
-            w.chunks_exact(ts)
-                .zip(a)
-                .map(|(b, ab)| dot32(dtype, b, ab))
-                .sum()
+            w.chunks_exact(ts).zip(a).map(|(b, ab)| dot32(dtype, b, ab)).sum()
         }
         (_, ActRow::Q8K(a)) => {
             let ts = dtype.type_size();
-            w.chunks_exact(ts)
-                .zip(a)
-                .map(|(b, ab)| dot256(dtype, b, ab))
-                .sum()
+            w.chunks_exact(ts).zip(a).map(|(b, ab)| dot256(dtype, b, ab)).sum()
         }
         _ => unreachable!("activation kind does not match {dtype}"),
     }
@@ -74,16 +56,12 @@ fn dot32(dtype: DType, b: &[u8], a: &Q8A) -> f32 {
         }
         DType::Q5_0 => {
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            let isum: i32 = (0..32)
-                .map(|j| (nib(&b[6..], j) + (((qh >> j) & 1) << 4) as i32 - 16) * qa(j))
-                .sum();
+            let isum: i32 = (0..32).map(|j| (nib(&b[6..], j) + (((qh >> j) & 1) << 4) as i32 - 16) * qa(j)).sum();
             rd_f16(b, 0) * a.d * isum as f32
         }
         DType::Q5_1 => {
             let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-            let isum: i32 = (0..32)
-                .map(|j| (nib(&b[8..], j) + (((qh >> j) & 1) << 4) as i32) * qa(j))
-                .sum();
+            let isum: i32 = (0..32).map(|j| (nib(&b[8..], j) + (((qh >> j) & 1) << 4) as i32) * qa(j)).sum();
             rd_f16(b, 0) * a.d * isum as f32 + rd_f16(b, 2) * a.s
         }
         DType::Q8_0 => {
@@ -103,9 +81,7 @@ fn dot256(dtype: DType, b: &[u8], a: &Q8KA) -> f32 {
     let qa = |e: usize| a.qs[e] as i32;
     // Sum over 16-element groups g of weight(g) * sum(q*a in g).
     let groups16 = |q: &dyn Fn(usize) -> i32, sc: &dyn Fn(usize) -> i32| -> i32 {
-        (0..16)
-            .map(|g| sc(g) * (g * 16..g * 16 + 16).map(|e| q(e) * qa(e)).sum::<i32>())
-            .sum()
+        (0..16).map(|g| sc(g) * (g * 16..g * 16 + 16).map(|e| q(e) * qa(e)).sum::<i32>()).sum()
     };
     match dtype {
         DType::Q2K => {
@@ -113,9 +89,7 @@ fn dot256(dtype: DType, b: &[u8], a: &Q8KA) -> f32 {
             let (d, dmin) = (rd_f16(b, 80), rd_f16(b, 82));
             let q = |e: usize| ((qs[(e / 128) * 32 + e % 32] >> (2 * ((e / 32) % 4))) & 3) as i32;
             let isum = groups16(&q, &|g| (sc[g] & 15) as i32);
-            let msum: i32 = (0..16)
-                .map(|g| (sc[g] >> 4) as i32 * a.bsums[g] as i32)
-                .sum();
+            let msum: i32 = (0..16).map(|g| (sc[g] >> 4) as i32 * a.bsums[g] as i32).sum();
             d * a.d * isum as f32 - dmin * a.d * msum as f32
         }
         DType::Q3K => {
@@ -123,11 +97,7 @@ fn dot256(dtype: DType, b: &[u8], a: &Q8KA) -> f32 {
             let d = rd_f16(b, 108);
             let q = |e: usize| {
                 let lo = ((qs[(e / 128) * 32 + e % 32] >> (2 * ((e / 32) % 4))) & 3) as i32;
-                lo - if (hm[e % 32] >> (e / 32)) & 1 == 0 {
-                    4
-                } else {
-                    0
-                }
+                lo - if (hm[e % 32] >> (e / 32)) & 1 == 0 { 4 } else { 0 }
             };
             let isum = groups16(&q, &|g| k3_scale(sc, g) as i32);
             d * a.d * isum as f32

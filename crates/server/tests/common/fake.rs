@@ -12,7 +12,7 @@ use braid_formats::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use braid_server::{Finish, GenEvent, GenRequest, Generator, LaneNumbers, ModelInfo, Refusal, Sink, Ticket};
 
 /// What every fake stream writes, cut at `max_tokens` (then "length"); the
-/// whole of it ends with "stop".
+/// whole of it ends with "stop", unless `ignore_eos` (then it repeats).
 pub const REPLY: &str = "Hello from the fake lane.";
 pub const EOS: u32 = 256;
 
@@ -127,11 +127,12 @@ impl Generator for FakeLane {
                 if n == req.max_tokens {
                     break Finish::Length;
                 }
-                if n == bytes.len() {
+                // Like EOS: the reply's end stops the stream unless ignored.
+                if n == bytes.len() && !req.ignore_eos {
                     break Finish::Stop;
                 }
                 std::thread::sleep(tick);
-                let b = bytes[n];
+                let b = bytes[n % bytes.len()];
                 let ev = GenEvent::Token {
                     id: b as u32,
                     text: (b as char).to_string(),

@@ -88,8 +88,10 @@ pub struct ModelInfo {
     pub template: Option<ChatTemplate>,
     /// Longest stream (prompt + completion), in tokens.
     pub context: usize,
-    /// Tokens that end a generation (the tokenizer's EOS/EOT ids). The lane
-    /// applies them unless a request sets `ignore_eos`.
+    /// Tokens that end a generation (the tokenizer's EOS/EOT ids). The
+    /// lane's own `LaneConfig::eos_ids` normally do this; these are sent
+    /// with each request (unless it sets `ignore_eos`) only when the lane
+    /// was spawned without any.
     pub stop_ids: Vec<u32>,
 }
 

@@ -84,30 +84,37 @@ impl Mat {
 
 fn main() {
     let quick = std::env::var("BENCH_QUICK").is_ok();
+    // BENCH_ONLY=matvec|head|prefill|model runs one section.
+    let only = std::env::var("BENCH_ONLY").ok();
+    let want = |s: &str| only.as_deref().is_none_or(|o| o == s);
+    let n = 4096;
     let mut rng = Rng(0x5eed);
     println!("kernels: {:?}; machine threads: {}", Isa::best(), pool::threads());
     let max_threads = pool::threads().max(1);
     let thread_counts: Vec<usize> = if max_threads >= 2 { vec![1, 2] } else { vec![1] };
 
-    println!("\n4096x4096 matvec (m=1): weight streaming");
-    println!("{:<6} {:>8} {:>10} {:>9}", "type", "threads", "us/call", "GB/s");
-    let n = 4096;
-    for dtype in [DType::Q4_1, DType::Q4K, DType::Q8_0, DType::Q5_0, DType::Q6K, DType::F16] {
-        let w = Mat::new(&mut rng, dtype, n, n);
-        let x: Vec<f32> = (0..n).map(|_| rng.f()).collect();
-        let mut out = vec![0.0; n];
-        for &t in &thread_counts {
-            pool::set_threads(t);
-            let s = time(if quick { 20 } else { 100 }, 5, || matmul(w.q(), &x, 1, &mut out));
-            println!("{:<6} {:>8} {:>10.1} {:>9.2}", dtype.name(), t, s * 1e6, w.data.len() as f64 / s / 1e9);
+    if want("matvec") {
+        println!("\n4096x4096 matvec (m=1): weight streaming");
+        println!("{:<6} {:>8} {:>10} {:>9}", "type", "threads", "us/call", "GB/s");
+        for dtype in [DType::Q4_1, DType::Q4K, DType::Q8_0, DType::Q5_0, DType::Q6K, DType::F16] {
+            let w = Mat::new(&mut rng, dtype, n, n);
+            let x: Vec<f32> = (0..n).map(|_| rng.f()).collect();
+            let mut out = vec![0.0; n];
+            for &t in &thread_counts {
+                pool::set_threads(t);
+                let s = time(if quick { 20 } else { 100 }, 5, || matmul(w.q(), &x, 1, &mut out));
+                println!("{:<6} {:>8} {:>10.1} {:>9.2}", dtype.name(), t, s * 1e6, w.data.len() as f64 / s / 1e9);
+            }
         }
     }
 
     // A matrix far larger than the caches: memory bandwidth, against a plain
     // read of the same bytes split the same way.
-    println!("\nGemma 3 lm head, 262144x640 Q8_0 (178 MB), m=1; 'read' = summing the bytes");
-    println!("{:<8} {:>8} {:>10} {:>9}", "what", "threads", "ms/call", "GB/s");
-    {
+    if want("head") {
+        println!("\nGemma 3 lm head, 262144x640 Q8_0 (178 MB), m=1; 'read' = summing the bytes");
+        println!("{:<8} {:>8} {:>10} {:>9}", "what", "threads", "ms/call", "GB/s");
+    }
+    if want("head") {
         let w = Mat::new(&mut rng, DType::Q8_0, 262144, 640);
         let x: Vec<f32> = (0..640).map(|_| rng.f()).collect();
         let mut out = vec![0.0; 262144];
@@ -132,17 +139,19 @@ fn main() {
     }
 
     let m = 512;
-    println!("\n4096x4096 x {m} rows (prefill)");
-    println!("{:<6} {:>8} {:>10} {:>9}", "type", "threads", "ms/call", "GFLOP/s");
-    for dtype in [DType::Q4_1, DType::Q4K, DType::Q8_0, DType::Q5_0, DType::Q6K] {
-        let w = Mat::new(&mut rng, dtype, n, n);
-        let x: Vec<f32> = (0..m * n).map(|_| rng.f()).collect();
-        let mut out = vec![0.0; m * n];
-        for &t in &thread_counts {
-            pool::set_threads(t);
-            let s = time(1, if quick { 1 } else { 3 }, || matmul(w.q(), &x, m, &mut out));
-            let flops = 2.0 * (n * n * m) as f64;
-            println!("{:<6} {:>8} {:>10.1} {:>9.1}", dtype.name(), t, s * 1e3, flops / s / 1e9);
+    if want("prefill") {
+        println!("\n4096x4096 x {m} rows (prefill)");
+        println!("{:<6} {:>8} {:>10} {:>9}", "type", "threads", "ms/call", "GFLOP/s");
+        for dtype in [DType::Q4_1, DType::Q4K, DType::Q8_0, DType::Q5_0, DType::Q6K] {
+            let w = Mat::new(&mut rng, dtype, n, n);
+            let x: Vec<f32> = (0..m * n).map(|_| rng.f()).collect();
+            let mut out = vec![0.0; m * n];
+            for &t in &thread_counts {
+                pool::set_threads(t);
+                let s = time(1, if quick { 1 } else { 3 }, || matmul(w.q(), &x, m, &mut out));
+                let flops = 2.0 * (n * n * m) as f64;
+                println!("{:<6} {:>8} {:>10.1} {:>9.1}", dtype.name(), t, s * 1e3, flops / s / 1e9);
+            }
         }
     }
 
@@ -171,6 +180,9 @@ fn main() {
             ],
         ),
     ];
+    if !want("model") {
+        return;
+    }
     println!("\nmatmuls of one forward (layers' shapes; the lm head for one row)");
     println!("{:<20} {:>8} {:>14} {:>18}", "model", "threads", "decode tok/s", "prefill-512 tok/s");
     for (name, shapes) in &models {

@@ -3,9 +3,7 @@
 //! error bound.
 
 use braid_formats::DType;
-use braid_ops::cpu::quant::{
-    dequantize, f32_to_f16, matmul, matmul_isa, matmul_rows, Isa, QMatRef,
-};
+use braid_ops::cpu::quant::{dequantize, f32_to_f16, matmul, matmul_isa, matmul_rows, Isa, QMatRef};
 
 /// xorshift64*: deterministic, no dependencies.
 struct Rng(u64);
@@ -58,12 +56,8 @@ fn random_weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u
     let n = rows * cols;
     match dtype {
         DType::F32 => (0..n).flat_map(|_| rng.f().to_le_bytes()).collect(),
-        DType::F16 => (0..n)
-            .flat_map(|_| f32_to_f16(rng.f()).to_le_bytes())
-            .collect(),
-        DType::BF16 => (0..n)
-            .flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes())
-            .collect(),
+        DType::F16 => (0..n).flat_map(|_| f32_to_f16(rng.f()).to_le_bytes()).collect(),
+        DType::BF16 => (0..n).flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes()).collect(),
         _ => {
             let bytes = dtype.bytes_for(n).unwrap();
             let mut w: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
@@ -82,9 +76,7 @@ fn random_weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u
 
 /// Activations with some spread between blocks, and one zero block.
 fn random_x(rng: &mut Rng, m: usize, cols: usize) -> Vec<f32> {
-    let mut x: Vec<f32> = (0..m * cols)
-        .map(|i| rng.f() * (1.0 + (i % 7) as f32))
-        .collect();
+    let mut x: Vec<f32> = (0..m * cols).map(|i| rng.f() * (1.0 + (i % 7) as f32)).collect();
     let z = cols.min(32);
     x[..z].fill(0.0);
     x
@@ -100,30 +92,14 @@ struct Case {
 }
 
 fn case(rng: &mut Rng, dtype: DType, rows: usize, blocks: usize, m: usize) -> Case {
-    let bs = if dtype.is_quantized() {
-        dtype.block_size()
-    } else {
-        37
-    };
+    let bs = if dtype.is_quantized() { dtype.block_size() } else { 37 };
     let cols = bs * blocks;
-    Case {
-        dtype,
-        rows,
-        cols,
-        m,
-        w: random_weight(rng, dtype, rows, cols),
-        x: random_x(rng, m, cols),
-    }
+    Case { dtype, rows, cols, m, w: random_weight(rng, dtype, rows, cols), x: random_x(rng, m, cols) }
 }
 
 impl Case {
     fn w(&self) -> QMatRef<'_> {
-        QMatRef {
-            dtype: self.dtype,
-            rows: self.rows,
-            cols: self.cols,
-            data: &self.w,
-        }
+        QMatRef { dtype: self.dtype, rows: self.rows, cols: self.cols, data: &self.w }
     }
     fn run(&self, isa: Isa) -> Vec<f32> {
         let mut out = vec![f32::NAN; self.m * self.rows];
@@ -136,11 +112,7 @@ impl Case {
         let mut wd = vec![0.0f32; self.rows * self.cols];
         dequantize(self.dtype, &self.w, &mut wd).unwrap();
         // Activation block: 32 for the 32-element types, 256 for K-quants.
-        let ab = if self.dtype.is_quantized() {
-            self.dtype.block_size()
-        } else {
-            0
-        };
+        let ab = if self.dtype.is_quantized() { self.dtype.block_size() } else { 0 };
         let (mut r, mut a, mut e) = (vec![], vec![], vec![]);
         for c in 0..self.m {
             let x = &self.x[c * self.cols..(c + 1) * self.cols];
@@ -172,16 +144,7 @@ impl Case {
 fn shapes() -> Vec<(usize, usize, usize)> {
     // (rows, blocks per row, m): one row, odd rows and m, tails of every
     // tile shape, and an m large enough for the prefill split.
-    vec![
-        (1, 1, 1),
-        (3, 2, 1),
-        (7, 3, 5),
-        (9, 1, 4),
-        (33, 2, 9),
-        (64, 4, 3),
-        (21, 2, 70),
-        (130, 1, 2),
-    ]
+    vec![(1, 1, 1), (3, 2, 1), (7, 3, 5), (9, 1, 4), (33, 2, 9), (64, 4, 3), (21, 2, 70), (130, 1, 2)]
 }
 
 #[test]
@@ -230,12 +193,7 @@ fn matmul_matches_dequantized_reference_within_activation_error() {
                     // Quantization bound plus f32 accumulation slack.
                     let tol = err[i] * 1.001 + 1e-5 * abs[i] + 1e-6;
                     let d = (got[i] as f64 - want[i]).abs();
-                    assert!(
-                        d <= tol,
-                        "{isa:?} {dtype} out {i}: {} vs {} (tol {tol:e})",
-                        got[i],
-                        want[i]
-                    );
+                    assert!(d <= tol, "{isa:?} {dtype} out {i}: {} vs {} (tol {tol:e})", got[i], want[i]);
                     max_rel = max_rel.max(d / (abs[i] + 1e-9));
                 }
                 // Without 8-bit activations the result is plain f32 math.
@@ -251,36 +209,18 @@ fn matmul_matches_dequantized_reference_within_activation_error() {
 fn quantization_error_is_small_on_realistic_data() {
     // Uniform activations: 8-bit activations cost well under 1% (RMS).
     let mut rng = Rng(42);
-    for dtype in [
-        DType::Q4_1,
-        DType::Q8_0,
-        DType::Q4K,
-        DType::Q6K,
-        DType::Q5_0,
-    ] {
+    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4K, DType::Q6K, DType::Q5_0] {
         let (rows, cols, m) = (16, 512, 3);
         let w = random_weight(&mut rng, dtype, rows, cols);
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
         let mut got = vec![0.0; m * rows];
-        matmul(
-            QMatRef {
-                dtype,
-                rows,
-                cols,
-                data: &w,
-            },
-            &x,
-            m,
-            &mut got,
-        );
+        matmul(QMatRef { dtype, rows, cols, data: &w }, &x, m, &mut got);
         let mut wd = vec![0.0; rows * cols];
         dequantize(dtype, &w, &mut wd).unwrap();
         let (mut num, mut den) = (0.0f64, 0.0f64);
         for c in 0..m {
             for r in 0..rows {
-                let want: f64 = (0..cols)
-                    .map(|k| wd[r * cols + k] as f64 * x[c * cols + k] as f64)
-                    .sum();
+                let want: f64 = (0..cols).map(|k| wd[r * cols + k] as f64 * x[c * cols + k] as f64).sum();
                 num += (got[c * rows + r] as f64 - want).powi(2);
                 den += want * want;
             }
@@ -309,11 +249,7 @@ fn thread_counts_and_row_subsets_give_identical_results() {
         matmul_rows(c.w(), &ids, &c.x, c.m, &mut sub);
         for row in 0..c.m {
             for (j, &id) in ids.iter().enumerate() {
-                assert_eq!(
-                    sub[row * ids.len() + j],
-                    one[row * c.rows + id as usize],
-                    "{dtype}"
-                );
+                assert_eq!(sub[row * ids.len() + j], one[row * c.rows + id as usize], "{dtype}");
             }
         }
     }
@@ -325,15 +261,23 @@ fn short_weight_data_panics_with_a_message() {
     let w = vec![0u8; 19];
     let x = vec![0.0; 32];
     let mut out = vec![0.0; 1];
-    matmul(
-        QMatRef {
-            dtype: DType::Q4_1,
-            rows: 1,
-            cols: 32,
-            data: &w,
-        },
-        &x,
-        1,
-        &mut out,
-    );
+    matmul(QMatRef { dtype: DType::Q4_1, rows: 1, cols: 32, data: &w }, &x, 1, &mut out);
+}
+
+#[test]
+fn each_output_row_is_independent_of_the_batch() {
+    // Decode (one row, matvec path) and prefill (many rows: repacked
+    // weights, other tile shapes) must agree bit for bit, so a stream's
+    // results do not depend on how its prompt was chunked.
+    let mut rng = Rng(99);
+    for dtype in ALL {
+        let c = case(&mut rng, dtype, 70, 3, 45);
+        let all = c.run(Isa::best());
+        for row in [0, 1, 17, 44] {
+            let x = &c.x[row * c.cols..(row + 1) * c.cols];
+            let mut one = vec![0.0; c.rows];
+            matmul(c.w(), x, 1, &mut one);
+            assert_eq!(one, all[row * c.rows..(row + 1) * c.rows], "{dtype} row {row}");
+        }
+    }
 }

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{k4_scale_min, Q8A, Q8KA};
-use super::matmul::{Kernel, Tile};
+use super::matmul::{Kernel, Pack, Tile};
 use braid_formats::DType;
 
 /// Dispatch `rw x ra` to the instances built for this kernel; any other
@@ -58,14 +58,20 @@ tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
 tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
 
+tiles!(t_x32, tile_b32::<X32>, 4, 2, 4);
+
 /// The AVX2 kernel for `dtype`, if there is one (else the scalar one runs).
 pub(crate) fn kernel(dtype: DType) -> Option<Kernel> {
-    let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv });
+    let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None });
+    let x32 = |tile, pack| {
+        let pack = Pack { pack, block_bytes: X32::BYTES, tile: t_x32, rw: 4, ra: 2 };
+        Some(Kernel { tile, rw: 2, ra: 4, rw_gemv: 4, pack: Some(pack) })
+    };
     match dtype {
-        DType::Q4_0 => k(t_q4_0, 2, 4, 4),
-        DType::Q4_1 => k(t_q4_1, 2, 4, 4),
-        DType::Q5_0 => k(t_q5_0, 2, 4, 4),
-        DType::Q5_1 => k(t_q5_1, 2, 4, 4),
+        DType::Q4_0 => x32(t_q4_0, pack_b32::<Q40>),
+        DType::Q4_1 => x32(t_q4_1, pack_b32::<Q41>),
+        DType::Q5_0 => x32(t_q5_0, pack_b32::<Q50>),
+        DType::Q5_1 => x32(t_q5_1, pack_b32::<Q51>),
         DType::Q8_0 => k(t_q8_0, 2, 4, 4),
         DType::Q8_1 => k(t_q8_1, 2, 4, 4),
         DType::Q4K => k(t_q4k, 1, 4, 2),
@@ -251,6 +257,39 @@ impl B32 for Q81 {
     unsafe fn unpack(p: *const u8) -> W32 {
         let q = _mm256_loadu_si256(p.add(4) as *const __m256i);
         W32 { q, abs: _mm256_sign_epi8(q, q), d: h2f(p), m: 0.0 }
+    }
+}
+
+/// The unpacked form of the unsigned 32-element types, for prefill: the
+/// values as bytes, then the scale and offset factor as f32 (40 bytes).
+struct X32;
+
+impl B32 for X32 {
+    const BYTES: usize = 40;
+    const SIGNED: bool = false;
+    const OFFSET: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> W32 {
+        let q = _mm256_loadu_si256(p.add(8) as *const __m256i);
+        let d = (p as *const f32).read_unaligned();
+        let m = (p.add(4) as *const f32).read_unaligned();
+        W32 { q, abs: q, d, m }
+    }
+}
+
+/// Unpack `rows` rows of `nb` blocks of an unsigned type into [`X32`]s.
+/// Same d and m as the type's own unpack, so results are bit-identical.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_b32<K: B32>(src: *const u8, stride: usize, rows: usize, nb: usize, dst: *mut u8) {
+    for r in 0..rows {
+        for b in 0..nb {
+            let u = K::unpack(src.add(r * stride + b * K::BYTES));
+            let o = dst.add((r * nb + b) * X32::BYTES);
+            (o as *mut f32).write_unaligned(u.d);
+            (o.add(4) as *mut f32).write_unaligned(u.m);
+            _mm256_storeu_si256(o.add(8) as *mut __m256i, u.q);
+        }
     }
 }
 

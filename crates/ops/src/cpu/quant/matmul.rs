@@ -46,6 +46,20 @@ pub(crate) struct Kernel {
     pub rw: usize,
     pub ra: usize,
     pub rw_gemv: usize,
+    /// For many activation rows: unpack weights to a faster layout first.
+    pub pack: Option<Pack>,
+}
+
+/// `pack(src, src_stride, rows, blocks, dst)` writes `rows` weight rows
+/// as `blocks` blocks of `block_bytes` each, rows back to back, in the
+/// layout `tile` (shapes `rw x ra`, `rw x 1`, `1 x ra`, `1 x 1`) reads.
+#[derive(Clone, Copy)]
+pub(crate) struct Pack {
+    pub pack: unsafe fn(*const u8, usize, usize, usize, *mut u8),
+    pub block_bytes: usize,
+    pub tile: TileFn,
+    pub rw: usize,
+    pub ra: usize,
 }
 
 /// How activations are fed to a weight type.
@@ -88,10 +102,12 @@ fn kernel(isa: Isa, dtype: DType) -> Kernel {
         }
     }
     let _ = isa;
-    Kernel { tile: scalar_tile, rw: 1, ra: 1, rw_gemv: 1 }
+    Kernel { tile: scalar_tile, rw: 1, ra: 1, rw_gemv: 1, pack: None }
 }
 
 thread_local! {
+    /// Per thread (workers included): unpacked weight rows (u64 for alignment).
+    static PACKED: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
     static SCRATCH_Q8: RefCell<Vec<Q8A>> = const { RefCell::new(Vec::new()) };
     static SCRATCH_Q8K: RefCell<Vec<Q8KA>> = const { RefCell::new(Vec::new()) };
 }
@@ -213,9 +229,19 @@ fn with_scratch<B: Default + Clone>(key: &'static std::thread::LocalKey<RefCell<
     }
 }
 
+/// Run `f` on at least `bytes` bytes of this thread's pack buffer.
+fn with_pack_scratch(bytes: usize, f: impl FnOnce(*mut u8)) {
+    let words = bytes.div_ceil(8);
+    with_scratch(&PACKED, words, |buf: &mut [u64]| f(buf.as_mut_ptr() as *mut u8));
+}
+
 /// Activation rows per task in the prefill case: enough to reuse each
 /// weight tile many times, few enough that both operands stay in L2.
 const ACT_CHUNK: usize = 64;
+/// Bytes of weights (packed or not) a task sweeps per activation tile.
+const SUB_BYTES: usize = 64 << 10;
+/// Activation rows from which repacking a task's weights pays off.
+const PACK_MIN_ACT_ROWS: usize = 16;
 /// Below this many multiply-adds a call runs on the calling thread alone:
 /// waking the pool would cost more than it saves.
 const MIN_PARALLEL_MACS: usize = 1 << 16;
@@ -241,39 +267,86 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
 
     let out_ptr = SendPtr(out.as_mut_ptr());
     let a_ptr = SendPtr(a as *mut u8);
-    let task = |t: usize| {
-        let (rc, ac) = (t % n_rc, t / n_rc);
-        let (r0, r1) = (rc * rc_len, ((rc + 1) * rc_len).min(n_out));
-        let (c0, c1) = (ac * ac_len, ((ac + 1) * ac_len).min(m));
+    // Runs the tiles of weight rows s0..s1 (output columns) against
+    // activation rows c0..c1; `wrow(r)` is weight row r's first byte.
+    let tiles = |kt: TileFn,
+                 rw_full: usize,
+                 ra_full: usize,
+                 rw_gemv: usize,
+                 w_stride: usize,
+                 s0: usize,
+                 s1: usize,
+                 c0: usize,
+                 c1: usize,
+                 wrow: &dyn Fn(usize) -> *const u8| {
         let mut c = c0;
         while c < c1 {
-            let ra = if c1 - c >= k.ra { k.ra } else { 1 };
-            let full_rw = if ra == 1 { k.rw_gemv } else { k.rw };
-            let mut r = r0;
-            while r < r1 {
-                let rw = match ids {
-                    Some(_) => 1,
-                    None if r1 - r >= full_rw => full_rw,
-                    None => 1,
-                };
-                let row = ids.map_or(r, |ids| ids[r] as usize);
+            let ra = if c1 - c >= ra_full { ra_full } else { 1 };
+            let full_rw = if ids.is_some() {
+                1
+            } else if ra == 1 {
+                rw_gemv
+            } else {
+                rw_full
+            };
+            let mut r = s0;
+            while r < s1 {
+                let rw = if s1 - r >= full_rw { full_rw } else { 1 };
                 let tile = Tile {
                     dtype: w.dtype,
-                    // SAFETY (all pointers): rows < w.rows and c < m were
-                    // checked; tasks write disjoint (row, c) outputs.
-                    w: unsafe { w.data.as_ptr().add(row * rb) },
-                    w_stride: rb,
+                    w: wrow(r),
+                    w_stride,
+                    // SAFETY (both): c < m; tasks write disjoint (r, c) outputs.
                     a: unsafe { (a_ptr.get() as *const u8).add(c * a_stride) },
                     a_stride,
                     n,
                     out: unsafe { out_ptr.get().add(c * n_out + r) },
                     out_stride: n_out,
                 };
-                unsafe { (k.tile)(&tile, rw, ra) };
+                // SAFETY: the kernel matches the ISA chosen; pointers as above.
+                unsafe { kt(&tile, rw, ra) };
                 r += rw;
             }
             c += ra;
         }
+    };
+    let task = |t: usize| {
+        let (rc, ac) = (t % n_rc, t / n_rc);
+        let (r0, r1) = (rc * rc_len, ((rc + 1) * rc_len).min(n_out));
+        let (c0, c1) = (ac * ac_len, ((ac + 1) * ac_len).min(m));
+        let data = w.data.as_ptr();
+        // SAFETY: ids were checked to be rows of w.
+        let orig = |r: usize| unsafe { data.add(ids.map_or(r, |ids| ids[r] as usize) * rb) };
+        let pack = match k.pack {
+            Some(p) if ids.is_none() && c1 - c0 >= PACK_MIN_ACT_ROWS => p,
+            _ => {
+                // Many activation tiles: sweep the weights in L2-sized row
+                // blocks so each is reused from cache by every tile.
+                let sub = if c1 - c0 > k.ra { (SUB_BYTES / rb.max(1)).max(8) / 4 * 4 } else { r1 - r0 };
+                let mut s0 = r0;
+                while s0 < r1 {
+                    let s1 = (s0 + sub).min(r1);
+                    tiles(k.tile, k.rw, k.ra, k.rw_gemv, rb, s0, s1, c0, c1, &orig);
+                    s0 = s1;
+                }
+                return;
+            }
+        };
+        // Prefill: unpack a block of weight rows once into the kernel's
+        // plain layout, then run every activation tile over it.
+        let pb = n * pack.block_bytes;
+        let sub = (SUB_BYTES / pb.max(1)).clamp(8, 256) / 4 * 4;
+        with_pack_scratch(sub * pb, |buf| {
+            let mut s0 = r0;
+            while s0 < r1 {
+                let s1 = (s0 + sub).min(r1);
+                // SAFETY: rows s0..s1 exist; buf holds sub * pb bytes.
+                unsafe { (pack.pack)(orig(s0), rb, s1 - s0, n, buf) };
+                let packed = |r: usize| buf.wrapping_add((r - s0) * pb) as *const u8;
+                tiles(pack.tile, pack.rw, pack.ra, pack.rw, pb, s0, s1, c0, c1, &packed);
+                s0 = s1;
+            }
+        });
     };
     let n_tasks = n_rc * n_ac;
     if n_tasks == 1 {

@@ -12,7 +12,7 @@
 
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -91,19 +91,22 @@ fn run_inline(n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
-/// The job a worker reads: a type-erased `&dyn Fn(usize)`. Its lifetime is
-/// extended to 'static in the pointer; `Pool::run` does not return (nor
-/// unwind) until every worker has stopped using it.
-type JobFn = *const (dyn Fn(usize) + Sync + 'static);
+/// Index half of `Shared::counter` while no job is open.
+const CLOSED: u32 = u32::MAX;
 
 struct Shared {
-    /// Bumped once per job; workers wait for it to change.
-    epoch: AtomicU64,
-    job: std::cell::UnsafeCell<JobFn>,
+    /// `epoch << 32 | next task index`. A job opens with a new epoch and
+    /// index 0; tasks are claimed by compare-and-swap, so a worker that
+    /// wakes late (descheduled on a busy machine) can never claim a task of
+    /// a job that has moved on. The caller waits only for claimed tasks,
+    /// never for workers that did not show up.
+    counter: AtomicU64,
+    /// Thin pointer to the caller's `&dyn Fn(usize)`, valid while the job
+    /// is open. Written only while the counter is CLOSED.
+    job: AtomicPtr<()>,
     n_tasks: AtomicUsize,
-    next: AtomicUsize,
-    /// Workers that have not yet finished the current job.
-    pending: AtomicUsize,
+    /// Tasks finished (panicked ones included).
+    done: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
     /// Parked workers; the caller only takes the mutex when this is nonzero.
@@ -112,28 +115,20 @@ struct Shared {
     wake: Condvar,
 }
 
-// SAFETY: `job` is written only by the thread running `Pool::run` while no
-// worker reads it (all have finished the previous job), and published to
-// workers through the `epoch` release/acquire pair.
-unsafe impl Sync for Shared {}
-unsafe impl Send for Shared {}
+type JobRef<'a> = &'a (dyn Fn(usize) + Sync);
 
 struct Pool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
 }
 
-fn noop(_: usize) {}
-
 impl Pool {
     fn new(n_workers: usize) -> Pool {
-        let noop_ref: &'static (dyn Fn(usize) + Sync) = &noop;
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
-            job: std::cell::UnsafeCell::new(noop_ref as JobFn),
+            counter: AtomicU64::new(CLOSED as u64),
+            job: AtomicPtr::new(std::ptr::null_mut()),
             n_tasks: AtomicUsize::new(0),
-            next: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -155,65 +150,75 @@ impl Pool {
 
     fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         let s = &*self.shared;
-        // SAFETY: erase the lifetime; see `JobFn`. All workers finished the
-        // previous job (pending was 0 when the last `run` returned).
-        unsafe {
-            let erased: JobFn = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), JobFn>(f);
-            *s.job.get() = erased;
+        if n_tasks >= CLOSED as usize {
+            return run_inline(n_tasks, f);
         }
-        s.n_tasks.store(n_tasks, Ordering::Relaxed);
-        s.next.store(0, Ordering::Relaxed);
-        s.panicked.store(false, Ordering::Relaxed);
-        s.pending.store(self.workers.len(), Ordering::Relaxed);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        // The counter is CLOSED here (every `run` closes it before
+        // returning), so no worker reads `job` or `n_tasks` now.
+        let job: JobRef<'_> = f;
+        s.job.store(&job as *const JobRef<'_> as *mut (), Ordering::SeqCst);
+        s.n_tasks.store(n_tasks, Ordering::SeqCst);
+        s.done.store(0, Ordering::SeqCst);
+        s.panicked.store(false, Ordering::SeqCst);
+        let epoch = (s.counter.load(Ordering::SeqCst) >> 32).wrapping_add(1) & 0xffff_ffff;
+        s.counter.store(epoch << 32, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
-
-        // Waits for the workers even if our own tasks panic, so `f` stays
-        // alive while they use it.
-        struct WaitGuard<'a>(&'a Shared);
-        impl Drop for WaitGuard<'_> {
-            fn drop(&mut self) {
-                let mut spins = 0u32;
-                while self.0.pending.load(Ordering::Acquire) != 0 {
-                    spins = spins.wrapping_add(1);
-                    if spins % 1024 == 0 {
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-                IN_JOB.with(|c| c.set(false));
+        IN_JOB.with(|c| c.set(true));
+        take_tasks(s, epoch as u32);
+        let mut spins = 0u32;
+        while s.done.load(Ordering::Acquire) < n_tasks {
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
         }
-        IN_JOB.with(|c| c.set(true));
-        let guard = WaitGuard(s);
-        take_tasks(s, f);
-        drop(guard);
-        if s.panicked.load(Ordering::Relaxed) {
-            panic!("a parallel_for task panicked on a pool worker");
+        s.counter.store((epoch << 32) | CLOSED as u64, Ordering::SeqCst);
+        IN_JOB.with(|c| c.set(false));
+        if s.panicked.load(Ordering::SeqCst) {
+            panic!("a parallel_for task panicked");
         }
     }
 }
 
-fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
-    let n = s.n_tasks.load(Ordering::Relaxed);
+/// Claim and run tasks of job `epoch` until none are left.
+fn take_tasks(s: &Shared, epoch: u32) {
     loop {
-        let i = s.next.fetch_add(1, Ordering::Relaxed);
-        if i >= n {
-            break;
+        let v = s.counter.load(Ordering::SeqCst);
+        let (e, i) = ((v >> 32) as u32, v as u32);
+        if e != epoch || i == CLOSED {
+            return;
         }
-        f(i);
+        // Read while the counter still holds `v`; the CAS below proves it
+        // did throughout, so these belong to this job.
+        let n = s.n_tasks.load(Ordering::SeqCst);
+        let job = s.job.load(Ordering::SeqCst) as *const JobRef<'static>;
+        if i as usize >= n {
+            return;
+        }
+        if s.counter.compare_exchange(v, v + 1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            continue;
+        }
+        // SAFETY: task i is claimed, so the caller is still waiting in
+        // `run` and its `job` reference is alive.
+        let f: JobRef<'_> = unsafe { *job };
+        if catch_unwind(AssertUnwindSafe(|| f(i as usize))).is_err() {
+            s.panicked.store(true, Ordering::SeqCst);
+        }
+        s.done.fetch_add(1, Ordering::Release);
     }
 }
 
 fn worker(s: &Shared) {
     IN_JOB.with(|c| c.set(true));
-    // Not the current epoch: a job may already have been posted before
-    // this thread started running. Pools start at epoch 0.
-    let mut seen = 0u64;
+    let epoch_of = |s: &Shared| (s.counter.load(Ordering::SeqCst) >> 32) as u32;
+    // Pools start at epoch 0, closed; a job may already be open by the
+    // time this thread runs, so don't start from the current epoch.
+    let mut seen = 0u32;
     loop {
         // Wait for a new job: spin, then park.
         let mut spins = 0u32;
@@ -222,7 +227,7 @@ fn worker(s: &Shared) {
             if s.shutdown.load(Ordering::Relaxed) {
                 return;
             }
-            let e = s.epoch.load(Ordering::Acquire);
+            let e = epoch_of(s);
             if e != seen {
                 seen = e;
                 break;
@@ -238,10 +243,9 @@ fn worker(s: &Shared) {
             }
             let g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.sleepers.fetch_add(1, Ordering::SeqCst);
-            // Re-check under the lock: the caller bumps the epoch before it
-            // reads `sleepers`, so either it sees us or we see its epoch.
-            let e = s.epoch.load(Ordering::SeqCst);
-            if e == seen && !s.shutdown.load(Ordering::SeqCst) {
+            // Re-check under the lock: the caller opens the job before it
+            // reads `sleepers`, so either it sees us or we see its job.
+            if epoch_of(s) == seen && !s.shutdown.load(Ordering::SeqCst) {
                 drop(s.wake.wait(g).unwrap_or_else(|p| p.into_inner()));
             } else {
                 drop(g);
@@ -249,13 +253,7 @@ fn worker(s: &Shared) {
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
             since = None;
         }
-        // SAFETY: published before the epoch bump we acquired; valid until
-        // we decrement `pending`.
-        let f: &(dyn Fn(usize) + Sync) = unsafe { &**s.job.get() };
-        if catch_unwind(AssertUnwindSafe(|| take_tasks(s, f))).is_err() {
-            s.panicked.store(true, Ordering::Relaxed);
-        }
-        s.pending.fetch_sub(1, Ordering::Release);
+        take_tasks(s, seen);
     }
 }
 

@@ -149,7 +149,8 @@ fn shapes() -> Vec<(usize, usize, usize)> {
 
 #[test]
 fn simd_matches_scalar_for_every_type_and_shape() {
-    if !Isa::Avx2.available() {
+    let isas: Vec<Isa> = [Isa::Avx2, Isa::AvxVnni].into_iter().filter(|i| i.available()).collect();
+    if isas.is_empty() {
         eprintln!("no AVX2 on this CPU: SIMD kernels not tested");
         return;
     }
@@ -157,20 +158,22 @@ fn simd_matches_scalar_for_every_type_and_shape() {
     for dtype in ALL {
         for (rows, blocks, m) in shapes() {
             let c = case(&mut rng, dtype, rows, blocks, m);
-            let simd = c.run(Isa::Avx2);
             let scalar = c.run(Isa::Scalar);
             let (_, abs, _) = c.reference();
-            for i in 0..simd.len() {
-                // Identical activation blocks and exact integer block sums:
-                // only the float summation order differs.
-                let tol = 2e-6 * abs[i] + 1e-6;
-                assert!(
-                    (simd[i] - scalar[i]).abs() as f64 <= tol,
-                    "{dtype} {rows}x{} m={m} out {i}: simd {} scalar {} (tol {tol:e})",
-                    c.cols,
-                    simd[i],
-                    scalar[i]
-                );
+            for &isa in &isas {
+                let simd = c.run(isa);
+                for i in 0..simd.len() {
+                    // Identical activation blocks and exact integer block
+                    // sums: only the float summation order differs.
+                    let tol = 2e-6 * abs[i] + 1e-6;
+                    assert!(
+                        (simd[i] - scalar[i]).abs() as f64 <= tol,
+                        "{isa:?} {dtype} {rows}x{} m={m} out {i}: simd {} scalar {} (tol {tol:e})",
+                        c.cols,
+                        simd[i],
+                        scalar[i]
+                    );
+                }
             }
         }
     }
@@ -179,7 +182,7 @@ fn simd_matches_scalar_for_every_type_and_shape() {
 #[test]
 fn matmul_matches_dequantized_reference_within_activation_error() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
-    for isa in [Isa::Scalar, Isa::Avx2] {
+    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni] {
         if !isa.available() {
             continue;
         }

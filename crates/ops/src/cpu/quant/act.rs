@@ -18,7 +18,7 @@ fn scale_of(amax: f32) -> (f32, f32) {
 pub(crate) fn quantize_q8a(isa: Isa, x: &[f32], out: &mut [Q8A]) {
     debug_assert_eq!(x.len(), out.len() * 32);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa != Isa::Scalar {
         // SAFETY: Avx2 is only chosen when the CPU has it; sizes checked above.
         unsafe { quantize_q8a_avx2(x, out) };
         return;
@@ -41,7 +41,7 @@ pub(crate) fn quantize_q8a(isa: Isa, x: &[f32], out: &mut [Q8A]) {
 pub(crate) fn quantize_q8k(isa: Isa, x: &[f32], out: &mut [Q8KA]) {
     debug_assert_eq!(x.len(), out.len() * 256);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa != Isa::Scalar {
         // SAFETY: as above.
         unsafe { quantize_q8k_avx2(x, out) };
         return;

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{k4_scale_min, Q8A, Q8KA};
-use super::matmul::{Kernel, Pack, Tile};
+use super::matmul::{Kernel, Pack, Tile, TileFn};
 use braid_formats::DType;
 
 /// Dispatch `rw x ra` to the instances built for this kernel; any other
@@ -59,22 +59,32 @@ tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
 
 tiles!(t_x32, tile_b32::<X32>, 4, 2, 4);
+tiles!(v_q4_0, tile_b32_vnni::<Q40>, 2, 4, 4);
+tiles!(v_q4_1, tile_b32_vnni::<Q41>, 2, 4, 4);
+tiles!(v_q5_0, tile_b32_vnni::<Q50>, 2, 4, 4);
+tiles!(v_q5_1, tile_b32_vnni::<Q51>, 2, 4, 4);
+tiles!(v_q8_0, tile_b32_vnni::<Q80>, 2, 4, 4);
+tiles!(v_q8_1, tile_b32_vnni::<Q81>, 2, 4, 4);
+tiles!(v_x32, tile_b32_vnni::<X32>, 4, 2, 4);
 
-/// The AVX2 kernel for `dtype`, if there is one (else the scalar one runs).
-pub(crate) fn kernel(dtype: DType) -> Option<Kernel> {
+/// The AVX2 kernel for `dtype` (with AVX-VNNI dots when `vnni`), if there
+/// is one (else the scalar one runs).
+pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
     let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None });
+    let pick = |plain, with_vnni| if vnni { with_vnni } else { plain };
     let x32 = |tile, pack| {
-        let pack = Pack { pack, block_bytes: X32::BYTES, tile: t_x32, rw: 4, ra: 2 };
+        let tile_x = pick(t_x32 as TileFn, v_x32 as TileFn);
+        let pack = Pack { pack, block_bytes: X32::BYTES, tile: tile_x, rw: 4, ra: 2 };
         Some(Kernel { tile, rw: 2, ra: 4, rw_gemv: 4, pack: Some(pack) })
     };
     match dtype {
-        DType::Q4_0 => x32(t_q4_0, pack_b32::<Q40>),
-        DType::Q4_1 => x32(t_q4_1, pack_b32::<Q41>),
-        DType::Q5_0 => x32(t_q5_0, pack_b32::<Q50>),
-        DType::Q5_1 => x32(t_q5_1, pack_b32::<Q51>),
-        DType::Q8_0 => k(t_q8_0, 2, 4, 4),
-        DType::Q8_1 => k(t_q8_1, 2, 4, 4),
-        DType::Q4K => k(t_q4k, 1, 4, 2),
+        DType::Q4_0 => x32(pick(t_q4_0, v_q4_0), pack_b32::<Q40> as PackFn),
+        DType::Q4_1 => x32(pick(t_q4_1, v_q4_1), pack_b32::<Q41>),
+        DType::Q5_0 => x32(pick(t_q5_0, v_q5_0), pack_b32::<Q50>),
+        DType::Q5_1 => x32(pick(t_q5_1, v_q5_1), pack_b32::<Q51>),
+        DType::Q8_0 => k(pick(t_q8_0, v_q8_0), 2, 4, 4),
+        DType::Q8_1 => k(pick(t_q8_1, v_q8_1), 2, 4, 4),
+        DType::Q4K => k(t_q4k as TileFn, 1, 4, 2),
         DType::Q5K => k(t_q5k, 1, 4, 2),
         DType::Q6K => k(t_q6k, 1, 4, 2),
         DType::F32 => k(t_f32, 2, 4, 4),
@@ -83,6 +93,8 @@ pub(crate) fn kernel(dtype: DType) -> Option<Kernel> {
         DType::Q2K | DType::Q3K | DType::Q8K => None,
     }
 }
+
+type PackFn = unsafe fn(*const u8, usize, usize, usize, *mut u8);
 
 // ---- helpers ----
 
@@ -293,8 +305,41 @@ unsafe fn pack_b32<K: B32>(src: *const u8, stride: usize, rows: usize, nb: usize
     }
 }
 
+/// How a tile multiplies 32 unsigned bytes by 32 signed ones into 8 i32
+/// sums of 4: `maddubs` + `madd`, or one AVX-VNNI `dpbusd`.
+trait Dot {
+    /// # Safety: the CPU has the instructions used.
+    unsafe fn dot(q: __m256i, a: __m256i) -> __m256i;
+}
+struct MaddDot;
+struct VnniDot;
+impl Dot for MaddDot {
+    #[inline(always)]
+    unsafe fn dot(q: __m256i, a: __m256i) -> __m256i {
+        dot_u8(q, a)
+    }
+}
+impl Dot for VnniDot {
+    #[inline(always)]
+    unsafe fn dot(q: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, a)
+    }
+}
+
+// The tile bodies are `inline(always)` and carry no target features of
+// their own: each wrapper below compiles a copy with its feature set.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_b32<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
+    tile_b32_body::<MaddDot, K, RW, RA>(t)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn tile_b32_vnni<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
+    tile_b32_body::<VnniDot, K, RW, RA>(t)
+}
+
+#[inline(always)]
+unsafe fn tile_b32_body<D: Dot, K: B32, const RW: usize, const RA: usize>(t: &Tile) {
     let mut acc = [[_mm256_setzero_ps(); RA]; RW];
     let mut off = [[0.0f32; RA]; RW];
     let zero = W32 { q: _mm256_setzero_si256(), abs: _mm256_setzero_si256(), d: 0.0, m: 0.0 };
@@ -310,7 +355,7 @@ unsafe fn tile_b32<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
             let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
             let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
             for r in 0..RW {
-                let p = if K::SIGNED { dot_u8(wb[r].abs, _mm256_sign_epi8(av, wb[r].q)) } else { dot_u8(wb[r].q, av) };
+                let p = if K::SIGNED { D::dot(wb[r].abs, _mm256_sign_epi8(av, wb[r].q)) } else { D::dot(wb[r].q, av) };
                 let s = _mm256_set1_ps(wb[r].d * ab.d);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][c]);
                 if K::OFFSET {

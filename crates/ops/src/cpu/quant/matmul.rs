@@ -96,8 +96,8 @@ unsafe fn scalar_tile(t: &Tile, rw: usize, ra: usize) {
 
 fn kernel(isa: Isa, dtype: DType) -> Kernel {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        if let Some(k) = super::avx2::kernel(dtype) {
+    if isa != Isa::Scalar {
+        if let Some(k) = super::avx2::kernel(dtype, isa == Isa::AvxVnni) {
             return k;
         }
     }

@@ -56,28 +56,34 @@ impl QMatRef<'_> {
     }
 }
 
-/// Which kernels run: the portable scalar ones, or AVX2+FMA+F16C.
+/// Which kernels run: the portable scalar ones, AVX2+FMA+F16C, or those
+/// plus AVX-VNNI (one `vpdpbusd` for each u8 x i8 dot of 32 bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     Avx2,
+    AvxVnni,
 }
 
 impl Isa {
-    /// The best kernels this CPU runs. `BRAID_CPU_ISA=scalar` forces the
-    /// scalar ones (for debugging and comparisons).
+    /// The best kernels this CPU runs. `BRAID_CPU_ISA=scalar` (or `avx2`)
+    /// caps the choice, for debugging and comparisons.
     pub fn best() -> Isa {
         use std::sync::atomic::{AtomicU8, Ordering};
         static BEST: AtomicU8 = AtomicU8::new(0);
+        const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni];
         match BEST.load(Ordering::Relaxed) {
-            1 => return Isa::Scalar,
-            2 => return Isa::Avx2,
-            _ => {}
+            0 => {}
+            i => return ALL[i as usize - 1],
         }
-        let forced_scalar = std::env::var("BRAID_CPU_ISA").is_ok_and(|v| v == "scalar");
-        let isa = if !forced_scalar && Isa::Avx2.available() { Isa::Avx2 } else { Isa::Scalar };
-        BEST.store(if isa == Isa::Avx2 { 2 } else { 1 }, Ordering::Relaxed);
-        isa
+        let cap = match std::env::var("BRAID_CPU_ISA").as_deref() {
+            Ok("scalar") => 0,
+            Ok("avx2") => 1,
+            _ => 2,
+        };
+        let i = (0..=cap).rev().find(|&i| ALL[i].available()).unwrap_or(0);
+        BEST.store(i as u8 + 1, Ordering::Relaxed);
+        ALL[i]
     }
 
     /// Whether this CPU can run these kernels.
@@ -86,8 +92,10 @@ impl Isa {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => false,
+            Isa::Avx2 | Isa::AvxVnni => false,
         }
     }
 }

@@ -96,7 +96,7 @@ impl DType {
     /// Bytes for `n` elements, or None when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return None;
         }
         (n / bs).checked_mul(self.type_size())

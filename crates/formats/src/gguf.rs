@@ -216,18 +216,14 @@ impl Gguf {
     /// Maps the file and parses its header. Tensor data is not read.
     pub fn open(path: &Path) -> Result<Gguf> {
         let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-        let len = file
-            .metadata()
-            .with_context(|| format!("{}: cannot stat", path.display()))?
-            .len();
+        let len = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?.len();
         let bytes = if len == 0 {
             Bytes::from_vec(Vec::new())
         } else {
             // SAFETY: the mapping is read-only; like every mmap-based loader we
             // rely on nobody truncating or rewriting the model file while it is
             // open (doing so is outside what a reader can guard against).
-            let map = unsafe { memmap2::Mmap::map(&file) }
-                .with_context(|| format!("{}: cannot mmap", path.display()))?;
+            let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot mmap", path.display()))?;
             Bytes::from_mmap(Arc::new(map))
         };
         Self::parse(path.to_path_buf(), bytes)
@@ -266,36 +262,26 @@ impl Gguf {
     }
 
     fn require(&self, key: &str) -> Result<&Value> {
-        self.get(key)
-            .ok_or_else(|| anyhow!("{}: metadata key `{key}` is missing", self.path.display()))
+        self.get(key).ok_or_else(|| anyhow!("{}: metadata key `{key}` is missing", self.path.display()))
     }
 
     fn wrong(&self, key: &str, v: &Value, want: &str) -> anyhow::Error {
-        anyhow!(
-            "{}: metadata key `{key}` is {}, expected {want}",
-            self.path.display(),
-            v.describe()
-        )
+        anyhow!("{}: metadata key `{key}` is {}, expected {want}", self.path.display(), v.describe())
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         let v = self.require(key)?;
-        v.as_u64()
-            .ok_or_else(|| self.wrong(key, v, "a non-negative integer"))
+        v.as_u64().ok_or_else(|| self.wrong(key, v, "a non-negative integer"))
     }
 
     pub fn get_u32(&self, key: &str) -> Result<u32> {
         let v = self.require(key)?;
-        v.as_u64()
-            .and_then(|x| u32::try_from(x).ok())
-            .ok_or_else(|| self.wrong(key, v, "an integer in 0..2^32"))
+        v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| self.wrong(key, v, "an integer in 0..2^32"))
     }
 
     pub fn get_usize(&self, key: &str) -> Result<usize> {
         let v = self.require(key)?;
-        v.as_u64()
-            .and_then(|x| usize::try_from(x).ok())
-            .ok_or_else(|| self.wrong(key, v, "a non-negative integer"))
+        v.as_u64().and_then(|x| usize::try_from(x).ok()).ok_or_else(|| self.wrong(key, v, "a non-negative integer"))
     }
 
     pub fn get_i64(&self, key: &str) -> Result<i64> {
@@ -306,9 +292,7 @@ impl Gguf {
     /// Any number, narrowed to f32.
     pub fn get_f32(&self, key: &str) -> Result<f32> {
         let v = self.require(key)?;
-        v.as_f64()
-            .map(|x| x as f32)
-            .ok_or_else(|| self.wrong(key, v, "a number"))
+        v.as_f64().map(|x| x as f32).ok_or_else(|| self.wrong(key, v, "a number"))
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str> {
@@ -327,57 +311,27 @@ impl Gguf {
     }
 
     fn wrong_elem(&self, key: &str, i: usize, v: &Value, want: &str) -> anyhow::Error {
-        anyhow!(
-            "{}: metadata key `{key}`, element {i} is {}, expected {want}",
-            self.path.display(),
-            v.describe()
-        )
+        anyhow!("{}: metadata key `{key}`, element {i} is {}, expected {want}", self.path.display(), v.describe())
     }
 
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
         let a = self.get_array(key, "an array of strings")?;
-        a.iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_str()
-                    .ok_or_else(|| self.wrong_elem(key, i, v, "a string"))
-            })
-            .collect()
+        a.iter().enumerate().map(|(i, v)| v.as_str().ok_or_else(|| self.wrong_elem(key, i, v, "a string"))).collect()
     }
 
     pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>> {
         let a = self.get_array(key, "an array of numbers")?;
-        a.iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_f64()
-                    .map(|x| x as f32)
-                    .ok_or_else(|| self.wrong_elem(key, i, v, "a number"))
-            })
-            .collect()
+        a.iter().enumerate().map(|(i, v)| v.as_f64().map(|x| x as f32).ok_or_else(|| self.wrong_elem(key, i, v, "a number"))).collect()
     }
 
     pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>> {
         let a = self.get_array(key, "an array of integers")?;
-        a.iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_i64()
-                    .and_then(|x| i32::try_from(x).ok())
-                    .ok_or_else(|| self.wrong_elem(key, i, v, "an int32"))
-            })
-            .collect()
+        a.iter().enumerate().map(|(i, v)| v.as_i64().and_then(|x| i32::try_from(x).ok()).ok_or_else(|| self.wrong_elem(key, i, v, "an int32"))).collect()
     }
 
     pub fn get_u64_array(&self, key: &str) -> Result<Vec<u64>> {
         let a = self.get_array(key, "an array of integers")?;
-        a.iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_u64()
-                    .ok_or_else(|| self.wrong_elem(key, i, v, "a non-negative integer"))
-            })
-            .collect()
+        a.iter().enumerate().map(|(i, v)| v.as_u64().ok_or_else(|| self.wrong_elem(key, i, v, "a non-negative integer"))).collect()
     }
 
     /// `Ok(None)` when the key is absent; an error when present with the wrong type.
@@ -422,36 +376,17 @@ impl Gguf {
 
     /// A zero-copy view of one tensor's data.
     pub fn tensor(&self, name: &str) -> Result<TensorView> {
-        let t = self.tensor_info(name).ok_or_else(|| {
-            anyhow!(
-                "{}: no tensor named `{name}` (the file has {} tensors)",
-                self.path.display(),
-                self.tensors.len()
-            )
-        })?;
+        let t =
+            self.tensor_info(name).ok_or_else(|| anyhow!("{}: no tensor named `{name}` (the file has {} tensors)", self.path.display(), self.tensors.len()))?;
         // Bounds were checked at open; a failure here would be a reader bug,
         // but it is still reported rather than panicking.
-        let data = self.data.slice(t.offset, t.size).ok_or_else(|| {
-            anyhow!(
-                "{}: tensor `{name}` data lies outside the file",
-                self.path.display()
-            )
-        })?;
-        Ok(TensorView {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            data,
-        })
+        let data = self.data.slice(t.offset, t.size).ok_or_else(|| anyhow!("{}: tensor `{name}` data lies outside the file", self.path.display()))?;
+        Ok(TensorView { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), data })
     }
 
     fn parse(path: PathBuf, data: Bytes) -> Result<Gguf> {
         let file = path.display().to_string();
-        let mut r = Reader {
-            buf: &data,
-            pos: 0,
-            file: &file,
-        };
+        let mut r = Reader { buf: &data, pos: 0, file: &file };
 
         let magic = r.take(4, "the magic")?;
         if magic != MAGIC {
@@ -492,10 +427,7 @@ impl Gguf {
                 let v = &metadata[i].1;
                 match v.as_u64() {
                     Some(a) if a.is_power_of_two() => a,
-                    _ => bail!(
-                        "{file}: general.alignment is {}, expected a power of two",
-                        v.describe()
-                    ),
+                    _ => bail!("{file}: general.alignment is {}, expected a power of two", v.describe()),
                 }
             }
         };
@@ -525,31 +457,22 @@ impl Gguf {
                 if d > i64::MAX as u64 {
                     bail!("{file}: {what} has a negative dimension ({})", d as i64);
                 }
-                let d = usize::try_from(d)
-                    .map_err(|_| anyhow!("{file}: {what} has dimension {d}, too large"))?;
+                let d = usize::try_from(d).map_err(|_| anyhow!("{file}: {what} has dimension {d}, too large"))?;
                 ne.push(d);
             }
             let type_id = r.u32(&format!("the type of {what}"))?;
-            let dtype = DType::from_ggml_id(type_id)
-                .ok_or_else(|| anyhow!("{file}: {what} has unknown tensor type id {type_id}"))?;
+            let dtype = DType::from_ggml_id(type_id).ok_or_else(|| anyhow!("{file}: {what} has unknown tensor type id {type_id}"))?;
             let rel_offset = r.u64(&format!("the data offset of {what}"))?;
 
-            let elements = ne
-                .iter()
-                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| anyhow!("{file}: {what} shape {ne:?} overflows an element count"))?;
+            let elements =
+                ne.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| anyhow!("{file}: {what} shape {ne:?} overflows an element count"))?;
             // Quantized blocks run along the row (ne[0]), so every row must be
             // whole blocks, not just the total.
             let row = ne.first().copied().unwrap_or(1);
             if row % dtype.block_size() != 0 {
-                bail!(
-                    "{file}: {what} has rows of {row} elements, not a multiple of the {dtype} block size {}",
-                    dtype.block_size()
-                );
+                bail!("{file}: {what} has rows of {row} elements, not a multiple of the {dtype} block size {}", dtype.block_size());
             }
-            let size = dtype.bytes_for(elements).ok_or_else(|| {
-                anyhow!("{file}: {what} of {elements} {dtype} elements overflows a byte size")
-            })?;
+            let size = dtype.bytes_for(elements).ok_or_else(|| anyhow!("{file}: {what} of {elements} {dtype} elements overflows a byte size"))?;
             if rel_offset % alignment != 0 {
                 bail!("{file}: {what} data offset {rel_offset} is not a multiple of the alignment {alignment}");
             }
@@ -557,32 +480,18 @@ impl Gguf {
                 bail!("{file}: tensor `{name}` appears twice");
             }
             ne.reverse();
-            raws.push(Raw {
-                name,
-                dtype,
-                shape: ne,
-                rel_offset,
-                size,
-            });
+            raws.push(Raw { name, dtype, shape: ne, rel_offset, size });
         }
 
         let len = data.len();
-        let data_offset = (r.pos as u64)
-            .checked_next_multiple_of(alignment)
-            .ok_or_else(|| anyhow!("{file}: data offset overflows"))?;
+        let data_offset = (r.pos as u64).checked_next_multiple_of(alignment).ok_or_else(|| anyhow!("{file}: data offset overflows"))?;
         let mut tensors = Vec::with_capacity(raws.len());
         for t in raws {
-            let end = data_offset
-                .checked_add(t.rel_offset)
-                .and_then(|s| s.checked_add(t.size as u64).map(|e| (s, e)));
+            let end = data_offset.checked_add(t.rel_offset).and_then(|s| s.checked_add(t.size as u64).map(|e| (s, e)));
             match end {
-                Some((start, end)) if end <= len as u64 => tensors.push(TensorInfo {
-                    name: t.name,
-                    dtype: t.dtype,
-                    shape: t.shape,
-                    offset: start as usize,
-                    size: t.size,
-                }),
+                Some((start, end)) if end <= len as u64 => {
+                    tensors.push(TensorInfo { name: t.name, dtype: t.dtype, shape: t.shape, offset: start as usize, size: t.size })
+                }
                 _ => bail!(
                     "{file}: tensor `{}` data (offset {} + {} bytes after the data start {data_offset}) runs past the end of the file ({len} bytes)",
                     t.name,
@@ -593,9 +502,7 @@ impl Gguf {
         }
 
         // No two tensors may share bytes.
-        let mut order: Vec<usize> = (0..tensors.len())
-            .filter(|&i| tensors[i].size > 0)
-            .collect();
+        let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| tensors[i].size > 0).collect();
         order.sort_by_key(|&i| tensors[i].offset);
         for w in order.windows(2) {
             let (a, b) = (&tensors[w[0]], &tensors[w[1]]);
@@ -612,17 +519,7 @@ impl Gguf {
             }
         }
 
-        Ok(Gguf {
-            path,
-            version,
-            metadata,
-            meta_index,
-            tensors,
-            tensor_index,
-            alignment: alignment as usize,
-            data_offset: data_offset as usize,
-            data,
-        })
+        Ok(Gguf { path, version, metadata, meta_index, tensors, tensor_index, alignment: alignment as usize, data_offset: data_offset as usize, data })
     }
 }
 
@@ -640,12 +537,7 @@ impl<'a> Reader<'a> {
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
-            bail!(
-                "{}: file is truncated: {what} at byte {} needs {n} bytes, only {} left",
-                self.file,
-                self.pos,
-                self.remaining()
-            );
+            bail!("{}: file is truncated: {what} at byte {} needs {n} bytes, only {} left", self.file, self.pos, self.remaining());
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -687,19 +579,10 @@ impl<'a> Reader<'a> {
         let at = self.pos;
         let len = self.u64(&format!("the length of {what}"))?;
         if len > self.remaining() as u64 {
-            bail!(
-                "{}: {what} at byte {at} has string length {len}, but only {} bytes are left in the file",
-                self.file,
-                self.remaining()
-            );
+            bail!("{}: {what} at byte {at} has string length {len}, but only {} bytes are left in the file", self.file, self.remaining());
         }
         let s = self.take(len as usize, what)?;
-        String::from_utf8(s.to_vec()).map_err(|e| {
-            anyhow!(
-                "{}: {what} at byte {at} is not valid UTF-8 ({e})",
-                self.file
-            )
-        })
+        String::from_utf8(s.to_vec()).map_err(|e| anyhow!("{}: {what} at byte {at} is not valid UTF-8 ({e})", self.file))
     }
 
     /// Smallest encoding of a value of type `ty`; None for an unknown type.
@@ -732,28 +615,18 @@ impl<'a> Reader<'a> {
                 match self.array::<1>(&what())?[0] {
                     0 => Value::Bool(false),
                     1 => Value::Bool(true),
-                    b => bail!(
-                        "{}: metadata key `{key}` at byte {at} has bool byte {b}, expected 0 or 1",
-                        self.file
-                    ),
+                    b => bail!("{}: metadata key `{key}` at byte {at} has bool byte {b}, expected 0 or 1", self.file),
                 }
             }
             T_STRING => Value::String(self.string(&what())?),
             T_ARRAY => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    bail!(
-                        "{}: metadata key `{key}` nests arrays deeper than {MAX_ARRAY_DEPTH} levels",
-                        self.file
-                    );
+                    bail!("{}: metadata key `{key}` nests arrays deeper than {MAX_ARRAY_DEPTH} levels", self.file);
                 }
                 let at = self.pos;
                 let elem = self.u32(&format!("the array type of metadata key `{key}`"))?;
-                let min = Self::min_size(elem).ok_or_else(|| {
-                    anyhow!(
-                        "{}: metadata key `{key}` at byte {at} is an array of unknown value type {elem}",
-                        self.file
-                    )
-                })?;
+                let min =
+                    Self::min_size(elem).ok_or_else(|| anyhow!("{}: metadata key `{key}` at byte {at} is an array of unknown value type {elem}", self.file))?;
                 let n = self.u64(&format!("the array length of metadata key `{key}`"))?;
                 self.check_count(n, min, &format!("metadata key `{key}`: array length"))?;
                 let mut v = Vec::with_capacity(reserve(n));
@@ -762,11 +635,7 @@ impl<'a> Reader<'a> {
                 }
                 Value::Array(v)
             }
-            t => bail!(
-                "{}: metadata key `{key}` at byte {} has unknown value type {t}",
-                self.file,
-                self.pos.saturating_sub(4)
-            ),
+            t => bail!("{}: metadata key `{key}` at byte {} has unknown value type {t}", self.file, self.pos.saturating_sub(4)),
         })
     }
 }

@@ -4,6 +4,7 @@
 //! Bad files give errors that name the file and what is wrong, never a panic.
 
 pub mod bytes;
+pub mod cache;
 pub mod dtype;
 pub mod gguf;
 pub mod safetensors;

@@ -50,17 +50,12 @@ pub struct HfFolder {
 
 impl std::fmt::Debug for HfFolder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HfFolder")
-            .field("dir", &self.dir)
-            .field("files", &self.files.len())
-            .field("tensors", &self.names.len())
-            .finish()
+        f.debug_struct("HfFolder").field("dir", &self.dir).field("files", &self.files.len()).field("tensors", &self.names.len()).finish()
     }
 }
 
 fn read_json(path: &Path) -> Result<Json> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))
 }
 
@@ -74,17 +69,13 @@ fn read_json_opt(path: &Path) -> Result<Option<Json>> {
 
 fn map_file(path: &Path) -> Result<Bytes> {
     let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let len = file
-        .metadata()
-        .with_context(|| format!("{}: cannot stat", path.display()))?
-        .len();
+    let len = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?.len();
     if len == 0 {
         return Ok(Bytes::from_vec(Vec::new()));
     }
     // SAFETY: read-only mapping; as with every mmap loader we rely on the
     // weight files not being truncated or rewritten while they are open.
-    let map = unsafe { memmap2::Mmap::map(&file) }
-        .with_context(|| format!("{}: cannot mmap", path.display()))?;
+    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot mmap", path.display()))?;
     Ok(Bytes::from_mmap(Arc::new(map)))
 }
 
@@ -112,17 +103,10 @@ fn st_dtype(dtype: &str) -> Option<DType> {
 
 /// Parses one safetensors file's header. Returns the data section and its
 /// entries (name, entry with `file` = `file_idx`).
-fn parse_safetensors(
-    path: &Path,
-    bytes: &Bytes,
-    file_idx: usize,
-) -> Result<(Bytes, Vec<(String, Entry)>)> {
+fn parse_safetensors(path: &Path, bytes: &Bytes, file_idx: usize) -> Result<(Bytes, Vec<(String, Entry)>)> {
     let f = path.display();
     if bytes.len() < 8 {
-        bail!(
-            "{f}: file is truncated: {} bytes, too short for a safetensors header length",
-            bytes.len()
-        );
+        bail!("{f}: file is truncated: {} bytes, too short for a safetensors header length", bytes.len());
     }
     let mut n = [0u8; 8];
     n.copy_from_slice(&bytes[..8]);
@@ -135,14 +119,9 @@ fn parse_safetensors(
         bail!("{f}: safetensors header length {hlen} is larger than the {MAX_HEADER}-byte limit");
     }
     let hlen = hlen as usize;
-    let header: Json = serde_json::from_slice(&bytes[8..8 + hlen])
-        .with_context(|| format!("{f}: safetensors header is not valid JSON"))?;
-    let obj = header
-        .as_object()
-        .ok_or_else(|| anyhow!("{f}: safetensors header is not a JSON object"))?;
-    let data = bytes
-        .slice(8 + hlen, bytes.len() - 8 - hlen)
-        .ok_or_else(|| anyhow!("{f}: data section lies outside the file"))?;
+    let header: Json = serde_json::from_slice(&bytes[8..8 + hlen]).with_context(|| format!("{f}: safetensors header is not valid JSON"))?;
+    let obj = header.as_object().ok_or_else(|| anyhow!("{f}: safetensors header is not a JSON object"))?;
+    let data = bytes.slice(8 + hlen, bytes.len() - 8 - hlen).ok_or_else(|| anyhow!("{f}: data section lies outside the file"))?;
 
     let mut out = Vec::with_capacity(obj.len());
     for (name, v) in obj {
@@ -150,14 +129,8 @@ fn parse_safetensors(
             continue;
         }
         let bad = |why: &str| anyhow!("{f}: tensor `{name}`: {why}");
-        let e = v
-            .as_object()
-            .ok_or_else(|| bad("header entry is not an object"))?;
-        let dtype = e
-            .get("dtype")
-            .and_then(Json::as_str)
-            .ok_or_else(|| bad("missing or non-string \"dtype\""))?
-            .to_string();
+        let e = v.as_object().ok_or_else(|| bad("header entry is not an object"))?;
+        let dtype = e.get("dtype").and_then(Json::as_str).ok_or_else(|| bad("missing or non-string \"dtype\""))?.to_string();
         let shape = e
             .get("shape")
             .and_then(Json::as_array)
@@ -177,15 +150,9 @@ fn parse_safetensors(
             bail!("{f}: tensor `{name}`: data_offsets [{begin}, {end}] run backwards");
         }
         if end > data.len() as u64 {
-            bail!(
-                "{f}: tensor `{name}`: data [{begin}, {end}] runs past the end of the data section ({} bytes)",
-                data.len()
-            );
+            bail!("{f}: tensor `{name}`: data [{begin}, {end}] runs past the end of the data section ({} bytes)", data.len());
         }
-        let elements = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| bad(&format!("shape {shape:?} overflows an element count")))?;
+        let elements = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad(&format!("shape {shape:?} overflows an element count")))?;
         if let Some(es) = st_elem_size(&dtype) {
             let want = elements.checked_mul(es);
             if want != Some((end - begin) as usize) {
@@ -196,16 +163,7 @@ fn parse_safetensors(
                 );
             }
         }
-        out.push((
-            name.clone(),
-            Entry {
-                dtype,
-                shape,
-                file: file_idx,
-                begin: begin as usize,
-                end: end as usize,
-            },
-        ));
+        out.push((name.clone(), Entry { dtype, shape, file: file_idx, begin: begin as usize, end: end as usize }));
     }
 
     // No two tensors may share bytes.
@@ -248,11 +206,7 @@ impl HfFolder {
             let (data, entries) = parse_safetensors(&path, &bytes, files.len())?;
             for (name, e) in entries {
                 if let Some(prev) = tensors.insert(name.clone(), e) {
-                    bail!(
-                        "{d}: tensor `{name}` is in both {} and {}",
-                        files[prev.file].0.display(),
-                        path.display()
-                    );
+                    bail!("{d}: tensor `{name}` is in both {} and {}", files[prev.file].0.display(), path.display());
                 }
             }
             files.push((path, data));
@@ -264,19 +218,13 @@ impl HfFolder {
         } else if index.is_file() {
             let ip = index.display();
             let idx = read_json(&index)?;
-            let map = idx
-                .get("weight_map")
-                .and_then(Json::as_object)
-                .ok_or_else(|| anyhow!("{ip}: no \"weight_map\" object"))?;
+            let map = idx.get("weight_map").and_then(Json::as_object).ok_or_else(|| anyhow!("{ip}: no \"weight_map\" object"))?;
             // Shards in the order they are first named; each opened once.
             let mut shards: Vec<&str> = Vec::new();
             for (name, shard) in map {
-                let shard = shard
-                    .as_str()
-                    .ok_or_else(|| anyhow!("{ip}: weight_map entry `{name}` is not a file name"))?;
+                let shard = shard.as_str().ok_or_else(|| anyhow!("{ip}: weight_map entry `{name}` is not a file name"))?;
                 // Shards live in the folder itself; refuse paths that leave it.
-                if shard.is_empty() || shard.contains(['/', '\\']) || shard == ".." || shard == "."
-                {
+                if shard.is_empty() || shard.contains(['/', '\\']) || shard == ".." || shard == "." {
                     bail!("{ip}: weight_map entry `{name}` names `{shard}`, not a plain file name");
                 }
                 if !shards.contains(&shard) {
@@ -293,12 +241,8 @@ impl HfFolder {
             for (name, shard) in map {
                 let shard = shard.as_str().unwrap_or_default();
                 match tensors.get(name) {
-                    Some(e)
-                        if files[e.file].0.file_name().and_then(|s| s.to_str()) == Some(shard) => {}
-                    Some(e) => bail!(
-                        "{ip}: tensor `{name}` is listed in {shard} but found in {}",
-                        files[e.file].0.display()
-                    ),
+                    Some(e) if files[e.file].0.file_name().and_then(|s| s.to_str()) == Some(shard) => {}
+                    Some(e) => bail!("{ip}: tensor `{name}` is listed in {shard} but found in {}", files[e.file].0.display()),
                     None => {
                         bail!("{ip}: tensor `{name}` is listed in {shard} but that shard lacks it")
                     }
@@ -310,16 +254,7 @@ impl HfFolder {
 
         let mut names: Vec<String> = tensors.keys().cloned().collect();
         names.sort();
-        Ok(HfFolder {
-            dir: dir.to_path_buf(),
-            config,
-            tokenizer_json,
-            tokenizer_config,
-            generation_config,
-            files,
-            names,
-            tensors,
-        })
+        Ok(HfFolder { dir: dir.to_path_buf(), config, tokenizer_json, tokenizer_config, generation_config, files, names, tensors })
     }
 
     pub fn dir(&self) -> &Path {
@@ -343,33 +278,15 @@ impl HfFolder {
     /// A zero-copy view of one tensor. Only F32, F16 and BF16 tensors can be
     /// viewed; other dtypes are an error naming the tensor and its dtype.
     pub fn tensor(&self, name: &str) -> Result<TensorView> {
-        let e = self.tensors.get(name).ok_or_else(|| {
-            anyhow!(
-                "{}: no tensor named `{name}` in the model's safetensors ({} tensors)",
-                self.dir.display(),
-                self.names.len()
-            )
-        })?;
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| anyhow!("{}: no tensor named `{name}` in the model's safetensors ({} tensors)", self.dir.display(), self.names.len()))?;
         let (path, data) = &self.files[e.file];
-        let dtype = st_dtype(&e.dtype).ok_or_else(|| {
-            anyhow!(
-                "{}: tensor `{name}` has dtype {}, which is not supported (only F32, F16, BF16)",
-                path.display(),
-                e.dtype
-            )
-        })?;
-        let bytes = data.slice(e.begin, e.end - e.begin).ok_or_else(|| {
-            anyhow!(
-                "{}: tensor `{name}` data lies outside the file",
-                path.display()
-            )
-        })?;
-        Ok(TensorView {
-            name: name.to_string(),
-            dtype,
-            shape: e.shape.clone(),
-            data: bytes,
-        })
+        let dtype = st_dtype(&e.dtype)
+            .ok_or_else(|| anyhow!("{}: tensor `{name}` has dtype {}, which is not supported (only F32, F16, BF16)", path.display(), e.dtype))?;
+        let bytes = data.slice(e.begin, e.end - e.begin).ok_or_else(|| anyhow!("{}: tensor `{name}` data lies outside the file", path.display()))?;
+        Ok(TensorView { name: name.to_string(), dtype, shape: e.shape.clone(), data: bytes })
     }
 
     /// The stored dtype string of a tensor ("BF16", "I64", ...), if it exists.

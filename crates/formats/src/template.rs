@@ -38,10 +38,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -68,9 +65,7 @@ fn content_text<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
                 if let (None | Some("text"), Some(t)) = (p.kind.as_deref(), p.text) {
                     out.push_str(&t);
                 } else {
-                    return Err(serde::de::Error::custom(
-                        "only text parts are supported in message content",
-                    ));
+                    return Err(serde::de::Error::custom("only text parts are supported in message content"));
                 }
             }
             out
@@ -88,9 +83,7 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("source_len", &self.source.len())
-            .finish()
+        f.debug_struct("ChatTemplate").field("source_len", &self.source.len()).finish()
     }
 }
 
@@ -109,14 +102,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.to_owned())
-            .map_err(|e| describe(&e, source))?;
-        Ok(ChatTemplate {
-            env,
-            source: source.to_owned(),
-            bos_token: bos_token.to_owned(),
-            eos_token: eos_token.to_owned(),
-        })
+        env.add_template_owned(NAME, source.to_owned()).map_err(|e| describe(&e, source))?;
+        Ok(ChatTemplate { env, source: source.to_owned(), bos_token: bos_token.to_owned(), eos_token: eos_token.to_owned() })
     }
 
     /// The GGUF's `tokenizer.chat_template`, with the tokenizer's BOS/EOS
@@ -126,9 +113,7 @@ impl ChatTemplate {
             return Ok(None);
         };
         let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("");
-        ChatTemplate::new(src, text(tok.bos()), text(tok.eos()))
-            .map(Some)
-            .map_err(|e| anyhow!("{}: {e:#}", g.path().display()))
+        ChatTemplate::new(src, text(tok.bos()), text(tok.eos())).map(Some).map_err(|e| anyhow!("{}: {e:#}", g.path().display()))
     }
 
     /// The `chat_template` of a parsed `tokenizer_config.json` (a string, or
@@ -140,27 +125,17 @@ impl ChatTemplate {
             None | Some(serde_json::Value::Null) => return Ok(None),
             Some(serde_json::Value::String(s)) => s.as_str(),
             Some(serde_json::Value::Array(list)) => {
-                let named = |want: &str| {
-                    list.iter()
-                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(want))
-                };
+                let named = |want: &str| list.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some(want));
                 let Some(t) = named("default").or_else(|| list.first()) else {
                     return Ok(None);
                 };
-                t.get("template").and_then(|s| s.as_str()).ok_or_else(|| {
-                    anyhow!("tokenizer_config chat_template entry has no `template` string")
-                })?
+                t.get("template").and_then(|s| s.as_str()).ok_or_else(|| anyhow!("tokenizer_config chat_template entry has no `template` string"))?
             }
-            Some(other) => {
-                return Err(anyhow!(
-                    "tokenizer_config chat_template is neither a string nor a list: {other}"
-                ))
-            }
+            Some(other) => return Err(anyhow!("tokenizer_config chat_template is neither a string nor a list: {other}")),
         };
         let token = |key: &str| {
             let v = config.get(key);
-            v.and_then(|v| v.as_str().or_else(|| v.get("content")?.as_str()))
-                .unwrap_or("")
+            v.and_then(|v| v.as_str().or_else(|| v.get("content")?.as_str())).unwrap_or("")
         };
         ChatTemplate::new(src, token("bos_token"), token("eos_token")).map(Some)
     }
@@ -178,27 +153,13 @@ impl ChatTemplate {
     /// Like [`render`](Self::render), with messages of any shape (tool calls,
     /// structured content: anything serializable) and extra context variables
     /// (`tools`, `enable_thinking`, ...).
-    pub fn render_with<M: Serialize>(
-        &self,
-        messages: &[M],
-        add_generation_prompt: bool,
-        extra: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String> {
-        let mut ctx: std::collections::BTreeMap<String, Value> = extra
-            .iter()
-            .map(|(k, v)| (k.clone(), Value::from(Serde(v))))
-            .collect();
+    pub fn render_with<M: Serialize>(&self, messages: &[M], add_generation_prompt: bool, extra: &serde_json::Map<String, serde_json::Value>) -> Result<String> {
+        let mut ctx: std::collections::BTreeMap<String, Value> = extra.iter().map(|(k, v)| (k.clone(), Value::from(Serde(v)))).collect();
         ctx.insert("messages".into(), Value::from(Serde(messages)));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::from(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         ctx.insert("bos_token".into(), Value::from(self.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(self.eos_token.as_str()));
-        let tmpl = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| describe(&e, &self.source))?;
+        let tmpl = self.env.get_template(NAME).map_err(|e| describe(&e, &self.source))?;
         tmpl.render(ctx).map_err(|e| describe(&e, &self.source))
     }
 }
@@ -217,11 +178,7 @@ fn describe(e: &Error, source: &str) -> anyhow::Error {
     };
     let mut msg = format!("chat template: {what}");
     if let Some(line) = e.line() {
-        let text = source
-            .lines()
-            .nth(line.saturating_sub(1))
-            .unwrap_or("")
-            .trim();
+        let text = source.lines().nth(line.saturating_sub(1)).unwrap_or("").trim();
         let mut shown: String = text.chars().take(100).collect();
         if shown.len() < text.len() {
             shown.push('…');
@@ -239,46 +196,19 @@ fn describe(e: &Error, source: &str) -> anyhow::Error {
 const RAISED: &str = "the template raised an exception: ";
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
-    Err(Error::new(
-        ErrorKind::InvalidOperation,
-        format!("{RAISED}{msg}"),
-    ))
+    Err(Error::new(ErrorKind::InvalidOperation, format!("{RAISED}{msg}")))
 }
 
 fn strftime_now(format: String) -> Result<Value, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     Ok(Value::from(strftime(&format, secs)))
 }
 
 /// Formats a Unix time (UTC) with the common strftime directives; an
 /// unknown directive is written as is.
 pub fn strftime(format: &str, unix_secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = unix_secs.div_euclid(86_400);
     let secs = unix_secs.rem_euclid(86_400);
     let (h, mi, s) = (secs / 3600, secs / 60 % 60, secs % 60);
@@ -341,27 +271,12 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     kwargs.assert_all_used()?;
     let (item_sep, key_sep) = match separators.as_deref() {
         Some([a, b]) => (a.clone(), b.clone()),
-        Some(_) => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                "tojson: separators must be two strings",
-            ))
-        }
+        Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings")),
         None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
         None => (", ".to_owned(), ": ".to_owned()),
     };
-    let json = serde_json::to_value(&value).map_err(|e| {
-        Error::new(
-            ErrorKind::InvalidOperation,
-            format!("tojson: cannot serialize: {e}"),
-        )
-    })?;
-    let style = JsonStyle {
-        indent,
-        item_sep,
-        key_sep,
-        sort_keys: sort_keys.unwrap_or(false),
-    };
+    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: cannot serialize: {e}")))?;
+    let style = JsonStyle { indent, item_sep, key_sep, sort_keys: sort_keys.unwrap_or(false) };
     let mut out = String::new();
     write_json(&mut out, &json, &style, 0);
     Ok(Value::from_safe_string(out))
@@ -454,10 +369,7 @@ mod tests {
         let t = 1_709_211_909;
         assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2024-02-29 13:05:09");
         assert_eq!(strftime("%d %b %Y", t), "29 Feb 2024");
-        assert_eq!(
-            strftime("%A %B %j %I%p %%", t),
-            "Thursday February 060 01PM %"
-        );
+        assert_eq!(strftime("%A %B %j %I%p %%", t), "Thursday February 060 01PM %");
         assert_eq!(strftime("%F %T", 0), "1970-01-01 00:00:00");
         assert_eq!(strftime("%a", 0), "Thu");
         // 1969-12-31 23:59:59, before the epoch.

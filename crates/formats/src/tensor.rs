@@ -43,35 +43,16 @@ impl TensorView {
         let n = self.elements();
         let want = self.dtype.bytes_for(n);
         if want != Some(self.data.len()) {
-            bail!(
-                "tensor `{}`: {} data is {} bytes, but shape {:?} needs {:?}",
-                self.name,
-                self.dtype,
-                self.data.len(),
-                self.shape,
-                want
-            );
+            bail!("tensor `{}`: {} data is {} bytes, but shape {:?} needs {:?}", self.name, self.dtype, self.data.len(), self.shape, want);
         }
         let d: &[u8] = &self.data;
         // The data may sit at any byte offset of the mapping, so decode from
         // bytes rather than casting the slice.
         Ok(match self.dtype {
-            DType::F32 => d
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::F16 => d
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::BF16 => d
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            q => bail!(
-                "tensor `{}` is quantized ({q}); to_f32 handles only F32, F16 and BF16",
-                self.name
-            ),
+            DType::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            q => bail!("tensor `{}` is quantized ({q}); to_f32 handles only F32, F16 and BF16", self.name),
         })
     }
 }

@@ -23,9 +23,7 @@ fn model(file: &str) -> Option<PathBuf> {
     }
     let found = dirs.into_iter().map(|d| d.join(file)).find(|p| p.is_file());
     if found.is_none() {
-        eprintln!(
-            "SKIPPED: {file} not found in $BRAID_MODELS, $XDG_CACHE_HOME/braid or ~/.cache/braid"
-        );
+        eprintln!("SKIPPED: {file} not found in $BRAID_MODELS, $XDG_CACHE_HOME/braid or ~/.cache/braid");
     }
     found
 }
@@ -44,10 +42,7 @@ fn check_layout(g: &Gguf) {
     }
     // The tensors fill the data section (up to alignment padding between them).
     let section = len - g.data_offset();
-    assert!(
-        total <= section && section - total < 32 * g.tensor_infos().len() + 32,
-        "{total} of {section}"
-    );
+    assert!(total <= section && section - total < 32 * g.tensor_infos().len() + 32, "{total} of {section}");
 }
 
 #[test]
@@ -77,22 +72,10 @@ fn smollm2_135m_q4_1() {
     let emb = g.tensor("token_embd.weight").unwrap();
     assert_eq!(emb.shape, vec![49152, 576]);
     assert!(emb.dtype.is_quantized());
-    assert_eq!(
-        g.tensor("blk.0.attn_q.weight").unwrap().shape,
-        vec![576, 576]
-    );
-    assert_eq!(
-        g.tensor("blk.0.attn_k.weight").unwrap().shape,
-        vec![192, 576]
-    );
-    assert_eq!(
-        g.tensor("blk.29.ffn_gate.weight").unwrap().shape,
-        vec![1536, 576]
-    );
-    assert_eq!(
-        g.tensor("blk.29.ffn_down.weight").unwrap().shape,
-        vec![576, 1536]
-    );
+    assert_eq!(g.tensor("blk.0.attn_q.weight").unwrap().shape, vec![576, 576]);
+    assert_eq!(g.tensor("blk.0.attn_k.weight").unwrap().shape, vec![192, 576]);
+    assert_eq!(g.tensor("blk.29.ffn_gate.weight").unwrap().shape, vec![1536, 576]);
+    assert_eq!(g.tensor("blk.29.ffn_down.weight").unwrap().shape, vec![576, 1536]);
     let q = g.tensor("blk.0.attn_q.weight").unwrap();
     assert_eq!(q.dtype, DType::Q4_1);
 
@@ -102,10 +85,7 @@ fn smollm2_135m_q4_1() {
     assert!(w.iter().all(|x| x.is_finite()) && w.iter().any(|&x| x != 0.0));
 
     let e = g.tensor("blk.30.attn_q.weight").unwrap_err().to_string();
-    assert!(
-        e.contains("SmolLM2-135M-Instruct.Q4_1.gguf") && e.contains("blk.30.attn_q.weight"),
-        "{e}"
-    );
+    assert!(e.contains("SmolLM2-135M-Instruct.Q4_1.gguf") && e.contains("blk.30.attn_q.weight"), "{e}");
     check_layout(&g);
 }
 
@@ -133,26 +113,12 @@ fn gemma3_270m_q4_k_m() {
 
     let emb = g.tensor("token_embd.weight").unwrap();
     assert_eq!(emb.shape, vec![262144, 640]);
-    assert_eq!(
-        g.tensor("blk.0.attn_q.weight").unwrap().shape,
-        vec![1024, 640]
-    );
-    assert_eq!(
-        g.tensor("blk.0.attn_k.weight").unwrap().shape,
-        vec![256, 640]
-    );
-    assert_eq!(
-        g.tensor("blk.17.ffn_down.weight").unwrap().shape,
-        vec![640, 2048]
-    );
+    assert_eq!(g.tensor("blk.0.attn_q.weight").unwrap().shape, vec![1024, 640]);
+    assert_eq!(g.tensor("blk.0.attn_k.weight").unwrap().shape, vec![256, 640]);
+    assert_eq!(g.tensor("blk.17.ffn_down.weight").unwrap().shape, vec![640, 2048]);
     // Gemma 3 normalizes q and k per head.
-    assert_eq!(
-        g.tensor("blk.0.attn_q_norm.weight").unwrap().shape,
-        vec![256]
-    );
+    assert_eq!(g.tensor("blk.0.attn_q_norm.weight").unwrap().shape, vec![256]);
     let k_m: Vec<DType> = g.tensor_infos().iter().map(|t| t.dtype).collect();
-    assert!(k_m
-        .iter()
-        .any(|d| matches!(d, DType::Q4K | DType::Q5K | DType::Q6K)));
+    assert!(k_m.iter().any(|d| matches!(d, DType::Q4K | DType::Q5K | DType::Q6K)));
     check_layout(&g);
 }

@@ -89,14 +89,7 @@ fn align(n: u64, a: u64) -> u64 {
 
 impl Writer {
     fn new() -> Writer {
-        Writer {
-            version: 3,
-            alignment: 32,
-            kvs: vec![],
-            tensors: vec![],
-            n_tensors: None,
-            n_kv: None,
-        }
+        Writer { version: 3, alignment: 32, kvs: vec![], tensors: vec![], n_tensors: None, n_kv: None }
     }
 
     fn kv(mut self, key: &str, v: Value) -> Writer {
@@ -115,31 +108,12 @@ impl Writer {
     }
 
     fn tensor(mut self, name: &str, ne: &[u64], dtype: DType, data: Vec<u8>) -> Writer {
-        self.tensors.push(Tensor {
-            name: name.into(),
-            ne: ne.to_vec(),
-            type_id: dtype.ggml_id(),
-            offset: None,
-            data,
-        });
+        self.tensors.push(Tensor { name: name.into(), ne: ne.to_vec(), type_id: dtype.ggml_id(), offset: None, data });
         self
     }
 
-    fn raw_tensor(
-        mut self,
-        name: &str,
-        ne: &[u64],
-        type_id: u32,
-        offset: Option<u64>,
-        data: Vec<u8>,
-    ) -> Writer {
-        self.tensors.push(Tensor {
-            name: name.into(),
-            ne: ne.to_vec(),
-            type_id,
-            offset,
-            data,
-        });
+    fn raw_tensor(mut self, name: &str, ne: &[u64], type_id: u32, offset: Option<u64>, data: Vec<u8>) -> Writer {
+        self.tensors.push(Tensor { name: name.into(), ne: ne.to_vec(), type_id, offset, data });
         self
     }
 
@@ -149,11 +123,7 @@ impl Writer {
         let mut out = Vec::new();
         out.extend(b"GGUF");
         out.extend(self.version.to_le_bytes());
-        out.extend(
-            self.n_tensors
-                .unwrap_or(self.tensors.len() as u64)
-                .to_le_bytes(),
-        );
+        out.extend(self.n_tensors.unwrap_or(self.tensors.len() as u64).to_le_bytes());
         out.extend(self.n_kv.unwrap_or(self.kvs.len() as u64).to_le_bytes());
         for kv in &self.kvs {
             match kv {
@@ -222,14 +192,10 @@ fn assert_err(bytes: Vec<u8>, parts: &[&str]) {
 
 /// Deterministic pseudo-random bytes.
 fn noise(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (x >> 56) as u8
         })
         .collect()
@@ -244,16 +210,8 @@ fn base() -> Writer {
     Writer::new()
         .kv("general.architecture", Value::String("llama".into()))
         .kv("llama.block_count", Value::U32(2))
-        .kv(
-            "tokenizer.ggml.tokens",
-            Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
-        )
-        .tensor(
-            "w",
-            &[4, 2],
-            DType::F32,
-            f32_bytes(&[1., 2., 3., 4., 5., 6., 7., 8.]),
-        )
+        .kv("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()), Value::String("b".into())]))
+        .tensor("w", &[4, 2], DType::F32, f32_bytes(&[1., 2., 3., 4., 5., 6., 7., 8.]))
         .tensor("q", &[32, 1], DType::Q8_0, noise(34, 1))
 }
 
@@ -276,37 +234,12 @@ fn every_value() -> Vec<(&'static str, Value)> {
         ("t.str", Value::String("héllo ✓".into())),
         ("t.empty_str", Value::String(String::new())),
         ("t.empty_arr", Value::Array(vec![])),
-        (
-            "t.arr_i32",
-            Value::Array(vec![Value::I32(-1), Value::I32(2), Value::I32(3)]),
-        ),
-        (
-            "t.arr_f32",
-            Value::Array(vec![Value::F32(0.5), Value::F32(-1.25)]),
-        ),
-        (
-            "t.arr_str",
-            Value::Array(vec![
-                Value::String("x".into()),
-                Value::String("".into()),
-                Value::String("yz".into()),
-            ]),
-        ),
-        (
-            "t.arr_bool",
-            Value::Array(vec![Value::Bool(true), Value::Bool(false)]),
-        ),
-        (
-            "t.nested",
-            Value::Array(vec![
-                Value::Array(vec![Value::U8(1), Value::U8(2)]),
-                Value::Array(vec![Value::U8(3)]),
-            ]),
-        ),
-        (
-            "t.nested_str",
-            Value::Array(vec![Value::Array(vec![Value::String("deep".into())])]),
-        ),
+        ("t.arr_i32", Value::Array(vec![Value::I32(-1), Value::I32(2), Value::I32(3)])),
+        ("t.arr_f32", Value::Array(vec![Value::F32(0.5), Value::F32(-1.25)])),
+        ("t.arr_str", Value::Array(vec![Value::String("x".into()), Value::String("".into()), Value::String("yz".into())])),
+        ("t.arr_bool", Value::Array(vec![Value::Bool(true), Value::Bool(false)])),
+        ("t.nested", Value::Array(vec![Value::Array(vec![Value::U8(1), Value::U8(2)]), Value::Array(vec![Value::U8(3)])])),
+        ("t.nested_str", Value::Array(vec![Value::Array(vec![Value::String("deep".into())])])),
     ]
 }
 
@@ -366,27 +299,15 @@ fn typed_getters_widen_and_check() {
     assert_eq!(Value::String("1".into()).as_u64(), None);
 
     let e = g.get_u64("t.missing").unwrap_err().to_string();
-    assert!(
-        e.contains(NAME) && e.contains("t.missing") && e.contains("missing"),
-        "{e}"
-    );
+    assert!(e.contains(NAME) && e.contains("t.missing") && e.contains("missing"), "{e}");
     let e = g.get_u64("t.i8").unwrap_err().to_string();
-    assert!(
-        e.contains(NAME) && e.contains("t.i8") && e.contains("int8 -100"),
-        "{e}"
-    );
+    assert!(e.contains(NAME) && e.contains("t.i8") && e.contains("int8 -100"), "{e}");
     let e = g.get_str("t.u32").unwrap_err().to_string();
-    assert!(
-        e.contains("t.u32") && e.contains("uint32 4000000000") && e.contains("string"),
-        "{e}"
-    );
+    assert!(e.contains("t.u32") && e.contains("uint32 4000000000") && e.contains("string"), "{e}");
     let e = g.get_u32("t.u64").unwrap_err().to_string();
     assert!(e.contains("t.u64"), "{e}");
     let e = g.get_str_array("t.arr_i32").unwrap_err().to_string();
-    assert!(
-        e.contains("t.arr_i32") && e.contains("element 0") && e.contains("int32"),
-        "{e}"
-    );
+    assert!(e.contains("t.arr_i32") && e.contains("element 0") && e.contains("int32"), "{e}");
     let e = g.get_i32_array("t.arr_str").unwrap_err().to_string();
     assert!(e.contains("t.arr_str") && e.contains("string"), "{e}");
     let e = g.get_bool("t.str").unwrap_err().to_string();
@@ -399,14 +320,8 @@ fn typed_getters_widen_and_check() {
 #[test]
 fn float_tensors_decode_with_pytorch_shape() {
     let vals: Vec<f32> = (0..6).map(|i| i as f32 * 0.5 - 1.0).collect();
-    let f16: Vec<u8> = vals
-        .iter()
-        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-        .collect();
-    let bf16: Vec<u8> = vals
-        .iter()
-        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-        .collect();
+    let f16: Vec<u8> = vals.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+    let bf16: Vec<u8> = vals.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
     let g = parse(
         Writer::new()
             .kv("general.architecture", Value::String("test".into()))
@@ -418,10 +333,7 @@ fn float_tensors_decode_with_pytorch_shape() {
     )
     .unwrap();
     assert_eq!(g.architecture().unwrap(), "test");
-    assert_eq!(
-        g.tensor_names().collect::<Vec<_>>(),
-        vec!["a.f32", "b.f16", "c.bf16", "d.4d"]
-    );
+    assert_eq!(g.tensor_names().collect::<Vec<_>>(), vec!["a.f32", "b.f16", "c.bf16", "d.4d"]);
 
     let a = g.tensor("a.f32").unwrap();
     assert_eq!((a.dtype, a.shape.clone()), (DType::F32, vec![2, 3]));
@@ -433,10 +345,7 @@ fn float_tensors_decode_with_pytorch_shape() {
     assert_eq!(b.to_f32().unwrap(), vals); // these values are exact in f16
 
     let c = g.tensor("c.bf16").unwrap();
-    assert_eq!(
-        (c.dtype, c.shape.clone(), c.rows(), c.cols()),
-        (DType::BF16, vec![6], 1, 6)
-    );
+    assert_eq!((c.dtype, c.shape.clone(), c.rows(), c.cols()), (DType::BF16, vec![6], 1, 6));
     assert_eq!(c.to_f32().unwrap(), vals);
 
     let d = g.tensor("d.4d").unwrap();
@@ -456,20 +365,8 @@ fn float_tensors_decode_with_pytorch_shape() {
 
 #[test]
 fn every_quantized_type_is_viewed_as_its_blocks() {
-    let all = [
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q8_0,
-        DType::Q8_1,
-        DType::Q2K,
-        DType::Q3K,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q8K,
-    ];
+    let all =
+        [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q8_1, DType::Q2K, DType::Q3K, DType::Q4K, DType::Q5K, DType::Q6K, DType::Q8K];
     let mut w = Writer::new();
     let mut want = Vec::new();
     for (i, &dt) in all.iter().enumerate() {
@@ -503,10 +400,7 @@ fn general_alignment_sets_data_alignment() {
         .unwrap();
         assert_eq!(g.alignment(), a as usize);
         assert_eq!(g.data_offset() % a as usize, 0);
-        assert_eq!(
-            g.tensor("y").unwrap().to_f32().unwrap(),
-            vec![4., 5., 6., 7., 8.]
-        );
+        assert_eq!(g.tensor("y").unwrap().to_f32().unwrap(), vec![4., 5., 6., 7., 8.]);
     }
 }
 
@@ -519,20 +413,14 @@ fn open_maps_a_real_file_and_names_it_in_errors() {
     let g = Gguf::open(&good).unwrap();
     assert_eq!(g.path(), good.as_path());
     assert_eq!(g.get_u64("llama.block_count").unwrap(), 2);
-    assert_eq!(
-        g.tensor("w").unwrap().to_f32().unwrap(),
-        vec![1., 2., 3., 4., 5., 6., 7., 8.]
-    );
+    assert_eq!(g.tensor("w").unwrap().to_f32().unwrap(), vec![1., 2., 3., 4., 5., 6., 7., 8.]);
 
     let mut bytes = base().build();
     bytes.truncate(bytes.len() - 1);
     let bad = dir.join("cut-short.gguf");
     std::fs::write(&bad, bytes).unwrap();
     let e = format!("{:#}", Gguf::open(&bad).unwrap_err());
-    assert!(
-        e.contains("cut-short.gguf") && e.contains("past the end"),
-        "{e}"
-    );
+    assert!(e.contains("cut-short.gguf") && e.contains("past the end"), "{e}");
 
     let empty = dir.join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();
@@ -559,10 +447,7 @@ fn base_file_is_valid() {
     // The corruption tests below mean something only if the base parses.
     let g = parse(base().build()).unwrap();
     assert_eq!(g.tensor_names().count(), 2);
-    assert_eq!(
-        g.get_str_array("tokenizer.ggml.tokens").unwrap(),
-        vec!["a", "b"]
-    );
+    assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), vec!["a", "b"]);
 }
 
 #[test]
@@ -587,10 +472,7 @@ fn absurd_string_lengths() {
     // A value string claiming 2^60 bytes.
     let mut raw = (1u64 << 60).to_le_bytes().to_vec();
     raw.extend(b"abc");
-    assert_err(
-        base().raw_kv("k.str", 8, raw).build(),
-        &["k.str", "string length 1152921504606846976"],
-    );
+    assert_err(base().raw_kv("k.str", 8, raw).build(), &["k.str", "string length 1152921504606846976"]);
 
     // A key whose length is 2^60: the key itself is the corrupt string.
     let mut b = Writer::new().kv("x", Value::U8(1)).build();
@@ -598,9 +480,7 @@ fn absurd_string_lengths() {
     assert_err(b, &["metadata key #0", "string length 1152921504606846976"]);
 
     // A tensor name claiming u64::MAX bytes.
-    let mut b = Writer::new()
-        .tensor("t", &[1], DType::F32, f32_bytes(&[1.]))
-        .build();
+    let mut b = Writer::new().tensor("t", &[1], DType::F32, f32_bytes(&[1.])).build();
     b[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
     assert_err(b, &["name of tensor #0", "string length"]);
 }
@@ -626,53 +506,33 @@ fn absurd_counts() {
     let mut raw = 4u32.to_le_bytes().to_vec();
     raw.extend((1u64 << 40).to_le_bytes());
     raw.extend([0u8; 16]);
-    assert_err(
-        base().raw_kv("k.arr", 9, raw).build(),
-        &["k.arr", "array length 1099511627776", "impossible"],
-    );
+    assert_err(base().raw_kv("k.arr", 9, raw).build(), &["k.arr", "array length 1099511627776", "impossible"]);
 
     // An array of 2^40 empty strings: each still needs its 8-byte length.
     let mut raw = 8u32.to_le_bytes().to_vec();
     raw.extend((1u64 << 40).to_le_bytes());
-    assert_err(
-        base().raw_kv("k.strs", 9, raw).build(),
-        &["k.strs", "impossible"],
-    );
+    assert_err(base().raw_kv("k.strs", 9, raw).build(), &["k.strs", "impossible"]);
 }
 
 #[test]
 fn unknown_types() {
-    assert_err(
-        base().raw_kv("k.weird", 13, vec![0; 8]).build(),
-        &["k.weird", "unknown value type 13"],
-    );
+    assert_err(base().raw_kv("k.weird", 13, vec![0; 8]).build(), &["k.weird", "unknown value type 13"]);
     let mut raw = 99u32.to_le_bytes().to_vec();
     raw.extend(1u64.to_le_bytes());
-    assert_err(
-        base().raw_kv("k.arr", 9, raw).build(),
-        &["k.arr", "unknown value type 99"],
-    );
+    assert_err(base().raw_kv("k.arr", 9, raw).build(), &["k.arr", "unknown value type 99"]);
     // Type ids 4 and 5 were removed from ggml (Q4_2, Q4_3).
     for id in [4u32, 5, 16, 1000] {
-        let b = base()
-            .raw_tensor("odd", &[32], id, None, vec![0; 64])
-            .build();
+        let b = base().raw_tensor("odd", &[32], id, None, vec![0; 64]).build();
         assert_err(b, &["odd", &format!("unknown tensor type id {id}")]);
     }
 }
 
 #[test]
 fn bad_metadata_values() {
-    assert_err(
-        base().raw_kv("k.bool", 7, vec![2]).build(),
-        &["k.bool", "bool byte 2"],
-    );
+    assert_err(base().raw_kv("k.bool", 7, vec![2]).build(), &["k.bool", "bool byte 2"]);
     let mut raw = 3u64.to_le_bytes().to_vec();
     raw.extend([0xff, 0xfe, 0x41]);
-    assert_err(
-        base().raw_kv("k.utf8", 8, raw).build(),
-        &["k.utf8", "UTF-8"],
-    );
+    assert_err(base().raw_kv("k.utf8", 8, raw).build(), &["k.utf8", "UTF-8"]);
     let dup = base().kv("llama.block_count", Value::U32(3)).build();
     assert_err(dup, &["llama.block_count", "appears twice"]);
 
@@ -683,12 +543,7 @@ fn bad_metadata_values() {
     }
     assert_err(base().kv("k.deep", v).build(), &["k.deep", "deeper"]);
 
-    for bad in [
-        Value::U32(0),
-        Value::U32(48),
-        Value::String("32".into()),
-        Value::I32(-32),
-    ] {
+    for bad in [Value::U32(0), Value::U32(48), Value::String("32".into()), Value::I32(-32)] {
         let mut w = base();
         w.kvs.push(Kv::Val("general.alignment".into(), bad));
         assert_err(w.build(), &["general.alignment", "power of two"]);
@@ -697,75 +552,43 @@ fn bad_metadata_values() {
 
 #[test]
 fn bad_shapes() {
-    let b = base()
-        .raw_tensor("five", &[1, 1, 1, 1, 1], 0, None, vec![0; 4])
-        .build();
+    let b = base().raw_tensor("five", &[1, 1, 1, 1, 1], 0, None, vec![0; 4]).build();
     assert_err(b, &["five", "5 dimensions"]);
-    let b = base()
-        .raw_tensor("huge", &[1 << 32, 1 << 32, 1 << 32], 0, None, vec![0; 4])
-        .build();
+    let b = base().raw_tensor("huge", &[1 << 32, 1 << 32, 1 << 32], 0, None, vec![0; 4]).build();
     assert_err(b, &["huge", "overflows"]);
     // Elements fit, bytes do not: 2^62 F32 elements.
-    let b = base()
-        .raw_tensor("fat", &[1 << 31, 1 << 31], 0, None, vec![0; 4])
-        .build();
+    let b = base().raw_tensor("fat", &[1 << 31, 1 << 31], 0, None, vec![0; 4]).build();
     let e = err_of(b);
-    assert!(
-        e.contains("fat") && (e.contains("overflows") || e.contains("past the end")),
-        "{e}"
-    );
-    let b = base()
-        .raw_tensor("neg", &[u64::MAX, 1], 0, None, vec![0; 4])
-        .build();
+    assert!(e.contains("fat") && (e.contains("overflows") || e.contains("past the end")), "{e}");
+    let b = base().raw_tensor("neg", &[u64::MAX, 1], 0, None, vec![0; 4]).build();
     assert_err(b, &["neg", "negative dimension"]);
     // 48 Q4_0 elements: one and a half blocks.
-    let b = base()
-        .raw_tensor("half", &[48], DType::Q4_0.ggml_id(), None, vec![0; 36])
-        .build();
+    let b = base().raw_tensor("half", &[48], DType::Q4_0.ggml_id(), None, vec![0; 36]).build();
     assert_err(b, &["half", "not a multiple of the Q4_0 block size 32"]);
     // 64 elements in total, but rows of 16: blocks would straddle rows.
-    let b = base()
-        .raw_tensor("rows", &[16, 4], DType::Q8_0.ggml_id(), None, vec![0; 68])
-        .build();
+    let b = base().raw_tensor("rows", &[16, 4], DType::Q8_0.ggml_id(), None, vec![0; 68]).build();
     assert_err(b, &["rows", "not a multiple"]);
-    let b = base()
-        .raw_tensor("k", &[128, 2], DType::Q4K.ggml_id(), None, vec![0; 144])
-        .build();
+    let b = base().raw_tensor("k", &[128, 2], DType::Q4K.ggml_id(), None, vec![0; 144]).build();
     assert_err(b, &["`k`", "Q4_K block size 256"]);
-    let b = base()
-        .raw_tensor("dup", &[1], 0, None, vec![0; 4])
-        .raw_tensor("dup", &[1], 0, None, vec![0; 4])
-        .build();
+    let b = base().raw_tensor("dup", &[1], 0, None, vec![0; 4]).raw_tensor("dup", &[1], 0, None, vec![0; 4]).build();
     assert_err(b, &["dup", "appears twice"]);
 }
 
 #[test]
 fn bad_data_offsets() {
     // Data past the end of the file.
-    let b = base()
-        .raw_tensor("far", &[8], 0, Some(1 << 20), vec![])
-        .build();
+    let b = base().raw_tensor("far", &[8], 0, Some(1 << 20), vec![]).build();
     assert_err(b, &["far", "past the end of the file"]);
-    let b = base()
-        .raw_tensor("wrap", &[8], 0, Some(u64::MAX - 31), vec![])
-        .build();
+    let b = base().raw_tensor("wrap", &[8], 0, Some(u64::MAX - 31), vec![]).build();
     assert_err(b, &["wrap", "past the end of the file"]);
     // Unaligned.
-    let b = base()
-        .raw_tensor("odd", &[1], 0, Some(100), vec![0; 4])
-        .build();
+    let b = base().raw_tensor("odd", &[1], 0, Some(100), vec![0; 4]).build();
     assert_err(b, &["odd", "offset 100", "alignment 32"]);
     // Overlapping: `late` starts inside `first`.
-    let b = Writer::new()
-        .raw_tensor("first", &[16], 0, Some(0), vec![0; 64])
-        .raw_tensor("late", &[16], 0, Some(32), vec![0; 64])
-        .build();
+    let b = Writer::new().raw_tensor("first", &[16], 0, Some(0), vec![0; 64]).raw_tensor("late", &[16], 0, Some(32), vec![0; 64]).build();
     assert_err(b, &["first", "late", "overlap"]);
     // Two tensors at the same offset.
-    let b = Writer::new()
-        .raw_tensor("a", &[8], 0, Some(0), vec![0; 32])
-        .raw_tensor("b", &[8], 0, Some(0), vec![0; 32])
-        .build();
+    let b = Writer::new().raw_tensor("a", &[8], 0, Some(0), vec![0; 32]).raw_tensor("b", &[8], 0, Some(0), vec![0; 32]).build();
     assert_err(b, &["overlap"]);
     // Truncated data of the last tensor.
     let mut b = base().build();
@@ -777,12 +600,8 @@ fn bad_data_offsets() {
 fn every_truncation_fails_cleanly() {
     let mut v = Value::String("nested".into());
     v = Value::Array(vec![Value::Array(vec![v]), Value::Array(vec![])]);
-    let full = base()
-        .kv("x.f64", Value::F64(1.0))
-        .kv("x.nested", v)
-        .kv("general.alignment", Value::U64(16))
-        .tensor("z", &[256], DType::Q6K, noise(210, 9))
-        .build();
+    let full =
+        base().kv("x.f64", Value::F64(1.0)).kv("x.nested", v).kv("general.alignment", Value::U64(16)).tensor("z", &[256], DType::Q6K, noise(210, 9)).build();
     parse(full.clone()).unwrap();
     for n in 0..full.len() {
         let e = match parse(full[..n].to_vec()) {
@@ -791,10 +610,7 @@ fn every_truncation_fails_cleanly() {
         };
         assert!(e.contains(NAME), "truncation to {n}: {e}");
         let says_short = ["truncated", "past the end", "impossible", "bytes are left"];
-        assert!(
-            says_short.iter().any(|s| e.contains(s)),
-            "truncation to {n}: {e}"
-        );
+        assert!(says_short.iter().any(|s| e.contains(s)), "truncation to {n}: {e}");
     }
 }
 
@@ -803,9 +619,7 @@ fn random_corruption_never_panics() {
     // Overwrite bytes of a valid file at every position with a few values:
     // the result may parse or not, but must never panic, and any tensor the
     // parse admits must lie inside the buffer.
-    let full = base()
-        .kv("x.arr", Value::Array(vec![Value::U16(7); 5]))
-        .build();
+    let full = base().kv("x.arr", Value::Array(vec![Value::U16(7); 5])).build();
     for pos in 0..full.len() {
         for val in [0x00, 0x01, 0x7f, 0x80, 0xff] {
             let mut b = full.clone();

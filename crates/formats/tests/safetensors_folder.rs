@@ -45,10 +45,7 @@ fn safetensors(tensors: &[T]) -> Vec<u8> {
     for T(name, dtype, shape, bytes) in tensors {
         let begin = data.len();
         data.extend(bytes);
-        header.insert(
-            name.to_string(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, data.len()]}),
-        );
+        header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, data.len()]}));
     }
     raw_file(&serde_json::to_string(&header).unwrap(), &data)
 }
@@ -64,18 +61,13 @@ fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 fn f16s(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-        .collect()
+    v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect()
 }
 fn bf16s(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-        .collect()
+    v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()
 }
 
-const CONFIG: &str =
-    r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4, "num_hidden_layers": 1}"#;
+const CONFIG: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4, "num_hidden_layers": 1}"#;
 
 fn err(dir: &Path) -> String {
     match HfFolder::open(dir) {
@@ -91,38 +83,15 @@ fn single_file_folder() {
     d.write(
         "model.safetensors",
         safetensors(&[
-            T(
-                "model.embed_tokens.weight",
-                "F32",
-                vec![3, 2],
-                f32s(&[1., 2., 3., 4., 5., 6.]),
-            ),
-            T(
-                "model.norm.weight",
-                "BF16",
-                vec![4],
-                bf16s(&[1., -0.5, 0.25, 8.]),
-            ),
-            T(
-                "lm_head.weight",
-                "F16",
-                vec![2, 2],
-                f16s(&[0.5, 1.5, -2., 3.]),
-            ),
-            T(
-                "model.pos_ids",
-                "I64",
-                vec![2],
-                [7i64, 9].iter().flat_map(|x| x.to_le_bytes()).collect(),
-            ),
+            T("model.embed_tokens.weight", "F32", vec![3, 2], f32s(&[1., 2., 3., 4., 5., 6.])),
+            T("model.norm.weight", "BF16", vec![4], bf16s(&[1., -0.5, 0.25, 8.])),
+            T("lm_head.weight", "F16", vec![2, 2], f16s(&[0.5, 1.5, -2., 3.])),
+            T("model.pos_ids", "I64", vec![2], [7i64, 9].iter().flat_map(|x| x.to_le_bytes()).collect()),
             T("model.empty", "F32", vec![0, 4], vec![]),
         ]),
     );
     d.write("tokenizer.json", "{}");
-    d.write(
-        "tokenizer_config.json",
-        r#"{"bos_token": "<s>", "chat_template": "{{ x }}"}"#,
-    );
+    d.write("tokenizer_config.json", r#"{"bos_token": "<s>", "chat_template": "{{ x }}"}"#);
 
     let f = HfFolder::open(d.path()).unwrap();
     assert_eq!(f.config()["hidden_size"], 4);
@@ -133,64 +102,31 @@ fn single_file_folder() {
 
     let mut names: Vec<&str> = f.tensor_names().collect();
     names.sort();
-    assert_eq!(
-        names,
-        vec![
-            "lm_head.weight",
-            "model.embed_tokens.weight",
-            "model.empty",
-            "model.norm.weight",
-            "model.pos_ids"
-        ]
-    );
+    assert_eq!(names, vec!["lm_head.weight", "model.embed_tokens.weight", "model.empty", "model.norm.weight", "model.pos_ids"]);
 
     let e = f.tensor("model.embed_tokens.weight").unwrap();
-    assert_eq!(
-        (e.dtype, e.shape.clone(), e.rows(), e.cols()),
-        (DType::F32, vec![3, 2], 3, 2)
-    );
+    assert_eq!((e.dtype, e.shape.clone(), e.rows(), e.cols()), (DType::F32, vec![3, 2], 3, 2));
     assert_eq!(e.to_f32().unwrap(), vec![1., 2., 3., 4., 5., 6.]);
     let n = f.tensor("model.norm.weight").unwrap();
-    assert_eq!(
-        (n.dtype, n.to_f32().unwrap()),
-        (DType::BF16, vec![1., -0.5, 0.25, 8.])
-    );
+    assert_eq!((n.dtype, n.to_f32().unwrap()), (DType::BF16, vec![1., -0.5, 0.25, 8.]));
     let h = f.tensor("lm_head.weight").unwrap();
-    assert_eq!(
-        (h.dtype, h.to_f32().unwrap()),
-        (DType::F16, vec![0.5, 1.5, -2., 3.])
-    );
+    assert_eq!((h.dtype, h.to_f32().unwrap()), (DType::F16, vec![0.5, 1.5, -2., 3.]));
     assert_eq!(f.tensor("model.empty").unwrap().elements(), 0);
 
     // A dtype we do not decode: a clear error naming the tensor and dtype.
     assert_eq!(f.tensor_dtype("model.pos_ids"), Some("I64"));
     let msg = f.tensor("model.pos_ids").unwrap_err().to_string();
-    assert!(
-        msg.contains("model.pos_ids") && msg.contains("I64") && msg.contains("model.safetensors"),
-        "{msg}"
-    );
+    assert!(msg.contains("model.pos_ids") && msg.contains("I64") && msg.contains("model.safetensors"), "{msg}");
     let msg = f.tensor("missing.weight").unwrap_err().to_string();
-    assert!(
-        msg.contains("missing.weight") && msg.contains(&d.path().display().to_string()),
-        "{msg}"
-    );
+    assert!(msg.contains("missing.weight") && msg.contains(&d.path().display().to_string()), "{msg}");
 }
 
 #[test]
 fn sharded_folder() {
     let d = TempDir::new("sharded");
     d.write("config.json", CONFIG);
-    d.write(
-        "model-00001-of-00002.safetensors",
-        safetensors(&[
-            T("a.weight", "F32", vec![2], f32s(&[1., 2.])),
-            T("b.weight", "F32", vec![1], f32s(&[3.])),
-        ]),
-    );
-    d.write(
-        "model-00002-of-00002.safetensors",
-        safetensors(&[T("c.weight", "BF16", vec![2, 1], bf16s(&[4., 5.]))]),
-    );
+    d.write("model-00001-of-00002.safetensors", safetensors(&[T("a.weight", "F32", vec![2], f32s(&[1., 2.])), T("b.weight", "F32", vec![1], f32s(&[3.]))]));
+    d.write("model-00002-of-00002.safetensors", safetensors(&[T("c.weight", "BF16", vec![2, 1], bf16s(&[4., 5.]))]));
     let index = json!({
         "metadata": {"total_size": 20},
         "weight_map": {
@@ -203,16 +139,10 @@ fn sharded_folder() {
     let f = HfFolder::open(d.path()).unwrap();
     assert_eq!(f.weight_files().count(), 2);
     assert_eq!(f.tensor_names().count(), 3);
-    assert_eq!(
-        f.tensor("a.weight").unwrap().to_f32().unwrap(),
-        vec![1., 2.]
-    );
+    assert_eq!(f.tensor("a.weight").unwrap().to_f32().unwrap(), vec![1., 2.]);
     assert_eq!(f.tensor("b.weight").unwrap().to_f32().unwrap(), vec![3.]);
     let c = f.tensor("c.weight").unwrap();
-    assert_eq!(
-        (c.shape.clone(), c.to_f32().unwrap()),
-        (vec![2, 1], vec![4., 5.])
-    );
+    assert_eq!((c.shape.clone(), c.to_f32().unwrap()), (vec![2, 1], vec![4., 5.]));
     assert!(f.tokenizer_json().is_none() && f.tokenizer_config().is_none());
 
     // The index names a tensor its shard lacks.
@@ -220,48 +150,33 @@ fn sharded_folder() {
     bad["weight_map"]["ghost.weight"] = json!("model-00002-of-00002.safetensors");
     d.write("model.safetensors.index.json", bad.to_string());
     let e = err(d.path());
-    assert!(
-        e.contains("ghost.weight") && e.contains("model.safetensors.index.json"),
-        "{e}"
-    );
+    assert!(e.contains("ghost.weight") && e.contains("model.safetensors.index.json"), "{e}");
 
     // The index puts a tensor in the wrong shard.
     let mut bad = index.clone();
     bad["weight_map"]["a.weight"] = json!("model-00002-of-00002.safetensors");
     d.write("model.safetensors.index.json", bad.to_string());
     let e = err(d.path());
-    assert!(
-        e.contains("a.weight") && e.contains("model-00001-of-00002.safetensors"),
-        "{e}"
-    );
+    assert!(e.contains("a.weight") && e.contains("model-00001-of-00002.safetensors"), "{e}");
 
     // A shard file that is not there.
     let mut bad = index.clone();
     bad["weight_map"]["a.weight"] = json!("model-00003-of-00002.safetensors");
     d.write("model.safetensors.index.json", bad.to_string());
     let e = err(d.path());
-    assert!(
-        e.contains("model-00003-of-00002.safetensors") && e.contains("missing"),
-        "{e}"
-    );
+    assert!(e.contains("model-00003-of-00002.safetensors") && e.contains("missing"), "{e}");
 
     // A shard path that leaves the folder.
     let mut bad = index.clone();
     bad["weight_map"]["a.weight"] = json!("../elsewhere.safetensors");
     d.write("model.safetensors.index.json", bad.to_string());
     let e = err(d.path());
-    assert!(
-        e.contains("../elsewhere.safetensors") && e.contains("plain file name"),
-        "{e}"
-    );
+    assert!(e.contains("../elsewhere.safetensors") && e.contains("plain file name"), "{e}");
 
     // The same tensor in two shards.
     d.write(
         "model-00002-of-00002.safetensors",
-        safetensors(&[
-            T("c.weight", "BF16", vec![2, 1], bf16s(&[4., 5.])),
-            T("a.weight", "F32", vec![1], f32s(&[0.])),
-        ]),
+        safetensors(&[T("c.weight", "BF16", vec![2, 1], bf16s(&[4., 5.])), T("a.weight", "F32", vec![1], f32s(&[0.]))]),
     );
     d.write("model.safetensors.index.json", index.to_string());
     let e = err(d.path());
@@ -288,35 +203,23 @@ fn missing_files() {
     assert!(e.contains("model.safetensors"), "{e}");
     d.write("config.json", "{not json");
     let e = err(d.path());
-    assert!(
-        e.contains("config.json") && e.contains("invalid JSON"),
-        "{e}"
-    );
+    assert!(e.contains("config.json") && e.contains("invalid JSON"), "{e}");
     d.write("config.json", CONFIG);
     d.write("model.safetensors", safetensors(&[]));
     d.write("tokenizer_config.json", "[1, 2");
     let e = err(d.path());
-    assert!(
-        e.contains("tokenizer_config.json") && e.contains("invalid JSON"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer_config.json") && e.contains("invalid JSON"), "{e}");
     std::fs::remove_file(d.path().join("tokenizer_config.json")).unwrap();
     assert_eq!(HfFolder::open(d.path()).unwrap().tensor_names().count(), 0);
     let e = err(&d.path().join("nowhere"));
-    assert!(
-        e.contains("nowhere") && e.contains("not a directory"),
-        "{e}"
-    );
+    assert!(e.contains("nowhere") && e.contains("not a directory"), "{e}");
 }
 
 /// Writes `bytes` as the folder's only weight file and returns the open error.
 fn corrupt(d: &TempDir, bytes: Vec<u8>) -> String {
     d.write("model.safetensors", bytes);
     let e = err(d.path());
-    assert!(
-        e.contains("model.safetensors"),
-        "error does not name the file: {e}"
-    );
+    assert!(e.contains("model.safetensors"), "error does not name the file: {e}");
     e
 }
 
@@ -324,9 +227,7 @@ fn corrupt(d: &TempDir, bytes: Vec<u8>) -> String {
 fn corrupt_headers() {
     let d = TempDir::new("corrupt");
     d.write("config.json", CONFIG);
-    let t = |off: [u64; 2], shape: Vec<usize>| {
-        json!({"w": {"dtype": "F32", "shape": shape, "data_offsets": off}}).to_string()
-    };
+    let t = |off: [u64; 2], shape: Vec<usize>| json!({"w": {"dtype": "F32", "shape": shape, "data_offsets": off}}).to_string();
 
     assert!(corrupt(&d, vec![1, 2, 3]).contains("truncated"));
     let mut b = (1u64 << 60).to_le_bytes().to_vec();
@@ -337,10 +238,7 @@ fn corrupt_headers() {
     let e = corrupt(&d, raw_file(&t([0, 16], vec![2, 2]), &[0; 8]));
     assert!(e.contains("`w`") && e.contains("runs past the end"), "{e}");
     let e = corrupt(&d, raw_file(&t([0, 12], vec![2, 2]), &[0; 16]));
-    assert!(
-        e.contains("`w`") && e.contains("needs 16 bytes") && e.contains("hold 12"),
-        "{e}"
-    );
+    assert!(e.contains("`w`") && e.contains("needs 16 bytes") && e.contains("hold 12"), "{e}");
     let e = corrupt(&d, raw_file(&t([8, 4], vec![1]), &[0; 16]));
     assert!(e.contains("`w`") && e.contains("backwards"), "{e}");
     let e = corrupt(&d, raw_file(&t([0, 4], vec![1 << 40, 1 << 40]), &[0; 16]));
@@ -365,10 +263,7 @@ fn corrupt_headers() {
 fn every_truncation_fails_cleanly() {
     let d = TempDir::new("trunc");
     d.write("config.json", CONFIG);
-    let full = safetensors(&[
-        T("x", "F32", vec![2, 2], f32s(&[1., 2., 3., 4.])),
-        T("y", "BF16", vec![3], bf16s(&[1., 2., 3.])),
-    ]);
+    let full = safetensors(&[T("x", "F32", vec![2, 2], f32s(&[1., 2., 3., 4.])), T("y", "BF16", vec![3], bf16s(&[1., 2., 3.]))]);
     d.write("model.safetensors", &full);
     HfFolder::open(d.path()).unwrap();
     for n in 0..full.len() {

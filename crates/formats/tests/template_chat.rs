@@ -15,35 +15,25 @@ fn model_path(file: &str) -> Option<PathBuf> {
     } else if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
         PathBuf::from(d).join("braid")
     } else {
-        let home = std::env::var_os("HOME")
-            .map(PathBuf::from)
-            .unwrap_or_default();
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
         home.join(".cache").join("braid")
     };
     let p = dir.join(file);
     if p.exists() {
         Some(p)
     } else {
-        eprintln!(
-            "SKIP: {} not found (set BRAID_MODELS to the folder holding it)",
-            p.display()
-        );
+        eprintln!("SKIP: {} not found (set BRAID_MODELS to the folder holding it)", p.display());
         None
     }
 }
 
 fn golden(name: &str) -> Option<Value> {
-    let dir = std::env::var_os("BRAID_GOLDEN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
+    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
     let path = dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(s) => Some(serde_json::from_str(&s).expect("golden json")),
         Err(_) => {
-            eprintln!(
-                "SKIP: golden file {} not found (set BRAID_GOLDEN)",
-                path.display()
-            );
+            eprintln!("SKIP: golden file {} not found (set BRAID_GOLDEN)", path.display());
             None
         }
     }
@@ -55,17 +45,12 @@ fn msgs(v: &[(&str, &str)]) -> Vec<ChatMessage> {
 
 #[test]
 fn smollm2_gguf_template_matches_llama_cpp() {
-    let (Some(path), Some(g)) = (
-        model_path("SmolLM2-135M-Instruct.Q4_1.gguf"),
-        golden("smollm2-public.json"),
-    ) else {
+    let (Some(path), Some(g)) = (model_path("SmolLM2-135M-Instruct.Q4_1.gguf"), golden("smollm2-public.json")) else {
         return;
     };
     let gguf = Gguf::open(&path).unwrap();
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
-    let tmpl = ChatTemplate::from_gguf(&gguf, &tok)
-        .unwrap()
-        .expect("SmolLM2 ships a template");
+    let tmpl = ChatTemplate::from_gguf(&gguf, &tok).unwrap().expect("SmolLM2 ships a template");
     let cases = g["template"].as_array().unwrap();
     assert!(!cases.is_empty());
     for c in cases {
@@ -74,10 +59,7 @@ fn smollm2_gguf_template_matches_llama_cpp() {
         assert_eq!(tmpl.render(&messages, true).unwrap(), want);
         // Without the generation prompt the assistant header is not there.
         let bare = tmpl.render(&messages, false).unwrap();
-        assert_eq!(
-            want.strip_suffix("<|im_start|>assistant\n"),
-            Some(bare.as_str())
-        );
+        assert_eq!(want.strip_suffix("<|im_start|>assistant\n"), Some(bare.as_str()));
         // The rendered prompt's special-token text tokenizes to the special tokens.
         let ids = tok.encode(want, true).unwrap();
         let im_start = tok.token_id("<|im_start|>").unwrap();
@@ -101,26 +83,15 @@ fn raise_exception_gives_the_templates_message() {
     let src = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok";
     let t = ChatTemplate::new(src, "", "").unwrap();
     assert_eq!(t.render(&msgs(&[("user", "hi")]), false).unwrap(), "ok");
-    let err = t
-        .render(&msgs(&[("assistant", "hi")]), false)
-        .unwrap_err()
-        .to_string();
+    let err = t.render(&msgs(&[("assistant", "hi")]), false).unwrap_err().to_string();
     eprintln!("{err}");
-    assert!(
-        err.contains("Conversations must start with a user message"),
-        "{err}"
-    );
+    assert!(err.contains("Conversations must start with a user message"), "{err}");
     assert!(err.contains("raised"), "{err}");
 }
 
 #[test]
 fn syntax_errors_are_errors_with_a_line() {
-    for src in [
-        "{% for m in messages %}{{ m.content }}",
-        "line one\n{{ messages[0].content }\n",
-        "{% if %}x{% endif %}",
-        "{{ 'unclosed }}",
-    ] {
+    for src in ["{% for m in messages %}{{ m.content }}", "line one\n{{ messages[0].content }\n", "{% if %}x{% endif %}", "{{ 'unclosed }}"] {
         let err = ChatTemplate::new(src, "", "").unwrap_err().to_string();
         eprintln!("{err}");
         assert!(err.contains("chat template"), "{err}");
@@ -131,15 +102,9 @@ fn syntax_errors_are_errors_with_a_line() {
     let t = ChatTemplate::new("{{ messages | no_such_filter }}", "", "");
     let err = match t {
         Err(e) => e.to_string(),
-        Ok(t) => t
-            .render(&msgs(&[("user", "x")]), false)
-            .unwrap_err()
-            .to_string(),
+        Ok(t) => t.render(&msgs(&[("user", "x")]), false).unwrap_err().to_string(),
     };
-    assert!(
-        err.contains("no_such_filter") || err.contains("unknown filter"),
-        "{err}"
-    );
+    assert!(err.contains("no_such_filter") || err.contains("unknown filter"), "{err}");
     let t = ChatTemplate::new("{{ messages[0].content.no_such_method() }}", "", "").unwrap();
     assert!(t.render(&msgs(&[("user", "x")]), false).is_err());
 }
@@ -151,19 +116,9 @@ fn renders_like_transformers_jinja() {
     // Block tags on their own lines leave no blank lines; Python string methods work.
     let src = "{{ bos_token }}\n{% for m in messages %}\n    {% if m.role == 'system' %}\n[SYS] {{ m.content.strip() }}\n    {% elif m.content.startswith('!') %}\n[CMD] {{ m.content[1:] | upper }}\n    {% else %}\n[{{ m.role | capitalize }}] {{ m.content | trim }}{{ eos_token }}\n    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\n[Assistant]\n{% endif %}";
     let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-    let m = msgs(&[
-        ("system", "  be brief \n"),
-        ("user", "!go"),
-        ("user", " hello "),
-    ]);
-    assert_eq!(
-        t.render(&m, true).unwrap(),
-        "<s>\n[SYS] be brief\n[CMD] GO\n[User] hello</s>\n[Assistant]\n"
-    );
-    assert_eq!(
-        t.render(&m, false).unwrap(),
-        "<s>\n[SYS] be brief\n[CMD] GO\n[User] hello</s>\n"
-    );
+    let m = msgs(&[("system", "  be brief \n"), ("user", "!go"), ("user", " hello ")]);
+    assert_eq!(t.render(&m, true).unwrap(), "<s>\n[SYS] be brief\n[CMD] GO\n[User] hello</s>\n[Assistant]\n");
+    assert_eq!(t.render(&m, false).unwrap(), "<s>\n[SYS] be brief\n[CMD] GO\n[User] hello</s>\n");
 
     // loop helpers, namespace, slicing, dict methods.
     let src = "{% set ns = namespace(n=0) %}{% for m in messages[1:] %}{% set ns.n = ns.n + 1 %}{{ loop.index0 }}:{{ m['role'] }}{{ ',' if not loop.last }}{% endfor %}|{{ ns.n }}|{{ messages[0].get('content') }}|{{ messages[0].items() | list | length }}";
@@ -177,33 +132,16 @@ fn renders_like_transformers_jinja() {
 fn tojson_matches_python_json_dumps() {
     let t = ChatTemplate::new("{{ tools | tojson }}", "", "").unwrap();
     let mut extra = serde_json::Map::new();
-    extra.insert(
-        "tools".into(),
-        json!([{"name": "get_weather", "args": {"city": "Zürich", "unit": null, "n": 2, "x": 1.5, "ok": true, "q": "a\"b<c>\n"}}]),
-    );
+    extra.insert("tools".into(), json!([{"name": "get_weather", "args": {"city": "Zürich", "unit": null, "n": 2, "x": 1.5, "ok": true, "q": "a\"b<c>\n"}}]));
     let out = t.render_with(&msgs(&[]), false, &extra).unwrap();
     // json.dumps([...], ensure_ascii=False)
-    assert_eq!(
-        out,
-        r#"[{"name": "get_weather", "args": {"city": "Zürich", "unit": null, "n": 2, "x": 1.5, "ok": true, "q": "a\"b<c>\n"}}]"#
-    );
-    let t = ChatTemplate::new(
-        "{{ tools[0].args | tojson(indent=2, sort_keys=true) }}",
-        "",
-        "",
-    )
-    .unwrap();
+    assert_eq!(out, r#"[{"name": "get_weather", "args": {"city": "Zürich", "unit": null, "n": 2, "x": 1.5, "ok": true, "q": "a\"b<c>\n"}}]"#);
+    let t = ChatTemplate::new("{{ tools[0].args | tojson(indent=2, sort_keys=true) }}", "", "").unwrap();
     let mut extra = serde_json::Map::new();
-    extra.insert(
-        "tools".into(),
-        json!([{"args": {"b": [1, 2], "a": {}, "c": []}}]),
-    );
+    extra.insert("tools".into(), json!([{"args": {"b": [1, 2], "a": {}, "c": []}}]));
     let out = t.render_with(&msgs(&[]), false, &extra).unwrap();
     // json.dumps(..., indent=2, sort_keys=True)
-    assert_eq!(
-        out,
-        "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2\n  ],\n  \"c\": []\n}"
-    );
+    assert_eq!(out, "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2\n  ],\n  \"c\": []\n}");
 }
 
 #[test]
@@ -218,9 +156,7 @@ fn messages_of_any_shape_and_strftime() {
         json!({"role": "user", "content": "weather?"}),
         json!({"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "get_weather", "arguments": "{}"}}]}),
     ];
-    let out = t
-        .render_with(&messages, false, &serde_json::Map::new())
-        .unwrap();
+    let out = t.render_with(&messages, false, &serde_json::Map::new()).unwrap();
     let (msgs_part, year) = out.rsplit_once(';').unwrap();
     assert_eq!(msgs_part, "user:weather?;assistant:get_weather");
     let year: i32 = year.parse().expect("strftime_now('%Y') is a year");
@@ -231,18 +167,11 @@ fn messages_of_any_shape_and_strftime() {
 fn chat_message_deserializes_openai_content() {
     let m: ChatMessage = serde_json::from_value(json!({"role": "user", "content": "hi"})).unwrap();
     assert_eq!(m, ChatMessage::new("user", "hi"));
-    let m: ChatMessage = serde_json::from_value(
-        json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
-    )
-    .unwrap();
+    let m: ChatMessage = serde_json::from_value(json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})).unwrap();
     assert_eq!(m.content, "ab");
-    let m: ChatMessage =
-        serde_json::from_value(json!({"role": "assistant", "content": null})).unwrap();
+    let m: ChatMessage = serde_json::from_value(json!({"role": "assistant", "content": null})).unwrap();
     assert_eq!(m.content, "");
     let m: ChatMessage = serde_json::from_value(json!({"role": "assistant"})).unwrap();
     assert_eq!(m.content, "");
-    assert!(serde_json::from_value::<ChatMessage>(
-        json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
-    )
-    .is_err());
+    assert!(serde_json::from_value::<ChatMessage>(json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})).is_err());
 }

@@ -120,11 +120,7 @@ fn gemma3_template() {
     // Structured content parts.
     let parts = vec![json!({"role": "user", "content": [
         {"type": "text", "text": " part one "}, {"type": "image"}, {"type": "text", "text": "two"}]})];
-    assert_eq!(
-        t.render_with(&parts, false, &serde_json::Map::new())
-            .unwrap(),
-        "<bos><start_of_turn>user\npart one<start_of_image>two<end_of_turn>\n"
-    );
+    assert_eq!(t.render_with(&parts, false, &serde_json::Map::new()).unwrap(), "<bos><start_of_turn>user\npart one<start_of_image>two<end_of_turn>\n");
     // Two user turns in a row: the template raises.
     let bad = vec![ChatMessage::new("user", "a"), ChatMessage::new("user", "b")];
     let err = t.render(&bad, true).unwrap_err().to_string();
@@ -142,9 +138,12 @@ fn qwen25_template_with_tools() {
         json!({"role": "tool", "content": "sunny"}),
     ];
     let mut extra = serde_json::Map::new();
-    extra.insert("tools".into(), json!([{"type": "function", "function": {
+    extra.insert(
+        "tools".into(),
+        json!([{"type": "function", "function": {
         "name": "get_weather", "description": "Get weather \"now\"",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]));
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]),
+    );
     let want = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get weather \\\"now\\\"\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nweather in Zürich?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"days\": [1, 2]}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{\"temp\": 3}\n</tool_response>\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
     assert_eq!(t.render_with(&messages, true, &extra).unwrap(), want);
     // Without tools: the default system prompt.
@@ -157,28 +156,16 @@ fn qwen25_template_with_tools() {
 
 #[test]
 fn template_from_tokenizer_config() {
-    let config =
-        json!({"bos_token": {"content": "<bos>"}, "eos_token": "<eos>", "chat_template": GEMMA3});
-    let t = ChatTemplate::from_tokenizer_config(&config)
-        .unwrap()
-        .unwrap();
+    let config = json!({"bos_token": {"content": "<bos>"}, "eos_token": "<eos>", "chat_template": GEMMA3});
+    let t = ChatTemplate::from_tokenizer_config(&config).unwrap().unwrap();
     let m = vec![ChatMessage::new("user", "x")];
-    assert_eq!(
-        t.render(&m, false).unwrap(),
-        "<bos><start_of_turn>user\nx<end_of_turn>\n"
-    );
+    assert_eq!(t.render(&m, false).unwrap(), "<bos><start_of_turn>user\nx<end_of_turn>\n");
     // A list of named templates: "default" is taken.
     let config = json!({"eos_token": "E", "chat_template": [
         {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ eos_token }}!"}]});
-    let t = ChatTemplate::from_tokenizer_config(&config)
-        .unwrap()
-        .unwrap();
+    let t = ChatTemplate::from_tokenizer_config(&config).unwrap().unwrap();
     assert_eq!(t.render(&m, false).unwrap(), "E!");
-    assert!(
-        ChatTemplate::from_tokenizer_config(&json!({"eos_token": "E"}))
-            .unwrap()
-            .is_none()
-    );
+    assert!(ChatTemplate::from_tokenizer_config(&json!({"eos_token": "E"})).unwrap().is_none());
     assert!(ChatTemplate::from_tokenizer_config(&json!({"chat_template": 3})).is_err());
     assert!(ChatTemplate::from_tokenizer_config(&json!({"chat_template": "{% if %}"})).is_err());
 }

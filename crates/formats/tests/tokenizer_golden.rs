@@ -20,55 +20,37 @@ fn model_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(d).join("braid");
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
     home.join(".cache").join("braid")
 }
 
 fn load(file: &str) -> Option<Tokenizer> {
     let path = model_dir().join(file);
     if !path.exists() {
-        eprintln!(
-            "SKIP: {} not found (set BRAID_MODELS to the folder holding it)",
-            path.display()
-        );
+        eprintln!("SKIP: {} not found (set BRAID_MODELS to the folder holding it)", path.display());
         return None;
     }
     let g = Gguf::open(&path).expect("open gguf");
     let t0 = Instant::now();
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer from gguf");
-    eprintln!(
-        "{file}: tokenizer of {} tokens built in {:?}",
-        tok.vocab_size(),
-        t0.elapsed()
-    );
+    eprintln!("{file}: tokenizer of {} tokens built in {:?}", tok.vocab_size(), t0.elapsed());
     Some(tok)
 }
 
 fn golden(name: &str) -> Option<Value> {
-    let dir = std::env::var_os("BRAID_GOLDEN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
+    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
     let path = dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(s) => Some(serde_json::from_str(&s).expect("golden json")),
         Err(_) => {
-            eprintln!(
-                "SKIP: golden file {} not found (set BRAID_GOLDEN)",
-                path.display()
-            );
+            eprintln!("SKIP: golden file {} not found (set BRAID_GOLDEN)", path.display());
             None
         }
     }
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 /// Every `tokenize` entry: text → ids without BOS; and the ids decode back to the text.
@@ -92,11 +74,7 @@ fn check_greedy(tok: &Tokenizer, g: &Value) {
     for c in cases {
         let prompt = c["prompt"].as_str().unwrap();
         let want = ids(&c["prompt_ids"]);
-        assert_eq!(
-            tok.encode(prompt, true).unwrap(),
-            want,
-            "encode({prompt:?}, add_special)"
-        );
+        assert_eq!(tok.encode(prompt, true).unwrap(), want, "encode({prompt:?}, add_special)");
         let gen = ids(&c["tokens"]);
         let text = c["text"].as_str().unwrap();
         assert_eq!(tok.decode(&gen), text);
@@ -138,17 +116,12 @@ fn smollm2_specials_and_stops() {
     let user = tok.encode("user", false).unwrap();
     let hi = tok.encode("Hi", false).unwrap();
     // Special-token text is one token; the text around it is tokenized alone.
-    let got = tok
-        .encode("<|im_start|>user\nHi<|im_end|>\n", false)
-        .unwrap();
+    let got = tok.encode("<|im_start|>user\nHi<|im_end|>\n", false).unwrap();
     let want: Vec<u32> = [vec![im_start], user, nl.clone(), hi, vec![im_end], nl].concat();
     assert_eq!(got, want);
     // Control tokens decode to nothing, or to their text when asked.
     assert_eq!(tok.decode(&got), "user\nHi\n");
-    assert_eq!(
-        tok.decode_with_special(&got),
-        "<|im_start|>user\nHi<|im_end|>\n"
-    );
+    assert_eq!(tok.decode_with_special(&got), "<|im_start|>user\nHi<|im_end|>\n");
     assert!(tok.token_bytes(im_end).is_empty());
     assert_eq!(tok.kind(im_end), Some(TokenKind::Control));
     // Stops: EOS (<|im_end|> in this file) and <|endoftext|>.
@@ -169,9 +142,7 @@ fn gemma3_specials_and_stops() {
     let Some(tok) = load(GEMMA3) else { return };
     let sot = tok.token_id("<start_of_turn>").unwrap();
     let eot = tok.token_id("<end_of_turn>").unwrap();
-    let got = tok
-        .encode("<start_of_turn>user\nHi<end_of_turn>\n", true)
-        .unwrap();
+    let got = tok.encode("<start_of_turn>user\nHi<end_of_turn>\n", true).unwrap();
     assert_eq!(got[0], tok.bos().unwrap());
     assert_eq!(got[1], sot);
     assert!(got.contains(&eot));
@@ -204,21 +175,10 @@ fn round_trips_on_both_models() {
             let ids = tok.encode(t, false).unwrap();
             assert_eq!(tok.decode(&ids), t, "{file}: round trip of {t:?}");
         }
-        let long: String = texts
-            .iter()
-            .cycle()
-            .take(2000)
-            .copied()
-            .collect::<Vec<_>>()
-            .join(" ");
+        let long: String = texts.iter().cycle().take(2000).copied().collect::<Vec<_>>().join(" ");
         let t0 = Instant::now();
         let ids = tok.encode(&long, false).unwrap();
-        eprintln!(
-            "{file}: {} bytes → {} tokens in {:?}",
-            long.len(),
-            ids.len(),
-            t0.elapsed()
-        );
+        eprintln!("{file}: {} bytes → {} tokens in {:?}", long.len(), ids.len(), t0.elapsed());
         assert_eq!(tok.decode(&ids), long);
     }
 }

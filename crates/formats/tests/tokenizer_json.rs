@@ -41,10 +41,7 @@ fn byte_char(b: u8) -> char {
 /// then the merge results, in merge order.
 fn byte_level_json() -> Value {
     let mut vocab = serde_json::Map::new();
-    for (i, t) in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        .iter()
-        .enumerate()
-    {
+    for (i, t) in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"].iter().enumerate() {
         vocab.insert(t.to_string(), json!(i));
     }
     for b in 0..=255u8 {
@@ -106,11 +103,7 @@ fn byte_level_bpe_json() {
 
 /// ids: <unk> <s> </s>, then the 256 byte tokens (3..259), then pieces.
 fn spm_json() -> Value {
-    let mut vocab = vec![
-        json!(["<unk>", 0.0]),
-        json!(["<s>", 0.0]),
-        json!(["</s>", 0.0]),
-    ];
+    let mut vocab = vec![json!(["<unk>", 0.0]), json!(["<s>", 0.0]), json!(["</s>", 0.0])];
     for b in 0..=255u8 {
         vocab.push(json!([format!("<0x{b:02X}>"), 0.0]));
     }
@@ -172,9 +165,7 @@ fn sentencepiece_style_json_with_byte_fallback() {
 #[test]
 fn bad_tokenizer_json_files_are_errors() {
     let missing = std::env::temp_dir().join("braid-no-such-tokenizer.json");
-    let err = Tokenizer::from_tokenizer_json(&missing, None)
-        .unwrap_err()
-        .to_string();
+    let err = Tokenizer::from_tokenizer_json(&missing, None).unwrap_err().to_string();
     assert!(err.contains("braid-no-such-tokenizer.json"), "{err}");
 
     let p = write_temp("notjson.json", &json!("just a string"));
@@ -185,8 +176,6 @@ fn bad_tokenizer_json_files_are_errors() {
     // A config naming a BOS that is not in the vocabulary.
     let p = write_temp("bytelevel2.json", &byte_level_json());
     let config = json!({"bos_token": "<nope>"});
-    let err = Tokenizer::from_tokenizer_json(&p.0, Some(&config))
-        .unwrap_err()
-        .to_string();
+    let err = Tokenizer::from_tokenizer_json(&p.0, Some(&config)).unwrap_err().to_string();
     assert!(err.contains("<nope>"), "{err}");
 }

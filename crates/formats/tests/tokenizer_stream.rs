@@ -76,10 +76,7 @@ fn check_stream(tok: &Tokenizer, ids: &[u32], text: &str) {
     let mut held_back = 0;
     for &id in ids {
         let c = sd.push(id);
-        assert!(
-            !c.contains('\u{FFFD}'),
-            "chunk {c:?} has a replacement character"
-        );
+        assert!(!c.contains('\u{FFFD}'), "chunk {c:?} has a replacement character");
         if sd.pending_len() > 0 {
             held_back += 1;
         }
@@ -95,9 +92,7 @@ fn check_stream(tok: &Tokenizer, ids: &[u32], text: &str) {
         at += c.len();
     }
     // The text has multi-byte characters, so something had to wait.
-    let multibyte_split = ids
-        .iter()
-        .any(|&id| std::str::from_utf8(tok.token_bytes(id)).is_err());
+    let multibyte_split = ids.iter().any(|&id| std::str::from_utf8(tok.token_bytes(id)).is_err());
     assert_eq!(held_back > 0, multibyte_split);
 }
 
@@ -114,14 +109,8 @@ fn byte_level_split_characters_come_out_whole() {
 fn byte_fallback_split_characters_come_out_whole() {
     let tok = byte_fallback_spm();
     let ids = tok.encode(TEXT, false).unwrap();
-    let byte_tokens = ids
-        .iter()
-        .filter(|&&id| tok.token_text(id).unwrap().starts_with("<0x"))
-        .count();
-    assert!(
-        byte_tokens > 20,
-        "expected byte fallback, got {byte_tokens} byte tokens"
-    );
+    let byte_tokens = ids.iter().filter(|&&id| tok.token_text(id).unwrap().starts_with("<0x")).count();
+    assert!(byte_tokens > 20, "expected byte fallback, got {byte_tokens} byte tokens");
     check_stream(&tok, &ids, TEXT);
 }
 
@@ -132,15 +121,7 @@ fn invalid_bytes_become_replacement_characters() {
     let a = tok.token_id("a").unwrap();
     // A lone continuation byte is invalid at once; a truncated 3-byte
     // sequence before 'a' is invalid once 'a' arrives.
-    let ids = [
-        byte(0x80),
-        a,
-        byte(0xE2),
-        byte(0x82),
-        a,
-        byte(0xF0),
-        byte(0x9F),
-    ];
+    let ids = [byte(0x80), a, byte(0xE2), byte(0x82), a, byte(0xF0), byte(0x9F)];
     let mut sd = StreamDecoder::new(&tok);
     let chunks: Vec<String> = ids.iter().map(|&id| sd.push(id)).collect();
     assert_eq!(chunks, vec!["\u{FFFD}", "a", "", "", "\u{FFFD}a", "", ""]);
@@ -170,10 +151,7 @@ fn real_models_stream_emoji_and_cjk() {
     } else {
         PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/braid")
     };
-    for file in [
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "gemma-3-270m-q4_k_m.gguf",
-    ] {
+    for file in ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"] {
         let path = dir.join(file);
         if !path.exists() {
             eprintln!("SKIP: {} not found", path.display());
@@ -184,11 +162,7 @@ fn real_models_stream_emoji_and_cjk() {
         let ids = tok.encode(text, false).unwrap();
         check_stream(&tok, &ids, text);
         // These vocabularies split at least one of these characters over tokens.
-        assert!(
-            ids.iter()
-                .any(|&id| std::str::from_utf8(tok.token_bytes(id)).is_err()),
-            "{file}"
-        );
+        assert!(ids.iter().any(|&id| std::str::from_utf8(tok.token_bytes(id)).is_err()), "{file}");
     }
 }
 

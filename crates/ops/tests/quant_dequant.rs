@@ -22,17 +22,11 @@ fn load(name: &str) -> Golden {
     let raw = b[16..16 + nbytes].to_vec();
     let vals = &b[16 + nbytes..];
     assert_eq!(vals.len(), n * 4, "{path}: value count");
-    let values = vals
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let values = vals.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Golden { dtype, raw, values }
 }
 
-const ALL: [&str; 13] = [
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-    "Q6_K",
-];
+const ALL: [&str; 13] = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"];
 
 #[test]
 fn every_type_matches_gguf_py_exactly() {
@@ -44,17 +38,11 @@ fn every_type_matches_gguf_py_exactly() {
         for (i, (&got, &want)) in out.iter().zip(&g.values).enumerate() {
             // Same operations in the same order: bit-identical (NaN aside).
             let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-            assert!(
-                same,
-                "{name} element {i}: got {got:e}, gguf-py says {want:e}"
-            );
+            assert!(same, "{name} element {i}: got {got:e}, gguf-py says {want:e}");
             nonzero += (want != 0.0) as usize;
         }
         // Guards against a degenerate golden file that any code would pass.
-        assert!(
-            nonzero > g.values.len() / 2,
-            "{name}: golden data mostly zero"
-        );
+        assert!(nonzero > g.values.len() / 2, "{name}: golden data mostly zero");
     }
 }
 
@@ -74,14 +62,10 @@ fn dequantizing_part_of_a_tensor_matches_the_whole() {
 fn size_mismatches_are_errors() {
     let mut out = vec![0.0; 64];
     // One byte short of two Q4_0 blocks.
-    let e = dequantize(DType::Q4_0, &[0u8; 35], &mut out)
-        .unwrap_err()
-        .to_string();
+    let e = dequantize(DType::Q4_0, &[0u8; 35], &mut out).unwrap_err().to_string();
     assert!(e.contains("36 bytes"), "{e}");
     // 48 elements are not whole 32-blocks.
-    let e = dequantize(DType::Q8_0, &[0u8; 68], &mut out[..48])
-        .unwrap_err()
-        .to_string();
+    let e = dequantize(DType::Q8_0, &[0u8; 68], &mut out[..48]).unwrap_err().to_string();
     assert!(e.contains("48"), "{e}");
     // K-quants need multiples of 256.
     assert!(dequantize(DType::Q4K, &[0u8; 144], &mut out).is_err());
@@ -93,10 +77,7 @@ fn f16_conversion_is_exact_for_every_value() {
     for h in 0..=u16::MAX {
         let ours = f16_to_f32(h);
         let theirs = half::f16::from_bits(h).to_f32();
-        assert!(
-            ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
-            "{h:#06x}: {ours:e} vs {theirs:e}"
-        );
+        assert!(ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()), "{h:#06x}: {ours:e} vs {theirs:e}");
         if !ours.is_nan() {
             assert_eq!(f32_to_f16(ours), h, "round trip of {h:#06x}");
         }

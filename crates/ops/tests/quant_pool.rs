@@ -23,10 +23,7 @@ fn every_task_runs_exactly_once() {
             parallel_for(n, &|i| {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
-            assert!(
-                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
-                "{n_threads} threads, {n} tasks"
-            );
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "{n_threads} threads, {n} tasks");
         }
     }
     set_threads(0);

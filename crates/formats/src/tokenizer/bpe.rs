@@ -18,8 +18,10 @@ use tokenizers::utils::SysRegex;
 /// GPT-2's split regex, as llama.cpp lists it (the final `\s+` alternative of
 /// the original is not needed: stretches no regex matches are kept anyway).
 const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
-const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3: &str =
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2: &str =
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const BLOOM: &str = r" ?[^(\s|.,!?…。，、।۔،)]+";
 
 /// The regexes of a pre-tokenizer type, and whether the type defaults to
@@ -27,35 +29,16 @@ const BLOOM: &str = r" ?[^(\s|.,!?…。，、।۔،)]+";
 /// (llama.cpp's `ignore_merges`).
 fn pre_tokenizer(pre: &str) -> Option<(Vec<&'static str>, bool)> {
     Some(match pre {
-        "default" => (
-            vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
-            false,
-        ),
+        "default" => (vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"], false),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" => (vec![LLAMA3], true),
         "dbrx" | "smaug-bpe" | "chatglm-bpe" => (vec![LLAMA3], false),
-        "falcon" => (
-            vec![r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"],
-            false,
-        ),
+        "falcon" => (vec![r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"], false),
         // Digits one by one, then GPT-2 (SmolLM, StarCoder family).
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
-            (vec![r"\p{N}", GPT2], false)
-        }
-        "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v1-en" | "jina-v2-es"
-        | "jina-v2-de" | "jina-v2-code" | "roberta-bpe" | "mpt" | "olmo" | "jais" => {
-            (vec![GPT2], false)
-        }
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => (vec![r"\p{N}", GPT2], false),
+        "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v1-en" | "jina-v2-es" | "jina-v2-de" | "jina-v2-code" | "roberta-bpe" | "mpt"
+        | "olmo" | "jais" => (vec![GPT2], false),
         "qwen2" | "stablelm2" | "megrez" => (vec![QWEN2], false),
-        "deepseek-coder" => (
-            vec![
-                r"[\r\n]",
-                r"\s?\p{L}+",
-                r"\s?\p{P}+",
-                "[一-龥ࠀ-一가-퟿]+",
-                r"\p{N}",
-            ],
-            false,
-        ),
+        "deepseek-coder" => (vec![r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"], false),
         "poro-chat" | "bloom" | "gpt3-finnish" => (vec![BLOOM], false),
         "viking" => (vec![BLOOM, r"\p{N}"], false),
         _ => return None,
@@ -64,10 +47,7 @@ fn pre_tokenizer(pre: &str) -> Option<(Vec<&'static str>, bool)> {
 
 /// Pre-tokenizer types that add BOS by default in llama.cpp.
 fn adds_bos_by_default(pre: &str) -> bool {
-    matches!(
-        pre,
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "tekken" | "chameleon"
-    )
+    matches!(pre, "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "tekken" | "chameleon")
 }
 
 pub(crate) struct Bpe {
@@ -117,19 +97,12 @@ impl Ord for Bigram {
 
 impl Bpe {
     pub(crate) fn new(index: &HashMap<String, u32>, merges: &[String], pre: &str) -> Result<Bpe> {
-        let (exprs, ignore_merges) = pre_tokenizer(pre).ok_or_else(|| {
-            anyhow!("pre-tokenizer type `{pre}` (tokenizer.ggml.pre) is not supported")
-        })?;
-        let regexes = exprs
-            .iter()
-            .map(|e| SysRegex::new(e).map_err(|err| anyhow!("pre-tokenizer regex {e:?}: {err}")))
-            .collect::<Result<Vec<_>>>()?;
+        let (exprs, ignore_merges) = pre_tokenizer(pre).ok_or_else(|| anyhow!("pre-tokenizer type `{pre}` (tokenizer.ggml.pre) is not supported"))?;
+        let regexes = exprs.iter().map(|e| SysRegex::new(e).map_err(|err| anyhow!("pre-tokenizer regex {e:?}: {err}"))).collect::<Result<Vec<_>>>()?;
         let table = byte_to_char();
         let mut byte_tokens = [None; 256];
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
-            *slot = index
-                .get(table[b].encode_utf8(&mut [0; 4]) as &str)
-                .copied();
+            *slot = index.get(table[b].encode_utf8(&mut [0; 4]) as &str).copied();
         }
         let mut map = HashMap::with_capacity(merges.len());
         let mut joined = String::new();
@@ -145,18 +118,11 @@ impl Bpe {
             joined.push_str(r);
             // A merge whose parts or result are not in the vocabulary can
             // never give a token; skip it rather than reject the file.
-            if let (Some(&a), Some(&b), Some(&c)) = (index.get(l), index.get(r), index.get(&joined))
-            {
+            if let (Some(&a), Some(&b), Some(&c)) = (index.get(l), index.get(r), index.get(&joined)) {
                 map.entry((a, b)).or_insert((rank as u32, c));
             }
         }
-        Ok(Bpe {
-            regexes,
-            merges: map,
-            byte_tokens,
-            ignore_merges,
-            add_bos: adds_bos_by_default(pre),
-        })
+        Ok(Bpe { regexes, merges: map, byte_tokens, ignore_merges, add_bos: adds_bos_by_default(pre) })
     }
 
     pub(crate) fn default_add_bos(&self) -> bool {
@@ -208,29 +174,17 @@ impl Bpe {
             let n = piece.len() as i32;
             for (i, &b) in piece.as_bytes().iter().enumerate() {
                 let i = i as i32;
-                symbols.push(Symbol {
-                    id: self.byte_tokens[b as usize].unwrap_or(u32::MAX),
-                    len: 1,
-                    prev: i - 1,
-                    next: if i + 1 == n { -1 } else { i + 1 },
-                });
+                symbols.push(Symbol { id: self.byte_tokens[b as usize].unwrap_or(u32::MAX), len: 1, prev: i - 1, next: if i + 1 == n { -1 } else { i + 1 } });
             }
-            let try_add =
-                |heap: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: i32, right: i32| {
-                    if left < 0 || right < 0 {
-                        return;
-                    }
-                    let (l, r) = (symbols[left as usize], symbols[right as usize]);
-                    if let Some(&(rank, merged)) = self.merges.get(&(l.id, r.id)) {
-                        heap.push(Bigram {
-                            rank,
-                            left,
-                            right,
-                            size: l.len + r.len,
-                            merged,
-                        });
-                    }
-                };
+            let try_add = |heap: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: i32, right: i32| {
+                if left < 0 || right < 0 {
+                    return;
+                }
+                let (l, r) = (symbols[left as usize], symbols[right as usize]);
+                if let Some(&(rank, merged)) = self.merges.get(&(l.id, r.id)) {
+                    heap.push(Bigram { rank, left, right, size: l.len + r.len, merged });
+                }
+            };
             for i in 1..n {
                 try_add(&mut heap, &symbols, i - 1, i);
             }

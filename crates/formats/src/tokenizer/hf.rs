@@ -22,16 +22,8 @@ pub(crate) struct Hf {
 }
 
 impl Hf {
-    pub(crate) fn encode(
-        &self,
-        text: &str,
-        add_special: bool,
-        add_bos: Option<u32>,
-    ) -> Result<Vec<u32>> {
-        let enc = self
-            .tok
-            .encode_fast(text, add_special)
-            .map_err(|e| anyhow!("tokenizer.json could not encode the text: {e}"))?;
+    pub(crate) fn encode(&self, text: &str, add_special: bool, add_bos: Option<u32>) -> Result<Vec<u32>> {
+        let enc = self.tok.encode_fast(text, add_special).map_err(|e| anyhow!("tokenizer.json could not encode the text: {e}"))?;
         let mut ids = enc.get_ids().to_vec();
         if add_special {
             // tokenizer_config.json can ask for BOS/EOS that the
@@ -60,10 +52,7 @@ fn config_token<'a>(config: Option<&'a Value>, key: &str) -> Option<&'a str> {
 /// Whether any object in `v` has `"type": "ByteLevel"`.
 fn mentions_byte_level(v: &Value) -> bool {
     match v {
-        Value::Object(m) => {
-            m.get("type").and_then(Value::as_str) == Some("ByteLevel")
-                || m.values().any(mentions_byte_level)
-        }
+        Value::Object(m) => m.get("type").and_then(Value::as_str) == Some("ByteLevel") || m.values().any(mentions_byte_level),
         Value::Array(a) => a.iter().any(mentions_byte_level),
         _ => false,
     }
@@ -72,12 +61,9 @@ fn mentions_byte_level(v: &Value) -> bool {
 pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     let file = path.display();
     let text = std::fs::read_to_string(path).with_context(|| format!("{file}: cannot read"))?;
-    let raw: Value =
-        serde_json::from_str(&text).with_context(|| format!("{file}: not valid JSON"))?;
-    let tok = tokenizers::Tokenizer::from_str(&text)
-        .map_err(|e| anyhow!("{file}: not a tokenizer.json the tokenizers crate can load: {e}"))?;
-    let byte_level = raw.get("decoder").is_some_and(mentions_byte_level)
-        || raw.get("pre_tokenizer").is_some_and(mentions_byte_level);
+    let raw: Value = serde_json::from_str(&text).with_context(|| format!("{file}: not valid JSON"))?;
+    let tok = tokenizers::Tokenizer::from_str(&text).map_err(|e| anyhow!("{file}: not a tokenizer.json the tokenizers crate can load: {e}"))?;
+    let byte_level = raw.get("decoder").is_some_and(mentions_byte_level) || raw.get("pre_tokenizer").is_some_and(mentions_byte_level);
 
     let vocab = tok.get_vocab(true);
     let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
@@ -89,19 +75,11 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     for (t, &id) in &vocab {
         let i = id as usize;
         tokens[i] = t.clone();
-        kinds[i] = if !byte_level && spm::parse_byte_token(t).is_some() {
-            TokenKind::Byte
-        } else {
-            TokenKind::Normal
-        };
+        kinds[i] = if !byte_level && spm::parse_byte_token(t).is_some() { TokenKind::Byte } else { TokenKind::Normal };
     }
     for (id, added) in tok.get_added_tokens_decoder() {
         if let Some(k) = kinds.get_mut(id as usize) {
-            *k = if added.special {
-                TokenKind::Control
-            } else {
-                TokenKind::UserDefined
-            };
+            *k = if added.special { TokenKind::Control } else { TokenKind::UserDefined };
         }
     }
     let index: HashMap<String, u32> = vocab;
@@ -109,22 +87,13 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     let lookup = |key: &str| -> Result<Option<u32>> {
         match config_token(config, key) {
             None => Ok(None),
-            Some(t) => index.get(t).copied().map(Some).ok_or_else(|| {
-                anyhow!("{file}: tokenizer_config {key} {t:?} is not in the vocabulary")
-            }),
+            Some(t) => index.get(t).copied().map(Some).ok_or_else(|| anyhow!("{file}: tokenizer_config {key} {t:?} is not in the vocabulary")),
         }
     };
     let bos = lookup("bos_token")?;
     let eos = lookup("eos_token")?;
     let flag = |key: &str| config.and_then(|c| c.get(key)).and_then(Value::as_bool);
-    let hf = Hf {
-        tok,
-        add_eos: if flag("add_eos_token") == Some(true) {
-            eos
-        } else {
-            None
-        },
-    };
+    let hf = Hf { tok, add_eos: if flag("add_eos_token") == Some(true) { eos } else { None } };
     // Without a config flag, BOS is "added" when the post-processor puts it first.
     let add_bos = match (flag("add_bos_token"), bos) {
         (_, None) => false,
@@ -132,10 +101,7 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
         (None, Some(b)) => hf.encode("", true, None)?.first() == Some(&b),
     };
 
-    let mut stop: Vec<u32> = EOG_TEXTS
-        .iter()
-        .filter_map(|t| index.get(*t).copied())
-        .collect();
+    let mut stop: Vec<u32> = EOG_TEXTS.iter().filter_map(|t| index.get(*t).copied()).collect();
     for &id in &stop {
         kinds[id as usize] = TokenKind::Control;
     }
@@ -143,14 +109,8 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     stop.sort_unstable();
     stop.dedup();
 
-    let (pieces, piece_offs) = build_pieces(&tokens, &kinds, |t, out| {
-        if byte_level {
-            bpe::piece_bytes(t, out)
-        } else {
-            spm::piece_bytes(t, out)
-        }
-    })
-    .with_context(|| format!("{file}: bad vocabulary"))?;
+    let (pieces, piece_offs) = build_pieces(&tokens, &kinds, |t, out| if byte_level { bpe::piece_bytes(t, out) } else { spm::piece_bytes(t, out) })
+        .with_context(|| format!("{file}: bad vocabulary"))?;
     Ok(Tokenizer {
         tokens,
         kinds,

@@ -67,10 +67,7 @@ impl TokenKind {
 
     /// Tokens whose text is cut out of the input before the model tokenizes it.
     fn is_matched_in_text(self) -> bool {
-        matches!(
-            self,
-            TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown
-        )
+        matches!(self, TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown)
     }
 }
 
@@ -104,15 +101,8 @@ impl GgufTokenizerSpec {
     /// Reads the `tokenizer.ggml.*` keys. Errors name the file and the key.
     pub fn from_gguf(g: &Gguf) -> Result<GgufTokenizerSpec> {
         let file = g.path().display();
-        let model = g
-            .get_str("tokenizer.ggml.model")
-            .with_context(|| format!("{file}: no tokenizer in this GGUF"))?
-            .to_owned();
-        let tokens: Vec<String> = g
-            .get_str_array("tokenizer.ggml.tokens")?
-            .into_iter()
-            .map(str::to_owned)
-            .collect();
+        let model = g.get_str("tokenizer.ggml.model").with_context(|| format!("{file}: no tokenizer in this GGUF"))?.to_owned();
+        let tokens: Vec<String> = g.get_str_array("tokenizer.ggml.tokens")?.into_iter().map(str::to_owned).collect();
         let opt_vec = |key: &str| g.get(key).is_some();
         let id = |key: &str| -> Result<Option<u32>> {
             Ok(match g.get(key) {
@@ -124,23 +114,10 @@ impl GgufTokenizerSpec {
             model,
             pre: g.opt_str("tokenizer.ggml.pre")?.map(str::to_owned),
             tokens,
-            scores: if opt_vec("tokenizer.ggml.scores") {
-                Some(g.get_f32_array("tokenizer.ggml.scores")?)
-            } else {
-                None
-            },
-            token_types: if opt_vec("tokenizer.ggml.token_type") {
-                Some(g.get_i32_array("tokenizer.ggml.token_type")?)
-            } else {
-                None
-            },
+            scores: if opt_vec("tokenizer.ggml.scores") { Some(g.get_f32_array("tokenizer.ggml.scores")?) } else { None },
+            token_types: if opt_vec("tokenizer.ggml.token_type") { Some(g.get_i32_array("tokenizer.ggml.token_type")?) } else { None },
             merges: if opt_vec("tokenizer.ggml.merges") {
-                Some(
-                    g.get_str_array("tokenizer.ggml.merges")?
-                        .into_iter()
-                        .map(str::to_owned)
-                        .collect(),
-                )
+                Some(g.get_str_array("tokenizer.ggml.merges")?.into_iter().map(str::to_owned).collect())
             } else {
                 None
             },
@@ -202,12 +179,7 @@ impl std::fmt::Debug for Tokenizer {
             Model::Spm(_) => "llama (SentencePiece BPE)",
             Model::Hf(_) => "tokenizer.json",
         };
-        f.debug_struct("Tokenizer")
-            .field("kind", &kind)
-            .field("vocab_size", &self.tokens.len())
-            .field("bos", &self.bos)
-            .field("eos", &self.eos)
-            .finish()
+        f.debug_struct("Tokenizer").field("kind", &kind).field("vocab_size", &self.tokens.len()).field("bos", &self.bos).field("eos", &self.eos).finish()
     }
 }
 
@@ -220,22 +192,7 @@ impl Tokenizer {
 
     /// Builds a GGUF-style tokenizer from its fields.
     pub fn from_spec(spec: GgufTokenizerSpec) -> Result<Tokenizer> {
-        let GgufTokenizerSpec {
-            model,
-            pre,
-            mut tokens,
-            scores,
-            token_types,
-            merges,
-            bos,
-            eos,
-            eot,
-            eom,
-            unk,
-            add_bos,
-            add_eos,
-            add_space_prefix,
-        } = spec;
+        let GgufTokenizerSpec { model, pre, mut tokens, scores, token_types, merges, bos, eos, eot, eom, unk, add_bos, add_eos, add_space_prefix } = spec;
         let n = tokens.len();
         if n == 0 {
             bail!("the vocabulary (tokenizer.ggml.tokens) is empty");
@@ -245,18 +202,12 @@ impl Tokenizer {
         }
         if let Some(s) = &scores {
             if s.len() != n {
-                bail!(
-                    "tokenizer.ggml.scores has {} entries for {n} tokens",
-                    s.len()
-                );
+                bail!("tokenizer.ggml.scores has {} entries for {n} tokens", s.len());
             }
         }
         let mut kinds: Vec<TokenKind> = match &token_types {
             Some(t) if t.len() != n => {
-                bail!(
-                    "tokenizer.ggml.token_type has {} entries for {n} tokens",
-                    t.len()
-                )
+                bail!("tokenizer.ggml.token_type has {} entries for {n} tokens", t.len())
             }
             Some(t) => t.iter().map(|&t| TokenKind::from_gguf(t)).collect(),
             None => vec![TokenKind::Normal; n],
@@ -278,20 +229,11 @@ impl Tokenizer {
         let is_spm = match model.as_str() {
             "gpt2" => false,
             "llama" => true,
-            other => bail!(
-                "tokenizer model `{other}` is not supported (only `gpt2` byte-level BPE and `llama` SentencePiece)"
-            ),
+            other => bail!("tokenizer model `{other}` is not supported (only `gpt2` byte-level BPE and `llama` SentencePiece)"),
         };
         // Model-type defaults, as llama.cpp: SentencePiece vocabularies put
         // <s>=1 and </s>=2 and add BOS and a space prefix unless told otherwise.
-        let (bos, eos) = if is_spm {
-            (
-                bos.or(Some(1).filter(|_| n > 1)),
-                eos.or(Some(2).filter(|_| n > 2)),
-            )
-        } else {
-            (bos, eos)
-        };
+        let (bos, eos) = if is_spm { (bos.or(Some(1).filter(|_| n > 1)), eos.or(Some(2).filter(|_| n > 2))) } else { (bos, eos) };
         let bos = check("BOS", bos)?;
         let eos = check("EOS", eos)?;
         let eot = check("EOT", eot)?;
@@ -320,9 +262,7 @@ impl Tokenizer {
             let scores = scores.unwrap_or_else(|| vec![0.0; n]);
             (Model::Spm(spm::Spm::new(&index, scores, unk)?), true, true)
         } else {
-            let merges = merges.ok_or_else(|| {
-                anyhow!("a gpt2 tokenizer needs merges (tokenizer.ggml.merges), and there are none")
-            })?;
+            let merges = merges.ok_or_else(|| anyhow!("a gpt2 tokenizer needs merges (tokenizer.ggml.merges), and there are none"))?;
             let pre = pre.as_deref().unwrap_or("default");
             let b = bpe::Bpe::new(&index, &merges, pre)?;
             let add_bos = b.default_add_bos();
@@ -341,10 +281,9 @@ impl Tokenizer {
             Model::Spm(_) => spm::piece_bytes(text, out),
             _ => bpe::piece_bytes(text, out),
         })?;
-        let specials =
-            special::SpecialMatcher::new(tokens.iter().zip(&kinds).enumerate().filter_map(
-                |(i, (t, k))| k.is_matched_in_text().then_some((i as u32, t.as_str())),
-            ));
+        let specials = special::SpecialMatcher::new(
+            tokens.iter().zip(&kinds).enumerate().filter_map(|(i, (t, k))| k.is_matched_in_text().then_some((i as u32, t.as_str()))),
+        );
         Ok(Tokenizer {
             tokens,
             kinds,
@@ -366,10 +305,7 @@ impl Tokenizer {
     ///
     /// `tokenizer_config` is the parsed `tokenizer_config.json`, if any: its
     /// `bos_token`, `eos_token` and `add_bos_token` / `add_eos_token` are used.
-    pub fn from_tokenizer_json(
-        path: &Path,
-        tokenizer_config: Option<&serde_json::Value>,
-    ) -> Result<Tokenizer> {
+    pub fn from_tokenizer_json(path: &Path, tokenizer_config: Option<&serde_json::Value>) -> Result<Tokenizer> {
         hf::load(path, tokenizer_config)
     }
 
@@ -382,11 +318,7 @@ impl Tokenizer {
             bail!("text of {} bytes is too long to tokenize", text.len());
         }
         if let Model::Hf(h) = &self.model {
-            return h.encode(
-                text,
-                add_special,
-                self.add_bos.then_some(self.bos).flatten(),
-            );
+            return h.encode(text, add_special, self.add_bos.then_some(self.bos).flatten());
         }
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
@@ -436,9 +368,7 @@ impl Tokenizer {
         let mut bytes = Vec::new();
         for &id in ids {
             match self.kind(id) {
-                Some(TokenKind::Control | TokenKind::Unknown) => {
-                    bytes.extend_from_slice(self.tokens[id as usize].as_bytes())
-                }
+                Some(TokenKind::Control | TokenKind::Unknown) => bytes.extend_from_slice(self.tokens[id as usize].as_bytes()),
                 _ => bytes.extend_from_slice(self.token_bytes(id)),
             }
         }
@@ -514,11 +444,7 @@ impl Tokenizer {
 }
 
 /// Lays out every token's decoded bytes end to end.
-fn build_pieces(
-    tokens: &[String],
-    kinds: &[TokenKind],
-    normal: impl Fn(&str, &mut Vec<u8>),
-) -> Result<(Vec<u8>, Vec<u32>)> {
+fn build_pieces(tokens: &[String], kinds: &[TokenKind], normal: impl Fn(&str, &mut Vec<u8>)) -> Result<(Vec<u8>, Vec<u32>)> {
     let mut pieces = Vec::with_capacity(tokens.iter().map(String::len).sum());
     let mut offs = Vec::with_capacity(tokens.len() + 1);
     offs.push(0u32);
@@ -533,8 +459,7 @@ fn build_pieces(
             // llama.cpp writes nothing for these unless asked for specials.
             TokenKind::Control | TokenKind::Unknown | TokenKind::Unused | TokenKind::Undefined => {}
         }
-        let end = u32::try_from(pieces.len())
-            .map_err(|_| anyhow!("the decoded vocabulary exceeds 4 GiB"))?;
+        let end = u32::try_from(pieces.len()).map_err(|_| anyhow!("the decoded vocabulary exceeds 4 GiB"))?;
         offs.push(end);
     }
     Ok((pieces, offs))

@@ -104,9 +104,7 @@ impl SpecialMatcher {
                 if covered[start] || covered[start + len - 1] {
                     continue;
                 }
-                covered[start..start + len]
-                    .iter_mut()
-                    .for_each(|c| *c = true);
+                covered[start..start + len].iter_mut().for_each(|c| *c = true);
                 accepted.push((start, len, id));
             }
         }
@@ -145,10 +143,7 @@ mod tests {
     fn runs_split_longest_first() {
         let m = SpecialMatcher::new([(3, "   "), (2, "  ")]);
         // Five spaces: the three-space token first, then the two-space one.
-        assert_eq!(
-            m.partition("a     b"),
-            vec![Text("a"), Token(3), Token(2), Text("b")]
-        );
+        assert_eq!(m.partition("a     b"), vec![Text("a"), Token(3), Token(2), Text("b")]);
         assert_eq!(m.partition("  "), vec![Token(2)]);
         assert_eq!(m.partition(" "), vec![Text(" ")]);
     }

@@ -56,11 +56,7 @@ impl Ord for Bigram {
 }
 
 impl Spm {
-    pub(crate) fn new(
-        index: &HashMap<String, u32>,
-        scores: Vec<f32>,
-        unk: Option<u32>,
-    ) -> Result<Spm> {
+    pub(crate) fn new(index: &HashMap<String, u32>, scores: Vec<f32>, unk: Option<u32>) -> Result<Spm> {
         let mut byte_tokens = [None; 256];
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
             let hex = format!("<0x{b:02X}>");
@@ -68,27 +64,16 @@ impl Spm {
                 .get(&hex)
                 .or_else(|| {
                     // A lone byte is a string only below 0x80.
-                    (b < 0x80)
-                        .then(|| index.get(&(b as u8 as char).to_string()))
-                        .flatten()
+                    (b < 0x80).then(|| index.get(&(b as u8 as char).to_string())).flatten()
                 })
                 .copied()
                 .or(unk);
         }
-        Ok(Spm {
-            scores,
-            byte_tokens,
-        })
+        Ok(Spm { scores, byte_tokens })
     }
 
     /// Appends the tokens of one plain-text stretch.
-    pub(crate) fn encode(
-        &self,
-        index: &HashMap<String, u32>,
-        raw: &str,
-        space_prefix: bool,
-        out: &mut Vec<u32>,
-    ) -> Result<()> {
+    pub(crate) fn encode(&self, index: &HashMap<String, u32>, raw: &str, space_prefix: bool, out: &mut Vec<u32>) -> Result<()> {
         let mut text = String::with_capacity(raw.len() + 3);
         if space_prefix {
             text.push(' ');
@@ -105,12 +90,7 @@ impl Spm {
         let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
         for (start, ch) in text.char_indices() {
             let i = symbols.len() as i32;
-            symbols.push(Symbol {
-                start: start as u32,
-                len: ch.len_utf8() as u32,
-                prev: i - 1,
-                next: i + 1,
-            });
+            symbols.push(Symbol { start: start as u32, len: ch.len_utf8() as u32, prev: i - 1, next: i + 1 });
         }
         if let Some(last) = symbols.last_mut() {
             last.next = -1;
@@ -124,12 +104,7 @@ impl Spm {
             let (l, r) = (symbols[left as usize], symbols[right as usize]);
             let joined = &text[l.start as usize..(r.start + r.len) as usize];
             if let Some(&id) = index.get(joined) {
-                heap.push(Bigram {
-                    score: self.scores.get(id as usize).copied().unwrap_or(0.0),
-                    left,
-                    right,
-                    size: l.len + r.len,
-                });
+                heap.push(Bigram { score: self.scores.get(id as usize).copied().unwrap_or(0.0), left, right, size: l.len + r.len });
             }
         };
         for i in 1..symbols.len() as i32 {
@@ -161,9 +136,7 @@ impl Spm {
                     for &b in piece.as_bytes() {
                         match self.byte_tokens[b as usize] {
                             Some(id) => out.push(id),
-                            None => bail!(
-                                "the vocabulary has no token for {piece:?} and no byte-fallback token <0x{b:02X}>"
-                            ),
+                            None => bail!("the vocabulary has no token for {piece:?} and no byte-fallback token <0x{b:02X}>"),
                         }
                     }
                 }

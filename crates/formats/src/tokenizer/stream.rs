@@ -21,10 +21,7 @@ pub struct StreamDecoder<T: Deref<Target = Tokenizer>> {
 
 impl<T: Deref<Target = Tokenizer>> StreamDecoder<T> {
     pub fn new(tok: T) -> Self {
-        StreamDecoder {
-            tok,
-            pending: Vec::new(),
-        }
+        StreamDecoder { tok, pending: Vec::new() }
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -63,9 +60,7 @@ impl<T: Deref<Target = Tokenizer>> StreamDecoder<T> {
                 Err(e) => {
                     let good = e.valid_up_to();
                     // `valid_up_to` bytes are valid UTF-8, so this never falls back.
-                    out.push_str(
-                        std::str::from_utf8(&self.pending[at..at + good]).unwrap_or_default(),
-                    );
+                    out.push_str(std::str::from_utf8(&self.pending[at..at + good]).unwrap_or_default());
                     at += good;
                     match e.error_len() {
                         // Invalid whatever follows: replace it, as lossy decoding does.

@@ -1,0 +1,319 @@
+//! The CPU device: f32 activations, weights kept as the file's blocks,
+//! f16 paged KV. Work is split over the persistent pool in [`pool`].
+
+pub mod attention;
+pub mod pool;
+pub mod quant;
+
+use anyhow::{bail, ensure, Result};
+use braid_formats::{Bytes, DType, TensorView};
+use half::f16;
+
+use crate::{AttnSeq, Device, KvPoolSpec, Rope};
+
+/// Row-major f32 activations.
+#[derive(Clone, Debug, Default)]
+pub struct CpuTensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuTensor {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+    pub fn row_mut(&mut self, i: usize) -> &mut [f32] {
+        &mut self.data[i * self.cols..(i + 1) * self.cols]
+    }
+}
+
+/// A weight matrix `[rows = out, cols = in]` in its stored type.
+#[derive(Clone, Debug)]
+pub struct CpuWeight {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Bytes,
+}
+
+impl CpuWeight {
+    fn qref(&self) -> quant::QMatRef<'_> {
+        quant::QMatRef { dtype: self.dtype, rows: self.rows, cols: self.cols, data: &self.data }
+    }
+    fn row_bytes(&self) -> usize {
+        self.dtype.bytes_for(self.cols).unwrap_or(0)
+    }
+}
+
+/// Paged KV in f16: per layer, `blocks × block_tokens` slots of
+/// `kv_heads × head_dim` values, for K and for V.
+pub struct CpuKv {
+    pub spec: KvPoolSpec,
+    pub k: Vec<Vec<f16>>,
+    pub v: Vec<Vec<f16>>,
+}
+
+impl CpuKv {
+    pub fn row_width(&self, layer: usize) -> usize {
+        let s = self.spec.layers[layer];
+        s.kv_heads * s.head_dim
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+impl Cpu {
+    pub fn new(threads: Option<usize>) -> Cpu {
+        if let Some(n) = threads {
+            pool::set_threads(n);
+        }
+        Cpu
+    }
+}
+
+/// Split `n` rows over the pool, each task taking a contiguous range.
+fn par_rows(n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    let tasks = pool::threads().min(n).max(1);
+    if tasks == 1 {
+        f(0..n);
+        return;
+    }
+    pool::parallel_for(tasks, &|t| {
+        let a = n * t / tasks;
+        let b = n * (t + 1) / tasks;
+        if a < b {
+            f(a..b)
+        }
+    });
+}
+
+/// A raw pointer that may cross into pool tasks; each task writes disjoint rows.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    /// # Safety
+    /// The range must be inside the allocation and written by one task only.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
+    }
+}
+
+impl Device for Cpu {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type Kv = CpuKv;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", pool::threads())
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> CpuTensor {
+        CpuTensor { data: vec![0.0; rows * cols], rows, cols }
+    }
+
+    fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
+        t.data.resize(rows * cols, 0.0);
+        t.rows = rows;
+        t.cols = cols;
+    }
+
+    fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
+        ensure!(data.len() == rows * cols, "upload: {} values for a {rows}x{cols} tensor", data.len());
+        Ok(CpuTensor { data: data.to_vec(), rows, cols })
+    }
+
+    fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.data.clone())
+    }
+
+    fn weight(&self, view: &TensorView) -> Result<CpuWeight> {
+        let (rows, cols) = match view.shape.as_slice() {
+            [r, c] => (*r, *c),
+            [c] => (1, *c),
+            s => bail!("tensor {}: expected a 2-D weight, found shape {:?}", view.name, s),
+        };
+        let need = view
+            .dtype
+            .bytes_for(cols)
+            .and_then(|b| b.checked_mul(rows))
+            .ok_or_else(|| anyhow::anyhow!("tensor {}: {} columns is not a whole number of {} blocks", view.name, cols, view.dtype))?;
+        ensure!(view.data.len() == need, "tensor {}: {} bytes, expected {need} for {:?} {}", view.name, view.data.len(), view.shape, view.dtype);
+        Ok(CpuWeight { dtype: view.dtype, rows, cols, data: view.data.clone() })
+    }
+
+    fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn vector(&self, view: &TensorView, offset: f32) -> Result<CpuTensor> {
+        let n = view.elements();
+        let mut data = vec![0.0f32; n];
+        quant::dequantize(view.dtype, &view.data, &mut data).map_err(|e| anyhow::anyhow!("tensor {}: {e}", view.name))?;
+        if offset != 0.0 {
+            data.iter_mut().for_each(|x| *x += offset);
+        }
+        Ok(CpuTensor { data, rows: 1, cols: n })
+    }
+
+    fn kv_pool(&self, spec: &KvPoolSpec) -> Result<CpuKv> {
+        let slots = spec.blocks * spec.block_tokens;
+        let mut k = Vec::with_capacity(spec.layers.len());
+        let mut v = Vec::with_capacity(spec.layers.len());
+        for l in &spec.layers {
+            let n = slots * l.kv_heads * l.head_dim;
+            k.push(vec![f16::ZERO; n]);
+            v.push(vec![f16::ZERO; n]);
+        }
+        Ok(CpuKv { spec: spec.clone(), k, v })
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32], scale: f32, out: &mut CpuTensor) {
+        self.resize(out, ids.len(), table.cols);
+        let rb = table.row_bytes();
+        for (i, &id) in ids.iter().enumerate() {
+            let id = (id as usize).min(table.rows - 1);
+            let src = &table.data[id * rb..(id + 1) * rb];
+            let dst = out.row_mut(i);
+            // The weight was validated at load, so the sizes agree.
+            quant::dequantize(table.dtype, src, dst).expect("embedding row");
+            if scale != 1.0 {
+                dst.iter_mut().for_each(|x| *x *= scale);
+            }
+        }
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
+        assert_eq!(x.cols, w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
+        self.resize(out, x.rows, w.rows);
+        quant::matmul(w.qref(), &x.data, x.rows, &mut out.data);
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
+        self.resize(out, rows.len(), x.cols);
+        for (i, &r) in rows.iter().enumerate() {
+            out.row_mut(i).copy_from_slice(x.row(r));
+        }
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32, out: &mut CpuTensor) {
+        let g = w.cols;
+        assert!(g > 0 && x.cols % g == 0, "rms_norm: weight of {g} does not divide rows of {}", x.cols);
+        self.resize(out, x.rows, x.cols);
+        let groups = x.data.len() / g;
+        let optr = SendPtr(out.data.as_mut_ptr());
+        par_rows(groups, &|range| {
+            for gi in range {
+                let src = &x.data[gi * g..(gi + 1) * g];
+                let dst = unsafe { optr.slice(gi * g, g) };
+                let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / g as f32;
+                let inv = 1.0 / (ss + eps).sqrt();
+                for ((d, s), wv) in dst.iter_mut().zip(src).zip(&w.data) {
+                    *d = s * inv * wv;
+                }
+            }
+        });
+    }
+
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        assert_eq!(x.data.len(), y.data.len());
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+        self.resize(out, gate.rows, gate.cols);
+        let optr = SendPtr(out.data.as_mut_ptr());
+        par_rows(gate.rows, &|range| {
+            let (a, n) = (range.start * gate.cols, range.len() * gate.cols);
+            let dst = unsafe { optr.slice(a, n) };
+            for ((d, g), u) in dst.iter_mut().zip(&gate.data[a..a + n]).zip(&up.data[a..a + n]) {
+                *d = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+    }
+
+    fn gelu_mul(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+        self.resize(out, gate.rows, gate.cols);
+        let optr = SendPtr(out.data.as_mut_ptr());
+        par_rows(gate.rows, &|range| {
+            let (a, n) = (range.start * gate.cols, range.len() * gate.cols);
+            let dst = unsafe { optr.slice(a, n) };
+            for ((d, g), u) in dst.iter_mut().zip(&gate.data[a..a + n]).zip(&up.data[a..a + n]) {
+                *d = gelu_tanh(*g) * u;
+            }
+        });
+    }
+
+    fn rope(&self, x: &mut CpuTensor, positions: &[u32], head_dim: usize, rope: &Rope) {
+        assert_eq!(positions.len(), x.rows);
+        let dims = rope.dims.min(head_dim);
+        let half = dims / 2;
+        let inv_freq: Vec<f32> = (0..half).map(|i| rope.theta.powf(-((2 * i) as f32) / dims as f32)).collect();
+        let cols = x.cols;
+        for (r, &p) in positions.iter().enumerate() {
+            let pos = p as f32 / rope.scale;
+            let row = &mut x.data[r * cols..(r + 1) * cols];
+            for head in row.chunks_exact_mut(head_dim) {
+                for (i, f) in inv_freq.iter().enumerate() {
+                    let (s, c) = (pos * f).sin_cos();
+                    let (a, b) = if rope.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * c - x1 * s;
+                    head[b] = x0 * s + x1 * c;
+                }
+            }
+        }
+    }
+
+    fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuTensor, v: &CpuTensor, slots: &[u32]) {
+        let w = kv.row_width(layer);
+        assert_eq!(k.cols, w, "kv_write: k is {} wide, the pool holds {w}", k.cols);
+        for (i, &slot) in slots.iter().enumerate() {
+            let s = slot as usize * w;
+            for (d, x) in kv.k[layer][s..s + w].iter_mut().zip(k.row(i)) {
+                *d = f16::from_f32(*x);
+            }
+            for (d, x) in kv.v[layer][s..s + w].iter_mut().zip(v.row(i)) {
+                *d = f16::from_f32(*x);
+            }
+        }
+    }
+
+    fn kv_copy_blocks(&self, kv: &mut CpuKv, src: &[u32], dst: &[u32]) {
+        let bt = kv.spec.block_tokens;
+        for layer in 0..kv.spec.layers.len() {
+            let n = bt * kv.row_width(layer);
+            for (&s, &d) in src.iter().zip(dst) {
+                let (s, d) = (s as usize * n, d as usize * n);
+                kv.k[layer].copy_within(s..s + n, d);
+                kv.v[layer].copy_within(s..s + n, d);
+            }
+        }
+    }
+
+    fn attention(&self, q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
+        self.resize(out, q.rows, q.cols);
+        attention::paged_attention(q, kv, layer, seqs, scale, softcap, out);
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) {
+        x.data.iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn softcap(&self, x: &mut CpuTensor, cap: f32) {
+        x.data.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+    }
+}
+
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+}

@@ -1,1 +1,82 @@
-//! Models.
+//! Model architectures, each written once against [`braid_ops::Device`],
+//! and [`ModelBackend`], which serves any of them to the engine.
+
+pub mod backend;
+pub mod gemma3;
+pub mod llama;
+pub mod source;
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use braid_ops::{AttnSeq, Device, KvShape};
+
+pub use backend::{BackendConfig, ModelBackend};
+pub use source::Source;
+
+/// One forward's rows, flattened across sequences.
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    /// Position of each row in its sequence.
+    pub positions: &'a [u32],
+    /// KV pool slot each row's k/v is written to.
+    pub slots: &'a [u32],
+    pub seqs: Vec<AttnSeq<'a>>,
+    /// Rows whose logits the caller wants, in order.
+    pub logit_rows: &'a [usize],
+}
+
+/// Activation buffers reused across forwards (no allocation per token once
+/// they have grown to the largest batch).
+pub struct Scratch<D: Device> {
+    pub x: D::Tensor,
+    pub h: D::Tensor,
+    pub q: D::Tensor,
+    pub k: D::Tensor,
+    pub v: D::Tensor,
+    pub att: D::Tensor,
+    pub gate: D::Tensor,
+    pub up: D::Tensor,
+    pub act: D::Tensor,
+    /// Output: one row per `Batch::logit_rows` entry.
+    pub logits: D::Tensor,
+}
+
+impl<D: Device> Scratch<D> {
+    pub fn new(dev: &D) -> Scratch<D> {
+        let t = || dev.tensor(0, 0);
+        Scratch { x: t(), h: t(), q: t(), k: t(), v: t(), att: t(), gate: t(), up: t(), act: t(), logits: t() }
+    }
+}
+
+/// What every architecture offers the backend.
+pub trait Model<D: Device>: Send + Sync {
+    /// One entry per attention layer: the shape its KV needs.
+    fn kv_layers(&self) -> Vec<KvShape>;
+    fn vocab(&self) -> usize;
+    /// The context length the model was trained for.
+    fn context(&self) -> usize;
+    /// Run the batch; leaves logits for `batch.logit_rows` in `s.logits`.
+    fn forward(&self, dev: &D, batch: &Batch<'_>, kv: &mut D::Kv, s: &mut Scratch<D>) -> Result<()>;
+    /// Bit-identical results under any chunking of a prompt.
+    fn chunk_invariant(&self) -> bool {
+        true
+    }
+}
+
+/// Load the model at `path` (a GGUF file or an HF folder) on `dev`.
+pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Box<dyn Model<D>>> {
+    let arch = src.architecture()?;
+    match arch.as_str() {
+        "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
+        "gemma3" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
+        other => bail!("{}: architecture '{other}' is not supported yet (supported: llama, gemma3)", src.path().display()),
+    }
+}
+
+/// Open a model file or folder and load it (convenience for tools/tests).
+pub fn open<D: Device>(dev: &D, path: &Path) -> Result<(Source, Box<dyn Model<D>>)> {
+    let src = Source::open(path)?;
+    let m = load(dev, &src, &|_, _| {})?;
+    Ok((src, m))
+}

@@ -1,0 +1,283 @@
+//! Serves any [`Model`] on any [`Device`] to the engine: per-stream block
+//! tables over one paged KV pool, marks as shared blocks, batched forwards.
+
+use std::collections::HashMap;
+
+use anyhow::{bail, ensure, Result};
+use braid_engine::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
+use braid_ops::{AttnSeq, Device, KvPoolSpec};
+
+use crate::{Batch, Model, Scratch};
+
+#[derive(Clone, Debug)]
+pub struct BackendConfig {
+    /// Tokens per KV block.
+    pub block_tokens: usize,
+    /// KV capacity in tokens, over all streams (rounded up to blocks).
+    pub kv_tokens: usize,
+    /// Most streams held at once.
+    pub max_streams: usize,
+    /// Most rows one decode round may carry.
+    pub max_batch: usize,
+    /// Longest stream; 0 = the model's own context length.
+    pub context: usize,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig { block_tokens: 16, kv_tokens: 32768, max_streams: 64, max_batch: 256, context: 0 }
+    }
+}
+
+struct StreamState {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+struct Mark {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+pub struct ModelBackend<D: Device> {
+    dev: D,
+    model: Box<dyn Model<D>>,
+    kv: D::Kv,
+    scratch: Scratch<D>,
+    cfg: BackendConfig,
+    blocks_total: usize,
+    free: Vec<u32>,
+    /// Owners of each block: streams and marks.
+    refs: Vec<u32>,
+    streams: HashMap<StreamId, StreamState>,
+    marks: HashMap<MarkId, Mark>,
+    next_mark: MarkId,
+}
+
+impl<D: Device> ModelBackend<D> {
+    pub fn new(dev: D, model: Box<dyn Model<D>>, mut cfg: BackendConfig) -> Result<ModelBackend<D>> {
+        ensure!(cfg.block_tokens > 0, "block_tokens must be positive");
+        if cfg.context == 0 {
+            cfg.context = model.context();
+        }
+        let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens).max(1);
+        let spec = KvPoolSpec { blocks: blocks_total, block_tokens: cfg.block_tokens, layers: model.kv_layers() };
+        let kv = dev.kv_pool(&spec)?;
+        let scratch = Scratch::new(&dev);
+        Ok(ModelBackend {
+            dev,
+            model,
+            kv,
+            scratch,
+            free: (0..blocks_total as u32).rev().collect(),
+            refs: vec![0; blocks_total],
+            blocks_total,
+            cfg,
+            streams: HashMap::new(),
+            marks: HashMap::new(),
+            next_mark: 1,
+        })
+    }
+
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    pub fn model(&self) -> &dyn Model<D> {
+        self.model.as_ref()
+    }
+
+    fn alloc_block(&mut self) -> Result<u32> {
+        let b = self.free.pop().ok_or_else(|| anyhow::anyhow!("KV pool full ({} blocks of {} tokens)", self.blocks_total, self.cfg.block_tokens))?;
+        self.refs[b as usize] = 1;
+        Ok(b)
+    }
+
+    fn release(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            let r = &mut self.refs[b as usize];
+            *r -= 1;
+            if *r == 0 {
+                self.free.push(b);
+            }
+        }
+    }
+
+    /// Give `stream` blocks for `len` rows; all-or-nothing.
+    fn reserve(&mut self, stream: StreamId, len: usize) -> Result<()> {
+        ensure!(len <= self.cfg.context, "stream would hold {len} tokens, past the context of {}", self.cfg.context);
+        let have = self.streams[&stream].blocks.len();
+        let need = len.div_ceil(self.cfg.block_tokens).saturating_sub(have);
+        ensure!(need <= self.free.len(), "KV pool full: {need} more blocks needed, {} free", self.free.len());
+        for _ in 0..need {
+            let b = self.alloc_block()?;
+            self.streams.get_mut(&stream).unwrap().blocks.push(b);
+        }
+        Ok(())
+    }
+
+    fn slot(&self, blocks: &[u32], pos: usize) -> u32 {
+        let bt = self.cfg.block_tokens;
+        blocks[pos / bt] * bt as u32 + (pos % bt) as u32
+    }
+
+    /// Run rows for several streams in one forward; returns logits for
+    /// `logit_rows`.
+    fn run(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<Vec<f32>> {
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut slots = Vec::new();
+        let mut ranges = Vec::new();
+        for &(id, toks) in parts {
+            let st = &self.streams[&id];
+            let start = st.len;
+            ranges.push((tokens.len(), toks.len(), start + toks.len()));
+            for (i, &t) in toks.iter().enumerate() {
+                tokens.push(t);
+                positions.push((start + i) as u32);
+                slots.push(self.slot(&st.blocks, start + i));
+            }
+        }
+        let seqs: Vec<AttnSeq<'_>> = parts
+            .iter()
+            .zip(&ranges)
+            .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &self.streams[&id].blocks, window: None })
+            .collect();
+        let batch = Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs, logit_rows };
+        self.model.forward(&self.dev, &batch, &mut self.kv, &mut self.scratch)?;
+        drop(batch);
+        for (&(id, toks), _) in parts.iter().zip(&ranges) {
+            self.streams.get_mut(&id).unwrap().len += toks.len();
+        }
+        self.dev.download(&self.scratch.logits)
+    }
+}
+
+impl<D: Device> Backend for ModelBackend<D> {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            chunk_invariant: self.model.chunk_invariant(),
+            reports_fill: true,
+            supports_marks: true,
+            supports_rewind: true,
+            max_batch: self.cfg.max_batch,
+            max_context: self.cfg.context,
+            vocab_size: self.model.vocab(),
+            feature_dim: 0,
+        }
+    }
+
+    fn fill(&self) -> Fill {
+        Fill {
+            blocks_used: self.blocks_total - self.free.len(),
+            blocks_total: self.blocks_total,
+            block_tokens: self.cfg.block_tokens,
+            slots_used: self.streams.len(),
+            slots_total: self.cfg.max_streams,
+        }
+    }
+
+    fn open(&mut self, stream: StreamId) -> Result<()> {
+        ensure!(!self.streams.contains_key(&stream), "stream {stream} is already open");
+        ensure!(self.streams.len() < self.cfg.max_streams, "all {} stream slots are taken", self.cfg.max_streams);
+        self.streams.insert(stream, StreamState { blocks: Vec::new(), len: 0 });
+        Ok(())
+    }
+
+    fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
+        let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
+        ensure!(st.len == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", st.len, chunk.start);
+        ensure!(!chunk.tokens.is_empty(), "empty chunk");
+        let vocab = self.model.vocab();
+        ensure!(chunk.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+        self.reserve(stream, chunk.start + chunk.tokens.len())?;
+        let last = [chunk.tokens.len() - 1];
+        let rows: &[usize] = if chunk.want_logits { &last } else { &[] };
+        let logits = self.run(&[(stream, chunk.tokens)], rows)?;
+        Ok(chunk.want_logits.then_some(logits))
+    }
+
+    fn cancel_prefill(&mut self, _stream: StreamId) {
+        // Chunks run synchronously: between chunks there is nothing in
+        // flight, and the state already ends at the last chunk.
+    }
+
+    fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
+        let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        ensure!(total <= self.cfg.max_batch, "decode round of {total} rows exceeds max batch {}", self.cfg.max_batch);
+        let vocab = self.model.vocab();
+        for r in rows {
+            let Some(st) = self.streams.get(&r.stream) else { bail!("stream {} is not open", r.stream) };
+            ensure!(r.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+            let len = st.len + r.tokens.len();
+            self.reserve(r.stream, len)?;
+        }
+        let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let logit_rows: Vec<usize> = (0..total).collect();
+        self.run(&parts, &logit_rows)
+    }
+
+    fn keep_mark(&mut self, stream: StreamId) -> Result<MarkId> {
+        let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
+        let used = st.len.div_ceil(self.cfg.block_tokens);
+        let blocks = st.blocks[..used].to_vec();
+        let len = st.len;
+        for &b in &blocks {
+            self.refs[b as usize] += 1;
+        }
+        let id = self.next_mark;
+        self.next_mark += 1;
+        self.marks.insert(id, Mark { blocks, len });
+        Ok(id)
+    }
+
+    fn restore_mark(&mut self, stream: StreamId, mark: MarkId) -> Result<usize> {
+        let Some(m) = self.marks.get(&mark) else { bail!("no mark {mark}") };
+        let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
+        ensure!(st.len == 0 && st.blocks.is_empty(), "stream {stream} is not empty");
+        let (len, mut blocks) = (m.len, m.blocks.clone());
+        let bt = self.cfg.block_tokens;
+        // Full blocks are shared read-only; a partly filled last block is
+        // copied, since this stream will write into its free tail.
+        let partial = len % bt != 0;
+        if partial {
+            let src = blocks.pop().unwrap();
+            let dst = self.alloc_block()?;
+            self.dev.kv_copy_blocks(&mut self.kv, &[src], &[dst]);
+            for &b in &blocks {
+                self.refs[b as usize] += 1;
+            }
+            blocks.push(dst);
+        } else {
+            for &b in &blocks {
+                self.refs[b as usize] += 1;
+            }
+        }
+        let st = self.streams.get_mut(&stream).unwrap();
+        st.blocks = blocks;
+        st.len = len;
+        Ok(len)
+    }
+
+    fn drop_mark(&mut self, mark: MarkId) {
+        if let Some(m) = self.marks.remove(&mark) {
+            self.release(&m.blocks);
+        }
+    }
+
+    fn rewind(&mut self, stream: StreamId, len: usize) -> Result<()> {
+        let Some(st) = self.streams.get_mut(&stream) else { bail!("stream {stream} is not open") };
+        ensure!(len <= st.len, "cannot rewind stream {stream} forward from {} to {len}", st.len);
+        st.len = len;
+        let keep = len.div_ceil(self.cfg.block_tokens);
+        let dropped: Vec<u32> = st.blocks.split_off(keep);
+        self.release(&dropped);
+        Ok(())
+    }
+
+    fn forget(&mut self, stream: StreamId) {
+        if let Some(st) = self.streams.remove(&stream) {
+            self.release(&st.blocks);
+        }
+    }
+}

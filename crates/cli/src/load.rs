@@ -1,0 +1,100 @@
+//! Loading a model, its tokenizer and chat template, with a progress bar.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use braid_engine::{Backend, DecodeRow};
+use braid_formats::template::ChatTemplate;
+use braid_formats::tokenizer::Tokenizer;
+use braid_models::{BackendConfig, ModelBackend, Source};
+use braid_ops::cpu::Cpu;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::fetch;
+use crate::ModelArgs;
+
+pub struct Loaded {
+    pub path: PathBuf,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub backend: ModelBackend<Cpu>,
+    pub vocab: usize,
+    pub context: usize,
+}
+
+fn tokenizer_of(src: &Source) -> Result<Tokenizer> {
+    match src {
+        Source::Gguf(g) => Tokenizer::from_gguf(g),
+        Source::Hf(h) => {
+            let p = h.tokenizer_json().with_context(|| format!("{} has no tokenizer.json", h.dir().display()))?;
+            Tokenizer::from_tokenizer_json(&p, h.tokenizer_config().as_ref())
+        }
+    }
+}
+
+fn template_of(src: &Source, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
+    match src {
+        Source::Gguf(g) => ChatTemplate::from_gguf(g, tok),
+        Source::Hf(h) => {
+            let Some(cfg) = h.tokenizer_config() else { return Ok(None) };
+            let Some(t) = cfg.get("chat_template").and_then(|v| v.as_str()) else { return Ok(None) };
+            let name = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_string();
+            Ok(Some(ChatTemplate::new(t, &name(tok.bos()), &name(tok.eos()))?))
+        }
+    }
+}
+
+pub fn tokenizer_only(args: &ModelArgs) -> Result<Tokenizer> {
+    let path = fetch::resolve(&args.model)?;
+    tokenizer_of(&Source::open(&path)?)
+}
+
+/// Load everything; `kv_tokens` sizes the KV pool (at least one full context).
+pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
+    let path = fetch::resolve(&args.model)?;
+    let dev = Cpu::new(args.threads);
+    let src = Source::open(&path)?;
+    let tokenizer = tokenizer_of(&src)?;
+    let template = template_of(&src, &tokenizer)?;
+    let bar =
+        ProgressBar::new(1).with_style(ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_message(format!("loading {}", path.file_name().and_then(|n| n.to_str()).unwrap_or("model")));
+    let model = braid_models::load(&dev, &src, &|i, n| {
+        bar.set_length(n as u64);
+        bar.set_position(i as u64);
+    })?;
+    bar.finish_and_clear();
+    let vocab = model.vocab();
+    let model_ctx = model.context();
+    let mut cfg = cfg;
+    if cfg.context == 0 {
+        cfg.context = args.ctx.unwrap_or(model_ctx.min(8192));
+    }
+    cfg.kv_tokens = cfg.kv_tokens.max(cfg.context);
+    let context = cfg.context;
+    let backend = ModelBackend::new(dev, model, cfg)?;
+    Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend, vocab, context })
+}
+
+pub fn load(args: &ModelArgs, min_ctx: usize) -> Result<Loaded> {
+    let ctx = args.ctx.unwrap_or(8192).max(min_ctx);
+    load_with(args, BackendConfig { context: ctx, kv_tokens: ctx, max_batch: 512, ..BackendConfig::default() })
+}
+
+impl Loaded {
+    /// Logits at every position of `tokens` (one forward per 512 rows).
+    pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        const STREAM: u64 = u64::MAX;
+        self.backend.open(STREAM)?;
+        let mut out = Vec::with_capacity(tokens.len() * self.vocab);
+        let result = (|| {
+            for chunk in tokens.chunks(512) {
+                out.extend(self.backend.decode_round(&[DecodeRow { stream: STREAM, tokens: chunk.to_vec() }])?);
+            }
+            Ok(())
+        })();
+        self.backend.forget(STREAM);
+        result.map(|_| out)
+    }
+}

@@ -7,6 +7,10 @@
 //! scaled into f32 accumulators once per block. Each tile unpacks a
 //! weight block once and uses it for all of its activation rows.
 
+// Tiles index several same-shaped arrays (accumulators, unpacked rows) by
+// row and column; iterator chains would only obscure that.
+#![allow(clippy::needless_range_loop)]
+
 use std::arch::x86_64::*;
 
 use super::blocks::{k4_scale_min, Q8A, Q8KA};

@@ -7,7 +7,7 @@ use anyhow::{bail, ensure, Result};
 use braid_engine::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
 use braid_ops::{AttnSeq, Device, KvPoolSpec};
 
-use crate::{Batch, Model, Scratch};
+use crate::{Batch, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct BackendConfig {
@@ -21,29 +21,40 @@ pub struct BackendConfig {
     pub max_batch: usize,
     /// Longest stream; 0 = the model's own context length.
     pub context: usize,
+    /// Marks kept at once (each holds a state row for recurrent models).
+    pub max_marks: usize,
 }
 
 impl Default for BackendConfig {
     fn default() -> Self {
-        BackendConfig { block_tokens: 16, kv_tokens: 32768, max_streams: 64, max_batch: 256, context: 0 }
+        BackendConfig { block_tokens: 16, kv_tokens: 32768, max_streams: 64, max_batch: 256, context: 0, max_marks: 64 }
     }
 }
 
 struct StreamState {
     blocks: Vec<u32>,
     len: usize,
+    /// Row in `Memory::state`.
+    slot: u32,
 }
 
 struct Mark {
     blocks: Vec<u32>,
     len: usize,
+    /// Row in `Memory::state` holding the snapshot (recurrent models).
+    slot: Option<u32>,
 }
 
 pub struct ModelBackend<D: Device> {
     dev: D,
     model: Box<dyn Model<D>>,
-    kv: D::Kv,
+    mem: Memory<D>,
     scratch: Scratch<D>,
+    /// Free rows of `mem.state`: stream slots and mark slots.
+    free_slots: Vec<u32>,
+    free_mark_slots: Vec<u32>,
+    /// Every layer's state can be cut back (attention only).
+    rewindable: bool,
     cfg: BackendConfig,
     blocks_total: usize,
     free: Vec<u32>,
@@ -63,11 +74,18 @@ impl<D: Device> ModelBackend<D> {
         let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens).max(1);
         let spec = KvPoolSpec { blocks: blocks_total, block_tokens: cfg.block_tokens, layers: model.kv_layers() };
         let kv = dev.kv_pool(&spec)?;
+        let state_size = model.state_size();
+        let (stream_rows, mark_rows) = if state_size > 0 { (cfg.max_streams, cfg.max_marks) } else { (0, 0) };
+        let state = dev.tensor(stream_rows + mark_rows, state_size);
         let scratch = Scratch::new(&dev);
+        let rewindable = model.layer_states().iter().all(|l| l.rewindable());
         Ok(ModelBackend {
+            free_slots: (0..cfg.max_streams as u32).rev().collect(),
+            free_mark_slots: (stream_rows as u32..(stream_rows + mark_rows) as u32).rev().collect(),
+            rewindable,
             dev,
             model,
-            kv,
+            mem: Memory { kv, state },
             scratch,
             free: (0..blocks_total as u32).rev().collect(),
             refs: vec![0; blocks_total],
@@ -116,6 +134,10 @@ impl<D: Device> ModelBackend<D> {
         Ok(())
     }
 
+    fn has_state(&self) -> bool {
+        self.model.state_size() > 0
+    }
+
     fn slot(&self, blocks: &[u32], pos: usize) -> u32 {
         let bt = self.cfg.block_tokens;
         blocks[pos / bt] * bt as u32 + (pos % bt) as u32
@@ -128,9 +150,11 @@ impl<D: Device> ModelBackend<D> {
         let mut positions = Vec::new();
         let mut slots = Vec::new();
         let mut ranges = Vec::new();
+        let mut state_slots = Vec::with_capacity(parts.len());
         for &(id, toks) in parts {
             let st = &self.streams[&id];
             let start = st.len;
+            state_slots.push(st.slot);
             ranges.push((tokens.len(), toks.len(), start + toks.len()));
             for (i, &t) in toks.iter().enumerate() {
                 tokens.push(t);
@@ -143,8 +167,8 @@ impl<D: Device> ModelBackend<D> {
             .zip(&ranges)
             .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &self.streams[&id].blocks, window: None })
             .collect();
-        let batch = Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs, logit_rows };
-        self.model.forward(&self.dev, &batch, &mut self.kv, &mut self.scratch)?;
+        let batch = Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs, logit_rows, state_slots: &state_slots };
+        self.model.forward(&self.dev, &batch, &mut self.mem, &mut self.scratch)?;
         drop(batch);
         for (&(id, toks), _) in parts.iter().zip(&ranges) {
             self.streams.get_mut(&id).unwrap().len += toks.len();
@@ -158,8 +182,8 @@ impl<D: Device> Backend for ModelBackend<D> {
         Capabilities {
             chunk_invariant: self.model.chunk_invariant(),
             reports_fill: true,
-            supports_marks: true,
-            supports_rewind: true,
+            supports_marks: !self.has_state() || self.cfg.max_marks > 0,
+            supports_rewind: self.rewindable,
             max_batch: self.cfg.max_batch,
             max_context: self.cfg.context,
             vocab_size: self.model.vocab(),
@@ -179,8 +203,11 @@ impl<D: Device> Backend for ModelBackend<D> {
 
     fn open(&mut self, stream: StreamId) -> Result<()> {
         ensure!(!self.streams.contains_key(&stream), "stream {stream} is already open");
-        ensure!(self.streams.len() < self.cfg.max_streams, "all {} stream slots are taken", self.cfg.max_streams);
-        self.streams.insert(stream, StreamState { blocks: Vec::new(), len: 0 });
+        let Some(slot) = self.free_slots.pop() else { bail!("all {} stream slots are taken", self.cfg.max_streams) };
+        if self.has_state() {
+            self.dev.zero_rows(&mut self.mem.state, &[slot]);
+        }
+        self.streams.insert(stream, StreamState { blocks: Vec::new(), len: 0, slot });
         Ok(())
     }
 
@@ -221,13 +248,20 @@ impl<D: Device> Backend for ModelBackend<D> {
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
         let used = st.len.div_ceil(self.cfg.block_tokens);
         let blocks = st.blocks[..used].to_vec();
-        let len = st.len;
+        let (len, stream_slot) = (st.len, st.slot);
+        let slot = if self.has_state() {
+            let Some(m) = self.free_mark_slots.pop() else { bail!("all {} mark slots are taken", self.cfg.max_marks) };
+            self.dev.copy_rows(&mut self.mem.state, &[stream_slot], &[m]);
+            Some(m)
+        } else {
+            None
+        };
         for &b in &blocks {
             self.refs[b as usize] += 1;
         }
         let id = self.next_mark;
         self.next_mark += 1;
-        self.marks.insert(id, Mark { blocks, len });
+        self.marks.insert(id, Mark { blocks, len, slot });
         Ok(id)
     }
 
@@ -235,7 +269,7 @@ impl<D: Device> Backend for ModelBackend<D> {
         let Some(m) = self.marks.get(&mark) else { bail!("no mark {mark}") };
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
         ensure!(st.len == 0 && st.blocks.is_empty(), "stream {stream} is not empty");
-        let (len, mut blocks) = (m.len, m.blocks.clone());
+        let (len, mut blocks, mark_slot) = (m.len, m.blocks.clone(), m.slot);
         let bt = self.cfg.block_tokens;
         // Full blocks are shared read-only; a partly filled last block is
         // copied, since this stream will write into its free tail.
@@ -243,7 +277,7 @@ impl<D: Device> Backend for ModelBackend<D> {
         if partial {
             let src = blocks.pop().unwrap();
             let dst = self.alloc_block()?;
-            self.dev.kv_copy_blocks(&mut self.kv, &[src], &[dst]);
+            self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
             for &b in &blocks {
                 self.refs[b as usize] += 1;
             }
@@ -256,16 +290,22 @@ impl<D: Device> Backend for ModelBackend<D> {
         let st = self.streams.get_mut(&stream).unwrap();
         st.blocks = blocks;
         st.len = len;
+        if let Some(ms) = mark_slot {
+            let slot = st.slot;
+            self.dev.copy_rows(&mut self.mem.state, &[ms], &[slot]);
+        }
         Ok(len)
     }
 
     fn drop_mark(&mut self, mark: MarkId) {
         if let Some(m) = self.marks.remove(&mark) {
             self.release(&m.blocks);
+            self.free_mark_slots.extend(m.slot);
         }
     }
 
     fn rewind(&mut self, stream: StreamId, len: usize) -> Result<()> {
+        ensure!(self.rewindable, "this model keeps recurrent state, which cannot be rewound");
         let Some(st) = self.streams.get_mut(&stream) else { bail!("stream {stream} is not open") };
         ensure!(len <= st.len, "cannot rewind stream {stream} forward from {} to {len}", st.len);
         st.len = len;
@@ -278,6 +318,7 @@ impl<D: Device> Backend for ModelBackend<D> {
     fn forget(&mut self, stream: StreamId) {
         if let Some(st) = self.streams.remove(&stream) {
             self.release(&st.blocks);
+            self.free_slots.push(st.slot);
         }
     }
 }

@@ -6,7 +6,7 @@ use anyhow::Result;
 use braid_ops::{AttnSeq, Device, KvShape, Rope};
 
 use crate::source::Source;
-use crate::{Batch, Model, Scratch};
+use crate::{Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct Gemma3Config {
@@ -123,6 +123,10 @@ impl<D: Device> Model<D> for Gemma3<D> {
         vec![KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim }; self.cfg.layers]
     }
 
+    fn layer_states(&self) -> Vec<LayerState> {
+        (0..self.cfg.layers).map(|l| if self.cfg.is_global(l) { LayerState::Kv } else { LayerState::SlidingKv { window: self.cfg.window } }).collect()
+    }
+
     fn vocab(&self) -> usize {
         self.cfg.vocab
     }
@@ -131,7 +135,8 @@ impl<D: Device> Model<D> for Gemma3<D> {
         self.cfg.context
     }
 
-    fn forward(&self, dev: &D, batch: &Batch<'_>, kv: &mut D::Kv, s: &mut Scratch<D>) -> Result<()> {
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
+        let kv = &mut mem.kv;
         let c = &self.cfg;
         dev.embed(&self.embed, batch.tokens, (c.hidden as f32).sqrt(), &mut s.x);
         let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();

@@ -14,6 +14,39 @@ use braid_ops::{AttnSeq, Device, KvShape};
 pub use backend::{BackendConfig, ModelBackend};
 pub use source::Source;
 
+/// What one layer keeps per stream, so the backend knows what a mark must
+/// hold and whether a stream can be rewound.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayerState {
+    /// Attention KV over the whole context.
+    Kv,
+    /// Attention KV of which only the last `window` positions are read.
+    SlidingKv { window: usize },
+    /// A short-convolution tail (LFM2, Mamba2's conv): fixed size, cannot be rewound.
+    Conv,
+    /// A selective-scan state (Mamba2): fixed size, cannot be rewound.
+    Ssm,
+    /// A linear-attention state matrix: fixed size, cannot be rewound.
+    LinearAttention,
+    /// No per-stream state (an MLP-only layer).
+    None,
+}
+
+impl LayerState {
+    /// Whether the state can be cut back to an earlier position.
+    pub fn rewindable(&self) -> bool {
+        matches!(self, LayerState::Kv | LayerState::SlidingKv { .. } | LayerState::None)
+    }
+}
+
+/// A stream's memory on the device: the paged KV pool, and a row of fixed
+/// state per stream slot (and per kept mark) for recurrent layers.
+pub struct Memory<D: Device> {
+    pub kv: D::Kv,
+    /// `[slots, Model::state_size()]`.
+    pub state: D::Tensor,
+}
+
 /// One forward's rows, flattened across sequences.
 pub struct Batch<'a> {
     pub tokens: &'a [u32],
@@ -24,6 +57,8 @@ pub struct Batch<'a> {
     pub seqs: Vec<AttnSeq<'a>>,
     /// Rows whose logits the caller wants, in order.
     pub logit_rows: &'a [usize],
+    /// Each sequence's row in `Memory::state`.
+    pub state_slots: &'a [u32],
 }
 
 /// Activation buffers reused across forwards (no allocation per token once
@@ -40,12 +75,22 @@ pub struct Scratch<D: Device> {
     pub act: D::Tensor,
     /// Output: one row per `Batch::logit_rows` entry.
     pub logits: D::Tensor,
+    /// More buffers for models that need them (created on first use).
+    pub extra: Vec<D::Tensor>,
 }
 
 impl<D: Device> Scratch<D> {
     pub fn new(dev: &D) -> Scratch<D> {
         let t = || dev.tensor(0, 0);
-        Scratch { x: t(), h: t(), q: t(), k: t(), v: t(), att: t(), gate: t(), up: t(), act: t(), logits: t() }
+        Scratch { x: t(), h: t(), q: t(), k: t(), v: t(), att: t(), gate: t(), up: t(), act: t(), logits: t(), extra: Vec::new() }
+    }
+
+    /// The extra buffer `i`, made when first asked for.
+    pub fn extra(&mut self, dev: &D, i: usize) -> &mut D::Tensor {
+        while self.extra.len() <= i {
+            self.extra.push(dev.tensor(0, 0));
+        }
+        &mut self.extra[i]
     }
 }
 
@@ -53,11 +98,17 @@ impl<D: Device> Scratch<D> {
 pub trait Model<D: Device>: Send + Sync {
     /// One entry per attention layer: the shape its KV needs.
     fn kv_layers(&self) -> Vec<KvShape>;
+    /// What each layer keeps per stream.
+    fn layer_states(&self) -> Vec<LayerState>;
+    /// f32 elements of fixed (non-KV) state per stream, all layers together.
+    fn state_size(&self) -> usize {
+        0
+    }
     fn vocab(&self) -> usize;
     /// The context length the model was trained for.
     fn context(&self) -> usize;
     /// Run the batch; leaves logits for `batch.logit_rows` in `s.logits`.
-    fn forward(&self, dev: &D, batch: &Batch<'_>, kv: &mut D::Kv, s: &mut Scratch<D>) -> Result<()>;
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()>;
     /// Bit-identical results under any chunking of a prompt.
     fn chunk_invariant(&self) -> bool {
         true

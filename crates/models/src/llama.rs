@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use braid_ops::{Device, KvShape, Rope};
 
 use crate::source::Source;
-use crate::{Batch, Model, Scratch};
+use crate::{Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct LlamaConfig {
@@ -133,6 +133,10 @@ impl<D: Device> Model<D> for Llama<D> {
         vec![KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim }; self.cfg.layers]
     }
 
+    fn layer_states(&self) -> Vec<LayerState> {
+        vec![LayerState::Kv; self.cfg.layers]
+    }
+
     fn vocab(&self) -> usize {
         self.cfg.vocab
     }
@@ -141,7 +145,8 @@ impl<D: Device> Model<D> for Llama<D> {
         self.cfg.context
     }
 
-    fn forward(&self, dev: &D, batch: &Batch<'_>, kv: &mut D::Kv, s: &mut Scratch<D>) -> Result<()> {
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
+        let kv = &mut mem.kv;
         let c = &self.cfg;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);

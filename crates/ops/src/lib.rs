@@ -111,4 +111,12 @@ pub trait Device: Send + Sync + 'static {
     fn scale(&self, x: &mut Self::Tensor, s: f32);
     /// `x = cap * tanh(x / cap)`.
     fn softcap(&self, x: &mut Self::Tensor, cap: f32);
+
+    // ---- per-stream recurrent state (conv, SSM, linear attention) ----
+    // Such state lives in one tensor of `[slots, elems]`: a row per stream
+    // (and per kept mark). Models index it by the slot of each sequence.
+    /// Copy whole rows `src[i]` to `dst[i]` (marks: snapshot and restore).
+    fn copy_rows(&self, t: &mut Self::Tensor, src: &[u32], dst: &[u32]);
+    /// Set the given rows to zero (a fresh stream's state).
+    fn zero_rows(&self, t: &mut Self::Tensor, rows: &[u32]);
 }

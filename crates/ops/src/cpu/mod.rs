@@ -311,6 +311,19 @@ impl Device for Cpu {
     fn softcap(&self, x: &mut CpuTensor, cap: f32) {
         x.data.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
     }
+
+    fn copy_rows(&self, t: &mut CpuTensor, src: &[u32], dst: &[u32]) {
+        let c = t.cols;
+        for (&s, &d) in src.iter().zip(dst) {
+            t.data.copy_within(s as usize * c..(s as usize + 1) * c, d as usize * c);
+        }
+    }
+
+    fn zero_rows(&self, t: &mut CpuTensor, rows: &[u32]) {
+        for &r in rows {
+            t.row_mut(r as usize).fill(0.0);
+        }
+    }
 }
 
 fn gelu_tanh(x: f32) -> f32 {

@@ -58,6 +58,7 @@ tiles!(t_q8_1, tile_b32::<Q81>, 2, 4, 4);
 tiles!(t_q4k, tile_q45k::<NoHigh>, 1, 4, 2);
 tiles!(t_q5k, tile_q45k::<High>, 1, 4, 2);
 tiles!(t_q6k, tile_q6k, 1, 4, 2);
+tiles!(t_xk, tile_xk, 2, 3, 2);
 tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
 tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
@@ -81,6 +82,10 @@ pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
         let pack = Pack { pack, block_bytes: X32::BYTES, tile: tile_x, rw: 4, ra: 2 };
         Some(Kernel { tile, rw: 2, ra: 4, rw_gemv: 4, pack: Some(pack) })
     };
+    let xk = |tile, pack| {
+        let pack = Pack { pack, block_bytes: std::mem::size_of::<XK>(), tile: t_xk, rw: 2, ra: 3 };
+        Some(Kernel { tile, rw: 1, ra: 4, rw_gemv: 2, pack: Some(pack) })
+    };
     match dtype {
         DType::Q4_0 => x32(pick(t_q4_0, v_q4_0), pack_b32::<Q40> as PackFn),
         DType::Q4_1 => x32(pick(t_q4_1, v_q4_1), pack_b32::<Q41>),
@@ -88,9 +93,9 @@ pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
         DType::Q5_1 => x32(pick(t_q5_1, v_q5_1), pack_b32::<Q51>),
         DType::Q8_0 => k(pick(t_q8_0, v_q8_0), 2, 4, 4),
         DType::Q8_1 => k(pick(t_q8_1, v_q8_1), 2, 4, 4),
-        DType::Q4K => k(t_q4k as TileFn, 1, 4, 2),
-        DType::Q5K => k(t_q5k, 1, 4, 2),
-        DType::Q6K => k(t_q6k, 1, 4, 2),
+        DType::Q4K => xk(t_q4k, pack_k::<4>),
+        DType::Q5K => xk(t_q5k, pack_k::<5>),
+        DType::Q6K => xk(t_q6k, pack_k::<6>),
         DType::F32 => k(t_f32, 2, 4, 4),
         DType::F16 => k(t_f16, 2, 4, 4),
         DType::BF16 => k(t_bf16, 2, 4, 4),
@@ -534,7 +539,8 @@ unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
                 let s = d[r] * ab.d;
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(s), acc[r][c]);
                 let osum: i32 = (0..16).map(|g| sc[r][g] as i32 * ab.bsums[g] as i32).sum();
-                off[r][c] -= 32.0 * s * osum as f32;
+                // Same rounding as the packed prefill tile: s * (32 * osum).
+                off[r][c] -= s * (32 * osum) as f32;
             }
         }
     }
@@ -543,6 +549,146 @@ unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
             *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
         }
     }
+}
+
+/// A K-quant super-block unpacked for prefill: the 256 values as bytes
+/// (unsigned), a ready `madd` scale vector per 32 values (i16 lanes; for
+/// Q6_K the two 16-groups' scales in the two halves), and the offset as
+/// weights of the activation's 16-sums times `dm`:
+/// value . a = d * sum(scv * q * a) - dm * sum(mins * bsums).
+#[repr(C)]
+struct XK {
+    q: [u8; 256],
+    scv: [[i16; 16]; 8],
+    mins: [i16; 16],
+    d: f32,
+    dm: f32,
+}
+
+/// Unpack rows of Q4_K (T = 4), Q5_K (5) or Q6_K (6) super-blocks into
+/// [`XK`]s, with the matvec tiles' unpacking; the integers and scale
+/// products match theirs, so results are bit-identical.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: usize, dst: *mut u8) {
+    let bytes = match T {
+        4 => 144,
+        5 => 176,
+        _ => 210,
+    };
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(0x03);
+    for r in 0..rows {
+        for b in 0..nb {
+            let p = src.add(r * stride + b * bytes);
+            let o = &mut *(dst.add((r * nb + b) * std::mem::size_of::<XK>()) as *mut XK);
+            let qo = o.q.as_mut_ptr();
+            if T == 6 {
+                for h in 0..2 {
+                    let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
+                    let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
+                    let hb = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+                    let hi0 = _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4);
+                    let hi1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4);
+                    let hi2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4);
+                    let hi3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4);
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(l0, m4), hi0),
+                        _mm256_or_si256(_mm256_and_si256(l1, m4), hi1),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi3),
+                    ];
+                    for (g, v) in q.iter().enumerate() {
+                        _mm256_storeu_si256(qo.add(128 * h + 32 * g) as *mut __m256i, *v);
+                    }
+                }
+                let sc = p.add(192) as *const i8;
+                for g in 0..16 {
+                    let s = *sc.add(g) as i16;
+                    o.scv[g / 2][8 * (g % 2)..8 * (g % 2) + 8].fill(s);
+                    o.mins[g] = 32 * s;
+                }
+                o.d = h2f(p.add(208));
+                o.dm = o.d;
+            } else {
+                let qs = p.add(if T == 4 { 16 } else { 48 });
+                let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                let x10 = _mm256_set1_epi8(0x10);
+                for j in 0..4 {
+                    let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+                    let mut lo = _mm256_and_si256(raw, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                    if T == 5 {
+                        let b0 = _mm256_set1_epi8(1 << (2 * j));
+                        let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
+                    }
+                    _mm256_storeu_si256(qo.add(64 * j) as *mut __m256i, lo);
+                    _mm256_storeu_si256(qo.add(64 * j + 32) as *mut __m256i, hi);
+                }
+                let s = std::slice::from_raw_parts(p.add(4), 12);
+                for j in 0..8 {
+                    let (sc, m) = k4_scale_min(s, j);
+                    _mm256_storeu_si256(o.scv[j].as_mut_ptr() as *mut __m256i, _mm256_set1_epi16(sc as i16));
+                    o.mins[2 * j] = m as i16;
+                    o.mins[2 * j + 1] = m as i16;
+                }
+                o.d = h2f(p);
+                o.dm = h2f(p.add(2));
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_xk<const RW: usize, const RA: usize>(t: &Tile) {
+    let sz = std::mem::size_of::<XK>();
+    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
+    let mut off = [[0.0f32; RA]; RW];
+    for b in 0..t.n {
+        let mut wk = [std::ptr::null::<XK>(); RW];
+        for (r, w) in wk.iter_mut().enumerate() {
+            *w = t.w.add(r * t.w_stride + b * sz) as *const XK;
+        }
+        let mut iacc = [[_mm256_setzero_si256(); RA]; RW];
+        for j in 0..8 {
+            for c in 0..RA {
+                let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+                let a = _mm256_loadu_si256(ab.qs.as_ptr().add(32 * j) as *const __m256i);
+                for r in 0..RW {
+                    let q = _mm256_loadu_si256((*wk[r]).q.as_ptr().add(32 * j) as *const __m256i);
+                    let sc = _mm256_loadu_si256((*wk[r]).scv[j].as_ptr() as *const __m256i);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc);
+                    iacc[r][c] = _mm256_add_epi32(iacc[r][c], p);
+                }
+            }
+        }
+        for c in 0..RA {
+            let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+            let bs = _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i);
+            for r in 0..RW {
+                let w = &*wk[r];
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(w.d * ab.d), acc[r][c]);
+                let mins = _mm256_loadu_si256(w.mins.as_ptr() as *const __m256i);
+                let msum = hsum_i32(_mm256_madd_epi16(mins, bs));
+                off[r][c] -= w.dm * ab.d * msum as f32;
+            }
+        }
+    }
+    for c in 0..RA {
+        for r in 0..RW {
+            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
 }
 
 // ---- float weights ----

@@ -235,9 +235,9 @@ fn with_pack_scratch(bytes: usize, f: impl FnOnce(*mut u8)) {
     with_scratch(&PACKED, words, |buf: &mut [u64]| f(buf.as_mut_ptr() as *mut u8));
 }
 
-/// Activation rows per task in the prefill case: enough to reuse each
-/// weight tile many times, few enough that both operands stay in L2.
-const ACT_CHUNK: usize = 64;
+/// The fewest activation rows a task gets when they are split: enough to
+/// reuse each unpacked weight block many times.
+const ACT_CHUNK_MIN: usize = 32;
 /// Bytes of weights (packed or not) a task sweeps per activation tile.
 const SUB_BYTES: usize = 64 << 10;
 /// Activation rows from which repacking a task's weights pays off.
@@ -254,14 +254,16 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
     let macs = n_out * w.cols * m;
     let par = threads > 1 && macs >= MIN_PARALLEL_MACS;
 
-    let n_ac = if par { m.div_ceil(ACT_CHUNK) } else { 1 };
+    let align = k.rw.max(k.rw_gemv);
+    // Aim for a few tasks per thread so uneven progress balances. Split the
+    // weight rows first (each task then unpacks / streams only its own
+    // rows); split the activation rows too only when there are too few
+    // weight rows to go around.
+    let want_tasks = if par { threads * 4 } else { 1 };
+    let n_rc = want_tasks.min(n_out.div_ceil(16)).max(1);
+    let n_ac = if par { want_tasks.div_ceil(n_rc).min(m.div_ceil(ACT_CHUNK_MIN)).max(1) } else { 1 };
     let ac_len = m.div_ceil(n_ac).next_multiple_of(k.ra);
     let n_ac = m.div_ceil(ac_len);
-    // Aim for a few tasks per thread so uneven progress balances, with row
-    // ranges that are whole tiles.
-    let want_tasks = if par { threads * 4 } else { 1 };
-    let n_rc = want_tasks.div_ceil(n_ac).clamp(1, n_out.div_ceil(k.rw.max(k.rw_gemv)));
-    let align = k.rw.max(k.rw_gemv);
     let rc_len = n_out.div_ceil(n_rc).next_multiple_of(align);
     let n_rc = n_out.div_ceil(rc_len);
 

@@ -4,6 +4,7 @@ mod bench;
 mod fetch;
 mod load;
 mod run;
+mod serve;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -28,6 +29,8 @@ struct Cli {
 enum Cmd {
     /// Generate from one prompt, streaming tokens to the terminal.
     Run(run::RunArgs),
+    /// Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).
+    Serve(serve::ServeArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(TokenizeArgs),
     /// Print the top log-probabilities at every position of a token sequence (one JSON line per position).
@@ -92,6 +95,7 @@ fn main() {
 fn dispatch(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Run(a) => run::run(a),
+        Cmd::Serve(a) => serve::serve(a),
         Cmd::Tokenize(a) => {
             let tok = load::tokenizer_only(&a.model)?;
             let ids = tok.encode(&a.text, a.bos)?;

@@ -1,18 +1,164 @@
-//! `braid run`: one prompt, streamed to the terminal.
+//! `braid run`: one prompt through a lane, streamed to the terminal.
 
-use anyhow::{bail, Result};
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use braid_engine::{Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
+use braid_formats::template::ChatMessage;
+use braid_server::TokenizerText;
 use clap::Args;
 
+use crate::load::{self, Loaded};
 use crate::ModelArgs;
+
+/// Sampling flags shared by `run` and `serve` defaults.
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Temperature; 0 picks the most likely token every time (greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p × the top token's probability (0 = off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Divide the logits of tokens seen recently (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Subtract from the logits of tokens already generated (OpenAI's presence penalty).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtract per occurrence of a token already generated (OpenAI's frequency penalty).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Seed for sampling: the same seed gives the same text.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        }
+    }
+}
 
 #[derive(Args)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Render the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// A system message (with --chat).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep generating past the end-of-text token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print no timing line at the end.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
     /// The prompt.
     pub prompt: String,
 }
 
-pub fn run(_a: RunArgs) -> Result<()> {
-    bail!("not yet")
+/// The lane settings every command uses for a loaded model.
+pub fn lane_config(m: &Loaded) -> LaneConfig {
+    LaneConfig { max_context: m.context, eos_ids: m.tokenizer.stop_ids(), ..LaneConfig::default() }
+}
+
+/// Turn the prompt (plain or chat) into token ids.
+pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) -> Result<Vec<u32>> {
+    if !chat {
+        return m.tokenizer.encode(prompt, true);
+    }
+    let Some(t) = &m.template else { bail!("{} has no chat template; run without --chat", m.path.display()) };
+    let mut msgs = Vec::new();
+    if let Some(s) = system {
+        msgs.push(ChatMessage { role: "system".into(), content: s.into() });
+    }
+    msgs.push(ChatMessage { role: "user".into(), content: prompt.into() });
+    let text = t.render(&msgs, true)?;
+    // Templates usually write BOS themselves; add it only where they did not.
+    let tok = &m.tokenizer;
+    let has_bos = tok.bos().and_then(|b| tok.token_text(b)).is_some_and(|b| !b.is_empty() && text.starts_with(b));
+    tok.encode(&text, !has_bos)
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    let m = load::load(&a.model, 0)?;
+    let prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let config = lane_config(&m);
+    let text = Arc::new(TokenizerText(m.tokenizer.clone()));
+    let lane = Lane::spawn(Box::new(m.backend), text, config);
+    let req = Request {
+        prompt,
+        sampling: a.sampling.params(),
+        stop: StopRules { max_tokens: Some(a.max_tokens), stop_ids: Vec::new(), stop_strings: a.stop.clone(), ignore_eos: a.ignore_eos },
+        logprobs: None,
+    };
+    let t0 = Instant::now();
+    let handle = lane.submit(req).context("the request was refused")?;
+    let mut out = std::io::stdout().lock();
+    if !a.chat {
+        write!(out, "{}", a.prompt)?;
+    }
+    let mut ttft = None;
+    for ev in handle {
+        match ev {
+            Event::Token { text, .. } => {
+                ttft.get_or_insert_with(|| t0.elapsed());
+                write!(out, "{text}")?;
+                out.flush()?;
+            }
+            Event::Finished { reason, usage, tail, timing } => {
+                writeln!(out, "{tail}")?;
+                out.flush()?;
+                if !a.quiet {
+                    let total = timing.total.as_secs_f64();
+                    let first = timing.ttft.map(|d| d.as_secs_f64()).unwrap_or(total);
+                    let gen = usage.completion_tokens.saturating_sub(1) as f64;
+                    eprintln!(
+                        "[{} prompt tokens, {} generated, finish: {}; first token after {:.0} ms, then {:.1} tokens/s]",
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        reason.as_str(),
+                        first * 1e3,
+                        if total > first { gen / (total - first) } else { 0.0 }
+                    );
+                }
+            }
+            Event::Error(e) => bail!("generation failed: {e}"),
+            Event::Queued { .. } | Event::Started { .. } => {}
+        }
+    }
+    lane.shutdown();
+    Ok(())
 }

@@ -2,8 +2,10 @@
 //! and [`ModelBackend`], which serves any of them to the engine.
 
 pub mod backend;
+pub mod config;
 pub mod gemma3;
 pub mod llama;
+pub mod moe;
 pub mod source;
 
 use std::path::Path;

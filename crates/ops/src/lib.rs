@@ -119,4 +119,21 @@ pub trait Device: Send + Sync + 'static {
     fn copy_rows(&self, t: &mut Self::Tensor, src: &[u32], dst: &[u32]);
     /// Set the given rows to zero (a fresh stream's state).
     fn zero_rows(&self, t: &mut Self::Tensor, rows: &[u32]);
+
+    // ---- ops some models need; a device without them says so ----
+    /// RoPE from an explicit frequency table: in every head of `x`, the pair
+    /// `(i, i + inv_freq.len())` turns by `position * inv_freq[i]` (NeoX
+    /// pairing); dimensions past `2 * inv_freq.len()` pass unchanged. For
+    /// variants [`Device::rope`] cannot express, such as Gemma 4's
+    /// "proportional" RoPE (zero frequencies past the rotated part).
+    fn rope_freqs(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
+        let _ = (x, positions, head_dim, inv_freq);
+        anyhow::bail!("rope_freqs is not implemented on {}", self.name())
+    }
+    /// `out[rows[i]] += weights[i] * y[i]` for each row `i` of `y`, in order
+    /// (a mixture of experts adding one expert's outputs to its tokens).
+    fn scatter_add_rows(&self, out: &mut Self::Tensor, y: &Self::Tensor, rows: &[u32], weights: &[f32]) -> Result<()> {
+        let _ = (out, y, rows, weights);
+        anyhow::bail!("scatter_add_rows is not implemented on {}", self.name())
+    }
 }

@@ -4,6 +4,8 @@
 pub mod attention;
 pub mod pool;
 pub mod quant;
+pub mod rope_freqs;
+pub mod scatter_add_rows;
 
 use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
@@ -323,6 +325,14 @@ impl Device for Cpu {
         for &r in rows {
             t.row_mut(r as usize).fill(0.0);
         }
+    }
+
+    fn rope_freqs(&self, x: &mut CpuTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
+        rope_freqs::rope_freqs(x, positions, head_dim, inv_freq)
+    }
+
+    fn scatter_add_rows(&self, out: &mut CpuTensor, y: &CpuTensor, rows: &[u32], weights: &[f32]) -> Result<()> {
+        scatter_add_rows::scatter_add_rows(out, y, rows, weights)
     }
 }
 

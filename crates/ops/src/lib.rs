@@ -38,6 +38,45 @@ pub struct KvPoolSpec {
     pub layers: Vec<KvShape>,
 }
 
+/// One sequence's rows in a recurrent op (short conv, SSM scan, linear
+/// attention): rows `start .. start + len` of the batch, in time order,
+/// continuing the state held in row `slot` of the state tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateSeq {
+    pub start: usize,
+    pub len: usize,
+    pub slot: u32,
+}
+
+/// Shape and limits of a Mamba2 selective scan ([`Device::ssm_scan`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SsmShape {
+    pub heads: usize,
+    pub head_dim: usize,
+    /// N: the state size per head and channel.
+    pub state_dim: usize,
+    /// B and C are shared by `heads / groups` heads.
+    pub groups: usize,
+    /// `dt` is clamped to `[dt_min, dt_max]` after the softplus.
+    pub dt_min: f32,
+    pub dt_max: f32,
+}
+
+/// Block selection of a block-sparse attention layer (MiniMax-M3): an
+/// indexer scores key blocks per query and each query attends only to the
+/// chosen blocks ([`Device::block_sparse_attention`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSparse {
+    /// Positions per key block.
+    pub block: usize,
+    /// The query's own block and the `local - 1` before it are always kept.
+    pub local: usize,
+    /// Blocks kept per query and indexer head, the local ones included.
+    pub topk: usize,
+    pub index_heads: usize,
+    pub index_dim: usize,
+}
+
 /// One sequence's part of a batched attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnSeq<'a> {
@@ -135,5 +174,130 @@ pub trait Device: Send + Sync + 'static {
     fn scatter_add_rows(&self, out: &mut Self::Tensor, y: &Self::Tensor, rows: &[u32], weights: &[f32]) -> Result<()> {
         let _ = (out, y, rows, weights);
         anyhow::bail!("scatter_add_rows is not implemented on {}", self.name())
+    }
+
+    // ---- ops of the hybrid families (LFM2, Nemotron-H, MiniMax) ----
+    /// `x = silu(x)`.
+    fn silu(&self, x: &mut Self::Tensor) -> Result<()> {
+        let _ = x;
+        anyhow::bail!("silu is not implemented on {}", self.name())
+    }
+    /// `out = relu(x)²` (Nemotron-H's MLP activation).
+    fn relu2(&self, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<()> {
+        let _ = (x, out);
+        anyhow::bail!("relu2 is not implemented on {}", self.name())
+    }
+    /// `x *= y` elementwise.
+    fn mul(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
+        let _ = (x, y);
+        anyhow::bail!("mul is not implemented on {}", self.name())
+    }
+    /// `x *= sigmoid(gate)` elementwise (an output gate).
+    fn sigmoid_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()> {
+        let _ = (x, gate);
+        anyhow::bail!("sigmoid_mul is not implemented on {}", self.name())
+    }
+    /// RMSNorm over each group of `group` elements of a row, times `w`,
+    /// which is a whole row wide (Mamba2's gated norm over channel groups).
+    fn group_rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, group: usize, eps: f32, out: &mut Self::Tensor) -> Result<()> {
+        let _ = (x, w, group, eps, out);
+        anyhow::bail!("group_rms_norm is not implemented on {}", self.name())
+    }
+    /// Clamped SwiGLU (MiniMax-M3): `g = min(gate, limit)`, `u = clamp(up,
+    /// -limit, limit)`, `out = (u + 1) · g · sigmoid(alpha · g)`.
+    fn swiglu_clamped(&self, gate: &Self::Tensor, up: &Self::Tensor, limit: f32, alpha: f32, out: &mut Self::Tensor) -> Result<()> {
+        let _ = (gate, up, limit, alpha, out);
+        anyhow::bail!("swiglu_clamped is not implemented on {}", self.name())
+    }
+    /// Depthwise causal convolution over time with a `kernel`-tap filter per
+    /// channel, continuing each sequence from its state. `x` is `[rows, C]`;
+    /// `weight` is one row of `C × kernel` (channel-major, as HF's conv1d
+    /// `[C, 1, K]`); `bias` one row of `C`. The state row `seq.slot` holds, at
+    /// `state_offset`, the last `kernel - 1` inputs of each channel (`[C,
+    /// kernel - 1]`, oldest first, zeros for a fresh stream) and is updated.
+    /// `out[t, c] = bias[c] + Σ_k weight[c, k] · x[t - kernel + 1 + k, c]`,
+    /// then SiLU when `silu`.
+    #[allow(clippy::too_many_arguments)]
+    fn short_conv(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+        kernel: usize,
+        silu: bool,
+        state: &mut Self::Tensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        let _ = (x, weight, bias, kernel, silu, state, state_offset, seqs, out);
+        anyhow::bail!("short_conv is not implemented on {}", self.name())
+    }
+    /// Mamba2 selective scan. `xbc` is `[rows, heads·head_dim + 2·groups·N]`
+    /// holding x, B, C (after the conv); `dt` is `[rows, heads]` before the
+    /// softplus; `dt_bias`, `a` (= -exp(A_log)) and `d` are one row of `heads`.
+    /// Per head h (group g): `dt = clamp(softplus(dt + dt_bias))`,
+    /// `S = exp(dt·a)·S + dt·x_hᵀB_g`, `y_h = S·C_g + d·x_h`. The state row
+    /// holds `S` (`[heads, head_dim, N]`) at `state_offset`. `out` is
+    /// `[rows, heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn ssm_scan(
+        &self,
+        xbc: &Self::Tensor,
+        dt: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+        a: &Self::Tensor,
+        d: &Self::Tensor,
+        shape: &SsmShape,
+        state: &mut Self::Tensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        let _ = (xbc, dt, dt_bias, a, d, shape, state, state_offset, seqs, out);
+        anyhow::bail!("ssm_scan is not implemented on {}", self.name())
+    }
+    /// Linear ("lightning") attention with a per-head decay: `qkv` is `[rows,
+    /// heads·3·head_dim]`, each head's q, k, v side by side; `slopes` one row
+    /// of `heads`. Per head: `S = exp(-slope)·S + kᵀv`, `o = q·S`. The state
+    /// row holds `S` (`[heads, head_dim, head_dim]`) at `state_offset`.
+    /// `out` is `[rows, heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_attention(
+        &self,
+        qkv: &Self::Tensor,
+        slopes: &Self::Tensor,
+        heads: usize,
+        head_dim: usize,
+        state: &mut Self::Tensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        let _ = (qkv, slopes, heads, head_dim, state, state_offset, seqs, out);
+        anyhow::bail!("linear_attention is not implemented on {}", self.name())
+    }
+    /// Block-sparse causal attention. The indexer keys of every position sit
+    /// in KV layer `index_layer` (as k, one head of `sel.index_dim`). For
+    /// each query row and indexer head, blocks of `sel.block` positions are
+    /// scored by the largest `iq · key` over their visible keys; the local
+    /// blocks and the best others up to `sel.topk` are kept, and query head
+    /// `h` (indexer head `h / (heads / index_heads)`) attends causally to
+    /// the keys of its kept blocks only. `iq` is `[rows, index_heads·index_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn block_sparse_attention(
+        &self,
+        q: &Self::Tensor,
+        iq: &Self::Tensor,
+        kv: &Self::Kv,
+        layer: usize,
+        index_layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        sel: &BlockSparse,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        let _ = (q, iq, kv, layer, index_layer, seqs, scale, sel, out);
+        anyhow::bail!("block_sparse_attention is not implemented on {}", self.name())
     }
 }

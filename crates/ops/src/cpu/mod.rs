@@ -2,8 +2,13 @@
 //! f16 paged KV. Work is split over the persistent pool in [`pool`].
 
 pub mod attention;
+pub mod conv;
+pub mod linear_attention;
+pub mod pointwise;
 pub mod pool;
 pub mod quant;
+pub mod sparse_attention;
+pub mod ssm;
 pub mod rope_freqs;
 pub mod scatter_add_rows;
 
@@ -11,7 +16,7 @@ use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{AttnSeq, Device, KvPoolSpec, Rope};
+use crate::{AttnSeq, BlockSparse, Device, KvPoolSpec, Rope, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -325,6 +330,93 @@ impl Device for Cpu {
         for &r in rows {
             t.row_mut(r as usize).fill(0.0);
         }
+    }
+
+    // Hybrid families: the kernels live in their own files.
+    fn silu(&self, x: &mut CpuTensor) -> Result<()> {
+        pointwise::silu(x);
+        Ok(())
+    }
+
+    fn relu2(&self, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
+        pointwise::relu2(x, out);
+        Ok(())
+    }
+
+    fn mul(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        pointwise::mul(x, y)
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
+        pointwise::sigmoid_mul(x, gate)
+    }
+
+    fn group_rms_norm(&self, x: &CpuTensor, w: &CpuTensor, group: usize, eps: f32, out: &mut CpuTensor) -> Result<()> {
+        pointwise::group_rms_norm(x, w, group, eps, out)
+    }
+
+    fn swiglu_clamped(&self, gate: &CpuTensor, up: &CpuTensor, limit: f32, alpha: f32, out: &mut CpuTensor) -> Result<()> {
+        pointwise::swiglu_clamped(gate, up, limit, alpha, out)
+    }
+
+    fn short_conv(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        bias: Option<&CpuTensor>,
+        kernel: usize,
+        silu: bool,
+        state: &mut CpuTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        conv::short_conv(x, weight, bias, kernel, silu, state, state_offset, seqs, out)
+    }
+
+    fn ssm_scan(
+        &self,
+        xbc: &CpuTensor,
+        dt: &CpuTensor,
+        dt_bias: &CpuTensor,
+        a: &CpuTensor,
+        d: &CpuTensor,
+        shape: &SsmShape,
+        state: &mut CpuTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        ssm::ssm_scan(xbc, dt, dt_bias, a, d, shape, state, state_offset, seqs, out)
+    }
+
+    fn linear_attention(
+        &self,
+        qkv: &CpuTensor,
+        slopes: &CpuTensor,
+        heads: usize,
+        head_dim: usize,
+        state: &mut CpuTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        linear_attention::linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
+    }
+
+    fn block_sparse_attention(
+        &self,
+        q: &CpuTensor,
+        iq: &CpuTensor,
+        kv: &CpuKv,
+        layer: usize,
+        index_layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        sel: &BlockSparse,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        sparse_attention::block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
 
     fn rope_freqs(&self, x: &mut CpuTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {

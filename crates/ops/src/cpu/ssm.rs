@@ -1,0 +1,92 @@
+//! Mamba2's selective scan, one token at a time per sequence.
+//!
+//! The recurrence runs step by step (no chunked matrix form), so a row's
+//! result is the same whatever chunk it arrived in: prefill and decode agree
+//! bit for bit.
+
+use anyhow::{ensure, Result};
+
+use super::conv::check_seqs;
+use super::{pool, CpuTensor, SendPtr};
+use crate::{SsmShape, StateSeq};
+
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_scan(
+    xbc: &CpuTensor,
+    dt: &CpuTensor,
+    dt_bias: &CpuTensor,
+    a: &CpuTensor,
+    d: &CpuTensor,
+    sh: &SsmShape,
+    state: &mut CpuTensor,
+    state_offset: usize,
+    seqs: &[StateSeq],
+    out: &mut CpuTensor,
+) -> Result<()> {
+    let (nh, hd, n, g) = (sh.heads, sh.head_dim, sh.state_dim, sh.groups);
+    // (Written so that a NaN limit fails too.)
+    ensure!(sh.dt_min <= sh.dt_max, "ssm_scan: dt limits {} > {}", sh.dt_min, sh.dt_max);
+    ensure!(g > 0 && nh.is_multiple_of(g), "ssm_scan: {nh} heads in {g} groups");
+    let inner = nh * hd;
+    ensure!(xbc.cols == inner + 2 * g * n, "ssm_scan: xbc rows of {}, expected {inner} + 2 x {g} x {n}", xbc.cols);
+    ensure!(dt.cols == nh && dt.rows == xbc.rows, "ssm_scan: dt is {}x{}, expected {}x{nh}", dt.rows, dt.cols, xbc.rows);
+    for (name, v) in [("dt_bias", dt_bias), ("a", a), ("d", d)] {
+        ensure!(v.data.len() == nh, "ssm_scan: {name} holds {} values for {nh} heads", v.data.len());
+    }
+    let per_head = hd * n;
+    ensure!(state_offset + nh * per_head <= state.cols, "ssm_scan: state rows of {} cannot hold {} values at {state_offset}", state.cols, nh * per_head);
+    check_seqs(seqs, xbc.rows, state.rows)?;
+    out.data.resize(xbc.rows * inner, 0.0);
+    (out.rows, out.cols) = (xbc.rows, inner);
+
+    let optr = SendPtr(out.data.as_mut_ptr());
+    let sptr = SendPtr(state.data.as_mut_ptr());
+    let scols = state.cols;
+    let heads_per_group = nh / g;
+    let n_tasks = seqs.len() * nh;
+    let workers = pool::threads().min(n_tasks).max(1);
+    let body = |w: usize| {
+        for task in n_tasks * w / workers..n_tasks * (w + 1) / workers {
+            let (s, h) = (&seqs[task / nh], task % nh);
+            let gi = h / heads_per_group;
+            // Safety: one task per (sequence, head), so the state block and
+            // the output columns written here are this task's alone.
+            let st = unsafe { sptr.slice(s.slot as usize * scols + state_offset + h * per_head, per_head) };
+            let (a, dh) = (a.data[h], d.data[h]);
+            for t in s.start..s.start + s.len {
+                let row = xbc.row(t);
+                let x = &row[h * hd..(h + 1) * hd];
+                let b = &row[inner + gi * n..inner + (gi + 1) * n];
+                let c = &row[inner + g * n + gi * n..inner + g * n + (gi + 1) * n];
+                let step = softplus(dt.data[t * nh + h] + dt_bias.data[h]).clamp(sh.dt_min, sh.dt_max);
+                let decay = (step * a).exp();
+                let y = unsafe { optr.slice(t * inner + h * hd, hd) };
+                for (p, (yp, &xp)) in y.iter_mut().zip(x).enumerate() {
+                    let sp = &mut st[p * n..(p + 1) * n];
+                    let dx = step * xp;
+                    let mut acc = 0f32;
+                    for ((sv, &bv), &cv) in sp.iter_mut().zip(b).zip(c) {
+                        *sv = decay * *sv + dx * bv;
+                        acc += *sv * cv;
+                    }
+                    *yp = acc + dh * xp;
+                }
+            }
+        }
+    };
+    if workers == 1 {
+        body(0);
+    } else {
+        pool::parallel_for(workers, &body);
+    }
+    Ok(())
+}
+
+/// `ln(1 + eˣ)`, linear past 20 as in PyTorch.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}

@@ -4,7 +4,8 @@
 //! decode case) and GFLOP/s for m = 512 (prefill), on 1 and 2 threads; then
 //! the matmul time of one decode step / one 512-token prefill for the
 //! shapes of SmolLM2-135M (Q4_1 + Q8_0 head) and Gemma 3 270M (Q4_K_M).
-//! `BENCH_QUICK=1` shortens it; `BRAID_CPU_ISA=scalar` runs the scalar kernels.
+//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|head|prefill|model`
+//! runs one section; `BRAID_CPU_ISA=scalar` runs the scalar kernels.
 
 use std::time::Instant;
 
@@ -66,6 +67,9 @@ fn time(iters: usize, reps: usize, mut f: impl FnMut()) -> f64 {
     best
 }
 
+/// (type, rows, cols, how many per forward).
+type Shape = (DType, usize, usize, usize);
+
 struct Mat {
     dtype: DType,
     rows: usize,
@@ -92,6 +96,19 @@ fn main() {
     println!("kernels: {:?}; machine threads: {}", Isa::best(), pool::threads());
     let max_threads = pool::threads().max(1);
     let thread_counts: Vec<usize> = if max_threads >= 2 { vec![1, 2] } else { vec![1] };
+
+    if want("pool") {
+        println!("\npool: one parallel_for of 8 empty tasks (dispatch + join)");
+        for &t in &thread_counts {
+            pool::set_threads(t);
+            let s = time(20000, 5, || {
+                pool::parallel_for(8, &|i| {
+                    std::hint::black_box(i);
+                })
+            });
+            println!("{t} threads: {:.2} us/call", s * 1e6);
+        }
+    }
 
     if want("matvec") {
         println!("\n4096x4096 matvec (m=1): weight streaming");
@@ -156,7 +173,7 @@ fn main() {
     }
 
     // (name, [(dtype, rows, cols, count)]): one forward's matmuls.
-    let models: [(&str, Vec<(DType, usize, usize, usize)>); 2] = [
+    let models: [(&str, Vec<Shape>); 2] = [
         (
             "SmolLM2-135M Q4_1",
             vec![

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
-use braid_ops::{AttnSeq, Device, KvPoolSpec};
+use braid_ops::{AttnSeq, Device, KvDtype, KvPoolSpec};
 
 use crate::{Batch, Memory, Model, Scratch};
 
@@ -23,11 +23,13 @@ pub struct BackendConfig {
     pub context: usize,
     /// Marks kept at once (each holds a state row for recurrent models).
     pub max_marks: usize,
+    /// How the KV pool stores k and v (f16 by default; f32 for exact runs).
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for BackendConfig {
     fn default() -> Self {
-        BackendConfig { block_tokens: 16, kv_tokens: 32768, max_streams: 64, max_batch: 256, context: 0, max_marks: 64 }
+        BackendConfig { block_tokens: 16, kv_tokens: 32768, max_streams: 64, max_batch: 256, context: 0, max_marks: 64, kv_dtype: KvDtype::F16 }
     }
 }
 
@@ -73,7 +75,7 @@ impl<D: Device> ModelBackend<D> {
         }
         let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens).max(1);
         let spec = KvPoolSpec { blocks: blocks_total, block_tokens: cfg.block_tokens, layers: model.kv_layers() };
-        let kv = dev.kv_pool(&spec)?;
+        let kv = dev.kv_pool_as(&spec, cfg.kv_dtype)?;
         let state_size = model.state_size();
         let (stream_rows, mark_rows) = if state_size > 0 { (cfg.max_streams, cfg.max_marks) } else { (0, 0) };
         let state = dev.tensor(stream_rows + mark_rows, state_size);

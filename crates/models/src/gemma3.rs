@@ -61,7 +61,7 @@ impl Gemma3Config {
     }
 
     fn is_global(&self, layer: usize) -> bool {
-        (layer + 1) % self.global_every == 0
+        (layer + 1).is_multiple_of(self.global_every)
     }
 }
 

@@ -76,7 +76,7 @@ pub struct Routing {
 impl Router {
     /// Route `logits` (`rows × experts`, row-major).
     pub fn route(&self, logits: &[f32], experts: usize) -> Result<Routing> {
-        ensure!(experts > 0 && logits.len() % experts == 0, "router logits of {} values are not rows of {experts} experts", logits.len());
+        ensure!(experts > 0 && logits.len().is_multiple_of(experts), "router logits of {} values are not rows of {experts} experts", logits.len());
         ensure!(self.top_k >= 1 && self.top_k <= experts, "top-{} routing over {experts} experts", self.top_k);
         for (what, v) in [("choice bias", &self.choice_bias), ("per-expert scale", &self.per_expert_scale)] {
             if let Some(v) = v {
@@ -121,6 +121,9 @@ impl Router {
     }
 }
 
+/// A custom expert activation: `f(dev, gate, up, out)`.
+pub type ActFn<D> = fn(&D, Option<&<D as Device>::Tensor>, &<D as Device>::Tensor, &mut <D as Device>::Tensor) -> Result<()>;
+
 /// The expert MLP's activation.
 pub enum Activation<D: Device> {
     /// `silu(gate) * up`.
@@ -129,7 +132,7 @@ pub enum Activation<D: Device> {
     GeluGated,
     /// Anything else: `f(dev, gate, up, out)`, `gate` being None for experts
     /// without a gate projection.
-    Custom(fn(&D, Option<&D::Tensor>, &D::Tensor, &mut D::Tensor) -> Result<()>),
+    Custom(ActFn<D>),
 }
 
 pub struct Expert<D: Device> {

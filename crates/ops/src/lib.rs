@@ -77,6 +77,16 @@ pub struct BlockSparse {
     pub index_dim: usize,
 }
 
+/// How a KV pool stores its rows. F16 halves the memory; F32 keeps k and v
+/// exactly as computed (an f32 model checked against its reference to 1e-4
+/// needs it: f16 rounding of k/v alone moves logits by ~1e-3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    F32,
+}
+
 /// One sequence's part of a batched attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnSeq<'a> {
@@ -119,6 +129,13 @@ pub trait Device: Send + Sync + 'static {
     /// `offset` is added to every element (Gemma's norms scale by 1 + w).
     fn vector(&self, view: &TensorView, offset: f32) -> Result<Self::Tensor>;
     fn kv_pool(&self, spec: &KvPoolSpec) -> Result<Self::Kv>;
+    /// A KV pool storing its rows as `dtype` (`kv_pool` is the F16 one).
+    fn kv_pool_as(&self, spec: &KvPoolSpec, dtype: KvDtype) -> Result<Self::Kv> {
+        match dtype {
+            KvDtype::F16 => self.kv_pool(spec),
+            other => anyhow::bail!("{other:?} KV is not implemented on {}", self.name()),
+        }
+    }
 
     // ---- ops ----
     /// `out[i] = table[ids[i]] * scale`.

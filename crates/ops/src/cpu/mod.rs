@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod conv;
+pub mod kv;
 pub mod linear_attention;
 pub mod pointwise;
 pub mod pool;
@@ -16,7 +17,7 @@ use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{AttnSeq, BlockSparse, Device, KvPoolSpec, Rope, SsmShape, StateSeq};
+use crate::{AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, Rope, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -53,12 +54,17 @@ impl CpuWeight {
     }
 }
 
-/// Paged KV in f16: per layer, `blocks × block_tokens` slots of
-/// `kv_heads × head_dim` values, for K and for V.
+/// Paged KV: per layer, `blocks × block_tokens` slots of
+/// `kv_heads × head_dim` values, for K and for V; in f16 (`k`, `v`) or,
+/// for a pool made as [`KvDtype::F32`], in f32 (`k32`, `v32`, the f16
+/// vectors then empty).
 pub struct CpuKv {
     pub spec: KvPoolSpec,
+    pub dtype: KvDtype,
     pub k: Vec<Vec<f16>>,
     pub v: Vec<Vec<f16>>,
+    pub k32: Vec<Vec<f32>>,
+    pub v32: Vec<Vec<f32>>,
 }
 
 impl CpuKv {
@@ -172,15 +178,11 @@ impl Device for Cpu {
     }
 
     fn kv_pool(&self, spec: &KvPoolSpec) -> Result<CpuKv> {
-        let slots = spec.blocks * spec.block_tokens;
-        let mut k = Vec::with_capacity(spec.layers.len());
-        let mut v = Vec::with_capacity(spec.layers.len());
-        for l in &spec.layers {
-            let n = slots * l.kv_heads * l.head_dim;
-            k.push(vec![f16::ZERO; n]);
-            v.push(vec![f16::ZERO; n]);
-        }
-        Ok(CpuKv { spec: spec.clone(), k, v })
+        kv::kv_pool(spec, KvDtype::F16)
+    }
+
+    fn kv_pool_as(&self, spec: &KvPoolSpec, dtype: KvDtype) -> Result<CpuKv> {
+        kv::kv_pool(spec, dtype)
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32], scale: f32, out: &mut CpuTensor) {
@@ -281,34 +283,19 @@ impl Device for Cpu {
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuTensor, v: &CpuTensor, slots: &[u32]) {
-        let w = kv.row_width(layer);
-        assert_eq!(k.cols, w, "kv_write: k is {} wide, the pool holds {w}", k.cols);
-        for (i, &slot) in slots.iter().enumerate() {
-            let s = slot as usize * w;
-            for (d, x) in kv.k[layer][s..s + w].iter_mut().zip(k.row(i)) {
-                *d = f16::from_f32(*x);
-            }
-            for (d, x) in kv.v[layer][s..s + w].iter_mut().zip(v.row(i)) {
-                *d = f16::from_f32(*x);
-            }
-        }
+        kv::kv_write(kv, layer, k, v, slots)
     }
 
     fn kv_copy_blocks(&self, kv: &mut CpuKv, src: &[u32], dst: &[u32]) {
-        let bt = kv.spec.block_tokens;
-        for layer in 0..kv.spec.layers.len() {
-            let n = bt * kv.row_width(layer);
-            for (&s, &d) in src.iter().zip(dst) {
-                let (s, d) = (s as usize * n, d as usize * n);
-                kv.k[layer].copy_within(s..s + n, d);
-                kv.v[layer].copy_within(s..s + n, d);
-            }
-        }
+        kv::kv_copy_blocks(kv, src, dst)
     }
 
     fn attention(&self, q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
         self.resize(out, q.rows, q.cols);
-        attention::paged_attention(q, kv, layer, seqs, scale, softcap, out);
+        match kv.dtype {
+            KvDtype::F16 => attention::paged_attention(q, kv, layer, seqs, scale, softcap, out),
+            KvDtype::F32 => kv::attention_f32(q, kv, layer, seqs, scale, softcap, out),
+        }
     }
 
     fn scale(&self, x: &mut CpuTensor, s: f32) {
@@ -416,6 +403,7 @@ impl Device for Cpu {
         sel: &BlockSparse,
         out: &mut CpuTensor,
     ) -> Result<()> {
+        ensure!(kv.dtype == KvDtype::F16, "block-sparse attention reads an f16 KV pool only");
         sparse_attention::block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
 

@@ -1,0 +1,124 @@
+//! The paged KV pool in f16 or f32 (see [`CpuKv`]).
+
+use anyhow::Result;
+use half::f16;
+
+use super::{par_rows, CpuKv, CpuTensor, SendPtr};
+use crate::{AttnSeq, KvDtype, KvPoolSpec};
+
+pub fn kv_pool(spec: &KvPoolSpec, dtype: KvDtype) -> Result<CpuKv> {
+    let slots = spec.blocks * spec.block_tokens;
+    let sizes = spec.layers.iter().map(|l| slots * l.kv_heads * l.head_dim);
+    let (mut k, mut v, mut k32, mut v32) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for n in sizes {
+        match dtype {
+            KvDtype::F16 => {
+                k.push(vec![f16::ZERO; n]);
+                v.push(vec![f16::ZERO; n]);
+            }
+            KvDtype::F32 => {
+                k32.push(vec![0f32; n]);
+                v32.push(vec![0f32; n]);
+            }
+        }
+    }
+    Ok(CpuKv { spec: spec.clone(), dtype, k, v, k32, v32 })
+}
+
+pub fn kv_write(kv: &mut CpuKv, layer: usize, k: &CpuTensor, v: &CpuTensor, slots: &[u32]) {
+    let w = kv.row_width(layer);
+    assert_eq!(k.cols, w, "kv_write: k is {} wide, the pool holds {w}", k.cols);
+    assert_eq!(v.cols, w, "kv_write: v is {} wide, the pool holds {w}", v.cols);
+    for (i, &slot) in slots.iter().enumerate() {
+        let s = slot as usize * w;
+        match kv.dtype {
+            KvDtype::F16 => {
+                for (d, x) in kv.k[layer][s..s + w].iter_mut().zip(k.row(i)) {
+                    *d = f16::from_f32(*x);
+                }
+                for (d, x) in kv.v[layer][s..s + w].iter_mut().zip(v.row(i)) {
+                    *d = f16::from_f32(*x);
+                }
+            }
+            KvDtype::F32 => {
+                kv.k32[layer][s..s + w].copy_from_slice(k.row(i));
+                kv.v32[layer][s..s + w].copy_from_slice(v.row(i));
+            }
+        }
+    }
+}
+
+pub fn kv_copy_blocks(kv: &mut CpuKv, src: &[u32], dst: &[u32]) {
+    let bt = kv.spec.block_tokens;
+    for layer in 0..kv.spec.layers.len() {
+        let n = bt * kv.row_width(layer);
+        for (&s, &d) in src.iter().zip(dst) {
+            let (s, d) = (s as usize * n, d as usize * n);
+            match kv.dtype {
+                KvDtype::F16 => {
+                    kv.k[layer].copy_within(s..s + n, d);
+                    kv.v[layer].copy_within(s..s + n, d);
+                }
+                KvDtype::F32 => {
+                    kv.k32[layer].copy_within(s..s + n, d);
+                    kv.v32[layer].copy_within(s..s + n, d);
+                }
+            }
+        }
+    }
+}
+
+/// Causal attention over an f32 pool: one task per (row, query head), keys
+/// visited in position order with an online softmax, so a row's result does
+/// not depend on the batch or chunk it sits in. (The f16 pool has its own,
+/// tuned kernel in `attention`; this one serves exact reference runs.)
+pub fn attention_f32(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
+    assert_eq!(kv.dtype, KvDtype::F32, "attention_f32 over an f16 pool");
+    let shape = kv.spec.layers[layer];
+    let hd = shape.head_dim;
+    let heads = q.cols / hd;
+    let group = heads / shape.kv_heads;
+    let kv_w = shape.kv_heads * hd;
+    let bt = kv.spec.block_tokens;
+    let (kc, vc) = (&kv.k32[layer], &kv.v32[layer]);
+    let mut rows = Vec::new();
+    for s in seqs {
+        rows.extend((0..s.q_len).map(|i| (s, i)));
+    }
+    let optr = SendPtr(out.data.as_mut_ptr());
+    let n = rows.len() * heads;
+    let body = |range: std::ops::Range<usize>| {
+        let mut acc = vec![0f32; hd];
+        for t in range {
+            let ((s, i), h) = (rows[t / heads], t % heads);
+            let qrow = s.q_start + i;
+            let pos = s.kv_len - s.q_len + i;
+            let lo = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let qv = &q.data[qrow * q.cols + h * hd..qrow * q.cols + (h + 1) * hd];
+            let kvh = h / group;
+            acc.fill(0.0);
+            let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+            for j in lo..=pos {
+                let off = (s.blocks[j / bt] as usize * bt + j % bt) * kv_w + kvh * hd;
+                let mut score = qv.iter().zip(&kc[off..off + hd]).map(|(a, b)| a * b).sum::<f32>() * scale;
+                if let Some(cap) = softcap {
+                    score = cap * (score / cap).tanh();
+                }
+                let new_m = m.max(score);
+                let corr = (m - new_m).exp();
+                let p = (score - new_m).exp();
+                l = l * corr + p;
+                for (a, v) in acc.iter_mut().zip(&vc[off..off + hd]) {
+                    *a = *a * corr + p * v;
+                }
+                m = new_m;
+            }
+            // SAFETY: each (row, head) is written by exactly one task.
+            let dst = unsafe { optr.slice(qrow * q.cols + h * hd, hd) };
+            for (d, a) in dst.iter_mut().zip(&acc) {
+                *d = a / l;
+            }
+        }
+    };
+    par_rows(n, &body);
+}

@@ -4,7 +4,7 @@
 //! rows.
 
 use braid_ops::cpu::{Cpu, CpuTensor};
-use braid_ops::{AttnSeq, BlockSparse, Device, KvPoolSpec, KvShape, SsmShape, StateSeq};
+use braid_ops::{AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, KvShape, SsmShape, StateSeq};
 
 /// xorshift: reproducible values in [-1, 1).
 struct Rng(u64);
@@ -251,11 +251,16 @@ fn pointwise_ops() {
 /// blocks a plain scoring loop picks.
 #[test]
 fn block_sparse_attention_selects_blocks() {
+    block_sparse_case(KvDtype::F16);
+    block_sparse_case(KvDtype::F32);
+}
+
+fn block_sparse_case(dtype: KvDtype) {
     let dev = Cpu::new(Some(2));
     let (heads, kvh, hd, idim, ih, n) = (4, 2, 8, 8, 2, 29);
     let bt = 4;
     let spec = KvPoolSpec { blocks: 8, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }, KvShape { kv_heads: 1, head_dim: idim }] };
-    let mut kv = dev.kv_pool(&spec).unwrap();
+    let mut kv = dev.kv_pool_as(&spec, dtype).unwrap();
     // Blocks out of order, to check the table is followed.
     let blocks: Vec<u32> = vec![5, 2, 7, 0, 1, 3, 6, 4];
     let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();
@@ -278,7 +283,7 @@ fn block_sparse_attention_selects_blocks() {
     assert!(max_diff(&sparse.data, &dense.data) < 1e-6);
 
     // Keys as the pool holds them (f16).
-    let h16 = |x: f32| half::f16::from_f32(x).to_f32();
+    let h16 = |x: f32| if dtype == KvDtype::F16 { half::f16::from_f32(x).to_f32() } else { x };
     let sel = BlockSparse { block: 3, local: 2, topk: 4, index_heads: ih, index_dim: idim };
     dev.block_sparse_attention(&q, &iq, &kv, 0, 1, &seqs, scale, &sel, &mut sparse).unwrap();
     let mut want = vec![0f32; n * heads * hd];

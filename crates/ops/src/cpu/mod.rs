@@ -403,7 +403,6 @@ impl Device for Cpu {
         sel: &BlockSparse,
         out: &mut CpuTensor,
     ) -> Result<()> {
-        ensure!(kv.dtype == KvDtype::F16, "block-sparse attention reads an f16 KV pool only");
         sparse_attention::block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
 

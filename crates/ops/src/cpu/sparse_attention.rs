@@ -10,7 +10,41 @@ use anyhow::{ensure, Result};
 use half::f16;
 
 use super::{pool, CpuKv, CpuTensor, SendPtr};
-use crate::{AttnSeq, BlockSparse};
+use crate::{AttnSeq, BlockSparse, KvDtype};
+
+/// One KV layer's keys or values, as the pool stores them.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
+impl Rows<'_> {
+    fn k(kv: &CpuKv, layer: usize) -> Rows<'_> {
+        match kv.dtype {
+            KvDtype::F16 => Rows::F16(&kv.k[layer]),
+            KvDtype::F32 => Rows::F32(&kv.k32[layer]),
+        }
+    }
+    fn v(kv: &CpuKv, layer: usize) -> Rows<'_> {
+        match kv.dtype {
+            KvDtype::F16 => Rows::F16(&kv.v[layer]),
+            KvDtype::F32 => Rows::F32(&kv.v32[layer]),
+        }
+    }
+    /// `dst.len()` values from `off`, as f32.
+    fn load(&self, off: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match self {
+            Rows::F16(r) => {
+                for (d, x) in dst.iter_mut().zip(&r[off..off + n]) {
+                    *d = x.to_f32();
+                }
+            }
+            Rows::F32(r) => dst.copy_from_slice(&r[off..off + n]),
+        }
+    }
+}
 
 const MAX_HEAD_DIM: usize = 512;
 
@@ -71,7 +105,7 @@ pub fn block_sparse_attention(
     let k_keep = sel.topk;
     let mut chosen = vec![usize::MAX; rows * ih * k_keep];
     let cptr = SendPtr2(chosen.as_mut_ptr());
-    let ik = &kv.k[index_layer];
+    let ik = Rows::k(kv, index_layer);
     let n_sel = rows * ih;
     let workers = pool::threads().min(n_sel).max(1);
     let select = |w: usize| {
@@ -105,9 +139,7 @@ pub fn block_sparse_attention(
                 for j in b * sel.block..((b + 1) * sel.block).min(pos + 1) {
                     let off = slot(s, j) * idim;
                     let kf = &mut kf[..idim];
-                    for (d, x) in kf.iter_mut().zip(&ik[off..off + idim]) {
-                        *d = x.to_f32();
-                    }
+                    ik.load(off, kf);
                     best = best.max(dot(qv, kf));
                 }
                 scores.push((best, b));
@@ -128,7 +160,7 @@ pub fn block_sparse_attention(
     }
 
     // Phase 2: attention over the kept blocks.
-    let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+    let (kc, vc) = (Rows::k(kv, layer), Rows::v(kv, layer));
     let kv_w = shape.kv_heads * hd;
     let group = heads / shape.kv_heads;
     let per_index = heads / ih;
@@ -138,6 +170,7 @@ pub fn block_sparse_attention(
     let chosen = &chosen;
     let body = |w: usize| {
         let mut kf = [0f32; MAX_HEAD_DIM];
+        let mut vf = [0f32; MAX_HEAD_DIM];
         let mut acc = [0f32; MAX_HEAD_DIM];
         for t in n_tasks * w / workers..n_tasks * (w + 1) / workers {
             let (r, h) = (t / heads, t % heads);
@@ -155,16 +188,16 @@ pub fn block_sparse_attention(
                 for j in b * sel.block..((b + 1) * sel.block).min(pos + 1) {
                     let off = slot(s, j) * kv_w + kvh * hd;
                     let kf = &mut kf[..hd];
-                    for (d, x) in kf.iter_mut().zip(&kc[off..off + hd]) {
-                        *d = x.to_f32();
-                    }
+                    kc.load(off, kf);
                     let score = dot(qv, kf) * scale;
                     let new_m = m.max(score);
                     let corr = (m - new_m).exp();
                     let p = (score - new_m).exp();
                     l = l * corr + p;
-                    for (a, v) in acc.iter_mut().zip(&vc[off..off + hd]) {
-                        *a = *a * corr + p * f16::to_f32(*v);
+                    let vf = &mut vf[..hd];
+                    vc.load(off, vf);
+                    for (a, v) in acc.iter_mut().zip(vf.iter()) {
+                        *a = *a * corr + p * v;
                     }
                     m = new_m;
                 }

@@ -4,8 +4,10 @@
 pub mod backend;
 pub mod config;
 pub mod gemma3;
+pub mod lfm2;
 pub mod llama;
 pub mod moe;
+pub mod recurrent;
 pub mod source;
 
 use std::path::Path;
@@ -123,6 +125,7 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
         "gemma3" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
+        "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
         other => bail!("{}: architecture '{other}' is not supported yet (supported: llama, gemma3)", src.path().display()),
     }
 }

@@ -1,0 +1,305 @@
+//! LFM2 and LFM2-MoE (Liquid): pre-norm blocks whose operator is either a
+//! gated short convolution or grouped-query attention with per-head q/k
+//! norms and RoPE; a SwiGLU MLP, or (LFM2-MoE, past the first dense layers)
+//! a sigmoid-routed mixture of SwiGLU experts; a final norm and a tied head.
+//!
+//! The conv operator: `B, C, x = in_proj(h)`; `y = conv(B ⊙ x)` (a causal
+//! depthwise filter of `L_cache` taps over time); `out_proj(C ⊙ y)`. Its
+//! state is the last `L_cache - 1` values of `B ⊙ x` per channel.
+
+use anyhow::{bail, ensure, Result};
+use braid_ops::{Device, KvShape, Rope};
+
+use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
+use crate::source::Source;
+use crate::{Batch, LayerState, Memory, Model, Scratch};
+
+#[derive(Clone, Debug)]
+pub struct Lfm2Config {
+    pub hidden: usize,
+    pub layers: usize,
+    /// Per layer: attention (true) or short conv (false).
+    pub attention: Vec<bool>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    /// Conv taps (`conv_L_cache`).
+    pub kernel: usize,
+    pub rope: Rope,
+    pub context: usize,
+    /// LFM2-MoE: layers from `dense_layers` on use the mixture.
+    pub moe: Option<Lfm2Moe>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Lfm2Moe {
+    pub dense_layers: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub normalize: bool,
+    pub scale: f32,
+    pub expert_bias: bool,
+}
+
+impl Lfm2Config {
+    pub fn from_source(src: &Source) -> Result<Lfm2Config> {
+        let arch = src.architecture()?;
+        let c = hf_config(src, &arch)?;
+        let hidden = c.usize("hidden_size")?;
+        let layers = c.usize("num_hidden_layers")?;
+        let heads = c.usize("num_attention_heads")?;
+        // transformers 5.x writes layer_types; Hub configs may list full_attn_idxs.
+        let attention = match c.layer_types(layers)? {
+            Some(t) => t
+                .iter()
+                .map(|k| match k.as_str() {
+                    "conv" => Ok(false),
+                    "full_attention" | "attention" => Ok(true),
+                    other => bail!("{}: layer type `{other}` (expected conv or full_attention)", src.path().display()),
+                })
+                .collect::<Result<Vec<bool>>>()?,
+            None => {
+                let Some(idx) = c.get("full_attn_idxs").and_then(|v| v.as_array()) else {
+                    bail!("{}: config.json has neither layer_types nor full_attn_idxs", src.path().display())
+                };
+                let idx: Vec<usize> = idx.iter().filter_map(|v| v.as_u64().map(|v| v as usize)).collect();
+                ensure!(idx.iter().all(|&i| i < layers), "{}: full_attn_idxs past {layers} layers", src.path().display());
+                (0..layers).map(|l| idx.contains(&l)).collect()
+            }
+        };
+        ensure!(heads > 0 && hidden % heads == 0, "{}: hidden {hidden} over {heads} heads", src.path().display());
+        let head_dim = hidden / heads;
+        let kernel = c.opt_usize("conv_L_cache")?.unwrap_or(3);
+        ensure!(kernel >= 1, "{}: conv_L_cache of 0", src.path().display());
+        let moe = if arch == "lfm2_moe" {
+            Some(Lfm2Moe {
+                dense_layers: c.usize("num_dense_layers")?,
+                experts: c.usize("num_experts")?,
+                top_k: c.usize("num_experts_per_tok")?,
+                normalize: c.opt_bool("norm_topk_prob")?.unwrap_or(true),
+                scale: c.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+                expert_bias: c.opt_bool("use_expert_bias")?.unwrap_or(false),
+            })
+        } else {
+            None
+        };
+        Ok(Lfm2Config {
+            hidden,
+            layers,
+            attention,
+            heads,
+            kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+            head_dim,
+            vocab: c.usize("vocab_size")?,
+            eps: c.opt_f32("norm_eps")?.unwrap_or(1e-5),
+            kernel,
+            rope: Rope { theta: c.rope(None, 1_000_000.0)?.theta, dims: head_dim, neox: true, scale: 1.0 },
+            context: c.opt_usize("max_position_embeddings")?.unwrap_or(128_000),
+            moe,
+        })
+    }
+}
+
+/// The gated short convolution.
+struct ShortConv<D: Device> {
+    in_b: D::Weight,
+    in_c: D::Weight,
+    in_x: D::Weight,
+    /// `[hidden × kernel]`, channel-major.
+    filter: D::Tensor,
+    bias: Option<D::Tensor>,
+    out: D::Weight,
+    /// Where this layer's tail of inputs sits in the state row.
+    state_at: usize,
+}
+
+struct Attention<D: Device> {
+    wq: D::Weight,
+    wk: D::Weight,
+    wv: D::Weight,
+    q_norm: D::Tensor,
+    k_norm: D::Tensor,
+    wo: D::Weight,
+    /// This layer's index in the KV pool.
+    kv: usize,
+}
+
+enum Operator<D: Device> {
+    Conv(ShortConv<D>),
+    Attention(Attention<D>),
+}
+
+enum FeedForward<D: Device> {
+    Mlp { w1: D::Weight, w3: D::Weight, w2: D::Weight },
+    Moe { gate: D::Weight, moe: Moe<D> },
+}
+
+struct Block<D: Device> {
+    operator_norm: D::Tensor,
+    op: Operator<D>,
+    ffn_norm: D::Tensor,
+    ffn: FeedForward<D>,
+}
+
+pub struct Lfm2<D: Device> {
+    pub cfg: Lfm2Config,
+    embed: D::Weight,
+    blocks: Vec<Block<D>>,
+    /// Named `embedding_norm`, but applied after the last block.
+    out_norm: D::Tensor,
+    /// None when the head is tied to the embeddings.
+    head: Option<D::Weight>,
+    state: StateLayout,
+}
+
+impl<D: Device> Lfm2<D> {
+    pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Lfm2<D>> {
+        let cfg = Lfm2Config::from_source(src)?;
+        let w = |n: &str| dev.weight(&src.tensor(n)?);
+        let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
+        let h = cfg.hidden;
+        let mut state = StateLayout::default();
+        let mut kv = 0;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let p = |n: &str| format!("model.layers.{l}.{n}");
+            let op = if cfg.attention[l] {
+                kv += 1;
+                Operator::Attention(Attention {
+                    wq: w(&p("self_attn.q_proj.weight"))?,
+                    wk: w(&p("self_attn.k_proj.weight"))?,
+                    wv: w(&p("self_attn.v_proj.weight"))?,
+                    q_norm: v(&p("self_attn.q_layernorm.weight"))?,
+                    k_norm: v(&p("self_attn.k_layernorm.weight"))?,
+                    wo: w(&p("self_attn.out_proj.weight"))?,
+                    kv: kv - 1,
+                })
+            } else {
+                let in_proj = src.tensor(&p("conv.in_proj.weight"))?;
+                ensure!(in_proj.shape == [3 * h, h], "{}: {:?}, expected [{}, {h}]", in_proj.name, in_proj.shape, 3 * h);
+                let filter = src.tensor(&p("conv.conv.weight"))?;
+                ensure!(filter.elements() == h * cfg.kernel, "{}: {:?}, expected [{h}, 1, {}]", filter.name, filter.shape, cfg.kernel);
+                let bias_name = p("conv.conv.bias");
+                Operator::Conv(ShortConv {
+                    // in_proj's rows are B, C, x in that order.
+                    in_b: dev.weight(&slice_rows(&in_proj, 0, h)?)?,
+                    in_c: dev.weight(&slice_rows(&in_proj, h, h)?)?,
+                    in_x: dev.weight(&slice_rows(&in_proj, 2 * h, h)?)?,
+                    filter: dev.vector(&filter, 0.0)?,
+                    bias: if src.has_tensor(&bias_name) { Some(v(&bias_name)?) } else { None },
+                    out: w(&p("conv.out_proj.weight"))?,
+                    state_at: state.take(h * (cfg.kernel - 1)),
+                })
+            };
+            let f = |n: &str| p(&format!("feed_forward.{n}"));
+            let ffn = match &cfg.moe {
+                Some(m) if l >= m.dense_layers => {
+                    let router = Router {
+                        scoring: Scoring::Sigmoid,
+                        top_k: m.top_k,
+                        choice_bias: if m.expert_bias { Some(src.tensor(&f("expert_bias"))?.to_f32()?) } else { None },
+                        normalize: m.normalize,
+                        norm_eps: 1e-6,
+                        scale: m.scale,
+                        per_expert_scale: None,
+                    };
+                    let experts = Experts::load_split(dev, src, m.experts, Activation::SiluGated, |e| {
+                        (Some(f(&format!("experts.{e}.w1.weight"))), f(&format!("experts.{e}.w3.weight")), f(&format!("experts.{e}.w2.weight")))
+                    })?;
+                    FeedForward::Moe { gate: w(&f("gate.weight"))?, moe: Moe { router, experts } }
+                }
+                _ => FeedForward::Mlp { w1: w(&f("w1.weight"))?, w3: w(&f("w3.weight"))?, w2: w(&f("w2.weight"))? },
+            };
+            blocks.push(Block { operator_norm: v(&p("operator_norm.weight"))?, op, ffn_norm: v(&p("ffn_norm.weight"))?, ffn });
+            progress(l + 1, cfg.layers);
+        }
+        let head = if src.has_tensor("lm_head.weight") { Some(w("lm_head.weight")?) } else { None };
+        Ok(Lfm2 { embed: w("model.embed_tokens.weight")?, blocks, out_norm: v("model.embedding_norm.weight")?, head, state, cfg })
+    }
+}
+
+impl<D: Device> Model<D> for Lfm2<D> {
+    fn kv_layers(&self) -> Vec<KvShape> {
+        let shape = KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim };
+        self.cfg.attention.iter().filter(|&&a| a).map(|_| shape).collect()
+    }
+
+    fn layer_states(&self) -> Vec<LayerState> {
+        self.cfg.attention.iter().map(|&a| if a { LayerState::Kv } else { LayerState::Conv }).collect()
+    }
+
+    fn state_size(&self) -> usize {
+        self.state.size()
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn context(&self) -> usize {
+        self.cfg.context
+    }
+
+    /// Every op works row by row or, for the conv, tap by tap in time
+    /// order, so any chunking gives the same bits.
+    fn chunk_invariant(&self) -> bool {
+        true
+    }
+
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
+        let c = &self.cfg;
+        let seqs = state_seqs(batch)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
+        for b in &self.blocks {
+            dev.rms_norm(&s.x, &b.operator_norm, c.eps, &mut s.h);
+            match &b.op {
+                Operator::Conv(cv) => {
+                    dev.matmul(&s.h, &cv.in_b, &mut s.gate);
+                    dev.matmul(&s.h, &cv.in_x, &mut s.up);
+                    dev.mul(&mut s.gate, &s.up)?;
+                    dev.short_conv(&s.gate, &cv.filter, cv.bias.as_ref(), c.kernel, false, &mut mem.state, cv.state_at, &seqs, &mut s.act)?;
+                    dev.matmul(&s.h, &cv.in_c, &mut s.up);
+                    dev.mul(&mut s.act, &s.up)?;
+                    dev.matmul(&s.act, &cv.out, &mut s.h);
+                }
+                Operator::Attention(a) => {
+                    dev.matmul(&s.h, &a.wq, &mut s.att);
+                    dev.rms_norm(&s.att, &a.q_norm, c.eps, &mut s.q);
+                    dev.matmul(&s.h, &a.wk, &mut s.att);
+                    dev.rms_norm(&s.att, &a.k_norm, c.eps, &mut s.k);
+                    dev.matmul(&s.h, &a.wv, &mut s.v);
+                    dev.rope(&mut s.q, batch.positions, c.head_dim, &c.rope);
+                    dev.rope(&mut s.k, batch.positions, c.head_dim, &c.rope);
+                    dev.kv_write(&mut mem.kv, a.kv, &s.k, &s.v, batch.slots);
+                    dev.attention(&s.q, &mem.kv, a.kv, &batch.seqs, scale, None, &mut s.att);
+                    dev.matmul(&s.att, &a.wo, &mut s.h);
+                }
+            }
+            dev.add(&mut s.x, &s.h);
+            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
+            match &b.ffn {
+                FeedForward::Mlp { w1, w3, w2 } => {
+                    dev.matmul(&s.h, w1, &mut s.gate);
+                    dev.matmul(&s.h, w3, &mut s.up);
+                    dev.silu_mul(&s.gate, &s.up, &mut s.act);
+                    dev.matmul(&s.act, w2, &mut s.h);
+                }
+                FeedForward::Moe { gate, moe } => {
+                    dev.matmul(&s.h, gate, &mut s.gate);
+                    let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
+                    moe.forward(dev, &s.h, &s.gate, &mut s.act, [t0, t1, t2, t3])?;
+                    std::mem::swap(&mut s.h, &mut s.act);
+                }
+            }
+            dev.add(&mut s.x, &s.h);
+        }
+        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
+        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
+        dev.matmul(&s.q, self.head.as_ref().unwrap_or(&self.embed), &mut s.logits);
+        Ok(())
+    }
+}

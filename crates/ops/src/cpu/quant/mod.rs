@@ -6,8 +6,21 @@
 //! block, as llama.cpp does. Float weights (F32/F16/BF16) take f32
 //! activations directly.
 //!
-//! Every kernel has a scalar version and, where the CPU has AVX2+FMA+F16C
-//! (checked at run time), a SIMD one; the tests hold one against the other.
+//! Kernels: scalar everywhere; AVX2+FMA+F16C tiles (and AVX-VNNI for the
+//! 32-element types) picked at run time ([`Isa::best`]). Q2_K, Q3_K and
+//! Q8_K weights run the scalar kernels. The tests hold each ISA against
+//! the scalar one.
+//!
+//! Shapes: a task owns a range of weight rows (and, when rows are few, of
+//! activation rows) and runs register tiles of a few weight rows x a few
+//! activation rows. Matvecs (decode) stream each weight row once, with
+//! software prefetch of the next tile. With 16+ activation rows (prefill)
+//! a task first unpacks an L2-sized block of its weight rows into plain
+//! bytes + scales, then runs every activation tile over it.
+//!
+//! Every output element is computed by the same operations in the same
+//! order whatever `m`, the tile shape or the thread count, so results are
+//! bit-identical between decode and prefill and across chunkings.
 
 mod act;
 #[cfg(target_arch = "x86_64")]

@@ -3,8 +3,11 @@
 //! both the attention and the MLP; a GELU-gated MLP; a tied head.
 
 use anyhow::Result;
+use braid_formats::DType;
 use braid_ops::{AttnSeq, Device, KvShape, Rope};
 
+use crate::config::HfConfig;
+use crate::llama::hf_rope;
 use crate::source::Source;
 use crate::{Batch, LayerState, Memory, Model, Scratch};
 
@@ -19,13 +22,24 @@ pub struct Gemma3Config {
     pub vocab: usize,
     pub eps: f32,
     pub window: usize,
-    /// Layer i is global when `(i + 1) % global_every == 0`.
-    pub global_every: usize,
+    /// Per layer: global (full) attention, else sliding-window (local).
+    pub global: Vec<bool>,
     pub rope_global: Rope,
     pub rope_local: Rope,
     pub attn_scale: f32,
+    pub attn_softcap: Option<f32>,
     pub final_softcap: Option<f32>,
+    /// Embeddings are scaled by √hidden (rounded to the weights' type, as transformers does).
+    pub embed_scale: f32,
+    /// Added to every norm weight: HF checkpoints store Gemma's `1 + w` as
+    /// `w`; the GGUF converter already folded the 1 in.
+    pub norm_offset: f32,
     pub context: usize,
+}
+
+/// A softcap of 0, infinity or none all mean no cap.
+fn cap(v: Option<f32>) -> Option<f32> {
+    v.filter(|c| c.is_finite() && *c > 0.0)
 }
 
 impl Gemma3Config {
@@ -36,10 +50,11 @@ impl Gemma3Config {
                 let hidden = g.get_u64(&key("embedding_length"))? as usize;
                 let heads = g.get_u64(&key("attention.head_count"))? as usize;
                 let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
+                let layers = g.get_u64(&key("block_count"))? as usize;
                 let rope = |theta| Rope { theta, dims: head_dim, neox: true, scale: 1.0 };
                 Ok(Gemma3Config {
                     hidden,
-                    layers: g.get_u64(&key("block_count"))? as usize,
+                    layers,
                     heads,
                     kv_heads: g.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(heads),
                     head_dim,
@@ -48,20 +63,63 @@ impl Gemma3Config {
                     eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
                     window: g.get_u64(&key("attention.sliding_window")).map(|v| v as usize).unwrap_or(512),
                     // Gemma 3 interleaves five local layers with one global.
-                    global_every: 6,
+                    global: (0..layers).map(|l| (l + 1).is_multiple_of(6)).collect(),
                     rope_global: rope(g.get_f32(&key("rope.freq_base")).unwrap_or(1_000_000.0)),
                     rope_local: rope(10_000.0),
                     attn_scale: 1.0 / (head_dim as f32).sqrt(),
+                    attn_softcap: None,
                     final_softcap: None,
+                    embed_scale: (hidden as f32).sqrt(),
+                    norm_offset: 0.0,
                     context: g.get_u64(&key("context_length")).map(|v| v as usize).unwrap_or(32768),
                 })
             }
-            Source::Hf(h) => anyhow::bail!("{}: gemma3 from safetensors is not supported yet", h.dir().display()),
+            Source::Hf(h) => {
+                let c = HfConfig::new(h.config(), h.dir());
+                let hidden = c.usize("hidden_size")?;
+                let heads = c.usize("num_attention_heads")?;
+                let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+                let layers = c.usize("num_hidden_layers")?;
+                // transformers 5.x lists layer types; Hub configs give the pattern.
+                let global = match c.layer_types(layers)? {
+                    Some(t) => t.iter().map(|t| t != "sliding_attention").collect(),
+                    None => {
+                        let every = c.opt_usize("sliding_window_pattern")?.or(c.opt_usize("_sliding_window_pattern")?).unwrap_or(6).max(1);
+                        (0..layers).map(|l| (l + 1).is_multiple_of(every)).collect()
+                    }
+                };
+                let embed = h.tensor("model.embed_tokens.weight")?;
+                Ok(Gemma3Config {
+                    hidden,
+                    layers,
+                    heads,
+                    kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+                    head_dim,
+                    ffn: c.usize("intermediate_size")?,
+                    vocab: c.usize("vocab_size")?,
+                    eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+                    window: c.opt_usize("sliding_window")?.unwrap_or(4096),
+                    global,
+                    rope_global: hf_rope(&c, Some("full_attention"), head_dim, h.dir())?,
+                    rope_local: hf_rope(&c, Some("sliding_attention"), head_dim, h.dir())?,
+                    attn_scale: c.opt_f32("query_pre_attn_scalar")?.unwrap_or(head_dim as f32).powf(-0.5),
+                    attn_softcap: cap(c.opt_f32("attn_logit_softcapping")?),
+                    final_softcap: cap(c.opt_f32("final_logit_softcapping")?),
+                    embed_scale: round_to(embed.dtype, (hidden as f32).sqrt()),
+                    norm_offset: 1.0,
+                    context: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+                })
+            }
         }
     }
+}
 
-    fn is_global(&self, layer: usize) -> bool {
-        (layer + 1).is_multiple_of(self.global_every)
+/// `x` rounded to a weight type (transformers multiplies by the scale in the weights' dtype).
+pub fn round_to(dtype: DType, x: f32) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => x,
     }
 }
 
@@ -91,30 +149,34 @@ pub struct Gemma3<D: Device> {
 impl<D: Device> Gemma3<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Gemma3<D>> {
         let cfg = Gemma3Config::from_source(src)?;
-        let w = |n: &str| dev.weight(&src.tensor(n)?);
-        // The GGUF converter already folded Gemma's `1 + w` into the norms.
-        let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
+        let hf = matches!(src, Source::Hf(_));
+        // Each tensor by its GGUF name or its HF name.
+        let name = |gguf: &str, hf_name: &str| if hf { hf_name.to_string() } else { gguf.to_string() };
+        let w = |g: &str, h: &str| dev.weight(&src.tensor(&name(g, h))?);
+        let v = |g: &str, h: &str| dev.vector(&src.tensor(&name(g, h))?, cfg.norm_offset);
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
-            let p = |n: &str| format!("blk.{i}.{n}.weight");
+            let g = |n: &str| format!("blk.{i}.{n}.weight");
+            let h = |n: &str| format!("model.layers.{i}.{n}.weight");
             blocks.push(Block {
-                attn_norm: v(&p("attn_norm"))?,
-                wq: w(&p("attn_q"))?,
-                wk: w(&p("attn_k"))?,
-                wv: w(&p("attn_v"))?,
-                q_norm: v(&p("attn_q_norm"))?,
-                k_norm: v(&p("attn_k_norm"))?,
-                wo: w(&p("attn_output"))?,
-                post_attn_norm: v(&p("post_attention_norm"))?,
-                ffn_norm: v(&p("ffn_norm"))?,
-                w_gate: w(&p("ffn_gate"))?,
-                w_up: w(&p("ffn_up"))?,
-                w_down: w(&p("ffn_down"))?,
-                post_ffn_norm: v(&p("post_ffw_norm"))?,
+                attn_norm: v(&g("attn_norm"), &h("input_layernorm"))?,
+                wq: w(&g("attn_q"), &h("self_attn.q_proj"))?,
+                wk: w(&g("attn_k"), &h("self_attn.k_proj"))?,
+                wv: w(&g("attn_v"), &h("self_attn.v_proj"))?,
+                q_norm: v(&g("attn_q_norm"), &h("self_attn.q_norm"))?,
+                k_norm: v(&g("attn_k_norm"), &h("self_attn.k_norm"))?,
+                wo: w(&g("attn_output"), &h("self_attn.o_proj"))?,
+                post_attn_norm: v(&g("post_attention_norm"), &h("post_attention_layernorm"))?,
+                ffn_norm: v(&g("ffn_norm"), &h("pre_feedforward_layernorm"))?,
+                w_gate: w(&g("ffn_gate"), &h("mlp.gate_proj"))?,
+                w_up: w(&g("ffn_up"), &h("mlp.up_proj"))?,
+                w_down: w(&g("ffn_down"), &h("mlp.down_proj"))?,
+                post_ffn_norm: v(&g("post_ffw_norm"), &h("post_feedforward_layernorm"))?,
             });
             progress(i + 1, cfg.layers);
         }
-        Ok(Gemma3 { embed: w("token_embd.weight")?, blocks, out_norm: v("output_norm.weight")?, cfg })
+        let embed = w("token_embd.weight", "model.embed_tokens.weight")?;
+        Ok(Gemma3 { embed, blocks, out_norm: v("output_norm.weight", "model.norm.weight")?, cfg })
     }
 }
 
@@ -124,7 +186,7 @@ impl<D: Device> Model<D> for Gemma3<D> {
     }
 
     fn layer_states(&self) -> Vec<LayerState> {
-        (0..self.cfg.layers).map(|l| if self.cfg.is_global(l) { LayerState::Kv } else { LayerState::SlidingKv { window: self.cfg.window } }).collect()
+        self.cfg.global.iter().map(|&g| if g { LayerState::Kv } else { LayerState::SlidingKv { window: self.cfg.window } }).collect()
     }
 
     fn vocab(&self) -> usize {
@@ -138,10 +200,10 @@ impl<D: Device> Model<D> for Gemma3<D> {
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let kv = &mut mem.kv;
         let c = &self.cfg;
-        dev.embed(&self.embed, batch.tokens, (c.hidden as f32).sqrt(), &mut s.x);
+        dev.embed(&self.embed, batch.tokens, c.embed_scale, &mut s.x);
         let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();
         for (l, b) in self.blocks.iter().enumerate() {
-            let (rope, seqs) = if c.is_global(l) { (&c.rope_global, &batch.seqs) } else { (&c.rope_local, &local_seqs) };
+            let (rope, seqs) = if c.global[l] { (&c.rope_global, &batch.seqs) } else { (&c.rope_local, &local_seqs) };
             // Attention, with q/k normalised per head before RoPE.
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
             dev.matmul(&s.h, &b.wq, &mut s.att);
@@ -152,7 +214,7 @@ impl<D: Device> Model<D> for Gemma3<D> {
             dev.rope(&mut s.q, batch.positions, c.head_dim, rope);
             dev.rope(&mut s.k, batch.positions, c.head_dim, rope);
             dev.kv_write(kv, l, &s.k, &s.v, batch.slots);
-            dev.attention(&s.q, kv, l, seqs, c.attn_scale, None, &mut s.att);
+            dev.attention(&s.q, kv, l, seqs, c.attn_scale, c.attn_softcap, &mut s.att);
             dev.matmul(&s.att, &b.wo, &mut s.h);
             dev.rms_norm(&s.h, &b.post_attn_norm, c.eps, &mut s.up);
             dev.add(&mut s.x, &s.up);

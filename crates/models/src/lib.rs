@@ -7,6 +7,7 @@ pub mod gemma3;
 pub mod lfm2;
 pub mod llama;
 pub mod moe;
+pub mod qwen3;
 pub mod recurrent;
 pub mod source;
 
@@ -124,7 +125,8 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     let arch = src.architecture()?;
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
-        "gemma3" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
+        "gemma3" | "gemma3_text" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
+        "qwen3" => Ok(Box::new(qwen3::Qwen3::load(dev, src, progress)?)),
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
         other => bail!("{}: architecture '{other}' is not supported yet (supported: llama, gemma3)", src.path().display()),
     }

@@ -2,9 +2,10 @@
 //! attention with RoPE and a SwiGLU MLP, a final RMSNorm and a (possibly
 //! tied) output head.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Result};
 use braid_ops::{Device, KvShape, Rope};
 
+use crate::config::HfConfig;
 use crate::source::Source;
 use crate::{Batch, LayerState, Memory, Model, Scratch};
 
@@ -54,31 +55,39 @@ impl LlamaConfig {
                 })
             }
             Source::Hf(h) => {
-                let c = h.config();
-                let u = |k: &str| -> Result<usize> {
-                    c.get(k).and_then(|v| v.as_u64()).map(|v| v as usize).with_context(|| format!("{}: config.json lacks {k}", h.dir().display()))
-                };
-                let hidden = u("hidden_size")?;
-                let heads = u("num_attention_heads")?;
-                let head_dim = u("head_dim").unwrap_or(hidden / heads);
-                let theta =
-                    c.get("rope_theta").or_else(|| c.get("rope_parameters").and_then(|p| p.get("rope_theta"))).and_then(|v| v.as_f64()).unwrap_or(10000.0)
-                        as f32;
+                let c = HfConfig::new(h.config(), h.dir());
+                let hidden = c.usize("hidden_size")?;
+                let heads = c.usize("num_attention_heads")?;
+                let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
                 Ok(LlamaConfig {
                     hidden,
-                    layers: u("num_hidden_layers")?,
+                    layers: c.usize("num_hidden_layers")?,
                     heads,
-                    kv_heads: u("num_key_value_heads").unwrap_or(heads),
+                    kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
                     head_dim,
-                    ffn: u("intermediate_size")?,
-                    vocab: u("vocab_size")?,
-                    eps: c.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-6) as f32,
-                    rope: Rope { theta, dims: head_dim, neox: true, scale: 1.0 },
-                    context: u("max_position_embeddings").unwrap_or(4096),
+                    ffn: c.usize("intermediate_size")?,
+                    vocab: c.usize("vocab_size")?,
+                    eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+                    rope: hf_rope(&c, None, head_dim, h.dir())?,
+                    context: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
                 })
             }
         }
     }
+}
+
+/// The RoPE of an HF config for one layer type: the NeoX pairing that HF
+/// checkpoints use, over `partial_rotary_factor` of the head. Scaled variants
+/// other than linear would need their own frequency tables, so they are
+/// refused rather than run wrong.
+pub fn hf_rope(c: &HfConfig<'_>, layer_type: Option<&str>, head_dim: usize, dir: &std::path::Path) -> Result<Rope> {
+    let p = c.rope(layer_type, 10000.0)?;
+    let scale = match p.rope_type.as_str() {
+        "default" => 1.0,
+        "linear" => p.factor,
+        other => bail!("{}: rope_type '{other}' is not supported (supported: default, linear)", dir.display()),
+    };
+    Ok(Rope { theta: p.theta, dims: (head_dim as f32 * p.partial_rotary_factor) as usize, neox: true, scale })
 }
 
 struct Block<D: Device> {

@@ -51,3 +51,5 @@ macro_rules! family {
 }
 
 family!(llama, "llama");
+family!(qwen3, "qwen3");
+family!(gemma3, "gemma3_text");

@@ -70,7 +70,7 @@ impl Lfm2Config {
                 (0..layers).map(|l| idx.contains(&l)).collect()
             }
         };
-        ensure!(heads > 0 && hidden % heads == 0, "{}: hidden {hidden} over {heads} heads", src.path().display());
+        ensure!(heads > 0 && hidden.is_multiple_of(heads), "{}: hidden {hidden} over {heads} heads", src.path().display());
         let head_dim = hidden / heads;
         let kernel = c.opt_usize("conv_L_cache")?.unwrap_or(3);
         ensure!(kernel >= 1, "{}: conv_L_cache of 0", src.path().display());

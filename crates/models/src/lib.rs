@@ -4,9 +4,11 @@
 pub mod backend;
 pub mod config;
 pub mod gemma3;
+pub mod gemma4;
 pub mod lfm2;
 pub mod llama;
 pub mod moe;
+pub mod nemotron_h;
 pub mod qwen3;
 pub mod recurrent;
 pub mod source;
@@ -127,7 +129,9 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
         "gemma3" | "gemma3_text" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
         "qwen3" => Ok(Box::new(qwen3::Qwen3::load(dev, src, progress)?)),
+        "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
+        "nemotron_h" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
         other => bail!("{}: architecture '{other}' is not supported yet (supported: llama, gemma3)", src.path().display()),
     }
 }

@@ -11,6 +11,10 @@
 mod fixtures_common;
 use fixtures_common::*;
 
+use std::path::PathBuf;
+
+use serde_json::{json, Value};
+
 const TOL: f32 = 1e-4;
 
 /// One test per check, so a failure names the family and the check.
@@ -59,3 +63,84 @@ macro_rules! family {
 
 family!(lfm2, "lfm2", incremental = "logits_incremental");
 family!(lfm2_moe, "lfm2_moe", incremental = "logits_incremental");
+family!(nemotron_h, "nemotron_h", incremental = "logits_incremental_clamped");
+
+/// transformers' own decode does not clamp dt (`logits_incremental` drifts
+/// by 2e-2 from `logits_full`); braid clamps in decode too, so it must be far
+/// from that table while matching the clamped one (checked above).
+#[test]
+fn nemotron_h_clamps_dt_in_decode() {
+    let fx = Fixture::load("nemotron_h");
+    let mut be = fx.backend();
+    let got = incremental(&mut be, 1, &fx.tokens, PREFILL);
+    let d = diff(&got, fx.logits("logits_incremental"), fx.vocab);
+    assert!(d.max > 1e-3, "decode matches transformers' unclamped decode ({:.2e}): dt is not clamped", d.max);
+}
+
+/// A change to a config.json.
+type ConfigEdit = dyn Fn(&mut serde_json::Map<String, Value>);
+
+/// A copy of a fixture folder with `edit` applied to its config.json (the
+/// Hub form of a config, say).
+fn edited_fixture(name: &str, tag: &str, edit: &ConfigEdit) -> PathBuf {
+    let src = fixtures_dir().join(name);
+    let dir = std::env::temp_dir().join(format!("braid-hybrid-{name}-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// Full-forward logits of the model in `dir`.
+fn full_logits(dir: &std::path::Path, tokens: &[u32]) -> Vec<f32> {
+    let dev = braid_ops::cpu::Cpu::new(None);
+    let (_src, model) = braid_models::open(&dev, dir).unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
+    let mut be = braid_models::ModelBackend::new(dev, model, backend_config()).unwrap();
+    stepped(&mut be, 1, tokens, usize::MAX)
+}
+
+/// Hub-style configs (the forms transformers 5.x rewrites) load to the
+/// same model: the same logits bit for bit.
+#[test]
+fn hub_config_forms() {
+    let cases: Vec<(&str, Box<ConfigEdit>)> = vec![
+        (
+            "lfm2",
+            Box::new(|c| {
+                let idx: Vec<usize> =
+                    c["layer_types"].as_array().unwrap().iter().enumerate().filter(|(_, t)| t.as_str() != Some("conv")).map(|(i, _)| i).collect();
+                c.remove("layer_types");
+                c.insert("full_attn_idxs".into(), json!(idx));
+                let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
+                c.insert("rope_theta".into(), theta);
+            }),
+        ),
+        (
+            "nemotron_h",
+            Box::new(|c| {
+                let map = |t: &Value| match t.as_str().unwrap() {
+                    "linear_attention" => 'M',
+                    "full_attention" => '*',
+                    "mlp" => '-',
+                    "moe" => 'E',
+                    t => panic!("{t}"),
+                };
+                let pattern: String = c["layers_block_type"].as_array().unwrap().iter().map(map).collect();
+                c.insert("num_hidden_layers".into(), json!(pattern.len()));
+                c.remove("layers_block_type");
+                c.insert("hybrid_override_pattern".into(), json!(pattern));
+                c.insert("time_step_limit".into(), json!([0.0, 1e30]));
+            }),
+        ),
+    ];
+    for (name, edit) in cases {
+        let fx = Fixture::load(name);
+        let want = full_logits(&fx.dir, &fx.tokens);
+        let dir = edited_fixture(name, "hub", edit.as_ref());
+        let got = full_logits(&dir, &fx.tokens);
+        std::fs::remove_dir_all(&dir).ok();
+        assert_bit_identical(&format!("{name} from a Hub-style config"), &got, &want, fx.vocab);
+    }
+}

@@ -1,0 +1,369 @@
+//! Nemotron-H (NVIDIA): every block is one mixer behind a pre-norm and a
+//! residual — Mamba2, attention (no positional encoding), a squared-ReLU
+//! MLP, or a sigmoid-routed mixture of squared-ReLU experts with a shared
+//! expert; a final norm and an untied head.
+//!
+//! Mamba2: `z, xBC, dt = in_proj(h)`; `xBC = silu(conv(xBC))` (a causal
+//! depthwise filter over time); the selective scan over heads, with B and C
+//! shared by groups of heads; `y ⊙ silu(z)` normalised per channel group;
+//! `out_proj`. Its state: the conv's last inputs and the scan's matrix per
+//! head. `dt` is clamped to `time_step_min` in every pass: transformers does
+//! so in prefill only, which makes its own decode drift (see the fixtures'
+//! README); clamping in both keeps prefill and decode one computation.
+
+use anyhow::{bail, ensure, Result};
+use braid_ops::{Device, KvShape, SsmShape};
+
+use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
+use crate::source::Source;
+use crate::{Batch, LayerState, Memory, Model, Scratch};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mixer {
+    Mamba,
+    Attention,
+    Mlp,
+    Moe,
+}
+
+#[derive(Clone, Debug)]
+pub struct NemotronHConfig {
+    pub hidden: usize,
+    pub mixers: Vec<Mixer>,
+    pub vocab: usize,
+    pub eps: f32,
+    pub context: usize,
+    // Mamba2.
+    pub ssm: SsmShape,
+    pub conv_kernel: usize,
+    // Attention.
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    // Mixture of experts.
+    pub experts: usize,
+    pub top_k: usize,
+    pub normalize: bool,
+    pub routed_scale: f32,
+}
+
+impl NemotronHConfig {
+    pub fn from_source(src: &Source) -> Result<NemotronHConfig> {
+        let c = hf_config(src, "nemotron_h")?;
+        let path = src.path();
+        let path = path.display();
+        // transformers 5.x: layers_block_type (with "linear_attention" for
+        // Mamba2); Hub configs: hybrid_override_pattern such as "M-M*-E".
+        let mixers: Vec<Mixer> = if let Some(list) = c.get("layers_block_type").or_else(|| c.get("layer_types")) {
+            let Some(list) = list.as_array() else { bail!("{path}: layers_block_type is not a list") };
+            list.iter()
+                .map(|v| match v.as_str() {
+                    Some("linear_attention" | "mamba") => Ok(Mixer::Mamba),
+                    Some("full_attention" | "attention") => Ok(Mixer::Attention),
+                    Some("mlp") => Ok(Mixer::Mlp),
+                    Some("moe") => Ok(Mixer::Moe),
+                    _ => bail!("{path}: layer type {v} (expected linear_attention/mamba, full_attention, mlp or moe)"),
+                })
+                .collect::<Result<_>>()?
+        } else if let Some(p) = c.opt_str("hybrid_override_pattern")? {
+            p.chars()
+                .map(|ch| match ch {
+                    'M' => Ok(Mixer::Mamba),
+                    '*' => Ok(Mixer::Attention),
+                    '-' => Ok(Mixer::Mlp),
+                    'E' => Ok(Mixer::Moe),
+                    _ => bail!("{path}: hybrid_override_pattern has '{ch}' (expected M, *, - or E)"),
+                })
+                .collect::<Result<_>>()?
+        } else {
+            bail!("{path}: config.json has neither layers_block_type nor hybrid_override_pattern")
+        };
+        ensure!(!mixers.is_empty(), "{path}: no layers");
+        if let Some(act) = c.opt_str("mlp_hidden_act")? {
+            ensure!(act == "relu2", "{path}: mlp_hidden_act {act} (only relu2 is supported)");
+        }
+        ensure!(c.get("moe_latent_size").is_none(), "{path}: moe_latent_size (latent MoE projections) is not supported");
+        for k in ["n_group", "topk_group"] {
+            if let Some(g) = c.opt_usize(k)? {
+                ensure!(g == 1, "{path}: {k} = {g} (only ungrouped routing is supported)");
+            }
+        }
+        let hidden = c.usize("hidden_size")?;
+        let heads = c.usize("num_attention_heads")?;
+        // transformers clamps dt to [time_step_min, inf) and ignores
+        // time_step_limit; a limit tighter than that is kept too.
+        let limit = |i: usize| -> Option<f32> { c.get("time_step_limit")?.as_array()?.get(i).and_then(json_f32) };
+        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(0.0).max(limit(0).unwrap_or(0.0));
+        let dt_max = limit(1).unwrap_or(f32::INFINITY);
+        ensure!(dt_min <= dt_max, "{path}: dt limits {dt_min} > {dt_max}");
+        let ssm = SsmShape {
+            heads: c.usize("mamba_num_heads")?,
+            head_dim: c.usize("mamba_head_dim")?,
+            state_dim: c.usize("ssm_state_size")?,
+            groups: c.usize("n_groups")?,
+            dt_min,
+            dt_max,
+        };
+        ensure!(ssm.groups > 0 && ssm.heads.is_multiple_of(ssm.groups), "{path}: {} Mamba heads in {} groups", ssm.heads, ssm.groups);
+        let conv_kernel = c.usize("conv_kernel")?;
+        ensure!(conv_kernel >= 1, "{path}: conv_kernel of 0");
+        Ok(NemotronHConfig {
+            hidden,
+            mixers,
+            vocab: c.usize("vocab_size")?,
+            eps: c.opt_f32("layer_norm_epsilon")?.or(c.opt_f32("rms_norm_eps")?).unwrap_or(1e-5),
+            context: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            ssm,
+            conv_kernel,
+            heads,
+            kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+            head_dim: c.opt_usize("head_dim")?.unwrap_or(hidden / heads),
+            experts: c.opt_usize("n_routed_experts")?.unwrap_or(0),
+            top_k: c.opt_usize("num_experts_per_tok")?.unwrap_or(0),
+            normalize: c.opt_bool("norm_topk_prob")?.unwrap_or(true),
+            routed_scale: c.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+        })
+    }
+
+    fn inner(&self) -> usize {
+        self.ssm.heads * self.ssm.head_dim
+    }
+
+    fn conv_dim(&self) -> usize {
+        self.inner() + 2 * self.ssm.groups * self.ssm.state_dim
+    }
+}
+
+/// A number, or transformers 5.x's `{"__float__": "Infinity"}`.
+fn json_f32(v: &serde_json::Value) -> Option<f32> {
+    if let Some(x) = v.as_f64() {
+        return Some(x as f32);
+    }
+    match v.get("__float__")?.as_str()? {
+        "Infinity" | "inf" => Some(f32::INFINITY),
+        "-Infinity" | "-inf" => Some(f32::NEG_INFINITY),
+        s => s.parse().ok(),
+    }
+}
+
+struct Mamba<D: Device> {
+    in_z: D::Weight,
+    in_xbc: D::Weight,
+    in_dt: D::Weight,
+    conv: D::Tensor,
+    conv_bias: Option<D::Tensor>,
+    dt_bias: D::Tensor,
+    /// `-exp(A_log)`.
+    a: D::Tensor,
+    d: D::Tensor,
+    norm: D::Tensor,
+    out: D::Weight,
+    conv_at: usize,
+    ssm_at: usize,
+}
+
+struct Attention<D: Device> {
+    wq: D::Weight,
+    wk: D::Weight,
+    wv: D::Weight,
+    wo: D::Weight,
+    kv: usize,
+}
+
+enum Layer<D: Device> {
+    Mamba(Mamba<D>),
+    Attention(Attention<D>),
+    Mlp { up: D::Weight, down: D::Weight },
+    Moe { gate: D::Weight, moe: Moe<D>, shared_up: D::Weight, shared_down: D::Weight },
+}
+
+struct Block<D: Device> {
+    norm: D::Tensor,
+    mixer: Layer<D>,
+}
+
+pub struct NemotronH<D: Device> {
+    pub cfg: NemotronHConfig,
+    embed: D::Weight,
+    blocks: Vec<Block<D>>,
+    out_norm: D::Tensor,
+    head: D::Weight,
+    state: StateLayout,
+}
+
+/// The experts' activation: `relu(up(x))²`, no gate.
+fn relu2_expert<D: Device>(dev: &D, _gate: Option<&D::Tensor>, up: &D::Tensor, out: &mut D::Tensor) -> Result<()> {
+    dev.relu2(up, out)
+}
+
+impl<D: Device> NemotronH<D> {
+    pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<NemotronH<D>> {
+        let cfg = NemotronHConfig::from_source(src)?;
+        let w = |n: &str| dev.weight(&src.tensor(n)?);
+        let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
+        let (inner, conv_dim, nh) = (cfg.inner(), cfg.conv_dim(), cfg.ssm.heads);
+        let mut state = StateLayout::default();
+        let mut kv = 0;
+        let mut blocks = Vec::with_capacity(cfg.mixers.len());
+        for (l, &kind) in cfg.mixers.iter().enumerate() {
+            let p = |n: &str| format!("backbone.layers.{l}.mixer.{n}");
+            let mixer = match kind {
+                Mixer::Mamba => {
+                    let in_proj = src.tensor(&p("in_proj.weight"))?;
+                    ensure!(
+                        in_proj.shape == [inner + conv_dim + nh, cfg.hidden],
+                        "{}: {:?}, expected [{}, {}]",
+                        in_proj.name,
+                        in_proj.shape,
+                        inner + conv_dim + nh,
+                        cfg.hidden
+                    );
+                    let conv = src.tensor(&p("conv1d.weight"))?;
+                    ensure!(conv.elements() == conv_dim * cfg.conv_kernel, "{}: {:?}, expected [{conv_dim}, 1, {}]", conv.name, conv.shape, cfg.conv_kernel);
+                    let a_log = src.tensor(&p("A_log"))?.to_f32()?;
+                    ensure!(a_log.len() == nh, "{}: {} values for {nh} heads", p("A_log"), a_log.len());
+                    let a: Vec<f32> = a_log.iter().map(|x| -x.exp()).collect();
+                    let bias = p("conv1d.bias");
+                    Layer::Mamba(Mamba {
+                        // in_proj's rows are z, then xBC, then dt.
+                        in_z: dev.weight(&slice_rows(&in_proj, 0, inner)?)?,
+                        in_xbc: dev.weight(&slice_rows(&in_proj, inner, conv_dim)?)?,
+                        in_dt: dev.weight(&slice_rows(&in_proj, inner + conv_dim, nh)?)?,
+                        conv: dev.vector(&conv, 0.0)?,
+                        conv_bias: if src.has_tensor(&bias) { Some(v(&bias)?) } else { None },
+                        dt_bias: v(&p("dt_bias"))?,
+                        a: dev.upload(&a, 1, nh)?,
+                        d: v(&p("D"))?,
+                        norm: v(&p("norm.weight"))?,
+                        out: w(&p("out_proj.weight"))?,
+                        conv_at: state.take(conv_dim * (cfg.conv_kernel - 1)),
+                        ssm_at: state.take(nh * cfg.ssm.head_dim * cfg.ssm.state_dim),
+                    })
+                }
+                Mixer::Attention => {
+                    kv += 1;
+                    Layer::Attention(Attention {
+                        wq: w(&p("q_proj.weight"))?,
+                        wk: w(&p("k_proj.weight"))?,
+                        wv: w(&p("v_proj.weight"))?,
+                        wo: w(&p("o_proj.weight"))?,
+                        kv: kv - 1,
+                    })
+                }
+                Mixer::Mlp => Layer::Mlp { up: w(&p("up_proj.weight"))?, down: w(&p("down_proj.weight"))? },
+                Mixer::Moe => {
+                    let router = Router {
+                        scoring: Scoring::Sigmoid,
+                        top_k: cfg.top_k,
+                        choice_bias: Some(src.tensor(&p("gate.e_score_correction_bias"))?.to_f32()?),
+                        normalize: cfg.normalize,
+                        norm_eps: 1e-20,
+                        scale: cfg.routed_scale,
+                        per_expert_scale: None,
+                    };
+                    let experts = Experts::load_split(dev, src, cfg.experts, Activation::Custom(relu2_expert::<D>), |e| {
+                        (None, p(&format!("experts.{e}.up_proj.weight")), p(&format!("experts.{e}.down_proj.weight")))
+                    })?;
+                    Layer::Moe {
+                        gate: w(&p("gate.weight"))?,
+                        moe: Moe { router, experts },
+                        shared_up: w(&p("shared_experts.up_proj.weight"))?,
+                        shared_down: w(&p("shared_experts.down_proj.weight"))?,
+                    }
+                }
+            };
+            blocks.push(Block { norm: v(&format!("backbone.layers.{l}.norm.weight"))?, mixer });
+            progress(l + 1, cfg.mixers.len());
+        }
+        Ok(NemotronH { embed: w("backbone.embeddings.weight")?, blocks, out_norm: v("backbone.norm_f.weight")?, head: w("lm_head.weight")?, state, cfg })
+    }
+}
+
+impl<D: Device> Model<D> for NemotronH<D> {
+    fn kv_layers(&self) -> Vec<KvShape> {
+        let shape = KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim };
+        self.cfg.mixers.iter().filter(|&&m| m == Mixer::Attention).map(|_| shape).collect()
+    }
+
+    fn layer_states(&self) -> Vec<LayerState> {
+        self.cfg
+            .mixers
+            .iter()
+            .map(|m| match m {
+                // The conv tail and the scan state, both kept by a mark.
+                Mixer::Mamba => LayerState::Ssm,
+                Mixer::Attention => LayerState::Kv,
+                Mixer::Mlp | Mixer::Moe => LayerState::None,
+            })
+            .collect()
+    }
+
+    fn state_size(&self) -> usize {
+        self.state.size()
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn context(&self) -> usize {
+        self.cfg.context
+    }
+
+    /// The conv and the scan step token by token, the rest is row-wise: any
+    /// chunking gives the same bits.
+    fn chunk_invariant(&self) -> bool {
+        true
+    }
+
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
+        let c = &self.cfg;
+        let seqs = state_seqs(batch)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
+        for b in &self.blocks {
+            dev.rms_norm(&s.x, &b.norm, c.eps, &mut s.h);
+            match &b.mixer {
+                Layer::Mamba(m) => {
+                    dev.matmul(&s.h, &m.in_z, &mut s.gate);
+                    dev.matmul(&s.h, &m.in_xbc, &mut s.up);
+                    dev.matmul(&s.h, &m.in_dt, &mut s.v);
+                    dev.short_conv(&s.up, &m.conv, m.conv_bias.as_ref(), c.conv_kernel, true, &mut mem.state, m.conv_at, &seqs, &mut s.k)?;
+                    dev.ssm_scan(&s.k, &s.v, &m.dt_bias, &m.a, &m.d, &c.ssm, &mut mem.state, m.ssm_at, &seqs, &mut s.att)?;
+                    // Gated norm: (y ⊙ silu(z)), normalised per group of channels.
+                    dev.silu_mul(&s.gate, &s.att, &mut s.act);
+                    dev.group_rms_norm(&s.act, &m.norm, c.inner() / c.ssm.groups, c.eps, &mut s.q)?;
+                    dev.matmul(&s.q, &m.out, &mut s.h);
+                }
+                Layer::Attention(a) => {
+                    dev.matmul(&s.h, &a.wq, &mut s.q);
+                    dev.matmul(&s.h, &a.wk, &mut s.k);
+                    dev.matmul(&s.h, &a.wv, &mut s.v);
+                    dev.kv_write(&mut mem.kv, a.kv, &s.k, &s.v, batch.slots);
+                    dev.attention(&s.q, &mem.kv, a.kv, &batch.seqs, scale, None, &mut s.att);
+                    dev.matmul(&s.att, &a.wo, &mut s.h);
+                }
+                Layer::Mlp { up, down } => {
+                    dev.matmul(&s.h, up, &mut s.up);
+                    dev.relu2(&s.up, &mut s.act)?;
+                    dev.matmul(&s.act, down, &mut s.h);
+                }
+                Layer::Moe { gate, moe, shared_up, shared_down } => {
+                    dev.matmul(&s.h, gate, &mut s.gate);
+                    let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
+                    moe.forward(dev, &s.h, &s.gate, &mut s.att, [t0, t1, t2, t3])?;
+                    dev.matmul(&s.h, shared_up, &mut s.up);
+                    dev.relu2(&s.up, &mut s.act)?;
+                    dev.matmul(&s.act, shared_down, &mut s.h);
+                    dev.add(&mut s.h, &s.att);
+                }
+            }
+            dev.add(&mut s.x, &s.h);
+        }
+        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
+        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
+        dev.matmul(&s.q, &self.head, &mut s.logits);
+        Ok(())
+    }
+}

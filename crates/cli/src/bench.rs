@@ -1,16 +1,285 @@
-//! `braid bench`.
+//! `braid bench`: speed in the figures users compare engines by.
+//!
+//! * pp / tg: a prompt of `--pp` tokens in one pass, then `--tg` tokens
+//!   decoded one at a time from an empty context (llama-bench's pp512 and
+//!   tg128), min / median / max over `--reps`, plus peak RSS.
+//! * `--streams 1,4,8`: aggregate decode tokens/s with N streams decoding
+//!   together in shared rounds.
+//! * `--stall`: the scenario braid exists for, in-process: background
+//!   streams decode, a long prompt arrives; their usual and largest
+//!   inter-token gaps, and the newcomer's time to first token against a
+//!   whole-pass prefill of the same prompt on an idle lane.
 
-use anyhow::{bail, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
+use braid_models::BackendConfig;
+use braid_server::TokenizerText;
 use clap::Args;
 
+use crate::load::{self, Loaded};
 use crate::ModelArgs;
 
 #[derive(Args)]
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Prompt tokens for the prefill figure (0 skips it).
+    #[arg(long, default_value_t = 512)]
+    pub pp: usize,
+    /// Generated tokens for the decode figure (0 skips it).
+    #[arg(long, default_value_t = 128)]
+    pub tg: usize,
+    /// Repeats of each figure.
+    #[arg(long, short = 'r', default_value_t = 3)]
+    pub reps: usize,
+    /// Aggregate decode tokens/s for these stream counts, e.g. 1,4,8.
+    #[arg(long, value_delimiter = ',')]
+    pub streams: Vec<usize>,
+    /// Run the stall scenario instead of pp/tg.
+    #[arg(long)]
+    pub stall: bool,
+    /// Stall scenario: background streams.
+    #[arg(long, default_value_t = 4)]
+    pub bg: usize,
+    /// Stall scenario: tokens in the arriving prompt.
+    #[arg(long, default_value_t = 1500)]
+    pub arrival: usize,
+    /// Prompt chunk cap (the whole-pass cuts).
+    #[arg(long, default_value_t = 512)]
+    pub chunk: usize,
+    /// Per-step row cap while others decode (chunk-invariant models).
+    #[arg(long)]
+    pub max_rows: Option<usize>,
+    /// Print one JSON line per result as well.
+    #[arg(long)]
+    pub json: bool,
 }
 
-pub fn bench(_a: BenchArgs) -> Result<()> {
-    bail!("not yet")
+pub fn bench(a: BenchArgs) -> Result<()> {
+    let ctx = (a.pp + a.tg + 16).max(a.arrival + 512).max(2048);
+    let kv = if a.stall { ctx * (a.bg + 2) } else { ctx * a.streams.iter().copied().max().unwrap_or(1).max(1) };
+    let m = load::load_with(&a.model, BackendConfig { context: ctx, kv_tokens: kv, max_streams: 64, max_batch: ctx.max(64), ..Default::default() })?;
+    println!("model: {}  device: {}", m.path.display(), braid_ops::Device::name(m.backend.device()));
+    if a.stall {
+        return stall(a, m);
+    }
+    let mut m = m;
+    let vocab = m.vocab as u32;
+    // Deterministic, varied token ids.
+    let tokens: Vec<u32> = (0..a.pp.max(1)).map(|i| (i as u32 * 7919 + 13) % vocab.min(32000)).collect();
+    println!("| test | tokens/s min | median | max |");
+    println!("| --- | ---: | ---: | ---: |");
+    if a.pp > 0 {
+        let mut rates = Vec::new();
+        for r in 0..a.reps.max(1) + 1 {
+            let id = 1000 + r as u64;
+            m.backend.open(id)?;
+            let t = Instant::now();
+            m.backend.prefill_step(id, Chunk { start: 0, tokens: &tokens, want_logits: true })?;
+            let dt = t.elapsed().as_secs_f64();
+            m.backend.forget(id);
+            if r > 0 {
+                rates.push(a.pp as f64 / dt); // the first run warms caches and the pool
+            }
+        }
+        report(&format!("pp{}", a.pp), &mut rates, a.json);
+    }
+    if a.tg > 0 {
+        let mut rates = Vec::new();
+        for r in 0..a.reps.max(1) + 1 {
+            let id = 2000 + r as u64;
+            m.backend.open(id)?;
+            let t = Instant::now();
+            let mut tok = 1u32;
+            for _ in 0..a.tg {
+                let logits = m.backend.decode_round(&[DecodeRow { stream: id, tokens: vec![tok] }])?;
+                tok = argmax(&logits) as u32;
+            }
+            let dt = t.elapsed().as_secs_f64();
+            m.backend.forget(id);
+            if r > 0 {
+                rates.push(a.tg as f64 / dt);
+            }
+        }
+        report(&format!("tg{}", a.tg), &mut rates, a.json);
+    }
+    for &n in &a.streams {
+        let mut rates = Vec::new();
+        for r in 0..a.reps.max(1) {
+            rates.push(multi_stream(&mut m, n, a.tg.max(32), 3000 + 100 * r as u64)?);
+        }
+        report(&format!("decode x{n} streams (aggregate)"), &mut rates, a.json);
+    }
+    println!("peak RSS: {:.1} MiB", peak_rss_kib() as f64 / 1024.0);
+    Ok(())
+}
+
+/// Aggregate tokens/s of `n` streams decoding `tg` tokens each in shared
+/// rounds, each stream first holding a short distinct prompt.
+fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
+    let ids: Vec<u64> = (0..n as u64).map(|i| base + i).collect();
+    for (i, &id) in ids.iter().enumerate() {
+        m.backend.open(id)?;
+        let prompt: Vec<u32> = (0..8 + i as u32).map(|t| 100 + t * 3 + i as u32).collect();
+        m.backend.prefill_step(id, Chunk { start: 0, tokens: &prompt, want_logits: false })?;
+    }
+    let mut last: Vec<u32> = vec![1; n];
+    let t = Instant::now();
+    for _ in 0..tg {
+        let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();
+        let logits = m.backend.decode_round(&rows)?;
+        for (i, row) in logits.chunks_exact(m.vocab).enumerate() {
+            last[i] = argmax(row) as u32;
+        }
+    }
+    let dt = t.elapsed().as_secs_f64();
+    for &id in &ids {
+        m.backend.forget(id);
+    }
+    Ok((n * tg) as f64 / dt)
+}
+
+fn argmax(x: &[f32]) -> usize {
+    x.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn report(name: &str, rates: &mut [f64], json: bool) {
+    let med = median(rates);
+    println!("| {name} | {:.1} | {med:.1} | {:.1} |", rates[0], rates[rates.len() - 1]);
+    if json {
+        println!("{}", serde_json::json!({"test": name, "min": rates[0], "median": med, "max": rates[rates.len() - 1]}));
+    }
+}
+
+/// Peak resident set size of this process, in KiB (Linux; 0 elsewhere).
+pub fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// The stall scenario on one lane.
+fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
+    let mut m = m;
+    let vocab = m.vocab as u32;
+    let arrival: Vec<u32> = (0..a.arrival).map(|i| (i as u32 * 7919 + 17) % vocab.min(32000)).collect();
+    // Reference: a whole pass of the same prompt on an idle backend.
+    let mut whole = Vec::new();
+    for r in 0..2 {
+        let id = 9000 + r;
+        m.backend.open(id)?;
+        let t = Instant::now();
+        for (start, chunk) in arrival.chunks(a.chunk).enumerate().map(|(i, c)| (i * a.chunk, c)) {
+            m.backend.prefill_step(id, Chunk { start, tokens: chunk, want_logits: start + chunk.len() == arrival.len() })?;
+        }
+        whole.push(t.elapsed().as_secs_f64());
+        m.backend.forget(id);
+    }
+    let whole_s = whole.iter().cloned().fold(f64::INFINITY, f64::min);
+
+    let bg_tokens = m.context.saturating_sub(64).max(1);
+    let mut config = LaneConfig {
+        max_context: m.context,
+        eos_ids: m.tokenizer.stop_ids(),
+        chunk_tokens: a.chunk,
+        max_rows: a.max_rows,
+        prefix_marks: 0,
+        ..LaneConfig::default()
+    };
+    config.max_running = a.bg + 2;
+    let lane = Lane::spawn(Box::new(m.backend), Arc::new(TokenizerText(m.tokenizer.clone())), config);
+    let greedy = || SamplingParams::greedy();
+    // Background streams: token arrival times, recorded by their readers.
+    let stop_bg = Arc::new(AtomicBool::new(false));
+    let times: Arc<Mutex<Vec<Vec<Instant>>>> = Arc::new(Mutex::new(vec![Vec::new(); a.bg]));
+    let mut readers = Vec::new();
+    for i in 0..a.bg {
+        let prompt: Vec<u32> = (0..16 + i as u32).map(|t| 200 + t * 5 + i as u32).collect();
+        let req =
+            Request { prompt, sampling: greedy(), stop: StopRules { max_tokens: Some(bg_tokens), ignore_eos: true, ..StopRules::default() }, logprobs: None };
+        let h = lane.submit(req).context("background stream refused")?;
+        let (times, stop) = (times.clone(), stop_bg.clone());
+        readers.push(std::thread::spawn(move || {
+            for ev in h {
+                if let Event::Token { .. } = ev {
+                    times.lock().unwrap()[i].push(Instant::now());
+                }
+                if stop.load(Ordering::Relaxed) {
+                    break; // dropping the handle cancels the stream
+                }
+            }
+        }));
+    }
+    // Let them settle into steady decoding, then measure the usual gap.
+    std::thread::sleep(Duration::from_secs(2));
+    let usual_from = Instant::now();
+    std::thread::sleep(Duration::from_secs(3));
+    let arrived = Instant::now();
+    let req = Request { prompt: arrival.clone(), sampling: greedy(), stop: StopRules { max_tokens: Some(1), ..StopRules::default() }, logprobs: None };
+    let h = lane.submit(req).context("the arriving prompt was refused")?;
+    let mut ttft = None;
+    for ev in h {
+        match ev {
+            Event::Token { .. } => {
+                ttft.get_or_insert_with(|| arrived.elapsed());
+            }
+            Event::Error(e) => bail!("the arriving prompt failed: {e}"),
+            _ => {}
+        }
+    }
+    let done = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    stop_bg.store(true, Ordering::Relaxed);
+    let times = times.lock().unwrap().clone();
+    drop(lane);
+    for r in readers {
+        let _ = r.join();
+    }
+    let gaps = |from: Instant, to: Instant| -> Vec<f64> {
+        let mut g = Vec::new();
+        for t in &times {
+            for w in t.windows(2) {
+                if w[1] > from && w[0] < to {
+                    g.push((w[1] - w[0]).as_secs_f64());
+                }
+            }
+        }
+        g
+    };
+    let mut usual = gaps(usual_from, arrived);
+    if usual.is_empty() {
+        bail!("the background streams produced no tokens");
+    }
+    let usual_gap = median(&mut usual);
+    let during = gaps(arrived, done);
+    let max_gap = during.iter().cloned().fold(0.0, f64::max);
+    let ttft = ttft.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN);
+    println!("| stall scenario | value |");
+    println!("| --- | ---: |");
+    println!("| background streams | {} |", a.bg);
+    println!("| arriving prompt | {} tokens |", a.arrival);
+    println!("| usual inter-token gap (median) | {:.1} ms |", usual_gap * 1e3);
+    println!("| largest gap during the arrival's prefill | {:.1} ms |", max_gap * 1e3);
+    println!("| stall ratio (largest / usual) | {:.2} |", max_gap / usual_gap);
+    println!("| newcomer time to first token | {:.0} ms |", ttft * 1e3);
+    println!("| whole-pass prefill on an idle lane | {:.0} ms |", whole_s * 1e3);
+    println!("| TTFT / whole pass | {:.2} |", ttft / whole_s);
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"bg_streams": a.bg, "arrival_tokens": a.arrival, "usual_gap_ms": usual_gap * 1e3, "max_gap_ms": max_gap * 1e3,
+                "stall_ratio": max_gap / usual_gap, "newcomer_ttft_ms": ttft * 1e3, "whole_pass_ms": whole_s * 1e3, "ttft_over_whole": ttft / whole_s})
+        );
+    }
+    Ok(())
 }

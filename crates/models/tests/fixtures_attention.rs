@@ -53,3 +53,134 @@ macro_rules! family {
 family!(llama, "llama");
 family!(qwen3, "qwen3");
 family!(gemma3, "gemma3_text");
+family!(gemma4, "gemma4_text");
+family!(gemma4_moe, "gemma4_text_moe");
+
+use braid_models::gemma3::Gemma3;
+use braid_models::gemma4::Gemma4;
+use braid_models::{Model, ModelBackend, Source};
+use braid_ops::cpu::Cpu;
+use braid_ops::KvShape;
+use serde_json::{json, Value};
+
+/// Logits of the whole sequence through `model` (a fixture model altered by a test).
+fn full_logits(fx: &Fixture, model: Box<dyn Model<Cpu>>) -> Vec<f32> {
+    let mut be = ModelBackend::new(Cpu::new(None), model, backend_config()).unwrap();
+    stepped(&mut be, 1, &fx.tokens, usize::MAX)
+}
+
+/// The model with its sliding window widened past the sequence agrees with
+/// the reference on the rows the window does not cut, and is far off after:
+/// so the 40-token fixture exercises the window, and the match of the real
+/// model shows sliding layers read only the last `window` positions.
+fn check_window_matters(fx: &Fixture, window: usize, wide: Box<dyn Model<Cpu>>) {
+    let v = fx.vocab;
+    let got = full_logits(fx, wide);
+    let want = fx.logits("logits_full");
+    assert_close(&format!("{} without window, rows < {window}", fx.name), &got[..window * v], &want[..window * v], v, TOL);
+    let d = diff(&got[window * v..], &want[window * v..], v);
+    assert!(d.max > 0.1, "{}: widening the window changed later logits by only {:.2e}", fx.name, d.max);
+}
+
+#[test]
+fn gemma3_sliding_layers_see_only_the_window() {
+    let fx = Fixture::load("gemma3_text");
+    let dev = Cpu::new(None);
+    let mut m = Gemma3::load(&dev, &Source::open(&fx.dir).unwrap(), &|_, _| {}).unwrap();
+    assert_eq!(m.cfg.window, 8);
+    m.cfg.window = 1 << 20;
+    check_window_matters(&fx, 8, Box::new(m));
+}
+
+#[test]
+fn gemma4_sliding_layers_see_only_the_window() {
+    for name in ["gemma4_text", "gemma4_text_moe"] {
+        let fx = Fixture::load(name);
+        let dev = Cpu::new(None);
+        let mut m = Gemma4::load(&dev, &Source::open(&fx.dir).unwrap(), &|_, _| {}).unwrap();
+        assert_eq!(m.cfg.window, 8);
+        m.cfg.window = 1 << 20;
+        check_window_matters(&fx, 8, Box::new(m));
+    }
+}
+
+#[test]
+fn gemma4_shared_kv_tail_holds_no_cache() {
+    // Dense: layers 2 and 3 reuse layers 0 and 1's cache, so the pool has two layers.
+    let be = Fixture::load("gemma4_text").backend();
+    let kv = be.model().kv_layers();
+    assert_eq!(kv, vec![KvShape { kv_heads: 2, head_dim: 16 }, KvShape { kv_heads: 2, head_dim: 32 }]);
+    // MoE: no sharing; global layers have one kv head of 32 (K = V).
+    let be = Fixture::load("gemma4_text_moe").backend();
+    let g = KvShape { kv_heads: 1, head_dim: 32 };
+    let l = KvShape { kv_heads: 2, head_dim: 16 };
+    assert_eq!(be.model().kv_layers(), vec![l, g, l, g]);
+}
+
+/// A copy of a fixture folder with `edit` applied to its config.json (the
+/// weights linked, not copied).
+fn with_config(fx: &Fixture, tag: &str, edit: impl Fn(&mut Value)) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("braid-fixture-{}-{tag}-{}", fx.name, std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg = fx.config.clone();
+    edit(&mut cfg);
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let weights = fx.dir.join("model.safetensors").canonicalize().unwrap();
+    if std::os::unix::fs::symlink(&weights, dir.join("model.safetensors")).is_err() {
+        std::fs::copy(&weights, dir.join("model.safetensors")).unwrap();
+    }
+    dir
+}
+
+/// The config as the Hub writes it must load to the same model.
+fn check_hub_form(name: &str, edit: impl Fn(&mut Value)) {
+    let fx = Fixture::load(name);
+    let dir = with_config(&fx, "hub", edit);
+    let dev = Cpu::new(None);
+    let (_src, model) = braid_models::open(&dev, &dir).unwrap();
+    let got = full_logits(&fx, model);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_close(&format!("{name} (Hub-form config)"), &got, fx.logits("logits_full"), fx.vocab, TOL);
+}
+
+fn remove(cfg: &mut Value, key: &str) -> Value {
+    cfg.as_object_mut().unwrap().remove(key).unwrap_or(Value::Null)
+}
+
+#[test]
+fn hub_form_configs_load_the_same_models() {
+    // Llama / Qwen3: rope_theta at the top instead of rope_parameters.
+    for name in ["llama", "qwen3"] {
+        check_hub_form(name, |c| {
+            let p = remove(c, "rope_parameters");
+            c["rope_theta"] = p["rope_theta"].clone();
+        });
+    }
+    // Gemma 3: rope_theta + rope_local_base_freq, softcaps as the Infinity float.
+    check_hub_form("gemma3_text", |c| {
+        let p = remove(c, "rope_parameters");
+        c["rope_theta"] = p["full_attention"]["rope_theta"].clone();
+        c["rope_local_base_freq"] = p["sliding_attention"]["rope_theta"].clone();
+        c["final_logit_softcapping"] = json!({"__float__": "Infinity"});
+    });
+    // Gemma 4: global_head_dim / num_global_key_value_heads instead of per_layer_config.
+    check_hub_form("gemma4_text", |c| {
+        remove(c, "per_layer_config");
+        c["global_head_dim"] = json!(32);
+    });
+    check_hub_form("gemma4_text_moe", |c| {
+        remove(c, "per_layer_config");
+        c["global_head_dim"] = json!(32);
+        c["num_global_key_value_heads"] = json!(1);
+    });
+}
+
+#[test]
+fn unsupported_rope_types_are_refused() {
+    let fx = Fixture::load("llama");
+    let dir = with_config(&fx, "yarn", |c| c["rope_parameters"]["rope_type"] = json!("yarn"));
+    let err = braid_models::open(&Cpu::new(None), &dir).err().expect("a yarn config must not load as plain RoPE");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(format!("{err:#}").contains("rope_type 'yarn'"), "{err:#}");
+}

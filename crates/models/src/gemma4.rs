@@ -1,0 +1,431 @@
+//! Gemma 4 (text), dense and MoE: Gemma 3's sandwich-normed blocks of
+//! sliding-window and global attention, with
+//! * plain `w` RMSNorms (not Gemma 3's `1 + w`), per-head q/k norms and a
+//!   weightless v norm, attention scale 1;
+//! * global layers with their own head dim (and kv heads), "proportional"
+//!   partial RoPE, and optionally K = V (no v projection: v is the normed raw k);
+//! * per-layer embeddings (PLE): each layer adds a gated projection of its
+//!   own slice of a second token embedding mixed with a projection of the
+//!   input embeddings;
+//! * a shared-KV tail: the last layers compute no k/v and attend over the
+//!   cache of the last earlier layer of their type;
+//! * optionally a routed MoE beside the dense MLP in every layer;
+//! * a learned scalar per layer and a final logit softcap.
+
+use anyhow::{bail, ensure, Context, Result};
+use braid_formats::TensorView;
+use braid_ops::{AttnSeq, Device, KvShape, Rope};
+
+use crate::config::HfConfig;
+use crate::gemma3::round_to;
+use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::source::Source;
+use crate::{Batch, LayerState, Memory, Model, Scratch};
+
+/// How one layer rotates q and k.
+#[derive(Clone, Debug)]
+pub enum LayerRope {
+    Plain(Rope),
+    /// An explicit frequency table over the whole head ("proportional":
+    /// zeros past the rotated part).
+    Table(Vec<f32>),
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerCfg {
+    pub sliding: bool,
+    pub head_dim: usize,
+    pub kv_heads: usize,
+    pub rope: LayerRope,
+    /// The pool layer this layer's k/v live in.
+    pub kv_layer: usize,
+    /// Whether this layer writes its own k/v (false in the shared-KV tail).
+    pub stores_kv: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Gemma4Config {
+    pub hidden: usize,
+    pub heads: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    pub window: usize,
+    pub layers: Vec<LayerCfg>,
+    /// Per-layer input width (0: no per-layer embeddings).
+    pub ple_dim: usize,
+    /// Tokens the per-layer embedding table covers (others use token 0).
+    pub ple_vocab: usize,
+    pub embed_scale: f32,
+    pub ple_embed_scale: f32,
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
+    /// Experts and top-k of the MoE block (None: dense MLP only).
+    pub moe: Option<(usize, usize)>,
+    pub context: usize,
+}
+
+/// "Proportional" RoPE: over the whole head dim `d`, the first
+/// `partial · d / 2` frequencies are `theta^(-2j/d)` (the exponent over the
+/// full `d`), the rest zero, so those pairs pass unchanged.
+pub fn proportional_freqs(theta: f32, head_dim: usize, partial: f32) -> Vec<f32> {
+    let angles = (partial * head_dim as f32 / 2.0) as usize;
+    (0..head_dim / 2).map(|j| if j < angles { 1.0 / theta.powf((2 * j) as f32 / head_dim as f32) } else { 0.0 }).collect()
+}
+
+fn cap(v: Option<f32>) -> Option<f32> {
+    v.filter(|c| c.is_finite() && *c > 0.0)
+}
+
+impl Gemma4Config {
+    pub fn from_source(src: &Source) -> Result<Gemma4Config> {
+        let Source::Hf(h) = src else { bail!("{}: Gemma 4 loads from an HF folder only (no GGUF mapping yet)", src.path().display()) };
+        let dir = h.dir();
+        let c = HfConfig::new(h.config(), dir);
+        let hidden = c.usize("hidden_size")?;
+        let heads = c.usize("num_attention_heads")?;
+        let n = c.usize("num_hidden_layers")?;
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        let k_eq_v = c.opt_bool("attention_k_eq_v")?.unwrap_or(false);
+        let types = c.layer_types(n)?.with_context(|| format!("{}: config.json has no layer_types", dir.display()))?;
+        let shared = c.opt_usize("num_kv_shared_layers")?.unwrap_or(0);
+        ensure!(shared <= n, "{}: num_kv_shared_layers {shared} exceeds the {n} layers", dir.display());
+        let first_shared = n - shared;
+        let mut layers: Vec<LayerCfg> = Vec::with_capacity(n);
+        let mut pool_layers = 0;
+        for (l, t) in types.iter().enumerate() {
+            let sliding = match t.as_str() {
+                "sliding_attention" => true,
+                "full_attention" => false,
+                other => bail!("{}: layer {l} has type '{other}' (expected sliding_attention or full_attention)", dir.display()),
+            };
+            // Global layers: transformers 5.x writes per_layer_config, Hub configs global_* keys.
+            let hd = match c.per_layer_usize(l, "head_dim")? {
+                Some(d) => d,
+                None if !sliding => c.opt_usize("global_head_dim")?.unwrap_or(head_dim),
+                None => head_dim,
+            };
+            let kvh = match c.per_layer_usize(l, "num_key_value_heads")? {
+                Some(k) => k,
+                None if !sliding && k_eq_v => c.opt_usize("num_global_key_value_heads")?.unwrap_or(kv_heads),
+                None => kv_heads,
+            };
+            let p = c.rope(Some(t), if sliding { 10_000.0 } else { 1_000_000.0 })?;
+            let rope = match p.rope_type.as_str() {
+                "default" => LayerRope::Plain(Rope { theta: p.theta, dims: (hd as f32 * p.partial_rotary_factor) as usize, neox: true, scale: 1.0 }),
+                "proportional" => LayerRope::Table(proportional_freqs(p.theta, hd, p.partial_rotary_factor)),
+                other => bail!("{}: rope_type '{other}' is not supported for Gemma 4 (supported: default, proportional)", dir.display()),
+            };
+            let (kv_layer, stores_kv) = if l < first_shared {
+                pool_layers += 1;
+                (pool_layers - 1, true)
+            } else {
+                // The last earlier layer of the same type that has its own cache.
+                let src = (0..first_shared)
+                    .rev()
+                    .find(|&j| layers[j].sliding == sliding)
+                    .with_context(|| format!("{}: shared-KV layer {l} has no earlier {t} layer to read", dir.display()))?;
+                ensure!(
+                    layers[src].head_dim == hd && layers[src].kv_heads == kvh,
+                    "{}: shared-KV layer {l} and its source {src} differ in shape",
+                    dir.display()
+                );
+                (layers[src].kv_layer, false)
+            };
+            layers.push(LayerCfg { sliding, head_dim: hd, kv_heads: kvh, rope, kv_layer, stores_kv });
+        }
+        let ple_dim = c.opt_usize("hidden_size_per_layer_input")?.unwrap_or(0);
+        let vocab = c.usize("vocab_size")?;
+        let embed_dtype = h.tensor("model.embed_tokens.weight")?.dtype;
+        let moe = if c.opt_bool("enable_moe_block")?.unwrap_or(false) { Some((c.usize("num_experts")?, c.usize("top_k_experts")?)) } else { None };
+        Ok(Gemma4Config {
+            hidden,
+            heads,
+            vocab,
+            eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            window: c.opt_usize("sliding_window")?.unwrap_or(512),
+            layers,
+            ple_dim,
+            ple_vocab: c.opt_usize("vocab_size_per_layer_input")?.unwrap_or(vocab),
+            embed_scale: round_to(embed_dtype, (hidden as f32).sqrt()),
+            ple_embed_scale: round_to(embed_dtype, (ple_dim as f32).sqrt()),
+            attn_softcap: cap(c.opt_f32("attn_logit_softcapping")?),
+            final_softcap: cap(c.opt_f32("final_logit_softcapping")?),
+            moe,
+            context: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+        })
+    }
+}
+
+struct Attn<D: Device> {
+    wq: D::Weight,
+    q_norm: D::Tensor,
+    /// None in the shared-KV tail.
+    kv: Option<KvProj<D>>,
+    wo: D::Weight,
+}
+
+struct KvProj<D: Device> {
+    wk: D::Weight,
+    k_norm: D::Tensor,
+    /// None when K = V (v is the normed raw k projection).
+    wv: Option<D::Weight>,
+    /// Ones, one head wide: the weightless v norm.
+    v_norm: D::Tensor,
+}
+
+struct MoeBlock<D: Device> {
+    /// `router.scale · hidden^-1/2`: the router reads `rms(r) · this`.
+    router_in: D::Tensor,
+    router: D::Weight,
+    moe: Moe<D>,
+    pre_norm: D::Tensor,
+    post_norm_dense: D::Tensor,
+    post_norm_moe: D::Tensor,
+}
+
+struct Ple<D: Device> {
+    /// `[ple_dim, hidden]`: this layer's rows of the per-layer model projection.
+    model_proj: D::Weight,
+    gate: D::Weight,
+    proj: D::Weight,
+    post_norm: D::Tensor,
+}
+
+struct Block<D: Device> {
+    attn_norm: D::Tensor,
+    attn: Attn<D>,
+    post_attn_norm: D::Tensor,
+    ffn_norm: D::Tensor,
+    w_gate: D::Weight,
+    w_up: D::Weight,
+    w_down: D::Weight,
+    post_ffn_norm: D::Tensor,
+    moe: Option<MoeBlock<D>>,
+    ple: Option<Ple<D>>,
+    scalar: f32,
+}
+
+pub struct Gemma4<D: Device> {
+    pub cfg: Gemma4Config,
+    embed: D::Weight,
+    /// The per-layer embedding table seen as `[ple_vocab · layers, ple_dim]`:
+    /// token t's slice for layer l is row `t · layers + l`.
+    ple_embed: Option<D::Weight>,
+    ple_norm: Option<D::Tensor>,
+    blocks: Vec<Block<D>>,
+    out_norm: D::Tensor,
+}
+
+impl<D: Device> Gemma4<D> {
+    pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Gemma4<D>> {
+        let cfg = Gemma4Config::from_source(src)?;
+        let n = cfg.layers.len();
+        let t = |name: &str| src.tensor(name);
+        let w = |name: &str| dev.weight(&t(name)?);
+        let v = |name: &str| dev.vector(&t(name)?, 0.0);
+        let scalar = |name: &str| -> Result<f32> {
+            let x = t(name)?.to_f32()?;
+            ensure!(x.len() == 1, "{name}: expected one value, found {}", x.len());
+            Ok(x[0])
+        };
+        let ones = |len: usize| dev.upload(&vec![1.0; len], 1, len);
+        let (ple_embed, ple_norm, ple_model_proj) = if cfg.ple_dim > 0 {
+            let table = t("model.embed_tokens_per_layer.weight")?;
+            ensure!(
+                table.shape == [cfg.ple_vocab, n * cfg.ple_dim],
+                "{}: shape {:?}, expected [{}, {}]",
+                table.name,
+                table.shape,
+                cfg.ple_vocab,
+                n * cfg.ple_dim
+            );
+            let flat = TensorView { shape: vec![cfg.ple_vocab * n, cfg.ple_dim], ..table };
+            (Some(dev.weight(&flat)?), Some(v("model.per_layer_projection_norm.weight")?), Some(t("model.per_layer_model_projection.weight")?))
+        } else {
+            (None, None, None)
+        };
+        let mut blocks = Vec::with_capacity(n);
+        for (i, lc) in cfg.layers.iter().enumerate() {
+            let p = |name: &str| format!("model.layers.{i}.{name}");
+            let kv = if lc.stores_kv {
+                let wv_name = p("self_attn.v_proj.weight");
+                Some(KvProj {
+                    wk: w(&p("self_attn.k_proj.weight"))?,
+                    k_norm: v(&p("self_attn.k_norm.weight"))?,
+                    wv: if src.has_tensor(&wv_name) { Some(w(&wv_name)?) } else { None },
+                    v_norm: ones(lc.head_dim)?,
+                })
+            } else {
+                None
+            };
+            let moe = match cfg.moe {
+                None => None,
+                Some((count, top_k)) => {
+                    let h = cfg.hidden as f32;
+                    let scale: Vec<f32> = t(&p("router.scale"))?.to_f32()?.iter().map(|s| s * h.powf(-0.5)).collect();
+                    let per_expert = t(&p("router.per_expert_scale"))?.to_f32()?;
+                    let router = Router { scoring: Scoring::Softmax, top_k, normalize: true, per_expert_scale: Some(per_expert), ..Router::default() };
+                    let experts = Experts::load_fused(dev, &t(&p("experts.gate_up_proj"))?, &t(&p("experts.down_proj"))?, Activation::GeluGated)?;
+                    ensure!(experts.experts.len() == count, "layer {i}: {} experts, config.json says {count}", experts.experts.len());
+                    Some(MoeBlock {
+                        router_in: dev.upload(&scale, 1, scale.len())?,
+                        router: w(&p("router.proj.weight"))?,
+                        moe: Moe { router, experts },
+                        pre_norm: v(&p("pre_feedforward_layernorm_2.weight"))?,
+                        post_norm_dense: v(&p("post_feedforward_layernorm_1.weight"))?,
+                        post_norm_moe: v(&p("post_feedforward_layernorm_2.weight"))?,
+                    })
+                }
+            };
+            let ple = match &ple_model_proj {
+                None => None,
+                Some(mp) => Some(Ple {
+                    model_proj: dev.weight(&slice_rows(mp, i * cfg.ple_dim, cfg.ple_dim)?)?,
+                    gate: w(&p("per_layer_input_gate.weight"))?,
+                    proj: w(&p("per_layer_projection.weight"))?,
+                    post_norm: v(&p("post_per_layer_input_norm.weight"))?,
+                }),
+            };
+            blocks.push(Block {
+                attn_norm: v(&p("input_layernorm.weight"))?,
+                attn: Attn { wq: w(&p("self_attn.q_proj.weight"))?, q_norm: v(&p("self_attn.q_norm.weight"))?, kv, wo: w(&p("self_attn.o_proj.weight"))? },
+                post_attn_norm: v(&p("post_attention_layernorm.weight"))?,
+                ffn_norm: v(&p("pre_feedforward_layernorm.weight"))?,
+                w_gate: w(&p("mlp.gate_proj.weight"))?,
+                w_up: w(&p("mlp.up_proj.weight"))?,
+                w_down: w(&p("mlp.down_proj.weight"))?,
+                post_ffn_norm: v(&p("post_feedforward_layernorm.weight"))?,
+                moe,
+                ple,
+                scalar: scalar(&p("layer_scalar"))?,
+            });
+            progress(i + 1, n);
+        }
+        Ok(Gemma4 { embed: w("model.embed_tokens.weight")?, ple_embed, ple_norm, blocks, out_norm: v("model.norm.weight")?, cfg })
+    }
+}
+
+impl<D: Device> Model<D> for Gemma4<D> {
+    fn kv_layers(&self) -> Vec<KvShape> {
+        self.cfg.layers.iter().filter(|l| l.stores_kv).map(|l| KvShape { kv_heads: l.kv_heads, head_dim: l.head_dim }).collect()
+    }
+
+    fn layer_states(&self) -> Vec<LayerState> {
+        self.cfg
+            .layers
+            .iter()
+            .map(|l| match (l.stores_kv, l.sliding) {
+                (false, _) => LayerState::None,
+                (true, true) => LayerState::SlidingKv { window: self.cfg.window },
+                (true, false) => LayerState::Kv,
+            })
+            .collect()
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn context(&self) -> usize {
+        self.cfg.context
+    }
+
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
+        let kv = &mut mem.kv;
+        let c = &self.cfg;
+        let n = c.layers.len();
+        let rows = batch.tokens.len();
+        // Extra buffers: 0 the dense MLP's output beside the MoE, 1 MoE
+        // scratch, 2.. each layer's per-layer input.
+        let ple_bufs = if c.ple_dim > 0 { n } else { 0 };
+        s.extra(dev, 1 + ple_bufs);
+        let Scratch { x, h, q, k, v, att, gate, up, act, logits, extra } = s;
+        let (fixed, ple_in) = extra.split_at_mut(2);
+        let [m1, moe_tmp] = fixed else { unreachable!("two fixed extra buffers") };
+
+        dev.embed(&self.embed, batch.tokens, c.embed_scale, x);
+        if let (Some(table), Some(norm)) = (&self.ple_embed, &self.ple_norm) {
+            // per_layer_input[l] = (norm(proj_l(x0) · hidden^-½) + table[t, l] · √P) · 2^-½
+            for (l, (b, buf)) in self.blocks.iter().zip(ple_in.iter_mut()).enumerate() {
+                let p = b.ple.as_ref().context("per-layer weights missing")?;
+                // Tokens past the per-layer table (Gemma's extra special tokens) read token 0's slice, as transformers does.
+                let ids: Vec<u32> = batch.tokens.iter().map(|&t| (if (t as usize) < c.ple_vocab { t } else { 0 }) * n as u32 + l as u32).collect();
+                dev.embed(table, &ids, c.ple_embed_scale, h);
+                dev.matmul(x, &p.model_proj, q);
+                dev.scale(q, (c.hidden as f32).powf(-0.5));
+                dev.rms_norm(q, norm, c.eps, buf);
+                dev.add(buf, h);
+                dev.scale(buf, std::f32::consts::FRAC_1_SQRT_2);
+            }
+        }
+        let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|sq| AttnSeq { window: Some(c.window), ..*sq }).collect();
+        for (l, (b, lc)) in self.blocks.iter().zip(&c.layers).enumerate() {
+            let seqs = if lc.sliding { &local_seqs } else { &batch.seqs };
+            let rope = |dev: &D, t: &mut D::Tensor| -> Result<()> {
+                match &lc.rope {
+                    LayerRope::Plain(r) => dev.rope(t, batch.positions, lc.head_dim, r),
+                    LayerRope::Table(f) => dev.rope_freqs(t, batch.positions, lc.head_dim, f)?,
+                }
+                Ok(())
+            };
+            // Attention: q/k normed per head then rotated; v normed (no weight); scale 1.
+            dev.rms_norm(x, &b.attn_norm, c.eps, h);
+            dev.matmul(h, &b.attn.wq, att);
+            dev.rms_norm(att, &b.attn.q_norm, c.eps, q);
+            rope(dev, q)?;
+            if let Some(p) = &b.attn.kv {
+                dev.matmul(h, &p.wk, gate);
+                dev.rms_norm(gate, &p.k_norm, c.eps, k);
+                rope(dev, k)?;
+                match &p.wv {
+                    Some(wv) => {
+                        dev.matmul(h, wv, up);
+                        dev.rms_norm(up, &p.v_norm, c.eps, v);
+                    }
+                    // K = V: v is the raw k projection, normed.
+                    None => dev.rms_norm(gate, &p.v_norm, c.eps, v),
+                }
+                dev.kv_write(kv, lc.kv_layer, k, v, batch.slots);
+            }
+            dev.attention(q, kv, lc.kv_layer, seqs, 1.0, c.attn_softcap, att);
+            dev.matmul(att, &b.attn.wo, h);
+            dev.rms_norm(h, &b.post_attn_norm, c.eps, up);
+            dev.add(x, up);
+            // Dense MLP (and the MoE beside it, both reading the residual x).
+            dev.rms_norm(x, &b.ffn_norm, c.eps, h);
+            dev.matmul(h, &b.w_gate, gate);
+            dev.matmul(h, &b.w_up, up);
+            dev.gelu_mul(gate, up, act);
+            dev.matmul(act, &b.w_down, h);
+            if let Some(m) = &b.moe {
+                dev.rms_norm(h, &m.post_norm_dense, c.eps, m1);
+                dev.rms_norm(x, &m.router_in, c.eps, q);
+                dev.matmul(q, &m.router, k);
+                dev.rms_norm(x, &m.pre_norm, c.eps, v);
+                m.moe.forward(dev, v, k, att, [gate, up, act, moe_tmp])?;
+                dev.rms_norm(att, &m.post_norm_moe, c.eps, h);
+                dev.add(h, m1);
+            }
+            dev.rms_norm(h, &b.post_ffn_norm, c.eps, up);
+            dev.add(x, up);
+            // Per-layer input: x += norm(proj(gelu(gate(x)) · ple[l])).
+            if let Some(p) = &b.ple {
+                dev.matmul(x, &p.gate, gate);
+                dev.gelu_mul(gate, &ple_in[l], act);
+                dev.matmul(act, &p.proj, h);
+                dev.rms_norm(h, &p.post_norm, c.eps, up);
+                dev.add(x, up);
+            }
+            dev.scale(x, b.scalar);
+        }
+        debug_assert_eq!(dev.shape(x).0, rows);
+        dev.gather_rows(x, batch.logit_rows, h);
+        dev.rms_norm(h, &self.out_norm, c.eps, q);
+        dev.matmul(q, &self.embed, logits);
+        if let Some(cap) = c.final_softcap {
+            dev.softcap(logits, cap);
+        }
+        Ok(())
+    }
+}

@@ -132,7 +132,10 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
         "nemotron_h" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
-        other => bail!("{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h)", src.path().display()),
+        other => bail!(
+            "{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h)",
+            src.path().display()
+        ),
     }
 }
 

@@ -2,14 +2,18 @@
 //! and [`ModelBackend`], which serves any of them to the engine.
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod gpubench;
 pub mod config;
 pub mod gemma3;
 pub mod gemma4;
 pub mod lfm2;
 pub mod llama;
+pub mod minimax;
 pub mod moe;
 pub mod nemotron_h;
 pub mod qwen3;
+pub mod random;
 pub mod recurrent;
 pub mod source;
 
@@ -132,6 +136,7 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
         "nemotron_h" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
+        "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
         other => bail!(
             "{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h)",
             src.path().display()

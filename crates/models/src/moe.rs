@@ -130,6 +130,8 @@ pub enum Activation<D: Device> {
     SiluGated,
     /// `gelu_tanh(gate) * up`.
     GeluGated,
+    /// MiniMax-M3's clamped SwiGLU ([`Device::swiglu_clamped`]).
+    SwigluClamped { limit: f32, alpha: f32 },
     /// Anything else: `f(dev, gate, up, out)`, `gate` being None for experts
     /// without a gate projection.
     Custom(ActFn<D>),
@@ -199,6 +201,9 @@ impl<D: Device> Experts<D> {
         match &self.act {
             Activation::SiluGated => dev.silu_mul(gate.context("silu-gated expert without a gate projection")?, out, act),
             Activation::GeluGated => dev.gelu_mul(gate.context("gelu-gated expert without a gate projection")?, out, act),
+            Activation::SwigluClamped { limit, alpha } => {
+                dev.swiglu_clamped(gate.context("clamped-SwiGLU expert without a gate projection")?, out, *limit, *alpha, act)?
+            }
             Activation::Custom(f) => f(dev, gate, out, act)?,
         }
         dev.matmul(act, &e.down, out);

@@ -91,6 +91,7 @@ impl NemotronHConfig {
         }
         let hidden = c.usize("hidden_size")?;
         let heads = c.usize("num_attention_heads")?;
+        ensure!(heads > 0, "{path}: no attention heads");
         // transformers clamps dt to [time_step_min, inf) and ignores
         // time_step_limit; a limit tighter than that is kept too.
         let limit = |i: usize| -> Option<f32> { c.get("time_step_limit")?.as_array()?.get(i).and_then(json_f32) };

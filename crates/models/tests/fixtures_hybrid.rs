@@ -64,6 +64,7 @@ macro_rules! family {
 family!(lfm2, "lfm2", incremental = "logits_incremental");
 family!(lfm2_moe, "lfm2_moe", incremental = "logits_incremental");
 family!(nemotron_h, "nemotron_h", incremental = "logits_incremental_clamped");
+family!(minimax, "minimax", incremental = "logits_incremental");
 
 /// transformers' own decode does not clamp dt (`logits_incremental` drifts
 /// by 2e-2 from `logits_full`); braid clamps in decode too, so it must be far
@@ -132,6 +133,16 @@ fn hub_config_forms() {
                 c.remove("layers_block_type");
                 c.insert("hybrid_override_pattern".into(), json!(pattern));
                 c.insert("time_step_limit".into(), json!([0.0, 1e30]));
+            }),
+        ),
+        (
+            "minimax",
+            Box::new(|c| {
+                let list: Vec<u32> = c["layer_types"].as_array().unwrap().iter().map(|t| (t.as_str() == Some("full_attention")) as u32).collect();
+                c.remove("layer_types");
+                c.insert("attn_type_list".into(), json!(list));
+                let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
+                c.insert("rope_theta".into(), theta);
             }),
         ),
     ];

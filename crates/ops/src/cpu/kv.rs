@@ -122,3 +122,44 @@ pub fn attention_f32(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_
     };
     par_rows(n, &body);
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::Cpu;
+    use crate::{AttnSeq, Device, KvDtype, KvPoolSpec, KvShape};
+
+    /// The f32 pool attends like the f16 one on values f16 holds exactly,
+    /// keeps values f16 would round, and copies blocks.
+    #[test]
+    fn f32_pool_matches_f16_pool_and_keeps_precision() {
+        let dev = Cpu::new(Some(2));
+        let (hd, kvh, heads, bt, n) = (16, 2, 4, 4, 11);
+        let spec = KvPoolSpec { blocks: 8, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+        // Multiples of 1/64 in [-2, 2]: exact in f16.
+        let val = |i: usize| ((i * 37 % 257) as f32 - 128.0) / 64.0;
+        let k = dev.upload(&(0..n * kvh * hd).map(val).collect::<Vec<_>>(), n, kvh * hd).unwrap();
+        let v = dev.upload(&(0..n * kvh * hd).map(|i| val(i + 5)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
+        let q = dev.upload(&(0..n * heads * hd).map(|i| val(i + 11) / 4.0).collect::<Vec<_>>(), n, heads * hd).unwrap();
+        let blocks = [5u32, 1, 6];
+        let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();
+        let seqs = [AttnSeq { q_start: 0, q_len: n, kv_len: n, blocks: &blocks, window: Some(6) }];
+        let mut outs = Vec::new();
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let mut kv = dev.kv_pool_as(&spec, dtype).unwrap();
+            dev.kv_write(&mut kv, 0, &k, &v, &slots);
+            let mut out = dev.tensor(0, 0);
+            dev.attention(&q, &kv, 0, &seqs, 0.25, None, &mut out);
+            outs.push(out.data);
+        }
+        let d = outs[0].iter().zip(&outs[1]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "f16 and f32 pools differ by {d}");
+
+        let mut kv = dev.kv_pool_as(&spec, KvDtype::F32).unwrap();
+        let fine = dev.upload(&vec![1.0 + 1e-6; kvh * hd], 1, kvh * hd).unwrap();
+        dev.kv_write(&mut kv, 0, &fine, &fine, &[2]);
+        dev.kv_copy_blocks(&mut kv, &[0], &[3]);
+        assert_eq!(kv.k32[0][(3 * bt + 2) * kvh * hd], 1.0 + 1e-6);
+        assert_eq!(kv.v32[0][(3 * bt + 2) * kvh * hd], 1.0 + 1e-6);
+        assert!(kv.k.is_empty() && kv.v.is_empty());
+    }
+}

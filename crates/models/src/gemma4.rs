@@ -335,7 +335,6 @@ impl<D: Device> Model<D> for Gemma4<D> {
         let kv = &mut mem.kv;
         let c = &self.cfg;
         let n = c.layers.len();
-        let rows = batch.tokens.len();
         // Extra buffers: 0 the dense MLP's output beside the MoE, 1 MoE
         // scratch, 2.. each layer's per-layer input.
         let ple_bufs = if c.ple_dim > 0 { n } else { 0 };
@@ -419,7 +418,6 @@ impl<D: Device> Model<D> for Gemma4<D> {
             }
             dev.scale(x, b.scalar);
         }
-        debug_assert_eq!(dev.shape(x).0, rows);
         dev.gather_rows(x, batch.logit_rows, h);
         dev.rms_norm(h, &self.out_norm, c.eps, q);
         dev.matmul(q, &self.embed, logits);

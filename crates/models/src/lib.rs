@@ -10,6 +10,7 @@ pub mod gemma4;
 pub mod lfm2;
 pub mod llama;
 pub mod minimax;
+pub mod minimax_m2;
 pub mod moe;
 pub mod nemotron_h;
 pub mod qwen3;
@@ -137,6 +138,7 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
         "nemotron_h" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
         "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
+        "minimax_m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
         other => bail!(
             "{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h)",
             src.path().display()

@@ -65,6 +65,8 @@ family!(lfm2, "lfm2", incremental = "logits_incremental");
 family!(lfm2_moe, "lfm2_moe", incremental = "logits_incremental");
 family!(nemotron_h, "nemotron_h", incremental = "logits_incremental_clamped");
 family!(minimax, "minimax", incremental = "logits_incremental");
+family!(minimax_m2, "minimax_m2", incremental = "logits_incremental");
+family!(minimax_m3, "minimax_m3_vl_text", incremental = "logits_incremental");
 
 /// transformers' own decode does not clamp dt (`logits_incremental` drifts
 /// by 2e-2 from `logits_full`); braid clamps in decode too, so it must be far
@@ -145,6 +147,14 @@ fn hub_config_forms() {
                 c.insert("rope_theta".into(), theta);
             }),
         ),
+        (
+            "minimax_m2",
+            Box::new(|c| {
+                // Hub: rotary_dim (kept) and rope_theta, no partial_rotary_factor.
+                let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
+                c.insert("rope_theta".into(), theta);
+            }),
+        ),
     ];
     for (name, edit) in cases {
         let fx = Fixture::load(name);
@@ -153,5 +163,24 @@ fn hub_config_forms() {
         let got = full_logits(&dir, &fx.tokens);
         std::fs::remove_dir_all(&dir).ok();
         assert_bit_identical(&format!("{name} from a Hub-style config"), &got, &want, fx.vocab);
+    }
+}
+
+/// MiniMax-M3's block selection and its SwiGLU clamp both shape the
+/// fixture's logits: attending to every block, or not clamping, moves them
+/// far past the tolerance the model meets.
+#[test]
+fn minimax_m3_sparsity_and_clamp_matter() {
+    let fx = Fixture::load("minimax_m3_vl_text");
+    let edits: [(&str, Box<ConfigEdit>); 2] = [
+        ("dense", Box::new(|c| drop(c.insert("index_topk_blocks".into(), json!(1000))))),
+        ("noclamp", Box::new(|c| drop(c.insert("swiglu_limit".into(), json!(1e9))))),
+    ];
+    for (tag, edit) in edits {
+        let dir = edited_fixture("minimax_m3_vl_text", tag, edit.as_ref());
+        let got = full_logits(&dir, &fx.tokens);
+        std::fs::remove_dir_all(&dir).ok();
+        let d = diff(&got, fx.logits("logits_full"), fx.vocab);
+        assert!(d.max > 1e-2, "{tag}: logits moved only {:.2e}", d.max);
     }
 }

@@ -1,0 +1,337 @@
+//! MiniMax-M2 (`minimax_m2`) and the MiniMax-M3 text tower
+//! (`minimax_m3_vl_text`): pre-norm blocks of grouped-query softmax
+//! attention with q/k RMSNorm and partial RoPE, and a sigmoid-routed mixture
+//! of experts whose choice is biased by a score correction.
+//!
+//! M2 normalises q and k over their whole projection width; its experts are
+//! SwiGLU. M3 normalises per head and scales every norm by `1 + w`; some of
+//! its layers attend block-sparsely (an indexer scores blocks of keys and
+//! each query attends to its best few, see [`Device::block_sparse_attention`];
+//! the indexer keys are kept in the KV pool as one more layer); its MLPs are
+//! clamped SwiGLUs — a dense one on some layers, and on the others the
+//! experts, scaled, plus a shared expert.
+
+use anyhow::{bail, ensure, Result};
+use braid_ops::{BlockSparse, Device, KvShape, Rope};
+
+use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::recurrent::{extras, hf_config};
+use crate::source::Source;
+use crate::{Batch, LayerState, Memory, Model, Scratch};
+
+#[derive(Clone, Debug)]
+pub struct MiniMaxM2Config {
+    /// The MiniMax-M3 text tower (else MiniMax-M2).
+    pub m3: bool,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    pub rope: Rope,
+    pub context: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub scoring: Scoring,
+    pub routed_scale: f32,
+    /// M3: per layer, block-sparse attention.
+    pub sparse: Vec<bool>,
+    /// M3: per layer, a dense MLP instead of the mixture.
+    pub dense: Vec<bool>,
+    /// M3's block selection.
+    pub index: Option<BlockSparse>,
+    /// M3's clamped SwiGLU (limit, alpha).
+    pub swiglu: Option<(f32, f32)>,
+}
+
+impl MiniMaxM2Config {
+    pub fn from_source(src: &Source) -> Result<MiniMaxM2Config> {
+        let arch = src.architecture()?;
+        let m3 = arch != "minimax_m2";
+        let c = hf_config(src, &arch)?;
+        let path = src.path();
+        let path = path.display();
+        let hidden = c.usize("hidden_size")?;
+        let layers = c.usize("num_hidden_layers")?;
+        let heads = c.usize("num_attention_heads")?;
+        ensure!(heads > 0 && layers > 0, "{path}: {heads} heads, {layers} layers");
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        let rp = c.rope(None, 10_000.0)?;
+        // transformers reads rope_parameters.partial_rotary_factor; Hub
+        // configs give rotary_dim.
+        let rotary = if rp.partial_rotary_factor != 1.0 {
+            (head_dim as f32 * rp.partial_rotary_factor) as usize
+        } else {
+            c.opt_usize("rotary_dim")?.unwrap_or(head_dim)
+        };
+        ensure!(rotary > 0 && rotary <= head_dim && rotary.is_multiple_of(2), "{path}: {rotary} rotary dims of a head of {head_dim}");
+        let flags = |key: &str, yes: &str, no: &str| -> Result<Vec<bool>> {
+            match c.get(key) {
+                None => Ok(vec![false; layers]),
+                Some(v) => {
+                    let Some(list) = v.as_array() else { bail!("{path}: {key} is not a list") };
+                    ensure!(list.len() == layers, "{path}: {key} names {} layers, the model has {layers}", list.len());
+                    list.iter()
+                        .map(|t| match t.as_str() {
+                            Some(s) if s == yes => Ok(true),
+                            Some(s) if s == no => Ok(false),
+                            _ => bail!("{path}: {key} holds {t} (expected {yes} or {no})"),
+                        })
+                        .collect()
+                }
+            }
+        };
+        let (sparse, dense, index, swiglu) = if m3 {
+            let sparse = flags("layer_types", "minimax_m3_sparse", "full_attention")?;
+            let index = BlockSparse {
+                block: c.usize("index_block_size")?,
+                local: c.opt_usize("index_local_blocks")?.unwrap_or(1),
+                topk: c.usize("index_topk_blocks")?,
+                index_heads: c.usize("index_n_heads")?,
+                index_dim: c.usize("index_head_dim")?,
+            };
+            ensure!(index.block > 0 && index.topk > 0, "{path}: index blocks of {} positions, {} kept", index.block, index.topk);
+            ensure!(index.index_heads > 0 && heads.is_multiple_of(index.index_heads), "{path}: {heads} heads over {} indexer heads", index.index_heads);
+            // The indexer takes the attention's RoPE table cut to its width,
+            // which is the same partial RoPE only when it covers the rotated part.
+            ensure!(index.index_dim >= rotary, "{path}: index_head_dim {} under the {rotary} rotary dims", index.index_dim);
+            let swiglu = (c.opt_f32("swiglu_limit")?.unwrap_or(f32::INFINITY), c.opt_f32("swiglu_alpha")?.unwrap_or(1.702));
+            (sparse, flags("mlp_layer_types", "dense", "sparse")?, Some(index), Some(swiglu))
+        } else {
+            (vec![false; layers], vec![false; layers], None, None)
+        };
+        let scoring = match c.opt_str("scoring_func")? {
+            None | Some("sigmoid") => Scoring::Sigmoid,
+            Some("softmax") => Scoring::Softmax,
+            Some(f) => bail!("{path}: scoring_func {f} (expected sigmoid or softmax)"),
+        };
+        Ok(MiniMaxM2Config {
+            m3,
+            hidden,
+            layers,
+            heads,
+            kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+            head_dim,
+            vocab: c.usize("vocab_size")?,
+            eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            rope: Rope { theta: rp.theta, dims: rotary, neox: true, scale: 1.0 },
+            context: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            experts: c.usize("num_local_experts")?,
+            top_k: c.usize("num_experts_per_tok")?,
+            scoring,
+            routed_scale: c.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+            sparse,
+            dense,
+            index,
+            swiglu,
+        })
+    }
+}
+
+/// M3's lightning indexer of one block-sparse layer.
+struct Indexer<D: Device> {
+    wq: D::Weight,
+    wk: D::Weight,
+    q_norm: D::Tensor,
+    k_norm: D::Tensor,
+    /// The KV layer holding its keys.
+    kv: usize,
+}
+
+/// A clamped-SwiGLU MLP (M3), from a fused `gate_up_proj` (gate rows first).
+struct GluMlp<D: Device> {
+    gate: D::Weight,
+    up: D::Weight,
+    down: D::Weight,
+}
+
+enum Ffn<D: Device> {
+    Dense(GluMlp<D>),
+    Moe { router: D::Weight, moe: Moe<D>, shared: Option<GluMlp<D>> },
+}
+
+struct Block<D: Device> {
+    in_norm: D::Tensor,
+    wq: D::Weight,
+    wk: D::Weight,
+    wv: D::Weight,
+    wo: D::Weight,
+    q_norm: D::Tensor,
+    k_norm: D::Tensor,
+    indexer: Option<Indexer<D>>,
+    post_norm: D::Tensor,
+    ffn: Ffn<D>,
+}
+
+pub struct MiniMaxM2<D: Device> {
+    pub cfg: MiniMaxM2Config,
+    embed: D::Weight,
+    blocks: Vec<Block<D>>,
+    out_norm: D::Tensor,
+    head: Option<D::Weight>,
+}
+
+impl<D: Device> MiniMaxM2<D> {
+    pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<MiniMaxM2<D>> {
+        let cfg = MiniMaxM2Config::from_source(src)?;
+        let w = |n: &str| dev.weight(&src.tensor(n)?);
+        // M3's norms scale by 1 + w.
+        let norm_offset = if cfg.m3 { 1.0 } else { 0.0 };
+        let v = |n: &str| dev.vector(&src.tensor(n)?, norm_offset);
+        let glu = |gate_up: &str, down: &str| -> Result<GluMlp<D>> {
+            let gu = src.tensor(gate_up)?;
+            ensure!(gu.shape.len() == 2 && gu.shape[0].is_multiple_of(2), "{gate_up}: {:?}, expected [2 x intermediate, hidden]", gu.shape);
+            let i = gu.shape[0] / 2;
+            Ok(GluMlp { gate: dev.weight(&slice_rows(&gu, 0, i)?)?, up: dev.weight(&slice_rows(&gu, i, i)?)?, down: w(down)? })
+        };
+        let mut index_kv = cfg.layers;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let p = |n: &str| format!("model.layers.{l}.{n}");
+            let indexer = if cfg.sparse[l] {
+                index_kv += 1;
+                Some(Indexer {
+                    wq: w(&p("self_attn.indexer.q_proj.weight"))?,
+                    wk: w(&p("self_attn.indexer.k_proj.weight"))?,
+                    q_norm: v(&p("self_attn.indexer.q_norm.weight"))?,
+                    k_norm: v(&p("self_attn.indexer.k_norm.weight"))?,
+                    kv: index_kv - 1,
+                })
+            } else {
+                None
+            };
+            let ffn = if cfg.dense[l] {
+                Ffn::Dense(glu(&p("mlp.gate_up_proj.weight"), &p("mlp.down_proj.weight"))?)
+            } else if let Some((limit, alpha)) = cfg.swiglu {
+                let act = Activation::SwigluClamped { limit, alpha };
+                let experts = Experts::load_fused(dev, &src.tensor(&p("mlp.experts.gate_up_proj"))?, &src.tensor(&p("mlp.experts.down_proj"))?, act)?;
+                let bias = src.tensor(&p("mlp.gate.e_score_correction_bias"))?.to_f32()?;
+                let shared_name = p("mlp.shared_experts.gate_up_proj.weight");
+                let shared = if src.has_tensor(&shared_name) { Some(glu(&shared_name, &p("mlp.shared_experts.down_proj.weight"))?) } else { None };
+                Ffn::Moe { router: w(&p("mlp.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared }
+            } else {
+                let e = |n: String| p(&format!("block_sparse_moe.experts.{n}"));
+                let experts = Experts::load_split(dev, src, cfg.experts, Activation::SiluGated, |x| {
+                    (Some(e(format!("{x}.w1.weight"))), e(format!("{x}.w3.weight")), e(format!("{x}.w2.weight")))
+                })?;
+                let bias = src.tensor(&p("block_sparse_moe.e_score_correction_bias"))?.to_f32()?;
+                Ffn::Moe { router: w(&p("block_sparse_moe.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared: None }
+            };
+            blocks.push(Block {
+                in_norm: v(&p("input_layernorm.weight"))?,
+                wq: w(&p("self_attn.q_proj.weight"))?,
+                wk: w(&p("self_attn.k_proj.weight"))?,
+                wv: w(&p("self_attn.v_proj.weight"))?,
+                wo: w(&p("self_attn.o_proj.weight"))?,
+                q_norm: v(&p("self_attn.q_norm.weight"))?,
+                k_norm: v(&p("self_attn.k_norm.weight"))?,
+                indexer,
+                post_norm: v(&p("post_attention_layernorm.weight"))?,
+                ffn,
+            });
+            progress(l + 1, cfg.layers);
+        }
+        let head = if src.has_tensor("lm_head.weight") { Some(w("lm_head.weight")?) } else { None };
+        Ok(MiniMaxM2 { embed: w("model.embed_tokens.weight")?, blocks, out_norm: v("model.norm.weight")?, head, cfg })
+    }
+}
+
+/// Sigmoid scores, the choice biased by the score correction, the chosen
+/// weights renormalised and scaled.
+fn router(cfg: &MiniMaxM2Config, bias: Vec<f32>) -> Router {
+    Router { scoring: cfg.scoring, top_k: cfg.top_k, choice_bias: Some(bias), normalize: true, norm_eps: 0.0, scale: cfg.routed_scale, per_expert_scale: None }
+}
+
+impl<D: Device> Model<D> for MiniMaxM2<D> {
+    /// One layer per block, then one per block-sparse layer for its
+    /// indexer keys (k only; v is a copy, unused).
+    fn kv_layers(&self) -> Vec<KvShape> {
+        let c = &self.cfg;
+        let mut v = vec![KvShape { kv_heads: c.kv_heads, head_dim: c.head_dim }; c.layers];
+        if let Some(ix) = &c.index {
+            v.extend(c.sparse.iter().filter(|&&s| s).map(|_| KvShape { kv_heads: 1, head_dim: ix.index_dim }));
+        }
+        v
+    }
+
+    fn layer_states(&self) -> Vec<LayerState> {
+        vec![LayerState::Kv; self.cfg.layers]
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn context(&self) -> usize {
+        self.cfg.context
+    }
+
+    fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
+        let c = &self.cfg;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
+        for (l, b) in self.blocks.iter().enumerate() {
+            // Attention: q and k normalised (over the whole width in M2, per
+            // head in M3: the norm weight's width says which), then RoPE.
+            dev.rms_norm(&s.x, &b.in_norm, c.eps, &mut s.h);
+            dev.matmul(&s.h, &b.wq, &mut s.att);
+            dev.rms_norm(&s.att, &b.q_norm, c.eps, &mut s.q);
+            dev.matmul(&s.h, &b.wk, &mut s.att);
+            dev.rms_norm(&s.att, &b.k_norm, c.eps, &mut s.k);
+            dev.matmul(&s.h, &b.wv, &mut s.v);
+            dev.rope(&mut s.q, batch.positions, c.head_dim, &c.rope);
+            dev.rope(&mut s.k, batch.positions, c.head_dim, &c.rope);
+            dev.kv_write(&mut mem.kv, l, &s.k, &s.v, batch.slots);
+            match (&b.indexer, &c.index) {
+                (Some(ix), Some(sel)) => {
+                    let [t, iq, ik] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &ix.wq, t);
+                    dev.rms_norm(t, &ix.q_norm, c.eps, iq);
+                    dev.rope(iq, batch.positions, sel.index_dim, &c.rope);
+                    dev.matmul(&s.h, &ix.wk, t);
+                    dev.rms_norm(t, &ix.k_norm, c.eps, ik);
+                    dev.rope(ik, batch.positions, sel.index_dim, &c.rope);
+                    dev.kv_write(&mut mem.kv, ix.kv, ik, ik, batch.slots);
+                    dev.block_sparse_attention(&s.q, iq, &mem.kv, l, ix.kv, &batch.seqs, scale, sel, &mut s.att)?;
+                }
+                _ => dev.attention(&s.q, &mem.kv, l, &batch.seqs, scale, None, &mut s.att),
+            }
+            dev.matmul(&s.att, &b.wo, &mut s.h);
+            dev.add(&mut s.x, &s.h);
+
+            dev.rms_norm(&s.x, &b.post_norm, c.eps, &mut s.h);
+            match &b.ffn {
+                Ffn::Dense(m) => self.glu(dev, m, s)?,
+                Ffn::Moe { router, moe, shared } => {
+                    dev.matmul(&s.h, router, &mut s.gate);
+                    let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
+                    moe.forward(dev, &s.h, &s.gate, &mut s.att, [t0, t1, t2, t3])?;
+                    if let Some(m) = shared {
+                        self.glu(dev, m, s)?;
+                        dev.add(&mut s.x, &s.q);
+                    }
+                    std::mem::swap(&mut s.q, &mut s.att);
+                }
+            }
+            dev.add(&mut s.x, &s.q);
+        }
+        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
+        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
+        dev.matmul(&s.q, self.head.as_ref().unwrap_or(&self.embed), &mut s.logits);
+        Ok(())
+    }
+}
+
+impl<D: Device> MiniMaxM2<D> {
+    /// `s.q = down(swiglu_clamped(gate(s.h), up(s.h)))`.
+    fn glu(&self, dev: &D, m: &GluMlp<D>, s: &mut Scratch<D>) -> Result<()> {
+        let (limit, alpha) = self.cfg.swiglu.unwrap_or((f32::INFINITY, 1.702));
+        dev.matmul(&s.h, &m.gate, &mut s.gate);
+        dev.matmul(&s.h, &m.up, &mut s.up);
+        dev.swiglu_clamped(&s.gate, &s.up, limit, alpha, &mut s.act)?;
+        dev.matmul(&s.act, &m.down, &mut s.q);
+        Ok(())
+    }
+}

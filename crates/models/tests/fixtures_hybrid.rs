@@ -11,11 +11,35 @@
 mod fixtures_common;
 use fixtures_common::*;
 
+use braid_engine::Backend;
+
 use std::path::PathBuf;
 
 use serde_json::{json, Value};
 
 const TOL: f32 = 1e-4;
+
+/// f32 values of recurrent state per stream, from meta.json's cache shapes:
+/// transformers keeps `L` inputs per conv channel where `L - 1` suffice, so
+/// braid keeps one fewer.
+fn needed_state(fx: &Fixture) -> usize {
+    let prod = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).product::<usize>();
+    let conv = |v: &Value| {
+        let s = v.as_array().unwrap();
+        s[0].as_u64().unwrap() as usize * (s[1].as_u64().unwrap() as usize - 1)
+    };
+    fx.meta["state_per_layer"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| match l["kind"].as_str().unwrap() {
+            "conv" => conv(&l["shape"]),
+            "mamba2" => conv(&l["conv"]) + prod(&l["ssm"]),
+            "linear_attention" => prod(&l["shape"]),
+            _ => 0,
+        })
+        .sum()
+}
 
 /// One test per check, so a failure names the family and the check.
 macro_rules! family {
@@ -27,7 +51,24 @@ macro_rules! family {
             fn states() {
                 let fx = Fixture::load($fixture);
                 fx.check_states();
-                assert!(fx.backend().model().chunk_invariant(), "{} should declare chunk invariance", $fixture);
+                let be = fx.backend();
+                assert!(be.model().chunk_invariant(), "{} should declare chunk invariance", $fixture);
+                assert_eq!(be.model().state_size(), needed_state(&fx), "{}: state_size()", $fixture);
+                // Recurrent state cannot be cut back: such a backend must not offer rewind.
+                assert_eq!(be.capabilities().supports_rewind, needed_state(&fx) == 0, "{}: rewind capability", $fixture);
+            }
+
+            /// transformers' chunks of 16, 11 and 13 rows on top of the cache.
+            #[test]
+            fn chunked() {
+                let fx = Fixture::load($fixture);
+                let mut be = fx.backend();
+                be.open(1).unwrap();
+                let (a, b) = (16, 16 + 11);
+                let mut got = run_rows(&mut be, 1, &fx.tokens[..a]);
+                got.extend(run_rows(&mut be, 1, &fx.tokens[a..b]));
+                got.extend(run_rows(&mut be, 1, &fx.tokens[b..]));
+                assert_close(&format!("{} chunked", $fixture), &got, fx.logits("logits_chunked"), fx.vocab, TOL);
             }
 
             #[test]
@@ -182,5 +223,46 @@ fn minimax_m3_sparsity_and_clamp_matter() {
         std::fs::remove_dir_all(&dir).ok();
         let d = diff(&got, fx.logits("logits_full"), fx.vocab);
         assert!(d.max > 1e-2, "{tag}: logits moved only {:.2e}", d.max);
+    }
+}
+
+/// Bad configs and missing tensors are errors that say what is wrong.
+#[test]
+fn bad_configs_are_errors() {
+    let cases: [(&str, &str, Box<ConfigEdit>); 5] = [
+        ("lfm2", "layer_types", Box::new(|c| drop(c.insert("layer_types".into(), json!(["conv", "conv"]))))),
+        (
+            "lfm2",
+            "model.layers.4",
+            Box::new(|c| {
+                c.insert("num_hidden_layers".into(), json!(5));
+                c.insert("layer_types".into(), json!(["conv", "conv", "full_attention", "conv", "conv"]));
+            }),
+        ),
+        (
+            "nemotron_h",
+            "hybrid_override_pattern",
+            Box::new(|c| {
+                c.remove("layers_block_type");
+                c.insert("hybrid_override_pattern".into(), json!("MX*-"));
+            }),
+        ),
+        (
+            "minimax",
+            "attn_type_list",
+            Box::new(|c| {
+                c.remove("layer_types");
+                c.insert("attn_type_list".into(), json!([0, 2, 1, 0]));
+            }),
+        ),
+        ("minimax_m3_vl_text", "indexer heads", Box::new(|c| drop(c.insert("index_n_heads".into(), json!(3))))),
+    ];
+    for (i, (name, want, edit)) in cases.into_iter().enumerate() {
+        let dir = edited_fixture(name, &format!("bad{i}"), edit.as_ref());
+        let dev = braid_ops::cpu::Cpu::new(None);
+        let err = braid_models::open(&dev, &dir).err().map(|e| format!("{e:#}"));
+        std::fs::remove_dir_all(&dir).ok();
+        let err = err.unwrap_or_else(|| panic!("{name} case {i}: loaded a bad config"));
+        assert!(err.contains(want), "{name} case {i}: error `{err}` does not mention {want}");
     }
 }

@@ -116,6 +116,18 @@ impl<D: Device> Llama<D> {
         let cfg = LlamaConfig::from_source(src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
+        Self::from_tensors(cfg, &w, &v, src.has_tensor("output.weight"), progress)
+    }
+
+    /// Build from tensors named as in GGUF, wherever they come from (a file,
+    /// or random values for benchmarks: `random.rs`).
+    pub fn from_tensors(
+        cfg: LlamaConfig,
+        w: &dyn Fn(&str) -> Result<D::Weight>,
+        v: &dyn Fn(&str) -> Result<D::Tensor>,
+        has_head: bool,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<Llama<D>> {
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let p = |n: &str| format!("blk.{i}.{n}.weight");
@@ -132,7 +144,7 @@ impl<D: Device> Llama<D> {
             });
             progress(i + 1, cfg.layers);
         }
-        let head = if src.has_tensor("output.weight") { Some(w("output.weight")?) } else { None };
+        let head = if has_head { Some(w("output.weight")?) } else { None };
         Ok(Llama { embed: w("token_embd.weight")?, blocks, out_norm: v("output_norm.weight")?, head, cfg })
     }
 }

@@ -8,6 +8,8 @@ use anyhow::Result;
 use braid_formats::TensorView;
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 /// Rotary position embedding settings for one attention layer kind.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,0 +1,55 @@
+//! The GPU benchmark as a standalone program (what `braid bench --device
+//! cuda --random-weights` runs): a Llama-3.2-1B-shaped model with random
+//! bf16 weights made on the device.
+//!
+//! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
+//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE]`
+
+use anyhow::{bail, Context, Result};
+
+fn main() -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        run()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        bail!("built without the cuda feature")
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run() -> Result<()> {
+    use braid_models::gpubench::{bench_llama, GpuBenchOpts};
+    let mut o = GpuBenchOpts::default();
+    let (mut device, mut preset, mut json) = ("cuda".to_string(), "llama-3.2-1b".to_string(), None);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--device" => device = val()?,
+            "--preset" => preset = val()?,
+            "--streams" => o.streams = val()?.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?,
+            "--prompt" => o.prompt = val()?.parse()?,
+            "--rounds" => o.rounds = val()?.parse()?,
+            "--prefill" => o.prefill = val()?.parse()?,
+            "--no-graphs" => o.graphs = false,
+            "--no-eager" => o.compare_eager = false,
+            "--json" => json = Some(val()?),
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    let ordinal = braid_ops::cuda::Cuda::parse_ordinal(&device).with_context(|| format!("bad device {device} (cuda or cuda:N)"))?;
+    let dev = braid_ops::cuda::Cuda::new(ordinal)?;
+    let cfg = braid_models::random::preset(&preset)?;
+    let t = std::time::Instant::now();
+    let model = braid_models::random::llama(&dev, cfg.clone(), 1, false)?;
+    dev.sync()?;
+    eprintln!("{}: random {preset} made in {:.2} s", braid_ops::Device::name(&dev), t.elapsed().as_secs_f64());
+    let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
+    println!("{}", rep.table());
+    if let Some(p) = json {
+        std::fs::write(&p, rep.json()).with_context(|| p.clone())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,281 @@
+//! The GPU benchmark behind `braid bench --device cuda`: the device's two
+//! ceilings (copy bandwidth, bf16 GEMM rate), then decode rounds at several
+//! stream counts and one long prefill of a model, with the ratios to those
+//! ceilings. Decode rounds run the way a lane runs them (one batched forward
+//! per round, every stream its own length, paged KV), sampling greedily on
+//! the device, as CUDA graphs unless turned off.
+
+use std::time::Instant;
+
+use anyhow::{ensure, Result};
+use braid_ops::cuda::Cuda;
+use braid_ops::{AttnSeq, Device, KvPoolSpec};
+
+use crate::llama::LlamaConfig;
+use crate::{Batch, Memory, Model, Scratch};
+
+#[derive(Clone, Debug)]
+pub struct GpuBenchOpts {
+    /// Stream counts of the decode runs.
+    pub streams: Vec<usize>,
+    /// Prompt tokens each stream holds before decoding.
+    pub prompt: usize,
+    /// Timed decode rounds (after `warmup` untimed ones).
+    pub rounds: usize,
+    pub warmup: usize,
+    /// Tokens of the prefill run (one chunk).
+    pub prefill: usize,
+    /// Run decode rounds as CUDA graphs (and also eagerly, for comparison, when `compare_eager`).
+    pub graphs: bool,
+    pub compare_eager: bool,
+    /// Measure the copy bandwidth and GEMM rate first.
+    pub ceilings: bool,
+}
+
+impl Default for GpuBenchOpts {
+    fn default() -> Self {
+        GpuBenchOpts { streams: vec![1, 8, 32, 64], prompt: 128, rounds: 64, warmup: 8, prefill: 2048, graphs: true, compare_eager: true, ceilings: true }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DecodeRun {
+    pub streams: usize,
+    pub graphs: bool,
+    pub tok_s: f64,
+    pub ms_per_round: f64,
+    /// Weights + KV read per round over the measured copy bandwidth, as tokens/s.
+    pub hbm_bound_tok_s: f64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct GpuBenchReport {
+    pub device: String,
+    pub copy_gb_s: f64,
+    pub gemm_tflops: f64,
+    pub weight_bytes: f64,
+    pub decode: Vec<DecodeRun>,
+    pub prefill_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub prefill_tflops: f64,
+}
+
+impl GpuBenchReport {
+    /// A Markdown table of the results and the targets' ratios.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        s += &format!("device: {}\n\n", self.device);
+        if self.copy_gb_s > 0.0 {
+            s += &format!(
+                "| ceiling | value |\n| --- | --- |\n| copy bandwidth (read + write) | {:.0} GB/s |\n| bf16 GEMM 8192³ | {:.0} TFLOP/s |\n\n",
+                self.copy_gb_s, self.gemm_tflops
+            );
+        }
+        s += &format!("weights read per round: {:.3} GB\n\n", self.weight_bytes / 1e9);
+        s += "| streams | graphs | tokens/s | ms/round | HBM bound tok/s | of bound |\n| --- | --- | --- | --- | --- | --- |\n";
+        for d in &self.decode {
+            s += &format!(
+                "| {} | {} | {:.0} | {:.3} | {:.0} | {:.0}% |\n",
+                d.streams,
+                if d.graphs { "yes" } else { "no" },
+                d.tok_s,
+                d.ms_per_round,
+                d.hbm_bound_tok_s,
+                100.0 * d.tok_s / d.hbm_bound_tok_s.max(1e-9)
+            );
+        }
+        if self.prefill_tokens > 0 {
+            s += &format!(
+                "\nprefill {} tokens: {:.0} tokens/s, {:.0} TFLOP/s ({:.0}% of the measured GEMM rate)\n",
+                self.prefill_tokens,
+                self.prefill_tok_s,
+                self.prefill_tflops,
+                100.0 * self.prefill_tflops / self.gemm_tflops.max(1e-9)
+            );
+        }
+        s
+    }
+
+    /// The numbers as JSON (for scripts/gpu/compare.py).
+    pub fn json(&self) -> String {
+        let dec: Vec<String> = self
+            .decode
+            .iter()
+            .map(|d| {
+                format!(
+                    "{{\"streams\":{},\"graphs\":{},\"tok_s\":{:.1},\"ms_per_round\":{:.4},\"hbm_bound_tok_s\":{:.1}}}",
+                    d.streams, d.graphs, d.tok_s, d.ms_per_round, d.hbm_bound_tok_s
+                )
+            })
+            .collect();
+        format!(
+            "{{\"device\":{:?},\"copy_gb_s\":{:.1},\"gemm_tflops\":{:.1},\"weight_bytes\":{:.0},\"decode\":[{}],\"prefill_tokens\":{},\"prefill_tok_s\":{:.1},\"prefill_tflops\":{:.1}}}",
+            self.device,
+            self.copy_gb_s,
+            self.gemm_tflops,
+            self.weight_bytes,
+            dec.join(","),
+            self.prefill_tokens,
+            self.prefill_tok_s,
+            self.prefill_tflops
+        )
+    }
+}
+
+/// Linear-layer weights of a Llama-shaped model in elements: per layer, and the head.
+fn llama_params(c: &LlamaConfig) -> (f64, f64) {
+    let (h, q, kv, f) = (c.hidden as f64, (c.heads * c.head_dim) as f64, (c.kv_heads * c.head_dim) as f64, c.ffn as f64);
+    let layer = h * q + 2.0 * h * kv + q * h + 3.0 * h * f;
+    (layer * c.layers as f64, c.vocab as f64 * h)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: usize) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as u32
+    }
+}
+
+/// Decode `rounds` rounds of `streams` streams that each hold `prompt`
+/// tokens first; returns tokens/s.
+pub fn decode_run(dev: &Cuda, model: &dyn Model<Cuda>, streams: usize, prompt: usize, warmup: usize, rounds: usize, graphs: bool) -> Result<f64> {
+    decode_inner(dev, model, streams, prompt, warmup, rounds, graphs, None)
+}
+
+/// The greedy tokens of each decode round (for checks: graphs against eager).
+pub fn decode_tokens(dev: &Cuda, model: &dyn Model<Cuda>, streams: usize, prompt: usize, rounds: usize, graphs: bool) -> Result<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    decode_inner(dev, model, streams, prompt, 0, rounds, graphs, Some(&mut out))?;
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_inner(
+    dev: &Cuda,
+    model: &dyn Model<Cuda>,
+    streams: usize,
+    prompt: usize,
+    warmup: usize,
+    rounds: usize,
+    graphs: bool,
+    mut record: Option<&mut Vec<Vec<u32>>>,
+) -> Result<f64> {
+    ensure!(streams > 0 && prompt > 0, "decode_run: streams and prompt must be positive");
+    let bt = 16;
+    let per = (prompt + warmup + rounds + 1).div_ceil(bt);
+    let spec = KvPoolSpec { blocks: streams * per, block_tokens: bt, layers: model.kv_layers() };
+    let mut mem = Memory { kv: dev.kv_pool(&spec)?, state: dev.tensor(streams, model.state_size()) };
+    let mut s = Scratch::new(dev);
+    let tables: Vec<Vec<u32>> = (0..streams).map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect()).collect();
+    let slot = |t: &[u32], p: usize| t[p / bt] * bt as u32 + (p % bt) as u32;
+    let vocab = model.vocab();
+    let mut rng = Rng(0x9e3779b97f4a7c15 ^ streams as u64);
+    let mut last = vec![0u32; streams];
+    let mut lens = vec![0usize; streams];
+    // Prompts, one stream at a time (the prefill path).
+    for i in 0..streams {
+        let toks: Vec<u32> = (0..prompt).map(|_| rng.below(vocab)).collect();
+        let pos: Vec<u32> = (0..prompt as u32).collect();
+        let slots: Vec<u32> = (0..prompt).map(|p| slot(&tables[i], p)).collect();
+        let seqs = vec![AttnSeq { q_start: 0, q_len: prompt, kv_len: prompt, blocks: &tables[i], window: None }];
+        let batch = Batch { tokens: &toks, positions: &pos, slots: &slots, seqs, logit_rows: &[prompt - 1], state_slots: &[i as u32] };
+        model.forward(dev, &batch, &mut mem, &mut s)?;
+        last[i] = dev.argmax(&s.logits)?[0];
+        lens[i] = prompt;
+    }
+    dev.set_graphs(graphs);
+    let rows: Vec<usize> = (0..streams).collect();
+    let state_slots: Vec<u32> = (0..streams as u32).collect();
+    let mut t0 = Instant::now();
+    for r in 0..warmup + rounds {
+        if r == warmup {
+            dev.sync()?;
+            t0 = Instant::now();
+        }
+        let pos: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+        let slots: Vec<u32> = (0..streams).map(|i| slot(&tables[i], lens[i])).collect();
+        let seqs: Vec<AttnSeq> = (0..streams).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: lens[i] + 1, blocks: &tables[i], window: None }).collect();
+        let batch = Batch { tokens: &last, positions: &pos, slots: &slots, seqs, logit_rows: &rows, state_slots: &state_slots };
+        dev.graph(&mut || model.forward(dev, &batch, &mut mem, &mut s))?;
+        let next = dev.argmax(&s.logits)?;
+        if let Some(r) = record.as_deref_mut() {
+            r.push(next.clone());
+        }
+        last.copy_from_slice(&next);
+        lens.iter_mut().for_each(|l| *l += 1);
+    }
+    let t = t0.elapsed().as_secs_f64();
+    dev.set_graphs(true);
+    Ok((streams * rounds) as f64 / t)
+}
+
+/// One prefill forward of `tokens` tokens (logits for the last row only);
+/// returns the median seconds of three after one warm-up.
+pub fn prefill_run(dev: &Cuda, model: &dyn Model<Cuda>, tokens: usize) -> Result<f64> {
+    let bt = 16;
+    let blocks = tokens.div_ceil(bt);
+    let spec = KvPoolSpec { blocks, block_tokens: bt, layers: model.kv_layers() };
+    let mut mem = Memory { kv: dev.kv_pool(&spec)?, state: dev.tensor(1, model.state_size()) };
+    let mut s = Scratch::new(dev);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut rng = Rng(7);
+    let toks: Vec<u32> = (0..tokens).map(|_| rng.below(model.vocab())).collect();
+    let pos: Vec<u32> = (0..tokens as u32).collect();
+    let slots: Vec<u32> = (0..tokens as u32).collect();
+    let mut times = Vec::new();
+    for _ in 0..4 {
+        let seqs = vec![AttnSeq { q_start: 0, q_len: tokens, kv_len: tokens, blocks: &table, window: None }];
+        let batch = Batch { tokens: &toks, positions: &pos, slots: &slots, seqs, logit_rows: &[tokens - 1], state_slots: &[0] };
+        dev.sync()?;
+        let t = Instant::now();
+        model.forward(dev, &batch, &mut mem, &mut s)?;
+        dev.sync()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let mut timed = times[1..].to_vec();
+    timed.sort_by(f64::total_cmp);
+    Ok(timed[timed.len() / 2])
+}
+
+/// The whole benchmark for a Llama-shaped model.
+pub fn bench_llama(dev: &Cuda, cfg: &LlamaConfig, model: &dyn Model<Cuda>, o: &GpuBenchOpts, log: &mut dyn FnMut(&str)) -> Result<GpuBenchReport> {
+    let mut rep = GpuBenchReport { device: dev.name(), ..Default::default() };
+    if o.ceilings {
+        rep.copy_gb_s = dev.bench_copy(1 << 31, 20)?;
+        log(&format!("copy bandwidth {:.0} GB/s", rep.copy_gb_s));
+        rep.gemm_tflops = dev.bench_gemm(8192, 20)?;
+        log(&format!("bf16 GEMM 8192^3 {:.0} TFLOP/s", rep.gemm_tflops));
+    }
+    let (layer_params, head_params) = llama_params(cfg);
+    rep.weight_bytes = 2.0 * (layer_params + head_params);
+    let kv_row_bytes = (cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * 2) as f64;
+    for &n in &o.streams {
+        let modes: Vec<bool> = if o.graphs && o.compare_eager { vec![false, true] } else { vec![o.graphs] };
+        for g in modes {
+            let tok_s = decode_run(dev, model, n, o.prompt, o.warmup, o.rounds, g)?;
+            // Average context over the timed rounds.
+            let ctx = (o.prompt + o.warmup) as f64 + o.rounds as f64 / 2.0;
+            let bytes = rep.weight_bytes + n as f64 * ctx * kv_row_bytes;
+            let bound = if rep.copy_gb_s > 0.0 { n as f64 * rep.copy_gb_s * 1e9 / bytes } else { 0.0 };
+            let run = DecodeRun { streams: n, graphs: g, tok_s, ms_per_round: 1e3 * n as f64 / tok_s, hbm_bound_tok_s: bound };
+            log(&format!("decode {n} streams (graphs {g}): {tok_s:.0} tok/s, {:.3} ms/round, bound {bound:.0} tok/s", run.ms_per_round));
+            rep.decode.push(run);
+        }
+    }
+    if o.prefill > 0 {
+        let secs = prefill_run(dev, model, o.prefill)?;
+        let t = o.prefill as f64;
+        let attn = cfg.layers as f64 * 2.0 * t * t * (cfg.heads * cfg.head_dim) as f64;
+        let flops = 2.0 * layer_params * t + 2.0 * head_params + attn;
+        rep.prefill_tokens = o.prefill;
+        rep.prefill_tok_s = t / secs;
+        rep.prefill_tflops = flops / secs / 1e12;
+        log(&format!("prefill {} tokens: {:.2} ms, {:.0} tok/s, {:.0} TFLOP/s", o.prefill, secs * 1e3, rep.prefill_tok_s, rep.prefill_tflops));
+    }
+    let (h, c, f) = dev.graph_stats();
+    log(&format!("graphs: {h} replays, {c} captures, {f} eager fallbacks"));
+    Ok(rep)
+}

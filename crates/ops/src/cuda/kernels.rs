@@ -1,0 +1,581 @@
+//! CUDA C sources, compiled by NVRTC at run time for the device's arch.
+//!
+//! No CUDA headers are needed: bf16 values travel as `unsigned short` and are
+//! converted with bit operations, and the tensor-core attention uses inline
+//! PTX. Activations are f32; every kernel whose output feeds a GEMM also
+//! writes a bf16 copy (the "shadow") so the GEMM can read it directly.
+
+/// Elementwise, norm, RoPE, KV, gather and sampling kernels.
+pub const BASE: &str = r#"
+typedef unsigned short bf16_t;
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f2bf(x[i]);
+}
+
+extern "C" __global__ void embed(const bf16_t* __restrict__ table, const unsigned* __restrict__ ids, int cols, int vocab,
+                                 float scale, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    unsigned id = ids[blockIdx.x];
+    if (id >= (unsigned)vocab) id = vocab - 1;
+    const bf16_t* src = table + (long)id * cols;
+    long base = (long)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = bf2f(src[c]) * scale;
+        out[base + c] = v;
+        out_bf[base + c] = f2bf(v);
+    }
+}
+
+// One block (256 threads) per group of g elements.
+extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                          bf16_t* __restrict__ out_bf, int g, float eps) {
+    __shared__ float red[32];
+    long base = (long)blockIdx.x * g;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < g; i += blockDim.x) { float v = x[base + i]; ss += v * v; }
+    ss = warp_sum(ss);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) red[0] = t;
+    }
+    __syncthreads();
+    float inv = rsqrtf(red[0] / g + eps);
+    for (int i = threadIdx.x; i < g; i += blockDim.x) {
+        float v = x[base + i] * inv * w[i];
+        out[base + i] = v;
+        out_bf[base + i] = f2bf(v);
+    }
+}
+
+// One warp per group (small groups: per-head norms).
+extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                         bf16_t* __restrict__ out_bf, int groups, int g, float eps) {
+    int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (gi >= groups) return;
+    long base = (long)gi * g;
+    float ss = 0.f;
+    for (int i = lane; i < g; i += 32) { float v = x[base + i]; ss += v * v; }
+    ss = warp_sum(ss);
+    float inv = rsqrtf(ss / g + eps);
+    for (int i = lane; i < g; i += 32) {
+        float v = x[base + i] * inv * w[i];
+        out[base + i] = v;
+        out_bf[base + i] = f2bf(v);
+    }
+}
+
+// x += y, then out = rms_norm(x) (one block per row; g = row width).
+extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                                        float* __restrict__ out, bf16_t* __restrict__ out_bf, int g, float eps) {
+    __shared__ float red[32];
+    long base = (long)blockIdx.x * g;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < g; i += blockDim.x) { float v = x[base + i] + y[base + i]; x[base + i] = v; ss += v * v; }
+    ss = warp_sum(ss);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) red[0] = t;
+    }
+    __syncthreads();
+    float inv = rsqrtf(red[0] / g + eps);
+    for (int i = threadIdx.x; i < g; i += blockDim.x) {
+        float v = x[base + i] * inv * w[i];
+        out[base + i] = v;
+        out_bf[base + i] = f2bf(v);
+    }
+}
+
+extern "C" __global__ void add(float* __restrict__ x, const float* __restrict__ y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] += y[i];
+}
+
+extern "C" __global__ void scale(float* __restrict__ x, float s, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] *= s;
+}
+
+extern "C" __global__ void softcap(float* __restrict__ x, float cap, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] = cap * tanhf(x[i] / cap);
+}
+
+extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out,
+                                    bf16_t* __restrict__ out_bf, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float a = g[i];
+        float v = a / (1.f + expf(-a)) * u[i];
+        out[i] = v;
+        out_bf[i] = f2bf(v);
+    }
+}
+
+extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out,
+                                    bf16_t* __restrict__ out_bf, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float a = g[i];
+        float v = 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a))) * u[i];
+        out[i] = v;
+        out_bf[i] = f2bf(v);
+    }
+}
+
+// One block per row; threads over (head, pair).
+extern "C" __global__ void rope(float* __restrict__ x, const unsigned* __restrict__ pos, int cols, int head_dim, int dims,
+                                float theta, float pscale, int neox) {
+    int half = dims / 2;
+    int heads = cols / head_dim;
+    float p = (float)pos[blockIdx.x] / pscale;
+    float* row = x + (long)blockIdx.x * cols;
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        int h = t / half, i = t % half;
+        float f = powf(theta, -((float)(2 * i)) / (float)dims);
+        float s, c;
+        sincosf(p * f, &s, &c);
+        int a = neox ? i : 2 * i;
+        int b = neox ? i + half : 2 * i + 1;
+        float* hd = row + h * head_dim;
+        float x0 = hd[a], x1 = hd[b];
+        hd[a] = x0 * c - x1 * s;
+        hd[b] = x0 * s + x1 * c;
+    }
+}
+
+extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v, const unsigned* __restrict__ slots,
+                                    int w, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc) {
+    long dst = (long)slots[blockIdx.x] * w;
+    long src = (long)blockIdx.x * w;
+    for (int i = threadIdx.x; i < w; i += blockDim.x) {
+        kc[dst + i] = f2bf(k[src + i]);
+        vc[dst + i] = f2bf(v[src + i]);
+    }
+}
+
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsigned* __restrict__ rows, int cols,
+                                       float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    long src = (long)rows[blockIdx.x] * cols;
+    long dst = (long)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = x[src + i];
+        out[dst + i] = v;
+        out_bf[dst + i] = f2bf(v);
+    }
+}
+
+// Greedy sampling: the first index of each row's largest value.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned* __restrict__ out) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const float* row = x + (long)blockIdx.x * cols;
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = row[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        int nw = blockDim.x >> 5;
+        best = lane < nw ? bv[lane] : NEG_INF;
+        idx = lane < nw ? bi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (unsigned)idx;
+    }
+}
+
+// Random bf16 values, uniform in [-a, a) + bias, from a counter hash (random-weight models).
+__device__ __forceinline__ unsigned hash32(unsigned long long x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return (unsigned)x;
+}
+extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ y, long n, unsigned long long seed, float a, float bias) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float u = (hash32(seed * 0x9e3779b97f4a7c15ULL + (unsigned long long)i) >> 8) * (1.0f / 16777216.0f);
+        y[i] = f2bf((2.f * u - 1.f) * a + bias);
+    }
+}
+extern "C" __global__ void fill_f32(float* __restrict__ y, long n, float v) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = v;
+}
+"#;
+
+/// Paged attention, compiled once per (HD = head dim, G = query heads per KV
+/// head). The metadata array (`meta`) holds, per sequence, `[q_start, q_len,
+/// kv_len, window, block-table offset]`, then the work lists, then the block
+/// tables (see `cuda::attention_meta`).
+pub const ATTENTION: &str = r#"
+typedef unsigned short bf16_t;
+#define NEG_INF (__int_as_float(0xff800000))
+__device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+__device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16); }
+
+#define DEC_THREADS 128
+#define DEC_TK 128
+#define DEC_NO ((G * HD / 2 + DEC_THREADS - 1) / DEC_THREADS)
+
+// Decode attention: one block per (split, kv head, query row). Each block
+// walks its share of the row's keys in tiles of DEC_TK: scores for the G
+// query heads of this KV head (one key per thread), an online-softmax update
+// per head (one warp per head), then P·V with threads over (head, dim pair).
+// With nsplit > 1 the block leaves (acc, m, l) for attn_combine.
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
+    const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
+    const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
+    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
+{
+    __shared__ float qs[G][HD];
+    __shared__ float sc[G][DEC_TK];
+    __shared__ int slot_s[DEC_TK];
+    __shared__ float m_s[G], l_s[G], corr_s[G];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int z = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
+    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
+    const unsigned* st = meta + 5 * s;
+    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
+    const unsigned* blocks = meta + off_bt + st[4];
+    const int row = q_start + i;
+    const int pos = kv_len - q_len + i;
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int n = pos + 1 - lo;
+    int chunk = (n + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    const int a = lo + split * chunk;
+    const int b = min(pos + 1, a + chunk);
+
+    for (int idx = tid; idx < G * HD; idx += DEC_THREADS) {
+        int g = idx / HD, d = idx % HD;
+        qs[g][d] = q[(long)row * q_cols + (kvh * G + g) * HD + d] * scale;
+    }
+    if (tid < G) { m_s[tid] = NEG_INF; l_s[tid] = 0.f; }
+    float2 acc[DEC_NO];
+    #pragma unroll
+    for (int o = 0; o < DEC_NO; o++) acc[o] = make_float2(0.f, 0.f);
+    __syncthreads();
+
+    for (int t0 = a; t0 < b; t0 += DEC_TK) {
+        const int j = t0 + tid;
+        if (j < b) {
+            const int slot = (int)blocks[j / bt] * bt + j % bt;
+            slot_s[tid] = slot;
+            const uint4* kr = (const uint4*)(kc + (long)slot * kv_w + kvh * HD);
+            float sg[G];
+            #pragma unroll
+            for (int g = 0; g < G; g++) sg[g] = 0.f;
+            #pragma unroll 4
+            for (int c = 0; c < HD / 8; c++) {
+                uint4 kv = kr[c];
+                unsigned w4[4] = {kv.x, kv.y, kv.z, kv.w};
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float k0 = __uint_as_float(w4[e] << 16), k1 = __uint_as_float(w4[e] & 0xffff0000u);
+                    #pragma unroll
+                    for (int g = 0; g < G; g++) sg[g] += qs[g][c * 8 + 2 * e] * k0 + qs[g][c * 8 + 2 * e + 1] * k1;
+                }
+            }
+            #pragma unroll
+            for (int g = 0; g < G; g++) {
+                float v = sg[g];
+                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                sc[g][tid] = v;
+            }
+        } else {
+            slot_s[tid] = 0;
+            #pragma unroll
+            for (int g = 0; g < G; g++) sc[g][tid] = NEG_INF;
+        }
+        __syncthreads();
+        for (int g = warp; g < G; g += DEC_THREADS / 32) {
+            float mx = NEG_INF;
+            for (int k = lane; k < DEC_TK; k += 32) mx = fmaxf(mx, sc[g][k]);
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            float mold = m_s[g];
+            float mnew = fmaxf(mold, mx);
+            float corr = mold == NEG_INF ? 0.f : __expf(mold - mnew);
+            float sum = 0.f;
+            for (int k = lane; k < DEC_TK; k += 32) {
+                float sv = sc[g][k];
+                float p = sv == NEG_INF ? 0.f : __expf(sv - mnew);
+                sc[g][k] = p;
+                sum += p;
+            }
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            __syncwarp();
+            if (lane == 0) { l_s[g] = l_s[g] * corr + sum; m_s[g] = mnew; corr_s[g] = corr; }
+        }
+        __syncthreads();
+        const int nk = min(DEC_TK, b - t0);
+        #pragma unroll
+        for (int o = 0; o < DEC_NO; o++) {
+            const int idx = tid + o * DEC_THREADS;
+            if (idx < G * HD / 2) {
+                const int g = idx / (HD / 2), d2 = idx % (HD / 2);
+                const float c = corr_s[g];
+                float ax = acc[o].x * c, ay = acc[o].y * c;
+                const unsigned* vbase = (const unsigned*)(vc + kvh * HD) + d2;
+                #pragma unroll 4
+                for (int k = 0; k < nk; k++) {
+                    const float p = sc[g][k];
+                    const unsigned vv = vbase[(long)slot_s[k] * (kv_w / 2)];
+                    ax += p * __uint_as_float(vv << 16);
+                    ay += p * __uint_as_float(vv & 0xffff0000u);
+                }
+                acc[o] = make_float2(ax, ay);
+            }
+        }
+        __syncthreads();
+    }
+
+    #pragma unroll
+    for (int o = 0; o < DEC_NO; o++) {
+        const int idx = tid + o * DEC_THREADS;
+        if (idx < G * HD / 2) {
+            const int g = idx / (HD / 2), d2 = idx % (HD / 2);
+            const int h = kvh * G + g;
+            if (nsplit == 1) {
+                const float l = l_s[g];
+                const float inv = l > 0.f ? 1.f / l : 0.f;
+                const long off = (long)row * q_cols + h * HD + 2 * d2;
+                out[off] = acc[o].x * inv;
+                out[off + 1] = acc[o].y * inv;
+                out_bf[off] = f2bf(acc[o].x * inv);
+                out_bf[off + 1] = f2bf(acc[o].y * inv);
+            } else {
+                float* pp = part + (((long)z * heads + h) * nsplit + split) * (HD + 2);
+                pp[2 * d2] = acc[o].x;
+                pp[2 * d2 + 1] = acc[o].y;
+                if (d2 == 0) { pp[HD] = m_s[g]; pp[HD + 1] = l_s[g]; }
+            }
+        }
+    }
+}
+
+// Merge the splits of attn_decode: one block of HD threads per (row, head).
+extern "C" __global__ void attn_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_rows, int nsplit,
+                                        int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
+    const int row = meta[5 * s] + i;
+    const float* pp = part + ((long)z * heads + h) * nsplit * (HD + 2);
+    float M = NEG_INF;
+    for (int k = 0; k < nsplit; k++) M = fmaxf(M, pp[k * (HD + 2) + HD]);
+    float L = 0.f, acc = 0.f;
+    for (int k = 0; k < nsplit; k++) {
+        const float m = pp[k * (HD + 2) + HD];
+        if (m == NEG_INF) continue;
+        const float w = __expf(m - M);
+        L += w * pp[k * (HD + 2) + HD + 1];
+        acc += w * pp[k * (HD + 2) + d];
+    }
+    const float v = L > 0.f ? acc / L : 0.f;
+    const long off = (long)row * q_cols + h * HD + d;
+    out[off] = v;
+    out_bf[off] = f2bf(v);
+}
+
+#if __CUDA_ARCH__ >= 800
+// Prefill attention on tensor cores (mma.sync m16n8k16, bf16 in, f32
+// accumulate): one block of 4 warps per (64 query rows of one sequence,
+// query head); each warp owns 16 rows. K and V tiles of PF_KT keys are
+// gathered from the paged pool into shared memory (V transposed), rows
+// padded by 8 values so the fragment loads are free of bank conflicts.
+#define PF_KT (HD > 128 ? 32 : 64)
+#define PF_KP (HD + 8)
+#define PF_VP (PF_KT + 8)
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_prefill(
+    const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
+    const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap,
+    float* __restrict__ out, bf16_t* __restrict__ out_bf)
+{
+    __shared__ __align__(16) bf16_t Ks[PF_KT * PF_KP];
+    __shared__ __align__(16) bf16_t Vt[HD * PF_VP];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+    const int h = blockIdx.y, kvh = h / G;
+    const unsigned s = meta[off_tiles + 2 * blockIdx.x];
+    const int i0 = meta[off_tiles + 2 * blockIdx.x + 1];
+    const unsigned* st = meta + 5 * s;
+    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
+    const unsigned* blocks = meta + off_bt + st[4];
+    const int base_pos = kv_len - q_len;
+    const int r0 = i0 + warp * 16 + gid, r1 = r0 + 8;
+    const int p0 = base_pos + r0, p1 = base_pos + r1;
+    const int lo0 = window > 0 ? max(0, p0 + 1 - window) : 0;
+    const int lo1 = window > 0 ? max(0, p1 + 1 - window) : 0;
+    const int last_row = min(i0 + 63, q_len - 1);
+    const int key_hi = base_pos + last_row;  // inclusive
+    const int key_lo = window > 0 ? max(0, base_pos + i0 + 1 - window) : 0;
+
+    // Q fragments (A operand), rows r0 / r1, held for the whole pass.
+    unsigned qa[HD / 16][4];
+    {
+        const float* q0 = q + (long)(q_start + min(r0, q_len - 1)) * q_cols + h * HD;
+        const float* q1 = q + (long)(q_start + min(r1, q_len - 1)) * q_cols + h * HD;
+        #pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const int c = ks * 16 + tig * 2;
+            qa[ks][0] = pack_bf2(q0[c], q0[c + 1]);
+            qa[ks][1] = pack_bf2(q1[c], q1[c + 1]);
+            qa[ks][2] = pack_bf2(q0[c + 8], q0[c + 9]);
+            qa[ks][3] = pack_bf2(q1[c + 8], q1[c + 9]);
+        }
+    }
+    float o[HD / 8][4];
+    #pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f; }
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    for (int kb = key_lo; kb <= key_hi; kb += PF_KT) {
+        __syncthreads();
+        for (int c = tid; c < PF_KT * (HD / 8); c += 128) {
+            const int key = c / (HD / 8), part = c % (HD / 8);
+            const int j = kb + key;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (j < kv_len) {
+                const long slot = (long)blocks[j / bt] * bt + j % bt;
+                kv4 = *(const uint4*)(kc + slot * kv_w + kvh * HD + part * 8);
+                vv4 = *(const uint4*)(vc + slot * kv_w + kvh * HD + part * 8);
+            }
+            *(uint4*)&Ks[key * PF_KP + part * 8] = kv4;
+            const unsigned vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                Vt[(part * 8 + 2 * e) * PF_VP + key] = (bf16_t)(vw[e] & 0xffffu);
+                Vt[(part * 8 + 2 * e + 1) * PF_VP + key] = (bf16_t)(vw[e] >> 16);
+            }
+        }
+        __syncthreads();
+
+        float sacc[PF_KT / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+            const bf16_t* krow = Ks + (nt * 8 + gid) * PF_KP + tig * 2;
+            #pragma unroll
+            for (int ks = 0; ks < HD / 16; ks++) {
+                const unsigned b0 = *(const unsigned*)(krow + ks * 16);
+                const unsigned b1 = *(const unsigned*)(krow + ks * 16 + 8);
+                mma16816(sacc[nt], qa[ks], b0, b1);
+            }
+        }
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+        #pragma unroll
+        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = kb + nt * 8 + tig * 2 + (e & 1);
+                const bool top = e < 2;
+                const int p = top ? p0 : p1;
+                const int lo = top ? lo0 : lo1;
+                const bool ok = (top ? r0 : r1) < q_len && key <= p && key >= lo;
+                float v = sacc[nt][e] * scale;
+                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                v = ok ? v : NEG_INF;
+                sacc[nt][e] = v;
+                if (top) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float c0 = n0 == NEG_INF ? 1.f : __expf(m0 - n0);
+        const float c1 = n1 == NEG_INF ? 1.f : __expf(m1 - n1);
+        m0 = n0; m1 = n1;
+        float s0 = 0.f, s1 = 0.f;
+        #pragma unroll
+        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const bool top = e < 2;
+                const float v = sacc[nt][e];
+                const float p = v == NEG_INF ? 0.f : __expf(v - (top ? n0 : n1));
+                sacc[nt][e] = p;
+                if (top) s0 += p; else s1 += p;
+            }
+        }
+        l0 = l0 * c0 + s0;
+        l1 = l1 * c1 + s1;
+        #pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
+        #pragma unroll
+        for (int ks = 0; ks < PF_KT / 16; ks++) {
+            unsigned pa[4];
+            pa[0] = pack_bf2(sacc[2 * ks][0], sacc[2 * ks][1]);
+            pa[1] = pack_bf2(sacc[2 * ks][2], sacc[2 * ks][3]);
+            pa[2] = pack_bf2(sacc[2 * ks + 1][0], sacc[2 * ks + 1][1]);
+            pa[3] = pack_bf2(sacc[2 * ks + 1][2], sacc[2 * ks + 1][3]);
+            #pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) {
+                const bf16_t* vrow = Vt + (nt * 8 + gid) * PF_VP + ks * 16 + tig * 2;
+                const unsigned b0 = *(const unsigned*)(vrow);
+                const unsigned b1 = *(const unsigned*)(vrow + 8);
+                mma16816(o[nt], pa, b0, b1);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    #pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++) {
+        const int d = nt * 8 + tig * 2;
+        if (r0 < q_len) {
+            const long off = (long)(q_start + r0) * q_cols + h * HD + d;
+            out[off] = o[nt][0] * inv0; out[off + 1] = o[nt][1] * inv0;
+            out_bf[off] = f2bf(o[nt][0] * inv0); out_bf[off + 1] = f2bf(o[nt][1] * inv0);
+        }
+        if (r1 < q_len) {
+            const long off = (long)(q_start + r1) * q_cols + h * HD + d;
+            out[off] = o[nt][2] * inv1; out[off + 1] = o[nt][3] * inv1;
+            out_bf[off] = f2bf(o[nt][2] * inv1); out_bf[off + 1] = f2bf(o[nt][3] * inv1);
+        }
+    }
+}
+#endif
+"#;

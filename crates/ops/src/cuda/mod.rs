@@ -1,0 +1,1316 @@
+//! The CUDA device: bf16 weights, f32 activations (each with a bf16 copy for
+//! the GEMMs), bf16 paged KV, kernels compiled by NVRTC for the device's
+//! arch, cuBLAS bf16 GEMMs with f32 accumulation, and CUDA graphs for
+//! decode rounds ([`Cuda::graph`]).
+//!
+//! The libraries load at run time, so this builds where no CUDA is
+//! installed; [`Cuda::new`] reports a missing driver or library as an error.
+//!
+//! The `Device` ops return nothing, so a failure inside one (a launch error,
+//! a shape the kernels do not cover) is kept and returned by the next call
+//! that returns a `Result` (`download`, [`Cuda::sync`]); once one is kept,
+//! later ops do nothing.
+
+mod kernels;
+mod rt;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use anyhow::{anyhow, bail, ensure, Result};
+use braid_formats::{DType, TensorView};
+use cudarc::cublas::sys as cb;
+use cudarc::driver::{result as drv, sys, CudaContext};
+
+use crate::{AttnSeq, Device, KvPoolSpec, Rope};
+use rt::{cu, Arg, DevBuf};
+
+pub use rt::{check_libraries, kernel_cache_dir};
+
+/// Activations: f32 `[rows, cols]`, and a bf16 copy that is valid when
+/// `bf_ok` (written by the ops whose output usually feeds a GEMM).
+pub struct CudaTensor {
+    pub rows: usize,
+    pub cols: usize,
+    cap: usize,
+    f: DevBuf,
+    b: DevBuf,
+    bf_ok: AtomicBool,
+}
+
+impl CudaTensor {
+    fn fptr(&self) -> u64 {
+        self.f.ptr
+    }
+    fn bptr(&self) -> u64 {
+        self.b.ptr
+    }
+    fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+    fn set_bf(&self, ok: bool) {
+        self.bf_ok.store(ok, Ordering::Relaxed);
+    }
+}
+
+/// A bf16 weight `[rows = out, cols = in]`.
+pub struct CudaWeight {
+    pub rows: usize,
+    pub cols: usize,
+    buf: DevBuf,
+}
+
+/// Paged KV in bf16: per layer, `blocks × block_tokens` slots of
+/// `kv_heads × head_dim` values, for K and for V.
+pub struct CudaKv {
+    pub spec: KvPoolSpec,
+    k: Vec<DevBuf>,
+    v: Vec<DevBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Launch as called.
+    Eager,
+    /// Graph pass 1: do the host work and the uploads, launch nothing, and
+    /// hash every launch (the graph's signature).
+    UploadOnly,
+    /// Graph pass 2, under stream capture: launch, upload nothing (pass 1
+    /// already put the same data at the same places).
+    LaunchOnly,
+}
+
+struct AttnFns {
+    decode: usize,
+    combine: usize,
+    prefill: Option<usize>,
+}
+
+struct Graph {
+    exec: usize,
+    gen: u64,
+}
+
+struct State {
+    mode: Mode,
+    sig: u64,
+    /// Next free u32 of the upload arena, and this pass's recent uploads
+    /// (identical arrays, such as every layer's positions, share one copy).
+    arena_off: usize,
+    recent: Vec<(Vec<u32>, usize)>,
+    /// The first error; once set, ops do nothing.
+    error: Option<String>,
+    /// An error inside a graph pass: the pass is abandoned, not the device.
+    pass_error: Option<String>,
+    graphs: HashMap<u64, Graph>,
+    attn: HashMap<(usize, usize), AttnFns>,
+    part: DevBuf,
+    ids_out: DevBuf,
+    pub graph_hits: u64,
+    pub graph_captures: u64,
+    pub graph_fallbacks: u64,
+}
+
+struct Fns {
+    to_bf16: usize,
+    embed: usize,
+    rms_norm_block: usize,
+    rms_norm_warp: usize,
+    add_rms_norm: usize,
+    add: usize,
+    scale: usize,
+    softcap: usize,
+    silu_mul: usize,
+    gelu_mul: usize,
+    rope: usize,
+    kv_write: usize,
+    gather_rows: usize,
+    argmax_rows: usize,
+    fill_random_bf16: usize,
+    fill_f32: usize,
+}
+
+struct Inner {
+    _ctx: Arc<CudaContext>,
+    ctx: usize,
+    stream: usize,
+    cublas: usize,
+    _cublas_ws: DevBuf,
+    arch: String,
+    cc: (i32, i32),
+    sms: usize,
+    name: String,
+    fns: Fns,
+    arena: DevBuf,
+    arena_words: usize,
+    graphs_enabled: AtomicBool,
+    st: Mutex<State>,
+}
+
+// Raw handles are used from one thread at a time (the lane thread); the
+// state behind them is guarded by the mutex.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if rt::make_current(self.ctx).is_ok() {
+            unsafe {
+                let _ = sys::cuStreamSynchronize(self.stream as sys::CUstream);
+                if let Ok(mut st) = self.st.lock() {
+                    for (_, g) in st.graphs.drain() {
+                        let _ = drv::graph::exec_destroy(g.exec as sys::CUgraphExec);
+                    }
+                }
+                let _ = cb::cublasDestroy_v2(self.cublas as cb::cublasHandle_t);
+                let _ = drv::stream::destroy(self.stream as sys::CUstream);
+            }
+        }
+    }
+}
+
+/// The CUDA device (one GPU). Cloning shares the device.
+#[derive(Clone)]
+pub struct Cuda {
+    inner: Arc<Inner>,
+}
+
+const ARENA_WORDS: usize = 4 << 20;
+const CUBLAS_WS: usize = 32 << 20;
+
+impl Cuda {
+    /// Open GPU `ordinal`: load the libraries, compile (or load the cached)
+    /// kernels for its arch, set up cuBLAS.
+    pub fn new(ordinal: usize) -> Result<Cuda> {
+        rt::check_libraries()?;
+        rt::guarded("opening the CUDA device", || Self::open(ordinal))
+    }
+
+    fn open(ordinal: usize) -> Result<Cuda> {
+        cu(drv::init(), "cuInit (is an NVIDIA GPU and driver present?)")?;
+        let count = drv::device::get_count().map_err(|e| anyhow!("cuDeviceGetCount: {e:?}"))?;
+        ensure!((ordinal as i32) < count, "CUDA device {ordinal} requested, but {count} GPU(s) are visible");
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on device {ordinal}: {e:?}"))?;
+        let raw_ctx = ctx.cu_ctx() as usize;
+        rt::make_current(raw_ctx)?;
+        let cc = ctx.compute_capability().map_err(|e| anyhow!("compute capability: {e:?}"))?;
+        let name = ctx.name().unwrap_or_else(|_| "GPU".into());
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(100) as usize;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| anyhow!("cuStreamCreate: {e:?}"))? as usize;
+        let arch = rt::arch_name(cc);
+        let m = rt::compile_and_load(kernels::BASE, &arch)?;
+        let fns = Fns {
+            to_bf16: m.func("to_bf16")?,
+            embed: m.func("embed")?,
+            rms_norm_block: m.func("rms_norm_block")?,
+            rms_norm_warp: m.func("rms_norm_warp")?,
+            add_rms_norm: m.func("add_rms_norm")?,
+            add: m.func("add")?,
+            scale: m.func("scale")?,
+            softcap: m.func("softcap")?,
+            silu_mul: m.func("silu_mul")?,
+            gelu_mul: m.func("gelu_mul")?,
+            rope: m.func("rope")?,
+            kv_write: m.func("kv_write")?,
+            gather_rows: m.func("gather_rows")?,
+            argmax_rows: m.func("argmax_rows")?,
+            fill_random_bf16: m.func("fill_random_bf16")?,
+            fill_f32: m.func("fill_f32")?,
+        };
+        let mut handle: cb::cublasHandle_t = std::ptr::null_mut();
+        unsafe { cb::cublasCreate_v2(&mut handle) }.result().map_err(|e| anyhow!("cublasCreate: {e:?}"))?;
+        let ws = DevBuf::new(raw_ctx, CUBLAS_WS)?;
+        unsafe {
+            cb::cublasSetStream_v2(handle, stream as cb::cudaStream_t).result().map_err(|e| anyhow!("cublasSetStream: {e:?}"))?;
+            cb::cublasSetWorkspace_v2(handle, ws.ptr as *mut _, CUBLAS_WS).result().map_err(|e| anyhow!("cublasSetWorkspace: {e:?}"))?;
+        }
+        let arena = DevBuf::new(raw_ctx, ARENA_WORDS * 4)?;
+        let graphs = std::env::var("BRAID_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
+        Ok(Cuda {
+            inner: Arc::new(Inner {
+                _ctx: ctx,
+                ctx: raw_ctx,
+                stream,
+                cublas: handle as usize,
+                _cublas_ws: ws,
+                arch,
+                cc,
+                sms,
+                name,
+                fns,
+                arena,
+                arena_words: ARENA_WORDS,
+                graphs_enabled: AtomicBool::new(graphs),
+                st: Mutex::new(State {
+                    mode: Mode::Eager,
+                    sig: 0,
+                    arena_off: 0,
+                    recent: Vec::new(),
+                    error: None,
+                    pass_error: None,
+                    graphs: HashMap::new(),
+                    attn: HashMap::new(),
+                    part: DevBuf::empty(raw_ctx),
+                    ids_out: DevBuf::empty(raw_ctx),
+                    graph_hits: 0,
+                    graph_captures: 0,
+                    graph_fallbacks: 0,
+                }),
+            }),
+        })
+    }
+
+    /// Parse `cuda`, `cuda:N`.
+    pub fn parse_ordinal(spec: &str) -> Option<usize> {
+        match spec {
+            "cuda" | "gpu" => Some(0),
+            s => s.strip_prefix("cuda:").and_then(|n| n.parse().ok()),
+        }
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.inner.arch
+    }
+
+    pub fn multiprocessors(&self) -> usize {
+        self.inner.sms
+    }
+
+    /// Turn CUDA graphs for [`Cuda::graph`] on or off (on unless
+    /// `BRAID_CUDA_GRAPHS=0`).
+    pub fn set_graphs(&self, on: bool) {
+        self.inner.graphs_enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// (replays, captures, eager fallbacks) of [`Cuda::graph`] so far.
+    pub fn graph_stats(&self) -> (u64, u64, u64) {
+        let st = self.st();
+        (st.graph_hits, st.graph_captures, st.graph_fallbacks)
+    }
+
+    fn st(&self) -> MutexGuard<'_, State> {
+        self.inner.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ctx(&self) -> usize {
+        self.inner.ctx
+    }
+
+    fn stream(&self) -> usize {
+        self.inner.stream
+    }
+
+    /// Keep the first error (inside a graph pass: abandon the pass instead).
+    fn fail(&self, st: &mut State, msg: String) {
+        if st.mode != Mode::Eager {
+            st.pass_error.get_or_insert(msg);
+        } else {
+            st.error.get_or_insert(msg);
+        }
+    }
+
+    fn record(&self, r: Result<()>) {
+        if let Err(e) = r {
+            let mut st = self.st();
+            self.fail(&mut st, format!("{e:#}"));
+        }
+    }
+
+    /// Wait for the device and return the first error so far.
+    pub fn sync(&self) -> Result<()> {
+        rt::make_current(self.ctx())?;
+        let r = unsafe { sys::cuStreamSynchronize(self.stream() as sys::CUstream).result() };
+        let mut st = self.st();
+        if let Err(e) = r {
+            st.error.get_or_insert(format!("CUDA error: {e:?}"));
+        }
+        match &st.error {
+            Some(e) => bail!("CUDA device error: {e}"),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether ops should run at all (no error kept), making the context current.
+    fn ready(&self) -> bool {
+        let st = self.st();
+        if st.error.is_some() || st.pass_error.is_some() {
+            return false;
+        }
+        drop(st);
+        if let Err(e) = rt::make_current(self.ctx()) {
+            self.record(Err(e));
+            return false;
+        }
+        true
+    }
+
+    fn launch(&self, f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &[Arg]) -> Result<()> {
+        let mode = {
+            let mut st = self.st();
+            if st.mode == Mode::UploadOnly {
+                let mut h = rt::fnv(st.sig, f as u64);
+                h = rt::fnv(h, (grid.0 as u64) << 40 | (grid.1 as u64) << 20 | grid.2 as u64);
+                h = rt::fnv(h, (block.0 as u64) << 40 | (block.1 as u64) << 20 | block.2 as u64 | (smem as u64) << 60);
+                for a in args {
+                    h = rt::fnv(h, a.bits());
+                }
+                st.sig = h;
+            }
+            st.mode
+        };
+        if mode == Mode::UploadOnly || grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        unsafe { rt::launch(f, grid, block, smem, self.stream(), args) }
+    }
+
+    /// Whether device-side work (copies, GEMMs) should be issued now; in
+    /// pass 1 it is only hashed.
+    fn issue(&self, sig: &[u64]) -> bool {
+        let mut st = self.st();
+        if st.mode == Mode::UploadOnly {
+            for &x in sig {
+                st.sig = rt::fnv(st.sig, x);
+            }
+            return false;
+        }
+        true
+    }
+
+    /// Put a small index array on the device (in the upload arena) and return
+    /// its address. Identical arrays within a pass share one copy.
+    fn put_u32(&self, data: &[u32]) -> Result<u64> {
+        let mut st = self.st();
+        if let Some((_, off)) = st.recent.iter().find(|(d, _)| d.as_slice() == data) {
+            return Ok(self.inner.arena.ptr + 4 * *off as u64);
+        }
+        // Room to grow (block tables lengthen as sequences do), so the
+        // offsets of later uploads, which graphs bake in, rarely move.
+        let n = data.len().max(64).next_power_of_two();
+        ensure!(n <= self.inner.arena_words, "upload of {} indices exceeds the {}-word arena", data.len(), self.inner.arena_words);
+        if st.arena_off + n > self.inner.arena_words {
+            if st.mode != Mode::Eager {
+                bail!("upload arena full inside a graph pass");
+            }
+            // Eager: reuse from the start; earlier readers were queued on the
+            // same stream, so they run before the overwrite.
+            st.arena_off = 0;
+            st.recent.clear();
+        }
+        let off = st.arena_off;
+        st.arena_off += n;
+        if st.recent.len() >= 8 {
+            st.recent.remove(0);
+        }
+        st.recent.push((data.to_vec(), off));
+        let ptr = self.inner.arena.ptr + 4 * off as u64;
+        if st.mode != Mode::LaunchOnly && !data.is_empty() {
+            unsafe { cu(drv::memcpy_htod_async(ptr, data, self.stream() as sys::CUstream), "upload")? };
+        }
+        Ok(ptr)
+    }
+
+    fn new_tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        let n = rows * cols;
+        Ok(CudaTensor { rows, cols, cap: n, f: DevBuf::new(self.ctx(), n * 4)?, b: DevBuf::new(self.ctx(), n * 2)?, bf_ok: AtomicBool::new(false) })
+    }
+
+    fn grow(&self, t: &mut CudaTensor, rows: usize, cols: usize) -> Result<()> {
+        let n = rows * cols;
+        t.rows = rows;
+        t.cols = cols;
+        t.set_bf(false);
+        if n > t.cap {
+            if self.st().mode == Mode::LaunchOnly {
+                bail!("a tensor grew inside graph capture");
+            }
+            // Grow with slack so a slowly growing batch does not realloc each time.
+            let cap = n.max(t.cap + t.cap / 4);
+            t.f = DevBuf::new(self.ctx(), cap * 4)?;
+            t.b = DevBuf::new(self.ctx(), cap * 2)?;
+            t.cap = cap;
+        }
+        Ok(())
+    }
+
+    fn elementwise_grid(n: usize) -> (u32, u32, u32) {
+        (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1)
+    }
+
+    /// Make `t`'s bf16 copy current.
+    fn ensure_bf16(&self, t: &CudaTensor) -> Result<()> {
+        if t.bf_ok.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let n = t.len();
+        self.launch(self.inner.fns.to_bf16, Self::elementwise_grid(n), (256, 1, 1), 0, &[Arg::P(t.fptr()), Arg::P(t.bptr()), Arg::U64(n as u64)])?;
+        t.set_bf(true);
+        Ok(())
+    }
+
+    /// `y[n, m] = x[n, k] · w[m, k]ᵀ` with bf16 operands and f32 accumulation;
+    /// `y` is f32 or bf16.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, y_bf16: bool) -> Result<()> {
+        if !self.issue(&[0x6e6d6d, w, x, y, m as u64, n as u64, k as u64, y_bf16 as u64]) {
+            return Ok(());
+        }
+        let (alpha, beta) = (1f32, 0f32);
+        let yt = if y_bf16 { cb::cudaDataType::CUDA_R_16BF } else { cb::cudaDataType::CUDA_R_32F };
+        unsafe {
+            cb::cublasGemmEx(
+                self.inner.cublas as cb::cublasHandle_t,
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                yt,
+                m as i32,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+            .result()
+            .map_err(|e| anyhow!("cublasGemmEx {m}x{n}x{k}: {e:?}"))
+        }
+    }
+
+    fn attn_fns(&self, hd: usize, g: usize) -> Result<(usize, usize, Option<usize>)> {
+        if let Some(a) = self.st().attn.get(&(hd, g)) {
+            return Ok((a.decode, a.combine, a.prefill));
+        }
+        let src = format!("#define HD {hd}\n#define G {g}\n{}", kernels::ATTENTION);
+        let m = rt::compile_and_load(&src, &self.inner.arch)?;
+        let f = AttnFns {
+            decode: m.func("attn_decode")?,
+            combine: m.func("attn_combine")?,
+            prefill: if self.inner.cc.0 >= 8 { Some(m.func("attn_prefill")?) } else { None },
+        };
+        let r = (f.decode, f.combine, f.prefill);
+        self.st().attn.insert((hd, g), f);
+        Ok(r)
+    }
+
+    /// Run `f` (one model forward) as a CUDA graph: pass 1 runs it doing
+    /// only the host work and the uploads, and hashes every launch; a graph
+    /// recorded with that signature is replayed, or else pass 2 records one
+    /// under stream capture and launches it. Anything that cannot be
+    /// recorded (memory allocated, a failure) runs `f` eagerly instead.
+    pub fn graph(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if !self.inner.graphs_enabled.load(Ordering::Relaxed) || !self.ready() {
+            return f();
+        }
+        let gen0 = rt::ALLOC_GEN.load(Ordering::Relaxed);
+        self.begin_pass(Mode::UploadOnly);
+        let r = f();
+        let (sig, perr) = self.end_pass();
+        r?;
+        let moved = rt::ALLOC_GEN.load(Ordering::Relaxed) != gen0;
+        if perr.is_some() || moved {
+            self.st().graph_fallbacks += 1;
+            return f();
+        }
+        let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
+        let exec = {
+            let mut st = self.st();
+            st.graphs.retain(|_, g| {
+                let keep = g.gen == gen;
+                if !keep {
+                    unsafe {
+                        let _ = drv::graph::exec_destroy(g.exec as sys::CUgraphExec);
+                    }
+                }
+                keep
+            });
+            st.graphs.get(&sig).map(|g| g.exec)
+        };
+        if let Some(exec) = exec {
+            self.st().graph_hits += 1;
+            return self.launch_graph(exec);
+        }
+        // Pass 2: record.
+        let stream = self.stream() as sys::CUstream;
+        unsafe { cu(drv::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")? };
+        self.begin_pass(Mode::LaunchOnly);
+        let r = f();
+        let (_, perr) = self.end_pass();
+        let graph = unsafe { drv::stream::end_capture(stream) };
+        let ok = r.is_ok() && perr.is_none() && rt::ALLOC_GEN.load(Ordering::Relaxed) == gen;
+        let graph = match graph {
+            Ok(g) if ok && !g.is_null() => g,
+            other => {
+                if let Ok(g) = other {
+                    if !g.is_null() {
+                        unsafe {
+                            let _ = drv::graph::destroy(g);
+                        }
+                    }
+                }
+                self.st().graph_fallbacks += 1;
+                r?;
+                return f();
+            }
+        };
+        let exec = unsafe { drv::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
+        unsafe {
+            let _ = drv::graph::destroy(graph);
+        }
+        let exec = match exec {
+            Ok(e) => e as usize,
+            Err(e) => {
+                self.st().graph_fallbacks += 1;
+                eprintln!("braid: CUDA graph instantiation failed ({e:?}); running eagerly");
+                return f();
+            }
+        };
+        {
+            let mut st = self.st();
+            if st.graphs.len() >= 256 {
+                for (_, g) in st.graphs.drain() {
+                    unsafe {
+                        let _ = drv::graph::exec_destroy(g.exec as sys::CUgraphExec);
+                    }
+                }
+            }
+            st.graphs.insert(sig, Graph { exec, gen });
+            st.graph_captures += 1;
+        }
+        self.launch_graph(exec)
+    }
+
+    fn begin_pass(&self, mode: Mode) {
+        let mut st = self.st();
+        st.mode = mode;
+        st.sig = 0xcbf29ce484222325;
+        st.arena_off = 0;
+        st.recent.clear();
+        st.pass_error = None;
+    }
+
+    fn end_pass(&self) -> (u64, Option<String>) {
+        let mut st = self.st();
+        st.mode = Mode::Eager;
+        st.recent.clear();
+        (st.sig, st.pass_error.take())
+    }
+
+    fn launch_graph(&self, exec: usize) -> Result<()> {
+        unsafe { cu(drv::graph::launch(exec as sys::CUgraphExec, self.stream() as sys::CUstream), "cuGraphLaunch") }
+    }
+
+    // ---- extras used by tests, random models and benchmarks ----
+
+    /// A weight of uniform random values in `[-amp, amp)` made on the device.
+    pub fn random_weight(&self, rows: usize, cols: usize, seed: u64, amp: f32) -> Result<CudaWeight> {
+        rt::make_current(self.ctx())?;
+        let n = rows * cols;
+        let buf = DevBuf::new(self.ctx(), n * 2)?;
+        self.launch(
+            self.inner.fns.fill_random_bf16,
+            (1024, 1, 1),
+            (256, 1, 1),
+            0,
+            &[Arg::P(buf.ptr), Arg::U64(n as u64), Arg::U64(seed), Arg::F(amp), Arg::F(0.0)],
+        )?;
+        Ok(CudaWeight { rows, cols, buf })
+    }
+
+    /// A one-row tensor filled with `v`.
+    pub fn const_vector(&self, n: usize, v: f32) -> Result<CudaTensor> {
+        rt::make_current(self.ctx())?;
+        let t = self.new_tensor(1, n)?;
+        self.launch(self.inner.fns.fill_f32, Self::elementwise_grid(n), (256, 1, 1), 0, &[Arg::P(t.fptr()), Arg::U64(n as u64), Arg::F(v)])?;
+        Ok(t)
+    }
+
+    /// A weight from host f32 values (rounded to bf16).
+    pub fn weight_from_f32(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaWeight> {
+        ensure!(data.len() == rows * cols, "weight_from_f32: {} values for {rows}x{cols}", data.len());
+        let bits: Vec<u16> = data.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+        self.weight_from_bf16_bits(&bits, rows, cols)
+    }
+
+    fn weight_from_bf16_bits(&self, bits: &[u16], rows: usize, cols: usize) -> Result<CudaWeight> {
+        rt::make_current(self.ctx())?;
+        let buf = DevBuf::new(self.ctx(), bits.len() * 2)?;
+        if !bits.is_empty() {
+            unsafe { cu(drv::memcpy_htod_async(buf.ptr, bits, self.stream() as sys::CUstream), "weight upload")? };
+        }
+        Ok(CudaWeight { rows, cols, buf })
+    }
+
+    /// Greedy tokens: the index of each row's largest value.
+    pub fn argmax(&self, t: &CudaTensor) -> Result<Vec<u32>> {
+        if !self.ready() {
+            self.sync()?;
+        }
+        let rows = t.rows;
+        let mut out = vec![0u32; rows];
+        if rows == 0 {
+            return Ok(out);
+        }
+        let ptr = {
+            let mut st = self.st();
+            if st.ids_out.bytes < rows * 4 {
+                st.ids_out = DevBuf::new(self.ctx(), rows.max(1024) * 4)?;
+            }
+            st.ids_out.ptr
+        };
+        self.launch(self.inner.fns.argmax_rows, (rows as u32, 1, 1), (1024, 1, 1), 0, &[Arg::P(t.fptr()), Arg::I(t.cols as i32), Arg::P(ptr)])?;
+        self.sync()?;
+        unsafe { cu(drv::memcpy_dtoh_sync(&mut out, ptr), "argmax download")? };
+        Ok(out)
+    }
+
+    /// `x += y; out = rms_norm(x) · w` over whole rows, in one kernel.
+    pub fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &CudaTensor, eps: f32, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(x.len() == y.len() && w.cols == x.cols, "add_rms_norm: shapes {}x{}, {}x{}, norm {}", x.rows, x.cols, y.rows, y.cols, w.cols);
+            self.grow(out, x.rows, x.cols)?;
+            x.set_bf(false);
+            self.launch(
+                self.inner.fns.add_rms_norm,
+                (x.rows as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::P(x.fptr()), Arg::P(y.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(x.cols as i32), Arg::F(eps)],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (bytes read + written).
+    pub fn bench_copy(&self, bytes: usize, iters: usize) -> Result<f64> {
+        rt::make_current(self.ctx())?;
+        let a = DevBuf::new(self.ctx(), bytes)?;
+        let b = DevBuf::new(self.ctx(), bytes)?;
+        let s = self.stream() as sys::CUstream;
+        unsafe {
+            cu(drv::memset_d8_async(a.ptr, 1, bytes, s), "memset")?;
+            for _ in 0..3 {
+                cu(drv::memcpy_dtod_async(b.ptr, a.ptr, bytes, s), "copy")?;
+            }
+        }
+        self.sync()?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            unsafe { cu(drv::memcpy_dtod_async(b.ptr, a.ptr, bytes, s), "copy")? };
+        }
+        self.sync()?;
+        Ok(2.0 * bytes as f64 * iters as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// bf16 GEMM rate in TFLOP/s for `[n, n] · [n, n]` (random operands).
+    pub fn bench_gemm(&self, n: usize, iters: usize) -> Result<f64> {
+        let a = self.random_weight(n, n, 1, 1.0)?;
+        let b = self.random_weight(n, n, 2, 1.0)?;
+        let c = DevBuf::new(self.ctx(), n * n * 2)?;
+        for _ in 0..3 {
+            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, true)?;
+        }
+        self.sync()?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, true)?;
+        }
+        self.sync()?;
+        Ok(2.0 * (n as f64).powi(3) * iters as f64 / t.elapsed().as_secs_f64() / 1e12)
+    }
+
+    /// Bytes of device memory (free, total).
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        rt::make_current(self.ctx())?;
+        drv::mem_get_info().map_err(|e| anyhow!("cuMemGetInfo: {e:?}"))
+    }
+
+    /// Compiled-kernel check: build the attention kernels for a shape now
+    /// (so a compile error shows here, not inside a forward).
+    pub fn prepare_attention(&self, head_dim: usize, group: usize) -> Result<()> {
+        rt::make_current(self.ctx())?;
+        self.attn_fns(head_dim, group).map(|_| ())
+    }
+
+    fn attention_impl(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        softcap: Option<f32>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let shape = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("attention: layer {layer} not in the KV pool"))?;
+        let (hd, kvh) = (shape.head_dim, shape.kv_heads);
+        ensure!(hd % 16 == 0 && hd <= 256, "attention: head dim {hd} is not supported on CUDA (a multiple of 16, at most 256)");
+        ensure!(q.cols % hd == 0, "attention: q is {} wide, not a multiple of head dim {hd}", q.cols);
+        let heads = q.cols / hd;
+        ensure!(heads % kvh == 0 && heads / kvh <= 16, "attention: {heads} query heads over {kvh} KV heads is not supported");
+        let g = heads / kvh;
+        self.grow(out, q.rows, q.cols)?;
+        let bt = kv.spec.block_tokens;
+        let max_q = seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+        if max_q == 0 {
+            return Ok(());
+        }
+        let (f_dec, f_comb, f_pre) = self.attn_fns(hd, g)?;
+        let prefill = f_pre.is_some() && max_q > 4;
+        // Metadata: per sequence [q_start, q_len, kv_len, window, table offset],
+        // then the work list (rows or 64-row tiles), then the block tables.
+        let mut meta: Vec<u32> = Vec::with_capacity(seqs.len() * 8);
+        let mut bt_off = 0usize;
+        for s in seqs {
+            ensure!(s.kv_len >= s.q_len && s.q_start + s.q_len <= q.rows, "attention: sequence rows {}+{} of {} (kv {})", s.q_start, s.q_len, q.rows, s.kv_len);
+            ensure!(s.blocks.len() * bt >= s.kv_len, "attention: {} blocks hold fewer than {} positions", s.blocks.len(), s.kv_len);
+            meta.extend([s.q_start as u32, s.q_len as u32, s.kv_len as u32, s.window.unwrap_or(0) as u32, bt_off as u32]);
+            bt_off += s.kv_len.div_ceil(bt);
+        }
+        let off_list = meta.len();
+        let mut work = 0usize;
+        for (si, s) in seqs.iter().enumerate() {
+            if prefill {
+                for t in (0..s.q_len).step_by(64) {
+                    meta.extend([si as u32, t as u32]);
+                    work += 1;
+                }
+            } else {
+                for i in 0..s.q_len {
+                    meta.extend([si as u32, i as u32]);
+                    work += 1;
+                }
+            }
+        }
+        let off_bt = meta.len();
+        for s in seqs {
+            meta.extend_from_slice(&s.blocks[..s.kv_len.div_ceil(bt)]);
+        }
+        let mp = self.put_u32(&meta)?;
+        let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
+        let kv_w = (kvh * hd) as i32;
+        let cap = softcap.unwrap_or(0.0);
+        if prefill {
+            let f = f_pre.unwrap_or(f_dec);
+            self.launch(
+                f,
+                (work as u32, heads as u32, 1),
+                (128, 1, 1),
+                0,
+                &[
+                    Arg::P(q.fptr()),
+                    Arg::I(q.cols as i32),
+                    Arg::P(kc),
+                    Arg::P(vc),
+                    Arg::I(kv_w),
+                    Arg::I(bt as i32),
+                    Arg::P(mp),
+                    Arg::I(off_list as i32),
+                    Arg::I(off_bt as i32),
+                    Arg::F(scale),
+                    Arg::F(cap),
+                    Arg::P(out.fptr()),
+                    Arg::P(out.bptr()),
+                ],
+            )?;
+        } else {
+            // Split the keys so the launch fills the GPU; the split count
+            // depends on the batch shape only, so graphs stay valid as
+            // sequences grow.
+            let ctas = work * kvh;
+            let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, 16);
+            let part = if nsplit > 1 {
+                let need = work * heads * nsplit * (hd + 2) * 4;
+                let mut st = self.st();
+                if st.part.bytes < need {
+                    if st.mode == Mode::LaunchOnly {
+                        bail!("attention scratch grew inside graph capture");
+                    }
+                    st.part = DevBuf::new(self.ctx(), need.max(4 << 20))?;
+                }
+                st.part.ptr
+            } else {
+                0
+            };
+            self.launch(
+                f_dec,
+                (nsplit as u32, kvh as u32, work as u32),
+                (128, 1, 1),
+                0,
+                &[
+                    Arg::P(q.fptr()),
+                    Arg::I(q.cols as i32),
+                    Arg::P(kc),
+                    Arg::P(vc),
+                    Arg::I(kv_w),
+                    Arg::I(bt as i32),
+                    Arg::P(mp),
+                    Arg::I(off_list as i32),
+                    Arg::I(off_bt as i32),
+                    Arg::I(nsplit as i32),
+                    Arg::F(scale),
+                    Arg::F(cap),
+                    Arg::I(heads as i32),
+                    Arg::P(out.fptr()),
+                    Arg::P(out.bptr()),
+                    Arg::P(part),
+                ],
+            )?;
+            if nsplit > 1 {
+                self.launch(
+                    f_comb,
+                    (work as u32, heads as u32, 1),
+                    (hd as u32, 1, 1),
+                    0,
+                    &[
+                        Arg::P(part),
+                        Arg::P(mp),
+                        Arg::I(off_list as i32),
+                        Arg::I(nsplit as i32),
+                        Arg::I(heads as i32),
+                        Arg::I(q.cols as i32),
+                        Arg::P(out.fptr()),
+                        Arg::P(out.bptr()),
+                    ],
+                )?;
+            }
+        }
+        out.set_bf(true);
+        Ok(())
+    }
+}
+
+fn to_bf16_bits(view: &TensorView, n: usize) -> Result<Vec<u16>> {
+    match view.dtype {
+        DType::BF16 => {
+            ensure!(view.data.len() == n * 2, "tensor {}: {} bytes for {n} bf16 values", view.name, view.data.len());
+            Ok(view.data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+        }
+        _ => {
+            let mut f = vec![0f32; n];
+            crate::cpu::quant::dequantize(view.dtype, &view.data, &mut f).map_err(|e| anyhow!("tensor {}: {e}", view.name))?;
+            Ok(f.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect())
+        }
+    }
+}
+
+impl Device for Cuda {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+
+    fn name(&self) -> String {
+        format!("cuda ({}, {})", self.inner.name, self.inner.arch)
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
+        match rt::make_current(self.ctx()).and_then(|_| self.new_tensor(rows, cols)) {
+            Ok(t) => t,
+            Err(e) => {
+                self.record(Err(e));
+                CudaTensor { rows: 0, cols, cap: 0, f: DevBuf::empty(self.ctx()), b: DevBuf::empty(self.ctx()), bf_ok: AtomicBool::new(false) }
+            }
+        }
+    }
+
+    fn resize(&self, t: &mut CudaTensor, rows: usize, cols: usize) {
+        let r = rt::make_current(self.ctx()).and_then(|_| self.grow(t, rows, cols));
+        self.record(r);
+    }
+
+    fn shape(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
+        ensure!(data.len() == rows * cols, "upload: {} values for a {rows}x{cols} tensor", data.len());
+        rt::make_current(self.ctx())?;
+        let t = self.new_tensor(rows, cols)?;
+        if !data.is_empty() {
+            unsafe { cu(drv::memcpy_htod_async(t.fptr(), data, self.stream() as sys::CUstream), "upload")? };
+        }
+        Ok(t)
+    }
+
+    fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        self.sync()?;
+        let mut out = vec![0f32; t.len()];
+        if !out.is_empty() {
+            unsafe { cu(drv::memcpy_dtoh_sync(&mut out, t.fptr()), "download")? };
+        }
+        Ok(out)
+    }
+
+    fn weight(&self, view: &TensorView) -> Result<CudaWeight> {
+        let (rows, cols) = match view.shape.as_slice() {
+            [r, c] => (*r, *c),
+            [c] => (1, *c),
+            s => bail!("tensor {}: expected a 2-D weight, found shape {:?}", view.name, s),
+        };
+        let bits = to_bf16_bits(view, rows * cols)?;
+        self.weight_from_bf16_bits(&bits, rows, cols)
+    }
+
+    fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn vector(&self, view: &TensorView, offset: f32) -> Result<CudaTensor> {
+        let n = view.elements();
+        let mut data = vec![0.0f32; n];
+        crate::cpu::quant::dequantize(view.dtype, &view.data, &mut data).map_err(|e| anyhow!("tensor {}: {e}", view.name))?;
+        if offset != 0.0 {
+            data.iter_mut().for_each(|x| *x += offset);
+        }
+        self.upload(&data, 1, n)
+    }
+
+    fn kv_pool(&self, spec: &KvPoolSpec) -> Result<CudaKv> {
+        rt::make_current(self.ctx())?;
+        let slots = spec.blocks * spec.block_tokens;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for l in &spec.layers {
+            let bytes = slots * l.kv_heads * l.head_dim * 2;
+            for dst in [&mut k, &mut v] {
+                let b = DevBuf::new(self.ctx(), bytes)?;
+                if bytes > 0 {
+                    unsafe { cu(drv::memset_d8_async(b.ptr, 0, bytes, self.stream() as sys::CUstream), "KV clear")? };
+                }
+                dst.push(b);
+            }
+        }
+        Ok(CudaKv { spec: spec.clone(), k, v })
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32], scale: f32, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            self.grow(out, ids.len(), table.cols)?;
+            if ids.is_empty() {
+                return Ok(());
+            }
+            let p = self.put_u32(ids)?;
+            self.launch(
+                self.inner.fns.embed,
+                (ids.len() as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::P(table.buf.ptr),
+                    Arg::P(p),
+                    Arg::I(table.cols as i32),
+                    Arg::I(table.rows as i32),
+                    Arg::F(scale),
+                    Arg::P(out.fptr()),
+                    Arg::P(out.bptr()),
+                ],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(x.cols == w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
+            self.grow(out, x.rows, w.rows)?;
+            if x.rows == 0 {
+                return Ok(());
+            }
+            self.ensure_bf16(x)?;
+            self.gemm(w.buf.ptr, x.bptr(), out.fptr(), w.rows, x.rows, w.cols, false)
+        })();
+        self.record(r);
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &[usize], out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(rows.iter().all(|&r| r < x.rows), "gather_rows: row out of range ({} rows)", x.rows);
+            self.grow(out, rows.len(), x.cols)?;
+            if rows.is_empty() {
+                return Ok(());
+            }
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let p = self.put_u32(&idx)?;
+            self.launch(
+                self.inner.fns.gather_rows,
+                (rows.len() as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::P(x.fptr()), Arg::P(p), Arg::I(x.cols as i32), Arg::P(out.fptr()), Arg::P(out.bptr())],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            let g = w.cols;
+            ensure!(g > 0 && x.cols % g == 0, "rms_norm: weight of {g} does not divide rows of {}", x.cols);
+            self.grow(out, x.rows, x.cols)?;
+            let groups = x.len() / g;
+            if groups == 0 {
+                return Ok(());
+            }
+            if g <= 256 {
+                self.launch(
+                    self.inner.fns.rms_norm_warp,
+                    (groups.div_ceil(8) as u32, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(groups as i32), Arg::I(g as i32), Arg::F(eps)],
+                )?;
+            } else {
+                self.launch(
+                    self.inner.fns.rms_norm_block,
+                    (groups as u32, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(g as i32), Arg::F(eps)],
+                )?;
+            }
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(x.len() == y.len(), "add: {}x{} += {}x{}", x.rows, x.cols, y.rows, y.cols);
+            x.set_bf(false);
+            let n = x.len();
+            self.launch(self.inner.fns.add, Self::elementwise_grid(n), (256, 1, 1), 0, &[Arg::P(x.fptr()), Arg::P(y.fptr()), Arg::U64(n as u64)])
+        })();
+        self.record(r);
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor, out: &mut CudaTensor) {
+        self.act_mul(self.inner.fns.silu_mul, gate, up, out);
+    }
+
+    fn gelu_mul(&self, gate: &CudaTensor, up: &CudaTensor, out: &mut CudaTensor) {
+        self.act_mul(self.inner.fns.gelu_mul, gate, up, out);
+    }
+
+    fn rope(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, rope: &Rope) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(positions.len() == x.rows, "rope: {} positions for {} rows", positions.len(), x.rows);
+            ensure!(head_dim > 0 && x.cols % head_dim == 0, "rope: head dim {head_dim} does not divide {}", x.cols);
+            x.set_bf(false);
+            if x.rows == 0 {
+                return Ok(());
+            }
+            let dims = rope.dims.min(head_dim);
+            let p = self.put_u32(positions)?;
+            self.launch(
+                self.inner.fns.rope,
+                (x.rows as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::P(x.fptr()),
+                    Arg::P(p),
+                    Arg::I(x.cols as i32),
+                    Arg::I(head_dim as i32),
+                    Arg::I(dims as i32),
+                    Arg::F(rope.theta),
+                    Arg::F(rope.scale),
+                    Arg::I(rope.neox as i32),
+                ],
+            )
+        })();
+        self.record(r);
+    }
+
+    fn kv_write(&self, kv: &mut CudaKv, layer: usize, k: &CudaTensor, v: &CudaTensor, slots: &[u32]) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            let s = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("kv_write: no layer {layer}"))?;
+            let w = s.kv_heads * s.head_dim;
+            ensure!(k.cols == w && v.cols == w, "kv_write: k is {} wide, the pool holds {w}", k.cols);
+            ensure!(slots.len() <= k.rows && slots.len() <= v.rows, "kv_write: {} slots for {} rows", slots.len(), k.rows);
+            let total = (kv.spec.blocks * kv.spec.block_tokens) as u32;
+            ensure!(slots.iter().all(|&s| s < total), "kv_write: slot past the pool's {total}");
+            if slots.is_empty() {
+                return Ok(());
+            }
+            let p = self.put_u32(slots)?;
+            self.launch(
+                self.inner.fns.kv_write,
+                (slots.len() as u32, 1, 1),
+                (128, 1, 1),
+                0,
+                &[Arg::P(k.fptr()), Arg::P(v.fptr()), Arg::P(p), Arg::I(w as i32), Arg::P(kv.k[layer].ptr), Arg::P(kv.v[layer].ptr)],
+            )
+        })();
+        self.record(r);
+    }
+
+    fn kv_copy_blocks(&self, kv: &mut CudaKv, src: &[u32], dst: &[u32]) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            let bt = kv.spec.block_tokens;
+            ensure!(src.iter().chain(dst).all(|&b| (b as usize) < kv.spec.blocks), "kv_copy_blocks: block past the pool's {}", kv.spec.blocks);
+            for (l, shape) in kv.spec.layers.iter().enumerate() {
+                let n = bt * shape.kv_heads * shape.head_dim * 2;
+                for (&s, &d) in src.iter().zip(dst) {
+                    for buf in [&kv.k[l], &kv.v[l]] {
+                        let (sp, dp) = (buf.ptr + s as u64 * n as u64, buf.ptr + d as u64 * n as u64);
+                        if self.issue(&[0x6b76, sp, dp, n as u64]) {
+                            unsafe { cu(drv::memcpy_dtod_async(dp, sp, n, self.stream() as sys::CUstream), "kv_copy_blocks")? };
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    fn attention(&self, q: &CudaTensor, kv: &CudaKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = self.attention_impl(q, kv, layer, seqs, scale, softcap, out);
+        self.record(r);
+    }
+
+    fn scale(&self, x: &mut CudaTensor, s: f32) {
+        if !self.ready() {
+            return;
+        }
+        x.set_bf(false);
+        let n = x.len();
+        let r = self.launch(self.inner.fns.scale, Self::elementwise_grid(n), (256, 1, 1), 0, &[Arg::P(x.fptr()), Arg::F(s), Arg::U64(n as u64)]);
+        self.record(r);
+    }
+
+    fn softcap(&self, x: &mut CudaTensor, cap: f32) {
+        if !self.ready() {
+            return;
+        }
+        x.set_bf(false);
+        let n = x.len();
+        let r = self.launch(self.inner.fns.softcap, Self::elementwise_grid(n), (256, 1, 1), 0, &[Arg::P(x.fptr()), Arg::F(cap), Arg::U64(n as u64)]);
+        self.record(r);
+    }
+
+    fn copy_rows(&self, t: &mut CudaTensor, src: &[u32], dst: &[u32]) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(src.iter().chain(dst).all(|&r| (r as usize) < t.rows), "copy_rows: row past {}", t.rows);
+            t.set_bf(false);
+            let n = t.cols * 4;
+            for (&s, &d) in src.iter().zip(dst) {
+                let (sp, dp) = (t.fptr() + (s as usize * n) as u64, t.fptr() + (d as usize * n) as u64);
+                if n > 0 && s != d && self.issue(&[0x6372, sp, dp, n as u64]) {
+                    unsafe { cu(drv::memcpy_dtod_async(dp, sp, n, self.stream() as sys::CUstream), "copy_rows")? };
+                }
+            }
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    fn zero_rows(&self, t: &mut CudaTensor, rows: &[u32]) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(rows.iter().all(|&r| (r as usize) < t.rows), "zero_rows: row past {}", t.rows);
+            t.set_bf(false);
+            let n = t.cols * 4;
+            for &row in rows {
+                let p = t.fptr() + (row as usize * n) as u64;
+                if n > 0 && self.issue(&[0x7a72, p, n as u64]) {
+                    unsafe { cu(drv::memset_d8_async(p, 0, n, self.stream() as sys::CUstream), "zero_rows")? };
+                }
+            }
+            Ok(())
+        })();
+        self.record(r);
+    }
+}
+
+/// Whether libnvrtc can be loaded.
+pub fn nvrtc_present() -> bool {
+    std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false)
+}
+
+/// Compile every kernel for `arch` (e.g. `sm_90a`) without a GPU: needs
+/// only libnvrtc. Checks the CUDA sources where no device is present.
+pub fn compile_check(arch: &str, head_dims: &[usize], groups: &[usize]) -> Result<()> {
+    ensure!(nvrtc_present(), "libnvrtc is not on the library path");
+    rt::guarded("NVRTC", || {
+        rt::compile(kernels::BASE, arch)?;
+        for &hd in head_dims {
+            for &g in groups {
+                rt::compile(&format!("#define HD {hd}\n#define G {g}\n{}", kernels::ATTENTION), arch).map_err(|e| anyhow!("attention HD={hd} G={g}: {e}"))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+impl Cuda {
+    fn act_mul(&self, f: usize, gate: &CudaTensor, up: &CudaTensor, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(gate.len() == up.len(), "activation: gate {}x{}, up {}x{}", gate.rows, gate.cols, up.rows, up.cols);
+            self.grow(out, gate.rows, gate.cols)?;
+            let n = gate.len();
+            self.launch(
+                f,
+                Self::elementwise_grid(n),
+                (256, 1, 1),
+                0,
+                &[Arg::P(gate.fptr()), Arg::P(up.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::U64(n as u64)],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+}

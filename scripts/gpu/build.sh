@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Build the CUDA programs here (no CUDA needed: the libraries load at run
+# time) and copy them into .device-bin/ (git-ignored), which the device
+# tool carries to the GPU machine. Then, there: scripts/gpu/run.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p .device-bin
+cargo build --release -p braid-models --features cuda --example gpu_bench
+cp target/release/examples/gpu_bench .device-bin/
+# Test executables (cargo names them by hash: ask cargo which).
+for t in "braid-ops cuda_ops" "braid-models cuda_models"; do
+  set -- $t
+  exe=$(cargo test --release -p "$1" --features cuda --test "$2" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$2" | tail -1)
+  cp "$exe" ".device-bin/$2"
+done
+strip .device-bin/gpu_bench .device-bin/cuda_ops .device-bin/cuda_models
+ls -la .device-bin

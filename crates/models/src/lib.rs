@@ -140,7 +140,7 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
         "minimax_m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
         other => bail!(
-            "{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h)",
+            "{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text)",
             src.path().display()
         ),
     }

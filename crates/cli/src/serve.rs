@@ -43,6 +43,11 @@ pub struct ServeArgs {
     /// (models whose results do not depend on chunking only).
     #[arg(long)]
     pub max_rows: Option<usize>,
+    /// While other streams decode, size each prefill step to about this
+    /// fraction of a decode round: lower keeps their tokens flowing evenly,
+    /// higher gives a new prompt its first token sooner. 0 = whole chunks.
+    #[arg(long, default_value_t = 1.0)]
+    pub prefill_share: f32,
     /// Completion budget when a request sets no max_tokens (default: up to the context).
     #[arg(long)]
     pub default_max_tokens: Option<usize>,
@@ -77,6 +82,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let mut config = lane_config(&m);
         config.chunk_tokens = a.chunk.max(1);
         config.max_rows = a.max_rows;
+        config.prefill_share = (a.prefill_share > 0.0).then_some(a.prefill_share);
         config.max_running = a.max_running.max(1);
         config.queue_capacity = a.queue;
         let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };

@@ -23,7 +23,7 @@ use crate::sampling::{Sampled, Sampler, SamplingParams};
 use crate::stop::{StopRules, TextStops, TokenText};
 
 /// How a lane schedules. The defaults suit a server.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LaneConfig {
     /// The prompt chunk cap: most prompt rows in one prefill step.
     pub chunk_tokens: usize,
@@ -59,6 +59,13 @@ pub struct LaneConfig {
     pub mark_prompt_end: bool,
     /// Most draft tokens verified per stream and round (0 turns drafting off).
     pub max_draft: usize,
+    /// While other streams decode, size each prefill step so it takes about
+    /// this fraction of a decode round (chunk-invariant backends only, whose
+    /// results do not depend on the cut). The lane measures both as it runs.
+    /// 0.5 keeps the others' inter-token gap within ~1.5x its usual value;
+    /// larger values give the newcomer a faster first token instead. `None`
+    /// runs whole chunks (`chunk_tokens`, capped by `max_rows`).
+    pub prefill_share: Option<f32>,
 }
 
 impl Default for LaneConfig {
@@ -75,6 +82,7 @@ impl Default for LaneConfig {
             mark_every: 1024,
             mark_prompt_end: true,
             max_draft: 8,
+            prefill_share: None,
         }
     }
 }
@@ -454,6 +462,8 @@ impl Lane {
             stats: LaneStats::default(),
             shutdown: false,
             rotate: 0,
+            round_secs: 0.0,
+            last_step: None,
         };
         let thread = std::thread::Builder::new().name("braid-lane".into()).spawn(move || core.run()).ok();
         Lane { tx, shared, thread, caps, config, limits }
@@ -708,6 +718,18 @@ fn emit(s: &mut Stream, sampled: Sampled, ctx: &EmitCtx<'_>, stats: &mut LaneSta
 /// wakes at once on any command).
 const IDLE_POLL: Duration = Duration::from_millis(20);
 
+/// Rows of the first prefill step under `prefill_share`, before any cost is known.
+const FIRST_STEP_ROWS: usize = 8;
+
+/// Moving average that follows changes within a few samples.
+fn ema(old: f64, new: f64) -> f64 {
+    if old == 0.0 {
+        new
+    } else {
+        0.7 * old + 0.3 * new
+    }
+}
+
 struct Core {
     backend: Box<dyn Backend>,
     drafter: Option<Box<dyn Drafter>>,
@@ -724,6 +746,10 @@ struct Core {
     stats: LaneStats,
     shutdown: bool,
     rotate: usize,
+    /// Recent decode round duration (a moving average), and the last
+    /// prefill step's rows and seconds, for `prefill_share`.
+    round_secs: f64,
+    last_step: Option<(StreamId, usize, f64)>,
 }
 
 impl Core {
@@ -765,7 +791,12 @@ impl Core {
             self.sweep();
             progress = self.admit();
             self.send_positions();
-            progress |= self.decode_round();
+            let t = Instant::now();
+            let decoded = self.decode_round();
+            if decoded {
+                self.round_secs = ema(self.round_secs, t.elapsed().as_secs_f64());
+            }
+            progress |= decoded;
             self.sweep();
             progress |= self.prefill_step();
             self.sweep();
@@ -1186,10 +1217,36 @@ impl Core {
     }
 
     /// One chunk of the oldest prefilling stream.
+    /// The per-step row cap: `max_rows`, tightened by `prefill_share` while
+    /// other streams decode. A step costs a fixed part plus a part per row,
+    /// both unknown and changing with the position, so the size is steered
+    /// by the last step: scaled by budget / time taken, at most doubling.
+    fn step_rows(&self, stream: StreamId) -> Option<usize> {
+        let decoding = self.running.iter().any(|s| !s.done && matches!(s.phase, Phase::Decoding));
+        let share = match self.cfg.prefill_share {
+            Some(f) if decoding && self.round_secs > 0.0 => f as f64,
+            _ => return self.cfg.max_rows,
+        };
+        let rows = match self.last_step {
+            // A new pass probes afresh: costs depend on the position.
+            Some((id, rows, secs)) if id == stream => {
+                let budget = share * self.round_secs;
+                let scaled = (rows as f64 * budget / secs.max(1e-6)) as usize;
+                scaled.clamp(1, (2 * rows).max(FIRST_STEP_ROWS))
+            }
+            _ => FIRST_STEP_ROWS,
+        };
+        Some(self.cfg.max_rows.map_or(rows, |m| m.min(rows)))
+    }
+
     fn prefill_step(&mut self) -> bool {
         let Some(i) = self.running.iter().position(|s| !s.done && matches!(s.phase, Phase::Prefilling(_))) else {
             return false;
         };
+        let step_rows = self.step_rows(self.running[i].id);
+        if let Phase::Prefilling(pass) = &mut self.running[i].phase {
+            pass.set_max_rows(step_rows);
+        }
         if self.caps.reports_fill {
             let fill = self.backend.fill();
             let Phase::Prefilling(pass) = &self.running[i].phase else { return false };
@@ -1221,7 +1278,12 @@ impl Core {
         let s = &mut self.running[i];
         s.paused = false;
         let Phase::Prefilling(pass) = &mut s.phase else { return false };
-        let out = match pass.step(&mut *self.backend, drafter) {
+        let t = Instant::now();
+        let stepped = pass.step(&mut *self.backend, drafter);
+        if let Ok(o) = &stepped {
+            self.last_step = Some((s.id, o.end - o.start, t.elapsed().as_secs_f64()));
+        }
+        let out = match stepped {
             Ok(o) => o,
             Err(e) => {
                 s.fail(format!("prefill failed: {e:#}"));

@@ -139,6 +139,12 @@ impl Pass {
         self.pos >= self.prompt.len()
     }
 
+    /// Change the per-step row cap (honoured only for chunk-invariant
+    /// backends; see [`chunk_end`]). The lane tightens it while others decode.
+    pub fn set_max_rows(&mut self, max_rows: Option<usize>) {
+        self.plan.max_rows = max_rows;
+    }
+
     /// The chunk the next step will run.
     pub fn next_chunk(&self) -> (usize, usize) {
         (self.pos, self.plan.chunk_end(self.pos))

@@ -912,3 +912,37 @@ fn lanes_and_controls_can_be_shared_across_threads() {
     send::<StreamHandle>();
     send::<Event>();
 }
+
+// Time-budgeted steps: with `prefill_share`, a chunk-invariant backend's
+// pass runs small steps while another stream decodes (starting with a probe
+// step, never growing more than twice per step), and whole chunks when it
+// is alone.
+#[test]
+fn prefill_share_sizes_steps_only_while_others_decode() {
+    let mut fc = slow();
+    fc.caps.chunk_invariant = true;
+    // Prefill rows are slow relative to decode rounds, so the budget allows
+    // far fewer rows than the chunk cap.
+    fc.prefill_delay = Some(Duration::from_millis(4));
+    let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 64, prefill_share: Some(0.5), ..no_marks() });
+    // Alone: whole chunks.
+    let p = prompt(100, 11);
+    let alone = lane.submit(greedy(p.clone(), 1)).unwrap();
+    assert_eq!(drain(&alone).tokens, oracle(&p, 1, 64));
+    assert_eq!(log.chunks(alone.id), vec![(0, 64), (64, 36)]);
+    // With another stream decoding: a probe step, then steps that never
+    // more than double, and still the same reply.
+    let a = lane.submit(greedy(prompt(3, 6), LONG)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let b = lane.submit(greedy(p.clone(), 1)).unwrap();
+    assert_eq!(drain(&b).tokens, oracle(&p, 1, 64));
+    a.cancel();
+    drain(&a);
+    let chunks = log.chunks(b.id);
+    assert_eq!(chunks[0], (0, 8), "the first step probes the cost: {chunks:?}");
+    assert!(chunks.len() > 2, "steps were not tightened: {chunks:?}");
+    for w in chunks.windows(2) {
+        assert!(w[1].1 <= 2 * w[0].1.max(4), "a step more than doubled: {chunks:?}");
+    }
+    assert!(chunks.iter().all(|c| c.1 < 64), "{chunks:?}");
+}

@@ -3,7 +3,7 @@
 //! bf16 weights made on the device.
 //!
 //! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
-//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE]`
+//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE] [--profile]`
 
 use anyhow::{bail, Context, Result};
 
@@ -23,6 +23,7 @@ fn run() -> Result<()> {
     use braid_models::gpubench::{bench_llama, GpuBenchOpts};
     let mut o = GpuBenchOpts::default();
     let (mut device, mut preset, mut json) = ("cuda".to_string(), "llama-3.2-1b".to_string(), None);
+    let mut profile = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -36,6 +37,7 @@ fn run() -> Result<()> {
             "--no-graphs" => o.graphs = false,
             "--no-eager" => o.compare_eager = false,
             "--json" => json = Some(val()?),
+            "--profile" => profile = true,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -46,6 +48,14 @@ fn run() -> Result<()> {
     let model = braid_models::random::llama(&dev, cfg.clone(), 1, false)?;
     dev.sync()?;
     eprintln!("{}: random {preset} made in {:.2} s", braid_ops::Device::name(&dev), t.elapsed().as_secs_f64());
+    if profile {
+        // GPU time per kernel (CUDA events around each launch), eager.
+        println!("## prefill {} tokens, one forward\n\n{}", o.prefill, braid_models::gpubench::prefill_profile(&dev, &model, o.prefill)?);
+        for &n in &o.streams {
+            println!("## decode, {n} streams, 8 eager rounds\n\n{}", braid_models::gpubench::decode_profile(&dev, &model, n, o.prompt, 8)?);
+        }
+        return Ok(());
+    }
     let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
     println!("{}", rep.table());
     if let Some(p) = json {

@@ -142,13 +142,20 @@ impl Rng {
 /// Decode `rounds` rounds of `streams` streams that each hold `prompt`
 /// tokens first; returns tokens/s.
 pub fn decode_run(dev: &Cuda, model: &dyn Model<Cuda>, streams: usize, prompt: usize, warmup: usize, rounds: usize, graphs: bool) -> Result<f64> {
-    decode_inner(dev, model, streams, prompt, warmup, rounds, graphs, None)
+    decode_inner(dev, model, streams, prompt, warmup, rounds, graphs, None, None)
+}
+
+/// GPU time per kernel of `rounds` eager decode rounds of `streams` streams.
+pub fn decode_profile(dev: &Cuda, model: &dyn Model<Cuda>, streams: usize, prompt: usize, rounds: usize) -> Result<String> {
+    let mut rep = String::new();
+    decode_inner(dev, model, streams, prompt, 2, rounds, false, None, Some(&mut rep))?;
+    Ok(rep)
 }
 
 /// The greedy tokens of each decode round (for checks: graphs against eager).
 pub fn decode_tokens(dev: &Cuda, model: &dyn Model<Cuda>, streams: usize, prompt: usize, rounds: usize, graphs: bool) -> Result<Vec<Vec<u32>>> {
     let mut out = Vec::new();
-    decode_inner(dev, model, streams, prompt, 0, rounds, graphs, Some(&mut out))?;
+    decode_inner(dev, model, streams, prompt, 0, rounds, graphs, Some(&mut out), None)?;
     Ok(out)
 }
 
@@ -162,6 +169,7 @@ fn decode_inner(
     rounds: usize,
     graphs: bool,
     mut record: Option<&mut Vec<Vec<u32>>>,
+    profile: Option<&mut String>,
 ) -> Result<f64> {
     ensure!(streams > 0 && prompt > 0, "decode_run: streams and prompt must be positive");
     let bt = 16;
@@ -193,6 +201,9 @@ fn decode_inner(
     for r in 0..warmup + rounds {
         if r == warmup {
             dev.sync()?;
+            if profile.is_some() {
+                dev.profile_start();
+            }
             t0 = Instant::now();
         }
         let pos: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
@@ -209,12 +220,26 @@ fn decode_inner(
     }
     let t = t0.elapsed().as_secs_f64();
     dev.set_graphs(true);
+    if let Some(p) = profile {
+        *p = dev.profile_report()?;
+    }
     Ok((streams * rounds) as f64 / t)
 }
 
 /// One prefill forward of `tokens` tokens (logits for the last row only);
 /// returns the median seconds of three after one warm-up.
 pub fn prefill_run(dev: &Cuda, model: &dyn Model<Cuda>, tokens: usize) -> Result<f64> {
+    prefill_inner(dev, model, tokens, None)
+}
+
+/// GPU time per kernel of one prefill forward of `tokens` tokens.
+pub fn prefill_profile(dev: &Cuda, model: &dyn Model<Cuda>, tokens: usize) -> Result<String> {
+    let mut rep = String::new();
+    prefill_inner(dev, model, tokens, Some(&mut rep))?;
+    Ok(rep)
+}
+
+fn prefill_inner(dev: &Cuda, model: &dyn Model<Cuda>, tokens: usize, profile: Option<&mut String>) -> Result<f64> {
     let bt = 16;
     let blocks = tokens.div_ceil(bt);
     let spec = KvPoolSpec { blocks, block_tokens: bt, layers: model.kv_layers() };
@@ -226,14 +251,20 @@ pub fn prefill_run(dev: &Cuda, model: &dyn Model<Cuda>, tokens: usize) -> Result
     let pos: Vec<u32> = (0..tokens as u32).collect();
     let slots: Vec<u32> = (0..tokens as u32).collect();
     let mut times = Vec::new();
-    for _ in 0..4 {
+    for i in 0..4 {
         let seqs = vec![AttnSeq { q_start: 0, q_len: tokens, kv_len: tokens, blocks: &table, window: None }];
         let batch = Batch { tokens: &toks, positions: &pos, slots: &slots, seqs, logit_rows: &[tokens - 1], state_slots: &[0] };
         dev.sync()?;
+        if i == 3 && profile.is_some() {
+            dev.profile_start();
+        }
         let t = Instant::now();
         model.forward(dev, &batch, &mut mem, &mut s)?;
         dev.sync()?;
         times.push(t.elapsed().as_secs_f64());
+    }
+    if let Some(p) = profile {
+        *p = dev.profile_report()?;
     }
     let mut timed = times[1..].to_vec();
     timed.sort_by(f64::total_cmp);

@@ -182,35 +182,36 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsign
     }
 }
 
-// Greedy sampling: the first index of each row's largest value.
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned* __restrict__ out) {
-    __shared__ float bv[32];
-    __shared__ int bi[32];
+// Greedy sampling: the first index of each row's largest value. Blocks
+// split a row; each folds (value, index) into one 64-bit key per row with
+// atomicMax (order-preserving float bits above, the complemented index
+// below, so ties go to the first index). `out` starts at zero.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned long long* __restrict__ out) {
+    __shared__ unsigned long long best_s[32];
     const float* row = x + (long)blockIdx.x * cols;
-    float best = NEG_INF;
-    int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
-        if (v > best) { best = v; idx = i; }
+    const int chunk = (cols + gridDim.y - 1) / gridDim.y;
+    const int a = blockIdx.y * chunk, b = min(cols, a + chunk);
+    unsigned long long best = 0ull;
+    for (int i = a + threadIdx.x; i < b; i += blockDim.x) {
+        unsigned u = __float_as_uint(row[i]);
+        unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+        unsigned long long key = ((unsigned long long)ord << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+        best = key > best ? key : best;
     }
     for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
     }
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) best_s[warp] = best;
     __syncthreads();
     if (warp == 0) {
-        int nw = blockDim.x >> 5;
-        best = lane < nw ? bv[lane] : NEG_INF;
-        idx = lane < nw ? bi[lane] : 0x7fffffff;
+        best = lane < (int)(blockDim.x >> 5) ? best_s[lane] : 0ull;
         for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+            unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+            best = other > best ? other : best;
         }
-        if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (unsigned)idx;
+        if (lane == 0 && best != 0ull) atomicMax(out + blockIdx.x, best);
     }
 }
 
@@ -414,10 +415,14 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 // accumulate): one block of 4 warps per (64 query rows of one sequence,
 // query head); each warp owns 16 rows. K and V tiles of PF_KT keys are
 // gathered from the paged pool into shared memory (V transposed), rows
-// padded by 8 values so the fragment loads are free of bank conflicts.
+// padded by 8 values so the fragment loads are free of bank conflicts. A
+// warp skips tiles wholly outside its rows' causal (and window) range and
+// masks only the tiles that cross an edge. Scores are kept in log2 units.
 #define PF_KT (HD > 128 ? 32 : 64)
 #define PF_KP (HD + 8)
 #define PF_VP (PF_KT + 8)
+#define PF_BQ 64
+#define PF_THREADS 128
 
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -425,13 +430,14 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_prefill(
+extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
     const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap,
     float* __restrict__ out, bf16_t* __restrict__ out_bf)
 {
     __shared__ __align__(16) bf16_t Ks[PF_KT * PF_KP];
     __shared__ __align__(16) bf16_t Vt[HD * PF_VP];
+    const float LOG2E = 1.4426950408889634f;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
     const int h = blockIdx.y, kvh = h / G;
     const unsigned s = meta[off_tiles + 2 * blockIdx.x];
@@ -444,11 +450,18 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
     const int p0 = base_pos + r0, p1 = base_pos + r1;
     const int lo0 = window > 0 ? max(0, p0 + 1 - window) : 0;
     const int lo1 = window > 0 ? max(0, p1 + 1 - window) : 0;
-    const int last_row = min(i0 + 63, q_len - 1);
+    const int last_row = min(i0 + PF_BQ - 1, q_len - 1);
     const int key_hi = base_pos + last_row;  // inclusive
     const int key_lo = window > 0 ? max(0, base_pos + i0 + 1 - window) : 0;
+    // This warp's rows: first and last position, smallest and largest window start.
+    const int wr_first = i0 + warp * 16;
+    const bool warp_active = wr_first < q_len;
+    const int wr_last = min(wr_first + 15, q_len - 1);
+    const int wp_first = base_pos + wr_first, wp_last = base_pos + wr_last;
+    const int wlo_first = window > 0 ? max(0, wp_first + 1 - window) : 0;
+    const int wlo_last = window > 0 ? max(0, wp_last + 1 - window) : 0;
+    const bool warp_rows_full = wr_first + 15 < q_len;
 
-    // Q fragments (A operand), rows r0 / r1, held for the whole pass.
     unsigned qa[HD / 16][4];
     {
         const float* q0 = q + (long)(q_start + min(r0, q_len - 1)) * q_cols + h * HD;
@@ -469,7 +482,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
 
     for (int kb = key_lo; kb <= key_hi; kb += PF_KT) {
         __syncthreads();
-        for (int c = tid; c < PF_KT * (HD / 8); c += 128) {
+        // K and V rows: consecutive threads take consecutive 16-byte parts
+        // of a row (coalesced); V is stored transposed.
+        for (int c = tid; c < PF_KT * (HD / 8); c += PF_THREADS) {
             const int key = c / (HD / 8), part = c % (HD / 8);
             const int j = kb + key;
             uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
@@ -487,6 +502,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
             }
         }
         __syncthreads();
+        if (!warp_active || kb > wp_last || kb + PF_KT - 1 < wlo_first) continue;
+        const bool full = warp_rows_full && kb + PF_KT - 1 <= wp_first && kb >= wlo_last;
 
         float sacc[PF_KT / 8][4];
         #pragma unroll
@@ -505,14 +522,15 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         for (int nt = 0; nt < PF_KT / 8; nt++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int key = kb + nt * 8 + tig * 2 + (e & 1);
                 const bool top = e < 2;
-                const int p = top ? p0 : p1;
-                const int lo = top ? lo0 : lo1;
-                const bool ok = (top ? r0 : r1) < q_len && key <= p && key >= lo;
                 float v = sacc[nt][e] * scale;
                 if (softcap > 0.f) v = softcap * tanhf(v / softcap);
-                v = ok ? v : NEG_INF;
+                v *= LOG2E;
+                if (!full) {
+                    const int key = kb + nt * 8 + tig * 2 + (e & 1);
+                    const bool ok = (top ? r0 : r1) < q_len && key <= (top ? p0 : p1) && key >= (top ? lo0 : lo1);
+                    v = ok ? v : NEG_INF;
+                }
                 sacc[nt][e] = v;
                 if (top) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
             }
@@ -522,8 +540,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
         const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float c0 = n0 == NEG_INF ? 1.f : __expf(m0 - n0);
-        const float c1 = n1 == NEG_INF ? 1.f : __expf(m1 - n1);
+        const float c0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
+        const float c1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
         m0 = n0; m1 = n1;
         float s0 = 0.f, s1 = 0.f;
         #pragma unroll
@@ -532,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
             for (int e = 0; e < 4; e++) {
                 const bool top = e < 2;
                 const float v = sacc[nt][e];
-                const float p = v == NEG_INF ? 0.f : __expf(v - (top ? n0 : n1));
+                const float p = v == NEG_INF ? 0.f : exp2f(v - (top ? n0 : n1));
                 sacc[nt][e] = p;
                 if (top) s0 += p; else s1 += p;
             }

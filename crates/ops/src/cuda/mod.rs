@@ -110,6 +110,11 @@ struct State {
     pub graph_hits: u64,
     pub graph_captures: u64,
     pub graph_fallbacks: u64,
+    /// Kernel names by function handle, and the profile being recorded:
+    /// (name, start event, end event) per launch.
+    names: HashMap<usize, String>,
+    profiling: bool,
+    prof: Vec<(String, usize, usize)>,
 }
 
 struct Fns {
@@ -177,6 +182,8 @@ pub struct Cuda {
 }
 
 const ARENA_WORDS: usize = 4 << 20;
+/// Query rows per block of the prefill attention kernel (PF_BQ).
+const PREFILL_ROWS: usize = 64;
 const CUBLAS_WS: usize = 32 << 20;
 
 impl Cuda {
@@ -218,6 +225,25 @@ impl Cuda {
             fill_random_bf16: m.func("fill_random_bf16")?,
             fill_f32: m.func("fill_f32")?,
         };
+        let names: HashMap<usize, String> = [
+            (fns.to_bf16, "to_bf16"),
+            (fns.embed, "embed"),
+            (fns.rms_norm_block, "rms_norm_block"),
+            (fns.rms_norm_warp, "rms_norm_warp"),
+            (fns.add_rms_norm, "add_rms_norm"),
+            (fns.add, "add"),
+            (fns.scale, "scale"),
+            (fns.softcap, "softcap"),
+            (fns.silu_mul, "silu_mul"),
+            (fns.gelu_mul, "gelu_mul"),
+            (fns.rope, "rope"),
+            (fns.kv_write, "kv_write"),
+            (fns.gather_rows, "gather_rows"),
+            (fns.argmax_rows, "argmax_rows"),
+        ]
+        .into_iter()
+        .map(|(f, n)| (f, n.to_string()))
+        .collect();
         let mut handle: cb::cublasHandle_t = std::ptr::null_mut();
         unsafe { cb::cublasCreate_v2(&mut handle) }.result().map_err(|e| anyhow!("cublasCreate: {e:?}"))?;
         let ws = DevBuf::new(raw_ctx, CUBLAS_WS)?;
@@ -256,6 +282,9 @@ impl Cuda {
                     graph_hits: 0,
                     graph_captures: 0,
                     graph_fallbacks: 0,
+                    names,
+                    profiling: false,
+                    prof: Vec::new(),
                 }),
             }),
         })
@@ -362,7 +391,69 @@ impl Cuda {
         if mode == Mode::UploadOnly || grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        unsafe { rt::launch(f, grid, block, smem, self.stream(), args) }
+        let prof = self.prof_begin(mode);
+        let r = unsafe { rt::launch(f, grid, block, smem, self.stream(), args) };
+        if let Some(ev) = prof {
+            let name = self.st().names.get(&f).cloned().unwrap_or_else(|| format!("kernel {f:x}"));
+            self.prof_end(ev, name);
+        }
+        r
+    }
+
+    /// Start timing one launch (eager mode, profiling on): its start event.
+    fn prof_begin(&self, mode: Mode) -> Option<usize> {
+        if mode != Mode::Eager || !self.st().profiling {
+            return None;
+        }
+        let ev = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ok()?;
+        unsafe { drv::event::record(ev, self.stream() as sys::CUstream).ok()? };
+        Some(ev as usize)
+    }
+
+    fn prof_end(&self, start: usize, name: String) {
+        if let Ok(ev) = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT) {
+            if unsafe { drv::event::record(ev, self.stream() as sys::CUstream) }.is_ok() {
+                self.st().prof.push((name, start, ev as usize));
+            }
+        }
+    }
+
+    /// Time every kernel and GEMM launched eagerly from now on (CUDA
+    /// events around each), until [`Cuda::profile_report`].
+    pub fn profile_start(&self) {
+        self.st().profiling = true;
+    }
+
+    /// Stop profiling; a table of GPU time per kernel (total ms, launches,
+    /// µs each), largest first, and the total.
+    pub fn profile_report(&self) -> Result<String> {
+        self.sync()?;
+        let events = {
+            let mut st = self.st();
+            st.profiling = false;
+            std::mem::take(&mut st.prof)
+        };
+        let mut by: HashMap<String, (f64, usize)> = HashMap::new();
+        let mut total = 0f64;
+        for (name, a, b) in events {
+            let ms = unsafe { drv::event::elapsed(a as sys::CUevent, b as sys::CUevent) }.unwrap_or(0.0) as f64;
+            unsafe {
+                let _ = drv::event::destroy(a as sys::CUevent);
+                let _ = drv::event::destroy(b as sys::CUevent);
+            }
+            let e = by.entry(name).or_default();
+            e.0 += ms;
+            e.1 += 1;
+            total += ms;
+        }
+        let mut rows: Vec<_> = by.into_iter().collect();
+        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        let mut s = String::from("| kernel | ms | launches | µs each |\n| --- | --- | --- | --- |\n");
+        for (n, (ms, c)) in rows {
+            s += &format!("| {n} | {ms:.3} | {c} | {:.1} |\n", 1e3 * ms / c as f64);
+        }
+        s += &format!("| total | {total:.3} | | |\n");
+        Ok(s)
     }
 
     /// Whether device-side work (copies, GEMMs) should be issued now; in
@@ -458,7 +549,9 @@ impl Cuda {
         }
         let (alpha, beta) = (1f32, 0f32);
         let yt = if y_bf16 { cb::cudaDataType::CUDA_R_16BF } else { cb::cudaDataType::CUDA_R_32F };
-        unsafe {
+        let mode = self.st().mode;
+        let prof = self.prof_begin(mode);
+        let r = unsafe {
             cb::cublasGemmEx(
                 self.inner.cublas as cb::cublasHandle_t,
                 cb::cublasOperation_t::CUBLAS_OP_T,
@@ -482,7 +575,11 @@ impl Cuda {
             )
             .result()
             .map_err(|e| anyhow!("cublasGemmEx {m}x{n}x{k}: {e:?}"))
+        };
+        if let Some(ev) = prof {
+            self.prof_end(ev, format!("gemm out {m} rows {n} in {k}"));
         }
+        r
     }
 
     fn attn_fns(&self, hd: usize, g: usize) -> Result<(usize, usize, Option<usize>)> {
@@ -497,7 +594,13 @@ impl Cuda {
             prefill: if self.inner.cc.0 >= 8 { Some(m.func("attn_prefill")?) } else { None },
         };
         let r = (f.decode, f.combine, f.prefill);
-        self.st().attn.insert((hd, g), f);
+        let mut st = self.st();
+        st.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
+        st.names.insert(f.combine, format!("attn_combine hd{hd}"));
+        if let Some(p) = f.prefill {
+            st.names.insert(p, format!("attn_prefill hd{hd} g{g}"));
+        }
+        st.attn.insert((hd, g), f);
         Ok(r)
     }
 
@@ -649,27 +752,30 @@ impl Cuda {
         Ok(CudaWeight { rows, cols, buf })
     }
 
-    /// Greedy tokens: the index of each row's largest value.
+    /// Greedy tokens: the index of each row's largest value (the first, on ties).
     pub fn argmax(&self, t: &CudaTensor) -> Result<Vec<u32>> {
         if !self.ready() {
             self.sync()?;
         }
         let rows = t.rows;
-        let mut out = vec![0u32; rows];
         if rows == 0 {
-            return Ok(out);
+            return Ok(Vec::new());
         }
         let ptr = {
             let mut st = self.st();
-            if st.ids_out.bytes < rows * 4 {
-                st.ids_out = DevBuf::new(self.ctx(), rows.max(1024) * 4)?;
+            if st.ids_out.bytes < rows * 8 {
+                st.ids_out = DevBuf::new(self.ctx(), rows.max(1024) * 8)?;
             }
             st.ids_out.ptr
         };
-        self.launch(self.inner.fns.argmax_rows, (rows as u32, 1, 1), (1024, 1, 1), 0, &[Arg::P(t.fptr()), Arg::I(t.cols as i32), Arg::P(ptr)])?;
+        unsafe { cu(drv::memset_d8_async(ptr, 0, rows * 8, self.stream() as sys::CUstream), "argmax clear")? };
+        // Enough blocks per row to spread a long row over the GPU.
+        let split = (t.cols / 4096).clamp(1, (2 * self.inner.sms).div_ceil(rows).max(1)) as u32;
+        self.launch(self.inner.fns.argmax_rows, (rows as u32, split, 1), (256, 1, 1), 0, &[Arg::P(t.fptr()), Arg::I(t.cols as i32), Arg::P(ptr)])?;
         self.sync()?;
-        unsafe { cu(drv::memcpy_dtoh_sync(&mut out, ptr), "argmax download")? };
-        Ok(out)
+        let mut keys = vec![0u64; rows];
+        unsafe { cu(drv::memcpy_dtoh_sync(&mut keys, ptr), "argmax download")? };
+        Ok(keys.iter().map(|&k| if k == 0 { 0 } else { 0xffff_ffff - (k & 0xffff_ffff) as u32 }).collect())
     }
 
     /// `x += y; out = rms_norm(x) · w` over whole rows, in one kernel.
@@ -745,6 +851,7 @@ impl Cuda {
         self.attn_fns(head_dim, group).map(|_| ())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attention_impl(
         &self,
         q: &CudaTensor,
@@ -758,9 +865,9 @@ impl Cuda {
         let shape = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("attention: layer {layer} not in the KV pool"))?;
         let (hd, kvh) = (shape.head_dim, shape.kv_heads);
         ensure!(hd % 16 == 0 && hd <= 256, "attention: head dim {hd} is not supported on CUDA (a multiple of 16, at most 256)");
-        ensure!(q.cols % hd == 0, "attention: q is {} wide, not a multiple of head dim {hd}", q.cols);
+        ensure!(q.cols.is_multiple_of(hd), "attention: q is {} wide, not a multiple of head dim {hd}", q.cols);
         let heads = q.cols / hd;
-        ensure!(heads % kvh == 0 && heads / kvh <= 16, "attention: {heads} query heads over {kvh} KV heads is not supported");
+        ensure!(heads.is_multiple_of(kvh) && heads / kvh <= 16, "attention: {heads} query heads over {kvh} KV heads is not supported");
         let g = heads / kvh;
         self.grow(out, q.rows, q.cols)?;
         let bt = kv.spec.block_tokens;
@@ -784,7 +891,7 @@ impl Cuda {
         let mut work = 0usize;
         for (si, s) in seqs.iter().enumerate() {
             if prefill {
-                for t in (0..s.q_len).step_by(64) {
+                for t in (0..s.q_len).step_by(PREFILL_ROWS) {
                     meta.extend([si as u32, t as u32]);
                     work += 1;
                 }
@@ -831,7 +938,7 @@ impl Cuda {
             // depends on the batch shape only, so graphs stay valid as
             // sequences grow.
             let ctas = work * kvh;
-            let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, 16);
+            let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, 16);
             let part = if nsplit > 1 {
                 let need = work * heads * nsplit * (hd + 2) * 4;
                 let mut st = self.st();
@@ -1073,7 +1180,7 @@ impl Device for Cuda {
         }
         let r = (|| {
             let g = w.cols;
-            ensure!(g > 0 && x.cols % g == 0, "rms_norm: weight of {g} does not divide rows of {}", x.cols);
+            ensure!(g > 0 && x.cols.is_multiple_of(g), "rms_norm: weight of {g} does not divide rows of {}", x.cols);
             self.grow(out, x.rows, x.cols)?;
             let groups = x.len() / g;
             if groups == 0 {
@@ -1129,7 +1236,7 @@ impl Device for Cuda {
         }
         let r = (|| {
             ensure!(positions.len() == x.rows, "rope: {} positions for {} rows", positions.len(), x.rows);
-            ensure!(head_dim > 0 && x.cols % head_dim == 0, "rope: head dim {head_dim} does not divide {}", x.cols);
+            ensure!(head_dim > 0 && x.cols.is_multiple_of(head_dim), "rope: head dim {head_dim} does not divide {}", x.cols);
             x.set_bf(false);
             if x.rows == 0 {
                 return Ok(());

@@ -32,7 +32,8 @@ pub fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// The libraries the CUDA device needs, with a clear error when one is not
 /// on the library path.
 pub fn check_libraries() -> Result<()> {
-    let checks: [(&str, fn() -> bool); 3] = [
+    type Check = (&'static str, fn() -> bool);
+    let checks: [Check; 3] = [
         ("libcuda (the NVIDIA driver)", || unsafe { cudarc::driver::sys::is_culib_present() }),
         ("libnvrtc (CUDA run-time compiler)", || unsafe { cudarc::nvrtc::sys::is_culib_present() }),
         ("libcublas", || unsafe { cudarc::cublas::sys::is_culib_present() }),

@@ -2,11 +2,11 @@
 //! and [`ModelBackend`], which serves any of them to the engine.
 
 pub mod backend;
-#[cfg(feature = "cuda")]
-pub mod gpubench;
 pub mod config;
 pub mod gemma3;
 pub mod gemma4;
+#[cfg(feature = "cuda")]
+pub mod gpubench;
 pub mod lfm2;
 pub mod llama;
 pub mod minimax;

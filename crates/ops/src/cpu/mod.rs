@@ -8,10 +8,10 @@ pub mod linear_attention;
 pub mod pointwise;
 pub mod pool;
 pub mod quant;
-pub mod sparse_attention;
-pub mod ssm;
 pub mod rope_freqs;
 pub mod scatter_add_rows;
+pub mod sparse_attention;
+pub mod ssm;
 
 use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};

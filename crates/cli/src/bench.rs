@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
+use braid_engine::{Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
 use braid_models::BackendConfig;
 use braid_server::TokenizerText;
 use clap::Args;
@@ -60,13 +60,24 @@ pub struct BenchArgs {
     /// Print one JSON line per result as well.
     #[arg(long)]
     pub json: bool,
+    /// Benchmark a model made from a preset shape with random weights on
+    /// the device (needs no weight files; CUDA builds): decode at each
+    /// `--streams` count, a `--pp`-token prefill, and the device's ceilings.
+    #[arg(long)]
+    pub random_weights: bool,
+    /// Shape for --random-weights.
+    #[arg(long, default_value = "llama-3.2-1b")]
+    pub preset: String,
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.random_weights {
+        return random_weights(&a);
+    }
     let ctx = (a.pp + a.tg + 16).max(a.arrival + 512).max(2048);
     let kv = if a.stall { ctx * (a.bg + 2) } else { ctx * a.streams.iter().copied().max().unwrap_or(1).max(1) };
     let m = load::load_with(&a.model, BackendConfig { context: ctx, kv_tokens: kv, max_streams: 64, max_batch: ctx.max(64), ..Default::default() })?;
-    println!("model: {}  device: {}", m.path.display(), braid_ops::Device::name(m.backend.device()));
+    println!("model: {}  device: {}", m.path.display(), m.device);
     if a.stall {
         return stall(a, m);
     }
@@ -201,7 +212,7 @@ fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
         ..LaneConfig::default()
     };
     config.max_running = a.bg + 2;
-    let lane = Lane::spawn(Box::new(m.backend), Arc::new(TokenizerText(m.tokenizer.clone())), config);
+    let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
     let greedy = || SamplingParams::greedy();
     // Background streams: token arrival times, recorded by their readers.
     let stop_bg = Arc::new(AtomicBool::new(false));
@@ -288,4 +299,31 @@ fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn random_weights(a: &BenchArgs) -> Result<()> {
+    use braid_models::gpubench::{bench_llama, GpuBenchOpts};
+    let ordinal = match load::device_choice(&a.model.device)? {
+        load::DeviceChoice::Cuda(n) => n,
+        load::DeviceChoice::Cpu => bail!("--random-weights runs on a CUDA device: pass --device cuda"),
+    };
+    let dev = braid_ops::cuda::Cuda::new(ordinal)?;
+    let cfg = braid_models::random::preset(&a.preset)?;
+    let model = braid_models::random::llama(&dev, cfg.clone(), 1, false)?;
+    let mut o = GpuBenchOpts::default();
+    if !a.streams.is_empty() {
+        o.streams = a.streams.clone();
+    }
+    if a.pp > 0 {
+        o.prefill = a.pp;
+    }
+    let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
+    println!("{}", rep.table());
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn random_weights(_: &BenchArgs) -> Result<()> {
+    bail!("--random-weights needs a CUDA build: `cargo build --release --features cuda`, then --device cuda")
 }

@@ -3,12 +3,14 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use anyhow::bail;
 use anyhow::{Context, Result};
 use braid_engine::{Backend, DecodeRow};
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
 use braid_models::{BackendConfig, ModelBackend, Source};
 use braid_ops::cpu::Cpu;
+use braid_ops::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::fetch;
@@ -18,9 +20,49 @@ pub struct Loaded {
     pub path: PathBuf,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
-    pub backend: ModelBackend<Cpu>,
+    pub backend: Box<dyn Backend>,
+    /// The device, in words.
+    pub device: String,
     pub vocab: usize,
     pub context: usize,
+}
+
+/// Which device `--device` names.
+pub enum DeviceChoice {
+    Cpu,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cuda(usize),
+}
+
+/// `cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when this build has it and a GPU answers, else the CPU).
+pub fn device_choice(spec: &str) -> Result<DeviceChoice> {
+    let spec = spec.trim().to_ascii_lowercase();
+    if spec == "cpu" {
+        return Ok(DeviceChoice::Cpu);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        if spec == "auto" {
+            return Ok(match braid_ops::cuda::Cuda::new(0) {
+                Ok(_) => DeviceChoice::Cuda(0),
+                Err(_) => DeviceChoice::Cpu,
+            });
+        }
+        match braid_ops::cuda::Cuda::parse_ordinal(&spec) {
+            Some(n) => Ok(DeviceChoice::Cuda(n)),
+            None => bail!("unknown device '{spec}': use cpu, cuda, cuda:N or auto"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        if spec == "auto" {
+            return Ok(DeviceChoice::Cpu);
+        }
+        if spec.starts_with("cuda") {
+            bail!("this braid was built without CUDA support: rebuild with `cargo build --release --features cuda`");
+        }
+        bail!("unknown device '{spec}': use cpu, cuda, cuda:N or auto")
+    }
 }
 
 fn tokenizer_of(src: &Source) -> Result<Tokenizer> {
@@ -53,7 +95,16 @@ pub fn tokenizer_only(args: &ModelArgs) -> Result<Tokenizer> {
 /// Load everything; `kv_tokens` sizes the KV pool (at least one full context).
 pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
     let path = fetch::resolve(&args.model)?;
-    let dev = Cpu::new(args.threads);
+    match device_choice(&args.device)? {
+        DeviceChoice::Cpu => load_on(Cpu::new(args.threads), args, path, cfg),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(n) => load_on(braid_ops::cuda::Cuda::new(n)?, args, path, cfg),
+        #[cfg(not(feature = "cuda"))]
+        DeviceChoice::Cuda(_) => unreachable!("device_choice refuses cuda in this build"),
+    }
+}
+
+fn load_on<D: Device>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig) -> Result<Loaded> {
     let src = Source::open(&path)?;
     let tokenizer = tokenizer_of(&src)?;
     let template = template_of(&src, &tokenizer)?;
@@ -73,8 +124,9 @@ pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
     }
     cfg.kv_tokens = cfg.kv_tokens.max(cfg.context);
     let context = cfg.context;
-    let backend = ModelBackend::new(dev, model, cfg)?;
-    Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend, vocab, context })
+    let device = dev.name();
+    let backend = Box::new(ModelBackend::new(dev, model, cfg)?);
+    Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend, device, vocab, context })
 }
 
 pub fn load(args: &ModelArgs, min_ctx: usize) -> Result<Loaded> {

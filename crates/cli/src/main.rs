@@ -54,6 +54,9 @@ pub struct ModelArgs {
     /// CPU threads (default: all cores).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Device: cpu, cuda, cuda:N, or auto (a GPU when this build has CUDA and one answers).
+    #[arg(long, default_value = "auto", env = "BRAID_DEVICE")]
+    pub device: String,
     /// Longest stream (prompt + generated) in tokens; default: the model's, capped at 8192.
     #[arg(long)]
     pub ctx: Option<usize>,

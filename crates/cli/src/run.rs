@@ -117,7 +117,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let config = lane_config(&m);
     let text = Arc::new(TokenizerText(m.tokenizer.clone()));
-    let lane = Lane::spawn(Box::new(m.backend), text, config);
+    let lane = Lane::spawn(m.backend, text, config);
     let req = Request {
         prompt,
         sampling: a.sampling.params(),

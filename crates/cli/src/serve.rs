@@ -86,7 +86,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         config.max_running = a.max_running.max(1);
         config.queue_capacity = a.queue;
         let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
-        let lane = Lane::spawn(Box::new(m.backend), Arc::new(TokenizerText(m.tokenizer.clone())), config);
+        let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
         server.ready(lane, info);
         tracing::info!("ready: {} on {}", path.display(), server.local_addr());
         server.run_until(shutdown_signal()).await

@@ -182,7 +182,7 @@ impl<D: Device> ModelBackend<D> {
 impl<D: Device> Backend for ModelBackend<D> {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            chunk_invariant: self.model.chunk_invariant(),
+            chunk_invariant: self.model.chunk_invariant() && self.dev.batch_invariant(),
             reports_fill: true,
             supports_marks: !self.has_state() || self.cfg.max_marks > 0,
             supports_rewind: self.rewindable,

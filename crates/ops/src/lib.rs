@@ -116,6 +116,14 @@ pub trait Device: Send + Sync + 'static {
 
     fn name(&self) -> String;
 
+    /// Whether a row's result is bit-identical whatever else shares its
+    /// batch (how many rows a matmul sees, how a prompt is chunked). The
+    /// CPU kernels are written so; cuBLAS picks kernels by shape, so CUDA
+    /// is not.
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+
     // ---- memory ----
     /// A tensor of the given shape (contents unspecified).
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;

@@ -1019,6 +1019,11 @@ impl Device for Cuda {
     type Weight = CudaWeight;
     type Kv = CudaKv;
 
+    fn batch_invariant(&self) -> bool {
+        // cuBLAS chooses kernels (and reduction orders) by shape.
+        false
+    }
+
     fn name(&self) -> String {
         format!("cuda ({}, {})", self.inner.name, self.inner.arch)
     }

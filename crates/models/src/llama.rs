@@ -3,7 +3,7 @@
 //! tied) output head.
 
 use anyhow::{bail, Result};
-use braid_ops::{Device, KvShape, Rope};
+use braid_ops::{Device, GateAct, KvShape, Rope};
 
 use crate::config::HfConfig;
 use crate::source::Source;
@@ -171,25 +171,27 @@ impl<D: Device> Model<D> for Llama<D> {
         let c = &self.cfg;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
+        // The fused ops compose the plain ones by default; a device that
+        // fuses them (CUDA) saves launches. Each layer's residual add is
+        // fused into the next norm, so the attention input (normed x) is
+        // in `s.att` at the top of every layer.
+        if let Some(b) = self.blocks.first() {
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.att);
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             // Attention.
-            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &b.wq, &mut s.q);
-            dev.matmul(&s.h, &b.wk, &mut s.k);
-            dev.matmul(&s.h, &b.wv, &mut s.v);
-            dev.rope(&mut s.q, batch.positions, c.head_dim, &c.rope);
-            dev.rope(&mut s.k, batch.positions, c.head_dim, &c.rope);
-            dev.kv_write(kv, l, &s.k, &s.v, batch.slots);
+            dev.matmul_many(&s.att, &[&b.wq, &b.wk, &b.wv], &mut [&mut s.q, &mut s.k, &mut s.v]);
+            dev.rope_kv_write(&mut s.q, &mut s.k, &s.v, kv, l, batch.positions, batch.slots, c.head_dim, &c.rope);
             dev.attention(&s.q, kv, l, &batch.seqs, scale, None, &mut s.att);
             dev.matmul(&s.att, &b.wo, &mut s.h);
-            dev.add(&mut s.x, &s.h);
+            dev.add_rms_norm(&mut s.x, &s.h, &b.ffn_norm, c.eps, &mut s.q);
             // MLP.
-            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &b.w_gate, &mut s.gate);
-            dev.matmul(&s.h, &b.w_up, &mut s.up);
-            dev.silu_mul(&s.gate, &s.up, &mut s.act);
+            dev.gated_matmul(&s.q, &b.w_gate, &b.w_up, GateAct::Silu, &mut s.gate, &mut s.up, &mut s.act);
             dev.matmul(&s.act, &b.w_down, &mut s.h);
-            dev.add(&mut s.x, &s.h);
+            match self.blocks.get(l + 1) {
+                Some(next) => dev.add_rms_norm(&mut s.x, &s.h, &next.attn_norm, c.eps, &mut s.att),
+                None => dev.add(&mut s.x, &s.h),
+            }
         }
         // Head: only the rows whose logits are wanted.
         dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);

@@ -79,6 +79,15 @@ pub struct BlockSparse {
     pub index_dim: usize,
 }
 
+/// The activation of a gated MLP ([`Device::gated_matmul`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateAct {
+    /// `silu(gate) * up` (Llama, Qwen).
+    Silu,
+    /// `gelu_tanh(gate) * up` (Gemma).
+    GeluTanh,
+}
+
 /// How a KV pool stores its rows. F16 halves the memory; F32 keeps k and v
 /// exactly as computed (an f32 model checked against its reference to 1e-4
 /// needs it: f16 rounding of k/v alone moves logits by ~1e-3).
@@ -185,6 +194,59 @@ pub trait Device: Send + Sync + 'static {
     fn copy_rows(&self, t: &mut Self::Tensor, src: &[u32], dst: &[u32]);
     /// Set the given rows to zero (a fresh stream's state).
     fn zero_rows(&self, t: &mut Self::Tensor, rows: &[u32]);
+
+    // ---- fused ops: the defaults compose the ops above (same results);
+    // a device overrides them to save launches and memory passes ----
+    /// `x += y`, then `out = rms_norm(x)` (see [`Device::rms_norm`]).
+    fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, w: &Self::Tensor, eps: f32, out: &mut Self::Tensor) {
+        self.add(x, y);
+        self.rms_norm(x, w, eps, out);
+    }
+    /// `outs[i] = x · ws[i]ᵀ` for each pair (q, k and v from one input).
+    fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight], outs: &mut [&mut Self::Tensor]) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, w, out);
+        }
+    }
+    /// The gated MLP's first half: `out = act(x · gateᵀ) * (x · upᵀ)`.
+    /// `gate` and `up` are scratch: their contents afterwards are
+    /// unspecified (a device may never write them).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_matmul(
+        &self,
+        x: &Self::Tensor,
+        w_gate: &Self::Weight,
+        w_up: &Self::Weight,
+        act: GateAct,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        self.matmul(x, w_gate, gate);
+        self.matmul(x, w_up, up);
+        match act {
+            GateAct::Silu => self.silu_mul(gate, up, out),
+            GateAct::GeluTanh => self.gelu_mul(gate, up, out),
+        }
+    }
+    /// `rope(q)`, `rope(k)`, then `kv_write(k, v)` at `slots`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_write(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        positions: &[u32],
+        slots: &[u32],
+        head_dim: usize,
+        rope: &Rope,
+    ) {
+        self.rope(q, positions, head_dim, rope);
+        self.rope(k, positions, head_dim, rope);
+        self.kv_write(kv, layer, k, v, slots);
+    }
 
     // ---- ops some models need; a device without them says so ----
     /// RoPE from an explicit frequency table: in every head of `x`, the pair

@@ -6,7 +6,7 @@
 
 use braid_ops::cpu::Cpu;
 use braid_ops::cuda::Cuda;
-use braid_ops::{AttnSeq, Device, KvPoolSpec, KvShape, Rope};
+use braid_ops::{AttnSeq, Device, GateAct, KvPoolSpec, KvShape, Rope};
 use half::bf16;
 
 fn gpu() -> Option<Cuda> {
@@ -188,6 +188,121 @@ fn embedding_and_argmax() {
         let want = row.iter().enumerate().fold(0, |b, (j, v)| if *v > row[b] { j } else { b });
         assert_eq!(a as usize, want, "argmax row {i}");
     }
+}
+
+/// `x · wᵀ` in f64 over the bf16-rounded operands.
+fn mm_ref(x: &[f32], w: &[f32], rows: usize, k: usize, m: usize) -> Vec<f64> {
+    let xb: Vec<f64> = x.iter().map(|&v| rbf(v) as f64).collect();
+    let wb: Vec<f64> = w.iter().map(|&v| rbf(v) as f64).collect();
+    let mut y = vec![0f64; rows * m];
+    for i in 0..rows {
+        for j in 0..m {
+            y[i * m + j] = (0..k).map(|c| xb[i * k + c] * wb[j * k + c]).sum();
+        }
+    }
+    y
+}
+
+/// The fused ops: q/k/v in one call and the gated MLP input, on few rows
+/// (GEMV kernels, several rows per block and partial blocks) and many
+/// (cuBLAS), against f64; rope + KV write and add + norm against the plain
+/// ops they replace.
+#[test]
+fn fused_ops_against_references() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    let k = 512;
+    let ms = [4100usize, 64, 72];
+    let ws: Vec<Vec<f32>> = ms.iter().map(|&m| r.vec(m * k, 0.1)).collect();
+    let gw: Vec<_> = ws.iter().zip(&ms).map(|(w, &m)| d.weight_from_f32(w, m, k).unwrap()).collect();
+    let mg = 1530;
+    let (wg, wu) = (r.vec(mg * k, 0.1), r.vec(mg * k, 0.1));
+    let (gwg, gwu) = (d.weight_from_f32(&wg, mg, k).unwrap(), d.weight_from_f32(&wu, mg, k).unwrap());
+    for rows in [1usize, 3, 4, 5, 8, 40] {
+        let gemv = rows <= d.gemv_max_rows();
+        let x = r.vec(rows * k, 1.0);
+        let gx = d.upload(&x, rows, k).unwrap();
+        let (mut a, mut b, mut c) = (poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1));
+        d.matmul_many(&gx, &[&gw[0], &gw[1], &gw[2]], &mut [&mut a, &mut b, &mut c]);
+        for (i, out) in [&a, &b, &c].into_iter().enumerate() {
+            let want: Vec<f32> = mm_ref(&x, &ws[i], rows, k, ms[i]).iter().map(|&v| v as f32).collect();
+            let e = rel(&d.download(out).unwrap(), &want);
+            eprintln!("matmul_many {rows} rows, weight {i} ({}x{k}): rel err {e:.2e}", ms[i]);
+            assert!(e < 1e-4, "matmul_many {rows} rows, weight {i}: rel err {e}");
+        }
+        // One plain matmul on the same rows agrees with the fused call.
+        let mut single = poisoned(&d, 1, 1);
+        d.matmul(&gx, &gw[2], &mut single);
+        // (Not bit for bit: one launch splits k by the total rows it covers.)
+        let e = rel(&d.download(&single).unwrap(), &d.download(&c).unwrap());
+        assert!(e < 1e-5, "matmul vs matmul_many, {rows} rows: {e}");
+        let (g, u) = (mm_ref(&x, &wg, rows, k, mg), mm_ref(&x, &wu, rows, k, mg));
+        for act in [GateAct::Silu, GateAct::GeluTanh] {
+            let (mut gate, mut up, mut out) = (poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1));
+            d.gated_matmul(&gx, &gwg, &gwu, act, &mut gate, &mut up, &mut out);
+            // Past the GEMV's rows the GEMMs hand the activation bf16 gate and up.
+            let round = |v: f64| if gemv { v } else { rbf(v as f32) as f64 };
+            let want: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&a, &b)| {
+                    let (a, b) = (round(a), round(b));
+                    let f = match act {
+                        GateAct::Silu => a / (1.0 + (-a).exp()),
+                        GateAct::GeluTanh => 0.5 * a * (1.0 + (0.7978846 * (a + 0.044715 * a * a * a)).tanh()),
+                    };
+                    (f * b) as f32
+                })
+                .collect();
+            let e = rel(&d.download(&out).unwrap(), &want);
+            eprintln!("gated_matmul {act:?} {rows} rows ({mg}x{k}): rel err {e:.2e}");
+            assert!(e < if gemv { 1e-4 } else { 3e-3 }, "gated_matmul {act:?} {rows} rows: rel err {e}");
+        }
+    }
+    // RoPE on q and k plus the KV write, against the three plain ops.
+    let (heads, kvh, hd) = (8, 2, 64);
+    let spec = KvPoolSpec { blocks: 8, block_tokens: 16, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+    let table = [6u32, 2, 5];
+    for (rows, nslots, dims, neox) in [(3usize, 3usize, 64usize, true), (37, 37, 32, false), (5, 4, 64, true)] {
+        let rope = Rope { theta: 10000.0, dims, neox, scale: 1.0 };
+        let (q, k2, v) = (r.vec(rows * heads * hd, 1.0), r.vec(rows * kvh * hd, 1.0), r.vec(rows * kvh * hd, 1.0));
+        let pos: Vec<u32> = (0..rows as u32).map(|i| i * 3 + 1).collect();
+        let slots: Vec<u32> = (0..nslots).map(|i| table[i / 16] * 16 + (i % 16) as u32).collect();
+        let mut outs = Vec::new();
+        for fused in [false, true] {
+            let mut pool = d.kv_pool(&spec).unwrap();
+            let mut gq = d.upload(&q, rows, heads * hd).unwrap();
+            let mut gk = d.upload(&k2, rows, kvh * hd).unwrap();
+            let gv = d.upload(&v, rows, kvh * hd).unwrap();
+            if fused {
+                d.rope_kv_write(&mut gq, &mut gk, &gv, &mut pool, 0, &pos, &slots, hd, &rope);
+            } else {
+                d.rope(&mut gq, &pos, hd, &rope);
+                d.rope(&mut gk, &pos, hd, &rope);
+                d.kv_write(&mut pool, 0, &gk, &gv, &slots);
+            }
+            let probe = d.upload(&q[..heads * hd], 1, heads * hd).unwrap();
+            let mut att = poisoned(&d, 1, 1);
+            let seq = AttnSeq { q_start: 0, q_len: 1, kv_len: nslots, blocks: &table, window: None };
+            d.attention(&probe, &pool, 0, &[seq], 0.125, None, &mut att);
+            outs.push((d.download(&gq).unwrap(), d.download(&gk).unwrap(), d.download(&att).unwrap()));
+        }
+        let (a, b) = (&outs[0], &outs[1]);
+        let (eq, ek, ea) = (rel(&b.0, &a.0), rel(&b.1, &a.1), rel(&b.2, &a.2));
+        eprintln!("rope_kv_write {rows} rows, {nslots} slots, dims {dims}, neox {neox}: q {eq:.1e} k {ek:.1e} attention {ea:.1e}");
+        assert!(eq < 1e-6 && ek < 1e-6 && ea < 1e-3, "rope_kv_write: q {eq} k {ek} attention {ea}");
+    }
+    // Residual + norm over heads (not whole rows) takes the plain ops.
+    let cpu = Cpu::new(Some(1));
+    let (rows, cols) = (4, 256);
+    let (x, y, w) = (r.vec(rows * cols, 1.0), r.vec(rows * cols, 1.0), r.vec(64, 1.0));
+    let (mut gx, gy, gw) = (d.upload(&x, rows, cols).unwrap(), d.upload(&y, rows, cols).unwrap(), d.upload(&w, 1, 64).unwrap());
+    let (mut cx, cy, cw) = (cpu.upload(&x, rows, cols).unwrap(), cpu.upload(&y, rows, cols).unwrap(), cpu.upload(&w, 1, 64).unwrap());
+    let (mut go, mut co) = (poisoned(&d, 1, 1), cpu.tensor(0, 0));
+    d.add_rms_norm(&mut gx, &gy, &gw, 1e-6, &mut go);
+    cpu.add_rms_norm(&mut cx, &cy, &cw, 1e-6, &mut co);
+    assert!(rel(&d.download(&gx).unwrap(), &cx.data) < 1e-6, "add_rms_norm per head: residual");
+    assert!(rel(&d.download(&go).unwrap(), &co.data) < 1e-5, "add_rms_norm per head: output");
 }
 
 struct Case {

@@ -215,6 +215,240 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
     }
 }
 
+// ---- Few-row GEMV (decode): y[i, j] = x[i, :] · w[j, :] for n <= 8 rows of x ----
+// cuBLAS's kernels for a handful of rows leave much of the HBM bandwidth
+// unused; here each warp streams one weight row (or a slice of it) with
+// 16-byte non-allocating loads, 4 in flight per lane, against every x row
+// (x is small and stays in L1/L2). A block of 8 warps covers R weight rows,
+// each split over 8 / R warps along k so small weights still fill the GPU;
+// the slices meet in shared memory.
+#define GV_WARPS 8
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+template <int N>
+__device__ __forceinline__ void gv_fma8(uint4 w, const uint4* __restrict__ x, int k8, int c, float* acc) {
+    const unsigned wu[4] = {w.x, w.y, w.z, w.w};
+    #pragma unroll
+    for (int i = 0; i < N; i++) {
+        const uint4 xv = x[(long)i * k8 + c];
+        const unsigned xu[4] = {xv.x, xv.y, xv.z, xv.w};
+        float a = acc[i];
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            a = fmaf(__uint_as_float(wu[e] << 16), __uint_as_float(xu[e] << 16), a);
+            a = fmaf(__uint_as_float(wu[e] & 0xffff0000u), __uint_as_float(xu[e] & 0xffff0000u), a);
+        }
+        acc[i] = a;
+    }
+}
+
+// One warp's share: weight row `w` (k8 chunks of 8 values), chunks
+// [c0, c1), into red[warp * 8 + i] (lane sums folded).
+template <int N>
+__device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint4* __restrict__ x, int k8, int c0, int c1, float* red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float acc[N];
+    #pragma unroll
+    for (int i = 0; i < N; i++) acc[i] = 0.f;
+    if (w) {
+        const uint4* wr = (const uint4*)w;
+        int c = c0 + lane;
+        for (; c + 96 < c1; c += 128) {
+            uint4 wv[4];
+            #pragma unroll
+            for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
+            #pragma unroll
+            for (int u = 0; u < 4; u++) gv_fma8<N>(wv[u], x, k8, c + 32 * u, acc);
+        }
+        for (; c < c1; c += 32) gv_fma8<N>(ld_stream(wr + c), x, k8, c, acc);
+    }
+    #pragma unroll
+    for (int i = 0; i < N; i++) {
+        float v = warp_sum(acc[i]);
+        if (lane == 0) red[warp * 8 + i] = v;
+    }
+}
+
+// Virtual row vr (0 <= vr < R) of this block, its k slice, and its weight
+// row pointer (null past the end).
+template <int N>
+__device__ __forceinline__ void gv_block(const bf16_t* __restrict__ w, int row0, int m, const uint4* __restrict__ x, int k8, int R, float* red) {
+    const int warp = threadIdx.x >> 5;
+    const int S = GV_WARPS / R;
+    const int r = warp % R, slice = warp / R;
+    const int j = row0 + r;
+    const int per = (k8 + S - 1) / S;
+    const int c0 = min(k8, slice * per), c1 = min(k8, c0 + per);
+    gv_warp<N>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
+}
+
+// Sum of the S slices of virtual row vr, for x row i.
+__device__ __forceinline__ float gv_total(const float* red, int R, int vr, int i) {
+    float s = 0.f;
+    for (int q = vr; q < GV_WARPS; q += R) s += red[q * 8 + i];
+    return s;
+}
+
+template <int N>
+__device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, int m, const uint4* __restrict__ x, int k8, int R,
+                                       float* __restrict__ y, bf16_t* __restrict__ y_bf, float* red) {
+    gv_block<N>(w, blk * R, m, x, k8, R, red);
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < R * N) {
+        const int r = t / N, i = t % N, j = blk * R + r;
+        if (j < m) {
+            const float v = gv_total(red, R, r, i);
+            y[(long)i * m + j] = v;
+            if (y_bf) y_bf[(long)i * m + j] = f2bf(v);
+        }
+    }
+}
+
+// Up to three weights sharing x (q, k, v): blocks [0, nb0) for w0, the next
+// nb1 for w1, the rest for w2. y_bf may be null.
+extern "C" __global__ void __launch_bounds__(256) gemv(const bf16_t* __restrict__ x_, int n, int k8, int R,
+    const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, float* y0, float* y1, float* y2,
+    bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1) {
+    __shared__ float red[GV_WARPS * 8];
+    const uint4* x = (const uint4*)x_;
+    int blk = blockIdx.x;
+    const bf16_t* w = w0; float* y = y0; bf16_t* yb = b0; int m = m0;
+    if (blk >= nb0 + nb1) { blk -= nb0 + nb1; w = w2; y = y2; yb = b2; m = m2; }
+    else if (blk >= nb0) { blk -= nb0; w = w1; y = y1; yb = b1; m = m1; }
+    switch (n) {
+        case 1: gemv_n<1>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 2: gemv_n<2>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 3: gemv_n<3>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 4: gemv_n<4>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 5: gemv_n<5>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 6: gemv_n<6>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 7: gemv_n<7>(w, blk, m, x, k8, R, y, yb, red); break;
+        default: gemv_n<8>(w, blk, m, x, k8, R, y, yb, red); break;
+    }
+}
+
+__device__ __forceinline__ float gate_act(float a, int act) {
+    return act == 0 ? a / (1.f + expf(-a)) : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
+}
+
+// Gated MLP input for few rows: each block takes R rows of gate (virtual
+// rows 0..R) and the same R rows of up (R..2R), then out = act(g) * u.
+template <int N>
+__device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m,
+                                             const uint4* __restrict__ x, int k8, int R, int act,
+                                             float* __restrict__ out, bf16_t* __restrict__ out_bf, float* red) {
+    const int warp = threadIdx.x >> 5;
+    const int R2 = 2 * R;
+    const int S = GV_WARPS / R2;
+    const int vr = warp % R2, slice = warp / R2;
+    const int j = blockIdx.x * R + (vr < R ? vr : vr - R);
+    const int per = (k8 + S - 1) / S;
+    const int c0 = min(k8, slice * per), c1 = min(k8, c0 + per);
+    const bf16_t* w = vr < R ? wg : wu;
+    gv_warp<N>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < R * N) {
+        const int r = t / N, i = t % N, jj = blockIdx.x * R + r;
+        if (jj < m) {
+            const float g = gv_total(red, R2, r, i), u = gv_total(red, R2, R + r, i);
+            const float v = gate_act(g, act) * u;
+            out[(long)i * m + jj] = v;
+            out_bf[(long)i * m + jj] = f2bf(v);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemv_gated(const bf16_t* __restrict__ x_, int n, int k8, int R,
+    const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    __shared__ float red[GV_WARPS * 8];
+    const uint4* x = (const uint4*)x_;
+    switch (n) {
+        case 1: gemv_gated_n<1>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 2: gemv_gated_n<2>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 3: gemv_gated_n<3>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 4: gemv_gated_n<4>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 5: gemv_gated_n<5>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 6: gemv_gated_n<6>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 7: gemv_gated_n<7>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        default: gemv_gated_n<8>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+    }
+}
+
+// Gated activation over bf16 gate/up (the GEMMs wrote bf16: half the bytes
+// of f32 both ways); out in f32 and bf16.
+extern "C" __global__ void act_mul_bf(const bf16_t* __restrict__ g, const bf16_t* __restrict__ u, float* __restrict__ out,
+                                      bf16_t* __restrict__ out_bf, long n, int act) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float v = gate_act(bf2f(g[i]), act) * bf2f(u[i]);
+        out[i] = v;
+        out_bf[i] = f2bf(v);
+    }
+}
+
+// The same over 8 values a thread (16-byte loads and stores): n8 = n / 8.
+extern "C" __global__ void act_mul_bf8(const uint4* __restrict__ g, const uint4* __restrict__ u, float4* __restrict__ out,
+                                       uint4* __restrict__ out_bf, long n8, int act) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n8; i += (long)gridDim.x * blockDim.x) {
+        const uint4 gv = g[i], uv = u[i];
+        const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+        float v[8];
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            v[2 * e] = gate_act(__uint_as_float(gw[e] << 16), act) * __uint_as_float(uw[e] << 16);
+            v[2 * e + 1] = gate_act(__uint_as_float(gw[e] & 0xffff0000u), act) * __uint_as_float(uw[e] & 0xffff0000u);
+        }
+        out[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+        out[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+        uint4 b;
+        b.x = (unsigned)f2bf(v[0]) | ((unsigned)f2bf(v[1]) << 16);
+        b.y = (unsigned)f2bf(v[2]) | ((unsigned)f2bf(v[3]) << 16);
+        b.z = (unsigned)f2bf(v[4]) | ((unsigned)f2bf(v[5]) << 16);
+        b.w = (unsigned)f2bf(v[6]) | ((unsigned)f2bf(v[7]) << 16);
+        out_bf[i] = b;
+    }
+}
+
+// rope on q and k, then k and v into the KV pool (one block per row; the
+// same arithmetic as `rope` and `kv_write`). Rows past nslots are rotated
+// but not stored.
+extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__ v, const unsigned* __restrict__ pos,
+                                   const unsigned* __restrict__ slots, int nslots, int q_cols, int kv_w, int head_dim, int dims,
+                                   float theta, float pscale, int neox, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc) {
+    const int half = dims / 2;
+    const int qh = q_cols / head_dim, kh = kv_w / head_dim;
+    const float p = (float)pos[blockIdx.x] / pscale;
+    float* qrow = q + (long)blockIdx.x * q_cols;
+    float* krow = k + (long)blockIdx.x * kv_w;
+    for (int t = threadIdx.x; t < (qh + kh) * half; t += blockDim.x) {
+        int h = t / half, i = t % half;
+        float f = powf(theta, -((float)(2 * i)) / (float)dims);
+        float s, c;
+        sincosf(p * f, &s, &c);
+        int a = neox ? i : 2 * i;
+        int b = neox ? i + half : 2 * i + 1;
+        float* hd = h < qh ? qrow + h * head_dim : krow + (h - qh) * head_dim;
+        float x0 = hd[a], x1 = hd[b];
+        hd[a] = x0 * c - x1 * s;
+        hd[b] = x0 * s + x1 * c;
+    }
+    __syncthreads();
+    if ((int)blockIdx.x < nslots) {
+        const long dst = (long)slots[blockIdx.x] * kv_w;
+        const float* vrow = v + (long)blockIdx.x * kv_w;
+        for (int i = threadIdx.x; i < kv_w; i += blockDim.x) {
+            kc[dst + i] = f2bf(krow[i]);
+            vc[dst + i] = f2bf(vrow[i]);
+        }
+    }
+}
+
 // Random bf16 values, uniform in [-a, a) + bias, from a counter hash (random-weight models).
 __device__ __forceinline__ unsigned hash32(unsigned long long x) {
     x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;

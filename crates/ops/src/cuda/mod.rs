@@ -23,7 +23,7 @@ use braid_formats::{DType, TensorView};
 use cudarc::cublas::sys as cb;
 use cudarc::driver::{result as drv, sys, CudaContext};
 
-use crate::{AttnSeq, Device, KvPoolSpec, Rope};
+use crate::{AttnSeq, Device, GateAct, KvPoolSpec, Rope};
 use rt::{cu, Arg, DevBuf};
 
 pub use rt::{check_libraries, kernel_cache_dir};
@@ -134,6 +134,11 @@ struct Fns {
     argmax_rows: usize,
     fill_random_bf16: usize,
     fill_f32: usize,
+    gemv: usize,
+    gemv_gated: usize,
+    act_mul_bf: usize,
+    act_mul_bf8: usize,
+    rope_kv: usize,
 }
 
 struct Inner {
@@ -150,6 +155,7 @@ struct Inner {
     arena: DevBuf,
     arena_words: usize,
     graphs_enabled: AtomicBool,
+    gemv_max_rows: usize,
     st: Mutex<State>,
 }
 
@@ -185,6 +191,10 @@ const ARENA_WORDS: usize = 4 << 20;
 /// Query rows per block of the prefill attention kernel (PF_BQ).
 const PREFILL_ROWS: usize = 64;
 const CUBLAS_WS: usize = 32 << 20;
+/// Up to this many rows (at most 8), GEMMs run as the GEMV kernels
+/// (decode); `BRAID_CUDA_GEMV_ROWS` overrides it (0: always cuBLAS). At 8
+/// rows the GEMV measured slower than cuBLAS on the H200 (docs/CUDA.md).
+const GEMV_MAX_ROWS: usize = 4;
 
 impl Cuda {
     /// Open GPU `ordinal`: load the libraries, compile (or load the cached)
@@ -224,6 +234,11 @@ impl Cuda {
             argmax_rows: m.func("argmax_rows")?,
             fill_random_bf16: m.func("fill_random_bf16")?,
             fill_f32: m.func("fill_f32")?,
+            gemv: m.func("gemv")?,
+            gemv_gated: m.func("gemv_gated")?,
+            act_mul_bf: m.func("act_mul_bf")?,
+            act_mul_bf8: m.func("act_mul_bf8")?,
+            rope_kv: m.func("rope_kv")?,
         };
         let names: HashMap<usize, String> = [
             (fns.to_bf16, "to_bf16"),
@@ -240,6 +255,11 @@ impl Cuda {
             (fns.kv_write, "kv_write"),
             (fns.gather_rows, "gather_rows"),
             (fns.argmax_rows, "argmax_rows"),
+            (fns.gemv, "gemv"),
+            (fns.gemv_gated, "gemv_gated"),
+            (fns.act_mul_bf, "act_mul_bf"),
+            (fns.act_mul_bf8, "act_mul_bf8"),
+            (fns.rope_kv, "rope_kv"),
         ]
         .into_iter()
         .map(|(f, n)| (f, n.to_string()))
@@ -268,6 +288,7 @@ impl Cuda {
                 arena,
                 arena_words: ARENA_WORDS,
                 graphs_enabled: AtomicBool::new(graphs),
+                gemv_max_rows: std::env::var("BRAID_CUDA_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMV_MAX_ROWS).min(8),
                 st: Mutex::new(State {
                     mode: Mode::Eager,
                     sig: 0,
@@ -582,6 +603,65 @@ impl Cuda {
         r
     }
 
+    /// Most rows a GEMM runs as the GEMV kernels (0: never).
+    pub fn gemv_max_rows(&self) -> usize {
+        self.inner.gemv_max_rows
+    }
+
+    /// Whether an `[n, k]` input takes the GEMV kernels (16-byte chunks of k).
+    fn gemv_fits(&self, n: usize, k: usize) -> bool {
+        (1..=self.inner.gemv_max_rows).contains(&n) && k > 0 && k.is_multiple_of(8)
+    }
+
+    /// Weight rows per GEMV block (a power of two up to `max_r`): the most
+    /// that still gives every SM two blocks; a block's 8 warps split the
+    /// rest of the work along k.
+    fn gemv_rows(&self, m: usize, max_r: usize) -> usize {
+        let mut r = max_r;
+        while r > 1 && m.div_ceil(r) < 2 * self.inner.sms {
+            r /= 2;
+        }
+        r
+    }
+
+    /// `y = x · wᵀ` (f32) for up to three `(weight, out rows, y)` sharing
+    /// `x` (bf16 copy current, at most 8 rows), in one launch.
+    fn gemv_launch(&self, x: &CudaTensor, ws: &[(u64, usize, u64)]) -> Result<()> {
+        ensure!(!ws.is_empty() && ws.len() <= 3, "gemv: {} weights in one launch", ws.len());
+        let total: usize = ws.iter().map(|w| w.1).sum();
+        let r = self.gemv_rows(total, 8);
+        let get = |i: usize| ws.get(i).copied().unwrap_or((0, 0, 0));
+        let (a, b, c) = (get(0), get(1), get(2));
+        let nb = [a.1.div_ceil(r), b.1.div_ceil(r), c.1.div_ceil(r)];
+        let blocks = nb.iter().sum::<usize>();
+        self.launch(
+            self.inner.fns.gemv,
+            (blocks as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::P(x.bptr()),
+                Arg::I(x.rows as i32),
+                Arg::I((x.cols / 8) as i32),
+                Arg::I(r as i32),
+                Arg::P(a.0),
+                Arg::P(b.0),
+                Arg::P(c.0),
+                Arg::P(a.2),
+                Arg::P(b.2),
+                Arg::P(c.2),
+                Arg::P(0),
+                Arg::P(0),
+                Arg::P(0),
+                Arg::I(a.1 as i32),
+                Arg::I(b.1 as i32),
+                Arg::I(c.1 as i32),
+                Arg::I(nb[0] as i32),
+                Arg::I(nb[1] as i32),
+            ],
+        )
+    }
+
     fn attn_fns(&self, hd: usize, g: usize) -> Result<(usize, usize, Option<usize>)> {
         if let Some(a) = self.st().attn.get(&(hd, g)) {
             return Ok((a.decode, a.combine, a.prefill));
@@ -776,28 +856,6 @@ impl Cuda {
         let mut keys = vec![0u64; rows];
         unsafe { cu(drv::memcpy_dtoh_sync(&mut keys, ptr), "argmax download")? };
         Ok(keys.iter().map(|&k| if k == 0 { 0 } else { 0xffff_ffff - (k & 0xffff_ffff) as u32 }).collect())
-    }
-
-    /// `x += y; out = rms_norm(x) · w` over whole rows, in one kernel.
-    pub fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &CudaTensor, eps: f32, out: &mut CudaTensor) {
-        if !self.ready() {
-            return;
-        }
-        let r = (|| {
-            ensure!(x.len() == y.len() && w.cols == x.cols, "add_rms_norm: shapes {}x{}, {}x{}, norm {}", x.rows, x.cols, y.rows, y.cols, w.cols);
-            self.grow(out, x.rows, x.cols)?;
-            x.set_bf(false);
-            self.launch(
-                self.inner.fns.add_rms_norm,
-                (x.rows as u32, 1, 1),
-                (256, 1, 1),
-                0,
-                &[Arg::P(x.fptr()), Arg::P(y.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(x.cols as i32), Arg::F(eps)],
-            )?;
-            out.set_bf(true);
-            Ok(())
-        })();
-        self.record(r);
     }
 
     /// Device-to-device copy bandwidth in GB/s (bytes read + written).
@@ -1149,7 +1207,11 @@ impl Device for Cuda {
                 return Ok(());
             }
             self.ensure_bf16(x)?;
-            self.gemm(w.buf.ptr, x.bptr(), out.fptr(), w.rows, x.rows, w.cols, false)
+            if self.gemv_fits(x.rows, x.cols) {
+                self.gemv_launch(x, &[(w.buf.ptr, w.rows, out.fptr())])
+            } else {
+                self.gemm(w.buf.ptr, x.bptr(), out.fptr(), w.rows, x.rows, w.cols, false)
+            }
         })();
         self.record(r);
     }
@@ -1289,6 +1351,213 @@ impl Device for Cuda {
                 (128, 1, 1),
                 0,
                 &[Arg::P(k.fptr()), Arg::P(v.fptr()), Arg::P(p), Arg::I(w as i32), Arg::P(kv.k[layer].ptr), Arg::P(kv.v[layer].ptr)],
+            )
+        })();
+        self.record(r);
+    }
+
+    /// One kernel over whole rows; per-head norms take the two ops.
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &CudaTensor, eps: f32, out: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        if w.cols != x.cols {
+            self.add(x, y);
+            self.rms_norm(x, w, eps, out);
+            return;
+        }
+        let r = (|| {
+            ensure!(x.len() == y.len(), "add_rms_norm: {}x{} += {}x{}", x.rows, x.cols, y.rows, y.cols);
+            self.grow(out, x.rows, x.cols)?;
+            x.set_bf(false);
+            if x.rows == 0 {
+                return Ok(());
+            }
+            self.launch(
+                self.inner.fns.add_rms_norm,
+                (x.rows as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::P(x.fptr()), Arg::P(y.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(x.cols as i32), Arg::F(eps)],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    /// Few rows: up to three weights per GEMV launch; more: one GEMM each.
+    fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight], outs: &mut [&mut CudaTensor]) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(ws.len() == outs.len(), "matmul_many: {} weights for {} outputs", ws.len(), outs.len());
+            for w in ws {
+                ensure!(x.cols == w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
+            }
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.grow(o, x.rows, w.rows)?;
+            }
+            if x.rows == 0 || ws.is_empty() {
+                return Ok(());
+            }
+            self.ensure_bf16(x)?;
+            if self.gemv_fits(x.rows, x.cols) {
+                let list: Vec<(u64, usize, u64)> = ws.iter().zip(outs.iter()).map(|(w, o)| (w.buf.ptr, w.rows, o.fptr())).collect();
+                for c in list.chunks(3) {
+                    self.gemv_launch(x, c)?;
+                }
+            } else {
+                for (w, o) in ws.iter().zip(outs.iter()) {
+                    self.gemm(w.buf.ptr, x.bptr(), o.fptr(), w.rows, x.rows, w.cols, false)?;
+                }
+            }
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    /// Few rows: one GEMV launch for gate, up and the activation (gate and
+    /// up never written). More: the GEMMs write bf16 gate and up, which the
+    /// activation reads (half the bytes of f32 both ways).
+    fn gated_matmul(
+        &self,
+        x: &CudaTensor,
+        w_gate: &CudaWeight,
+        w_up: &CudaWeight,
+        act: GateAct,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(
+                x.cols == w_gate.cols && x.cols == w_up.cols && w_gate.rows == w_up.rows,
+                "gated_matmul: x has {} columns, gate is {}x{}, up {}x{}",
+                x.cols,
+                w_gate.rows,
+                w_gate.cols,
+                w_up.rows,
+                w_up.cols
+            );
+            let (n, m, k) = (x.rows, w_gate.rows, x.cols);
+            self.grow(out, n, m)?;
+            if n == 0 || m == 0 {
+                return Ok(());
+            }
+            self.ensure_bf16(x)?;
+            let a = match act {
+                GateAct::Silu => 0,
+                GateAct::GeluTanh => 1,
+            };
+            if self.gemv_fits(n, k) {
+                let r = self.gemv_rows(m, 4);
+                self.launch(
+                    self.inner.fns.gemv_gated,
+                    (m.div_ceil(r) as u32, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    &[
+                        Arg::P(x.bptr()),
+                        Arg::I(n as i32),
+                        Arg::I((k / 8) as i32),
+                        Arg::I(r as i32),
+                        Arg::P(w_gate.buf.ptr),
+                        Arg::P(w_up.buf.ptr),
+                        Arg::I(m as i32),
+                        Arg::I(a),
+                        Arg::P(out.fptr()),
+                        Arg::P(out.bptr()),
+                    ],
+                )?;
+            } else {
+                self.grow(gate, n, m)?;
+                self.grow(up, n, m)?;
+                self.gemm(w_gate.buf.ptr, x.bptr(), gate.bptr(), m, n, k, true)?;
+                self.gemm(w_up.buf.ptr, x.bptr(), up.bptr(), m, n, k, true)?;
+                // Only their bf16 halves hold values now; `grow` left
+                // bf_ok false, so nothing later trusts either half.
+                let len = n * m;
+                // Eight values a thread where the length allows (the buffers
+                // start 256-byte aligned).
+                let (f, units) = if len.is_multiple_of(8) { (self.inner.fns.act_mul_bf8, len / 8) } else { (self.inner.fns.act_mul_bf, len) };
+                self.launch(
+                    f,
+                    Self::elementwise_grid(units),
+                    (256, 1, 1),
+                    0,
+                    &[Arg::P(gate.bptr()), Arg::P(up.bptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::U64(units as u64), Arg::I(a)],
+                )?;
+            }
+            out.set_bf(true);
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    fn rope_kv_write(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        positions: &[u32],
+        slots: &[u32],
+        head_dim: usize,
+        rope: &Rope,
+    ) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            let s = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("rope_kv_write: no layer {layer}"))?;
+            let w = s.kv_heads * s.head_dim;
+            ensure!(positions.len() == q.rows && q.rows == k.rows, "rope_kv_write: {} positions for {} q rows, {} k rows", positions.len(), q.rows, k.rows);
+            ensure!(
+                head_dim > 0 && q.cols.is_multiple_of(head_dim) && k.cols.is_multiple_of(head_dim),
+                "rope_kv_write: head dim {head_dim} does not divide {} or {}",
+                q.cols,
+                k.cols
+            );
+            ensure!(k.cols == w && v.cols == w, "kv_write: k is {} wide, v {}, the pool holds {w}", k.cols, v.cols);
+            ensure!(slots.len() <= k.rows && slots.len() <= v.rows, "kv_write: {} slots for {} rows", slots.len(), k.rows);
+            let total = (kv.spec.blocks * kv.spec.block_tokens) as u32;
+            ensure!(slots.iter().all(|&s| s < total), "kv_write: slot past the pool's {total}");
+            q.set_bf(false);
+            k.set_bf(false);
+            if q.rows == 0 {
+                return Ok(());
+            }
+            let dims = rope.dims.min(head_dim);
+            let p = self.put_u32(positions)?;
+            let sp = if slots.is_empty() { 0 } else { self.put_u32(slots)? };
+            self.launch(
+                self.inner.fns.rope_kv,
+                (q.rows as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::P(q.fptr()),
+                    Arg::P(k.fptr()),
+                    Arg::P(v.fptr()),
+                    Arg::P(p),
+                    Arg::P(sp),
+                    Arg::I(slots.len() as i32),
+                    Arg::I(q.cols as i32),
+                    Arg::I(w as i32),
+                    Arg::I(head_dim as i32),
+                    Arg::I(dims as i32),
+                    Arg::F(rope.theta),
+                    Arg::F(rope.scale),
+                    Arg::I(rope.neox as i32),
+                    Arg::P(kv.k[layer].ptr),
+                    Arg::P(kv.v[layer].ptr),
+                ],
             )
         })();
         self.record(r);

@@ -2,14 +2,19 @@
 //!
 //! A task is one (sequence, KV head, block of up to `QB` query rows): every
 //! query head of that KV head's group and every row of the block share each
-//! key and value row, which is converted from f16 once per task. Each query
-//! keeps its own running max and sum (online softmax), and visits its keys
-//! in position order with the same arithmetic whatever block or batch it sits
-//! in, so results do not depend on chunking or batching.
+//! key and value row, which is converted from f16 once per task. Keys are
+//! visited in tiles of `KB` positions aligned to absolute positions; in each
+//! tile a query scores the keys it may see, exponentiates them together
+//! (vectorized `exp`), and folds them into its running max, sum and
+//! accumulator (online softmax, one rescale per tile). Which keys of a tile
+//! a query sees, and every operation on them, depend only on its position,
+//! so results do not depend on chunking or batching.
+
+use std::cell::RefCell;
 
 use half::f16;
 
-use super::{pool, CpuKv, CpuTensor, SendPtr};
+use super::{pool, vmath, CpuKv, CpuTensor, SendPtr};
 use crate::AttnSeq;
 
 const MAX_HEAD_DIM: usize = 512;
@@ -17,6 +22,8 @@ const MAX_HEAD_DIM: usize = 512;
 const QB: usize = 8;
 /// Queries per task, roughly (rows × heads of one group).
 const MAX_Q: usize = 64;
+/// Keys per tile.
+const KB: usize = 32;
 
 struct Task {
     seq: usize,
@@ -48,16 +55,21 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
     tasks.sort_by_key(|t| std::cmp::Reverse(seqs[t.seq].kv_len - seqs[t.seq].q_len + t.row0 + t.rows));
     let optr = SendPtr(out.data.as_mut_ptr());
     let ctx = Ctx { q, kv, layer, seqs, scale, softcap, hd, group, out: optr };
+    let avx2 = cfg!(target_arch = "x86_64") && vmath::has_avx2() && hd.is_multiple_of(8);
     let run = |i: usize| {
         let t = &tasks[i];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if has_avx2() && hd % 8 == 0 {
-                // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
-                return unsafe { task_avx2(&ctx, t) };
+        let nq = t.rows * group;
+        let need = 2 * nq + nq * hd + 2 * KB * hd;
+        with_scratch(need, &mut |buf| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if avx2 {
+                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+                    return unsafe { task_avx2(&ctx, t, buf) };
+                }
             }
-        }
-        task_generic(&ctx, t)
+            task_generic(&ctx, t, buf)
+        });
     };
     if tasks.len() == 1 {
         run(0);
@@ -78,27 +90,15 @@ struct Ctx<'a> {
     out: SendPtr,
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    static HAS: AtomicU8 = AtomicU8::new(0);
-    match HAS.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => {
-            let yes = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-            HAS.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-            yes
-        }
-    }
-}
-
 /// Row/vector kernels the task body is written against.
 trait Kern {
     fn load_f16(src: &[f16], dst: &mut [f32]);
     fn dot(a: &[f32], b: &[f32]) -> f32;
-    /// `acc = acc * c + p * v`
-    fn scale_add(acc: &mut [f32], c: f32, p: f32, v: &[f32]);
+    /// `p[i] = exp(p[i] - m)` for every i.
+    fn exp_sub(p: &mut [f32; KB], m: f32);
+    /// `acc = acc * c`, then `acc += p[j] * v[j]` for each j in order, where
+    /// `v[j]` is the j-th row of `acc.len()` values.
+    fn pv(acc: &mut [f32], c: f32, p: &[f32], v: &[f32]);
 }
 
 struct Generic;
@@ -126,9 +126,20 @@ impl Kern for Generic {
         t
     }
     #[inline(always)]
-    fn scale_add(acc: &mut [f32], c: f32, p: f32, v: &[f32]) {
-        for (a, x) in acc.iter_mut().zip(v) {
-            *a = p.mul_add(*x, *a * c);
+    fn exp_sub(p: &mut [f32; KB], m: f32) {
+        for x in p.iter_mut() {
+            *x = vmath::exp(*x - m);
+        }
+    }
+    #[inline(always)]
+    fn pv(acc: &mut [f32], c: f32, p: &[f32], v: &[f32]) {
+        let hd = acc.len();
+        for (d, a) in acc.iter_mut().enumerate() {
+            let mut x = *a * c;
+            for (j, pj) in p.iter().enumerate() {
+                x = pj.mul_add(v[j * hd + d], x);
+            }
+            *a = x;
         }
     }
 }
@@ -168,14 +179,46 @@ impl Kern for Avx2 {
         }
     }
     #[inline(always)]
-    fn scale_add(acc: &mut [f32], c: f32, p: f32, v: &[f32]) {
+    fn exp_sub(p: &mut [f32; KB], m: f32) {
         use std::arch::x86_64::*;
-        // SAFETY: as above.
+        // SAFETY: as above; KB is a multiple of 8.
         unsafe {
-            let (cv, pv) = (_mm256_set1_ps(c), _mm256_set1_ps(p));
-            for i in (0..acc.len()).step_by(8) {
-                let a = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(i)), cv);
-                _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.as_ptr().add(i)), a));
+            let mv = _mm256_set1_ps(m);
+            for i in (0..KB).step_by(8) {
+                let x = _mm256_sub_ps(_mm256_loadu_ps(p.as_ptr().add(i)), mv);
+                _mm256_storeu_ps(p.as_mut_ptr().add(i), vmath::avx2::exp8(x));
+            }
+        }
+    }
+    #[inline(always)]
+    fn pv(acc: &mut [f32], c: f32, p: &[f32], v: &[f32]) {
+        use std::arch::x86_64::*;
+        let hd = acc.len();
+        // SAFETY: as above; v holds p.len() rows of hd.
+        unsafe {
+            let cv = _mm256_set1_ps(c);
+            let mut d = 0;
+            // Two vectors at a time: independent chains hide the FMA latency.
+            while d + 16 <= hd {
+                let mut x0 = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(d)), cv);
+                let mut x1 = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(d + 8)), cv);
+                for (j, pj) in p.iter().enumerate() {
+                    let pb = _mm256_set1_ps(*pj);
+                    let vr = v.as_ptr().add(j * hd + d);
+                    x0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr), x0);
+                    x1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr.add(8)), x1);
+                }
+                _mm256_storeu_ps(acc.as_mut_ptr().add(d), x0);
+                _mm256_storeu_ps(acc.as_mut_ptr().add(d + 8), x1);
+                d += 16;
+            }
+            while d < hd {
+                let mut x = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(d)), cv);
+                for (j, pj) in p.iter().enumerate() {
+                    x = _mm256_fmadd_ps(_mm256_set1_ps(*pj), _mm256_loadu_ps(v.as_ptr().add(j * hd + d)), x);
+                }
+                _mm256_storeu_ps(acc.as_mut_ptr().add(d), x);
+                d += 8;
             }
         }
     }
@@ -183,16 +226,40 @@ impl Kern for Avx2 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2(c: &Ctx<'_>, t: &Task) {
-    task_body::<Avx2>(c, t)
+unsafe fn task_avx2(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
+    task_in::<Avx2>(c, t, buf)
 }
 
-fn task_generic(c: &Ctx<'_>, t: &Task) {
-    task_body::<Generic>(c, t)
+fn task_generic(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
+    task_in::<Generic>(c, t, buf)
+}
+
+thread_local! {
+    /// Per thread (pool workers included): the task's running state and
+    /// converted key/value tiles, grown and kept.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Run `f` on `n` floats of this thread's scratch (a fresh buffer when a
+/// nested call already holds it).
+fn with_scratch(n: usize, f: &mut dyn FnMut(&mut [f32])) {
+    let mut done = false;
+    SCRATCH.with(|cell| {
+        if let Ok(mut buf) = cell.try_borrow_mut() {
+            if buf.len() < n {
+                buf.resize(n, 0.0);
+            }
+            f(&mut buf[..n]);
+            done = true;
+        }
+    });
+    if !done {
+        f(&mut vec![0.0; n]);
+    }
 }
 
 #[inline(always)]
-fn task_body<K: Kern>(c: &Ctx<'_>, t: &Task) {
+fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     let hd = c.hd;
     let s = &c.seqs[t.seq];
     let shape = c.kv.spec.layers[c.layer];
@@ -200,12 +267,15 @@ fn task_body<K: Kern>(c: &Ctx<'_>, t: &Task) {
     let bt = c.kv.spec.block_tokens;
     let (kc, vc) = (&c.kv.k[c.layer], &c.kv.v[c.layer]);
     let nq = t.rows * c.group;
-    // Per query: running max, running sum, accumulator.
-    let mut m = vec![f32::NEG_INFINITY; nq];
-    let mut l = vec![0f32; nq];
-    let mut acc = vec![0f32; nq * hd];
-    let mut kf = [0f32; MAX_HEAD_DIM];
-    let mut vf = [0f32; MAX_HEAD_DIM];
+    // Per query: running max, running sum, accumulator; then the tiles.
+    let (m, rest) = buf.split_at_mut(nq);
+    let (l, rest) = rest.split_at_mut(nq);
+    let (acc, rest) = rest.split_at_mut(nq * hd);
+    let (kf, vf) = rest.split_at_mut(KB * hd);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    acc.fill(0.0);
+    let mut sc = [0f32; KB];
     let first_pos = s.kv_len - s.q_len + t.row0;
     let last_pos = first_pos + t.rows - 1;
     let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -214,30 +284,49 @@ fn task_body<K: Kern>(c: &Ctx<'_>, t: &Task) {
         let h = t.kv_head * c.group + g;
         &c.q.data[r * c.q.cols + h * hd..r * c.q.cols + (h + 1) * hd]
     };
-    for j in lo_of(first_pos)..=last_pos {
-        let slot = s.blocks[j / bt] as usize * bt + j % bt;
-        let off = slot * kv_w + t.kv_head * hd;
-        K::load_f16(&kc[off..off + hd], &mut kf[..hd]);
-        K::load_f16(&vc[off..off + hd], &mut vf[..hd]);
+    let j_start = lo_of(first_pos);
+    let mut t0 = j_start / KB * KB;
+    while t0 <= last_pos {
+        // Keys of this tile that some query of the task sees.
+        let (j0, j1) = (t0.max(j_start), (t0 + KB).min(last_pos + 1));
+        for j in j0..j1 {
+            let slot = s.blocks[j / bt] as usize * bt + j % bt;
+            let off = slot * kv_w + t.kv_head * hd;
+            let r = (j - t0) * hd;
+            K::load_f16(&kc[off..off + hd], &mut kf[r..r + hd]);
+            K::load_f16(&vc[off..off + hd], &mut vf[r..r + hd]);
+        }
         for i in 0..t.rows {
             let pos = first_pos + i;
-            if j > pos || j < lo_of(pos) {
+            let (a, b) = (t0.max(lo_of(pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
+            if a >= b {
                 continue;
             }
             for g in 0..c.group {
                 let qi = i * c.group + g;
-                let mut score = K::dot(qrow(i, g), &kf[..hd]) * c.scale;
-                if let Some(cap) = c.softcap {
-                    score = cap * (score / cap).tanh();
+                let q = qrow(i, g);
+                let mut bm = f32::NEG_INFINITY;
+                for j in a..b {
+                    let mut score = K::dot(q, &kf[j * hd..(j + 1) * hd]) * c.scale;
+                    if let Some(cap) = c.softcap {
+                        score = cap * (score / cap).tanh();
+                    }
+                    sc[j] = score;
+                    bm = bm.max(score);
                 }
-                let new_m = m[qi].max(score);
-                let corr = (m[qi] - new_m).exp();
-                let p = (score - new_m).exp();
-                l[qi] = l[qi] * corr + p;
+                let new_m = m[qi].max(bm);
+                let corr = vmath::exp(m[qi] - new_m);
+                K::exp_sub(&mut sc, new_m);
+                let mut sum = 0f32;
+                for p in &sc[a..b] {
+                    sum += p;
+                }
+                l[qi] = l[qi] * corr + sum;
                 m[qi] = new_m;
-                K::scale_add(&mut acc[qi * hd..(qi + 1) * hd], corr, p, &vf[..hd]);
+                K::pv(&mut acc[qi * hd..(qi + 1) * hd], corr, &sc[a..b], &vf[a * hd..b * hd]);
             }
         }
+        t0 += KB;
     }
     for i in 0..t.rows {
         let r = s.q_start + t.row0 + i;
@@ -250,6 +339,123 @@ fn task_body<K: Kern>(c: &Ctx<'_>, t: &Task) {
             for (d, a) in dst.iter_mut().zip(&acc[qi * hd..(qi + 1) * hd]) {
                 *d = a * inv;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::{Cpu, CpuTensor};
+    use crate::{AttnSeq, Device, KvPoolSpec, KvShape};
+
+    fn val(i: usize, salt: usize) -> f32 {
+        let x = (i.wrapping_mul(2_654_435_761).wrapping_add(salt * 97) % 1000) as f32 / 500.0 - 1.0;
+        x * 1.5
+    }
+
+    /// (hd, kv heads, q heads, positions, window)
+    const CASES: [(usize, usize, usize, usize, Option<usize>); 4] =
+        [(16, 2, 6, 75, None), (256, 1, 4, 70, Some(20)), (64, 3, 9, 40, Some(33)), (12, 1, 2, 37, None)];
+
+    struct Setup {
+        dev: Cpu,
+        kv: crate::cpu::CpuKv,
+        q: CpuTensor,
+        blocks: Vec<u32>,
+        hd: usize,
+        heads: usize,
+        n: usize,
+        window: Option<usize>,
+    }
+
+    fn setup(case: (usize, usize, usize, usize, Option<usize>)) -> Setup {
+        let (hd, kvh, heads, n, window) = case;
+        let dev = Cpu::new(Some(2));
+        let bt = 4;
+        let nb = n.div_ceil(bt);
+        let spec = KvPoolSpec { blocks: nb + 3, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+        // Blocks out of order, as a paged pool hands them out.
+        let blocks: Vec<u32> = (0..nb as u32).map(|b| (b * 5 + 2) % (nb as u32 + 3)).collect();
+        let mut kv = dev.kv_pool(&spec).unwrap();
+        let k = dev.upload(&(0..n * kvh * hd).map(|i| val(i, 1)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
+        let v = dev.upload(&(0..n * kvh * hd).map(|i| val(i, 2)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
+        let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();
+        dev.kv_write(&mut kv, 0, &k, &v, &slots);
+        let q = dev.upload(&(0..n * heads * hd).map(|i| val(i, 3)).collect::<Vec<_>>(), n, heads * hd).unwrap();
+        Setup { dev, kv, q, blocks, hd, heads, n, window }
+    }
+
+    fn rows(t: &CpuTensor, a: usize, b: usize) -> CpuTensor {
+        CpuTensor { data: t.data[a * t.cols..b * t.cols].to_vec(), rows: b - a, cols: t.cols }
+    }
+
+    /// Attention of rows a..b (positions a..b, keys up to b).
+    fn run(s: &Setup, a: usize, b: usize) -> Vec<f32> {
+        let seqs = [AttnSeq { q_start: 0, q_len: b - a, kv_len: b, blocks: &s.blocks, window: s.window }];
+        let mut out = s.dev.tensor(0, 0);
+        s.dev.attention(&rows(&s.q, a, b), &s.kv, 0, &seqs, 0.3, None, &mut out);
+        out.data
+    }
+
+    #[test]
+    fn matches_a_direct_softmax() {
+        for case in CASES {
+            let s = setup(case);
+            let got = run(&s, 0, s.n);
+            let (hd, heads) = (s.hd, s.heads);
+            let kvh = s.kv.spec.layers[0].kv_heads;
+            let group = heads / kvh;
+            // Keys and values as the f16 pool holds them.
+            let kf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 1)).to_f64();
+            let vf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 2)).to_f64();
+            for p in 0..s.n {
+                let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                for h in 0..heads {
+                    let kh = h / group;
+                    let qv = |d: usize| s.q.data[p * heads * hd + h * hd + d] as f64;
+                    let sc: Vec<f64> = (lo..=p).map(|j| (0..hd).map(|d| qv(d) * kf(j, kh, d)).sum::<f64>() * 0.3).collect();
+                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want = (lo..=p).zip(&e).map(|(j, w)| w * vf(j, kh, d)).sum::<f64>() / z;
+                        let g = got[p * heads * hd + h * hd + d] as f64;
+                        assert!((g - want).abs() < 2e-5, "{case:?} pos {p} head {h} dim {d}: {g} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_bit_identical_under_any_chunking_and_batching() {
+        for case in CASES {
+            let s = setup(case);
+            let whole = run(&s, 0, s.n);
+            let w = s.heads * s.hd;
+            for cuts in [vec![1, 2, 3], vec![31, 33], vec![17], vec![5, 40, 41]] {
+                let mut a = 0;
+                for &c in cuts.iter().chain(std::iter::once(&s.n)) {
+                    let c = c.min(s.n);
+                    if c <= a {
+                        continue;
+                    }
+                    let part = run(&s, a, c);
+                    assert_eq!(part, whole[a * w..c * w], "{case:?} rows {a}..{c}");
+                    a = c;
+                }
+            }
+            // Two sequences in one call: a decode row and a prefill chunk.
+            let (p, c0, c1) = (s.n - 1, 3, 29.min(s.n - 1));
+            let q = CpuTensor { data: [rows(&s.q, p, p + 1).data, rows(&s.q, c0, c1).data].concat(), rows: 1 + c1 - c0, cols: w };
+            let seqs = [
+                AttnSeq { q_start: 0, q_len: 1, kv_len: p + 1, blocks: &s.blocks, window: s.window },
+                AttnSeq { q_start: 1, q_len: c1 - c0, kv_len: c1, blocks: &s.blocks, window: s.window },
+            ];
+            let mut out = s.dev.tensor(0, 0);
+            s.dev.attention(&q, &s.kv, 0, &seqs, 0.3, None, &mut out);
+            assert_eq!(out.data[..w], whole[p * w..(p + 1) * w], "{case:?} batched decode row");
+            assert_eq!(out.data[w..], whole[c0 * w..c1 * w], "{case:?} batched chunk");
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod rope_freqs;
 pub mod scatter_add_rows;
 pub mod sparse_attention;
 pub mod ssm;
+pub mod vmath;
 
 use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
@@ -215,7 +216,7 @@ impl Device for Cpu {
 
     fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32, out: &mut CpuTensor) {
         let g = w.cols;
-        assert!(g > 0 && x.cols % g == 0, "rms_norm: weight of {g} does not divide rows of {}", x.cols);
+        assert!(g > 0 && x.cols.is_multiple_of(g), "rms_norm: weight of {g} does not divide rows of {}", x.cols);
         self.resize(out, x.rows, x.cols);
         let groups = x.data.len() / g;
         let optr = SendPtr(out.data.as_mut_ptr());
@@ -243,9 +244,7 @@ impl Device for Cpu {
         par_rows(gate.rows, &|range| {
             let (a, n) = (range.start * gate.cols, range.len() * gate.cols);
             let dst = unsafe { optr.slice(a, n) };
-            for ((d, g), u) in dst.iter_mut().zip(&gate.data[a..a + n]).zip(&up.data[a..a + n]) {
-                *d = g / (1.0 + (-g).exp()) * u;
-            }
+            vmath::silu_mul(&gate.data[a..a + n], &up.data[a..a + n], dst);
         });
     }
 
@@ -255,9 +254,7 @@ impl Device for Cpu {
         par_rows(gate.rows, &|range| {
             let (a, n) = (range.start * gate.cols, range.len() * gate.cols);
             let dst = unsafe { optr.slice(a, n) };
-            for ((d, g), u) in dst.iter_mut().zip(&gate.data[a..a + n]).zip(&up.data[a..a + n]) {
-                *d = gelu_tanh(*g) * u;
-            }
+            vmath::gelu_mul(&gate.data[a..a + n], &up.data[a..a + n], dst);
         });
     }
 
@@ -265,21 +262,26 @@ impl Device for Cpu {
         assert_eq!(positions.len(), x.rows);
         let dims = rope.dims.min(head_dim);
         let half = dims / 2;
-        let inv_freq: Vec<f32> = (0..half).map(|i| rope.theta.powf(-((2 * i) as f32) / dims as f32)).collect();
         let cols = x.cols;
-        for (r, &p) in positions.iter().enumerate() {
-            let pos = p as f32 / rope.scale;
-            let row = &mut x.data[r * cols..(r + 1) * cols];
-            for head in row.chunks_exact_mut(head_dim) {
-                for (i, f) in inv_freq.iter().enumerate() {
-                    let (s, c) = (pos * f).sin_cos();
-                    let (a, b) = if rope.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * c - x1 * s;
-                    head[b] = x0 * s + x1 * c;
+        let neox = rope.neox;
+        let xptr = SendPtr(x.data.as_mut_ptr());
+        rope_table(positions, rope, dims, &|table| {
+            par_rows(positions.len(), &|range| {
+                for r in range {
+                    // SAFETY: each task rotates its own rows.
+                    let row = unsafe { xptr.slice(r * cols, cols) };
+                    let cs = &table[r * half..(r + 1) * half];
+                    for head in row.chunks_exact_mut(head_dim) {
+                        for (i, &(s, c)) in cs.iter().enumerate() {
+                            let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                            let (x0, x1) = (head[a], head[b]);
+                            head[a] = x0 * c - x1 * s;
+                            head[b] = x0 * s + x1 * c;
+                        }
+                    }
                 }
-            }
-        }
+            });
+        });
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuTensor, v: &CpuTensor, slots: &[u32]) {
@@ -415,7 +417,45 @@ impl Device for Cpu {
     }
 }
 
-fn gelu_tanh(x: f32) -> f32 {
-    const C: f32 = 0.797_884_6; // sqrt(2/pi)
-    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+/// The last few RoPE tables this thread built: (theta, dims, scale bits,
+/// pairs, positions) and per position the `(sin, cos)` of each pair.
+type RopeKey = (u32, usize, u32, usize, Vec<u32>);
+type SinCos = (f32, f32);
+type RopeCache = Vec<(RopeKey, Vec<SinCos>)>;
+
+thread_local! {
+    static ROPE_TABLES: std::cell::RefCell<RopeCache> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Run `f` on the `(sin, cos)` of every (position, pair) of `rope`. q and
+/// k of every layer rotate by the same positions, so the table is built
+/// once per batch (per RoPE kind) rather than per head and per call; the
+/// values are the ones a direct computation gives.
+fn rope_table(positions: &[u32], rope: &Rope, dims: usize, f: &dyn Fn(&[SinCos])) {
+    let half = dims / 2;
+    let key: RopeKey = (rope.theta.to_bits(), dims, rope.scale.to_bits(), half, positions.to_vec());
+    let build = || {
+        let inv_freq: Vec<f32> = (0..half).map(|i| rope.theta.powf(-((2 * i) as f32) / dims as f32)).collect();
+        let mut t = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            let pos = p as f32 / rope.scale;
+            t.extend(inv_freq.iter().map(|f| (pos * f).sin_cos()));
+        }
+        t
+    };
+    ROPE_TABLES.with(|cell| {
+        let Ok(mut cache) = cell.try_borrow_mut() else { return f(&build()) };
+        let i = match cache.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                // Two kinds (Gemma's local and global) stay cached.
+                if cache.len() >= 2 {
+                    cache.remove(0);
+                }
+                cache.push((key, build()));
+                cache.len() - 1
+            }
+        };
+        f(&cache[i].1)
+    });
 }

@@ -88,7 +88,8 @@ struct LogitsArgs {
 fn main() {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("BRAID_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init();
     if let Err(e) = dispatch(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use braid_engine::{Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
+use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules, TokenText};
 use braid_models::BackendConfig;
 use braid_server::TokenizerText;
 use clap::Args;
@@ -184,27 +184,32 @@ pub fn peak_rss_kib() -> u64 {
 
 /// The stall scenario on one lane.
 fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
-    let mut m = m;
-    let vocab = m.vocab as u32;
+    let text = Arc::new(TokenizerText(m.tokenizer.clone()));
+    stall_on(&a, m.backend, m.vocab, m.context, text, m.tokenizer.stop_ids())
+}
+
+/// The stall scenario over any backend (a loaded model, or random weights).
+fn stall_on(a: &BenchArgs, mut backend: Box<dyn Backend>, vocab: usize, context: usize, text: Arc<dyn TokenText>, eos_ids: Vec<u32>) -> Result<()> {
+    let vocab = vocab as u32;
     let arrival: Vec<u32> = (0..a.arrival).map(|i| (i as u32 * 7919 + 17) % vocab.min(32000)).collect();
     // Reference: a whole pass of the same prompt on an idle backend.
     let mut whole = Vec::new();
     for r in 0..2 {
         let id = 9000 + r;
-        m.backend.open(id)?;
+        backend.open(id)?;
         let t = Instant::now();
         for (start, chunk) in arrival.chunks(a.chunk).enumerate().map(|(i, c)| (i * a.chunk, c)) {
-            m.backend.prefill_step(id, Chunk { start, tokens: chunk, want_logits: start + chunk.len() == arrival.len() })?;
+            backend.prefill_step(id, Chunk { start, tokens: chunk, want_logits: start + chunk.len() == arrival.len() })?;
         }
         whole.push(t.elapsed().as_secs_f64());
-        m.backend.forget(id);
+        backend.forget(id);
     }
     let whole_s = whole.iter().cloned().fold(f64::INFINITY, f64::min);
 
-    let bg_tokens = m.context.saturating_sub(64).max(1);
+    let bg_tokens = context.saturating_sub(64).max(1);
     let mut config = LaneConfig {
-        max_context: m.context,
-        eos_ids: m.tokenizer.stop_ids(),
+        max_context: context,
+        eos_ids,
         chunk_tokens: a.chunk,
         prefill_share: a.prefill_share,
         max_rows: a.max_rows,
@@ -212,7 +217,7 @@ fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
         ..LaneConfig::default()
     };
     config.max_running = a.bg + 2;
-    let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+    let lane = Lane::spawn(backend, text, config);
     let greedy = || SamplingParams::greedy();
     // Background streams: token arrival times, recorded by their readers.
     let stop_bg = Arc::new(AtomicBool::new(false));
@@ -318,9 +323,27 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
     if a.pp > 0 {
         o.prefill = a.pp;
     }
-    let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
-    println!("{}", rep.table());
-    Ok(())
+    if !a.stall {
+        let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
+        println!("{}", rep.table());
+        return Ok(());
+    }
+    // The stall scenario on the device: random weights give arbitrary
+    // tokens, so the streams ignore EOS and print no text.
+    struct NoText;
+    impl TokenText for NoText {
+        fn token_bytes(&self, _: u32) -> Vec<u8> {
+            Vec::new()
+        }
+    }
+    let (vocab, context) = (cfg.vocab, 8192);
+    let be = braid_models::ModelBackend::new(
+        dev,
+        Box::new(model),
+        BackendConfig { context, kv_tokens: context * (a.bg + 2), max_streams: 64, max_batch: 4096, ..Default::default() },
+    )?;
+    println!("random-weight {} on {}", a.preset, braid_ops::Device::name(be.device()));
+    stall_on(a, Box::new(be), vocab, context, Arc::new(NoText), Vec::new())
 }
 
 #[cfg(not(feature = "cuda"))]

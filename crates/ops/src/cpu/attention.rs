@@ -10,6 +10,10 @@
 //! a query sees, and every operation on them, depend only on its position,
 //! so results do not depend on chunking or batching.
 
+// Kernels index several same-shaped arrays (queries, accumulators, scores)
+// by query and key; iterator chains would only obscure that.
+#![allow(clippy::needless_range_loop)]
+
 use std::cell::RefCell;
 
 use half::f16;
@@ -90,15 +94,30 @@ struct Ctx<'a> {
     out: SendPtr,
 }
 
-/// Row/vector kernels the task body is written against.
+/// Query heads handled together: they share every key and value load.
+const GB: usize = 4;
+
+/// Row/vector kernels the task body is written against. Every score is
+/// the same eight-lane dot (lanes over the head dimension in order, then a
+/// fixed reduction), and every accumulator lane the same chain (scaled by
+/// the correction, then one fma per key in order), however queries and
+/// keys are blocked.
 trait Kern {
     fn load_f16(src: &[f16], dst: &mut [f32]);
-    fn dot(a: &[f32], b: &[f32]) -> f32;
+    /// `s[g][j] = q_g · k_j` for `g < G`, `j in a..b`; `q` holds G rows of
+    /// `hd`, `k` rows of `hd`.
+    fn scores<const G: usize>(q: &[f32], k: &[f32], hd: usize, a: usize, b: usize, s: &mut [[f32; KB]; G]);
     /// `p[i] = exp(p[i] - m)` for every i.
     fn exp_sub(p: &mut [f32; KB], m: f32);
-    /// `acc = acc * c`, then `acc += p[j] * v[j]` for each j in order, where
-    /// `v[j]` is the j-th row of `acc.len()` values.
-    fn pv(acc: &mut [f32], c: f32, p: &[f32], v: &[f32]);
+    /// For `g < G`: `acc_g *= c[g]`, then `acc_g += p[g][j] * v_j` for
+    /// `j in a..b` in order; `acc` holds G rows of `hd`, `v` rows of `hd`.
+    fn pv<const G: usize>(acc: &mut [f32], c: &[f32; G], p: &[[f32; KB]; G], v: &[f32], hd: usize, a: usize, b: usize);
+}
+
+/// The fixed reduction of eight lanes both kernels use.
+#[inline(always)]
+fn reduce8(s: &[f32; 8]) -> f32 {
+    ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))
 }
 
 struct Generic;
@@ -110,20 +129,25 @@ impl Kern for Generic {
         }
     }
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        // Eight lanes, then a fixed reduction: the same order as the AVX2 path.
-        let mut s = [0f32; 8];
-        for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-            for k in 0..8 {
-                s[k] = x[k].mul_add(y[k], s[k]);
+    fn scores<const G: usize>(q: &[f32], k: &[f32], hd: usize, a: usize, b: usize, s: &mut [[f32; KB]; G]) {
+        let full = hd - hd % 8;
+        for j in a..b {
+            let kr = &k[j * hd..(j + 1) * hd];
+            for g in 0..G {
+                let qr = &q[g * hd..(g + 1) * hd];
+                let mut l = [0f32; 8];
+                for (x, y) in qr[..full].chunks_exact(8).zip(kr[..full].chunks_exact(8)) {
+                    for t in 0..8 {
+                        l[t] = x[t].mul_add(y[t], l[t]);
+                    }
+                }
+                let mut t = reduce8(&l);
+                for d in full..hd {
+                    t += qr[d] * kr[d];
+                }
+                s[g][j] = t;
             }
         }
-        let mut t = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-        let rem = a.len() - a.len() % 8;
-        for (x, y) in a[rem..].iter().zip(&b[rem..]) {
-            t += x * y;
-        }
-        t
     }
     #[inline(always)]
     fn exp_sub(p: &mut [f32; KB], m: f32) {
@@ -132,14 +156,15 @@ impl Kern for Generic {
         }
     }
     #[inline(always)]
-    fn pv(acc: &mut [f32], c: f32, p: &[f32], v: &[f32]) {
-        let hd = acc.len();
-        for (d, a) in acc.iter_mut().enumerate() {
-            let mut x = *a * c;
-            for (j, pj) in p.iter().enumerate() {
-                x = pj.mul_add(v[j * hd + d], x);
+    fn pv<const G: usize>(acc: &mut [f32], c: &[f32; G], p: &[[f32; KB]; G], v: &[f32], hd: usize, a: usize, b: usize) {
+        for g in 0..G {
+            for d in 0..hd {
+                let mut x = acc[g * hd + d] * c[g];
+                for j in a..b {
+                    x = p[g][j].mul_add(v[j * hd + d], x);
+                }
+                acc[g * hd + d] = x;
             }
-            *a = x;
         }
     }
 }
@@ -161,21 +186,49 @@ impl Kern for Avx2 {
         }
     }
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
+    fn scores<const G: usize>(q: &[f32], k: &[f32], hd: usize, a: usize, b: usize, s: &mut [[f32; KB]; G]) {
         use std::arch::x86_64::*;
-        // SAFETY: as above.
+        // SAFETY: as above; hd is a multiple of 8, q holds G rows and k
+        // rows up to b.
         unsafe {
-            let mut s = _mm256_setzero_ps();
-            for i in (0..a.len()).step_by(8) {
-                s = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s);
+            let hsum = |v: __m256| {
+                let mut l = [0f32; 8];
+                _mm256_storeu_ps(l.as_mut_ptr(), v);
+                reduce8(&l)
+            };
+            let (qp, kp) = (q.as_ptr(), k.as_ptr());
+            let mut j = a;
+            // Two keys at a time against the G queries.
+            while j + 2 <= b {
+                let mut acc = [[_mm256_setzero_ps(); 2]; G];
+                let (k0, k1) = (kp.add(j * hd), kp.add((j + 1) * hd));
+                for d in (0..hd).step_by(8) {
+                    let (x0, x1) = (_mm256_loadu_ps(k0.add(d)), _mm256_loadu_ps(k1.add(d)));
+                    for g in 0..G {
+                        let qv = _mm256_loadu_ps(qp.add(g * hd + d));
+                        acc[g][0] = _mm256_fmadd_ps(qv, x0, acc[g][0]);
+                        acc[g][1] = _mm256_fmadd_ps(qv, x1, acc[g][1]);
+                    }
+                }
+                for g in 0..G {
+                    s[g][j] = hsum(acc[g][0]);
+                    s[g][j + 1] = hsum(acc[g][1]);
+                }
+                j += 2;
             }
-            // Lanes (0+4, 2+6, 1+5, 3+7) as in `Generic::dot`.
-            let hi = _mm256_extractf128_ps(s, 1);
-            let lo = _mm256_castps256_ps128(s);
-            let x = _mm_add_ps(lo, hi); // [0+4, 1+5, 2+6, 3+7]
-            let y = _mm_add_ps(x, _mm_movehl_ps(x, x)); // [(0+4)+(2+6), (1+5)+(3+7), ..]
-            let z = _mm_add_ss(y, _mm_shuffle_ps(y, y, 1));
-            _mm_cvtss_f32(z)
+            if j < b {
+                let mut acc = [_mm256_setzero_ps(); G];
+                let k0 = kp.add(j * hd);
+                for d in (0..hd).step_by(8) {
+                    let x0 = _mm256_loadu_ps(k0.add(d));
+                    for g in 0..G {
+                        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(g * hd + d)), x0, acc[g]);
+                    }
+                }
+                for g in 0..G {
+                    s[g][j] = hsum(acc[g]);
+                }
+            }
         }
     }
     #[inline(always)]
@@ -191,34 +244,42 @@ impl Kern for Avx2 {
         }
     }
     #[inline(always)]
-    fn pv(acc: &mut [f32], c: f32, p: &[f32], v: &[f32]) {
+    fn pv<const G: usize>(acc: &mut [f32], c: &[f32; G], p: &[[f32; KB]; G], v: &[f32], hd: usize, a: usize, b: usize) {
         use std::arch::x86_64::*;
-        let hd = acc.len();
-        // SAFETY: as above; v holds p.len() rows of hd.
+        // SAFETY: as above; acc holds G rows of hd, v rows up to b.
         unsafe {
-            let cv = _mm256_set1_ps(c);
+            let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
             let mut d = 0;
-            // Two vectors at a time: independent chains hide the FMA latency.
-            while d + 16 <= hd {
-                let mut x0 = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(d)), cv);
-                let mut x1 = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(d + 8)), cv);
-                for (j, pj) in p.iter().enumerate() {
-                    let pb = _mm256_set1_ps(*pj);
-                    let vr = v.as_ptr().add(j * hd + d);
-                    x0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr), x0);
-                    x1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr.add(8)), x1);
-                }
-                _mm256_storeu_ps(acc.as_mut_ptr().add(d), x0);
-                _mm256_storeu_ps(acc.as_mut_ptr().add(d + 8), x1);
-                d += 16;
-            }
+            // Two vectors of the head dimension x G queries per pass.
             while d < hd {
-                let mut x = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(d)), cv);
-                for (j, pj) in p.iter().enumerate() {
-                    x = _mm256_fmadd_ps(_mm256_set1_ps(*pj), _mm256_loadu_ps(v.as_ptr().add(j * hd + d)), x);
+                let two = d + 16 <= hd;
+                let mut x = [[_mm256_setzero_ps(); 2]; G];
+                for g in 0..G {
+                    let cv = _mm256_set1_ps(c[g]);
+                    x[g][0] = _mm256_mul_ps(_mm256_loadu_ps(ap.add(g * hd + d)), cv);
+                    if two {
+                        x[g][1] = _mm256_mul_ps(_mm256_loadu_ps(ap.add(g * hd + d + 8)), cv);
+                    }
                 }
-                _mm256_storeu_ps(acc.as_mut_ptr().add(d), x);
-                d += 8;
+                for j in a..b {
+                    let vr = vp.add(j * hd + d);
+                    let v0 = _mm256_loadu_ps(vr);
+                    let v1 = if two { _mm256_loadu_ps(vr.add(8)) } else { v0 };
+                    for g in 0..G {
+                        let pb = _mm256_set1_ps(p[g][j]);
+                        x[g][0] = _mm256_fmadd_ps(pb, v0, x[g][0]);
+                        if two {
+                            x[g][1] = _mm256_fmadd_ps(pb, v1, x[g][1]);
+                        }
+                    }
+                }
+                for g in 0..G {
+                    _mm256_storeu_ps(ap.add(g * hd + d), x[g][0]);
+                    if two {
+                        _mm256_storeu_ps(ap.add(g * hd + d + 8), x[g][1]);
+                    }
+                }
+                d += if two { 16 } else { 8 };
             }
         }
     }
@@ -275,15 +336,9 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     m.fill(f32::NEG_INFINITY);
     l.fill(0.0);
     acc.fill(0.0);
-    let mut sc = [0f32; KB];
     let first_pos = s.kv_len - s.q_len + t.row0;
     let last_pos = first_pos + t.rows - 1;
     let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let qrow = |i: usize, g: usize| {
-        let r = s.q_start + t.row0 + i;
-        let h = t.kv_head * c.group + g;
-        &c.q.data[r * c.q.cols + h * hd..r * c.q.cols + (h + 1) * hd]
-    };
     let j_start = lo_of(first_pos);
     let mut t0 = j_start / KB * KB;
     while t0 <= last_pos {
@@ -302,28 +357,16 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
             if a >= b {
                 continue;
             }
-            for g in 0..c.group {
-                let qi = i * c.group + g;
-                let q = qrow(i, g);
-                let mut bm = f32::NEG_INFINITY;
-                for j in a..b {
-                    let mut score = K::dot(q, &kf[j * hd..(j + 1) * hd]) * c.scale;
-                    if let Some(cap) = c.softcap {
-                        score = cap * (score / cap).tanh();
-                    }
-                    sc[j] = score;
-                    bm = bm.max(score);
+            let mut g0 = 0;
+            while g0 < c.group {
+                let st = Step { c, t, i, g0, a, b, kf, vf };
+                match c.group - g0 {
+                    1 => step::<K, 1>(&st, m, l, acc),
+                    2 => step::<K, 2>(&st, m, l, acc),
+                    3 => step::<K, 3>(&st, m, l, acc),
+                    _ => step::<K, GB>(&st, m, l, acc),
                 }
-                let new_m = m[qi].max(bm);
-                let corr = vmath::exp(m[qi] - new_m);
-                K::exp_sub(&mut sc, new_m);
-                let mut sum = 0f32;
-                for p in &sc[a..b] {
-                    sum += p;
-                }
-                l[qi] = l[qi] * corr + sum;
-                m[qi] = new_m;
-                K::pv(&mut acc[qi * hd..(qi + 1) * hd], corr, &sc[a..b], &vf[a * hd..b * hd]);
+                g0 += GB;
             }
         }
         t0 += KB;
@@ -458,4 +501,51 @@ mod tests {
             assert_eq!(out.data[w..], whole[c0 * w..c1 * w], "{case:?} batched chunk");
         }
     }
+}
+
+/// One row's query heads `g0 .. g0 + G` against keys `a..b` of a tile.
+struct Step<'a, 'b> {
+    c: &'a Ctx<'b>,
+    t: &'a Task,
+    i: usize,
+    g0: usize,
+    a: usize,
+    b: usize,
+    kf: &'a [f32],
+    vf: &'a [f32],
+}
+
+#[inline(always)]
+fn step<K: Kern, const G: usize>(st: &Step<'_, '_>, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
+    let (c, t, hd, a, b) = (st.c, st.t, st.c.hd, st.a, st.b);
+    let s = &c.seqs[t.seq];
+    let r = s.q_start + t.row0 + st.i;
+    let h0 = t.kv_head * c.group + st.g0;
+    let q = &c.q.data[r * c.q.cols + h0 * hd..r * c.q.cols + (h0 + G) * hd];
+    let mut sc = [[0f32; KB]; G];
+    K::scores::<G>(q, st.kf, hd, a, b, &mut sc);
+    let mut corr = [0f32; G];
+    for g in 0..G {
+        let qi = st.i * c.group + st.g0 + g;
+        let mut bm = f32::NEG_INFINITY;
+        for x in &mut sc[g][a..b] {
+            let mut score = *x * c.scale;
+            if let Some(cap) = c.softcap {
+                score = cap * (score / cap).tanh();
+            }
+            *x = score;
+            bm = bm.max(score);
+        }
+        let new_m = m[qi].max(bm);
+        corr[g] = vmath::exp(m[qi] - new_m);
+        K::exp_sub(&mut sc[g], new_m);
+        let mut sum = 0f32;
+        for p in &sc[g][a..b] {
+            sum += p;
+        }
+        l[qi] = l[qi] * corr[g] + sum;
+        m[qi] = new_m;
+    }
+    let q0 = st.i * c.group + st.g0;
+    K::pv::<G>(&mut acc[q0 * hd..(q0 + G) * hd], &corr, &sc, st.vf, hd, a, b);
 }

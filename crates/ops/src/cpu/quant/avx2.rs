@@ -6,6 +6,12 @@
 //! operand ranges here never saturate it), widened to i32 by `madd`, and
 //! scaled into f32 accumulators once per block. Each tile unpacks a
 //! weight block once and uses it for all of its activation rows.
+//!
+//! The unsigned 32-element types (Q4_0, Q4_1, Q5_0, Q5_1) run eight weight
+//! rows at a time with one f32 lane per row (see `pack_rows8`): prefill
+//! packs the rows transposed, so each `dpbusd` serves eight rows against
+//! one broadcast group of four activation bytes and there are no
+//! horizontal sums at all.
 
 // Tiles index several same-shaped arrays (accumulators, unpacked rows) by
 // row and column; iterator chains would only obscure that.
@@ -49,10 +55,6 @@ macro_rules! tiles {
     };
 }
 
-tiles!(t_q4_0, tile_b32::<Q40>, 2, 4, 4);
-tiles!(t_q4_1, tile_b32::<Q41>, 2, 4, 4);
-tiles!(t_q5_0, tile_b32::<Q50>, 2, 4, 4);
-tiles!(t_q5_1, tile_b32::<Q51>, 2, 4, 4);
 tiles!(t_q8_0, tile_b32::<Q80>, 2, 4, 4);
 tiles!(t_q8_1, tile_b32::<Q81>, 2, 4, 4);
 tiles!(t_q4k, tile_q45k::<NoHigh>, 1, 4, 2);
@@ -63,36 +65,25 @@ tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
 tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
 
-tiles!(t_x32, tile_b32::<X32>, 4, 2, 4);
-tiles!(v_q4_0, tile_b32_vnni::<Q40>, 2, 4, 4);
-tiles!(v_q4_1, tile_b32_vnni::<Q41>, 2, 4, 4);
-tiles!(v_q5_0, tile_b32_vnni::<Q50>, 2, 4, 4);
-tiles!(v_q5_1, tile_b32_vnni::<Q51>, 2, 4, 4);
 tiles!(v_q8_0, tile_b32_vnni::<Q80>, 2, 4, 4);
 tiles!(v_q8_1, tile_b32_vnni::<Q81>, 2, 4, 4);
-tiles!(v_x32, tile_b32_vnni::<X32>, 4, 2, 4);
 
 /// The AVX2 kernel for `dtype` (with AVX-VNNI dots when `vnni`), if there
 /// is one (else the scalar one runs).
 pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
-    let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None });
+    let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None, partial: false });
     let pick = |plain, with_vnni| if vnni { with_vnni } else { plain };
-    let x32 = |tile, pack| {
-        let tile_x = pick(t_x32 as TileFn, v_x32 as TileFn);
-        let pack = Pack { pack, block_bytes: X32::BYTES, tile: tile_x, rw: 4, ra: 2 };
-        Some(Kernel { tile, rw: 2, ra: 4, rw_gemv: 4, pack: Some(pack) })
-    };
     let xk = |tile, pack| {
-        let pack = Pack { pack, block_bytes: std::mem::size_of::<XK>(), tile: t_xk, rw: 2, ra: 3 };
-        Some(Kernel { tile, rw: 1, ra: 4, rw_gemv: 2, pack: Some(pack) })
+        let pack = Pack { pack, block_bytes: std::mem::size_of::<XK>(), tile: t_xk, rw: 2, ra: 3, partial: false };
+        Some(Kernel { tile, rw: 1, ra: 4, rw_gemv: 2, pack: Some(pack), partial: false })
     };
     match dtype {
-        DType::Q4_0 => x32(pick(t_q4_0, v_q4_0), pack_b32::<Q40> as PackFn),
-        DType::Q4_1 => x32(pick(t_q4_1, v_q4_1), pack_b32::<Q41>),
-        DType::Q5_0 => x32(pick(t_q5_0, v_q5_0), pack_b32::<Q50>),
-        DType::Q5_1 => x32(pick(t_q5_1, v_q5_1), pack_b32::<Q51>),
-        DType::Q8_0 => k(pick(t_q8_0, v_q8_0), 2, 4, 4),
-        DType::Q8_1 => k(pick(t_q8_1, v_q8_1), 2, 4, 4),
+        DType::Q4_0 => Some(r8_kernel::<Q40>(vnni)),
+        DType::Q4_1 => Some(r8_kernel::<Q41>(vnni)),
+        DType::Q5_0 => Some(r8_kernel::<Q50>(vnni)),
+        DType::Q5_1 => Some(r8_kernel::<Q51>(vnni)),
+        DType::Q8_0 => k(pick(t_q8_0 as TileFn, v_q8_0), 2, 4, 4),
+        DType::Q8_1 => k(pick(t_q8_1 as TileFn, v_q8_1), 2, 4, 4),
         DType::Q4K => xk(t_q4k, pack_k::<4>),
         DType::Q5K => xk(t_q5k, pack_k::<5>),
         DType::Q6K => xk(t_q6k, pack_k::<6>),
@@ -102,8 +93,6 @@ pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
         DType::Q2K | DType::Q3K | DType::Q8K => None,
     }
 }
-
-type PackFn = unsafe fn(*const u8, usize, usize, usize, *mut u8);
 
 // ---- helpers ----
 
@@ -278,39 +267,6 @@ impl B32 for Q81 {
     unsafe fn unpack(p: *const u8) -> W32 {
         let q = _mm256_loadu_si256(p.add(4) as *const __m256i);
         W32 { q, abs: _mm256_sign_epi8(q, q), d: h2f(p), m: 0.0 }
-    }
-}
-
-/// The unpacked form of the unsigned 32-element types, for prefill: the
-/// values as bytes, then the scale and offset factor as f32 (40 bytes).
-struct X32;
-
-impl B32 for X32 {
-    const BYTES: usize = 40;
-    const SIGNED: bool = false;
-    const OFFSET: bool = true;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> W32 {
-        let q = _mm256_loadu_si256(p.add(8) as *const __m256i);
-        let d = (p as *const f32).read_unaligned();
-        let m = (p.add(4) as *const f32).read_unaligned();
-        W32 { q, abs: q, d, m }
-    }
-}
-
-/// Unpack `rows` rows of `nb` blocks of an unsigned type into [`X32`]s.
-/// Same d and m as the type's own unpack, so results are bit-identical.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack_b32<K: B32>(src: *const u8, stride: usize, rows: usize, nb: usize, dst: *mut u8) {
-    for r in 0..rows {
-        for b in 0..nb {
-            let u = K::unpack(src.add(r * stride + b * K::BYTES));
-            let o = dst.add((r * nb + b) * X32::BYTES);
-            (o as *mut f32).write_unaligned(u.d);
-            (o.add(4) as *mut f32).write_unaligned(u.m);
-            _mm256_storeu_si256(o.add(8) as *mut __m256i, u.q);
-        }
     }
 }
 
@@ -779,4 +735,228 @@ unsafe fn tile_f<K: FloatW, const RW: usize, const RA: usize>(t: &Tile) {
             *t.out.add(c * t.out_stride + r) = s;
         }
     }
+}
+
+// ---- eight weight rows at a time, for the unsigned 32-element types ----
+//
+// Each output is `acc + off`, where over the blocks b in order
+// `acc = fma(isum_b, d_b * d_a, acc)` and `off = fma(m_b, s_a, off)`: one f32
+// lane per output row, so a vector holds eight rows' outputs and no
+// horizontal sums are needed. The integer block sums `isum_b` are exact
+// however they are formed, so the matvec tiles (reading the file's blocks)
+// and the prefill tiles (reading rows packed by `pack_rows8`) give
+// bit-identical results.
+
+/// Eight rows' unpacked block: vector k holds, in 32-bit lane r, row r's
+/// values 4k..4k+4 (bytes); then the rows' d and m as f32.
+const R8_BYTES: usize = 8 * 32 + 2 * 32;
+
+/// How tiles form 32 u8 x i8 products summed in fours, added to `acc`.
+trait DotAcc {
+    /// # Safety: the CPU has the instructions used.
+    unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i;
+}
+impl DotAcc for MaddDot {
+    #[inline(always)]
+    unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, dot_u8(q, a))
+    }
+}
+impl DotAcc for VnniDot {
+    #[inline(always)]
+    unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(acc, q, a)
+    }
+}
+
+/// Transpose eight vectors of eight 32-bit lanes.
+#[inline(always)]
+unsafe fn transpose8(v: &mut [__m256i; 8]) {
+    let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
+    let t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    let t2 = _mm256_unpacklo_epi32(v[2], v[3]);
+    let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    let t4 = _mm256_unpacklo_epi32(v[4], v[5]);
+    let t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    let t6 = _mm256_unpacklo_epi32(v[6], v[7]);
+    let t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    let u0 = _mm256_unpacklo_epi64(t0, t2);
+    let u1 = _mm256_unpackhi_epi64(t0, t2);
+    let u2 = _mm256_unpacklo_epi64(t1, t3);
+    let u3 = _mm256_unpackhi_epi64(t1, t3);
+    let u4 = _mm256_unpacklo_epi64(t4, t6);
+    let u5 = _mm256_unpackhi_epi64(t4, t6);
+    let u6 = _mm256_unpacklo_epi64(t5, t7);
+    let u7 = _mm256_unpackhi_epi64(t5, t7);
+    v[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    v[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    v[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    v[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    v[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    v[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    v[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    v[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+/// Lane r of the result is the sum of the eight lanes of `v[r]`.
+#[inline(always)]
+unsafe fn reduce8(v: &[__m256i; 8]) -> __m256i {
+    let t0 = _mm256_hadd_epi32(v[0], v[1]);
+    let t1 = _mm256_hadd_epi32(v[2], v[3]);
+    let t2 = _mm256_hadd_epi32(v[4], v[5]);
+    let t3 = _mm256_hadd_epi32(v[6], v[7]);
+    let u0 = _mm256_hadd_epi32(t0, t1); // rows 0-3: low-half sums | high-half sums
+    let u1 = _mm256_hadd_epi32(t2, t3); // rows 4-7
+    let lo = _mm256_permute2x128_si256(u0, u1, 0x20);
+    let hi = _mm256_permute2x128_si256(u0, u1, 0x31);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// Store the first `n` lanes of `v` at `p`.
+#[inline(always)]
+unsafe fn store_lanes(p: *mut f32, v: __m256, n: usize) {
+    if n == 8 {
+        _mm256_storeu_ps(p, v);
+    } else {
+        let mut tmp = [0f32; 8];
+        _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+        std::ptr::copy_nonoverlapping(tmp.as_ptr(), p, n);
+    }
+}
+
+/// Pack `rows` rows of `nb` blocks into groups of eight rows (the last
+/// group padded with zero rows), `R8_BYTES` per group and block.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_rows8<K: B32>(src: *const u8, stride: usize, rows: usize, nb: usize, dst: *mut u8) {
+    for g in 0..rows.div_ceil(8) {
+        let n = (rows - 8 * g).min(8);
+        for b in 0..nb {
+            let mut q = [_mm256_setzero_si256(); 8];
+            let mut d = [0f32; 8];
+            let mut m = [0f32; 8];
+            for r in 0..n {
+                let u = K::unpack(src.add((8 * g + r) * stride + b * K::BYTES));
+                q[r] = u.q;
+                d[r] = u.d;
+                m[r] = u.m;
+            }
+            transpose8(&mut q);
+            let o = dst.add((g * nb + b) * R8_BYTES);
+            for (k, v) in q.iter().enumerate() {
+                _mm256_storeu_si256(o.add(32 * k) as *mut __m256i, *v);
+            }
+            std::ptr::copy_nonoverlapping(d.as_ptr(), o.add(256) as *mut f32, 8);
+            std::ptr::copy_nonoverlapping(m.as_ptr(), o.add(288) as *mut f32, 8);
+        }
+    }
+}
+
+/// Up to eight packed rows (`t.w` at their group) x `RA` activation rows.
+#[inline(always)]
+unsafe fn tile_r8_packed_body<D: DotAcc, const RA: usize>(t: &Tile, rw: usize) {
+    let mut acc = [_mm256_setzero_ps(); RA];
+    let mut off = [_mm256_setzero_ps(); RA];
+    for b in 0..t.n {
+        let p = t.w.add(b * R8_BYTES);
+        let mut ab = [std::ptr::null::<Q8A>(); RA];
+        for (c, a) in ab.iter_mut().enumerate() {
+            *a = (t.a.add(c * t.a_stride) as *const Q8A).add(b);
+        }
+        let mut isum = [_mm256_setzero_si256(); RA];
+        for k in 0..8 {
+            let w = _mm256_loadu_si256(p.add(32 * k) as *const __m256i);
+            for c in 0..RA {
+                let a4 = ((*ab[c]).qs.as_ptr().add(4 * k) as *const i32).read_unaligned();
+                isum[c] = D::dot_acc(isum[c], w, _mm256_set1_epi32(a4));
+            }
+        }
+        let d = _mm256_loadu_ps(p.add(256) as *const f32);
+        let m = _mm256_loadu_ps(p.add(288) as *const f32);
+        for c in 0..RA {
+            let s = _mm256_mul_ps(d, _mm256_set1_ps((*ab[c]).d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), s, acc[c]);
+            off[c] = _mm256_fmadd_ps(m, _mm256_set1_ps((*ab[c]).s), off[c]);
+        }
+    }
+    for c in 0..RA {
+        store_lanes(t.out.add(c * t.out_stride), _mm256_add_ps(acc[c], off[c]), rw);
+    }
+}
+
+/// Up to eight rows of the file's blocks (`t.w`, `t.w_stride`) x `RA`
+/// activation rows.
+#[inline(always)]
+unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize) {
+    let mut acc = [_mm256_setzero_ps(); RA];
+    let mut off = [_mm256_setzero_ps(); RA];
+    // Rows past `rw` repeat the last one; their lanes are not stored.
+    let mut wr = [t.w; 8];
+    for (r, p) in wr.iter_mut().enumerate() {
+        *p = t.w.add(r.min(rw - 1) * t.w_stride);
+    }
+    for b in 0..t.n {
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut d = [0f32; 8];
+        let mut m = [0f32; 8];
+        for r in 0..8 {
+            let p = wr[r].add(b * K::BYTES);
+            if RA == 1 {
+                prefetch(p.wrapping_add(8 * t.w_stride));
+            }
+            let u = K::unpack(p);
+            q[r] = u.q;
+            d[r] = u.d;
+            m[r] = u.m;
+        }
+        let dv = _mm256_loadu_ps(d.as_ptr());
+        let mv = _mm256_loadu_ps(m.as_ptr());
+        for c in 0..RA {
+            let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
+            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            let mut v = [_mm256_setzero_si256(); 8];
+            for r in 0..8 {
+                v[r] = D::dot(q[r], av);
+            }
+            let isum = reduce8(&v);
+            let s = _mm256_mul_ps(dv, _mm256_set1_ps(ab.d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[c]);
+            off[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ab.s), off[c]);
+        }
+    }
+    for c in 0..RA {
+        store_lanes(t.out.add(c * t.out_stride), _mm256_add_ps(acc[c], off[c]), rw);
+    }
+}
+
+macro_rules! r8_tiles {
+    ($packed:ident, $raw:ident, $dot:ty, $feat:literal) => {
+        #[target_feature(enable = $feat)]
+        unsafe fn $packed(t: &Tile, rw: usize, ra: usize) {
+            match ra {
+                1 => tile_r8_packed_body::<$dot, 1>(t, rw),
+                2 => tile_r8_packed_body::<$dot, 2>(t, rw),
+                3 => tile_r8_packed_body::<$dot, 3>(t, rw),
+                _ => tile_r8_packed_body::<$dot, 4>(t, rw),
+            }
+        }
+        #[target_feature(enable = $feat)]
+        unsafe fn $raw<K: B32>(t: &Tile, rw: usize, ra: usize) {
+            match ra {
+                1 => tile_r8_raw_body::<$dot, K, 1>(t, rw),
+                2 => tile_r8_raw_body::<$dot, K, 2>(t, rw),
+                3 => tile_r8_raw_body::<$dot, K, 3>(t, rw),
+                _ => tile_r8_raw_body::<$dot, K, 4>(t, rw),
+            }
+        }
+    };
+}
+
+r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c");
+r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
+
+/// The eight-row kernel of an unsigned 32-element type.
+fn r8_kernel<K: B32>(vnni: bool) -> Kernel {
+    let (raw, packed): (TileFn, TileFn) = if vnni { (r8_raw_vnni::<K>, r8_packed_vnni) } else { (r8_raw::<K>, r8_packed) };
+    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true };
+    Kernel { tile: raw, rw: 8, ra: 4, rw_gemv: 8, pack: Some(pack), partial: true }
 }

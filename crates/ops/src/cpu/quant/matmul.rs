@@ -48,6 +48,9 @@ pub(crate) struct Kernel {
     pub rw_gemv: usize,
     /// For many activation rows: unpack weights to a faster layout first.
     pub pack: Option<Pack>,
+    /// `tile` takes any `rw`, `ra` up to its full shape (else leftover
+    /// rows and columns run one at a time).
+    pub partial: bool,
 }
 
 /// `pack(src, src_stride, rows, blocks, dst)` writes `rows` weight rows
@@ -60,6 +63,8 @@ pub(crate) struct Pack {
     pub tile: TileFn,
     pub rw: usize,
     pub ra: usize,
+    /// As [`Kernel::partial`]; such layouts keep rows in groups of `rw`.
+    pub partial: bool,
 }
 
 /// How activations are fed to a weight type.
@@ -102,7 +107,7 @@ fn kernel(isa: Isa, dtype: DType) -> Kernel {
         }
     }
     let _ = isa;
-    Kernel { tile: scalar_tile, rw: 1, ra: 1, rw_gemv: 1, pack: None }
+    Kernel { tile: scalar_tile, rw: 1, ra: 1, rw_gemv: 1, pack: None, partial: false }
 }
 
 thread_local! {
@@ -272,6 +277,7 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
     // Runs the tiles of weight rows s0..s1 (output columns) against
     // activation rows c0..c1; `wrow(r)` is weight row r's first byte.
     let tiles = |kt: TileFn,
+                 partial: bool,
                  rw_full: usize,
                  ra_full: usize,
                  rw_gemv: usize,
@@ -283,7 +289,13 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
                  wrow: &dyn Fn(usize) -> *const u8| {
         let mut c = c0;
         while c < c1 {
-            let ra = if c1 - c >= ra_full { ra_full } else { 1 };
+            let ra = if c1 - c >= ra_full {
+                ra_full
+            } else if partial {
+                c1 - c
+            } else {
+                1
+            };
             let full_rw = if ids.is_some() {
                 1
             } else if ra == 1 {
@@ -293,7 +305,13 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
             };
             let mut r = s0;
             while r < s1 {
-                let rw = if s1 - r >= full_rw { full_rw } else { 1 };
+                let rw = if s1 - r >= full_rw {
+                    full_rw
+                } else if partial {
+                    s1 - r
+                } else {
+                    1
+                };
                 let tile = Tile {
                     dtype: w.dtype,
                     w: wrow(r),
@@ -324,11 +342,11 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
             _ => {
                 // Many activation tiles: sweep the weights in L2-sized row
                 // blocks so each is reused from cache by every tile.
-                let sub = if c1 - c0 > k.ra { (SUB_BYTES / rb.max(1)).max(8) / 4 * 4 } else { r1 - r0 };
+                let sub = if c1 - c0 > k.ra { (SUB_BYTES / rb.max(1)).max(8) / 8 * 8 } else { r1 - r0 };
                 let mut s0 = r0;
                 while s0 < r1 {
                     let s1 = (s0 + sub).min(r1);
-                    tiles(k.tile, k.rw, k.ra, k.rw_gemv, rb, s0, s1, c0, c1, &orig);
+                    tiles(k.tile, k.partial, k.rw, k.ra, k.rw_gemv, rb, s0, s1, c0, c1, &orig);
                     s0 = s1;
                 }
                 return;
@@ -337,7 +355,7 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
         // Prefill: unpack a block of weight rows once into the kernel's
         // plain layout, then run every activation tile over it.
         let pb = n * pack.block_bytes;
-        let sub = (SUB_BYTES / pb.max(1)).clamp(8, 256) / 4 * 4;
+        let sub = (SUB_BYTES / pb.max(1)).clamp(8, 256) / 8 * 8;
         with_pack_scratch(sub * pb, |buf| {
             let mut s0 = r0;
             while s0 < r1 {
@@ -345,7 +363,7 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
                 // SAFETY: rows s0..s1 exist; buf holds sub * pb bytes.
                 unsafe { (pack.pack)(orig(s0), rb, s1 - s0, n, buf) };
                 let packed = |r: usize| buf.wrapping_add((r - s0) * pb) as *const u8;
-                tiles(pack.tile, pack.rw, pack.ra, pack.rw, pb, s0, s1, c0, c1, &packed);
+                tiles(pack.tile, pack.partial, pack.rw, pack.ra, pack.rw, pb, s0, s1, c0, c1, &packed);
                 s0 = s1;
             }
         });

@@ -74,7 +74,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.random_weights {
         return random_weights(&a);
     }
-    let ctx = (a.pp + a.tg + 16).max(a.arrival + 512).max(2048);
+    // --ctx sizes the context and KV pool as a peer's benchmark does
+    // (llama-bench allocates n_prompt + n_gen per test), for comparable RSS.
+    let ctx = match a.model.ctx {
+        Some(c) => {
+            let need = if a.stall { a.arrival + 64 } else { a.pp.max(a.tg.max(32) + 16) };
+            if c < need {
+                bail!("--ctx {c} is too short for this benchmark: it needs at least {need} tokens");
+            }
+            c
+        }
+        None => (a.pp + a.tg + 16).max(a.arrival + 512).max(2048),
+    };
     let kv = if a.stall { ctx * (a.bg + 2) } else { ctx * a.streams.iter().copied().max().unwrap_or(1).max(1) };
     let m = load::load_with(&a.model, BackendConfig { context: ctx, kv_tokens: kv, max_streams: 64, max_batch: ctx.max(64), ..Default::default() })?;
     println!("model: {}  device: {}", m.path.display(), m.device);

@@ -19,6 +19,7 @@ fi
 export BRAID_PYTHON="$PWD/target/pyenv/bin/python"
 
 cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 cargo test --release --workspace --no-fail-fast
 # The CUDA device builds without CUDA installed (its libraries load at run
 # time); compile it, with its tests and examples, so it never rots. Its GPU

@@ -5,6 +5,7 @@
 //! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
 //! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE] [--profile]`
 
+#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use anyhow::{bail, Context, Result};
 
 fn main() -> Result<()> {

@@ -34,9 +34,12 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// An op over (input, state, sequences, output).
+type StateOp<'a> = dyn Fn(&CpuTensor, &mut CpuTensor, &[StateSeq], &mut CpuTensor) + 'a;
+
 /// Runs `op` over `x` in the chunks given (state carried in row `slot`), and
 /// returns the concatenated outputs.
-fn chunked(x: &CpuTensor, cuts: &[usize], state: &mut CpuTensor, slot: u32, op: &dyn Fn(&CpuTensor, &mut CpuTensor, &[StateSeq], &mut CpuTensor)) -> Vec<f32> {
+fn chunked(x: &CpuTensor, cuts: &[usize], state: &mut CpuTensor, slot: u32, op: &StateOp<'_>) -> Vec<f32> {
     let mut out = Vec::new();
     let mut a = 0;
     for &b in cuts.iter().chain(std::iter::once(&x.rows)) {

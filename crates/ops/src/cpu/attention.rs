@@ -386,6 +386,53 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     }
 }
 
+/// One row's query heads `g0 .. g0 + G` against keys `a..b` of a tile.
+struct Step<'a, 'b> {
+    c: &'a Ctx<'b>,
+    t: &'a Task,
+    i: usize,
+    g0: usize,
+    a: usize,
+    b: usize,
+    kf: &'a [f32],
+    vf: &'a [f32],
+}
+
+#[inline(always)]
+fn step<K: Kern, const G: usize>(st: &Step<'_, '_>, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
+    let (c, t, hd, a, b) = (st.c, st.t, st.c.hd, st.a, st.b);
+    let s = &c.seqs[t.seq];
+    let r = s.q_start + t.row0 + st.i;
+    let h0 = t.kv_head * c.group + st.g0;
+    let q = &c.q.data[r * c.q.cols + h0 * hd..r * c.q.cols + (h0 + G) * hd];
+    let mut sc = [[0f32; KB]; G];
+    K::scores::<G>(q, st.kf, hd, a, b, &mut sc);
+    let mut corr = [0f32; G];
+    for g in 0..G {
+        let qi = st.i * c.group + st.g0 + g;
+        let mut bm = f32::NEG_INFINITY;
+        for x in &mut sc[g][a..b] {
+            let mut score = *x * c.scale;
+            if let Some(cap) = c.softcap {
+                score = cap * (score / cap).tanh();
+            }
+            *x = score;
+            bm = bm.max(score);
+        }
+        let new_m = m[qi].max(bm);
+        corr[g] = vmath::exp(m[qi] - new_m);
+        K::exp_sub(&mut sc[g], new_m);
+        let mut sum = 0f32;
+        for p in &sc[g][a..b] {
+            sum += p;
+        }
+        l[qi] = l[qi] * corr[g] + sum;
+        m[qi] = new_m;
+    }
+    let q0 = st.i * c.group + st.g0;
+    K::pv::<G>(&mut acc[q0 * hd..(q0 + G) * hd], &corr, &sc, st.vf, hd, a, b);
+}
+
 #[cfg(test)]
 mod tests {
     use crate::cpu::{Cpu, CpuTensor};
@@ -501,51 +548,4 @@ mod tests {
             assert_eq!(out.data[w..], whole[c0 * w..c1 * w], "{case:?} batched chunk");
         }
     }
-}
-
-/// One row's query heads `g0 .. g0 + G` against keys `a..b` of a tile.
-struct Step<'a, 'b> {
-    c: &'a Ctx<'b>,
-    t: &'a Task,
-    i: usize,
-    g0: usize,
-    a: usize,
-    b: usize,
-    kf: &'a [f32],
-    vf: &'a [f32],
-}
-
-#[inline(always)]
-fn step<K: Kern, const G: usize>(st: &Step<'_, '_>, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
-    let (c, t, hd, a, b) = (st.c, st.t, st.c.hd, st.a, st.b);
-    let s = &c.seqs[t.seq];
-    let r = s.q_start + t.row0 + st.i;
-    let h0 = t.kv_head * c.group + st.g0;
-    let q = &c.q.data[r * c.q.cols + h0 * hd..r * c.q.cols + (h0 + G) * hd];
-    let mut sc = [[0f32; KB]; G];
-    K::scores::<G>(q, st.kf, hd, a, b, &mut sc);
-    let mut corr = [0f32; G];
-    for g in 0..G {
-        let qi = st.i * c.group + st.g0 + g;
-        let mut bm = f32::NEG_INFINITY;
-        for x in &mut sc[g][a..b] {
-            let mut score = *x * c.scale;
-            if let Some(cap) = c.softcap {
-                score = cap * (score / cap).tanh();
-            }
-            *x = score;
-            bm = bm.max(score);
-        }
-        let new_m = m[qi].max(bm);
-        corr[g] = vmath::exp(m[qi] - new_m);
-        K::exp_sub(&mut sc[g], new_m);
-        let mut sum = 0f32;
-        for p in &sc[g][a..b] {
-            sum += p;
-        }
-        l[qi] = l[qi] * corr[g] + sum;
-        m[qi] = new_m;
-    }
-    let q0 = st.i * c.group + st.g0;
-    K::pv::<G>(&mut acc[q0 * hd..(q0 + G) * hd], &corr, &sc, st.vf, hd, a, b);
 }

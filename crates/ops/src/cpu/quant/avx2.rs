@@ -7,8 +7,9 @@
 //! scaled into f32 accumulators once per block. Each tile unpacks a
 //! weight block once and uses it for all of its activation rows.
 //!
-//! The unsigned 32-element types (Q4_0, Q4_1, Q5_0, Q5_1) run eight weight
-//! rows at a time with one f32 lane per row (see `pack_rows8`): prefill
+//! The unsigned 32-element types (Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants
+//! Q4_K, Q5_K, Q6_K run eight weight rows at a time with one f32 lane per
+//! row (see `pack_rows8`, `pack_rows8k`): prefill
 //! packs the rows transposed, so each `dpbusd` serves eight rows against
 //! one broadcast group of four activation bytes and there are no
 //! horizontal sums at all.
@@ -57,10 +58,6 @@ macro_rules! tiles {
 
 tiles!(t_q8_0, tile_b32::<Q80>, 2, 4, 4);
 tiles!(t_q8_1, tile_b32::<Q81>, 2, 4, 4);
-tiles!(t_q4k, tile_q45k::<NoHigh>, 1, 4, 2);
-tiles!(t_q5k, tile_q45k::<High>, 1, 4, 2);
-tiles!(t_q6k, tile_q6k, 1, 4, 2);
-tiles!(t_xk, tile_xk, 2, 3, 2);
 tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
 tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
@@ -73,10 +70,6 @@ tiles!(v_q8_1, tile_b32_vnni::<Q81>, 2, 4, 4);
 pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
     let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None, partial: false });
     let pick = |plain, with_vnni| if vnni { with_vnni } else { plain };
-    let xk = |tile, pack| {
-        let pack = Pack { pack, block_bytes: std::mem::size_of::<XK>(), tile: t_xk, rw: 2, ra: 3, partial: false };
-        Some(Kernel { tile, rw: 1, ra: 4, rw_gemv: 2, pack: Some(pack), partial: false })
-    };
     match dtype {
         DType::Q4_0 => Some(r8_kernel::<Q40>(vnni)),
         DType::Q4_1 => Some(r8_kernel::<Q41>(vnni)),
@@ -84,9 +77,9 @@ pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
         DType::Q5_1 => Some(r8_kernel::<Q51>(vnni)),
         DType::Q8_0 => k(pick(t_q8_0 as TileFn, v_q8_0), 2, 4, 4),
         DType::Q8_1 => k(pick(t_q8_1 as TileFn, v_q8_1), 2, 4, 4),
-        DType::Q4K => xk(t_q4k, pack_k::<4>),
-        DType::Q5K => xk(t_q5k, pack_k::<5>),
-        DType::Q6K => xk(t_q6k, pack_k::<6>),
+        DType::Q4K => Some(r8k_kernel::<4>(vnni)),
+        DType::Q5K => Some(r8k_kernel::<5>(vnni)),
+        DType::Q6K => Some(r8k_kernel::<6>(vnni)),
         DType::F32 => k(t_f32, 2, 4, 4),
         DType::F16 => k(t_f16, 2, 4, 4),
         DType::BF16 => k(t_bf16, 2, 4, 4),
@@ -338,180 +331,13 @@ unsafe fn tile_b32_body<D: Dot, K: B32, const RW: usize, const RA: usize>(t: &Ti
 
 // ---- K-quants ----
 
-trait HighBit {
-    const ON: bool;
-}
-struct High;
-struct NoHigh;
-impl HighBit for High {
-    const ON: bool = true;
-}
-impl HighBit for NoHigh {
-    const ON: bool = false;
-}
-
-/// Q4_K (and Q5_K with the 5th bits): 8 sub-blocks of 32 with 6-bit
-/// scales and mins. Sum of scale_j * dot_j in integers per super-block;
-/// the mins through the activation's 16-sums.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_q45k<H: HighBit, const RW: usize, const RA: usize>(t: &Tile) {
-    let (bytes, qs_off) = if H::ON { (176, 48) } else { (144, 16) };
-    let m4 = _mm256_set1_epi8(0x0f);
-    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
-    let mut off = [[0.0f32; RA]; RW];
-    for b in 0..t.n {
-        let mut wp = [std::ptr::null::<u8>(); RW];
-        let mut sc = [[0i16; 8]; RW];
-        let mut mn = [[0i32; 8]; RW];
-        let mut d = [0.0f32; RW];
-        let mut dmin = [0.0f32; RW];
-        for r in 0..RW {
-            let p = t.w.add(r * t.w_stride + b * bytes);
-            wp[r] = p;
-            if RA == 1 {
-                let next = t.w.wrapping_add((RW + r) * t.w_stride + b * bytes);
-                for l in (0..bytes).step_by(64) {
-                    prefetch(next.wrapping_add(l));
-                }
-            }
-            d[r] = h2f(p);
-            dmin[r] = h2f(p.add(2));
-            let s = std::slice::from_raw_parts(p.add(4), 12);
-            for j in 0..8 {
-                let (a, m) = k4_scale_min(s, j);
-                sc[r][j] = a as i16;
-                mn[r][j] = m as i32;
-            }
-        }
-        let mut iacc = [[_mm256_setzero_si256(); RA]; RW];
-        for j in 0..4 {
-            let mut lo = [_mm256_setzero_si256(); RW];
-            let mut hi = [_mm256_setzero_si256(); RW];
-            for r in 0..RW {
-                let raw = _mm256_loadu_si256(wp[r].add(qs_off + 32 * j) as *const __m256i);
-                lo[r] = _mm256_and_si256(raw, m4);
-                hi[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                if H::ON {
-                    // Byte l of qh holds the 5th bit of element l of sub-block k in bit k.
-                    let qh = _mm256_loadu_si256(wp[r].add(16) as *const __m256i);
-                    let b0 = _mm256_set1_epi8(1 << (2 * j));
-                    let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
-                    let x10 = _mm256_set1_epi8(0x10);
-                    let h0 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0);
-                    let h1 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1);
-                    lo[r] = _mm256_or_si256(lo[r], _mm256_and_si256(h0, x10));
-                    hi[r] = _mm256_or_si256(hi[r], _mm256_and_si256(h1, x10));
-                }
-            }
-            for c in 0..RA {
-                let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
-                let a0 = _mm256_loadu_si256(ab.qs.as_ptr().add(64 * j) as *const __m256i);
-                let a1 = _mm256_loadu_si256(ab.qs.as_ptr().add(64 * j + 32) as *const __m256i);
-                for r in 0..RW {
-                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[r], a0), _mm256_set1_epi16(sc[r][2 * j]));
-                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[r], a1), _mm256_set1_epi16(sc[r][2 * j + 1]));
-                    iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_add_epi32(p0, p1));
-                }
-            }
-        }
-        for c in 0..RA {
-            let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
-            for r in 0..RW {
-                let s = _mm256_set1_ps(d[r] * ab.d);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), s, acc[r][c]);
-                let msum: i32 = (0..8).map(|j| mn[r][j] * (ab.bsums[2 * j] as i32 + ab.bsums[2 * j + 1] as i32)).sum();
-                off[r][c] -= dmin[r] * ab.d * msum as f32;
-            }
-        }
-    }
-    for c in 0..RA {
-        for r in 0..RW {
-            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
-        }
-    }
-}
-
-/// Q6_K: 16 groups of 16 with i8 scales; values 0..63 with an offset of
-/// 32 taken out through the activation's 16-sums.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_q6k<const RW: usize, const RA: usize>(t: &Tile) {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m2 = _mm256_set1_epi8(0x03);
-    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
-    let mut off = [[0.0f32; RA]; RW];
-    for b in 0..t.n {
-        let mut wp = [std::ptr::null::<u8>(); RW];
-        let mut sc = [[0i8; 16]; RW];
-        let mut d = [0.0f32; RW];
-        for r in 0..RW {
-            let p = t.w.add(r * t.w_stride + b * 210);
-            wp[r] = p;
-            if RA == 1 {
-                let next = t.w.wrapping_add((RW + r) * t.w_stride + b * 210);
-                for l in (0..210).step_by(64) {
-                    prefetch(next.wrapping_add(l));
-                }
-            }
-            d[r] = h2f(p.add(208));
-            std::ptr::copy_nonoverlapping(p.add(192) as *const i8, sc[r].as_mut_ptr(), 16);
-        }
-        let mut iacc = [[_mm256_setzero_si256(); RA]; RW];
-        for h in 0..2 {
-            let mut q = [[_mm256_setzero_si256(); 4]; RW];
-            for r in 0..RW {
-                let l0 = _mm256_loadu_si256(wp[r].add(64 * h) as *const __m256i);
-                let l1 = _mm256_loadu_si256(wp[r].add(64 * h + 32) as *const __m256i);
-                let hb = _mm256_loadu_si256(wp[r].add(128 + 32 * h) as *const __m256i);
-                let hi = |s: i32| -> __m256i {
-                    let v = match s {
-                        0 => hb,
-                        2 => _mm256_srli_epi16(hb, 2),
-                        4 => _mm256_srli_epi16(hb, 4),
-                        _ => _mm256_srli_epi16(hb, 6),
-                    };
-                    _mm256_slli_epi16(_mm256_and_si256(v, m2), 4)
-                };
-                q[r][0] = _mm256_or_si256(_mm256_and_si256(l0, m4), hi(0));
-                q[r][1] = _mm256_or_si256(_mm256_and_si256(l1, m4), hi(2));
-                q[r][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(4));
-                q[r][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(6));
-            }
-            for c in 0..RA {
-                let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
-                for g in 0..4 {
-                    let a = _mm256_loadu_si256(ab.qs.as_ptr().add(128 * h + 32 * g) as *const __m256i);
-                    for r in 0..RW {
-                        let gi = 8 * h + 2 * g;
-                        let scv = _mm256_setr_m128i(_mm_set1_epi16(sc[r][gi] as i16), _mm_set1_epi16(sc[r][gi + 1] as i16));
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r][g], a), scv);
-                        iacc[r][c] = _mm256_add_epi32(iacc[r][c], p);
-                    }
-                }
-            }
-        }
-        for c in 0..RA {
-            let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
-            for r in 0..RW {
-                let s = d[r] * ab.d;
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(s), acc[r][c]);
-                let osum: i32 = (0..16).map(|g| sc[r][g] as i32 * ab.bsums[g] as i32).sum();
-                // Same rounding as the packed prefill tile: s * (32 * osum).
-                off[r][c] -= s * (32 * osum) as f32;
-            }
-        }
-    }
-    for c in 0..RA {
-        for r in 0..RW {
-            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
-        }
-    }
-}
-
-/// A K-quant super-block unpacked for prefill: the 256 values as bytes
+/// One row's K-quant super-block unpacked (the step before `pack_rows8k`
+/// transposes eight of them): the 256 values as bytes
 /// (unsigned), a ready `madd` scale vector per 32 values (i16 lanes; for
 /// Q6_K the two 16-groups' scales in the two halves), and the offset as
 /// weights of the activation's 16-sums times `dm`:
 /// value . a = d * sum(scv * q * a) - dm * sum(mins * bsums).
+#[derive(Clone, Copy)]
 #[repr(C)]
 struct XK {
     q: [u8; 256],
@@ -522,8 +348,8 @@ struct XK {
 }
 
 /// Unpack rows of Q4_K (T = 4), Q5_K (5) or Q6_K (6) super-blocks into
-/// [`XK`]s, with the matvec tiles' unpacking; the integers and scale
-/// products match theirs, so results are bit-identical.
+/// [`XK`]s. The values, scales and mins are the integers the matvec tiles
+/// (`row_k`) use, so results are bit-identical.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pack_k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: usize, dst: *mut u8) {
     let bytes = match T {
@@ -592,48 +418,6 @@ unsafe fn pack_k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: us
                 o.d = h2f(p);
                 o.dm = h2f(p.add(2));
             }
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_xk<const RW: usize, const RA: usize>(t: &Tile) {
-    let sz = std::mem::size_of::<XK>();
-    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
-    let mut off = [[0.0f32; RA]; RW];
-    for b in 0..t.n {
-        let mut wk = [std::ptr::null::<XK>(); RW];
-        for (r, w) in wk.iter_mut().enumerate() {
-            *w = t.w.add(r * t.w_stride + b * sz) as *const XK;
-        }
-        let mut iacc = [[_mm256_setzero_si256(); RA]; RW];
-        for j in 0..8 {
-            for c in 0..RA {
-                let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
-                let a = _mm256_loadu_si256(ab.qs.as_ptr().add(32 * j) as *const __m256i);
-                for r in 0..RW {
-                    let q = _mm256_loadu_si256((*wk[r]).q.as_ptr().add(32 * j) as *const __m256i);
-                    let sc = _mm256_loadu_si256((*wk[r]).scv[j].as_ptr() as *const __m256i);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc);
-                    iacc[r][c] = _mm256_add_epi32(iacc[r][c], p);
-                }
-            }
-        }
-        for c in 0..RA {
-            let ab = &*(t.a.add(c * t.a_stride) as *const Q8KA).add(b);
-            let bs = _mm256_loadu_si256(ab.bsums.as_ptr() as *const __m256i);
-            for r in 0..RW {
-                let w = &*wk[r];
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(w.d * ab.d), acc[r][c]);
-                let mins = _mm256_loadu_si256(w.mins.as_ptr() as *const __m256i);
-                let msum = hsum_i32(_mm256_madd_epi16(mins, bs));
-                off[r][c] -= w.dm * ab.d * msum as f32;
-            }
-        }
-    }
-    for c in 0..RA {
-        for r in 0..RW {
-            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
         }
     }
 }
@@ -959,4 +743,279 @@ fn r8_kernel<K: B32>(vnni: bool) -> Kernel {
     let (raw, packed): (TileFn, TileFn) = if vnni { (r8_raw_vnni::<K>, r8_packed_vnni) } else { (r8_raw::<K>, r8_packed) };
     let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true };
     Kernel { tile: raw, rw: 8, ra: 4, rw_gemv: 8, pack: Some(pack), partial: true }
+}
+
+// ---- eight weight rows at a time, for the K-quants (Q4_K, Q5_K, Q6_K) ----
+//
+// As for the 32-element types, one f32 lane per output row: over the
+// super-blocks b in order `acc = fma(iacc_b, d_b * d_a, acc)` and
+// `off = fma(msum_b, dm_b * d_a, off)`, then `acc - off`, where
+// `iacc_b = sum(scale * q * a)` and `msum_b = sum(min_g * bsum_g)` are exact
+// integers (Q6_K's offset of 32 rides on the mins: `min_g = 32 * scale_g`,
+// `dm = d`). Matvec tiles form them per row from the file's blocks; prefill
+// tiles from rows packed by `pack_rows8k`.
+
+/// Eight rows' unpacked super-block: 64 vectors (vector k: row r's values
+/// 4k..4k+4 in lane r), 16 vectors of i32 scales (per 16 values, lane r),
+/// 8 vectors of i16 min pairs (vector p, lane r: the mins of groups 2p and
+/// 2p+1), then d and dm as f32.
+const R8K_BYTES: usize = 64 * 32 + 16 * 32 + 8 * 32 + 2 * 32;
+
+/// Pack `rows` rows of `nb` super-blocks of a K-quant (T = 4, 5 or 6) into
+/// groups of eight rows (the last padded with zero rows).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_rows8k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: usize, dst: *mut u8) {
+    let bytes = match T {
+        4 => 144,
+        5 => 176,
+        _ => 210,
+    };
+    let zero: XK = std::mem::zeroed();
+    for g in 0..rows.div_ceil(8) {
+        let n = (rows - 8 * g).min(8);
+        for b in 0..nb {
+            // One row at a time into the one-row layout, then transposed.
+            let mut xk = [zero; 8];
+            for (r, x) in xk.iter_mut().enumerate().take(n) {
+                pack_k::<T>(src.add((8 * g + r) * stride + b * bytes), 0, 1, 1, x as *mut XK as *mut u8);
+            }
+            let o = dst.add((g * nb + b) * R8K_BYTES);
+            for s in 0..8 {
+                let mut v = [_mm256_setzero_si256(); 8];
+                for r in 0..8 {
+                    v[r] = _mm256_loadu_si256(xk[r].q.as_ptr().add(32 * s) as *const __m256i);
+                }
+                transpose8(&mut v);
+                for k in 0..8 {
+                    _mm256_storeu_si256(o.add(32 * (8 * s + k)) as *mut __m256i, v[k]);
+                }
+            }
+            let sc = o.add(2048) as *mut i32;
+            let mins = o.add(2560) as *mut i16;
+            let dd = o.add(2816) as *mut f32;
+            for r in 0..8 {
+                for gi in 0..16 {
+                    *sc.add(8 * gi + r) = xk[r].scv[gi / 2][8 * (gi % 2)] as i32;
+                }
+                for p in 0..8 {
+                    *mins.add(16 * p + 2 * r) = xk[r].mins[2 * p];
+                    *mins.add(16 * p + 2 * r + 1) = xk[r].mins[2 * p + 1];
+                }
+                *dd.add(r) = xk[r].d;
+                *dd.add(8 + r) = xk[r].dm;
+            }
+        }
+    }
+}
+
+/// Up to eight packed K-quant rows x `RA` activation rows; `G16`: scales
+/// per 16 values (Q6_K), else per 32.
+#[inline(always)]
+unsafe fn tile_r8k_packed_body<D: DotAcc, const G16: bool, const RA: usize>(t: &Tile, rw: usize) {
+    let mut acc = [_mm256_setzero_ps(); RA];
+    let mut off = [_mm256_setzero_ps(); RA];
+    let (groups, chunks) = if G16 { (16, 4) } else { (8, 8) };
+    for b in 0..t.n {
+        let p = t.w.add(b * R8K_BYTES);
+        let mut ab = [std::ptr::null::<Q8KA>(); RA];
+        for (c, a) in ab.iter_mut().enumerate() {
+            *a = (t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+        }
+        let mut iacc = [_mm256_setzero_si256(); RA];
+        for gi in 0..groups {
+            let mut isum = [_mm256_setzero_si256(); RA];
+            for k in chunks * gi..chunks * (gi + 1) {
+                let w = _mm256_loadu_si256(p.add(32 * k) as *const __m256i);
+                for c in 0..RA {
+                    let a4 = ((*ab[c]).qs.as_ptr().add(4 * k) as *const i32).read_unaligned();
+                    isum[c] = D::dot_acc(isum[c], w, _mm256_set1_epi32(a4));
+                }
+            }
+            // Per-32 scales sit in every other slot (both 16-halves share one).
+            let slot = if G16 { gi } else { 2 * gi };
+            let sv = _mm256_loadu_si256(p.add(2048 + 32 * slot) as *const __m256i);
+            for c in 0..RA {
+                iacc[c] = _mm256_add_epi32(iacc[c], _mm256_mullo_epi32(isum[c], sv));
+            }
+        }
+        let mut msum = [_mm256_setzero_si256(); RA];
+        for q in 0..8 {
+            let mv = _mm256_loadu_si256(p.add(2560 + 32 * q) as *const __m256i);
+            for c in 0..RA {
+                let bs = ((*ab[c]).bsums.as_ptr().add(2 * q) as *const i32).read_unaligned();
+                msum[c] = _mm256_add_epi32(msum[c], _mm256_madd_epi16(mv, _mm256_set1_epi32(bs)));
+            }
+        }
+        let d = _mm256_loadu_ps(p.add(2816) as *const f32);
+        let dm = _mm256_loadu_ps(p.add(2848) as *const f32);
+        for c in 0..RA {
+            let da = _mm256_set1_ps((*ab[c]).d);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_mul_ps(d, da), acc[c]);
+            off[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[c]), _mm256_mul_ps(dm, da), off[c]);
+        }
+    }
+    for c in 0..RA {
+        store_lanes(t.out.add(c * t.out_stride), _mm256_sub_ps(acc[c], off[c]), rw);
+    }
+}
+
+/// One row's super-block from the file: its integer sums against `RA`
+/// activation blocks (eight partial lanes each), its mins, d and dm.
+#[inline(always)]
+unsafe fn row_k<const T: u8, const RA: usize>(p: *const u8, ab: &[*const Q8KA; RA], iv: &mut [__m256i; RA], mins: &mut [i16; 16]) -> (f32, f32) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    if T == 6 {
+        let m2 = _mm256_set1_epi8(0x03);
+        let sc = p.add(192) as *const i8;
+        for h in 0..2 {
+            let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
+            let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
+            let hb = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+            let hi = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m2), 4);
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(l0, m4), hi(hb)),
+                _mm256_or_si256(_mm256_and_si256(l1, m4), hi(_mm256_srli_epi16(hb, 2))),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(_mm256_srli_epi16(hb, 4))),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(_mm256_srli_epi16(hb, 6))),
+            ];
+            for g in 0..4 {
+                let gi = 8 * h + 2 * g;
+                let scv = _mm256_setr_m128i(_mm_set1_epi16(*sc.add(gi) as i16), _mm_set1_epi16(*sc.add(gi + 1) as i16));
+                for c in 0..RA {
+                    let a = _mm256_loadu_si256((*ab[c]).qs.as_ptr().add(128 * h + 32 * g) as *const __m256i);
+                    iv[c] = _mm256_add_epi32(iv[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], a), scv));
+                }
+            }
+        }
+        for g in 0..16 {
+            mins[g] = 32 * *sc.add(g) as i16;
+        }
+        let d = h2f(p.add(208));
+        (d, d)
+    } else {
+        let qs = p.add(if T == 4 { 16 } else { 48 });
+        let s = std::slice::from_raw_parts(p.add(4), 12);
+        let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+        let x10 = _mm256_set1_epi8(0x10);
+        for j in 0..4 {
+            let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+            let mut lo = _mm256_and_si256(raw, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if T == 5 {
+                let b0 = _mm256_set1_epi8(1 << (2 * j));
+                let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
+            }
+            let (s0, m0) = k4_scale_min(s, 2 * j);
+            let (s1, m1) = k4_scale_min(s, 2 * j + 1);
+            let (sv0, sv1) = (_mm256_set1_epi16(s0 as i16), _mm256_set1_epi16(s1 as i16));
+            for c in 0..RA {
+                let a0 = _mm256_loadu_si256((*ab[c]).qs.as_ptr().add(64 * j) as *const __m256i);
+                let a1 = _mm256_loadu_si256((*ab[c]).qs.as_ptr().add(64 * j + 32) as *const __m256i);
+                let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), sv0);
+                let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), sv1);
+                iv[c] = _mm256_add_epi32(iv[c], _mm256_add_epi32(p0, p1));
+            }
+            mins[4 * j] = m0 as i16;
+            mins[4 * j + 1] = m0 as i16;
+            mins[4 * j + 2] = m1 as i16;
+            mins[4 * j + 3] = m1 as i16;
+        }
+        (h2f(p), h2f(p.add(2)))
+    }
+}
+
+/// Up to eight rows of a K-quant (T = 4, 5 or 6) from the file's blocks x
+/// `RA` activation rows.
+#[inline(always)]
+unsafe fn tile_r8k_raw_body<const T: u8, const RA: usize>(t: &Tile, rw: usize) {
+    let bytes = match T {
+        4 => 144,
+        5 => 176,
+        _ => 210,
+    };
+    let mut acc = [_mm256_setzero_ps(); RA];
+    let mut off = [_mm256_setzero_ps(); RA];
+    let mut wr = [t.w; 8];
+    for (r, p) in wr.iter_mut().enumerate() {
+        *p = t.w.add(r.min(rw - 1) * t.w_stride);
+    }
+    for b in 0..t.n {
+        let mut ab = [std::ptr::null::<Q8KA>(); RA];
+        for (c, a) in ab.iter_mut().enumerate() {
+            *a = (t.a.add(c * t.a_stride) as *const Q8KA).add(b);
+        }
+        let mut iv = [[_mm256_setzero_si256(); 8]; RA];
+        let mut ms = [[0i32; 8]; RA];
+        let mut d = [0f32; 8];
+        let mut dm = [0f32; 8];
+        for r in 0..8 {
+            let p = wr[r].add(b * bytes);
+            if RA == 1 {
+                let next = p.wrapping_add(8 * t.w_stride);
+                for l in (0..bytes).step_by(64) {
+                    prefetch(next.wrapping_add(l));
+                }
+            }
+            let mut v = [_mm256_setzero_si256(); RA];
+            let mut mins = [0i16; 16];
+            (d[r], dm[r]) = row_k::<T, RA>(p, &ab, &mut v, &mut mins);
+            let mv = _mm256_loadu_si256(mins.as_ptr() as *const __m256i);
+            for c in 0..RA {
+                iv[c][r] = v[c];
+                let bs = _mm256_loadu_si256((*ab[c]).bsums.as_ptr() as *const __m256i);
+                ms[c][r] = hsum_i32(_mm256_madd_epi16(mv, bs));
+            }
+        }
+        let dv = _mm256_loadu_ps(d.as_ptr());
+        let dmv = _mm256_loadu_ps(dm.as_ptr());
+        for c in 0..RA {
+            let da = _mm256_set1_ps((*ab[c]).d);
+            let iacc = reduce8(&iv[c]);
+            let msum = _mm256_loadu_si256(ms[c].as_ptr() as *const __m256i);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_mul_ps(dv, da), acc[c]);
+            off[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmv, da), off[c]);
+        }
+    }
+    for c in 0..RA {
+        store_lanes(t.out.add(c * t.out_stride), _mm256_sub_ps(acc[c], off[c]), rw);
+    }
+}
+
+macro_rules! r8k_tiles {
+    ($packed:ident, $dot:ty, $feat:literal) => {
+        #[target_feature(enable = $feat)]
+        unsafe fn $packed<const G16: bool>(t: &Tile, rw: usize, ra: usize) {
+            match ra {
+                1 => tile_r8k_packed_body::<$dot, G16, 1>(t, rw),
+                2 => tile_r8k_packed_body::<$dot, G16, 2>(t, rw),
+                _ => tile_r8k_packed_body::<$dot, G16, 3>(t, rw),
+            }
+        }
+    };
+}
+
+r8k_tiles!(r8k_packed, MaddDot, "avx2,fma,f16c");
+r8k_tiles!(r8k_packed_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn r8k_raw<const T: u8>(t: &Tile, rw: usize, ra: usize) {
+    match ra {
+        1 => tile_r8k_raw_body::<T, 1>(t, rw),
+        2 => tile_r8k_raw_body::<T, 2>(t, rw),
+        _ => tile_r8k_raw_body::<T, 3>(t, rw),
+    }
+}
+
+/// The eight-row kernel of a K-quant (T = 4, 5 or 6).
+fn r8k_kernel<const T: u8>(vnni: bool) -> Kernel {
+    let packed: TileFn = match (T == 6, vnni) {
+        (true, true) => r8k_packed_vnni::<true>,
+        (false, true) => r8k_packed_vnni::<false>,
+        (true, false) => r8k_packed::<true>,
+        (false, false) => r8k_packed::<false>,
+    };
+    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: 3, partial: true };
+    Kernel { tile: r8k_raw::<T>, rw: 8, ra: 3, rw_gemv: 8, pack: Some(pack), partial: true }
 }

@@ -16,7 +16,10 @@
 //! activation rows. Matvecs (decode) stream each weight row once, with
 //! software prefetch of the next tile. With 16+ activation rows (prefill)
 //! a task first unpacks an L2-sized block of its weight rows into plain
-//! bytes + scales, then runs every activation tile over it.
+//! bytes + scales, then runs every activation tile over it. The 4/5-bit
+//! and K-quant types keep one f32 lane per output row in groups of eight
+//! rows, and prefill packs those groups transposed, so each integer
+//! `dpbusd` serves eight rows with no horizontal sums.
 //!
 //! Every output element is computed by the same operations in the same
 //! order whatever `m`, the tile shape or the thread count, so results are

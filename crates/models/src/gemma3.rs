@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use braid_formats::DType;
-use braid_ops::{AttnSeq, Device, KvShape, Rope};
+use braid_ops::{AttnSeq, Device, GateAct, KvShape, Rope};
 
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
@@ -202,30 +202,31 @@ impl<D: Device> Model<D> for Gemma3<D> {
         let c = &self.cfg;
         dev.embed(&self.embed, batch.tokens, c.embed_scale, &mut s.x);
         let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();
+        // Each layer's residual add is fused into the next norm (the first
+        // layer's input norm stands alone), so the attention input is in
+        // `s.h` at the top of every layer.
+        if let Some(b) = self.blocks.first() {
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             let (rope, seqs) = if c.global[l] { (&c.rope_global, &batch.seqs) } else { (&c.rope_local, &local_seqs) };
-            // Attention, with q/k normalised per head before RoPE.
-            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &b.wq, &mut s.att);
+            // Attention: q, k, v from one input, q/k normalised per head before RoPE.
+            dev.matmul_many(&s.h, &[&b.wq, &b.wk, &b.wv], &mut [&mut s.att, &mut s.gate, &mut s.v]);
             dev.rms_norm(&s.att, &b.q_norm, c.eps, &mut s.q);
-            dev.matmul(&s.h, &b.wk, &mut s.att);
-            dev.rms_norm(&s.att, &b.k_norm, c.eps, &mut s.k);
-            dev.matmul(&s.h, &b.wv, &mut s.v);
-            dev.rope(&mut s.q, batch.positions, c.head_dim, rope);
-            dev.rope(&mut s.k, batch.positions, c.head_dim, rope);
-            dev.kv_write(kv, l, &s.k, &s.v, batch.slots);
+            dev.rms_norm(&s.gate, &b.k_norm, c.eps, &mut s.k);
+            dev.rope_kv_write(&mut s.q, &mut s.k, &s.v, kv, l, batch.positions, batch.slots, c.head_dim, rope);
             dev.attention(&s.q, kv, l, seqs, c.attn_scale, c.attn_softcap, &mut s.att);
             dev.matmul(&s.att, &b.wo, &mut s.h);
             dev.rms_norm(&s.h, &b.post_attn_norm, c.eps, &mut s.up);
-            dev.add(&mut s.x, &s.up);
+            dev.add_rms_norm(&mut s.x, &s.up, &b.ffn_norm, c.eps, &mut s.h);
             // MLP.
-            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &b.w_gate, &mut s.gate);
-            dev.matmul(&s.h, &b.w_up, &mut s.up);
-            dev.gelu_mul(&s.gate, &s.up, &mut s.act);
+            dev.gated_matmul(&s.h, &b.w_gate, &b.w_up, GateAct::GeluTanh, &mut s.gate, &mut s.up, &mut s.act);
             dev.matmul(&s.act, &b.w_down, &mut s.h);
             dev.rms_norm(&s.h, &b.post_ffn_norm, c.eps, &mut s.up);
-            dev.add(&mut s.x, &s.up);
+            match self.blocks.get(l + 1) {
+                Some(next) => dev.add_rms_norm(&mut s.x, &s.up, &next.attn_norm, c.eps, &mut s.h),
+                None => dev.add(&mut s.x, &s.up),
+            }
         }
         dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
         dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);

@@ -14,11 +14,14 @@ pub mod sparse_attention;
 pub mod ssm;
 pub mod vmath;
 
+#[cfg(test)]
+mod fused_tests;
+
 use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, Rope, SsmShape, StateSeq};
+use crate::{AttnSeq, BlockSparse, Device, GateAct, KvDtype, KvPoolSpec, Rope, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -207,6 +210,50 @@ impl Device for Cpu {
         quant::matmul(w.qref(), &x.data, x.rows, &mut out.data);
     }
 
+    fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            assert_eq!(x.cols, w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
+            self.resize(out, x.rows, w.rows);
+        }
+        let refs: Vec<quant::QMatRef<'_>> = ws.iter().map(|w| w.qref()).collect();
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o.data[..]).collect();
+        quant::matmul_many(&refs, &x.data, x.rows, &mut slices);
+    }
+
+    fn gated_matmul(&self, x: &CpuTensor, w_gate: &CpuWeight, w_up: &CpuWeight, act: GateAct, gate: &mut CpuTensor, up: &mut CpuTensor, out: &mut CpuTensor) {
+        assert_eq!(x.cols, w_gate.cols, "matmul: x has {} columns, weight takes {}", x.cols, w_gate.cols);
+        for t in [&mut *gate, &mut *up, &mut *out] {
+            self.resize(t, x.rows, w_gate.rows);
+        }
+        // Elementwise and lane-exact (vmath), so applying it per task block
+        // gives what silu_mul / gelu_mul over whole rows give.
+        let f: fn(&[f32], &[f32], &mut [f32]) = match act {
+            GateAct::Silu => vmath::silu_mul,
+            GateAct::GeluTanh => vmath::gelu_mul,
+        };
+        quant::matmul_gated(w_gate.qref(), w_up.qref(), &x.data, x.rows, &mut gate.data, &mut up.data, &mut out.data, &f);
+    }
+
+    fn add_rms_norm(&self, x: &mut CpuTensor, y: &CpuTensor, w: &CpuTensor, eps: f32, out: &mut CpuTensor) {
+        assert_eq!(x.data.len(), y.data.len());
+        let g = w.cols;
+        assert!(g > 0 && x.cols.is_multiple_of(g), "rms_norm: weight of {g} does not divide rows of {}", x.cols);
+        self.resize(out, x.rows, x.cols);
+        let cols = x.cols;
+        let (xptr, optr) = (SendPtr(x.data.as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
+        // One pass per row: the add, then the norm, each as the plain ops do it.
+        par_rows(x.rows, &|range| {
+            for r in range {
+                // SAFETY: each task owns its rows of x and out.
+                let (xr, or) = unsafe { (xptr.slice(r * cols, cols), optr.slice(r * cols, cols)) };
+                xr.iter_mut().zip(&y.data[r * cols..(r + 1) * cols]).for_each(|(a, b)| *a += b);
+                for (src, dst) in xr.chunks_exact(g).zip(or.chunks_exact_mut(g)) {
+                    norm_group(src, &w.data, eps, dst);
+                }
+            }
+        });
+    }
+
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
         self.resize(out, rows.len(), x.cols);
         for (i, &r) in rows.iter().enumerate() {
@@ -222,13 +269,8 @@ impl Device for Cpu {
         let optr = SendPtr(out.data.as_mut_ptr());
         par_rows(groups, &|range| {
             for gi in range {
-                let src = &x.data[gi * g..(gi + 1) * g];
                 let dst = unsafe { optr.slice(gi * g, g) };
-                let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / g as f32;
-                let inv = 1.0 / (ss + eps).sqrt();
-                for ((d, s), wv) in dst.iter_mut().zip(src).zip(&w.data) {
-                    *d = s * inv * wv;
-                }
+                norm_group(&x.data[gi * g..(gi + 1) * g], &w.data, eps, dst);
             }
         });
     }
@@ -414,6 +456,16 @@ impl Device for Cpu {
 
     fn scatter_add_rows(&self, out: &mut CpuTensor, y: &CpuTensor, rows: &[u32], weights: &[f32]) -> Result<()> {
         scatter_add_rows::scatter_add_rows(out, y, rows, weights)
+    }
+}
+
+/// RMSNorm of one group of values times `w`.
+#[inline]
+fn norm_group(src: &[f32], w: &[f32], eps: f32, dst: &mut [f32]) {
+    let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / src.len() as f32;
+    let inv = 1.0 / (ss + eps).sqrt();
+    for ((d, s), wv) in dst.iter_mut().zip(src).zip(w) {
+        *d = s * inv * wv;
     }
 }
 

@@ -170,7 +170,103 @@ pub fn matmul_rows(w: QMatRef<'_>, ids: &[u32], x: &[f32], m: usize, out: &mut [
     run(Isa::best(), w, Some(ids), x, m, out)
 }
 
-fn run(isa: Isa, w: QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: &mut [f32]) {
+/// `outs[i][m][ws[i].rows] = x[m][cols] · ws[i]ᵀ` for weights that share
+/// the input (q, k and v): the activations are quantized once per kind and
+/// every matmul's tasks run in one pool job. Results equal [`matmul`]'s.
+///
+/// # Panics
+/// As [`matmul`], and when `ws` and `outs` differ in length.
+pub fn matmul_many(ws: &[QMatRef<'_>], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "matmul_many: {} weights, {} outputs", ws.len(), outs.len());
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        // Also makes every weight as wide as x's rows (when m > 0).
+        check(w, None, x, m, out);
+    }
+    if m == 0 || ws.is_empty() {
+        return;
+    }
+    let isa = Isa::best();
+    let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    with_acts(isa, x, m, ws[0].cols, ws, &|acts| {
+        let plans: Vec<Plan<'_>> = ws.iter().zip(&ptrs).map(|(w, p)| acts.plan(isa, *w, None, p.get())).collect();
+        run_plans(&plans);
+    });
+}
+
+/// The first half of a gated MLP: `gate = x · w_gateᵀ`, `up = x · w_upᵀ`,
+/// `out = act(gate, up)` (elementwise, e.g. `silu(g) * u`). Results equal
+/// [`matmul`]'s followed by `act` over whole rows, provided `act` computes
+/// each element on its own. When both weights have one type and shape, a
+/// task computes its block of both and applies `act` to it at once.
+///
+/// # Panics
+/// As [`matmul`], and when the weights' shapes differ.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_gated(
+    w_gate: QMatRef<'_>,
+    w_up: QMatRef<'_>,
+    x: &[f32],
+    m: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+    out: &mut [f32],
+    act: &(dyn Fn(&[f32], &[f32], &mut [f32]) + Sync),
+) {
+    assert!(w_gate.rows == w_up.rows && w_gate.cols == w_up.cols, "matmul_gated: gate {}x{}, up {}x{}", w_gate.rows, w_gate.cols, w_up.rows, w_up.cols);
+    check(&w_gate, None, x, m, gate);
+    check(&w_up, None, x, m, up);
+    assert_eq!(out.len(), gate.len(), "matmul_gated: out holds {} values, not {}", out.len(), gate.len());
+    if m == 0 || w_gate.rows == 0 {
+        return;
+    }
+    let isa = Isa::best();
+    let n_out = w_gate.rows;
+    let (gp, up_ptr, op) = (SendPtr(gate.as_mut_ptr()), SendPtr(up.as_mut_ptr()), SendPtr(out.as_mut_ptr()));
+    with_acts(isa, x, m, w_gate.cols, &[w_gate, w_up], &|acts| {
+        let pg = acts.plan(isa, w_gate, None, gp.get());
+        let pu = acts.plan(isa, w_up, None, up_ptr.get());
+        // Apply `act` to output rows c0..c1, columns r0..r1.
+        let apply = |r0: usize, r1: usize, c0: usize, c1: usize| {
+            for c in c0..c1 {
+                let o = c * n_out;
+                // SAFETY: in bounds (checked above); callers give each
+                // (row, column) block to one task only.
+                unsafe {
+                    let g = std::slice::from_raw_parts(gp.get().add(o + r0), r1 - r0);
+                    let u = std::slice::from_raw_parts(up_ptr.get().add(o + r0), r1 - r0);
+                    act(g, u, std::slice::from_raw_parts_mut(op.get().add(o + r0), r1 - r0));
+                }
+            }
+        };
+        if w_gate.dtype == w_up.dtype {
+            // Same type and shape: the same task split, so task t owns the
+            // same block of both outputs.
+            let task = |t: usize| {
+                pg.run(t);
+                pu.run(t);
+                let (r0, r1, c0, c1) = pg.block(t);
+                apply(r0, r1, c0, c1);
+            };
+            match pg.tasks() {
+                1 => task(0),
+                n => pool::parallel_for(n, &task),
+            }
+        } else {
+            run_plans(&[pg, pu]);
+            let rows = |t: usize| {
+                let tasks = pool::threads().min(m);
+                apply(0, n_out, m * t / tasks, m * (t + 1) / tasks);
+            };
+            match pool::threads().min(m) {
+                1 => rows(0),
+                n => pool::parallel_for(n, &rows),
+            }
+        }
+    });
+}
+
+/// Shape checks shared by the entry points.
+fn check(w: &QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: &[f32]) {
     if let Err(e) = w.validate() {
         panic!("matmul: {e}");
     }
@@ -182,37 +278,79 @@ fn run(isa: Isa, w: QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: 
             panic!("matmul_rows: row {bad} is past the weight's {} rows", w.rows);
         }
     }
+}
+
+fn run(isa: Isa, w: QMatRef<'_>, ids: Option<&[u32]>, x: &[f32], m: usize, out: &mut [f32]) {
+    check(&w, ids, x, m, out);
+    let n_out = ids.map_or(w.rows, |ids| ids.len());
     if m == 0 || n_out == 0 {
         return;
     }
-    if w.cols == 0 {
-        out.fill(0.0);
-        return;
+    let optr = out.as_mut_ptr();
+    with_acts(isa, x, m, w.cols, &[w], &|acts| run_plans(&[acts.plan(isa, w, ids, optr)]));
+}
+
+/// Activation rows in each form the weights at hand consume.
+struct Acts {
+    x: *const f32,
+    q8: *const Q8A,
+    q8k: *const Q8KA,
+    m: usize,
+    cols: usize,
+}
+
+impl Acts {
+    /// The plan of one matmul over these activations, writing `out`
+    /// (`m * n_out` values).
+    fn plan<'a>(&self, isa: Isa, w: QMatRef<'a>, ids: Option<&'a [u32]>, out: *mut f32) -> Plan<'a> {
+        let isa = if isa.available() { isa } else { Isa::Scalar };
+        let k = kernel(isa, w.dtype);
+        let cols = self.cols;
+        let (a, a_stride, n) = match act_kind(w.dtype) {
+            ActKind::F32 => (self.x as *const u8, cols * 4, cols),
+            ActKind::Q8 => (self.q8 as *const u8, cols / 32 * std::mem::size_of::<Q8A>(), cols / 32),
+            ActKind::Q8K => (self.q8k as *const u8, cols / 256 * std::mem::size_of::<Q8KA>(), cols / 256),
+        };
+        Plan::new(k, w, ids, a, a_stride, n, self.m, out)
     }
+}
+
+/// Quantize `x` once into each activation form `ws` need (the two 8-bit
+/// forms live in separate per-thread buffers), then run `f`.
+fn with_acts(isa: Isa, x: &[f32], m: usize, cols: usize, ws: &[QMatRef<'_>], f: &dyn Fn(&Acts)) {
     let isa = if isa.available() { isa } else { Isa::Scalar };
-    let k = kernel(isa, w.dtype);
-    let cols = w.cols;
-    match act_kind(w.dtype) {
-        ActKind::F32 => {
-            let a = x.as_ptr() as *const u8;
-            drive(&k, w, ids, a, cols * 4, cols, m, out);
+    let need = |kind: ActKind| ws.iter().any(|w| act_kind(w.dtype) == kind && w.cols > 0);
+    let nb8 = if need(ActKind::Q8) { m * (cols / 32) } else { 0 };
+    let nbk = if need(ActKind::Q8K) { m * (cols / 256) } else { 0 };
+    with_scratch(&SCRATCH_Q8, nb8, |q8| {
+        if nb8 > 0 {
+            quantize_rows(x, m, cols, q8, &|xr, o| quantize_q8a(isa, xr, o));
         }
-        ActKind::Q8 => {
-            let nb = cols / 32;
-            with_scratch(&SCRATCH_Q8, m * nb, |buf| {
-                quantize_rows(x, m, cols, buf, &|xr, o| quantize_q8a(isa, xr, o));
-                let a = buf.as_ptr() as *const u8;
-                drive(&k, w, ids, a, nb * std::mem::size_of::<Q8A>(), nb, m, out);
-            });
-        }
-        ActKind::Q8K => {
-            let nb = cols / 256;
-            with_scratch(&SCRATCH_Q8K, m * nb, |buf| {
-                quantize_rows(x, m, cols, buf, &|xr, o| quantize_q8k(isa, xr, o));
-                let a = buf.as_ptr() as *const u8;
-                drive(&k, w, ids, a, nb * std::mem::size_of::<Q8KA>(), nb, m, out);
-            });
-        }
+        with_scratch(&SCRATCH_Q8K, nbk, |q8k| {
+            if nbk > 0 {
+                quantize_rows(x, m, cols, q8k, &|xr, o| quantize_q8k(isa, xr, o));
+            }
+            f(&Acts { x: x.as_ptr(), q8: q8.as_ptr(), q8k: q8k.as_ptr(), m, cols });
+        });
+    });
+}
+
+/// Run every task of `plans` in one pool job.
+fn run_plans(plans: &[Plan<'_>]) {
+    let mut starts = Vec::with_capacity(plans.len());
+    let mut total = 0;
+    for p in plans {
+        starts.push(total);
+        total += p.tasks();
+    }
+    let task = |t: usize| {
+        let i = starts.partition_point(|&s| s <= t) - 1;
+        plans[i].run(t - starts[i]);
+    };
+    match total {
+        0 => {}
+        1 => task(0),
+        n => pool::parallel_for(n, &task),
     }
 }
 
@@ -251,42 +389,93 @@ const PACK_MIN_ACT_ROWS: usize = 16;
 /// waking the pool would cost more than it saves.
 const MIN_PARALLEL_MACS: usize = 1 << 16;
 
-#[allow(clippy::too_many_arguments)]
-fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride: usize, n: usize, m: usize, out: &mut [f32]) {
-    let rb = w.dtype.bytes_for(w.cols).unwrap_or(0);
-    let n_out = ids.map_or(w.rows, |ids| ids.len());
-    let threads = pool::threads();
-    let macs = n_out * w.cols * m;
-    let par = threads > 1 && macs >= MIN_PARALLEL_MACS;
+/// One matmul split into tasks: task t owns weight rows (output columns)
+/// `r0..r1` and activation rows `c0..c1` (see [`Plan::block`]).
+struct Plan<'a> {
+    k: Kernel,
+    w: QMatRef<'a>,
+    ids: Option<&'a [u32]>,
+    a: SendPtr<u8>,
+    a_stride: usize,
+    /// Blocks per row (elements for float weights).
+    n: usize,
+    m: usize,
+    out: SendPtr<f32>,
+    n_out: usize,
+    /// Bytes of one weight row.
+    rb: usize,
+    n_rc: usize,
+    n_ac: usize,
+    rc_len: usize,
+    ac_len: usize,
+}
 
-    let align = k.rw.max(k.rw_gemv);
-    // Aim for a few tasks per thread so uneven progress balances. Split the
-    // weight rows first (each task then unpacks / streams only its own
-    // rows); split the activation rows too only when there are too few
-    // weight rows to go around.
-    let want_tasks = if par { threads * 4 } else { 1 };
-    let n_rc = want_tasks.min(n_out.div_ceil(16)).max(1);
-    let n_ac = if par { want_tasks.div_ceil(n_rc).min(m.div_ceil(ACT_CHUNK_MIN)).max(1) } else { 1 };
-    let ac_len = m.div_ceil(n_ac).next_multiple_of(k.ra);
-    let n_ac = m.div_ceil(ac_len);
-    let rc_len = n_out.div_ceil(n_rc).next_multiple_of(align);
-    let n_rc = n_out.div_ceil(rc_len);
+impl<'a> Plan<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(k: Kernel, w: QMatRef<'a>, ids: Option<&'a [u32]>, a: *const u8, a_stride: usize, n: usize, m: usize, out: *mut f32) -> Plan<'a> {
+        let rb = w.dtype.bytes_for(w.cols).unwrap_or(0);
+        let n_out = ids.map_or(w.rows, |ids| ids.len());
+        let threads = pool::threads();
+        let macs = n_out * w.cols * m;
+        let par = threads > 1 && macs >= MIN_PARALLEL_MACS;
 
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    let a_ptr = SendPtr(a as *mut u8);
-    // Runs the tiles of weight rows s0..s1 (output columns) against
-    // activation rows c0..c1; `wrow(r)` is weight row r's first byte.
-    let tiles = |kt: TileFn,
-                 partial: bool,
-                 rw_full: usize,
-                 ra_full: usize,
-                 rw_gemv: usize,
-                 w_stride: usize,
-                 s0: usize,
-                 s1: usize,
-                 c0: usize,
-                 c1: usize,
-                 wrow: &dyn Fn(usize) -> *const u8| {
+        let align = k.rw.max(k.rw_gemv);
+        // Aim for a few tasks per thread so uneven progress balances. Split the
+        // weight rows first (each task then unpacks / streams only its own
+        // rows); split the activation rows too only when there are too few
+        // weight rows to go around.
+        let want_tasks = if par { threads * 4 } else { 1 };
+        let n_rc = want_tasks.min(n_out.div_ceil(16)).max(1);
+        let n_ac = if par { want_tasks.div_ceil(n_rc).min(m.div_ceil(ACT_CHUNK_MIN)).max(1) } else { 1 };
+        let ac_len = m.div_ceil(n_ac).next_multiple_of(k.ra);
+        let n_ac = m.div_ceil(ac_len).max(1);
+        let rc_len = n_out.div_ceil(n_rc).next_multiple_of(align);
+        let n_rc = n_out.div_ceil(rc_len).max(1);
+        Plan { k, w, ids, a: SendPtr(a as *mut u8), a_stride, n, m, out: SendPtr(out), n_out, rb, n_rc, n_ac, rc_len, ac_len }
+    }
+
+    fn tasks(&self) -> usize {
+        if self.m == 0 || self.n_out == 0 {
+            0
+        } else {
+            self.n_rc * self.n_ac
+        }
+    }
+
+    /// Task t's weight rows r0..r1 and activation rows c0..c1.
+    fn block(&self, t: usize) -> (usize, usize, usize, usize) {
+        let (rc, ac) = (t % self.n_rc, t / self.n_rc);
+        let (r0, r1) = (rc * self.rc_len, ((rc + 1) * self.rc_len).min(self.n_out));
+        let (c0, c1) = (ac * self.ac_len, ((ac + 1) * self.ac_len).min(self.m));
+        (r0, r1, c0, c1)
+    }
+
+    /// Runs the tiles of weight rows s0..s1 (output columns) against
+    /// activation rows c0..c1; `wrow(r)` is weight row r's first byte.
+    #[allow(clippy::too_many_arguments)]
+    fn tiles(
+        &self,
+        kt: TileFn,
+        partial: bool,
+        rw_full: usize,
+        ra_full: usize,
+        rw_gemv: usize,
+        w_stride: usize,
+        s0: usize,
+        s1: usize,
+        c0: usize,
+        c1: usize,
+        wrow: &dyn Fn(usize) -> *const u8,
+    ) {
+        if self.w.cols == 0 {
+            for c in c0..c1 {
+                for r in s0..s1 {
+                    // SAFETY: (r, c) is inside out and owned by this task.
+                    unsafe { *self.out.get().add(c * self.n_out + r) = 0.0 };
+                }
+            }
+            return;
+        }
         let mut c = c0;
         while c < c1 {
             let ra = if c1 - c >= ra_full {
@@ -296,7 +485,7 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
             } else {
                 1
             };
-            let full_rw = if ids.is_some() {
+            let full_rw = if self.ids.is_some() {
                 1
             } else if ra == 1 {
                 rw_gemv
@@ -313,15 +502,15 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
                     1
                 };
                 let tile = Tile {
-                    dtype: w.dtype,
+                    dtype: self.w.dtype,
                     w: wrow(r),
                     w_stride,
                     // SAFETY (both): c < m; tasks write disjoint (r, c) outputs.
-                    a: unsafe { (a_ptr.get() as *const u8).add(c * a_stride) },
-                    a_stride,
-                    n,
-                    out: unsafe { out_ptr.get().add(c * n_out + r) },
-                    out_stride: n_out,
+                    a: unsafe { (self.a.get() as *const u8).add(c * self.a_stride) },
+                    a_stride: self.a_stride,
+                    n: self.n,
+                    out: unsafe { self.out.get().add(c * self.n_out + r) },
+                    out_stride: self.n_out,
                 };
                 // SAFETY: the kernel matches the ISA chosen; pointers as above.
                 unsafe { kt(&tile, rw, ra) };
@@ -329,12 +518,13 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
             }
             c += ra;
         }
-    };
-    let task = |t: usize| {
-        let (rc, ac) = (t % n_rc, t / n_rc);
-        let (r0, r1) = (rc * rc_len, ((rc + 1) * rc_len).min(n_out));
-        let (c0, c1) = (ac * ac_len, ((ac + 1) * ac_len).min(m));
-        let data = w.data.as_ptr();
+    }
+
+    fn run(&self, t: usize) {
+        let (k, rb) = (&self.k, self.rb);
+        let (r0, r1, c0, c1) = self.block(t);
+        let data = self.w.data.as_ptr();
+        let ids = self.ids;
         // SAFETY: ids were checked to be rows of w.
         let orig = |r: usize| unsafe { data.add(ids.map_or(r, |ids| ids[r] as usize) * rb) };
         let pack = match k.pack {
@@ -346,7 +536,7 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
                 let mut s0 = r0;
                 while s0 < r1 {
                     let s1 = (s0 + sub).min(r1);
-                    tiles(k.tile, k.partial, k.rw, k.ra, k.rw_gemv, rb, s0, s1, c0, c1, &orig);
+                    self.tiles(k.tile, k.partial, k.rw, k.ra, k.rw_gemv, rb, s0, s1, c0, c1, &orig);
                     s0 = s1;
                 }
                 return;
@@ -354,24 +544,18 @@ fn drive(k: &Kernel, w: QMatRef<'_>, ids: Option<&[u32]>, a: *const u8, a_stride
         };
         // Prefill: unpack a block of weight rows once into the kernel's
         // plain layout, then run every activation tile over it.
-        let pb = n * pack.block_bytes;
+        let pb = self.n * pack.block_bytes;
         let sub = (SUB_BYTES / pb.max(1)).clamp(8, 256) / 8 * 8;
         with_pack_scratch(sub * pb, |buf| {
             let mut s0 = r0;
             while s0 < r1 {
                 let s1 = (s0 + sub).min(r1);
                 // SAFETY: rows s0..s1 exist; buf holds sub * pb bytes.
-                unsafe { (pack.pack)(orig(s0), rb, s1 - s0, n, buf) };
+                unsafe { (pack.pack)(orig(s0), rb, s1 - s0, self.n, buf) };
                 let packed = |r: usize| buf.wrapping_add((r - s0) * pb) as *const u8;
-                tiles(pack.tile, pack.partial, pack.rw, pack.ra, pack.rw, pb, s0, s1, c0, c1, &packed);
+                self.tiles(pack.tile, pack.partial, pack.rw, pack.ra, pack.rw, pb, s0, s1, c0, c1, &packed);
                 s0 = s1;
             }
         });
-    };
-    let n_tasks = n_rc * n_ac;
-    if n_tasks == 1 {
-        task(0);
-    } else {
-        pool::parallel_for(n_tasks, &task);
     }
 }

@@ -1,0 +1,123 @@
+//! The CPU's fused ops give exactly what the plain ops give.
+
+use braid_formats::{Bytes, DType};
+
+use super::quant::f32_to_f16;
+use super::{Cpu, CpuTensor, CpuWeight};
+use crate::{Device, GateAct};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random blocks with small f16 scales.
+fn weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> CpuWeight {
+    let data: Vec<u8> = if dtype == DType::F16 {
+        (0..rows * cols).flat_map(|_| f32_to_f16(rng.f()).to_le_bytes()).collect()
+    } else {
+        let mut w: Vec<u8> = (0..dtype.bytes_for(rows * cols).unwrap()).map(|_| rng.next() as u8).collect();
+        let fields: &[usize] = match dtype {
+            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+            DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+            DType::Q6K => &[208],
+            _ => &[],
+        };
+        for blk in w.chunks_exact_mut(dtype.type_size()) {
+            for &o in fields {
+                blk[o..o + 2].copy_from_slice(&f32_to_f16(rng.f() * 0.05).to_le_bytes());
+            }
+        }
+        w
+    };
+    CpuWeight { dtype, rows, cols, data: Bytes::from_vec(data) }
+}
+
+fn tensor(rng: &mut Rng, rows: usize, cols: usize) -> CpuTensor {
+    CpuTensor { data: (0..rows * cols).map(|_| rng.f() * 2.0).collect(), rows, cols }
+}
+
+const TYPES: [DType; 6] = [DType::Q4_1, DType::Q5_0, DType::Q8_0, DType::Q4K, DType::Q6K, DType::F16];
+
+#[test]
+fn matmul_many_equals_separate_matmuls() {
+    let dev = Cpu::new(Some(2));
+    let mut rng = Rng(11);
+    let cols = 512;
+    for m in [1, 3, 20, 45] {
+        for (i, &dt) in TYPES.iter().enumerate() {
+            // Three weights of mixed types and heights over one input.
+            let dts = [dt, TYPES[(i + 1) % TYPES.len()], TYPES[(i + 3) % TYPES.len()]];
+            let ws: Vec<CpuWeight> = dts.iter().zip([70, 9, 33]).map(|(&d, r)| weight(&mut rng, d, r, cols)).collect();
+            let x = tensor(&mut rng, m, cols);
+            let mut fused = [dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0)];
+            {
+                let [a, b, c] = &mut fused;
+                dev.matmul_many(&x, &[&ws[0], &ws[1], &ws[2]], &mut [a, b, c]);
+            }
+            for (w, f) in ws.iter().zip(&fused) {
+                let mut one = dev.tensor(0, 0);
+                dev.matmul(&x, w, &mut one);
+                assert_eq!((f.rows, f.cols), (m, w.rows));
+                assert_eq!(f.data, one.data, "{:?} m={m}", w.dtype);
+            }
+        }
+    }
+}
+
+#[test]
+fn gated_matmul_equals_matmuls_then_activation() {
+    let dev = Cpu::new(Some(2));
+    let mut rng = Rng(12);
+    let cols = 256;
+    for m in [1, 2, 17, 40] {
+        for (i, &dt) in TYPES.iter().enumerate() {
+            // Same types (the fused path) and different ones.
+            for up_dt in [dt, TYPES[(i + 2) % TYPES.len()]] {
+                let (wg, wu) = (weight(&mut rng, dt, 75, cols), weight(&mut rng, up_dt, 75, cols));
+                let x = tensor(&mut rng, m, cols);
+                for act in [GateAct::Silu, GateAct::GeluTanh] {
+                    let (mut g, mut u, mut out) = (dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0));
+                    dev.gated_matmul(&x, &wg, &wu, act, &mut g, &mut u, &mut out);
+                    let (mut g2, mut u2, mut want) = (dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0));
+                    dev.matmul(&x, &wg, &mut g2);
+                    dev.matmul(&x, &wu, &mut u2);
+                    match act {
+                        GateAct::Silu => dev.silu_mul(&g2, &u2, &mut want),
+                        GateAct::GeluTanh => dev.gelu_mul(&g2, &u2, &mut want),
+                    }
+                    assert_eq!((out.rows, out.cols), (m, 75));
+                    assert_eq!(out.data, want.data, "{dt} x {up_dt} {act:?} m={m}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn add_rms_norm_equals_add_then_rms_norm() {
+    let dev = Cpu::new(Some(2));
+    let mut rng = Rng(13);
+    // Whole-row and per-head (grouped) norm weights.
+    for (rows, cols, g) in [(1, 64, 64), (7, 96, 96), (40, 128, 32)] {
+        let x0 = tensor(&mut rng, rows, cols);
+        let y = tensor(&mut rng, rows, cols);
+        let w = tensor(&mut rng, 1, g);
+        let (mut x1, mut out1) = (x0.clone(), dev.tensor(0, 0));
+        dev.add_rms_norm(&mut x1, &y, &w, 1e-6, &mut out1);
+        let (mut x2, mut out2) = (x0.clone(), dev.tensor(0, 0));
+        dev.add(&mut x2, &y);
+        dev.rms_norm(&x2, &w, 1e-6, &mut out2);
+        assert_eq!(x1.data, x2.data);
+        assert_eq!(out1.data, out2.data);
+        assert_eq!((out1.rows, out1.cols), (rows, cols));
+    }
+}

@@ -193,6 +193,9 @@ pub fn matmul_many(ws: &[QMatRef<'_>], x: &[f32], m: usize, outs: &mut [&mut [f3
     });
 }
 
+/// An elementwise gate: `out[i] = f(gate[i], up[i])` over equal slices.
+pub type GateFn = dyn Fn(&[f32], &[f32], &mut [f32]) + Sync;
+
 /// The first half of a gated MLP: `gate = x · w_gateᵀ`, `up = x · w_upᵀ`,
 /// `out = act(gate, up)` (elementwise, e.g. `silu(g) * u`). Results equal
 /// [`matmul`]'s followed by `act` over whole rows, provided `act` computes
@@ -210,7 +213,7 @@ pub fn matmul_gated(
     gate: &mut [f32],
     up: &mut [f32],
     out: &mut [f32],
-    act: &(dyn Fn(&[f32], &[f32], &mut [f32]) + Sync),
+    act: &GateFn,
 ) {
     assert!(w_gate.rows == w_up.rows && w_gate.cols == w_up.cols, "matmul_gated: gate {}x{}, up {}x{}", w_gate.rows, w_gate.cols, w_up.rows, w_up.cols);
     check(&w_gate, None, x, m, gate);

@@ -4,7 +4,7 @@
 //! decode case) and GFLOP/s for m = 512 (prefill), on 1 and 2 threads; then
 //! the matmul time of one decode step / one 512-token prefill for the
 //! shapes of SmolLM2-135M (Q4_1 + Q8_0 head) and Gemma 3 270M (Q4_K_M).
-//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|head|prefill|model`
+//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|few|head|prefill|model`
 //! runs one section; `BRAID_CPU_ISA=scalar` runs the scalar kernels.
 
 use std::time::Instant;
@@ -121,6 +121,22 @@ fn main() {
                 pool::set_threads(t);
                 let s = time(if quick { 20 } else { 100 }, 5, || matmul(w.q(), &x, 1, &mut out));
                 println!("{:<6} {:>8} {:>10.1} {:>9.2}", dtype.name(), t, s * 1e6, w.data.len() as f64 / s / 1e9);
+            }
+        }
+    }
+
+    // Multi-stream decode: a few activation rows share each weight read.
+    if want("few") {
+        println!("\n4096x4096 x m rows (m streams decoding together), 2 threads");
+        println!("{:<6} {:>4} {:>10} {:>9}", "type", "m", "us/call", "GB/s");
+        pool::set_threads(max_threads);
+        for dtype in [DType::Q4_1, DType::Q5_0, DType::Q4K, DType::Q6K, DType::Q8_0] {
+            let w = Mat::new(&mut rng, dtype, n, n);
+            for m in [1, 2, 4, 8, 16] {
+                let x: Vec<f32> = (0..n * m).map(|_| rng.f()).collect();
+                let mut out = vec![0.0; n * m];
+                let s = time(if quick { 10 } else { 50 }, 5, || matmul(w.q(), &x, m, &mut out));
+                println!("{:<6} {:>4} {:>10.1} {:>9.2}", dtype.name(), m, s * 1e6, w.data.len() as f64 / s / 1e9);
             }
         }
     }

@@ -56,27 +56,21 @@ macro_rules! tiles {
     };
 }
 
-tiles!(t_q8_0, tile_b32::<Q80>, 2, 4, 4);
-tiles!(t_q8_1, tile_b32::<Q81>, 2, 4, 4);
 tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
 tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
-
-tiles!(v_q8_0, tile_b32_vnni::<Q80>, 2, 4, 4);
-tiles!(v_q8_1, tile_b32_vnni::<Q81>, 2, 4, 4);
 
 /// The AVX2 kernel for `dtype` (with AVX-VNNI dots when `vnni`), if there
 /// is one (else the scalar one runs).
 pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
     let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None, partial: false });
-    let pick = |plain, with_vnni| if vnni { with_vnni } else { plain };
     match dtype {
         DType::Q4_0 => Some(r8_kernel::<Q40>(vnni)),
         DType::Q4_1 => Some(r8_kernel::<Q41>(vnni)),
         DType::Q5_0 => Some(r8_kernel::<Q50>(vnni)),
         DType::Q5_1 => Some(r8_kernel::<Q51>(vnni)),
-        DType::Q8_0 => k(pick(t_q8_0 as TileFn, v_q8_0), 2, 4, 4),
-        DType::Q8_1 => k(pick(t_q8_1 as TileFn, v_q8_1), 2, 4, 4),
+        DType::Q8_0 => Some(r8_kernel::<Q80>(vnni)),
+        DType::Q8_1 => Some(r8_kernel::<Q81>(vnni)),
         DType::Q4K => Some(r8k_kernel::<4>(vnni)),
         DType::Q5K => Some(r8k_kernel::<5>(vnni)),
         DType::Q6K => Some(r8k_kernel::<6>(vnni)),
@@ -281,51 +275,6 @@ impl Dot for VnniDot {
     #[inline(always)]
     unsafe fn dot(q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, a)
-    }
-}
-
-// The tile bodies are `inline(always)` and carry no target features of
-// their own: each wrapper below compiles a copy with its feature set.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_b32<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
-    tile_b32_body::<MaddDot, K, RW, RA>(t)
-}
-
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn tile_b32_vnni<K: B32, const RW: usize, const RA: usize>(t: &Tile) {
-    tile_b32_body::<VnniDot, K, RW, RA>(t)
-}
-
-#[inline(always)]
-unsafe fn tile_b32_body<D: Dot, K: B32, const RW: usize, const RA: usize>(t: &Tile) {
-    let mut acc = [[_mm256_setzero_ps(); RA]; RW];
-    let mut off = [[0.0f32; RA]; RW];
-    let zero = W32 { q: _mm256_setzero_si256(), abs: _mm256_setzero_si256(), d: 0.0, m: 0.0 };
-    for b in 0..t.n {
-        let mut wb = [zero; RW];
-        for (r, x) in wb.iter_mut().enumerate() {
-            *x = K::unpack(t.w.add(r * t.w_stride + b * K::BYTES));
-            if RA == 1 {
-                prefetch(t.w.wrapping_add((RW + r) * t.w_stride + b * K::BYTES));
-            }
-        }
-        for c in 0..RA {
-            let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
-            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            for r in 0..RW {
-                let p = if K::SIGNED { D::dot(wb[r].abs, _mm256_sign_epi8(av, wb[r].q)) } else { D::dot(wb[r].q, av) };
-                let s = _mm256_set1_ps(wb[r].d * ab.d);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][c]);
-                if K::OFFSET {
-                    off[r][c] += wb[r].m * ab.s;
-                }
-            }
-        }
-    }
-    for c in 0..RA {
-        for r in 0..RW {
-            *t.out.add(c * t.out_stride + r) = hsum(acc[r][c]) + off[r][c];
-        }
     }
 }
 
@@ -636,8 +585,10 @@ unsafe fn pack_rows8<K: B32>(src: *const u8, stride: usize, rows: usize, nb: usi
 }
 
 /// Up to eight packed rows (`t.w` at their group) x `RA` activation rows.
+/// `SIGNED` (Q8_0, Q8_1): the packed values are signed; each product is
+/// taken as |w| times the activation with w's sign, and there is no offset.
 #[inline(always)]
-unsafe fn tile_r8_packed_body<D: DotAcc, const RA: usize>(t: &Tile, rw: usize) {
+unsafe fn tile_r8_packed_body<D: DotAcc, const SIGNED: bool, const RA: usize>(t: &Tile, rw: usize) {
     let mut acc = [_mm256_setzero_ps(); RA];
     let mut off = [_mm256_setzero_ps(); RA];
     for b in 0..t.n {
@@ -649,9 +600,11 @@ unsafe fn tile_r8_packed_body<D: DotAcc, const RA: usize>(t: &Tile, rw: usize) {
         let mut isum = [_mm256_setzero_si256(); RA];
         for k in 0..8 {
             let w = _mm256_loadu_si256(p.add(32 * k) as *const __m256i);
+            let wa = if SIGNED { _mm256_sign_epi8(w, w) } else { w };
             for c in 0..RA {
-                let a4 = ((*ab[c]).qs.as_ptr().add(4 * k) as *const i32).read_unaligned();
-                isum[c] = D::dot_acc(isum[c], w, _mm256_set1_epi32(a4));
+                let a4 = _mm256_set1_epi32(((*ab[c]).qs.as_ptr().add(4 * k) as *const i32).read_unaligned());
+                let a4 = if SIGNED { _mm256_sign_epi8(a4, w) } else { a4 };
+                isum[c] = D::dot_acc(isum[c], wa, a4);
             }
         }
         let d = _mm256_loadu_ps(p.add(256) as *const f32);
@@ -659,7 +612,9 @@ unsafe fn tile_r8_packed_body<D: DotAcc, const RA: usize>(t: &Tile, rw: usize) {
         for c in 0..RA {
             let s = _mm256_mul_ps(d, _mm256_set1_ps((*ab[c]).d));
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), s, acc[c]);
-            off[c] = _mm256_fmadd_ps(m, _mm256_set1_ps((*ab[c]).s), off[c]);
+            if !SIGNED {
+                off[c] = _mm256_fmadd_ps(m, _mm256_set1_ps((*ab[c]).s), off[c]);
+            }
         }
     }
     for c in 0..RA {
@@ -680,6 +635,7 @@ unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize)
     }
     for b in 0..t.n {
         let mut q = [_mm256_setzero_si256(); 8];
+        let mut qa = [_mm256_setzero_si256(); 8];
         let mut d = [0f32; 8];
         let mut m = [0f32; 8];
         for r in 0..8 {
@@ -689,6 +645,7 @@ unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize)
             }
             let u = K::unpack(p);
             q[r] = u.q;
+            qa[r] = u.abs;
             d[r] = u.d;
             m[r] = u.m;
         }
@@ -699,12 +656,14 @@ unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize)
             let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
             let mut v = [_mm256_setzero_si256(); 8];
             for r in 0..8 {
-                v[r] = D::dot(q[r], av);
+                v[r] = if K::SIGNED { D::dot(qa[r], _mm256_sign_epi8(av, q[r])) } else { D::dot(q[r], av) };
             }
             let isum = reduce8(&v);
             let s = _mm256_mul_ps(dv, _mm256_set1_ps(ab.d));
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[c]);
-            off[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ab.s), off[c]);
+            if K::OFFSET {
+                off[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ab.s), off[c]);
+            }
         }
     }
     for c in 0..RA {
@@ -715,12 +674,12 @@ unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize)
 macro_rules! r8_tiles {
     ($packed:ident, $raw:ident, $dot:ty, $feat:literal) => {
         #[target_feature(enable = $feat)]
-        unsafe fn $packed(t: &Tile, rw: usize, ra: usize) {
+        unsafe fn $packed<const SIGNED: bool>(t: &Tile, rw: usize, ra: usize) {
             match ra {
-                1 => tile_r8_packed_body::<$dot, 1>(t, rw),
-                2 => tile_r8_packed_body::<$dot, 2>(t, rw),
-                3 => tile_r8_packed_body::<$dot, 3>(t, rw),
-                _ => tile_r8_packed_body::<$dot, 4>(t, rw),
+                1 => tile_r8_packed_body::<$dot, SIGNED, 1>(t, rw),
+                2 => tile_r8_packed_body::<$dot, SIGNED, 2>(t, rw),
+                3 => tile_r8_packed_body::<$dot, SIGNED, 3>(t, rw),
+                _ => tile_r8_packed_body::<$dot, SIGNED, 4>(t, rw),
             }
         }
         #[target_feature(enable = $feat)]
@@ -738,9 +697,14 @@ macro_rules! r8_tiles {
 r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c");
 r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
 
-/// The eight-row kernel of an unsigned 32-element type.
+/// The eight-row kernel of a 32-element type.
 fn r8_kernel<K: B32>(vnni: bool) -> Kernel {
-    let (raw, packed): (TileFn, TileFn) = if vnni { (r8_raw_vnni::<K>, r8_packed_vnni) } else { (r8_raw::<K>, r8_packed) };
+    let (raw, packed): (TileFn, TileFn) = match (vnni, K::SIGNED) {
+        (true, true) => (r8_raw_vnni::<K>, r8_packed_vnni::<true>),
+        (true, false) => (r8_raw_vnni::<K>, r8_packed_vnni::<false>),
+        (false, true) => (r8_raw::<K>, r8_packed::<true>),
+        (false, false) => (r8_raw::<K>, r8_packed::<false>),
+    };
     let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true };
     Kernel { tile: raw, rw: 8, ra: 4, rw_gemv: 8, pack: Some(pack), partial: true }
 }

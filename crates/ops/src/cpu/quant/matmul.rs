@@ -205,16 +205,7 @@ pub type GateFn = dyn Fn(&[f32], &[f32], &mut [f32]) + Sync;
 /// # Panics
 /// As [`matmul`], and when the weights' shapes differ.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_gated(
-    w_gate: QMatRef<'_>,
-    w_up: QMatRef<'_>,
-    x: &[f32],
-    m: usize,
-    gate: &mut [f32],
-    up: &mut [f32],
-    out: &mut [f32],
-    act: &GateFn,
-) {
+pub fn matmul_gated(w_gate: QMatRef<'_>, w_up: QMatRef<'_>, x: &[f32], m: usize, gate: &mut [f32], up: &mut [f32], out: &mut [f32], act: &GateFn) {
     assert!(w_gate.rows == w_up.rows && w_gate.cols == w_up.cols, "matmul_gated: gate {}x{}, up {}x{}", w_gate.rows, w_gate.cols, w_up.rows, w_up.cols);
     check(&w_gate, None, x, m, gate);
     check(&w_up, None, x, m, up);
@@ -387,7 +378,7 @@ const ACT_CHUNK_MIN: usize = 32;
 /// Bytes of weights (packed or not) a task sweeps per activation tile.
 const SUB_BYTES: usize = 64 << 10;
 /// Activation rows from which repacking a task's weights pays off.
-const PACK_MIN_ACT_ROWS: usize = 16;
+const PACK_MIN_ACT_ROWS: usize = 8;
 /// Below this many multiply-adds a call runs on the calling thread alone:
 /// waking the pool would cost more than it saves.
 const MIN_PARALLEL_MACS: usize = 1 << 16;

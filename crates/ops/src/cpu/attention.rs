@@ -191,10 +191,12 @@ impl Kern for Avx2 {
         // SAFETY: as above; hd is a multiple of 8, q holds G rows and k
         // rows up to b.
         unsafe {
+            // `reduce8`'s order in registers: lanes (0+4, 1+5, 2+6, 3+7),
+            // then (0+4)+(2+6) and (1+5)+(3+7), then their sum.
             let hsum = |v: __m256| {
-                let mut l = [0f32; 8];
-                _mm256_storeu_ps(l.as_mut_ptr(), v);
-                reduce8(&l)
+                let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+                _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)))
             };
             let (qp, kp) = (q.as_ptr(), k.as_ptr());
             let mut j = a;

@@ -121,3 +121,30 @@ fn add_rms_norm_equals_add_then_rms_norm() {
         assert_eq!((out1.rows, out1.cols), (rows, cols));
     }
 }
+
+/// Every m (matvec, few-row tiles, packed prefill tiles, partial tiles)
+/// gives each row exactly its one-row result: the chunk invariance the
+/// CPU backend declares rests on it.
+#[test]
+fn each_row_equals_its_matvec_for_every_m() {
+    let dev = Cpu::new(Some(2));
+    let mut rng = Rng(14);
+    let cols = 512;
+    for &dt in TYPES.iter().chain(&[DType::Q4_0, DType::Q5_1, DType::Q5K]) {
+        let w = weight(&mut rng, dt, 75, cols);
+        let x = tensor(&mut rng, 20, cols);
+        let mut one = Vec::new();
+        for r in 0..x.rows {
+            let mut o = dev.tensor(0, 0);
+            dev.matmul(&CpuTensor { data: x.row(r).to_vec(), rows: 1, cols }, &w, &mut o);
+            one.push(o.data);
+        }
+        for m in 2..=x.rows {
+            let mut o = dev.tensor(0, 0);
+            dev.matmul(&CpuTensor { data: x.data[..m * cols].to_vec(), rows: m, cols }, &w, &mut o);
+            for (r, want) in one.iter().enumerate().take(m) {
+                assert_eq!(o.row(r), &want[..], "{dt} m={m} row {r}");
+            }
+        }
+    }
+}

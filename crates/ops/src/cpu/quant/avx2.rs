@@ -625,7 +625,7 @@ unsafe fn tile_r8_packed_body<D: DotAcc, const SIGNED: bool, const RA: usize>(t:
 /// Up to eight rows of the file's blocks (`t.w`, `t.w_stride`) x `RA`
 /// activation rows.
 #[inline(always)]
-unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize) {
+unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, rw: usize) {
     let mut acc = [_mm256_setzero_ps(); RA];
     let mut off = [_mm256_setzero_ps(); RA];
     // Rows past `rw` repeat the last one; their lanes are not stored.
@@ -651,14 +651,28 @@ unsafe fn tile_r8_raw_body<D: Dot, K: B32, const RA: usize>(t: &Tile, rw: usize)
         }
         let dv = _mm256_loadu_ps(d.as_ptr());
         let mv = _mm256_loadu_ps(m.as_ptr());
+        if RA > 1 {
+            // Several activation rows: transpose once (as `pack_rows8`
+            // does), then each row costs eight broadcast dots, no sums.
+            transpose8(&mut q);
+        }
         for c in 0..RA {
             let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
-            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            let mut v = [_mm256_setzero_si256(); 8];
-            for r in 0..8 {
-                v[r] = if K::SIGNED { D::dot(qa[r], _mm256_sign_epi8(av, q[r])) } else { D::dot(q[r], av) };
-            }
-            let isum = reduce8(&v);
+            let isum = if RA > 1 {
+                let mut isum = _mm256_setzero_si256();
+                for k in 0..8 {
+                    let a4 = _mm256_set1_epi32((ab.qs.as_ptr().add(4 * k) as *const i32).read_unaligned());
+                    isum = if K::SIGNED { D::dot_acc(isum, _mm256_sign_epi8(q[k], q[k]), _mm256_sign_epi8(a4, q[k])) } else { D::dot_acc(isum, q[k], a4) };
+                }
+                isum
+            } else {
+                let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                let mut v = [_mm256_setzero_si256(); 8];
+                for r in 0..8 {
+                    v[r] = if K::SIGNED { D::dot(qa[r], _mm256_sign_epi8(av, q[r])) } else { D::dot(q[r], av) };
+                }
+                reduce8(&v)
+            };
             let s = _mm256_mul_ps(dv, _mm256_set1_ps(ab.d));
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[c]);
             if K::OFFSET {

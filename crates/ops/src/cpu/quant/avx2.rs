@@ -640,9 +640,9 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
         let mut m = [0f32; 8];
         for r in 0..8 {
             let p = wr[r].add(b * K::BYTES);
-            if RA == 1 {
-                prefetch(p.wrapping_add(8 * t.w_stride));
-            }
+            // The next row group's block: the hardware prefetcher follows
+            // eight strided rows poorly, with one activation row or several.
+            prefetch(p.wrapping_add(8 * t.w_stride));
             let u = K::unpack(p);
             q[r] = u.q;
             qa[r] = u.abs;
@@ -930,11 +930,9 @@ unsafe fn tile_r8k_raw_body<const T: u8, const RA: usize>(t: &Tile, rw: usize) {
         let mut dm = [0f32; 8];
         for r in 0..8 {
             let p = wr[r].add(b * bytes);
-            if RA == 1 {
-                let next = p.wrapping_add(8 * t.w_stride);
-                for l in (0..bytes).step_by(64) {
-                    prefetch(next.wrapping_add(l));
-                }
+            let next = p.wrapping_add(8 * t.w_stride);
+            for l in (0..bytes).step_by(64) {
+                prefetch(next.wrapping_add(l));
             }
             let mut v = [_mm256_setzero_si256(); RA];
             let mut mins = [0i16; 16];

@@ -568,7 +568,9 @@ unsafe fn pack_rows8<K: B32>(src: *const u8, stride: usize, rows: usize, nb: usi
             let mut d = [0f32; 8];
             let mut m = [0f32; 8];
             for r in 0..n {
-                let u = K::unpack(src.add((8 * g + r) * stride + b * K::BYTES));
+                let p = src.add((8 * g + r) * stride + b * K::BYTES);
+                prefetch(p.wrapping_add(8 * stride));
+                let u = K::unpack(p);
                 q[r] = u.q;
                 d[r] = u.d;
                 m[r] = u.m;
@@ -755,7 +757,11 @@ unsafe fn pack_rows8k<const T: u8>(src: *const u8, stride: usize, rows: usize, n
             // One row at a time into the one-row layout, then transposed.
             let mut xk = [zero; 8];
             for (r, x) in xk.iter_mut().enumerate().take(n) {
-                pack_k::<T>(src.add((8 * g + r) * stride + b * bytes), 0, 1, 1, x as *mut XK as *mut u8);
+                let p = src.add((8 * g + r) * stride + b * bytes);
+                for l in (0..bytes).step_by(64) {
+                    prefetch(p.wrapping_add(8 * stride + l));
+                }
+                pack_k::<T>(p, 0, 1, 1, x as *mut XK as *mut u8);
             }
             let o = dst.add((g * nb + b) * R8K_BYTES);
             for s in 0..8 {

@@ -378,7 +378,7 @@ const ACT_CHUNK_MIN: usize = 32;
 /// Bytes of weights (packed or not) a task sweeps per activation tile.
 const SUB_BYTES: usize = 64 << 10;
 /// Activation rows from which repacking a task's weights pays off.
-const PACK_MIN_ACT_ROWS: usize = 8;
+const PACK_MIN_ACT_ROWS: usize = 16;
 /// Below this many multiply-adds a call runs on the calling thread alone:
 /// waking the pool would cost more than it saves.
 const MIN_PARALLEL_MACS: usize = 1 << 16;

@@ -7,12 +7,12 @@
 //! scaled into f32 accumulators once per block. Each tile unpacks a
 //! weight block once and uses it for all of its activation rows.
 //!
-//! The unsigned 32-element types (Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants
-//! Q4_K, Q5_K, Q6_K run eight weight rows at a time with one f32 lane per
-//! row (see `pack_rows8`, `pack_rows8k`): prefill
-//! packs the rows transposed, so each `dpbusd` serves eight rows against
-//! one broadcast group of four activation bytes and there are no
-//! horizontal sums at all.
+//! The quantized types (Q4_0 .. Q8_1 and Q4_K, Q5_K, Q6_K) run eight
+//! weight rows at a time with one f32 lane per row (see `pack_rows8`,
+//! `pack_rows8k`): prefill packs the rows transposed, so each `dpbusd`
+//! serves eight rows against one broadcast group of four activation bytes
+//! and there are no horizontal sums at all; matvecs read the file's blocks
+//! and reduce exact integer block sums. Float weights use 2 x 4 tiles.
 
 // Tiles index several same-shaped arrays (accumulators, unpacked rows) by
 // row and column; iterator chains would only obscure that.

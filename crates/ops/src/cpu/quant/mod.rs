@@ -6,18 +6,19 @@
 //! block, as llama.cpp does. Float weights (F32/F16/BF16) take f32
 //! activations directly.
 //!
-//! Kernels: scalar everywhere; AVX2+FMA+F16C tiles (and AVX-VNNI for the
-//! 32-element types) picked at run time ([`Isa::best`]). Q2_K, Q3_K and
+//! Kernels: scalar everywhere; AVX2+FMA+F16C tiles (and AVX-VNNI dots)
+//! picked at run time ([`Isa::best`]). Q2_K, Q3_K and
 //! Q8_K weights run the scalar kernels. The tests hold each ISA against
 //! the scalar one.
 //!
 //! Shapes: a task owns a range of weight rows (and, when rows are few, of
 //! activation rows) and runs register tiles of a few weight rows x a few
-//! activation rows. Matvecs (decode) stream each weight row once, with
-//! software prefetch of the next tile. With 16+ activation rows (prefill)
+//! activation rows. Matvecs (decode, and up to 15 activation rows) stream
+//! each weight row once, with software prefetch of the next tile. With 16+
+//! activation rows (prefill)
 //! a task first unpacks an L2-sized block of its weight rows into plain
-//! bytes + scales, then runs every activation tile over it. The 4/5-bit
-//! and K-quant types keep one f32 lane per output row in groups of eight
+//! bytes + scales, then runs every activation tile over it. The quantized
+//! types keep one f32 lane per output row in groups of eight
 //! rows, and prefill packs those groups transposed, so each integer
 //! `dpbusd` serves eight rows with no horizontal sums.
 //!

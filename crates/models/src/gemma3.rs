@@ -9,7 +9,7 @@ use braid_ops::{AttnSeq, Device, GateAct, KvShape, Rope};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct Gemma3Config {
@@ -228,12 +228,7 @@ impl<D: Device> Model<D> for Gemma3<D> {
                 None => dev.add(&mut s.x, &s.up),
             }
         }
-        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
-        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
-        dev.matmul(&s.q, &self.embed, &mut s.logits);
-        if let Some(cap) = c.final_softcap {
-            dev.softcap(&mut s.logits, cap);
-        }
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())
     }
 }

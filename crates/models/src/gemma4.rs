@@ -20,7 +20,7 @@ use crate::config::HfConfig;
 use crate::gemma3::round_to;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 /// How one layer rotates q and k.
 #[derive(Clone, Debug)]
@@ -339,7 +339,7 @@ impl<D: Device> Model<D> for Gemma4<D> {
         // scratch, 2.. each layer's per-layer input.
         let ple_bufs = if c.ple_dim > 0 { n } else { 0 };
         s.extra(dev, 1 + ple_bufs);
-        let Scratch { x, h, q, k, v, att, gate, up, act, logits, extra } = s;
+        let Scratch { x, h, q, k, v, att, gate, up, act, logits: _, extra } = s;
         let (fixed, ple_in) = extra.split_at_mut(2);
         let [m1, moe_tmp] = fixed else { unreachable!("two fixed extra buffers") };
 
@@ -418,12 +418,7 @@ impl<D: Device> Model<D> for Gemma4<D> {
             }
             dev.scale(x, b.scalar);
         }
-        dev.gather_rows(x, batch.logit_rows, h);
-        dev.rms_norm(h, &self.out_norm, c.eps, q);
-        dev.matmul(q, &self.embed, logits);
-        if let Some(cap) = c.final_softcap {
-            dev.softcap(logits, cap);
-        }
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())
     }
 }

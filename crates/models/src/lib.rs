@@ -106,6 +106,18 @@ impl<D: Device> Scratch<D> {
     }
 }
 
+/// The language-model head, as every family ends: gather the rows whose
+/// logits are wanted (`s.x` → `s.h`), the final RMSNorm (→ `s.q`), the
+/// output matrix (→ `s.logits`), then an optional softcap.
+pub fn lm_head<D: Device>(dev: &D, s: &mut Scratch<D>, logit_rows: &[usize], norm: &D::Tensor, eps: f32, head: &D::Weight, softcap: Option<f32>) {
+    dev.gather_rows(&s.x, logit_rows, &mut s.h);
+    dev.rms_norm(&s.h, norm, eps, &mut s.q);
+    dev.matmul(&s.q, head, &mut s.logits);
+    if let Some(cap) = softcap {
+        dev.softcap(&mut s.logits, cap);
+    }
+}
+
 /// What every architecture offers the backend.
 pub trait Model<D: Device>: Send + Sync {
     /// One entry per attention layer: the shape its KV needs.

@@ -7,7 +7,7 @@ use braid_ops::{Device, GateAct, KvShape, Rope};
 
 use crate::config::HfConfig;
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct LlamaConfig {
@@ -194,9 +194,7 @@ impl<D: Device> Model<D> for Llama<D> {
             }
         }
         // Head: only the rows whose logits are wanted.
-        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
-        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
-        dev.matmul(&s.q, self.head.as_ref().unwrap_or(&self.embed), &mut s.logits);
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())
     }
 }

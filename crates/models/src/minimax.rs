@@ -16,7 +16,7 @@ use braid_ops::{Device, KvShape, Rope};
 use crate::moe::{Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 /// The lightning-attention output norm's epsilon: transformers uses its
 /// default here whatever `rms_norm_eps` says.
@@ -267,9 +267,7 @@ impl<D: Device> Model<D> for MiniMax<D> {
             dev.scale(&mut s.h, alpha);
             dev.add(&mut s.x, &s.h);
         }
-        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
-        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
-        dev.matmul(&s.q, self.head.as_ref().unwrap_or(&self.embed), &mut s.logits);
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())
     }
 }

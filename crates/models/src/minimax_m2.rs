@@ -17,7 +17,7 @@ use braid_ops::{BlockSparse, Device, KvShape, Rope};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config};
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct MiniMaxM2Config {
@@ -317,9 +317,7 @@ impl<D: Device> Model<D> for MiniMaxM2<D> {
             }
             dev.add(&mut s.x, &s.q);
         }
-        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
-        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
-        dev.matmul(&s.q, self.head.as_ref().unwrap_or(&self.embed), &mut s.logits);
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())
     }
 }

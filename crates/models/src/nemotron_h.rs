@@ -17,7 +17,7 @@ use braid_ops::{Device, KvShape, SsmShape};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mixer {
@@ -362,9 +362,7 @@ impl<D: Device> Model<D> for NemotronH<D> {
             }
             dev.add(&mut s.x, &s.h);
         }
-        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
-        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
-        dev.matmul(&s.q, &self.head, &mut s.logits);
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.head, None);
         Ok(())
     }
 }

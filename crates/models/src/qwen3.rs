@@ -7,7 +7,7 @@ use braid_ops::{Device, KvShape};
 
 use crate::llama::LlamaConfig;
 use crate::source::Source;
-use crate::{Batch, LayerState, Memory, Model, Scratch};
+use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
 struct Block<D: Device> {
     attn_norm: D::Tensor,
@@ -107,9 +107,7 @@ impl<D: Device> Model<D> for Qwen3<D> {
             dev.matmul(&s.act, &b.w_down, &mut s.h);
             dev.add(&mut s.x, &s.h);
         }
-        dev.gather_rows(&s.x, batch.logit_rows, &mut s.h);
-        dev.rms_norm(&s.h, &self.out_norm, c.eps, &mut s.q);
-        dev.matmul(&s.q, self.head.as_ref().unwrap_or(&self.embed), &mut s.logits);
+        lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())
     }
 }

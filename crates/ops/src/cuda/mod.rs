@@ -11,6 +11,7 @@
 //! that returns a `Result` (`download`, [`Cuda::sync`]); once one is kept,
 //! later ops do nothing.
 
+mod hybrid;
 mod kernels;
 mod rt;
 
@@ -157,6 +158,8 @@ struct Inner {
     graphs_enabled: AtomicBool,
     gemv_max_rows: usize,
     st: Mutex<State>,
+    /// The hybrid families' kernels (loaded on first use) and scratch.
+    hybrid: hybrid::Hybrid,
 }
 
 // Raw handles are used from one thread at a time (the lane thread); the
@@ -307,6 +310,7 @@ impl Cuda {
                     profiling: false,
                     prof: Vec::new(),
                 }),
+                hybrid: hybrid::Hybrid::default(),
             }),
         })
     }
@@ -1651,6 +1655,88 @@ impl Device for Cuda {
         })();
         self.record(r);
     }
+
+    // ---- the hybrid families' ops (cuda/hybrid.rs) ----
+    fn rope_freqs(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
+        self.hy_rope_freqs(x, positions, head_dim, inv_freq)
+    }
+    fn scatter_add_rows(&self, out: &mut CudaTensor, y: &CudaTensor, rows: &[u32], weights: &[f32]) -> Result<()> {
+        self.hy_scatter_add_rows(out, y, rows, weights)
+    }
+    fn silu(&self, x: &mut CudaTensor) -> Result<()> {
+        self.hy_silu(x)
+    }
+    fn relu2(&self, x: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
+        self.hy_relu2(x, out)
+    }
+    fn mul(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        self.hy_mul(x, y)
+    }
+    fn sigmoid_mul(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
+        self.hy_sigmoid_mul(x, gate)
+    }
+    fn group_rms_norm(&self, x: &CudaTensor, w: &CudaTensor, group: usize, eps: f32, out: &mut CudaTensor) -> Result<()> {
+        self.hy_group_rms_norm(x, w, group, eps, out)
+    }
+    fn swiglu_clamped(&self, gate: &CudaTensor, up: &CudaTensor, limit: f32, alpha: f32, out: &mut CudaTensor) -> Result<()> {
+        self.hy_swiglu_clamped(gate, up, limit, alpha, out)
+    }
+    fn short_conv(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        kernel: usize,
+        silu: bool,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[crate::StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.hy_short_conv(x, weight, bias, kernel, silu, state, state_offset, seqs, out)
+    }
+    fn ssm_scan(
+        &self,
+        xbc: &CudaTensor,
+        dt: &CudaTensor,
+        dt_bias: &CudaTensor,
+        a: &CudaTensor,
+        d: &CudaTensor,
+        shape: &crate::SsmShape,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[crate::StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.hy_ssm_scan(xbc, dt, dt_bias, a, d, shape, state, state_offset, seqs, out)
+    }
+    fn linear_attention(
+        &self,
+        qkv: &CudaTensor,
+        slopes: &CudaTensor,
+        heads: usize,
+        head_dim: usize,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[crate::StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.hy_linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
+    }
+    fn block_sparse_attention(
+        &self,
+        q: &CudaTensor,
+        iq: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        index_layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        sel: &crate::BlockSparse,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.hy_block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
+    }
 }
 
 /// Whether libnvrtc can be loaded.
@@ -1664,6 +1750,7 @@ pub fn compile_check(arch: &str, head_dims: &[usize], groups: &[usize]) -> Resul
     ensure!(nvrtc_present(), "libnvrtc is not on the library path");
     rt::guarded("NVRTC", || {
         rt::compile(kernels::BASE, arch)?;
+        rt::compile(hybrid::SRC, arch).map_err(|e| anyhow!("hybrid kernels: {e}"))?;
         for &hd in head_dims {
             for &g in groups {
                 rt::compile(&format!("#define HD {hd}\n#define G {g}\n{}", kernels::ATTENTION), arch).map_err(|e| anyhow!("attention HD={hd} G={g}: {e}"))?;

@@ -1,0 +1,1105 @@
+//! The ops of the hybrid families on the GPU: LFM2's short conv, Mamba2's
+//! selective scan and gated group norm, MiniMax's lightning (linear) and
+//! block-sparse attention, the pointwise ops around them, Gemma 4's RoPE
+//! from a frequency table, and the MoE scatter. CUDA C in its own NVRTC
+//! module ([`SRC`]), compiled (or taken from the on-disk cache) on first
+//! use, and the launches.
+//!
+//! Every op reads and writes device memory only (index arrays go up through
+//! the upload arena), so they run inside decode rounds and CUDA graphs. The
+//! recurrences (conv state, SSM and linear-attention scans) step token by
+//! token in the same order whatever the chunking, so, as on the CPU, a row's
+//! result does not depend on how its prompt was cut.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use anyhow::{anyhow, ensure, Result};
+
+use super::rt::{self, Arg, DevBuf};
+use super::{Cuda, CudaKv, CudaTensor, Mode};
+use crate::{AttnSeq, BlockSparse, SsmShape, StateSeq};
+
+/// Longest conv filter (as on the CPU: Mamba2 uses 4, LFM2 3).
+const MAX_KERNEL: usize = 16;
+/// SSM state size per lane × 32 lanes (`SSM_NPL` in the source).
+const MAX_SSM_STATE: usize = 256;
+/// Linear-attention head dim: 32 values per lane × 8 lanes (`LA_MPL`).
+const MAX_LINEAR_HEAD_DIM: usize = 256;
+/// Block-sparse attention: head dim (8 values per lane), indexer dim (the
+/// query in shared memory), kept blocks (`BSA_MAXD`, `BSA_MAXK`).
+const MAX_SPARSE_HEAD_DIM: usize = 256;
+const MAX_INDEX_DIM: usize = 512;
+const MAX_TOPK: usize = 256;
+/// Grid y / z limit.
+const MAX_GRID_YZ: usize = 65535;
+
+/// CUDA C of the hybrid ops. Like `kernels::BASE`: no headers, bf16 as
+/// `unsigned short`. Every kernel opens with `PDL_ENTRY()`: the
+/// programmatic-dependent-launch wait (on sm_90+, where the instruction
+/// exists) before it touches global memory, since it may start while the
+/// previous kernel is still running.
+pub(super) const SRC: &str = r#"
+typedef unsigned short bf16_t;
+// Programmatic dependent launch (sm_90+): a kernel may start while the one
+// before it finishes, so each first waits for its predecessor (all of it,
+// memory included), then lets its own successor launch. (As in kernels.rs;
+// this module is compiled on its own.)
+#if __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_WAIT()
+#define PDL_LAUNCH()
+#endif
+#define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
+#define HY_NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float hy_bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ bf16_t hy_f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+__device__ __forceinline__ float hy_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float hy_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ unsigned long long hy_warp_max_u64(unsigned long long v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = u > v ? u : v;
+    }
+    return v;
+}
+__device__ __forceinline__ float hy_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float hy_silu1(float x) { return x / (1.f + expf(-x)); }
+
+#define HY_LOOP(i, n) for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < (n); i += (long)gridDim.x * blockDim.x)
+
+// ---- RoPE from a table, MoE scatter ----
+
+// One block per row; threads over (head, pair). The pair (i, i + half)
+// turns by pos * inv_freq[i].
+extern "C" __global__ void hy_rope_freqs(float* __restrict__ x, const unsigned* __restrict__ pos, const float* __restrict__ inv_freq,
+                                         int cols, int head_dim, int half) {
+    PDL_ENTRY();
+    int heads = cols / head_dim;
+    float p = (float)pos[blockIdx.x];
+    float* row = x + (long)blockIdx.x * cols;
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        int h = t / half, i = t - h * half;
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        float* hd = row + (long)h * head_dim;
+        float x0 = hd[i], x1 = hd[i + half];
+        hd[i] = x0 * c - x1 * s;
+        hd[i + half] = x0 * s + x1 * c;
+    }
+}
+
+// out[rows[i]] += w[i] * y[i]. Threads over columns; blocks in y over the
+// rows of y. With gridDim.y == 1 one thread adds every row in order (the
+// host picks that when a target row repeats).
+extern "C" __global__ void hy_scatter_add(float* __restrict__ out, const float* __restrict__ y, const unsigned* __restrict__ rows,
+                                          const float* __restrict__ w, int n, int cols) {
+    PDL_ENTRY();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    for (int i = blockIdx.y; i < n; i += gridDim.y) out[(long)rows[i] * cols + c] += w[i] * y[(long)i * cols + c];
+}
+
+// ---- pointwise (each writes its f32 result and the bf16 copy) ----
+
+extern "C" __global__ void hy_silu(float* __restrict__ x, bf16_t* __restrict__ xb, long n) {
+    PDL_ENTRY();
+    HY_LOOP(i, n) {
+        float v = hy_silu1(x[i]);
+        x[i] = v;
+        xb[i] = hy_f2bf(v);
+    }
+}
+
+extern "C" __global__ void hy_relu2(const float* __restrict__ x, float* __restrict__ out, bf16_t* __restrict__ ob, long n) {
+    PDL_ENTRY();
+    HY_LOOP(i, n) {
+        float r = fmaxf(x[i], 0.f);
+        float v = r * r;
+        out[i] = v;
+        ob[i] = hy_f2bf(v);
+    }
+}
+
+extern "C" __global__ void hy_mul(float* __restrict__ x, const float* __restrict__ y, bf16_t* __restrict__ xb, long n) {
+    PDL_ENTRY();
+    HY_LOOP(i, n) {
+        float v = x[i] * y[i];
+        x[i] = v;
+        xb[i] = hy_f2bf(v);
+    }
+}
+
+extern "C" __global__ void hy_sigmoid_mul(float* __restrict__ x, const float* __restrict__ g, bf16_t* __restrict__ xb, long n) {
+    PDL_ENTRY();
+    HY_LOOP(i, n) {
+        float v = x[i] * hy_sigmoid(g[i]);
+        x[i] = v;
+        xb[i] = hy_f2bf(v);
+    }
+}
+
+extern "C" __global__ void hy_swiglu_clamped(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ out,
+                                             bf16_t* __restrict__ ob, float limit, float alpha, long n) {
+    PDL_ENTRY();
+    HY_LOOP(i, n) {
+        float g = fminf(gate[i], limit);
+        float u = fminf(fmaxf(up[i], -limit), limit);
+        float v = (u + 1.f) * g * hy_sigmoid(alpha * g);
+        out[i] = v;
+        ob[i] = hy_f2bf(v);
+    }
+}
+
+// One warp per group of g values; the weight is a whole row wide.
+extern "C" __global__ void hy_group_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                             bf16_t* __restrict__ ob, int groups, int g, int cols, float eps) {
+    PDL_ENTRY();
+    int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (gi >= groups) return;
+    long base = (long)gi * g;
+    const float* wg = w + (int)(base % cols);
+    float ss = 0.f;
+    for (int i = lane; i < g; i += 32) { float v = x[base + i]; ss += v * v; }
+    ss = hy_warp_sum(ss);
+    float inv = 1.f / sqrtf(ss / (float)g + eps);
+    for (int i = lane; i < g; i += 32) {
+        float v = x[base + i] * inv * wg[i];
+        out[base + i] = v;
+        ob[base + i] = hy_f2bf(v);
+    }
+}
+
+// ---- recurrent ops; meta holds [start, len, slot] per sequence ----
+
+// Short conv outputs: one thread per (row, channel), all rows at once (an
+// output needs only the K inputs up to it: the batch's, or before the
+// sequence's first row, the ones its state row keeps). After meta's
+// sequences, one entry per batch row: its sequence, or ~0 for none.
+extern "C" __global__ void hy_conv(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+                                   const float* __restrict__ state, float* __restrict__ out, const unsigned* __restrict__ meta,
+                                   int nseq, int rows, int C, int K, int scols, int soff, int silu) {
+    PDL_ENTRY();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int tail = K - 1;
+    const unsigned* row_seq = meta + 3 * nseq;
+    const float* wc = w + (long)c * K;
+    const float b = bias ? bias[c] : 0.f;
+    for (int t = blockIdx.y; t < rows; t += gridDim.y) {
+        unsigned si = row_seq[t];
+        if (si == 0xffffffffu) continue;
+        int start = (int)meta[3 * si];
+        const float* st = state + (long)meta[3 * si + 2] * scols + soff + (long)c * tail;
+        float acc = b;
+        for (int k = 0; k < K; k++) {
+            int src = t - tail + k;
+            float v = src >= start ? x[(long)src * C + c] : st[tail - (start - src)];
+            acc += wc[k] * v;
+        }
+        out[(long)t * C + c] = silu ? hy_silu1(acc) : acc;
+    }
+}
+
+// The conv state after each sequence: its last K - 1 inputs (one thread
+// per (channel, sequence); runs after hy_conv, which read the old state).
+extern "C" __global__ void hy_conv_state(const float* __restrict__ x, float* __restrict__ state, const unsigned* __restrict__ meta,
+                                         int C, int K, int scols, int soff) {
+    PDL_ENTRY();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int s = blockIdx.y, tail = K - 1;
+    const int start = (int)meta[3 * s], len = (int)meta[3 * s + 1];
+    float* st = state + (long)meta[3 * s + 2] * scols + soff + (long)c * tail;
+    float keep[15];
+    for (int j = 0; j < tail; j++) {
+        int src = start + len - tail + j;
+        keep[j] = src >= start ? x[(long)src * C + c] : st[tail - (start - src)];
+    }
+    for (int j = 0; j < tail; j++) st[j] = keep[j];
+}
+
+// Mamba2 scan. Block: 4 warps (x gridDim.x) over the head's channels p,
+// SSM_ROWS channels a warp; each lane keeps the state values n = lane + 32m
+// of its channels in registers through the sequence's tokens; y_p is a
+// warp sum. Grid: (channel blocks, heads, sequences).
+#define SSM_ROWS 4
+#define SSM_NPL 8
+extern "C" __global__ void hy_ssm_scan(const float* __restrict__ xbc, const float* __restrict__ dt, const float* __restrict__ dt_bias,
+                                       const float* __restrict__ a, const float* __restrict__ d, float* __restrict__ state,
+                                       float* __restrict__ out, const unsigned* __restrict__ meta, int heads, int hd, int N,
+                                       int groups, int scols, int soff, float dt_min, float dt_max) {
+    PDL_ENTRY();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.y, s = blockIdx.z;
+    const int p0 = (blockIdx.x * (blockDim.x >> 5) + warp) * SSM_ROWS;
+    const unsigned start = meta[3 * s], len = meta[3 * s + 1];
+    const int inner = heads * hd, xcols = inner + 2 * groups * N;
+    const int gi = h / (heads / groups);
+    float* st = state + (long)meta[3 * s + 2] * scols + soff + (long)h * hd * N;
+    float S[SSM_ROWS][SSM_NPL];
+#pragma unroll
+    for (int r = 0; r < SSM_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < SSM_NPL; m++) {
+            int p = p0 + r, n = lane + 32 * m;
+            S[r][m] = (p < hd && n < N) ? st[(long)p * N + n] : 0.f;
+        }
+    }
+    const float ah = a[h], dh = d[h], bias = dt_bias[h];
+    for (unsigned t = start; t < start + len; t++) {
+        const float* row = xbc + (long)t * xcols;
+        float v = dt[(long)t * heads + h] + bias;
+        float step = v > 20.f ? v : log1pf(expf(v));
+        step = fminf(fmaxf(step, dt_min), dt_max);
+        const float decay = expf(step * ah);
+        float bv[SSM_NPL], cv[SSM_NPL];
+#pragma unroll
+        for (int m = 0; m < SSM_NPL; m++) {
+            int n = lane + 32 * m;
+            bv[m] = n < N ? row[inner + gi * N + n] : 0.f;
+            cv[m] = n < N ? row[inner + groups * N + gi * N + n] : 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < SSM_ROWS; r++) {
+            int p = p0 + r;
+            if (p < hd) {  // the same for the whole warp
+                float xp = row[h * hd + p];
+                float dx = step * xp;
+                float acc = 0.f;
+#pragma unroll
+                for (int m = 0; m < SSM_NPL; m++) {
+                    S[r][m] = decay * S[r][m] + dx * bv[m];
+                    acc += S[r][m] * cv[m];
+                }
+                acc = hy_warp_sum(acc);
+                if (lane == 0) out[(long)t * inner + h * hd + p] = acc + dh * xp;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < SSM_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < SSM_NPL; m++) {
+            int p = p0 + r, n = lane + 32 * m;
+            if (p < hd && n < N) st[(long)p * N + n] = S[r][m];
+        }
+    }
+}
+
+// Lightning attention: S = e^-slope S + k^T v, o = q S. Block: 4 warps
+// (x gridDim.x) over the value columns j, 4 a warp; the 8 lanes of a
+// column hold S[i][j] for i = sub + 8m in registers, and o_j is their sum.
+// Grid: (column blocks, heads, sequences).
+#define LA_MPL 32
+extern "C" __global__ void hy_linear_attention(const float* __restrict__ qkv, const float* __restrict__ slopes, float* __restrict__ state,
+                                               float* __restrict__ out, const unsigned* __restrict__ meta, int heads, int hd,
+                                               int scols, int soff) {
+    PDL_ENTRY();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane & 7;
+    const int j = (blockIdx.x * (blockDim.x >> 5) + warp) * 4 + (lane >> 3);
+    const int h = blockIdx.y, s = blockIdx.z;
+    const unsigned start = meta[3 * s], len = meta[3 * s + 1];
+    float* st = state + (long)meta[3 * s + 2] * scols + soff + (long)h * hd * hd;
+    const int mpl = (hd + 7) >> 3;
+    float S[LA_MPL];
+#pragma unroll
+    for (int m = 0; m < LA_MPL; m++) {
+        int i = sub + 8 * m;
+        S[m] = (m < mpl && i < hd && j < hd) ? st[(long)i * hd + j] : 0.f;
+    }
+    const float decay = expf(-slopes[h]);
+    const long rw = (long)heads * 3 * hd;
+    for (unsigned t = start; t < start + len; t++) {
+        const float* r = qkv + (long)t * rw + (long)h * 3 * hd;
+        const float vj = j < hd ? r[2 * hd + j] : 0.f;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < LA_MPL; m++) {
+            int i = sub + 8 * m;
+            if (m < mpl && i < hd) {
+                S[m] = decay * S[m] + r[hd + i] * vj;
+                acc += r[i] * S[m];
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+        if (sub == 0 && j < hd) out[(long)t * heads * hd + (long)h * hd + j] = acc;
+    }
+#pragma unroll
+    for (int m = 0; m < LA_MPL; m++) {
+        int i = sub + 8 * m;
+        if (m < mpl && i < hd && j < hd) st[(long)i * hd + j] = S[m];
+    }
+}
+
+// ---- block-sparse attention; meta: [q_start, q_len, kv_len, table offset]
+// per sequence, [sequence, i] per query row at off_rows, block tables at off_bt ----
+
+#define BSA_MAXD 512
+#define BSA_MAXK 256
+
+// An order-preserving key: larger score first, then the lower block.
+__device__ __forceinline__ unsigned long long hy_block_key(float s, unsigned b) {
+    unsigned u = __float_as_uint(s);
+    unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)ord << 32) | (unsigned long long)(0xffffffffu - b);
+}
+
+// One block per (query row, indexer head): each key block's score is its
+// best iq . key over the visible keys (a warp per key block, a lane per
+// key), then the local blocks and the best others are kept, ascending.
+extern "C" __global__ void hy_bsa_select(const float* __restrict__ iq, int iq_cols, const bf16_t* __restrict__ ik,
+                                         const unsigned* __restrict__ meta, int off_rows, int off_bt, int bt, int idim, int block,
+                                         int local, int topk, int nbmax, float* __restrict__ scores, unsigned* __restrict__ chosen) {
+    PDL_ENTRY();
+    __shared__ float qs[BSA_MAXD];
+    __shared__ unsigned kept[BSA_MAXK];
+    __shared__ unsigned long long red[32];
+    __shared__ int nkept;
+    const int w = blockIdx.x, h = blockIdx.y, ih = gridDim.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const unsigned si = meta[off_rows + 2 * w], i = meta[off_rows + 2 * w + 1];
+    const unsigned q_start = meta[4 * si], q_len = meta[4 * si + 1], kv_len = meta[4 * si + 2];
+    const unsigned* table = meta + off_bt + meta[4 * si + 3];
+    const int pos = (int)(kv_len - q_len + i);
+    const int qb = pos / block;
+    const float* qv = iq + (long)(q_start + i) * iq_cols + (long)h * idim;
+    for (int d = threadIdx.x; d < idim; d += blockDim.x) qs[d] = qv[d];
+    __syncthreads();
+    float* sc = scores + ((long)w * ih + h) * nbmax;
+    for (int b = warp; b <= qb; b += nwarps) {
+        float best = HY_NEG_INF;
+        const int j1 = min((b + 1) * block, pos + 1);
+        for (int j = b * block + lane; j < j1; j += 32) {
+            const bf16_t* kr = ik + ((long)table[j / bt] * bt + j % bt) * idim;
+            float dot = 0.f;
+            for (int d = 0; d < idim; d++) dot += qs[d] * hy_bf2f(kr[d]);
+            best = fmaxf(best, dot);
+        }
+        best = hy_warp_max(best);
+        if (lane == 0) sc[b] = best;
+    }
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int l = 0; l < local; l++) {
+            unsigned b = qb >= l ? (unsigned)(qb - l) : 0u;
+            bool dup = false;
+            for (int k = 0; k < n; k++) dup |= kept[k] == b;
+            if (n < topk && !dup) kept[n++] = b;
+        }
+        nkept = n;
+    }
+    __syncthreads();
+    // The best remaining blocks, one block-wide max a pick.
+    for (int pick = nkept; pick < topk; pick++) {
+        unsigned long long best = 0ull;
+        for (int b = threadIdx.x; b <= qb; b += blockDim.x) {
+            bool taken = false;
+            for (int k = 0; k < pick; k++) taken |= kept[k] == (unsigned)b;
+            if (!taken) {
+                unsigned long long key = hy_block_key(sc[b], (unsigned)b);
+                best = key > best ? key : best;
+            }
+        }
+        best = hy_warp_max_u64(best);
+        if (lane == 0) red[warp] = best;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long m = 0ull;
+            for (int k = 0; k < nwarps; k++) m = red[k] > m ? red[k] : m;
+            if (m != 0ull) {
+                kept[pick] = 0xffffffffu - (unsigned)(m & 0xffffffffull);
+                nkept = pick + 1;
+            }
+        }
+        __syncthreads();
+        if (nkept == pick) break;  // no block left
+    }
+    if (threadIdx.x == 0) {
+        const int n = nkept;
+        for (int a = 1; a < n; a++) {
+            unsigned v = kept[a];
+            int k = a - 1;
+            while (k >= 0 && kept[k] > v) { kept[k + 1] = kept[k]; k--; }
+            kept[k + 1] = v;
+        }
+        unsigned* dst = chosen + ((long)w * ih + h) * topk;
+        for (int k = 0; k < topk; k++) dst[k] = k < n ? kept[k] : 0xffffffffu;
+    }
+}
+
+// One block of 4 warps per (query row, head): the warps take turns over
+// the keys of the kept blocks, each with its own online softmax (lanes
+// over the head dim), merged at the end.
+extern "C" __global__ void hy_bsa_attend(const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+                                         const unsigned* __restrict__ meta, int off_rows, int off_bt, int bt, int hd, int kv_w, int group,
+                                         int per_index, int ih, int block, int topk, const unsigned* __restrict__ chosen, float scale,
+                                         float* __restrict__ out, bf16_t* __restrict__ ob) {
+    PDL_ENTRY();
+    __shared__ float sm[4], sl[4];
+    __shared__ float sacc[4][256];
+    const int w = blockIdx.x, hh = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned si = meta[off_rows + 2 * w], i = meta[off_rows + 2 * w + 1];
+    const unsigned q_start = meta[4 * si], q_len = meta[4 * si + 1], kv_len = meta[4 * si + 2];
+    const unsigned* table = meta + off_bt + meta[4 * si + 3];
+    const int pos = (int)(kv_len - q_len + i);
+    const long qrow = q_start + i;
+    const int kvh = hh / group;
+    const unsigned* kept = chosen + ((long)w * ih + hh / per_index) * topk;
+    float qv[8], acc[8];
+#pragma unroll
+    for (int m = 0; m < 8; m++) {
+        int d = lane + 32 * m;
+        qv[m] = d < hd ? q[qrow * q_cols + (long)hh * hd + d] : 0.f;
+        acc[m] = 0.f;
+    }
+    float mx = HY_NEG_INF, l = 0.f;
+    for (int k = 0; k < topk; k++) {
+        const unsigned b = kept[k];
+        if (b == 0xffffffffu) break;
+        const int j1 = min(((int)b + 1) * block, pos + 1);
+        for (int j = (int)b * block + warp; j < j1; j += 4) {
+            const long off = ((long)table[j / bt] * bt + j % bt) * kv_w + (long)kvh * hd;
+            float dot = 0.f;
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                int d = lane + 32 * m;
+                if (d < hd) dot += qv[m] * hy_bf2f(kc[off + d]);
+            }
+            const float s = hy_warp_sum(dot) * scale;
+            const float nm = fmaxf(mx, s);
+            const float corr = expf(mx - nm), p = expf(s - nm);
+            l = l * corr + p;
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                int d = lane + 32 * m;
+                if (d < hd) acc[m] = acc[m] * corr + p * hy_bf2f(vc[off + d]);
+            }
+            mx = nm;
+        }
+    }
+    if (lane == 0) { sm[warp] = mx; sl[warp] = l; }
+#pragma unroll
+    for (int m = 0; m < 8; m++) {
+        int d = lane + 32 * m;
+        if (d < hd) sacc[warp][d] = acc[m];
+    }
+    __syncthreads();
+    float M = fmaxf(fmaxf(sm[0], sm[1]), fmaxf(sm[2], sm[3]));
+    float e[4], L = 0.f;
+    for (int k = 0; k < 4; k++) {
+        e[k] = sm[k] == HY_NEG_INF ? 0.f : expf(sm[k] - M);
+        L += sl[k] * e[k];
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = (sacc[0][d] * e[0] + sacc[1][d] * e[1] + sacc[2][d] * e[2] + sacc[3][d] * e[3]) * inv;
+        out[qrow * q_cols + (long)hh * hd + d] = o;
+        ob[qrow * q_cols + (long)hh * hd + d] = hy_f2bf(o);
+    }
+}
+"#;
+
+macro_rules! hybrid_kernels {
+    ($($f:ident),* $(,)?) => {
+        /// Function handles of the module's kernels (`hy_<name>`).
+        #[derive(Clone, Copy)]
+        struct Fns {
+            $($f: usize,)*
+        }
+
+        impl Fns {
+            fn load(m: &rt::Module) -> Result<Fns> {
+                Ok(Fns { $($f: m.func(concat!("hy_", stringify!($f)))?,)* })
+            }
+
+            fn names(&self) -> Vec<(usize, &'static str)> {
+                vec![$((self.$f, concat!("hy_", stringify!($f))),)*]
+            }
+        }
+    };
+}
+
+hybrid_kernels!(
+    rope_freqs,
+    scatter_add,
+    silu,
+    relu2,
+    mul,
+    sigmoid_mul,
+    swiglu_clamped,
+    group_rms_norm,
+    conv,
+    conv_state,
+    ssm_scan,
+    linear_attention,
+    bsa_select,
+    bsa_attend,
+);
+
+/// The module, loaded on first use, and the block-sparse scratch.
+#[derive(Default)]
+pub(super) struct Hybrid {
+    fns: Mutex<Option<Fns>>,
+    /// Block scores and kept blocks of a block-sparse attention call.
+    scratch: Mutex<Option<DevBuf>>,
+}
+
+/// Sequences must lie inside the batch, not overlap, and name distinct
+/// state rows (two sequences updating one row would race).
+fn check_seqs(op: &str, seqs: &[StateSeq], rows: usize, slots: usize) -> Result<()> {
+    ensure!(seqs.len() <= MAX_GRID_YZ, "{op}: {} sequences in one call (at most {MAX_GRID_YZ})", seqs.len());
+    let mut seen_rows = vec![false; rows];
+    let mut seen_slots = HashSet::new();
+    for s in seqs {
+        ensure!(s.start + s.len <= rows, "{op}: sequence rows {}..{} past the batch of {rows}", s.start, s.start + s.len);
+        ensure!((s.slot as usize) < slots, "{op}: state row {} past the {slots} rows of the state", s.slot);
+        ensure!(seen_slots.insert(s.slot), "{op}: two sequences share state row {}", s.slot);
+        for r in &mut seen_rows[s.start..s.start + s.len] {
+            ensure!(!*r, "{op}: sequences overlap in the batch");
+            *r = true;
+        }
+    }
+    Ok(())
+}
+
+/// `[start, len, slot]` per sequence.
+fn seq_meta(seqs: &[StateSeq]) -> Vec<u32> {
+    seqs.iter().flat_map(|s| [s.start as u32, s.len as u32, s.slot]).collect()
+}
+
+fn same_shape(op: &str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
+    ensure!(a.rows == b.rows && a.cols == b.cols, "{op}: {}x{} against {}x{}", a.rows, a.cols, b.rows, b.cols);
+    Ok(())
+}
+
+impl Cuda {
+    /// The hybrid module's kernels, compiled on first use.
+    fn hy_fns(&self) -> Result<Fns> {
+        let mut g = self.inner.hybrid.fns.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = *g {
+            return Ok(f);
+        }
+        let m = rt::compile_and_load(SRC, &self.inner.arch)?;
+        let f = Fns::load(&m)?;
+        {
+            let mut st = self.st();
+            for (h, n) in f.names() {
+                st.names.insert(h, n.to_string());
+            }
+        }
+        *g = Some(f);
+        Ok(f)
+    }
+
+    /// Compile (or load) the hybrid kernels now, so a compile error shows
+    /// here rather than inside a forward.
+    pub fn prepare_hybrid(&self) -> Result<()> {
+        rt::make_current(self.ctx())?;
+        self.hy_fns().map(|_| ())
+    }
+
+    /// Run the device side of an op whose inputs were checked: an error here
+    /// (a launch, an upload, a compile) is also kept, as for the other ops.
+    fn hy_run(&self, f: impl FnOnce(Fns) -> Result<()>) -> Result<()> {
+        if !self.ready() {
+            return Ok(());
+        }
+        let r = self.hy_fns().and_then(f);
+        if let Err(e) = &r {
+            self.record(Err(anyhow!("{e:#}")));
+        }
+        r
+    }
+
+    fn put_f32(&self, data: &[f32]) -> Result<u64> {
+        let bits: Vec<u32> = data.iter().map(|v| v.to_bits()).collect();
+        self.put_u32(&bits)
+    }
+
+    /// The block-sparse scratch, at least `bytes` long.
+    fn hy_scratch(&self, bytes: usize) -> Result<u64> {
+        let mode = self.st().mode;
+        let mut g = self.inner.hybrid.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if g.as_ref().is_none_or(|b| b.bytes < bytes) {
+            ensure!(mode != Mode::LaunchOnly, "block-sparse attention scratch grew inside graph capture");
+            *g = None;
+            *g = Some(DevBuf::new(self.ctx(), bytes.max(1 << 20))?);
+        }
+        Ok(g.as_ref().map_or(0, |b| b.ptr))
+    }
+
+    fn hy_elementwise(&self, f: usize, n: usize, args: &[Arg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(f, Self::elementwise_grid(n), (256, 1, 1), 0, args)
+    }
+
+    pub(crate) fn hy_rope_freqs(&self, x: &mut CudaTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
+        let half = inv_freq.len();
+        ensure!(positions.len() == x.rows, "rope_freqs: {} positions for {} rows", positions.len(), x.rows);
+        ensure!(head_dim > 0 && x.cols.is_multiple_of(head_dim), "rope_freqs: rows of {} are not whole heads of {head_dim}", x.cols);
+        ensure!(2 * half <= head_dim, "rope_freqs: {half} frequencies do not fit a head of {head_dim}");
+        self.hy_run(|f| {
+            x.set_bf(false);
+            if x.rows == 0 || half == 0 {
+                return Ok(());
+            }
+            let p = self.put_u32(positions)?;
+            let fr = self.put_f32(inv_freq)?;
+            self.launch(
+                f.rope_freqs,
+                (x.rows as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::P(x.fptr()), Arg::P(p), Arg::P(fr), Arg::I(x.cols as i32), Arg::I(head_dim as i32), Arg::I(half as i32)],
+            )
+        })
+    }
+
+    pub(crate) fn hy_scatter_add_rows(&self, out: &mut CudaTensor, y: &CudaTensor, rows: &[u32], weights: &[f32]) -> Result<()> {
+        ensure!(y.cols == out.cols, "scatter_add_rows: rows of {} added to rows of {}", y.cols, out.cols);
+        ensure!(rows.len() == y.rows && weights.len() == y.rows, "scatter_add_rows: {} rows, {} targets, {} weights", y.rows, rows.len(), weights.len());
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= out.rows) {
+            anyhow::bail!("scatter_add_rows: target row {bad} is past the output's {} rows", out.rows);
+        }
+        self.hy_run(|f| {
+            out.set_bf(false);
+            if rows.is_empty() || out.cols == 0 {
+                return Ok(());
+            }
+            // Distinct targets: a block row per added row. A target named
+            // twice: one pass in order, so each sum keeps the op's order.
+            let distinct = rows.iter().collect::<HashSet<_>>().len() == rows.len();
+            let ys = if distinct { rows.len().min(MAX_GRID_YZ) } else { 1 };
+            let rp = self.put_u32(rows)?;
+            let wp = self.put_f32(weights)?;
+            self.launch(
+                f.scatter_add,
+                (out.cols.div_ceil(256) as u32, ys as u32, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::P(out.fptr()), Arg::P(y.fptr()), Arg::P(rp), Arg::P(wp), Arg::I(rows.len() as i32), Arg::I(out.cols as i32)],
+            )
+        })
+    }
+
+    pub(crate) fn hy_silu(&self, x: &mut CudaTensor) -> Result<()> {
+        self.hy_run(|f| {
+            let n = x.len();
+            self.hy_elementwise(f.silu, n, &[Arg::P(x.fptr()), Arg::P(x.bptr()), Arg::U64(n as u64)])?;
+            x.set_bf(true);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn hy_relu2(&self, x: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
+        self.hy_run(|f| {
+            self.grow(out, x.rows, x.cols)?;
+            let n = x.len();
+            self.hy_elementwise(f.relu2, n, &[Arg::P(x.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::U64(n as u64)])?;
+            out.set_bf(true);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn hy_mul(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        same_shape("mul", x, y)?;
+        self.hy_run(|f| {
+            let n = x.len();
+            self.hy_elementwise(f.mul, n, &[Arg::P(x.fptr()), Arg::P(y.fptr()), Arg::P(x.bptr()), Arg::U64(n as u64)])?;
+            x.set_bf(true);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn hy_sigmoid_mul(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
+        same_shape("sigmoid_mul", x, gate)?;
+        self.hy_run(|f| {
+            let n = x.len();
+            self.hy_elementwise(f.sigmoid_mul, n, &[Arg::P(x.fptr()), Arg::P(gate.fptr()), Arg::P(x.bptr()), Arg::U64(n as u64)])?;
+            x.set_bf(true);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn hy_group_rms_norm(&self, x: &CudaTensor, w: &CudaTensor, group: usize, eps: f32, out: &mut CudaTensor) -> Result<()> {
+        ensure!(w.len() == x.cols, "group_rms_norm: weight of {} for rows of {}", w.len(), x.cols);
+        ensure!(group > 0 && x.cols.is_multiple_of(group), "group_rms_norm: groups of {group} do not divide rows of {}", x.cols);
+        self.hy_run(|f| {
+            self.grow(out, x.rows, x.cols)?;
+            let groups = x.len() / group;
+            if groups == 0 {
+                return Ok(());
+            }
+            self.launch(
+                f.group_rms_norm,
+                (groups.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::P(x.fptr()),
+                    Arg::P(w.fptr()),
+                    Arg::P(out.fptr()),
+                    Arg::P(out.bptr()),
+                    Arg::I(groups as i32),
+                    Arg::I(group as i32),
+                    Arg::I(x.cols as i32),
+                    Arg::F(eps),
+                ],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn hy_swiglu_clamped(&self, gate: &CudaTensor, up: &CudaTensor, limit: f32, alpha: f32, out: &mut CudaTensor) -> Result<()> {
+        same_shape("swiglu_clamped", gate, up)?;
+        self.hy_run(|f| {
+            self.grow(out, gate.rows, gate.cols)?;
+            let n = gate.len();
+            self.hy_elementwise(
+                f.swiglu_clamped,
+                n,
+                &[Arg::P(gate.fptr()), Arg::P(up.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::F(limit), Arg::F(alpha), Arg::U64(n as u64)],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn hy_short_conv(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        kernel: usize,
+        silu: bool,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let c = x.cols;
+        ensure!((1..=MAX_KERNEL).contains(&kernel), "short_conv: kernel of {kernel} taps (1..={MAX_KERNEL} supported)");
+        ensure!(weight.len() == c * kernel, "short_conv: weight holds {} values, not {c} channels x {kernel} taps", weight.len());
+        if let Some(b) = bias {
+            ensure!(b.len() == c, "short_conv: bias holds {} values for {c} channels", b.len());
+        }
+        let tail = kernel - 1;
+        ensure!(state_offset + c * tail <= state.cols, "short_conv: state rows of {} cannot hold {} values at {state_offset}", state.cols, c * tail);
+        check_seqs("short_conv", seqs, x.rows, state.rows)?;
+        self.hy_run(|f| {
+            self.grow(out, x.rows, c)?;
+            if seqs.iter().all(|s| s.len == 0) || c == 0 {
+                return Ok(());
+            }
+            state.set_bf(false);
+            let mut meta = seq_meta(seqs);
+            let mut row_seq = vec![u32::MAX; x.rows];
+            for (i, s) in seqs.iter().enumerate() {
+                row_seq[s.start..s.start + s.len].fill(i as u32);
+            }
+            meta.extend_from_slice(&row_seq);
+            let mp = self.put_u32(&meta)?;
+            let (cb, scols, soff) = (c.div_ceil(128) as u32, state.cols as i32, state_offset as i32);
+            self.launch(
+                f.conv,
+                (cb, x.rows.min(MAX_GRID_YZ) as u32, 1),
+                (128, 1, 1),
+                0,
+                &[
+                    Arg::P(x.fptr()),
+                    Arg::P(weight.fptr()),
+                    Arg::P(bias.map_or(0, |b| b.fptr())),
+                    Arg::P(state.fptr()),
+                    Arg::P(out.fptr()),
+                    Arg::P(mp),
+                    Arg::I(seqs.len() as i32),
+                    Arg::I(x.rows as i32),
+                    Arg::I(c as i32),
+                    Arg::I(kernel as i32),
+                    Arg::I(scols),
+                    Arg::I(soff),
+                    Arg::I(silu as i32),
+                ],
+            )?;
+            if tail > 0 {
+                self.launch(
+                    f.conv_state,
+                    (cb, seqs.len() as u32, 1),
+                    (128, 1, 1),
+                    0,
+                    &[Arg::P(x.fptr()), Arg::P(state.fptr()), Arg::P(mp), Arg::I(c as i32), Arg::I(kernel as i32), Arg::I(scols), Arg::I(soff)],
+                )?;
+            }
+            Ok(())
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn hy_ssm_scan(
+        &self,
+        xbc: &CudaTensor,
+        dt: &CudaTensor,
+        dt_bias: &CudaTensor,
+        a: &CudaTensor,
+        d: &CudaTensor,
+        sh: &SsmShape,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let (nh, hd, n, g) = (sh.heads, sh.head_dim, sh.state_dim, sh.groups);
+        // (Written so that a NaN limit fails too.)
+        ensure!(sh.dt_min <= sh.dt_max, "ssm_scan: dt limits {} > {}", sh.dt_min, sh.dt_max);
+        ensure!(g > 0 && nh.is_multiple_of(g), "ssm_scan: {nh} heads in {g} groups");
+        ensure!(nh <= MAX_GRID_YZ, "ssm_scan: {nh} heads (at most {MAX_GRID_YZ} on CUDA)");
+        ensure!(n <= MAX_SSM_STATE, "ssm_scan: state size {n} (at most {MAX_SSM_STATE} on CUDA)");
+        let inner = nh * hd;
+        ensure!(xbc.cols == inner + 2 * g * n, "ssm_scan: xbc rows of {}, expected {inner} + 2 x {g} x {n}", xbc.cols);
+        ensure!(dt.cols == nh && dt.rows == xbc.rows, "ssm_scan: dt is {}x{}, expected {}x{nh}", dt.rows, dt.cols, xbc.rows);
+        for (name, v) in [("dt_bias", dt_bias), ("a", a), ("d", d)] {
+            ensure!(v.len() == nh, "ssm_scan: {name} holds {} values for {nh} heads", v.len());
+        }
+        let per_head = hd * n;
+        ensure!(state_offset + nh * per_head <= state.cols, "ssm_scan: state rows of {} cannot hold {} values at {state_offset}", state.cols, nh * per_head);
+        check_seqs("ssm_scan", seqs, xbc.rows, state.rows)?;
+        self.hy_run(|f| {
+            self.grow(out, xbc.rows, inner)?;
+            if seqs.is_empty() || inner == 0 || n == 0 {
+                return Ok(());
+            }
+            state.set_bf(false);
+            let mp = self.put_u32(&seq_meta(seqs))?;
+            self.launch(
+                f.ssm_scan,
+                (hd.div_ceil(16) as u32, nh as u32, seqs.len() as u32),
+                (128, 1, 1),
+                0,
+                &[
+                    Arg::P(xbc.fptr()),
+                    Arg::P(dt.fptr()),
+                    Arg::P(dt_bias.fptr()),
+                    Arg::P(a.fptr()),
+                    Arg::P(d.fptr()),
+                    Arg::P(state.fptr()),
+                    Arg::P(out.fptr()),
+                    Arg::P(mp),
+                    Arg::I(nh as i32),
+                    Arg::I(hd as i32),
+                    Arg::I(n as i32),
+                    Arg::I(g as i32),
+                    Arg::I(state.cols as i32),
+                    Arg::I(state_offset as i32),
+                    Arg::F(sh.dt_min),
+                    Arg::F(sh.dt_max),
+                ],
+            )
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn hy_linear_attention(
+        &self,
+        qkv: &CudaTensor,
+        slopes: &CudaTensor,
+        heads: usize,
+        hd: usize,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        ensure!(qkv.cols == heads * 3 * hd, "linear_attention: qkv rows of {}, expected {heads} x 3 x {hd}", qkv.cols);
+        ensure!(slopes.len() == heads, "linear_attention: {} slopes for {heads} heads", slopes.len());
+        ensure!(hd <= MAX_LINEAR_HEAD_DIM, "linear_attention: head dim {hd} (at most {MAX_LINEAR_HEAD_DIM} on CUDA)");
+        ensure!(heads <= MAX_GRID_YZ, "linear_attention: {heads} heads (at most {MAX_GRID_YZ} on CUDA)");
+        let per_head = hd * hd;
+        ensure!(
+            state_offset + heads * per_head <= state.cols,
+            "linear_attention: state rows of {} cannot hold {} values at {state_offset}",
+            state.cols,
+            heads * per_head
+        );
+        check_seqs("linear_attention", seqs, qkv.rows, state.rows)?;
+        self.hy_run(|f| {
+            self.grow(out, qkv.rows, heads * hd)?;
+            if seqs.is_empty() || heads * hd == 0 {
+                return Ok(());
+            }
+            state.set_bf(false);
+            let mp = self.put_u32(&seq_meta(seqs))?;
+            self.launch(
+                f.linear_attention,
+                (hd.div_ceil(16) as u32, heads as u32, seqs.len() as u32),
+                (128, 1, 1),
+                0,
+                &[
+                    Arg::P(qkv.fptr()),
+                    Arg::P(slopes.fptr()),
+                    Arg::P(state.fptr()),
+                    Arg::P(out.fptr()),
+                    Arg::P(mp),
+                    Arg::I(heads as i32),
+                    Arg::I(hd as i32),
+                    Arg::I(state.cols as i32),
+                    Arg::I(state_offset as i32),
+                ],
+            )
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn hy_block_sparse_attention(
+        &self,
+        q: &CudaTensor,
+        iq: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        index_layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        sel: &BlockSparse,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let n_layers = kv.spec.layers.len();
+        ensure!(layer < n_layers && index_layer < n_layers, "block_sparse_attention: KV layers {layer} / {index_layer} of {n_layers}");
+        let shape = kv.spec.layers[layer];
+        let ishape = kv.spec.layers[index_layer];
+        let (hd, idim, ih) = (shape.head_dim, sel.index_dim, sel.index_heads);
+        ensure!(
+            hd <= MAX_SPARSE_HEAD_DIM && idim <= MAX_INDEX_DIM,
+            "block_sparse_attention: head dims {hd} / {idim} (at most {MAX_SPARSE_HEAD_DIM} / {MAX_INDEX_DIM} on CUDA)"
+        );
+        ensure!(
+            ishape.kv_heads == 1 && ishape.head_dim == idim,
+            "block_sparse_attention: index layer holds {}x{}, expected 1x{idim}",
+            ishape.kv_heads,
+            ishape.head_dim
+        );
+        ensure!(hd > 0 && q.cols.is_multiple_of(hd), "block_sparse_attention: q rows of {} in heads of {hd}", q.cols);
+        let heads = q.cols / hd;
+        ensure!(shape.kv_heads > 0 && heads.is_multiple_of(shape.kv_heads), "block_sparse_attention: {heads} heads over {} kv heads", shape.kv_heads);
+        ensure!(ih > 0 && heads.is_multiple_of(ih), "block_sparse_attention: {heads} heads over {ih} indexer heads");
+        ensure!(heads <= MAX_GRID_YZ, "block_sparse_attention: {heads} heads (at most {MAX_GRID_YZ} on CUDA)");
+        ensure!(iq.cols == ih * idim && iq.rows == q.rows, "block_sparse_attention: iq is {}x{}, expected {}x{}", iq.rows, iq.cols, q.rows, ih * idim);
+        ensure!(sel.block > 0 && sel.topk > 0, "block_sparse_attention: blocks of {} positions, {} kept", sel.block, sel.topk);
+        ensure!(sel.topk <= MAX_TOPK, "block_sparse_attention: {} blocks kept (at most {MAX_TOPK} on CUDA)", sel.topk);
+        let rows: usize = seqs.iter().map(|s| s.q_len).sum();
+        ensure!(rows == q.rows, "block_sparse_attention: sequences cover {rows} rows of {}", q.rows);
+        let bt = kv.spec.block_tokens;
+        for s in seqs {
+            ensure!(
+                s.q_len <= s.kv_len && s.kv_len <= s.blocks.len() * bt,
+                "block_sparse_attention: sequence of {} rows over {} keys in {} blocks",
+                s.q_len,
+                s.kv_len,
+                s.blocks.len()
+            );
+            ensure!(s.q_start + s.q_len <= q.rows, "block_sparse_attention: sequence rows past the batch");
+            ensure!(s.blocks.iter().all(|&b| (b as usize) < kv.spec.blocks), "block_sparse_attention: block past the pool's {}", kv.spec.blocks);
+        }
+        self.hy_run(|f| {
+            self.grow(out, q.rows, q.cols)?;
+            if rows == 0 {
+                return Ok(());
+            }
+            // Metadata: per sequence [q_start, q_len, kv_len, table offset],
+            // per query row [sequence, i], then the block tables.
+            let mut meta: Vec<u32> = Vec::with_capacity(4 * seqs.len() + 2 * rows);
+            let mut bt_off = 0usize;
+            for s in seqs {
+                meta.extend([s.q_start as u32, s.q_len as u32, s.kv_len as u32, bt_off as u32]);
+                bt_off += s.kv_len.div_ceil(bt);
+            }
+            let off_rows = meta.len();
+            for (si, s) in seqs.iter().enumerate() {
+                for i in 0..s.q_len {
+                    meta.extend([si as u32, i as u32]);
+                }
+            }
+            let off_bt = meta.len();
+            for s in seqs {
+                meta.extend_from_slice(&s.blocks[..s.kv_len.div_ceil(bt)]);
+            }
+            let mp = self.put_u32(&meta)?;
+            let nbmax = seqs.iter().filter(|s| s.q_len > 0).map(|s| (s.kv_len - 1) / sel.block + 1).max().unwrap_or(1);
+            let score_words = rows * ih * nbmax;
+            let scratch = self.hy_scratch(4 * (score_words + rows * ih * sel.topk))?;
+            let (scores, chosen) = (scratch, scratch + 4 * score_words as u64);
+            self.launch(
+                f.bsa_select,
+                (rows as u32, ih as u32, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::P(iq.fptr()),
+                    Arg::I(iq.cols as i32),
+                    Arg::P(kv.k[index_layer].ptr),
+                    Arg::P(mp),
+                    Arg::I(off_rows as i32),
+                    Arg::I(off_bt as i32),
+                    Arg::I(bt as i32),
+                    Arg::I(idim as i32),
+                    Arg::I(sel.block as i32),
+                    Arg::I(sel.local as i32),
+                    Arg::I(sel.topk as i32),
+                    Arg::I(nbmax as i32),
+                    Arg::P(scores),
+                    Arg::P(chosen),
+                ],
+            )?;
+            self.launch(
+                f.bsa_attend,
+                (rows as u32, heads as u32, 1),
+                (128, 1, 1),
+                0,
+                &[
+                    Arg::P(q.fptr()),
+                    Arg::I(q.cols as i32),
+                    Arg::P(kv.k[layer].ptr),
+                    Arg::P(kv.v[layer].ptr),
+                    Arg::P(mp),
+                    Arg::I(off_rows as i32),
+                    Arg::I(off_bt as i32),
+                    Arg::I(bt as i32),
+                    Arg::I(hd as i32),
+                    Arg::I((shape.kv_heads * hd) as i32),
+                    Arg::I((heads / shape.kv_heads) as i32),
+                    Arg::I((heads / ih) as i32),
+                    Arg::I(ih as i32),
+                    Arg::I(sel.block as i32),
+                    Arg::I(sel.topk as i32),
+                    Arg::P(chosen),
+                    Arg::F(scale),
+                    Arg::P(out.fptr()),
+                    Arg::P(out.bptr()),
+                ],
+            )?;
+            out.set_bf(true);
+            Ok(())
+        })
+    }
+}

@@ -101,6 +101,17 @@ pub trait Backend: Send {
     /// (`sum(tokens) * vocab_size` floats).
     fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>>;
 
+    /// A decode round and one prompt chunk of another stream in one
+    /// forward, so the forward's fixed cost (every layer's launches and
+    /// hand-offs) is paid once: the chunk then costs only its own rows.
+    /// Returns what `decode_round` and `prefill_step` would. The default
+    /// runs the two one after the other.
+    fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        let logits = self.decode_round(rows)?;
+        let last = self.prefill_step(stream, chunk)?;
+        Ok((logits, last))
+    }
+
     /// Feature rows of the last forward (prefill chunk or decode round),
     /// one per token row, `feature_dim` wide; valid until the next forward.
     fn features(&self) -> Option<&[f32]> {

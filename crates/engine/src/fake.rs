@@ -34,6 +34,8 @@ pub enum Call {
         want_logits: bool,
     },
     CancelPrefill(StreamId),
+    /// The next `Decode` and `Prefill` ran in one forward.
+    Fused,
     /// One decode round: each row's stream and tokens, in order.
     Decode(Vec<(StreamId, Vec<u32>)>),
     KeepMark {
@@ -107,6 +109,9 @@ pub struct FakeConfig {
     /// `prefill_step` or `decode_round` (after logging the call), so the
     /// test can line up arrivals deterministically.
     pub hold: Option<Arc<Mutex<()>>>,
+    /// Log [`Call::Fused`] before the decode round and the chunk that a
+    /// `decode_round_with_chunk` runs together.
+    pub log_fused: bool,
 }
 
 impl Default for FakeConfig {
@@ -128,6 +133,7 @@ impl Default for FakeConfig {
             decode_delay: None,
             prefill_delay: None,
             hold: None,
+            log_fused: false,
         }
     }
 }
@@ -261,6 +267,15 @@ impl Backend for FakeBackend {
             }
         }
         Ok(out)
+    }
+
+    fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        if self.cfg.log_fused {
+            self.log.push(Call::Fused);
+        }
+        let logits = self.decode_round(rows)?;
+        let last = self.prefill_step(stream, chunk)?;
+        Ok((logits, last))
     }
 
     fn features(&self) -> Option<&[f32]> {

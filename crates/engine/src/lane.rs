@@ -3,10 +3,12 @@
 //!
 //! Each turn of the loop (a *round*): take arrivals and cancels, admit what
 //! fits, run one decode round (every decoding stream gets its next token,
-//! or its verified draft), then one prefill step (one chunk of the oldest
-//! prefilling stream), emitting tokens and finishes as they happen. A long
-//! prompt therefore never freezes the streams already decoding. An idle
-//! lane blocks on its channel.
+//! or its verified draft) and one prefill step (one chunk of the oldest
+//! prefilling stream), emitting tokens and finishes as they happen. When
+//! both are due they share one forward (the backend's
+//! `decode_round_with_chunk`), so the chunk adds only its own rows' cost to
+//! the others' round. A long prompt therefore never freezes the streams
+//! already decoding. An idle lane blocks on its channel.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -266,6 +268,8 @@ pub struct LaneStats {
     /// Passes stopped between chunks for lack of memory.
     pub prefill_pauses: u64,
     pub decode_rounds: u64,
+    /// Decode rounds that ran a prompt chunk in the same forward.
+    pub fused_rounds: u64,
     /// Streams in decode rounds, summed (÷ rounds = mean batch).
     pub decode_streams: u64,
     /// Token rows in decode rounds, summed (drafts included).
@@ -464,6 +468,7 @@ impl Lane {
             rotate: 0,
             round_secs: 0.0,
             last_step: None,
+            fused_since_plain: 0,
         };
         let thread = std::thread::Builder::new().name("braid-lane".into()).spawn(move || core.run()).ok();
         Lane { tx, shared, thread, caps, config, limits }
@@ -718,8 +723,36 @@ fn emit(s: &mut Stream, sampled: Sampled, ctx: &EmitCtx<'_>, stats: &mut LaneSta
 /// wakes at once on any command).
 const IDLE_POLL: Duration = Duration::from_millis(20);
 
-/// Rows of the first prefill step under `prefill_share`, before any cost is known.
-const FIRST_STEP_ROWS: usize = 8;
+/// A planned decode round.
+#[derive(Default)]
+struct RoundPlan {
+    /// Indices into `running`, with each one's draft and rows.
+    batch: Vec<usize>,
+    drafts: Vec<Vec<u32>>,
+    rows: Vec<DecodeRow>,
+    /// Token rows in all.
+    total: usize,
+    /// KV blocks the round adds.
+    blocks: usize,
+}
+
+/// Whether a prefill step can run now.
+enum Prefill {
+    /// Nothing to prefill, or waiting for memory.
+    Idle,
+    /// No chunk ran, but something changed (a mark dropped, a stream failed).
+    Progress,
+    /// `running[i]`'s next chunk is sized and fits.
+    Ready(usize),
+}
+
+/// Rows of the first prefill step under `prefill_share`, before any cost is
+/// known: small, since in a shared forward each row adds its full cost to
+/// the others' round (the steering at most doubles it per step).
+const FIRST_STEP_ROWS: usize = 2;
+
+/// Under `prefill_share`, a plain decode round every this many fused ones.
+const REMEASURE_EVERY: usize = 8;
 
 /// Moving average that follows changes within a few samples.
 fn ema(old: f64, new: f64) -> f64 {
@@ -750,6 +783,8 @@ struct Core {
     /// prefill step's rows and seconds, for `prefill_share`.
     round_secs: f64,
     last_step: Option<(StreamId, usize, f64)>,
+    /// Rounds fused with a chunk since the last plain one.
+    fused_since_plain: usize,
 }
 
 impl Core {
@@ -791,19 +826,50 @@ impl Core {
             self.sweep();
             progress = self.admit();
             self.send_positions();
-            let t = Instant::now();
-            let decoded = self.decode_round();
-            if decoded {
-                self.round_secs = ema(self.round_secs, t.elapsed().as_secs_f64());
-            }
-            progress |= decoded;
-            self.sweep();
-            progress |= self.prefill_step();
+            progress |= self.round();
             self.sweep();
             self.stats.rounds += 1;
             self.publish();
         }
         self.close();
+    }
+
+    /// One decode round and one prefill step: in one forward when both
+    /// are due (the forward's fixed cost paid once), else each alone.
+    fn round(&mut self) -> bool {
+        // Under `prefill_share` a chunk is sized against a plain round's
+        // time, so fuse only once one has been measured.
+        let fuse = self.drafter.is_none() && (self.cfg.prefill_share.is_none() || self.round_secs > 0.0);
+        let prefilling = self.running.iter().any(|s| !s.done && matches!(s.phase, Phase::Prefilling(_)));
+        // Every few fused rounds, a plain round re-measures the others'
+        // round (it grows with their contexts); the chunk waits for it.
+        let remeasure = self.cfg.prefill_share.is_some() && self.fused_since_plain >= REMEASURE_EVERY;
+        if !(fuse && prefilling) || remeasure {
+            let decoded = self.decode_round();
+            self.sweep();
+            if decoded {
+                self.fused_since_plain = 0;
+                if remeasure {
+                    return true;
+                }
+            }
+            return self.prefill_step() | decoded;
+        }
+        let Some(plan) = self.plan_round() else { return self.prefill_step() };
+        if plan.rows.is_empty() {
+            self.sweep();
+            return self.prefill_step() | true;
+        }
+        match self.prepare_prefill(plan.blocks) {
+            Prefill::Ready(i) => self.fused_round(plan, i),
+            Prefill::Idle | Prefill::Progress => {
+                let t = Instant::now();
+                let logits = self.backend.decode_round(&plan.rows);
+                self.round_secs = ema(self.round_secs, t.elapsed().as_secs_f64());
+                self.finish_round(plan, logits);
+            }
+        }
+        true
     }
 
     /// Take commands: block while there is nothing to do, wait briefly when
@@ -1071,10 +1137,13 @@ impl Core {
 
     /// One decode round over every decoding stream (rotating if there are
     /// more than a round can carry), with drafts when a drafter is set.
-    fn decode_round(&mut self) -> bool {
+    /// Plan the decode round: which streams, their drafts, their rows.
+    /// `None` when no stream decodes; a plan without rows when every
+    /// stream had to end for lack of memory.
+    fn plan_round(&mut self) -> Option<RoundPlan> {
         let mut batch: Vec<usize> = (0..self.running.len()).filter(|&i| !self.running[i].done && matches!(self.running[i].phase, Phase::Decoding)).collect();
         if batch.is_empty() {
-            return false;
+            return None;
         }
         let cap = if self.caps.max_batch == 0 { usize::MAX } else { self.caps.max_batch };
         if batch.len() > cap {
@@ -1129,7 +1198,7 @@ impl Core {
                 batch.remove(k);
                 drafts.remove(k);
                 if batch.is_empty() {
-                    return true;
+                    return Some(RoundPlan::default());
                 }
             }
         }
@@ -1150,18 +1219,40 @@ impl Core {
         self.stats.decode_streams += rows.len() as u64;
         self.stats.decode_rows += total as u64;
         self.stats.max_decode_batch = self.stats.max_decode_batch.max(rows.len());
+        let fill = self.backend.fill();
+        let blocks = batch.iter().zip(&rows).map(|(&i, r)| fill.blocks_for(self.running[i].len + r.tokens.len()) - fill.blocks_for(self.running[i].len)).sum();
+        Some(RoundPlan { batch, drafts, rows, total, blocks })
+    }
 
-        let mut logits = match self.backend.decode_round(&rows) {
+    /// Run a planned round on its own.
+    fn decode_round(&mut self) -> bool {
+        let Some(plan) = self.plan_round() else { return false };
+        if plan.rows.is_empty() {
+            return true;
+        }
+        let t = Instant::now();
+        let logits = self.backend.decode_round(&plan.rows);
+        self.round_secs = ema(self.round_secs, t.elapsed().as_secs_f64());
+        self.finish_round(plan, logits);
+        true
+    }
+
+    /// Sample the round's logits: emit, verify drafts, rewind rejects.
+    fn finish_round(&mut self, plan: RoundPlan, logits: anyhow::Result<Vec<f32>>) {
+        let RoundPlan { batch, drafts, total, .. } = plan;
+        let vocab = self.caps.vocab_size;
+
+        let mut logits = match logits {
             Ok(l) if l.len() == total * vocab => l,
             Ok(l) => {
                 let msg = format!("the backend returned {} logits for a round of {total} rows of {vocab}", l.len());
                 batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
-                return true;
+                return;
             }
             Err(e) => {
                 let msg = format!("decode round failed: {e:#}");
                 batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
-                return true;
+                return;
             }
         };
         let features: Option<Vec<f32>> = match self.drafter {
@@ -1213,10 +1304,8 @@ impl Core {
             }
             offset += rows_k;
         }
-        true
     }
 
-    /// One chunk of the oldest prefilling stream.
     /// The per-step row cap: `max_rows`, tightened by `prefill_share` while
     /// other streams decode. A step costs a fixed part plus a part per row,
     /// both unknown and changing with the position, so the size is steered
@@ -1239,9 +1328,12 @@ impl Core {
         Some(self.cfg.max_rows.map_or(rows, |m| m.min(rows)))
     }
 
-    fn prefill_step(&mut self) -> bool {
+    /// Get the oldest prefilling stream's next chunk ready: size it, and
+    /// check that it fits in memory beside `round_blocks` (the blocks the
+    /// decode round it may share a forward with will take).
+    fn prepare_prefill(&mut self, round_blocks: usize) -> Prefill {
         let Some(i) = self.running.iter().position(|s| !s.done && matches!(s.phase, Phase::Prefilling(_))) else {
-            return false;
+            return Prefill::Idle;
         };
         let step_rows = self.step_rows(self.running[i].id);
         if let Phase::Prefilling(pass) = &mut self.running[i].phase {
@@ -1249,12 +1341,12 @@ impl Core {
         }
         if self.caps.reports_fill {
             let fill = self.backend.fill();
-            let Phase::Prefilling(pass) = &self.running[i].phase else { return false };
+            let Phase::Prefilling(pass) = &self.running[i].phase else { return Prefill::Idle };
             let (start, end) = pass.next_chunk();
             let need = fill.blocks_for(end) - fill.blocks_for(start);
-            if need > fill.blocks_total.saturating_sub(fill.blocks_used) {
+            if need + round_blocks > fill.blocks_total.saturating_sub(fill.blocks_used) {
                 if self.drop_lru_mark() {
-                    return true;
+                    return Prefill::Progress;
                 }
                 let decoding = self.running.iter().any(|s| !s.done && matches!(s.phase, Phase::Decoding));
                 let s = &mut self.running[i];
@@ -1269,25 +1361,72 @@ impl Core {
                 if !decoding {
                     // Nothing will free memory: give up on this stream.
                     s.fail(format!("KV memory is full: the next chunk needs {need} blocks, {} of {} are in use", fill.blocks_used, fill.blocks_total));
-                    return true;
+                    return Prefill::Progress;
                 }
-                return false;
+                return Prefill::Idle;
             }
         }
+        Prefill::Ready(i)
+    }
+
+    /// One chunk of the oldest prefilling stream, on its own.
+    fn prefill_step(&mut self) -> bool {
+        let i = match self.prepare_prefill(0) {
+            Prefill::Ready(i) => i,
+            Prefill::Progress => return true,
+            Prefill::Idle => return false,
+        };
         let drafter = self.drafter.as_deref_mut();
         let s = &mut self.running[i];
         s.paused = false;
         let Phase::Prefilling(pass) = &mut s.phase else { return false };
         let t = Instant::now();
         let stepped = pass.step(&mut *self.backend, drafter);
+        let secs = t.elapsed().as_secs_f64();
+        self.finish_prefill(i, stepped, secs);
+        true
+    }
+
+    /// A decode round and the next prompt chunk in one forward. Only
+    /// without a drafter (whose features would interleave).
+    fn fused_round(&mut self, plan: RoundPlan, i: usize) {
+        let mut round_logits: Option<anyhow::Result<Vec<f32>>> = None;
+        let s = &mut self.running[i];
+        s.paused = false;
+        let Phase::Prefilling(pass) = &mut s.phase else { return };
+        let rows = &plan.rows;
+        let t = Instant::now();
+        let stepped = pass.step_via(&mut *self.backend, None, |b, stream, chunk| match b.decode_round_with_chunk(rows, stream, chunk) {
+            Ok((logits, last)) => {
+                round_logits = Some(Ok(logits));
+                Ok(last)
+            }
+            Err(e) => {
+                round_logits = Some(Err(anyhow::anyhow!("{e:#}")));
+                Err(e)
+            }
+        });
+        // The chunk's own cost: the forward less a plain round's.
+        let secs = t.elapsed().as_secs_f64();
+        self.stats.fused_rounds += 1;
+        self.fused_since_plain += 1;
+        self.finish_prefill(i, stepped, (secs - self.round_secs).max(0.1 * secs));
+        let logits = round_logits.unwrap_or_else(|| Err(anyhow::anyhow!("the prompt chunk was not run")));
+        self.finish_round(plan, logits);
+    }
+
+    /// Account for a prompt chunk run in `secs`: keep its mark, and on
+    /// the pass's last chunk sample the first token.
+    fn finish_prefill(&mut self, i: usize, stepped: anyhow::Result<crate::pass::StepOutcome>, secs: f64) {
+        let s = &mut self.running[i];
         if let Ok(o) = &stepped {
-            self.last_step = Some((s.id, o.end - o.start, t.elapsed().as_secs_f64()));
+            self.last_step = Some((s.id, o.end - o.start, secs));
         }
         let out = match stepped {
             Ok(o) => o,
             Err(e) => {
                 s.fail(format!("prefill failed: {e:#}"));
-                return true;
+                return;
             }
         };
         self.stats.prefill_chunks += 1;
@@ -1301,17 +1440,17 @@ impl Core {
             }
         }
         if !out.done {
-            return true;
+            return;
         }
         if s.warm {
             s.finish(FinishReason::Warmed, String::new());
-            return true;
+            return;
         }
         let mut logits = match out.logits {
             Some(l) if l.len() == self.caps.vocab_size => l,
             other => {
                 s.fail(format!("the backend returned {} logits for the last prompt row, expected {}", other.map_or(0, |l| l.len()), self.caps.vocab_size));
-                return true;
+                return;
             }
         };
         let sampled = s.sampler.sample(&mut logits, s.logprobs);
@@ -1321,7 +1460,6 @@ impl Core {
             s.last = tok;
             s.phase = Phase::Decoding;
         }
-        true
     }
 
     fn publish(&mut self) {

@@ -155,11 +155,22 @@ impl Pass {
     /// every consumer has absorbed the chunk). On error the position stays
     /// where it was.
     pub fn step(&mut self, backend: &mut dyn Backend, drafter: Option<&mut (dyn Drafter + '_)>) -> Result<StepOutcome> {
+        self.step_via(backend, drafter, |b, stream, chunk| b.prefill_step(stream, chunk))
+    }
+
+    /// [`Pass::step`], with the chunk run by `run` (the lane runs it inside
+    /// a decode round's forward: [`Backend::decode_round_with_chunk`]).
+    pub fn step_via(
+        &mut self,
+        backend: &mut dyn Backend,
+        drafter: Option<&mut (dyn Drafter + '_)>,
+        run: impl FnOnce(&mut dyn Backend, StreamId, Chunk<'_>) -> Result<Option<Vec<f32>>>,
+    ) -> Result<StepOutcome> {
         ensure!(!self.done(), "the prompt pass of stream {} is already complete", self.stream);
         let (start, end) = self.next_chunk();
         let last = end == self.prompt.len();
         let chunk = Chunk { start, tokens: &self.prompt[start..end], want_logits: last && self.want_logits };
-        let logits = backend.prefill_step(self.stream, chunk)?;
+        let logits = run(&mut *backend, self.stream, chunk)?;
         ensure!(!chunk.want_logits || logits.is_some(), "the backend returned no logits for the last chunk of stream {}", self.stream);
         self.pos = end;
         if let Some(d) = drafter {

@@ -269,6 +269,35 @@ fn decode_rounds_run_between_chunks() {
     }
 }
 
+// 4b. When a decode round and a chunk are both due, they run in one
+//     forward: every chunk of B comes with A's round, and both streams
+//     still get exactly their own tokens.
+#[test]
+fn a_chunk_shares_the_decode_rounds_forward() {
+    let mut fc = slow();
+    fc.log_fused = true;
+    let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 4, ..no_marks() });
+    let pa = prompt(3, 6);
+    let a = lane.submit(greedy(pa.clone(), 40)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let pb = prompt(20, 7);
+    let b = lane.submit(greedy(pb.clone(), 3)).unwrap();
+    assert_eq!(drain(&b).tokens, oracle(&pb, 3, 64));
+    // (A's first token went to `wait_event`.)
+    assert_eq!(drain(&a).tokens, oracle(&pa, 40, 64)[1..]);
+    let calls = log.snapshot();
+    let chunks: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| matches!(c, Call::Prefill { stream, .. } if *stream == b.id)).map(|(i, _)| i).collect();
+    assert_eq!(chunks.len(), 5);
+    for &i in &chunks {
+        assert!(
+            matches!(&calls[i - 1], Call::Decode(rows) if rows.iter().any(|r| r.0 == a.id)) && calls[i - 2] == Call::Fused,
+            "chunk at call {i} did not share A's round: {:?}",
+            &calls[i.saturating_sub(3)..=i]
+        );
+    }
+    assert!(lane.stats().fused_rounds >= 5);
+}
+
 // 5. The drafter absorbs every chunk (and every kept decode row), and a
 //    mark reached by a chunk is kept only after the drafter's absorb.
 #[test]
@@ -944,7 +973,7 @@ fn prefill_share_sizes_steps_only_while_others_decode() {
     a.cancel();
     drain(&a);
     let chunks = log.chunks(b.id);
-    assert_eq!(chunks[0], (0, 8), "the first step probes the cost: {chunks:?}");
+    assert_eq!(chunks[0], (0, 2), "the first step probes the cost: {chunks:?}");
     assert!(chunks.len() > 2, "steps were not tightened: {chunks:?}");
     for w in chunks.windows(2) {
         assert!(w[1].1 <= 2 * w[0].1.max(4), "a step more than doubled: {chunks:?}");

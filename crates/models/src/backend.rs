@@ -145,6 +145,31 @@ impl<D: Device> ModelBackend<D> {
         blocks[pos / bt] * bt as u32 + (pos % bt) as u32
     }
 
+    /// Check a prompt chunk and give its stream the blocks it needs.
+    fn reserve_chunk(&mut self, stream: StreamId, chunk: &Chunk<'_>) -> Result<()> {
+        let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
+        ensure!(st.len == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", st.len, chunk.start);
+        ensure!(!chunk.tokens.is_empty(), "empty chunk");
+        let vocab = self.model.vocab();
+        ensure!(chunk.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+        self.reserve(stream, chunk.start + chunk.tokens.len())
+    }
+
+    /// Check a decode round and give its streams the blocks they need;
+    /// returns its rows.
+    fn reserve_round(&mut self, rows: &[DecodeRow]) -> Result<usize> {
+        let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        ensure!(total <= self.cfg.max_batch, "decode round of {total} rows exceeds max batch {}", self.cfg.max_batch);
+        let vocab = self.model.vocab();
+        for r in rows {
+            let Some(st) = self.streams.get(&r.stream) else { bail!("stream {} is not open", r.stream) };
+            ensure!(r.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+            let len = st.len + r.tokens.len();
+            self.reserve(r.stream, len)?;
+        }
+        Ok(total)
+    }
+
     /// Run rows for several streams in one forward; returns logits for
     /// `logit_rows`.
     fn run(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<Vec<f32>> {
@@ -214,12 +239,7 @@ impl<D: Device> Backend for ModelBackend<D> {
     }
 
     fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
-        let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
-        ensure!(st.len == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", st.len, chunk.start);
-        ensure!(!chunk.tokens.is_empty(), "empty chunk");
-        let vocab = self.model.vocab();
-        ensure!(chunk.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
-        self.reserve(stream, chunk.start + chunk.tokens.len())?;
+        self.reserve_chunk(stream, &chunk)?;
         let last = [chunk.tokens.len() - 1];
         let rows: &[usize] = if chunk.want_logits { &last } else { &[] };
         let logits = self.run(&[(stream, chunk.tokens)], rows)?;
@@ -232,18 +252,25 @@ impl<D: Device> Backend for ModelBackend<D> {
     }
 
     fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
-        let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
-        ensure!(total <= self.cfg.max_batch, "decode round of {total} rows exceeds max batch {}", self.cfg.max_batch);
-        let vocab = self.model.vocab();
-        for r in rows {
-            let Some(st) = self.streams.get(&r.stream) else { bail!("stream {} is not open", r.stream) };
-            ensure!(r.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
-            let len = st.len + r.tokens.len();
-            self.reserve(r.stream, len)?;
-        }
+        let total = self.reserve_round(rows)?;
         let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let logit_rows: Vec<usize> = (0..total).collect();
         self.run(&parts, &logit_rows)
+    }
+
+    fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        ensure!(rows.iter().all(|r| r.stream != stream), "stream {stream} is both decoding and prefilling");
+        let total = self.reserve_round(rows)?;
+        self.reserve_chunk(stream, &chunk)?;
+        let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        parts.push((stream, chunk.tokens));
+        let mut logit_rows: Vec<usize> = (0..total).collect();
+        if chunk.want_logits {
+            logit_rows.push(total + chunk.tokens.len() - 1);
+        }
+        let mut logits = self.run(&parts, &logit_rows)?;
+        let last = chunk.want_logits.then(|| logits.split_off(total * self.model.vocab()));
+        Ok((logits, last))
     }
 
     fn keep_mark(&mut self, stream: StreamId) -> Result<MarkId> {

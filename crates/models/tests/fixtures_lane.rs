@@ -7,7 +7,7 @@ mod fixtures_common;
 
 use std::sync::Arc;
 
-use braid_engine::{Event, Lane, LaneConfig, Request, SamplingParams, StopRules, TokenText};
+use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules, TokenText};
 use fixtures_common::Fixture;
 
 const FAMILIES: [&str; 11] =
@@ -56,6 +56,45 @@ fn every_family_serves_streams_together_as_alone() {
         assert!(together.iter().all(|t| t.len() == 10), "{name}: {together:?}");
         let stats = l.stats();
         assert!(stats.max_decode_batch >= 2, "{name}: no shared decode round (max batch {})", stats.max_decode_batch);
+        assert!(stats.fused_rounds > 0, "{name}: no chunk shared a decode round's forward");
         assert!(stats.prefill_chunks >= prompts.iter().map(|p| p.len().div_ceil(3) as u64).sum::<u64>(), "{name}: passes were not stepped");
+    }
+}
+
+/// A decode round and a prompt chunk in one forward give bit-identical
+/// logits to the two forwards run one after the other (the CPU device is
+/// batch-invariant), and leave the same state behind.
+#[test]
+fn a_fused_forward_equals_the_two_forwards() {
+    for name in FAMILIES {
+        let f = Fixture::load(name);
+        let (pa, pb) = (&f.tokens[..6], &f.tokens[6..17]);
+        let mut runs = Vec::new();
+        for fused in [false, true] {
+            let mut b = f.backend();
+            let mut out = Vec::new();
+            b.open(1).unwrap();
+            b.open(2).unwrap();
+            out.extend(b.prefill_step(1, Chunk { start: 0, tokens: pa, want_logits: true }).unwrap().unwrap());
+            let mut last = 7;
+            for (start, end) in [(0, 4), (4, 11)] {
+                let chunk = Chunk { start, tokens: &pb[start..end], want_logits: end == pb.len() };
+                let rows = [DecodeRow { stream: 1, tokens: vec![last] }];
+                let (round, first) = if fused {
+                    b.decode_round_with_chunk(&rows, 2, chunk).unwrap()
+                } else {
+                    let round = b.decode_round(&rows).unwrap();
+                    (round, b.prefill_step(2, chunk).unwrap())
+                };
+                assert_eq!(first.is_some(), chunk.want_logits, "{name}");
+                last = (start as u32 * 13 + 5) % 50;
+                out.extend(round);
+                out.extend(first.unwrap_or_default());
+            }
+            // The state after: one more round of both streams.
+            out.extend(b.decode_round(&[DecodeRow { stream: 1, tokens: vec![3] }, DecodeRow { stream: 2, tokens: vec![4] }]).unwrap());
+            runs.push(out);
+        }
+        assert!(runs[0] == runs[1], "{name}: the fused forward differs from the two forwards");
     }
 }

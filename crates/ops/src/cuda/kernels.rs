@@ -8,6 +8,19 @@
 /// Elementwise, norm, RoPE, KV, gather and sampling kernels.
 pub const BASE: &str = r#"
 typedef unsigned short bf16_t;
+// Programmatic dependent launch (Hopper on): every kernel is launched
+// allowed to start while the one before it finishes. So each waits for
+// its predecessor (all of it, memory included) before touching anything
+// it wrote or reads, then lets its own successor launch. Weights, never
+// written, may be loaded before the wait (the GEMVs do).
+#if __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_WAIT()
+#define PDL_LAUNCH()
+#endif
+#define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
 #define NEG_INF (__int_as_float(0xff800000))
 
 __device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
@@ -24,11 +37,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long n) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f2bf(x[i]);
 }
 
 extern "C" __global__ void embed(const bf16_t* __restrict__ table, const unsigned* __restrict__ ids, int cols, int vocab,
                                  float scale, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    PDL_ENTRY();
     unsigned id = ids[blockIdx.x];
     if (id >= (unsigned)vocab) id = vocab - 1;
     const bf16_t* src = table + (long)id * cols;
@@ -43,6 +58,7 @@ extern "C" __global__ void embed(const bf16_t* __restrict__ table, const unsigne
 // One block (256 threads) per group of g elements.
 extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
                                           bf16_t* __restrict__ out_bf, int g, float eps) {
+    PDL_ENTRY();
     __shared__ float red[32];
     long base = (long)blockIdx.x * g;
     float ss = 0.f;
@@ -68,6 +84,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
 // One warp per group (small groups: per-head norms).
 extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
                                          bf16_t* __restrict__ out_bf, int groups, int g, float eps) {
+    PDL_ENTRY();
     int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (gi >= groups) return;
@@ -86,6 +103,7 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
 // x += y, then out = rms_norm(x) (one block per row; g = row width).
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                         float* __restrict__ out, bf16_t* __restrict__ out_bf, int g, float eps) {
+    PDL_ENTRY();
     __shared__ float red[32];
     long base = (long)blockIdx.x * g;
     float ss = 0.f;
@@ -109,19 +127,23 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 }
 
 extern "C" __global__ void add(float* __restrict__ x, const float* __restrict__ y, long n) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] += y[i];
 }
 
 extern "C" __global__ void scale(float* __restrict__ x, float s, long n) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] *= s;
 }
 
 extern "C" __global__ void softcap(float* __restrict__ x, float cap, long n) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] = cap * tanhf(x[i] / cap);
 }
 
 extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out,
                                     bf16_t* __restrict__ out_bf, long n) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float a = g[i];
         float v = a / (1.f + expf(-a)) * u[i];
@@ -132,6 +154,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __
 
 extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out,
                                     bf16_t* __restrict__ out_bf, long n) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float a = g[i];
         float v = 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a))) * u[i];
@@ -143,6 +166,7 @@ extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __
 // One block per row; threads over (head, pair).
 extern "C" __global__ void rope(float* __restrict__ x, const unsigned* __restrict__ pos, int cols, int head_dim, int dims,
                                 float theta, float pscale, int neox) {
+    PDL_ENTRY();
     int half = dims / 2;
     int heads = cols / head_dim;
     float p = (float)pos[blockIdx.x] / pscale;
@@ -163,6 +187,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const unsigned* __restric
 
 extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v, const unsigned* __restrict__ slots,
                                     int w, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc) {
+    PDL_ENTRY();
     long dst = (long)slots[blockIdx.x] * w;
     long src = (long)blockIdx.x * w;
     for (int i = threadIdx.x; i < w; i += blockDim.x) {
@@ -173,6 +198,7 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsigned* __restrict__ rows, int cols,
                                        float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    PDL_ENTRY();
     long src = (long)rows[blockIdx.x] * cols;
     long dst = (long)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
@@ -187,6 +213,7 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsign
 // atomicMax (order-preserving float bits above, the complemented index
 // below, so ties go to the first index). `out` starts at zero.
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned long long* __restrict__ out) {
+    PDL_ENTRY();
     __shared__ unsigned long long best_s[32];
     const float* row = x + (long)blockIdx.x * cols;
     const int chunk = (cols + gridDim.y - 1) / gridDim.y;
@@ -255,11 +282,23 @@ __device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint
     float acc[N];
     #pragma unroll
     for (int i = 0; i < N; i++) acc[i] = 0.f;
+    // The first four weight loads go out before waiting for x's producer.
+    const uint4* wr = (const uint4*)w;
+    int c = c0 + lane;
+    const bool pre = w && c + 96 < c1;
+    uint4 wv[4];
+    if (pre) {
+        #pragma unroll
+        for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
+    }
+    PDL_ENTRY();
     if (w) {
-        const uint4* wr = (const uint4*)w;
-        int c = c0 + lane;
+        if (pre) {
+            #pragma unroll
+            for (int u = 0; u < 4; u++) gv_fma8<N>(wv[u], x, k8, c + 32 * u, acc);
+            c += 128;
+        }
         for (; c + 96 < c1; c += 128) {
-            uint4 wv[4];
             #pragma unroll
             for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
             #pragma unroll
@@ -385,6 +424,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_gated(const bf16_t* __res
 // of f32 both ways); out in f32 and bf16.
 extern "C" __global__ void act_mul_bf(const bf16_t* __restrict__ g, const bf16_t* __restrict__ u, float* __restrict__ out,
                                       bf16_t* __restrict__ out_bf, long n, int act) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float v = gate_act(bf2f(g[i]), act) * bf2f(u[i]);
         out[i] = v;
@@ -395,6 +435,7 @@ extern "C" __global__ void act_mul_bf(const bf16_t* __restrict__ g, const bf16_t
 // The same over 8 values a thread (16-byte loads and stores): n8 = n / 8.
 extern "C" __global__ void act_mul_bf8(const uint4* __restrict__ g, const uint4* __restrict__ u, float4* __restrict__ out,
                                        uint4* __restrict__ out_bf, long n8, int act) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n8; i += (long)gridDim.x * blockDim.x) {
         const uint4 gv = g[i], uv = u[i];
         const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
@@ -421,6 +462,7 @@ extern "C" __global__ void act_mul_bf8(const uint4* __restrict__ g, const uint4*
 extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__ v, const unsigned* __restrict__ pos,
                                    const unsigned* __restrict__ slots, int nslots, int q_cols, int kv_w, int head_dim, int dims,
                                    float theta, float pscale, int neox, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc) {
+    PDL_ENTRY();
     const int half = dims / 2;
     const int qh = q_cols / head_dim, kh = kv_w / head_dim;
     const float p = (float)pos[blockIdx.x] / pscale;
@@ -455,12 +497,14 @@ __device__ __forceinline__ unsigned hash32(unsigned long long x) {
     return (unsigned)x;
 }
 extern "C" __global__ void fill_random_bf16(bf16_t* __restrict__ y, long n, unsigned long long seed, float a, float bias) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float u = (hash32(seed * 0x9e3779b97f4a7c15ULL + (unsigned long long)i) >> 8) * (1.0f / 16777216.0f);
         y[i] = f2bf((2.f * u - 1.f) * a + bias);
     }
 }
 extern "C" __global__ void fill_f32(float* __restrict__ y, long n, float v) {
+    PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = v;
 }
 "#;
@@ -471,6 +515,19 @@ extern "C" __global__ void fill_f32(float* __restrict__ y, long n, float v) {
 /// tables (see `cuda::attention_meta`).
 pub const ATTENTION: &str = r#"
 typedef unsigned short bf16_t;
+// Programmatic dependent launch (Hopper on): every kernel is launched
+// allowed to start while the one before it finishes. So each waits for
+// its predecessor (all of it, memory included) before touching anything
+// it wrote or reads, then lets its own successor launch. Weights, never
+// written, may be loaded before the wait (the GEMVs do).
+#if __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_WAIT()
+#define PDL_LAUNCH()
+#endif
+#define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
 #define NEG_INF (__int_as_float(0xff800000))
 __device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
 __device__ __forceinline__ bf16_t f2bf(float f) {
@@ -495,6 +552,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
     float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
 {
+    PDL_ENTRY();
     __shared__ float qs[G][HD];
     __shared__ float sc[G][DEC_TK];
     __shared__ int slot_s[DEC_TK];
@@ -624,6 +682,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 // Merge the splits of attn_decode: one block of HD threads per (row, head).
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_rows, int nsplit,
                                         int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    PDL_ENTRY();
     const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
     const int row = meta[5 * s] + i;
@@ -669,6 +728,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap,
     float* __restrict__ out, bf16_t* __restrict__ out_bf)
 {
+    PDL_ENTRY();
     __shared__ __align__(16) bf16_t Ks[PF_KT * PF_KP];
     __shared__ __align__(16) bf16_t Vt[HD * PF_VP];
     const float LOG2E = 1.4426950408889634f;

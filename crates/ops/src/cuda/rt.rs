@@ -122,9 +122,15 @@ impl Arg {
     }
 }
 
+/// Launches `f`; with `pdl`, allowed to start while the kernel before it
+/// in the stream finishes (programmatic dependent launch, Hopper on: the
+/// kernel's `griddepcontrol.wait` then orders it, see `kernels.rs`).
+///
 /// # Safety
-/// `f` must be a kernel whose parameters match `args` in order and size.
-pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, stream: usize, args: &[Arg]) -> Result<()> {
+/// `f` must be a kernel whose parameters match `args` in order and size;
+/// with `pdl`, one that waits (`PDL_WAIT`) before touching memory that
+/// earlier work writes or reads.
+pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, stream: usize, args: &[Arg], pdl: bool) -> Result<()> {
     let mut vals: [Arg; 24] = [Arg::I(0); 24];
     assert!(args.len() <= vals.len());
     vals[..args.len()].copy_from_slice(args);
@@ -136,7 +142,28 @@ pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), sm
             Arg::F(x) => x as *mut f32 as *mut c_void,
         };
     }
-    drv::launch_kernel(f as sys::CUfunction, grid, block, smem, stream as sys::CUstream, &mut ptrs[..args.len()]).map_err(|e| anyhow!("kernel launch: {e:?}"))
+    if !pdl {
+        return drv::launch_kernel(f as sys::CUfunction, grid, block, smem, stream as sys::CUstream, &mut ptrs[..args.len()])
+            .map_err(|e| anyhow!("kernel launch: {e:?}"));
+    }
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: stream as sys::CUstream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut())
+        .result()
+        .map_err(|e| anyhow!("kernel launch (programmatic dependent): {e:?}"))
 }
 
 /// FNV-1a, for cache keys and graph signatures.

@@ -293,8 +293,9 @@ fn stall_on(a: &BenchArgs, mut backend: Box<dyn Backend>, vocab: usize, context:
     }
     let rest_max = usual.iter().cloned().fold(0.0, f64::max);
     let usual_gap = median(&mut usual);
-    let during = gaps(arrived, done);
+    let mut during = gaps(arrived, done);
     let max_gap = during.iter().cloned().fold(0.0, f64::max);
+    let during_median = if during.is_empty() { f64::NAN } else { median(&mut during) };
     let ttft = ttft.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN);
     println!("| stall scenario | value |");
     println!("| --- | ---: |");
@@ -303,6 +304,7 @@ fn stall_on(a: &BenchArgs, mut backend: Box<dyn Backend>, vocab: usize, context:
     println!("| usual inter-token gap (median) | {:.1} ms |", usual_gap * 1e3);
     println!("| largest gap before the arrival (3 s, noise floor) | {:.1} ms |", rest_max * 1e3);
     println!("| largest gap during the arrival's prefill | {:.1} ms |", max_gap * 1e3);
+    println!("| median gap during the arrival's prefill | {:.1} ms |", during_median * 1e3);
     println!("| stall ratio (largest / usual) | {:.2} |", max_gap / usual_gap);
     println!("| newcomer time to first token | {:.0} ms |", ttft * 1e3);
     println!("| whole-pass prefill on an idle lane | {:.0} ms |", whole_s * 1e3);
@@ -310,7 +312,7 @@ fn stall_on(a: &BenchArgs, mut backend: Box<dyn Backend>, vocab: usize, context:
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"bg_streams": a.bg, "arrival_tokens": a.arrival, "usual_gap_ms": usual_gap * 1e3, "max_gap_ms": max_gap * 1e3, "rest_max_gap_ms": rest_max * 1e3,
+            serde_json::json!({"bg_streams": a.bg, "arrival_tokens": a.arrival, "usual_gap_ms": usual_gap * 1e3, "max_gap_ms": max_gap * 1e3, "median_gap_during_ms": during_median * 1e3, "rest_max_gap_ms": rest_max * 1e3,
                 "stall_ratio": max_gap / usual_gap, "newcomer_ttft_ms": ttft * 1e3, "whole_pass_ms": whole_s * 1e3, "ttft_over_whole": ttft / whole_s})
         );
     }

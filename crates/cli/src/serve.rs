@@ -43,10 +43,11 @@ pub struct ServeArgs {
     /// (models whose results do not depend on chunking only).
     #[arg(long)]
     pub max_rows: Option<usize>,
-    /// While other streams decode, size each prefill step to about this
-    /// fraction of a decode round: lower keeps their tokens flowing evenly,
-    /// higher gives a new prompt its first token sooner. 0 = whole chunks.
-    #[arg(long, default_value_t = 1.0)]
+    /// While other streams decode, size each prefill step (run inside their
+    /// decode round) to add about this fraction to the round: lower keeps
+    /// their tokens flowing evenly, higher gives a new prompt its first
+    /// token sooner. 0 = whole chunks.
+    #[arg(long, default_value_t = 0.15)]
     pub prefill_share: f32,
     /// Completion budget when a request sets no max_tokens (default: up to the context).
     #[arg(long)]

@@ -61,12 +61,15 @@ pub struct LaneConfig {
     pub mark_prompt_end: bool,
     /// Most draft tokens verified per stream and round (0 turns drafting off).
     pub max_draft: usize,
-    /// While other streams decode, size each prefill step so it takes about
-    /// this fraction of a decode round (chunk-invariant backends only, whose
-    /// results do not depend on the cut). The lane measures both as it runs.
-    /// 0.5 keeps the others' inter-token gap within ~1.5x its usual value;
-    /// larger values give the newcomer a faster first token instead. `None`
-    /// runs whole chunks (`chunk_tokens`, capped by `max_rows`).
+    /// While other streams decode, size each prefill step (which runs inside
+    /// their decode round's forward) so it adds about this fraction to the
+    /// round (chunk-invariant backends only, whose results do not depend on
+    /// the cut). The lane measures both as it runs. 0.15 keeps the others'
+    /// inter-token gap near its usual value (on a 2-core CPU one prompt row
+    /// costs about that much of a 4-stream round, and a step is at least
+    /// one row); larger values give the newcomer a faster first token
+    /// instead. `None` runs whole chunks (`chunk_tokens`, capped by
+    /// `max_rows`).
     pub prefill_share: Option<f32>,
 }
 
@@ -749,7 +752,7 @@ enum Prefill {
 /// Rows of the first prefill step under `prefill_share`, before any cost is
 /// known: small, since in a shared forward each row adds its full cost to
 /// the others' round (the steering at most doubles it per step).
-const FIRST_STEP_ROWS: usize = 2;
+const FIRST_STEP_ROWS: usize = 1;
 
 /// Under `prefill_share`, a plain decode round every this many fused ones.
 const REMEASURE_EVERY: usize = 8;
@@ -1309,7 +1312,7 @@ impl Core {
     /// The per-step row cap: `max_rows`, tightened by `prefill_share` while
     /// other streams decode. A step costs a fixed part plus a part per row,
     /// both unknown and changing with the position, so the size is steered
-    /// by the last step: scaled by budget / time taken, at most doubling.
+    /// by the last step: scaled by budget / time taken, growing by half at most.
     fn step_rows(&self, stream: StreamId) -> Option<usize> {
         let decoding = self.running.iter().any(|s| !s.done && matches!(s.phase, Phase::Decoding));
         let share = match self.cfg.prefill_share {
@@ -1321,7 +1324,8 @@ impl Core {
             Some((id, rows, secs)) if id == stream => {
                 let budget = share * self.round_secs;
                 let scaled = (rows as f64 * budget / secs.max(1e-6)) as usize;
-                scaled.clamp(1, (2 * rows).max(FIRST_STEP_ROWS))
+                // Grow by half at most: one overshoot is one long gap.
+                scaled.clamp(1, rows + rows / 2 + 1)
             }
             _ => FIRST_STEP_ROWS,
         };

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 
 use anyhow::{anyhow, ensure, Result};
 
+use super::kernels;
 use super::rt::{self, Arg, DevBuf};
 use super::{Cuda, CudaKv, CudaTensor, Mode};
 use crate::{AttnSeq, BlockSparse, SsmShape, StateSeq};
@@ -34,42 +35,18 @@ const MAX_TOPK: usize = 256;
 /// Grid y / z limit.
 const MAX_GRID_YZ: usize = 65535;
 
-/// CUDA C of the hybrid ops. Like `kernels::BASE`: no headers, bf16 as
-/// `unsigned short`. Every kernel opens with `PDL_ENTRY()`: the
-/// programmatic-dependent-launch wait (on sm_90+, where the instruction
-/// exists) before it touches global memory, since it may start while the
-/// previous kernel is still running.
+/// CUDA C of the hybrid ops, compiled after [`kernels::PRELUDE`] (no
+/// headers, bf16 as `unsigned short`). Every kernel opens with
+/// `PDL_ENTRY()`: the programmatic-dependent-launch wait (on sm_90+, where
+/// the instruction exists) before it touches global memory, since it may
+/// start while the previous kernel is still running.
 pub(super) const SRC: &str = r#"
-typedef unsigned short bf16_t;
-// Programmatic dependent launch (sm_90+): a kernel may start while the one
-// before it finishes, so each first waits for its predecessor (all of it,
-// memory included), then lets its own successor launch. (As in kernels.rs;
-// this module is compiled on its own.)
-#if __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_WAIT()
-#define PDL_LAUNCH()
-#endif
-#define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
-#define HY_NEG_INF (__int_as_float(0xff800000))
-
-__device__ __forceinline__ float hy_bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
-__device__ __forceinline__ bf16_t hy_f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
-__device__ __forceinline__ float hy_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float hy_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+// The prelude's helpers under this module's `hy_` names.
+#define HY_NEG_INF NEG_INF
+#define hy_bf2f bf2f
+#define hy_f2bf f2bf
+#define hy_warp_sum warp_sum
+#define hy_warp_max warp_max
 __device__ __forceinline__ unsigned long long hy_warp_max_u64(unsigned long long v) {
     for (int o = 16; o > 0; o >>= 1) {
         unsigned long long u = __shfl_xor_sync(0xffffffffu, v, o);
@@ -598,7 +575,7 @@ impl Cuda {
         if let Some(f) = *g {
             return Ok(f);
         }
-        let m = rt::compile_and_load(SRC, &self.inner.arch)?;
+        let m = rt::compile_and_load(&kernels::with_prelude(SRC), &self.inner.arch)?;
         let f = Fns::load(&m)?;
         {
             let mut st = self.st();

@@ -5,8 +5,10 @@
 //! PTX. Activations are f32; every kernel whose output feeds a GEMM also
 //! writes a bf16 copy (the "shadow") so the GEMM can read it directly.
 
-/// Elementwise, norm, RoPE, KV, gather and sampling kernels.
-pub const BASE: &str = r#"
+/// What every module's source starts with (each NVRTC module is compiled
+/// on its own): the bf16 type and conversions, `NEG_INF`, warp reductions,
+/// and the programmatic-dependent-launch macros every kernel opens with.
+pub const PRELUDE: &str = r#"
 typedef unsigned short bf16_t;
 // Programmatic dependent launch (Hopper on): every kernel is launched
 // allowed to start while the one before it finishes. So each waits for
@@ -35,7 +37,24 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+"#;
 
+/// A module's full source: the prelude, then `body`.
+pub fn with_prelude(body: &str) -> String {
+    format!("{PRELUDE}{body}")
+}
+
+/// The attention module for head dim `hd` and `g` query heads per KV head.
+pub fn attention_source(hd: usize, g: usize) -> String {
+    format!("#define HD {hd}\n#define G {g}\n{PRELUDE}{ATTENTION}")
+}
+
+/// Elementwise, norm, RoPE, KV, gather and sampling kernels.
+pub const BASE: &str = r#"
 extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long n) {
     PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f2bf(x[i]);
@@ -514,28 +533,6 @@ extern "C" __global__ void fill_f32(float* __restrict__ y, long n, float v) {
 /// kv_len, window, block-table offset]`, then the work lists, then the block
 /// tables (see `cuda::attention_meta`).
 pub const ATTENTION: &str = r#"
-typedef unsigned short bf16_t;
-// Programmatic dependent launch (Hopper on): every kernel is launched
-// allowed to start while the one before it finishes. So each waits for
-// its predecessor (all of it, memory included) before touching anything
-// it wrote or reads, then lets its own successor launch. Weights, never
-// written, may be loaded before the wait (the GEMVs do).
-#if __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_WAIT()
-#define PDL_LAUNCH()
-#endif
-#define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
-#define NEG_INF (__int_as_float(0xff800000))
-__device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
-__device__ __forceinline__ bf16_t f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16); }
 
 #define DEC_THREADS 128

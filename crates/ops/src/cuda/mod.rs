@@ -111,6 +111,9 @@ struct State {
     pub graph_hits: u64,
     pub graph_captures: u64,
     pub graph_fallbacks: u64,
+    /// A forward read values back inside a graph pass (MoE routing): such
+    /// forwards run eagerly from then on.
+    host_reads: bool,
     /// Kernel names by function handle, and the profile being recorded:
     /// (name, start event, end event) per launch.
     names: HashMap<usize, String>,
@@ -222,7 +225,7 @@ impl Cuda {
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(100) as usize;
         let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| anyhow!("cuStreamCreate: {e:?}"))? as usize;
         let arch = rt::arch_name(cc);
-        let m = rt::compile_and_load(kernels::BASE, &arch)?;
+        let m = rt::compile_and_load(&kernels::with_prelude(kernels::BASE), &arch)?;
         let fns = Fns {
             to_bf16: m.func("to_bf16")?,
             embed: m.func("embed")?,
@@ -310,6 +313,7 @@ impl Cuda {
                     graph_hits: 0,
                     graph_captures: 0,
                     graph_fallbacks: 0,
+                    host_reads: false,
                     names,
                     profiling: false,
                     prof: Vec::new(),
@@ -675,8 +679,7 @@ impl Cuda {
         if let Some(a) = self.st().attn.get(&(hd, g)) {
             return Ok((a.decode, a.combine, a.prefill));
         }
-        let src = format!("#define HD {hd}\n#define G {g}\n{}", kernels::ATTENTION);
-        let m = rt::compile_and_load(&src, &self.inner.arch)?;
+        let m = rt::compile_and_load(&kernels::attention_source(hd, g), &self.inner.arch)?;
         let f = AttnFns {
             decode: m.func("attn_decode")?,
             combine: m.func("attn_combine")?,
@@ -699,7 +702,7 @@ impl Cuda {
     /// under stream capture and launches it. Anything that cannot be
     /// recorded (memory allocated, a failure) runs `f` eagerly instead.
     pub fn graph(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        if !self.inner.graphs_enabled.load(Ordering::Relaxed) || !self.ready() {
+        if !self.inner.graphs_enabled.load(Ordering::Relaxed) || !self.ready() || self.st().host_reads {
             return f();
         }
         let gen0 = rt::ALLOC_GEN.load(Ordering::Relaxed);
@@ -1101,6 +1104,10 @@ impl Device for Cuda {
         false
     }
 
+    fn replay(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.graph(f)
+    }
+
     fn name(&self) -> String {
         format!("cuda ({}, {})", self.inner.name, self.inner.arch)
     }
@@ -1135,6 +1142,17 @@ impl Device for Cuda {
     }
 
     fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        {
+            let mut st = self.st();
+            if st.mode != Mode::Eager {
+                // A forward that reads values back (MoE routing) cannot be
+                // a graph: end this pass (the forward then runs eagerly)
+                // and run such forwards eagerly from now on.
+                st.pass_error.get_or_insert_with(|| "a download inside a graph pass".into());
+                st.host_reads = true;
+                return Ok(vec![0.0; t.len()]);
+            }
+        }
         self.sync()?;
         let mut out = vec![0f32; t.len()];
         if !out.is_empty() {
@@ -1764,11 +1782,11 @@ pub fn nvrtc_present() -> bool {
 pub fn compile_check(arch: &str, head_dims: &[usize], groups: &[usize]) -> Result<()> {
     ensure!(nvrtc_present(), "libnvrtc is not on the library path");
     rt::guarded("NVRTC", || {
-        rt::compile(kernels::BASE, arch)?;
-        rt::compile(hybrid::SRC, arch).map_err(|e| anyhow!("hybrid kernels: {e}"))?;
+        rt::compile(&kernels::with_prelude(kernels::BASE), arch)?;
+        rt::compile(&kernels::with_prelude(hybrid::SRC), arch).map_err(|e| anyhow!("hybrid kernels: {e}"))?;
         for &hd in head_dims {
             for &g in groups {
-                rt::compile(&format!("#define HD {hd}\n#define G {g}\n{}", kernels::ATTENTION), arch).map_err(|e| anyhow!("attention HD={hd} G={g}: {e}"))?;
+                rt::compile(&kernels::attention_source(hd, g), arch).map_err(|e| anyhow!("attention HD={hd} G={g}: {e}"))?;
             }
         }
         Ok(())

@@ -2,6 +2,7 @@
 //! and [`ModelBackend`], which serves any of them to the engine.
 
 pub mod backend;
+pub mod blocks;
 pub mod config;
 pub mod gemma3;
 pub mod gemma4;
@@ -145,7 +146,7 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
         "gemma3" | "gemma3_text" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
-        "qwen3" => Ok(Box::new(qwen3::Qwen3::load(dev, src, progress)?)),
+        "qwen3" => Ok(Box::new(qwen3::load(dev, src, progress)?)),
         "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
         "nemotron_h" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),

@@ -1,10 +1,11 @@
 //! Llama (and SmolLM2): token embeddings, pre-norm blocks of grouped-query
 //! attention with RoPE and a SwiGLU MLP, a final RMSNorm and a (possibly
-//! tied) output head.
+//! tied) output head. Qwen3 is this model with q/k norms (`qwen3.rs`).
 
 use anyhow::{bail, Result};
 use braid_ops::{Device, GateAct, KvShape, Rope};
 
+use crate::blocks::Attention;
 use crate::config::HfConfig;
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -92,10 +93,7 @@ pub fn hf_rope(c: &HfConfig<'_>, layer_type: Option<&str>, head_dim: usize, dir:
 
 struct Block<D: Device> {
     attn_norm: D::Tensor,
-    wq: D::Weight,
-    wk: D::Weight,
-    wv: D::Weight,
-    wo: D::Weight,
+    attn: Attention<D>,
     ffn_norm: D::Tensor,
     w_gate: D::Weight,
     w_up: D::Weight,
@@ -113,10 +111,14 @@ pub struct Llama<D: Device> {
 
 impl<D: Device> Llama<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
-        let cfg = LlamaConfig::from_source(src)?;
+        Self::load_with(dev, src, LlamaConfig::from_source(src)?, false, progress)
+    }
+
+    /// Load with `cfg`, and per-head q/k norms when `qk_norm` (Qwen3).
+    pub(crate) fn load_with(dev: &D, src: &Source, cfg: LlamaConfig, qk_norm: bool, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
-        Self::from_tensors(cfg, &w, &v, src.has_tensor("output.weight"), progress)
+        Self::build(cfg, &w, &v, src.has_tensor("output.weight"), qk_norm, progress)
     }
 
     /// Build from tensors named as in GGUF, wherever they come from (a file,
@@ -128,15 +130,23 @@ impl<D: Device> Llama<D> {
         has_head: bool,
         progress: &dyn Fn(usize, usize),
     ) -> Result<Llama<D>> {
+        Self::build(cfg, w, v, has_head, false, progress)
+    }
+
+    fn build(
+        cfg: LlamaConfig,
+        w: &dyn Fn(&str) -> Result<D::Weight>,
+        v: &dyn Fn(&str) -> Result<D::Tensor>,
+        has_head: bool,
+        qk_norm: bool,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<Llama<D>> {
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let p = |n: &str| format!("blk.{i}.{n}.weight");
             blocks.push(Block {
                 attn_norm: v(&p("attn_norm"))?,
-                wq: w(&p("attn_q"))?,
-                wk: w(&p("attn_k"))?,
-                wv: w(&p("attn_v"))?,
-                wo: w(&p("attn_output"))?,
+                attn: Attention::load_gguf(w, v, i, qk_norm)?,
                 ffn_norm: v(&p("ffn_norm"))?,
                 w_gate: w(&p("ffn_gate"))?,
                 w_up: w(&p("ffn_up"))?,
@@ -174,23 +184,22 @@ impl<D: Device> Model<D> for Llama<D> {
         // The fused ops compose the plain ones by default; a device that
         // fuses them (CUDA) saves launches. Each layer's residual add is
         // fused into the next norm, so the attention input (normed x) is
-        // in `s.att` at the top of every layer.
+        // in `s.h` at the top of every layer.
         if let Some(b) = self.blocks.first() {
-            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.att);
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
         }
         for (l, b) in self.blocks.iter().enumerate() {
-            // Attention.
-            dev.matmul_many(&s.att, &[&b.wq, &b.wk, &b.wv], &mut [&mut s.q, &mut s.k, &mut s.v]);
-            dev.rope_kv_write(&mut s.q, &mut s.k, &s.v, kv, l, batch.positions, batch.slots, c.head_dim, &c.rope);
+            // Attention (Qwen3: q/k normalised per head before RoPE).
+            b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
             dev.attention(&s.q, kv, l, &batch.seqs, scale, None, &mut s.att);
-            dev.matmul(&s.att, &b.wo, &mut s.h);
+            dev.matmul(&s.att, &b.attn.wo, &mut s.h);
             dev.add_rms_norm(&mut s.x, &s.h, &b.ffn_norm, c.eps, &mut s.q);
             // MLP.
             dev.gated_matmul(&s.q, &b.w_gate, &b.w_up, GateAct::Silu, &mut s.gate, &mut s.up, &mut s.act);
-            dev.matmul(&s.act, &b.w_down, &mut s.h);
+            dev.matmul(&s.act, &b.w_down, &mut s.att);
             match self.blocks.get(l + 1) {
-                Some(next) => dev.add_rms_norm(&mut s.x, &s.h, &next.attn_norm, c.eps, &mut s.att),
-                None => dev.add(&mut s.x, &s.h),
+                Some(next) => dev.add_rms_norm(&mut s.x, &s.att, &next.attn_norm, c.eps, &mut s.h),
+                None => dev.add(&mut s.x, &s.att),
             }
         }
         // Head: only the rows whose logits are wanted.

@@ -40,7 +40,9 @@ impl<D: Device> Attention<D> {
         })
     }
 
-    /// GGUF names of block `i`: `blk.{i}.attn_{q,k,v,output}.weight`, and
+    /// GGUF names of block `i` (an HF folder maps them to
+    /// `model.layers.{i}.self_attn.*`, see `source.rs`):
+    /// `blk.{i}.attn_{q,k,v,output}.weight`, and
     /// `blk.{i}.attn_{q,k}_norm.weight` when `norms`.
     pub fn load_gguf(w: &dyn Fn(&str) -> Result<D::Weight>, v: &dyn Fn(&str) -> Result<D::Tensor>, i: usize, norms: bool) -> Result<Attention<D>> {
         let p = |n: &str| format!("blk.{i}.{n}.weight");

@@ -6,6 +6,7 @@ use anyhow::Result;
 use braid_formats::DType;
 use braid_ops::{AttnSeq, Device, GateAct, KvShape, Rope};
 
+use crate::blocks::Attention;
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
@@ -125,12 +126,7 @@ pub fn round_to(dtype: DType, x: f32) -> f32 {
 
 struct Block<D: Device> {
     attn_norm: D::Tensor,
-    wq: D::Weight,
-    wk: D::Weight,
-    wv: D::Weight,
-    q_norm: D::Tensor,
-    k_norm: D::Tensor,
-    wo: D::Weight,
+    attn: Attention<D>,
     post_attn_norm: D::Tensor,
     ffn_norm: D::Tensor,
     w_gate: D::Weight,
@@ -154,18 +150,16 @@ impl<D: Device> Gemma3<D> {
         let name = |gguf: &str, hf_name: &str| if hf { hf_name.to_string() } else { gguf.to_string() };
         let w = |g: &str, h: &str| dev.weight(&src.tensor(&name(g, h))?);
         let v = |g: &str, h: &str| dev.vector(&src.tensor(&name(g, h))?, cfg.norm_offset);
+        // By GGUF name only (an HF folder maps these the same way).
+        let w_gguf = |n: &str| dev.weight(&src.tensor(n)?);
+        let v_gguf = |n: &str| dev.vector(&src.tensor(n)?, cfg.norm_offset);
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let g = |n: &str| format!("blk.{i}.{n}.weight");
             let h = |n: &str| format!("model.layers.{i}.{n}.weight");
             blocks.push(Block {
                 attn_norm: v(&g("attn_norm"), &h("input_layernorm"))?,
-                wq: w(&g("attn_q"), &h("self_attn.q_proj"))?,
-                wk: w(&g("attn_k"), &h("self_attn.k_proj"))?,
-                wv: w(&g("attn_v"), &h("self_attn.v_proj"))?,
-                q_norm: v(&g("attn_q_norm"), &h("self_attn.q_norm"))?,
-                k_norm: v(&g("attn_k_norm"), &h("self_attn.k_norm"))?,
-                wo: w(&g("attn_output"), &h("self_attn.o_proj"))?,
+                attn: Attention::load_gguf(&w_gguf, &v_gguf, i, true)?,
                 post_attn_norm: v(&g("post_attention_norm"), &h("post_attention_layernorm"))?,
                 ffn_norm: v(&g("ffn_norm"), &h("pre_feedforward_layernorm"))?,
                 w_gate: w(&g("ffn_gate"), &h("mlp.gate_proj"))?,
@@ -210,13 +204,10 @@ impl<D: Device> Model<D> for Gemma3<D> {
         }
         for (l, b) in self.blocks.iter().enumerate() {
             let (rope, seqs) = if c.global[l] { (&c.rope_global, &batch.seqs) } else { (&c.rope_local, &local_seqs) };
-            // Attention: q, k, v from one input, q/k normalised per head before RoPE.
-            dev.matmul_many(&s.h, &[&b.wq, &b.wk, &b.wv], &mut [&mut s.att, &mut s.gate, &mut s.v]);
-            dev.rms_norm(&s.att, &b.q_norm, c.eps, &mut s.q);
-            dev.rms_norm(&s.gate, &b.k_norm, c.eps, &mut s.k);
-            dev.rope_kv_write(&mut s.q, &mut s.k, &s.v, kv, l, batch.positions, batch.slots, c.head_dim, rope);
+            // Attention: q/k normalised per head before RoPE.
+            b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(rope), c.eps);
             dev.attention(&s.q, kv, l, seqs, c.attn_scale, c.attn_softcap, &mut s.att);
-            dev.matmul(&s.att, &b.wo, &mut s.h);
+            dev.matmul(&s.att, &b.attn.wo, &mut s.h);
             dev.rms_norm(&s.h, &b.post_attn_norm, c.eps, &mut s.up);
             dev.add_rms_norm(&mut s.x, &s.up, &b.ffn_norm, c.eps, &mut s.h);
             // MLP.

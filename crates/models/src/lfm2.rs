@@ -10,6 +10,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Device, KvShape, Rope};
 
+use crate::blocks::Attention;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -116,20 +117,10 @@ struct ShortConv<D: Device> {
     state_at: usize,
 }
 
-struct Attention<D: Device> {
-    wq: D::Weight,
-    wk: D::Weight,
-    wv: D::Weight,
-    q_norm: D::Tensor,
-    k_norm: D::Tensor,
-    wo: D::Weight,
-    /// This layer's index in the KV pool.
-    kv: usize,
-}
-
 enum Operator<D: Device> {
     Conv(ShortConv<D>),
-    Attention(Attention<D>),
+    /// With this layer's index in the KV pool.
+    Attention(Attention<D>, usize),
 }
 
 enum FeedForward<D: Device> {
@@ -168,15 +159,7 @@ impl<D: Device> Lfm2<D> {
             let p = |n: &str| format!("model.layers.{l}.{n}");
             let op = if cfg.attention[l] {
                 kv += 1;
-                Operator::Attention(Attention {
-                    wq: w(&p("self_attn.q_proj.weight"))?,
-                    wk: w(&p("self_attn.k_proj.weight"))?,
-                    wv: w(&p("self_attn.v_proj.weight"))?,
-                    q_norm: v(&p("self_attn.q_layernorm.weight"))?,
-                    k_norm: v(&p("self_attn.k_layernorm.weight"))?,
-                    wo: w(&p("self_attn.out_proj.weight"))?,
-                    kv: kv - 1,
-                })
+                Operator::Attention(Attention::load_hf(&w, &v, &p("self_attn."), "out_proj", Some(("q_layernorm", "k_layernorm")))?, kv - 1)
             } else {
                 let in_proj = src.tensor(&p("conv.in_proj.weight"))?;
                 ensure!(in_proj.shape == [3 * h, h], "{}: {:?}, expected [{}, {h}]", in_proj.name, in_proj.shape, 3 * h);
@@ -266,16 +249,9 @@ impl<D: Device> Model<D> for Lfm2<D> {
                     dev.mul(&mut s.act, &s.up)?;
                     dev.matmul(&s.act, &cv.out, &mut s.h);
                 }
-                Operator::Attention(a) => {
-                    dev.matmul(&s.h, &a.wq, &mut s.att);
-                    dev.rms_norm(&s.att, &a.q_norm, c.eps, &mut s.q);
-                    dev.matmul(&s.h, &a.wk, &mut s.att);
-                    dev.rms_norm(&s.att, &a.k_norm, c.eps, &mut s.k);
-                    dev.matmul(&s.h, &a.wv, &mut s.v);
-                    dev.rope(&mut s.q, batch.positions, c.head_dim, &c.rope);
-                    dev.rope(&mut s.k, batch.positions, c.head_dim, &c.rope);
-                    dev.kv_write(&mut mem.kv, a.kv, &s.k, &s.v, batch.slots);
-                    dev.attention(&s.q, &mem.kv, a.kv, &batch.seqs, scale, None, &mut s.att);
+                Operator::Attention(a, kv) => {
+                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
+                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
                     dev.matmul(&s.att, &a.wo, &mut s.h);
                 }
             }

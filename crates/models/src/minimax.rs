@@ -13,6 +13,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Device, KvShape, Rope};
 
+use crate::blocks::Attention;
 use crate::moe::{Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -115,17 +116,10 @@ struct Lightning<D: Device> {
     state_at: usize,
 }
 
-struct Attention<D: Device> {
-    wq: D::Weight,
-    wk: D::Weight,
-    wv: D::Weight,
-    wo: D::Weight,
-    kv: usize,
-}
-
 enum Mixer<D: Device> {
     Lightning(Lightning<D>),
-    Attention(Attention<D>),
+    /// With this layer's index in the KV pool.
+    Attention(Attention<D>, usize),
 }
 
 struct Block<D: Device> {
@@ -157,13 +151,7 @@ impl<D: Device> MiniMax<D> {
             let p = |n: &str| format!("model.layers.{l}.{n}");
             let mixer = if cfg.full[l] {
                 kv += 1;
-                Mixer::Attention(Attention {
-                    wq: w(&p("self_attn.q_proj.weight"))?,
-                    wk: w(&p("self_attn.k_proj.weight"))?,
-                    wv: w(&p("self_attn.v_proj.weight"))?,
-                    wo: w(&p("self_attn.o_proj.weight"))?,
-                    kv: kv - 1,
-                })
+                Mixer::Attention(Attention::load_hf(&w, &v, &p("self_attn."), "o_proj", None)?, kv - 1)
             } else {
                 Mixer::Lightning(Lightning {
                     qkv: w(&p("self_attn.qkv_proj.weight"))?,
@@ -241,14 +229,9 @@ impl<D: Device> Model<D> for MiniMax<D> {
                     dev.matmul(&s.act, &m.out, &mut s.x);
                     c.linear_ab
                 }
-                Mixer::Attention(a) => {
-                    dev.matmul(&s.h, &a.wq, &mut s.q);
-                    dev.matmul(&s.h, &a.wk, &mut s.k);
-                    dev.matmul(&s.h, &a.wv, &mut s.v);
-                    dev.rope(&mut s.q, batch.positions, c.head_dim, &c.rope);
-                    dev.rope(&mut s.k, batch.positions, c.head_dim, &c.rope);
-                    dev.kv_write(&mut mem.kv, a.kv, &s.k, &s.v, batch.slots);
-                    dev.attention(&s.q, &mem.kv, a.kv, &batch.seqs, scale, None, &mut s.att);
+                Mixer::Attention(a, kv) => {
+                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
+                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
                     dev.matmul(&s.att, &a.wo, &mut s.x);
                     c.full_ab
                 }

@@ -14,6 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{BlockSparse, Device, KvShape, Rope};
 
+use crate::blocks::Attention;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config};
 use crate::source::Source;
@@ -154,12 +155,7 @@ enum Ffn<D: Device> {
 
 struct Block<D: Device> {
     in_norm: D::Tensor,
-    wq: D::Weight,
-    wk: D::Weight,
-    wv: D::Weight,
-    wo: D::Weight,
-    q_norm: D::Tensor,
-    k_norm: D::Tensor,
+    attn: Attention<D>,
     indexer: Option<Indexer<D>>,
     post_norm: D::Tensor,
     ffn: Ffn<D>,
@@ -221,12 +217,7 @@ impl<D: Device> MiniMaxM2<D> {
             };
             blocks.push(Block {
                 in_norm: v(&p("input_layernorm.weight"))?,
-                wq: w(&p("self_attn.q_proj.weight"))?,
-                wk: w(&p("self_attn.k_proj.weight"))?,
-                wv: w(&p("self_attn.v_proj.weight"))?,
-                wo: w(&p("self_attn.o_proj.weight"))?,
-                q_norm: v(&p("self_attn.q_norm.weight"))?,
-                k_norm: v(&p("self_attn.k_norm.weight"))?,
+                attn: Attention::load_hf(&w, &v, &p("self_attn."), "o_proj", Some(("q_norm", "k_norm")))?,
                 indexer,
                 post_norm: v(&p("post_attention_layernorm.weight"))?,
                 ffn,
@@ -276,14 +267,7 @@ impl<D: Device> Model<D> for MiniMaxM2<D> {
             // Attention: q and k normalised (over the whole width in M2, per
             // head in M3: the norm weight's width says which), then RoPE.
             dev.rms_norm(&s.x, &b.in_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &b.wq, &mut s.att);
-            dev.rms_norm(&s.att, &b.q_norm, c.eps, &mut s.q);
-            dev.matmul(&s.h, &b.wk, &mut s.att);
-            dev.rms_norm(&s.att, &b.k_norm, c.eps, &mut s.k);
-            dev.matmul(&s.h, &b.wv, &mut s.v);
-            dev.rope(&mut s.q, batch.positions, c.head_dim, &c.rope);
-            dev.rope(&mut s.k, batch.positions, c.head_dim, &c.rope);
-            dev.kv_write(&mut mem.kv, l, &s.k, &s.v, batch.slots);
+            b.attn.qkv(dev, s, &mut mem.kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
             match (&b.indexer, &c.index) {
                 (Some(ix), Some(sel)) => {
                     let [t, iq, ik] = extras(dev, &mut s.extra);
@@ -298,7 +282,7 @@ impl<D: Device> Model<D> for MiniMaxM2<D> {
                 }
                 _ => dev.attention(&s.q, &mem.kv, l, &batch.seqs, scale, None, &mut s.att),
             }
-            dev.matmul(&s.att, &b.wo, &mut s.h);
+            dev.matmul(&s.att, &b.attn.wo, &mut s.h);
             dev.add(&mut s.x, &s.h);
 
             dev.rms_norm(&s.x, &b.post_norm, c.eps, &mut s.h);

@@ -14,6 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Device, KvShape, SsmShape};
 
+use crate::blocks::Attention;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -164,19 +165,20 @@ struct Mamba<D: Device> {
     ssm_at: usize,
 }
 
-struct Attention<D: Device> {
-    wq: D::Weight,
-    wk: D::Weight,
-    wv: D::Weight,
-    wo: D::Weight,
-    kv: usize,
-}
-
 enum Layer<D: Device> {
     Mamba(Mamba<D>),
-    Attention(Attention<D>),
-    Mlp { up: D::Weight, down: D::Weight },
-    Moe { gate: D::Weight, moe: Moe<D>, shared_up: D::Weight, shared_down: D::Weight },
+    /// With this layer's index in the KV pool.
+    Attention(Attention<D>, usize),
+    Mlp {
+        up: D::Weight,
+        down: D::Weight,
+    },
+    Moe {
+        gate: D::Weight,
+        moe: Moe<D>,
+        shared_up: D::Weight,
+        shared_down: D::Weight,
+    },
 }
 
 struct Block<D: Device> {
@@ -244,13 +246,7 @@ impl<D: Device> NemotronH<D> {
                 }
                 Mixer::Attention => {
                     kv += 1;
-                    Layer::Attention(Attention {
-                        wq: w(&p("q_proj.weight"))?,
-                        wk: w(&p("k_proj.weight"))?,
-                        wv: w(&p("v_proj.weight"))?,
-                        wo: w(&p("o_proj.weight"))?,
-                        kv: kv - 1,
-                    })
+                    Layer::Attention(Attention::load_hf(&w, &v, &p(""), "o_proj", None)?, kv - 1)
                 }
                 Mixer::Mlp => Layer::Mlp { up: w(&p("up_proj.weight"))?, down: w(&p("down_proj.weight"))? },
                 Mixer::Moe => {
@@ -337,12 +333,10 @@ impl<D: Device> Model<D> for NemotronH<D> {
                     dev.group_rms_norm(&s.act, &m.norm, c.inner() / c.ssm.groups, c.eps, &mut s.q)?;
                     dev.matmul(&s.q, &m.out, &mut s.h);
                 }
-                Layer::Attention(a) => {
-                    dev.matmul(&s.h, &a.wq, &mut s.q);
-                    dev.matmul(&s.h, &a.wk, &mut s.k);
-                    dev.matmul(&s.h, &a.wv, &mut s.v);
-                    dev.kv_write(&mut mem.kv, a.kv, &s.k, &s.v, batch.slots);
-                    dev.attention(&s.q, &mem.kv, a.kv, &batch.seqs, scale, None, &mut s.att);
+                Layer::Attention(a, kv) => {
+                    // No positional encoding.
+                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, None, c.eps);
+                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
                     dev.matmul(&s.att, &a.wo, &mut s.h);
                 }
                 Layer::Mlp { up, down } => {

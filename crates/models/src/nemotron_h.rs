@@ -165,20 +165,12 @@ struct Mamba<D: Device> {
     ssm_at: usize,
 }
 
+/// An attention layer holds its index in the KV pool.
 enum Layer<D: Device> {
     Mamba(Mamba<D>),
-    /// With this layer's index in the KV pool.
     Attention(Attention<D>, usize),
-    Mlp {
-        up: D::Weight,
-        down: D::Weight,
-    },
-    Moe {
-        gate: D::Weight,
-        moe: Moe<D>,
-        shared_up: D::Weight,
-        shared_down: D::Weight,
-    },
+    Mlp { up: D::Weight, down: D::Weight },
+    Moe { gate: D::Weight, moe: Moe<D>, shared_up: D::Weight, shared_down: D::Weight },
 }
 
 struct Block<D: Device> {

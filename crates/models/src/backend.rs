@@ -9,6 +9,11 @@ use braid_ops::{AttnSeq, Device, KvDtype, KvPoolSpec};
 
 use crate::{Batch, Memory, Model, Scratch};
 
+/// Rounds whose streams each run at most this many rows (decode, drafts)
+/// go through `Device::replay` (CUDA graphs); prompt chunks, whose shapes
+/// rarely recur, run directly.
+const REPLAY_ROWS: usize = 16;
+
 #[derive(Clone, Debug)]
 pub struct BackendConfig {
     /// Tokens per KV block.
@@ -195,7 +200,13 @@ impl<D: Device> ModelBackend<D> {
             .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &self.streams[&id].blocks, window: None })
             .collect();
         let batch = Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs, logit_rows, state_slots: &state_slots };
-        self.model.forward(&self.dev, &batch, &mut self.mem, &mut self.scratch)?;
+        let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
+        if parts.iter().all(|p| p.1.len() <= REPLAY_ROWS) {
+            // A decode round: its shape recurs round after round.
+            dev.replay(&mut || model.forward(dev, &batch, mem, scratch))?;
+        } else {
+            model.forward(dev, &batch, mem, scratch)?;
+        }
         drop(batch);
         for (&(id, toks), _) in parts.iter().zip(&ranges) {
             self.streams.get_mut(&id).unwrap().len += toks.len();

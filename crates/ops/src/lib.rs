@@ -133,6 +133,14 @@ pub trait Device: Send + Sync + 'static {
         true
     }
 
+    /// Run `f`, a forward made of this device's ops, the way that costs
+    /// the least to repeat: the CUDA device records it as a graph keyed by
+    /// everything it launches and replays it when the same shape comes
+    /// back (a decode round of the same streams). The default runs it.
+    fn replay(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        f()
+    }
+
     // ---- memory ----
     /// A tensor of the given shape (contents unspecified).
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;

@@ -709,12 +709,14 @@ impl Cuda {
         self.begin_pass(Mode::UploadOnly);
         let r = f();
         let (sig, perr) = self.end_pass();
-        r?;
         let moved = rt::ALLOC_GEN.load(Ordering::Relaxed) != gen0;
         if perr.is_some() || moved {
+            // (An error of the pass itself, such as a read-back that got
+            // no data, is not the forward's: run it for real.)
             self.st().graph_fallbacks += 1;
             return f();
         }
+        r?;
         let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
         let exec = {
             let mut st = self.st();

@@ -196,11 +196,21 @@ pub fn peak_rss_kib() -> u64 {
 /// The stall scenario on one lane.
 fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
     let text = Arc::new(TokenizerText(m.tokenizer.clone()));
-    stall_on(&a, m.backend, m.vocab, m.context, text, m.tokenizer.stop_ids())
+    stall_on(&a, &m.device, m.backend, m.vocab, m.context, text, m.tokenizer.stop_ids())
 }
 
 /// The stall scenario over any backend (a loaded model, or random weights).
-fn stall_on(a: &BenchArgs, mut backend: Box<dyn Backend>, vocab: usize, context: usize, text: Arc<dyn TokenText>, eos_ids: Vec<u32>) -> Result<()> {
+fn stall_on(
+    a: &BenchArgs,
+    device: &str,
+    mut backend: Box<dyn Backend>,
+    vocab: usize,
+    context: usize,
+    text: Arc<dyn TokenText>,
+    eos_ids: Vec<u32>,
+) -> Result<()> {
+    // As `braid serve` does: a chunk plus a full decode round in one forward.
+    load::warm_up(&mut *backend, device, a.chunk + a.bg + 8)?;
     let vocab = vocab as u32;
     let arrival: Vec<u32> = (0..a.arrival).map(|i| (i as u32 * 7919 + 17) % vocab.min(32000)).collect();
     // Reference: a whole pass of the same prompt on an idle backend.
@@ -272,6 +282,15 @@ fn stall_on(a: &BenchArgs, mut backend: Box<dyn Backend>, vocab: usize, context:
     std::thread::sleep(Duration::from_millis(300));
     stop_bg.store(true, Ordering::Relaxed);
     let times = times.lock().unwrap().clone();
+    let st = lane.stats();
+    eprintln!(
+        "plain decode rounds: {} averaging {:.2} ms in the backend (longest {:.2} ms); {} rounds shared with a chunk (longest {:.2} ms)",
+        st.plain_rounds,
+        st.plain_round_secs / st.plain_rounds.max(1) as f64 * 1e3,
+        st.longest_plain_round_secs * 1e3,
+        st.fused_rounds,
+        st.longest_fused_round_secs * 1e3
+    );
     drop(lane);
     for r in readers {
         let _ = r.join();
@@ -355,8 +374,13 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
         Box::new(model),
         BackendConfig { context, kv_tokens: context * (a.bg + 2), max_streams: 64, max_batch: 4096, ..Default::default() },
     )?;
-    println!("random-weight {} on {}", a.preset, braid_ops::Device::name(be.device()));
-    stall_on(a, Box::new(be), vocab, context, Arc::new(NoText), Vec::new())
+    let device = braid_ops::Device::name(be.device());
+    println!("random-weight {} on {device}", a.preset);
+    let dev = be.device().clone();
+    stall_on(a, &device, Box::new(be), vocab, context, Arc::new(NoText), Vec::new())?;
+    let (replays, captures, fallbacks) = dev.graph_stats();
+    eprintln!("graphs: {replays} replays, {captures} captures, {fallbacks} eager fallbacks");
+    Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -150,3 +150,22 @@ impl Loaded {
         result.map(|_| out)
     }
 }
+
+/// One throw-away prompt pass of `rows` rows on a GPU backend, so its
+/// scratch buffers are sized (and its kernels loaded) before the first
+/// request: a decode round that later shares its forward with a whole
+/// chunk would otherwise pay those one-time costs as a stall of every
+/// stream. The CPU device grows its buffers cheaply and skips this.
+pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<()> {
+    if device.starts_with("cpu") || rows == 0 {
+        return Ok(());
+    }
+    let caps = backend.capabilities();
+    let rows = rows.min(caps.max_context);
+    let id = u64::MAX;
+    backend.open(id)?;
+    let tokens: Vec<u32> = (0..rows).map(|i| (i % caps.vocab_size.max(1)) as u32).collect();
+    let r = backend.prefill_step(id, braid_engine::Chunk { start: 0, tokens: &tokens, want_logits: true });
+    backend.forget(id);
+    r.map(|_| ())
+}

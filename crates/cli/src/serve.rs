@@ -80,6 +80,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() })
         })
         .await??;
+        let mut m = m;
+        load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
         let mut config = lane_config(&m);
         config.chunk_tokens = a.chunk.max(1);
         config.max_rows = a.max_rows;

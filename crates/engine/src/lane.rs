@@ -273,6 +273,12 @@ pub struct LaneStats {
     pub decode_rounds: u64,
     /// Decode rounds that ran a prompt chunk in the same forward.
     pub fused_rounds: u64,
+    /// Seconds spent in plain decode rounds (the backend call alone).
+    pub plain_round_secs: f64,
+    pub plain_rounds: u64,
+    /// The longest plain round and the longest fused one (backend calls).
+    pub longest_plain_round_secs: f64,
+    pub longest_fused_round_secs: f64,
     /// Streams in decode rounds, summed (÷ rounds = mean batch).
     pub decode_streams: u64,
     /// Token rows in decode rounds, summed (drafts included).
@@ -868,7 +874,7 @@ impl Core {
             Prefill::Idle | Prefill::Progress => {
                 let t = Instant::now();
                 let logits = self.backend.decode_round(&plan.rows);
-                self.round_secs = ema(self.round_secs, t.elapsed().as_secs_f64());
+                self.note_plain_round(t.elapsed().as_secs_f64());
                 self.finish_round(plan, logits);
             }
         }
@@ -1235,9 +1241,16 @@ impl Core {
         }
         let t = Instant::now();
         let logits = self.backend.decode_round(&plan.rows);
-        self.round_secs = ema(self.round_secs, t.elapsed().as_secs_f64());
+        self.note_plain_round(t.elapsed().as_secs_f64());
         self.finish_round(plan, logits);
         true
+    }
+
+    fn note_plain_round(&mut self, secs: f64) {
+        self.round_secs = ema(self.round_secs, secs);
+        self.stats.plain_round_secs += secs;
+        self.stats.plain_rounds += 1;
+        self.stats.longest_plain_round_secs = self.stats.longest_plain_round_secs.max(secs);
     }
 
     /// Sample the round's logits: emit, verify drafts, rewind rejects.
@@ -1412,6 +1425,7 @@ impl Core {
         });
         // The chunk's own cost: the forward less a plain round's.
         let secs = t.elapsed().as_secs_f64();
+        self.stats.longest_fused_round_secs = self.stats.longest_fused_round_secs.max(secs);
         self.stats.fused_rounds += 1;
         self.fused_since_plain += 1;
         self.finish_prefill(i, stepped, (secs - self.round_secs).max(0.1 * secs));

@@ -34,6 +34,9 @@ pub struct Capabilities {
     pub vocab_size: usize,
     /// Width of one feature row (0 when the backend taps no features).
     pub feature_dim: usize,
+    /// `decode_round_greedy` works and is cheaper than `decode_round` plus
+    /// sampling on the host (the logits stay where they were computed).
+    pub greedy_rounds: bool,
 }
 
 /// How full the backend's state memory is.
@@ -100,6 +103,12 @@ pub trait Backend: Send {
     /// stream and returns one logits row per token, in order, flattened
     /// (`sum(tokens) * vocab_size` floats).
     fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>>;
+
+    /// A decode round of one token per row that returns each row's most
+    /// likely next token (the first on ties) instead of its logits.
+    fn decode_round_greedy(&mut self, _rows: &[DecodeRow]) -> Result<Vec<u32>> {
+        anyhow::bail!("this backend does not pick greedy tokens itself")
+    }
 
     /// A decode round and one prompt chunk of another stream in one
     /// forward, so the forward's fixed cost (every layer's launches and

@@ -34,6 +34,8 @@ pub enum Call {
         want_logits: bool,
     },
     CancelPrefill(StreamId),
+    /// The next `Decode` returned greedy tokens, not logits.
+    Greedy(Vec<StreamId>),
     /// The next `Decode` and `Prefill` ran in one forward.
     Fused,
     /// One decode round: each row's stream and tokens, in order.
@@ -126,6 +128,7 @@ impl Default for FakeConfig {
                 max_context: 4096,
                 vocab_size: 64,
                 feature_dim: 2,
+                greedy_rounds: false,
             },
             block_tokens: 4,
             blocks_total: 4096,
@@ -267,6 +270,14 @@ impl Backend for FakeBackend {
             }
         }
         Ok(out)
+    }
+
+    fn decode_round_greedy(&mut self, rows: &[DecodeRow]) -> Result<Vec<u32>> {
+        ensure!(self.cfg.caps.greedy_rounds, "greedy rounds are off in this fake");
+        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
+        self.log.push(Call::Greedy(rows.iter().map(|r| r.stream).collect()));
+        let logits = self.decode_round(rows)?;
+        Ok(logits.chunks(self.cfg.caps.vocab_size.max(1)).map(crate::sampling::argmax).collect())
     }
 
     fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {

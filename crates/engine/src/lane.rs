@@ -273,6 +273,8 @@ pub struct LaneStats {
     pub decode_rounds: u64,
     /// Decode rounds that ran a prompt chunk in the same forward.
     pub fused_rounds: u64,
+    /// Decode rounds whose tokens the backend picked (greedy, no logits moved).
+    pub greedy_rounds: u64,
     /// Seconds spent in plain decode rounds (the backend call alone).
     pub plain_round_secs: f64,
     pub plain_rounds: u64,
@@ -871,12 +873,7 @@ impl Core {
         }
         match self.prepare_prefill(plan.blocks) {
             Prefill::Ready(i) => self.fused_round(plan, i),
-            Prefill::Idle | Prefill::Progress => {
-                let t = Instant::now();
-                let logits = self.backend.decode_round(&plan.rows);
-                self.note_plain_round(t.elapsed().as_secs_f64());
-                self.finish_round(plan, logits);
-            }
+            Prefill::Idle | Prefill::Progress => self.plain_round(plan),
         }
         true
     }
@@ -1239,11 +1236,65 @@ impl Core {
         if plan.rows.is_empty() {
             return true;
         }
+        self.plain_round(plan);
+        true
+    }
+
+    /// A planned round in a forward of its own: greedy tokens picked by the
+    /// backend when every row allows it, else logits sampled here.
+    fn plain_round(&mut self, plan: RoundPlan) {
         let t = Instant::now();
+        if self.greedy_round(&plan) {
+            let tokens = self.backend.decode_round_greedy(&plan.rows);
+            self.note_plain_round(t.elapsed().as_secs_f64());
+            self.finish_greedy_round(plan, tokens);
+            return;
+        }
         let logits = self.backend.decode_round(&plan.rows);
         self.note_plain_round(t.elapsed().as_secs_f64());
         self.finish_round(plan, logits);
-        true
+    }
+
+    /// Every stream of the round takes the argmax with nothing to report
+    /// beside it, and there are no drafts: the backend may pick.
+    fn greedy_round(&self, plan: &RoundPlan) -> bool {
+        self.caps.greedy_rounds
+            && plan.drafts.iter().all(Vec::is_empty)
+            && plan.batch.iter().all(|&i| {
+                let s = &self.running[i];
+                s.logprobs.is_none() && s.sampler.plain_greedy()
+            })
+    }
+
+    /// Emit the tokens a greedy round picked.
+    fn finish_greedy_round(&mut self, plan: RoundPlan, tokens: anyhow::Result<Vec<u32>>) {
+        let batch = plan.batch;
+        let tokens = match tokens {
+            Ok(t) if t.len() == batch.len() => t,
+            Ok(t) => {
+                let msg = format!("the backend picked {} tokens for a round of {} rows", t.len(), batch.len());
+                batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
+                return;
+            }
+            Err(e) => {
+                let msg = format!("decode round failed: {e:#}");
+                batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
+                return;
+            }
+        };
+        self.stats.greedy_rounds += 1;
+        let ctx = EmitCtx { eos: &self.cfg.eos_ids, text: &*self.text };
+        for (&i, &tok) in batch.iter().zip(&tokens) {
+            let s = &mut self.running[i];
+            if tok as usize >= self.caps.vocab_size {
+                s.fail(format!("the backend picked token {tok}, past the vocabulary of {}", self.caps.vocab_size));
+                continue;
+            }
+            s.len += 1;
+            if !emit(s, Sampled { token: tok, logprob: None, top: Vec::new() }, &ctx, &mut self.stats) {
+                s.last = tok;
+            }
+        }
     }
 
     fn note_plain_round(&mut self, secs: f64) {

@@ -362,6 +362,14 @@ impl Sampler {
         }
     }
 
+    /// Whether [`Sampler::sample`] would just take the row's argmax: greedy
+    /// with no penalty (so a backend may pick the token where the logits
+    /// are, see `Backend::decode_round_greedy`).
+    pub fn plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
     /// Pick the next token from one logits row (the row is used as scratch
     /// and left penalised). `logprobs` asks for the chosen token's
     /// log-probability and the `n` most likely alternatives. Does not

@@ -535,6 +535,29 @@ fn greedy_output_and_logprobs() {
     assert!(timing.ttft.is_some() && timing.ttft.unwrap() <= timing.total);
 }
 
+// A backend that picks greedy tokens itself gets every round whose streams
+// all sample plainly greedy; a round with a stream that wants logprobs, a
+// penalty or a temperature gets logits. Tokens are the same either way.
+#[test]
+fn greedy_rounds_go_to_the_backend_only_when_every_row_allows() {
+    let mut fc = FakeConfig::default();
+    fc.caps.greedy_rounds = true;
+    let (lane, log) = lane(fc, no_marks());
+    let p = prompt(9, 21);
+    let plain = lane.submit(greedy(p.clone(), 12)).unwrap();
+    assert_eq!(drain(&plain).tokens, oracle(&p, 12, 64));
+    let greedy_calls = |log: &CallLog| log.snapshot().iter().filter(|c| matches!(c, Call::Greedy(_))).count();
+    assert_eq!(greedy_calls(&log), 11, "every decode round of a plain greedy stream");
+    log.clear();
+    let with_logprobs = lane.submit(Request { logprobs: Some(2), ..greedy(p.clone(), 12) }).unwrap();
+    assert_eq!(drain(&with_logprobs).tokens, oracle(&p, 12, 64));
+    let mut penalised = greedy(p.clone(), 6);
+    penalised.sampling.repetition_penalty = 1.3;
+    drain(&lane.submit(penalised).unwrap());
+    assert_eq!(greedy_calls(&log), 0, "a stream that needs its logits got greedy rounds");
+    assert!(lane.stats().greedy_rounds >= 11);
+}
+
 #[test]
 fn seeded_sampling_repeats_and_seeds_differ() {
     let (lane, _log) = lane(FakeConfig::default(), no_marks());

@@ -175,9 +175,9 @@ impl<D: Device> ModelBackend<D> {
         Ok(total)
     }
 
-    /// Run rows for several streams in one forward; returns logits for
-    /// `logit_rows`.
-    fn run(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<Vec<f32>> {
+    /// Run rows for several streams in one forward; leaves logits for
+    /// `logit_rows` in `scratch.logits`.
+    fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<()> {
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut slots = Vec::new();
@@ -211,6 +211,12 @@ impl<D: Device> ModelBackend<D> {
         for (&(id, toks), _) in parts.iter().zip(&ranges) {
             self.streams.get_mut(&id).unwrap().len += toks.len();
         }
+        Ok(())
+    }
+
+    /// [`ModelBackend::forward`], then the logits on the host.
+    fn run(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<Vec<f32>> {
+        self.forward(parts, logit_rows)?;
         self.dev.download(&self.scratch.logits)
     }
 }
@@ -226,6 +232,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             max_context: self.cfg.context,
             vocab_size: self.model.vocab(),
             feature_dim: 0,
+            greedy_rounds: self.dev.argmax_on_device(),
         }
     }
 
@@ -267,6 +274,15 @@ impl<D: Device> Backend for ModelBackend<D> {
         let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let logit_rows: Vec<usize> = (0..total).collect();
         self.run(&parts, &logit_rows)
+    }
+
+    fn decode_round_greedy(&mut self, rows: &[DecodeRow]) -> Result<Vec<u32>> {
+        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
+        let total = self.reserve_round(rows)?;
+        let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let logit_rows: Vec<usize> = (0..total).collect();
+        self.forward(&parts, &logit_rows)?;
+        self.dev.argmax_rows(&self.scratch.logits)
     }
 
     fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {

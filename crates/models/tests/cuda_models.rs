@@ -253,6 +253,50 @@ fn backend_decode_rounds_replay_graphs() {
     assert!(runs[0] == runs[1], "graph-replayed decode rounds differ from eager ones");
 }
 
+/// Greedy rounds picked on the device (only token ids come back) give the
+/// tokens that the host's argmax of the round's logits gives.
+#[test]
+fn backend_greedy_rounds_equal_host_argmax() {
+    let Some(dev) = gpu() else { return };
+    let cfg = braid_models::llama::LlamaConfig {
+        hidden: 256,
+        layers: 2,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 32,
+        ffn: 512,
+        vocab: 1000,
+        eps: 1e-5,
+        rope: braid_ops::Rope { theta: 10000.0, dims: 32, neox: true, scale: 1.0 },
+        context: 4096,
+    };
+    let mut runs = Vec::new();
+    for on_device in [false, true] {
+        let model = braid_models::random::llama(&dev, cfg.clone(), 11, false).unwrap();
+        let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+        assert!(be.capabilities().greedy_rounds);
+        let mut last = Vec::new();
+        for s in 0..3u64 {
+            be.open(s).unwrap();
+            let prompt: Vec<u32> = (0..10 + 5 * s as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect();
+            let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
+            last.push(argmax(&l) as u32);
+        }
+        let mut out = last.clone();
+        for _ in 0..10 {
+            let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
+            last = if on_device {
+                be.decode_round_greedy(&rows).unwrap()
+            } else {
+                be.decode_round(&rows).unwrap().chunks(1000).map(|r| argmax(r) as u32).collect()
+            };
+            out.extend(&last);
+        }
+        runs.push(out);
+    }
+    assert_eq!(runs[0], runs[1], "device-picked greedy tokens differ from the host's argmax");
+}
+
 /// Teacher-forced top-1 agreement with llama.cpp on SmolLM2 (Q4_1 blocks
 /// dequantized to bf16 at load): reported, and at least 90%.
 #[test]

@@ -133,6 +133,31 @@ pub trait Device: Send + Sync + 'static {
         true
     }
 
+    /// Each row's index of its largest value (the first on ties; NaN never
+    /// wins on the host), for greedy sampling. The default downloads.
+    fn argmax_rows(&self, x: &Self::Tensor) -> Result<Vec<u32>> {
+        let (rows, cols) = self.shape(x);
+        let data = self.download(x)?;
+        Ok((0..rows)
+            .map(|r| {
+                let row = &data[r * cols..(r + 1) * cols];
+                let mut best = (0usize, f32::NEG_INFINITY);
+                for (i, &v) in row.iter().enumerate() {
+                    if v > best.1 {
+                        best = (i, v);
+                    }
+                }
+                best.0 as u32
+            })
+            .collect())
+    }
+
+    /// Whether `argmax_rows` runs where the values are (so greedy
+    /// sampling there saves moving whole logits rows to the host).
+    fn argmax_on_device(&self) -> bool {
+        false
+    }
+
     /// Run `f`, a forward made of this device's ops, the way that costs
     /// the least to repeat: the CUDA device records it as a graph keyed by
     /// everything it launches and replays it when the same shape comes

@@ -1110,6 +1110,14 @@ impl Device for Cuda {
         self.graph(f)
     }
 
+    fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
+        self.argmax(x)
+    }
+
+    fn argmax_on_device(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         format!("cuda ({}, {})", self.inner.name, self.inner.arch)
     }

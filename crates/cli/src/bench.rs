@@ -291,6 +291,7 @@ fn stall_on(
         st.fused_rounds,
         st.longest_fused_round_secs * 1e3
     );
+    eprintln!("shared rounds, ms: {:.1?}", st.first_fused_rounds_ms);
     drop(lane);
     for r in readers {
         let _ = r.join();

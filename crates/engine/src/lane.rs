@@ -281,6 +281,9 @@ pub struct LaneStats {
     /// The longest plain round and the longest fused one (backend calls).
     pub longest_plain_round_secs: f64,
     pub longest_fused_round_secs: f64,
+    /// The first fused rounds' times in ms (at most 32), for finding where a
+    /// long one sits in a pass.
+    pub first_fused_rounds_ms: Vec<f32>,
     /// Streams in decode rounds, summed (÷ rounds = mean batch).
     pub decode_streams: u64,
     /// Token rows in decode rounds, summed (drafts included).
@@ -1477,6 +1480,9 @@ impl Core {
         // The chunk's own cost: the forward less a plain round's.
         let secs = t.elapsed().as_secs_f64();
         self.stats.longest_fused_round_secs = self.stats.longest_fused_round_secs.max(secs);
+        if self.stats.first_fused_rounds_ms.len() < 32 {
+            self.stats.first_fused_rounds_ms.push((secs * 1e3) as f32);
+        }
         self.stats.fused_rounds += 1;
         self.fused_since_plain += 1;
         self.finish_prefill(i, stepped, (secs - self.round_secs).max(0.1 * secs));

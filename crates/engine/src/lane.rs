@@ -1272,19 +1272,9 @@ impl Core {
     /// Emit the tokens a greedy round picked.
     fn finish_greedy_round(&mut self, plan: RoundPlan, tokens: anyhow::Result<Vec<u32>>) {
         let batch = plan.batch;
-        let tokens = match tokens {
-            Ok(t) if t.len() == batch.len() => t,
-            Ok(t) => {
-                let msg = format!("the backend picked {} tokens for a round of {} rows", t.len(), batch.len());
-                batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
-                return;
-            }
-            Err(e) => {
-                let msg = format!("decode round failed: {e:#}");
-                batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
-                return;
-            }
-        };
+        let n = batch.len();
+        let check = |t: &Vec<u32>| (t.len() != n).then(|| format!("the backend picked {} tokens for a round of {n} rows", t.len()));
+        let Some(tokens) = self.round_ok(&batch, tokens, check) else { return };
         self.stats.greedy_rounds += 1;
         let ctx = EmitCtx { eos: &self.cfg.eos_ids, text: &*self.text };
         for (&i, &tok) in batch.iter().zip(&tokens) {
@@ -1300,6 +1290,20 @@ impl Core {
         }
     }
 
+    /// A round's result from the backend, if it is one and `check` finds
+    /// nothing wrong with it; else every stream of the round fails, told why.
+    fn round_ok<T>(&mut self, batch: &[usize], r: anyhow::Result<T>, check: impl FnOnce(&T) -> Option<String>) -> Option<T> {
+        let msg = match r {
+            Ok(v) => match check(&v) {
+                None => return Some(v),
+                Some(m) => m,
+            },
+            Err(e) => format!("decode round failed: {e:#}"),
+        };
+        batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
+        None
+    }
+
     fn note_plain_round(&mut self, secs: f64) {
         self.round_secs = ema(self.round_secs, secs);
         self.stats.plain_round_secs += secs;
@@ -1312,19 +1316,9 @@ impl Core {
         let RoundPlan { batch, drafts, total, .. } = plan;
         let vocab = self.caps.vocab_size;
 
-        let mut logits = match logits {
-            Ok(l) if l.len() == total * vocab => l,
-            Ok(l) => {
-                let msg = format!("the backend returned {} logits for a round of {total} rows of {vocab}", l.len());
-                batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
-                return;
-            }
-            Err(e) => {
-                let msg = format!("decode round failed: {e:#}");
-                batch.iter().for_each(|&i| self.running[i].fail(msg.clone()));
-                return;
-            }
-        };
+        let check =
+            |l: &Vec<f32>| (l.len() != total * vocab).then(|| format!("the backend returned {} logits for a round of {total} rows of {vocab}", l.len()));
+        let Some(mut logits) = self.round_ok(&batch, logits, check) else { return };
         let features: Option<Vec<f32>> = match self.drafter {
             Some(_) => Some(self.backend.features().map(<[f32]>::to_vec).unwrap_or_default()),
             None => None,

@@ -176,18 +176,7 @@ fn stepped_prefill_equals_whole() {
 #[test]
 fn graphs_equal_eager_on_a_model() {
     let Some(dev) = gpu() else { return };
-    let cfg = braid_models::llama::LlamaConfig {
-        hidden: 256,
-        layers: 2,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        ffn: 512,
-        vocab: 1000,
-        eps: 1e-5,
-        rope: braid_ops::Rope { theta: 10000.0, dims: 32, neox: true, scale: 1.0 },
-        context: 4096,
-    };
+    let cfg = tiny_llama();
     let model = braid_models::random::llama(&dev, cfg, 3, false).unwrap();
     let eager = braid_models::gpubench::decode_run(&dev, &model, 5, 40, 2, 10, false).unwrap();
     let graphed = braid_models::gpubench::decode_run(&dev, &model, 5, 40, 2, 10, true).unwrap();
@@ -199,13 +188,9 @@ fn graphs_equal_eager_on_a_model() {
     assert!(dev.graph_stats().0 > 0, "no graph was replayed");
 }
 
-/// Decode rounds served by `ModelBackend` replay CUDA graphs (one per
-/// batch shape) and give the same logits, bit for bit, as eager rounds;
-/// a round fused with a prompt chunk runs eagerly beside them.
-#[test]
-fn backend_decode_rounds_replay_graphs() {
-    let Some(dev) = gpu() else { return };
-    let cfg = braid_models::llama::LlamaConfig {
+/// A two-layer Llama shape for random-weight tests.
+fn tiny_llama() -> braid_models::llama::LlamaConfig {
+    braid_models::llama::LlamaConfig {
         hidden: 256,
         layers: 2,
         heads: 8,
@@ -216,7 +201,16 @@ fn backend_decode_rounds_replay_graphs() {
         eps: 1e-5,
         rope: braid_ops::Rope { theta: 10000.0, dims: 32, neox: true, scale: 1.0 },
         context: 4096,
-    };
+    }
+}
+
+/// Decode rounds served by `ModelBackend` replay CUDA graphs (one per
+/// batch shape) and give the same logits, bit for bit, as eager rounds;
+/// a round fused with a prompt chunk runs eagerly beside them.
+#[test]
+fn backend_decode_rounds_replay_graphs() {
+    let Some(dev) = gpu() else { return };
+    let cfg = tiny_llama();
     let mut runs = Vec::new();
     for graphs in [false, true] {
         dev.set_graphs(graphs);
@@ -258,18 +252,7 @@ fn backend_decode_rounds_replay_graphs() {
 #[test]
 fn backend_greedy_rounds_equal_host_argmax() {
     let Some(dev) = gpu() else { return };
-    let cfg = braid_models::llama::LlamaConfig {
-        hidden: 256,
-        layers: 2,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 32,
-        ffn: 512,
-        vocab: 1000,
-        eps: 1e-5,
-        rope: braid_ops::Rope { theta: 10000.0, dims: 32, neox: true, scale: 1.0 },
-        context: 4096,
-    };
+    let cfg = tiny_llama();
     let mut runs = Vec::new();
     for on_device in [false, true] {
         let model = braid_models::random::llama(&dev, cfg.clone(), 11, false).unwrap();

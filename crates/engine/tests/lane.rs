@@ -880,10 +880,13 @@ fn random_traffic_keeps_every_invariant() {
     // memory pressure), so reuse is required of the runs together, not of
     // each; deterministic reuse has its own test.
     let mut reused = 0;
-    for (seed, drafter) in [(1u64, false), (2, true), (3, true)] {
+    // Seeds 1 and 4 run without a drafter (chunks share decode rounds);
+    // seed 4's backend also picks greedy tokens itself.
+    for (seed, drafter) in [(1u64, false), (2, true), (3, true), (4, false)] {
         let mut rng = Rng::new(seed);
         let mut pick = |n: usize| (rng.next_u64() % n as u64) as usize;
-        let fc = FakeConfig { blocks_total: 60, block_tokens: 4, decode_delay: SLOW, ..FakeConfig::default() };
+        let mut fc = FakeConfig { blocks_total: 60, block_tokens: 4, decode_delay: SLOW, ..FakeConfig::default() };
+        fc.caps.greedy_rounds = seed == 4;
         let lc = LaneConfig { chunk_tokens: 8, mark_every: 8, prefix_marks: 6, max_running: 6, queue_capacity: 64, decode_reserve: 8, ..LaneConfig::default() };
         let (lane, log) = if drafter { lane_with_drafter(fc, lc, 4) } else { lane(fc, lc) };
         let bases: Vec<Vec<u32>> = (0..3).map(|i| prompt(24, 200 + i)).collect();
@@ -949,6 +952,12 @@ fn random_traffic_keeps_every_invariant() {
         let st = lane.stats();
         eprintln!("seed {seed}: {st:?}");
         assert_eq!(st.finished + st.cancelled, 40, "seed {seed}: {st:?}");
+        if !drafter {
+            assert!(st.fused_rounds > 0, "seed {seed}: no chunk shared a round");
+        }
+        if seed == 4 {
+            assert!(st.greedy_rounds > 0, "seed {seed}: no greedy round");
+        }
         assert_eq!(st.cancelled as usize, cancelled, "seed {seed}");
         reused += st.cached_tokens;
         // Every opened stream was forgotten once.

@@ -143,6 +143,7 @@ struct Fns {
     act_mul_bf: usize,
     act_mul_bf8: usize,
     rope_kv: usize,
+    rope_kv_rows: usize,
 }
 
 struct Inner {
@@ -252,6 +253,7 @@ impl Cuda {
             act_mul_bf: m.func("act_mul_bf")?,
             act_mul_bf8: m.func("act_mul_bf8")?,
             rope_kv: m.func("rope_kv")?,
+            rope_kv_rows: m.func("rope_kv_rows")?,
         };
         let names: HashMap<usize, String> = [
             (fns.to_bf16, "to_bf16"),
@@ -273,6 +275,7 @@ impl Cuda {
             (fns.act_mul_bf, "act_mul_bf"),
             (fns.act_mul_bf8, "act_mul_bf8"),
             (fns.rope_kv, "rope_kv"),
+            (fns.rope_kv_rows, "rope_kv_rows"),
         ]
         .into_iter()
         .map(|(f, n)| (f, n.to_string()))
@@ -1314,10 +1317,11 @@ impl Device for Cuda {
                     &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(groups as i32), Arg::I(g as i32), Arg::F(eps)],
                 )?;
             } else {
+                // Few rows (decode): wider blocks, fewer serial steps per thread.
                 self.launch(
                     self.inner.fns.rms_norm_block,
                     (groups as u32, 1, 1),
-                    (256, 1, 1),
+                    (if groups <= 8 { 1024 } else { 256 }, 1, 1),
                     0,
                     &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(g as i32), Arg::F(eps)],
                 )?;
@@ -1425,10 +1429,12 @@ impl Device for Cuda {
             if x.rows == 0 {
                 return Ok(());
             }
+            // Few rows (decode): wider blocks, fewer serial steps per thread.
+            let threads = if x.rows <= 8 { 1024 } else { 256 };
             self.launch(
                 self.inner.fns.add_rms_norm,
                 (x.rows as u32, 1, 1),
-                (256, 1, 1),
+                (threads, 1, 1),
                 0,
                 &[Arg::P(x.fptr()), Arg::P(y.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(x.cols as i32), Arg::F(eps)],
             )?;
@@ -1588,10 +1594,16 @@ impl Device for Cuda {
             let dims = rope.dims.min(head_dim);
             let p = self.put_u32(positions)?;
             let sp = if slots.is_empty() { 0 } else { self.put_u32(slots)? };
+            let heads = q.cols / head_dim + w / head_dim;
+            let (f, grid, threads) = if q.rows <= 8 {
+                (self.inner.fns.rope_kv, (q.rows as u32, heads as u32, 1), head_dim.next_power_of_two().clamp(32, 256) as u32)
+            } else {
+                (self.inner.fns.rope_kv_rows, (q.rows as u32, 1, 1), 256)
+            };
             self.launch(
-                self.inner.fns.rope_kv,
-                (q.rows as u32, 1, 1),
-                (256, 1, 1),
+                f,
+                grid,
+                (threads, 1, 1),
                 0,
                 &[
                     Arg::P(q.fptr()),

@@ -295,33 +295,34 @@ __device__ __forceinline__ void gv_fma8(uint4 w, const uint4* __restrict__ x, in
 
 // One warp's share: weight row `w` (k8 chunks of 8 values), chunks
 // [c0, c1), into red[warp * 8 + i] (lane sums folded).
-template <int N>
+template <int N, int U>
 __device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint4* __restrict__ x, int k8, int c0, int c1, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float acc[N];
     #pragma unroll
     for (int i = 0; i < N; i++) acc[i] = 0.f;
-    // The first four weight loads go out before waiting for x's producer.
+    // U loads in flight per lane; the first U go out before waiting for
+    // x's producer.
     const uint4* wr = (const uint4*)w;
     int c = c0 + lane;
-    const bool pre = w && c + 96 < c1;
-    uint4 wv[4];
+    const bool pre = w && c + 32 * (U - 1) < c1;
+    uint4 wv[U];
     if (pre) {
         #pragma unroll
-        for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
+        for (int u = 0; u < U; u++) wv[u] = ld_stream(wr + c + 32 * u);
     }
     PDL_ENTRY();
     if (w) {
         if (pre) {
             #pragma unroll
-            for (int u = 0; u < 4; u++) gv_fma8<N>(wv[u], x, k8, c + 32 * u, acc);
-            c += 128;
+            for (int u = 0; u < U; u++) gv_fma8<N>(wv[u], x, k8, c + 32 * u, acc);
+            c += 32 * U;
         }
-        for (; c + 96 < c1; c += 128) {
+        for (; c + 32 * (U - 1) < c1; c += 32 * U) {
             #pragma unroll
-            for (int u = 0; u < 4; u++) wv[u] = ld_stream(wr + c + 32 * u);
+            for (int u = 0; u < U; u++) wv[u] = ld_stream(wr + c + 32 * u);
             #pragma unroll
-            for (int u = 0; u < 4; u++) gv_fma8<N>(wv[u], x, k8, c + 32 * u, acc);
+            for (int u = 0; u < U; u++) gv_fma8<N>(wv[u], x, k8, c + 32 * u, acc);
         }
         for (; c < c1; c += 32) gv_fma8<N>(ld_stream(wr + c), x, k8, c, acc);
     }
@@ -334,7 +335,7 @@ __device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint
 
 // Virtual row vr (0 <= vr < R) of this block, its k slice, and its weight
 // row pointer (null past the end).
-template <int N>
+template <int N, int U>
 __device__ __forceinline__ void gv_block(const bf16_t* __restrict__ w, int row0, int m, const uint4* __restrict__ x, int k8, int R, float* red) {
     const int warp = threadIdx.x >> 5;
     const int S = GV_WARPS / R;
@@ -342,7 +343,7 @@ __device__ __forceinline__ void gv_block(const bf16_t* __restrict__ w, int row0,
     const int j = row0 + r;
     const int per = (k8 + S - 1) / S;
     const int c0 = min(k8, slice * per), c1 = min(k8, c0 + per);
-    gv_warp<N>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
+    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
 }
 
 // Sum of the S slices of virtual row vr, for x row i.
@@ -352,10 +353,10 @@ __device__ __forceinline__ float gv_total(const float* red, int R, int vr, int i
     return s;
 }
 
-template <int N>
+template <int N, int U>
 __device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, int m, const uint4* __restrict__ x, int k8, int R,
                                        float* __restrict__ y, bf16_t* __restrict__ y_bf, float* red) {
-    gv_block<N>(w, blk * R, m, x, k8, R, red);
+    gv_block<N, U>(w, blk * R, m, x, k8, R, red);
     __syncthreads();
     const int t = threadIdx.x;
     if (t < R * N) {
@@ -370,7 +371,8 @@ __device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, in
 
 // Up to three weights sharing x (q, k, v): blocks [0, nb0) for w0, the next
 // nb1 for w1, the rest for w2. y_bf may be null.
-extern "C" __global__ void __launch_bounds__(256) gemv(const bf16_t* __restrict__ x_, int n, int k8, int R,
+template <int U>
+__device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x_, int n, int k8, int R,
     const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, float* y0, float* y1, float* y2,
     bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1) {
     __shared__ float red[GV_WARPS * 8];
@@ -380,16 +382,23 @@ extern "C" __global__ void __launch_bounds__(256) gemv(const bf16_t* __restrict_
     if (blk >= nb0 + nb1) { blk -= nb0 + nb1; w = w2; y = y2; yb = b2; m = m2; }
     else if (blk >= nb0) { blk -= nb0; w = w1; y = y1; yb = b1; m = m1; }
     switch (n) {
-        case 1: gemv_n<1>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 2: gemv_n<2>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 3: gemv_n<3>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 4: gemv_n<4>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 5: gemv_n<5>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 6: gemv_n<6>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 7: gemv_n<7>(w, blk, m, x, k8, R, y, yb, red); break;
-        default: gemv_n<8>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 1: gemv_n<1, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 2: gemv_n<2, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 3: gemv_n<3, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 4: gemv_n<4, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 5: gemv_n<5, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 6: gemv_n<6, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 7: gemv_n<7, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        default: gemv_n<8, U>(w, blk, m, x, k8, R, y, yb, red); break;
     }
 }
+
+#define GEMV_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, \
+    float* y0, float* y1, float* y2, bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1
+#define GEMV_PASS x_, n, k8, R, w0, w1, w2, y0, y1, y2, b0, b1, b2, m0, m1, m2, nb0, nb1
+// gemv8: eight loads in flight per lane (long rows).
+extern "C" __global__ void __launch_bounds__(256) gemv(GEMV_ARGS) { gemv_body<4>(GEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv8(GEMV_ARGS) { gemv_body<8>(GEMV_PASS); }
 
 __device__ __forceinline__ float gate_act(float a, int act) {
     return act == 0 ? a / (1.f + expf(-a)) : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
@@ -397,7 +406,7 @@ __device__ __forceinline__ float gate_act(float a, int act) {
 
 // Gated MLP input for few rows: each block takes R rows of gate (virtual
 // rows 0..R) and the same R rows of up (R..2R), then out = act(g) * u.
-template <int N>
+template <int N, int U>
 __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m,
                                              const uint4* __restrict__ x, int k8, int R, int act,
                                              float* __restrict__ out, bf16_t* __restrict__ out_bf, float* red) {
@@ -409,7 +418,7 @@ __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, cons
     const int per = (k8 + S - 1) / S;
     const int c0 = min(k8, slice * per), c1 = min(k8, c0 + per);
     const bf16_t* w = vr < R ? wg : wu;
-    gv_warp<N>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
+    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
     __syncthreads();
     const int t = threadIdx.x;
     if (t < R * N) {
@@ -423,21 +432,28 @@ __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, cons
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_gated(const bf16_t* __restrict__ x_, int n, int k8, int R,
+template <int U>
+__device__ __forceinline__ void gemv_gated_body(const bf16_t* __restrict__ x_, int n, int k8, int R,
     const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
     __shared__ float red[GV_WARPS * 8];
     const uint4* x = (const uint4*)x_;
     switch (n) {
-        case 1: gemv_gated_n<1>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 2: gemv_gated_n<2>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 3: gemv_gated_n<3>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 4: gemv_gated_n<4>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 5: gemv_gated_n<5>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 6: gemv_gated_n<6>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 7: gemv_gated_n<7>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        default: gemv_gated_n<8>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 1: gemv_gated_n<1, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 2: gemv_gated_n<2, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 3: gemv_gated_n<3, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 4: gemv_gated_n<4, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 5: gemv_gated_n<5, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 6: gemv_gated_n<6, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 7: gemv_gated_n<7, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        default: gemv_gated_n<8, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
     }
 }
+
+#define GATED_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, \
+    int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf
+#define GATED_PASS x_, n, k8, R, wg, wu, m, act, out, out_bf
+extern "C" __global__ void __launch_bounds__(256) gemv_gated(GATED_ARGS) { gemv_gated_body<4>(GATED_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv_gated8(GATED_ARGS) { gemv_gated_body<8>(GATED_PASS); }
 
 // Gated activation over bf16 gate/up (the GEMMs wrote bf16: half the bytes
 // of f32 both ways); out in f32 and bf16.

@@ -9,6 +9,14 @@
 //! accumulator (online softmax, one rescale per tile). Which keys of a tile
 //! a query sees, and every operation on them, depend only on its position,
 //! so results do not depend on chunking or batching.
+//!
+//! Keys fall in partitions of `PART` absolute positions. Each query keeps a
+//! partial state per partition and folds it into its total at the
+//! partition's end, in order. A decode task (few rows) over a long context
+//! is therefore split into one task per partition, run in parallel, and its
+//! partials folded afterwards in the same order with the same arithmetic:
+//! a 3-KV-head model no longer leaves one of two threads idle for a third
+//! of every decode step, and results stay bit-identical either way.
 
 // Kernels index several same-shaped arrays (queries, accumulators, scores)
 // by query and key; iterator chains would only obscure that.
@@ -28,12 +36,62 @@ const QB: usize = 8;
 const MAX_Q: usize = 64;
 /// Keys per tile.
 const KB: usize = 32;
+/// Keys per partition (a multiple of `KB`).
+const PART: usize = 512;
+/// Tasks of at most this many rows are split by partition.
+const SPLIT_ROWS: usize = 2;
 
+#[derive(Clone, Copy)]
 struct Task {
     seq: usize,
     kv_head: usize,
     row0: usize,
     rows: usize,
+    /// `Some(p)`: only partition `p`'s keys, leaving the partial state at
+    /// `slot` of the partials buffer (no output).
+    part: Option<usize>,
+    slot: usize,
+}
+
+impl Task {
+    /// First and last key position any row of the task sees.
+    fn key_span(&self, s: &AttnSeq<'_>) -> (usize, usize) {
+        let first_pos = s.kv_len - s.q_len + self.row0;
+        let lo = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));
+        (lo, first_pos + self.rows - 1)
+    }
+}
+
+/// A (sequence, KV head, rows) block split by partition: its tasks' partial
+/// states sit at `slot`, `slot + stride`, ... in partition order.
+struct SplitGroup {
+    task: Task,
+    parts: usize,
+    slot: usize,
+    stride: usize,
+}
+
+/// Fold a partial softmax state `(m, l, acc)` into a running total, in
+/// place: the one place where partitions meet, whether one task ran them in
+/// sequence or split tasks ran them apart.
+#[inline]
+fn fold(tm: &mut f32, tl: &mut f32, tacc: &mut [f32], m: f32, l: f32, acc: &[f32]) {
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    if *tm == f32::NEG_INFINITY {
+        *tm = m;
+        *tl = l;
+        tacc.copy_from_slice(acc);
+        return;
+    }
+    let nm = tm.max(m);
+    let (a, b) = (vmath::exp(*tm - nm), vmath::exp(m - nm));
+    *tl = *tl * a + l * b;
+    for (t, &x) in tacc.iter_mut().zip(acc) {
+        *t = *t * a + x * b;
+    }
+    *tm = nm;
 }
 
 pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
@@ -44,26 +102,48 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
     let group = heads / shape.kv_heads;
     let qb = (MAX_Q / group).clamp(1, QB);
     let mut tasks = Vec::new();
+    let mut groups = Vec::new();
+    let mut slots = 0usize;
     for (si, s) in seqs.iter().enumerate() {
         for kv_head in 0..shape.kv_heads {
             let mut r = 0;
             while r < s.q_len {
                 let rows = qb.min(s.q_len - r);
-                tasks.push(Task { seq: si, kv_head, row0: r, rows });
+                let task = Task { seq: si, kv_head, row0: r, rows, part: None, slot: 0 };
+                let (lo, hi) = task.key_span(s);
+                let (p0, p1) = (lo / PART, hi / PART);
+                if rows <= SPLIT_ROWS && p1 > p0 {
+                    let stride = rows * group * (hd + 2);
+                    for p in p0..=p1 {
+                        tasks.push(Task { part: Some(p), slot: slots + (p - p0) * stride, ..task });
+                    }
+                    groups.push(SplitGroup { task, parts: p1 - p0 + 1, slot: slots, stride });
+                    slots += (p1 - p0 + 1) * stride;
+                } else {
+                    tasks.push(task);
+                }
                 r += rows;
             }
         }
     }
-    // Longest tasks (latest rows) first, so the pool's dynamic hand-out
-    // balances the causal triangle.
-    tasks.sort_by_key(|t| std::cmp::Reverse(seqs[t.seq].kv_len - seqs[t.seq].q_len + t.row0 + t.rows));
+    // Most keys first, so the pool's dynamic hand-out balances the causal
+    // triangle and the partitions.
+    tasks.sort_by_key(|t| {
+        let (lo, hi) = t.key_span(&seqs[t.seq]);
+        let keys = match t.part {
+            Some(p) => (hi + 1).min((p + 1) * PART) - lo.max(p * PART),
+            None => hi + 1 - lo,
+        };
+        std::cmp::Reverse(keys * t.rows)
+    });
+    let mut partials = vec![0f32; slots];
     let optr = SendPtr(out.data.as_mut_ptr());
-    let ctx = Ctx { q, kv, layer, seqs, scale, softcap, hd, group, out: optr };
+    let ctx = Ctx { q, kv, layer, seqs, scale, softcap, hd, group, out: optr, parts: SendPtr(partials.as_mut_ptr()) };
     let avx2 = cfg!(target_arch = "x86_64") && vmath::has_avx2() && hd.is_multiple_of(8);
     let run = |i: usize| {
         let t = &tasks[i];
         let nq = t.rows * group;
-        let need = 2 * nq + nq * hd + 2 * KB * hd;
+        let need = 2 * nq + nq * hd + 2 * KB * hd + nq * (hd + 2);
         with_scratch(need, &mut |buf| {
             #[cfg(target_arch = "x86_64")]
             {
@@ -80,6 +160,39 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
     } else {
         pool::parallel_for(tasks.len(), &run);
     }
+    // Fold each split block's partitions, in order, and write its rows.
+    let finish = |gi: usize| {
+        let g = &groups[gi];
+        let nq = g.task.rows * group;
+        let mut acc = vec![0f32; hd];
+        for qi in 0..nq {
+            let (mut tm, mut tl) = (f32::NEG_INFINITY, 0f32);
+            for p in 0..g.parts {
+                let base = g.slot + p * g.stride + qi * (hd + 2);
+                let st = &partials[base..base + hd + 2];
+                fold(&mut tm, &mut tl, &mut acc, st[hd], st[hd + 1], &st[..hd]);
+            }
+            let (i, gq) = (qi / group, qi % group);
+            let r = seqs[g.task.seq].q_start + g.task.row0 + i;
+            let h = g.task.kv_head * group + gq;
+            // SAFETY: each (row, head) belongs to exactly one block.
+            let dst = unsafe { ctx.out.slice(r * q.cols + h * hd, hd) };
+            write_normalized(dst, &acc, tl);
+        }
+    };
+    match groups.len() {
+        0 => {}
+        1 => finish(0),
+        n => pool::parallel_for(n, &finish),
+    }
+}
+
+/// `dst = acc / l`.
+fn write_normalized(dst: &mut [f32], acc: &[f32], l: f32) {
+    let inv = 1.0 / l;
+    for (d, a) in dst.iter_mut().zip(acc) {
+        *d = a * inv;
+    }
 }
 
 struct Ctx<'a> {
@@ -92,6 +205,8 @@ struct Ctx<'a> {
     hd: usize,
     group: usize,
     out: SendPtr,
+    /// Split tasks' partial states (`nq * (hd + 2)` each: acc, m, l).
+    parts: SendPtr,
 }
 
 /// Query heads handled together: they share every key and value load.
@@ -330,20 +445,47 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     let bt = c.kv.spec.block_tokens;
     let (kc, vc) = (&c.kv.k[c.layer], &c.kv.v[c.layer]);
     let nq = t.rows * c.group;
-    // Per query: running max, running sum, accumulator; then the tiles.
+    // Per query: the partition's running max, sum and accumulator, and the
+    // total over partitions (acc, m, l side by side); then the tiles.
     let (m, rest) = buf.split_at_mut(nq);
     let (l, rest) = rest.split_at_mut(nq);
     let (acc, rest) = rest.split_at_mut(nq * hd);
+    let (total, rest) = rest.split_at_mut(nq * (hd + 2));
     let (kf, vf) = rest.split_at_mut(KB * hd);
-    m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
-    acc.fill(0.0);
+    let reset = |m: &mut [f32], l: &mut [f32], acc: &mut [f32]| {
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        acc.fill(0.0);
+    };
+    reset(m, l, acc);
+    for qi in 0..nq {
+        total[qi * (hd + 2) + hd] = f32::NEG_INFINITY;
+        total[qi * (hd + 2) + hd + 1] = 0.0;
+    }
+    let fold_all = |total: &mut [f32], m: &[f32], l: &[f32], acc: &[f32]| {
+        for qi in 0..nq {
+            let (tacc, tml) = total[qi * (hd + 2)..(qi + 1) * (hd + 2)].split_at_mut(hd);
+            let (tm, tl) = tml.split_at_mut(1);
+            fold(&mut tm[0], &mut tl[0], tacc, m[qi], l[qi], &acc[qi * hd..(qi + 1) * hd]);
+        }
+    };
     let first_pos = s.kv_len - s.q_len + t.row0;
-    let last_pos = first_pos + t.rows - 1;
+    let mut last_pos = first_pos + t.rows - 1;
     let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let j_start = lo_of(first_pos);
+    let mut j_start = lo_of(first_pos);
+    if let Some(p) = t.part {
+        j_start = j_start.max(p * PART);
+        last_pos = last_pos.min((p + 1) * PART - 1);
+    }
     let mut t0 = j_start / KB * KB;
+    let mut part = t0 / PART;
     while t0 <= last_pos {
+        if t0 / PART != part {
+            // A partition ends: fold it into the totals, start the next.
+            fold_all(total, m, l, acc);
+            reset(m, l, acc);
+            part = t0 / PART;
+        }
         // Keys of this tile that some query of the task sees.
         let (j0, j1) = (t0.max(j_start), (t0 + KB).min(last_pos + 1));
         for j in j0..j1 {
@@ -373,6 +515,18 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
         }
         t0 += KB;
     }
+    if t.part.is_some() {
+        // A split task leaves its partition's state for the fold.
+        for qi in 0..nq {
+            // SAFETY: each split task owns its slot range.
+            let dst = unsafe { c.parts.slice(t.slot + qi * (hd + 2), hd + 2) };
+            dst[..hd].copy_from_slice(&acc[qi * hd..(qi + 1) * hd]);
+            dst[hd] = m[qi];
+            dst[hd + 1] = l[qi];
+        }
+        return;
+    }
+    fold_all(total, m, l, acc);
     for i in 0..t.rows {
         let r = s.q_start + t.row0 + i;
         for g in 0..c.group {
@@ -380,10 +534,8 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
             let h = t.kv_head * c.group + g;
             // SAFETY: each (row, head) belongs to exactly one task.
             let dst = unsafe { c.out.slice(r * c.q.cols + h * hd, hd) };
-            let inv = 1.0 / l[qi];
-            for (d, a) in dst.iter_mut().zip(&acc[qi * hd..(qi + 1) * hd]) {
-                *d = a * inv;
-            }
+            let st = &total[qi * (hd + 2)..(qi + 1) * (hd + 2)];
+            write_normalized(dst, &st[..hd], st[hd + 1]);
         }
     }
 }
@@ -512,6 +664,41 @@ mod tests {
                     for d in 0..hd {
                         let want = (lo..=p).zip(&e).map(|(j, w)| w * vf(j, kh, d)).sum::<f64>() / z;
                         let g = got[p * heads * hd + h * hd + d] as f64;
+                        assert!((g - want).abs() < 2e-5, "{case:?} pos {p} head {h} dim {d}: {g} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Long contexts: decode rows (split by key partition, run apart, then
+    /// folded) equal the same rows computed inside a whole pass (one task
+    /// folding its partitions in turn), bit for bit, and a direct softmax.
+    #[test]
+    fn long_rows_split_by_partition_are_bit_identical() {
+        for case in [(64, 3, 9, 1300, None), (32, 2, 4, 1200, Some(700)), (16, 1, 2, 1030, None)] {
+            let s = setup(case);
+            let whole = run(&s, 0, s.n);
+            let (hd, heads, w) = (s.hd, s.heads, s.heads * s.hd);
+            for (a, b) in [(s.n - 1, s.n), (s.n - 3, s.n - 1), (1023, 1024), (1024, 1025), (511, 512), (512, 513), (600, 601)] {
+                assert_eq!(run(&s, a, b), whole[a * w..b * w], "{case:?} rows {a}..{b}");
+            }
+            let kvh = s.kv.spec.layers[0].kv_heads;
+            let group = heads / kvh;
+            let kf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 1)).to_f64();
+            let vf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 2)).to_f64();
+            for p in [511, 512, 1000, s.n - 1] {
+                let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                for h in [0, heads - 1] {
+                    let kh = h / group;
+                    let qv = |d: usize| s.q.data[p * w + h * hd + d] as f64;
+                    let sc: Vec<f64> = (lo..=p).map(|j| (0..hd).map(|d| qv(d) * kf(j, kh, d)).sum::<f64>() * 0.3).collect();
+                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want = (lo..=p).zip(&e).map(|(j, x)| x * vf(j, kh, d)).sum::<f64>() / z;
+                        let g = whole[p * w + h * hd + d] as f64;
                         assert!((g - want).abs() < 2e-5, "{case:?} pos {p} head {h} dim {d}: {g} vs {want}");
                     }
                 }

@@ -762,7 +762,7 @@ enum Prefill {
 
 /// Rows of the first prefill step under `prefill_share`, before any cost is
 /// known: small, since in a shared forward each row adds its full cost to
-/// the others' round (the steering at most doubles it per step).
+/// the others' round (the steering grows it by half at most per step).
 const FIRST_STEP_ROWS: usize = 1;
 
 /// Under `prefill_share`, a plain decode round every this many fused ones.
@@ -872,7 +872,8 @@ impl Core {
         let Some(plan) = self.plan_round() else { return self.prefill_step() };
         if plan.rows.is_empty() {
             self.sweep();
-            return self.prefill_step() | true;
+            self.prefill_step();
+            return true;
         }
         match self.prepare_prefill(plan.blocks) {
             Prefill::Ready(i) => self.fused_round(plan, i),
@@ -1144,9 +1145,8 @@ impl Core {
         }
     }
 
-    /// One decode round over every decoding stream (rotating if there are
-    /// more than a round can carry), with drafts when a drafter is set.
-    /// Plan the decode round: which streams, their drafts, their rows.
+    /// Plan the decode round over every decoding stream (rotating if there
+    /// are more than a round can carry), with drafts when a drafter is set.
     /// `None` when no stream decodes; a plan without rows when every
     /// stream had to end for lack of memory.
     fn plan_round(&mut self) -> Option<RoundPlan> {
@@ -1176,6 +1176,8 @@ impl Core {
                 drafts[k] = block;
             }
         }
+        // KV blocks the round adds (counted where the backend reports fill).
+        let mut blocks = 0;
         if self.caps.reports_fill {
             // The round must fit in memory: shed drafts, then marks, then
             // finish the newest streams with `length`.
@@ -1191,6 +1193,7 @@ impl Core {
                     })
                     .sum();
                 if need <= free {
+                    blocks = need;
                     break;
                 }
                 if drafts.iter().any(|d| !d.is_empty()) {
@@ -1228,8 +1231,6 @@ impl Core {
         self.stats.decode_streams += rows.len() as u64;
         self.stats.decode_rows += total as u64;
         self.stats.max_decode_batch = self.stats.max_decode_batch.max(rows.len());
-        let fill = self.backend.fill();
-        let blocks = batch.iter().zip(&rows).map(|(&i, r)| fill.blocks_for(self.running[i].len + r.tokens.len()) - fill.blocks_for(self.running[i].len)).sum();
         Some(RoundPlan { batch, drafts, rows, total, blocks })
     }
 

@@ -9,6 +9,11 @@ use braid_ops::{AttnSeq, Device, KvDtype, KvPoolSpec};
 
 use crate::{Batch, Memory, Model, Scratch};
 
+/// A decode round's rows as the forward's `(stream, tokens)` parts.
+fn round_parts(rows: &[DecodeRow]) -> Vec<(StreamId, &[u32])> {
+    rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect()
+}
+
 /// Rounds whose streams each run at most this many rows (decode, drafts)
 /// go through `Device::replay` (CUDA graphs); prompt chunks, whose shapes
 /// rarely recur, run directly.
@@ -271,7 +276,7 @@ impl<D: Device> Backend for ModelBackend<D> {
 
     fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
         let total = self.reserve_round(rows)?;
-        let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let parts = round_parts(rows);
         let logit_rows: Vec<usize> = (0..total).collect();
         self.run(&parts, &logit_rows)
     }
@@ -279,7 +284,7 @@ impl<D: Device> Backend for ModelBackend<D> {
     fn decode_round_greedy(&mut self, rows: &[DecodeRow]) -> Result<Vec<u32>> {
         ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
         let total = self.reserve_round(rows)?;
-        let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let parts = round_parts(rows);
         let logit_rows: Vec<usize> = (0..total).collect();
         self.forward(&parts, &logit_rows)?;
         self.dev.argmax_rows(&self.scratch.logits)
@@ -289,7 +294,7 @@ impl<D: Device> Backend for ModelBackend<D> {
         ensure!(rows.iter().all(|r| r.stream != stream), "stream {stream} is both decoding and prefilling");
         let total = self.reserve_round(rows)?;
         self.reserve_chunk(stream, &chunk)?;
-        let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let mut parts = round_parts(rows);
         parts.push((stream, chunk.tokens));
         let mut logit_rows: Vec<usize> = (0..total).collect();
         if chunk.want_logits {

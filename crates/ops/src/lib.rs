@@ -79,6 +79,55 @@ pub struct BlockSparse {
     pub index_dim: usize,
 }
 
+impl BlockSparse {
+    /// The checks every device makes of a [`Device::block_sparse_attention`]
+    /// call, whatever its own limits: the layers, the shapes of `q`
+    /// (`[rows, cols]`) and `iq`, and the sequences. Returns the attended
+    /// layer's KV shape, the query heads and the query rows.
+    pub fn check_call(
+        &self,
+        q: (usize, usize),
+        iq: (usize, usize),
+        spec: &KvPoolSpec,
+        layer: usize,
+        index_layer: usize,
+        seqs: &[AttnSeq<'_>],
+    ) -> Result<(KvShape, usize, usize)> {
+        use anyhow::ensure;
+        let n_layers = spec.layers.len();
+        ensure!(layer < n_layers && index_layer < n_layers, "block_sparse_attention: KV layers {layer} / {index_layer} of {n_layers}");
+        let (shape, ishape) = (spec.layers[layer], spec.layers[index_layer]);
+        let (hd, idim, ih) = (shape.head_dim, self.index_dim, self.index_heads);
+        ensure!(
+            ishape.kv_heads == 1 && ishape.head_dim == idim,
+            "block_sparse_attention: index layer holds {}x{}, expected 1x{idim}",
+            ishape.kv_heads,
+            ishape.head_dim
+        );
+        ensure!(hd > 0 && q.1.is_multiple_of(hd), "block_sparse_attention: q rows of {} in heads of {hd}", q.1);
+        let heads = q.1 / hd;
+        ensure!(shape.kv_heads > 0 && heads.is_multiple_of(shape.kv_heads), "block_sparse_attention: {heads} heads over {} kv heads", shape.kv_heads);
+        ensure!(ih > 0 && heads.is_multiple_of(ih), "block_sparse_attention: {heads} heads over {ih} indexer heads");
+        ensure!(iq.1 == ih * idim && iq.0 == q.0, "block_sparse_attention: iq is {}x{}, expected {}x{}", iq.0, iq.1, q.0, ih * idim);
+        ensure!(self.block > 0 && self.topk > 0, "block_sparse_attention: blocks of {} positions, {} kept", self.block, self.topk);
+        let rows: usize = seqs.iter().map(|s| s.q_len).sum();
+        ensure!(rows == q.0, "block_sparse_attention: sequences cover {rows} rows of {}", q.0);
+        let bt = spec.block_tokens;
+        for s in seqs {
+            ensure!(
+                s.q_len <= s.kv_len && s.kv_len <= s.blocks.len() * bt,
+                "block_sparse_attention: sequence of {} rows over {} keys in {} blocks",
+                s.q_len,
+                s.kv_len,
+                s.blocks.len()
+            );
+            ensure!(s.q_start + s.q_len <= q.0, "block_sparse_attention: sequence rows past the batch");
+            ensure!(s.blocks.iter().all(|&b| (b as usize) < spec.blocks), "block_sparse_attention: block past the pool's {}", spec.blocks);
+        }
+        Ok((shape, heads, rows))
+    }
+}
+
 /// The activation of a gated MLP ([`Device::gated_matmul`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateAct {

@@ -60,37 +60,10 @@ pub fn block_sparse_attention(
     sel: &BlockSparse,
     out: &mut CpuTensor,
 ) -> Result<()> {
-    let n_layers = kv.spec.layers.len();
-    ensure!(layer < n_layers && index_layer < n_layers, "block_sparse_attention: KV layers {layer} / {index_layer} of {n_layers}");
-    let shape = kv.spec.layers[layer];
-    let ishape = kv.spec.layers[index_layer];
+    let (shape, heads, rows) = sel.check_call((q.rows, q.cols), (iq.rows, iq.cols), &kv.spec, layer, index_layer, seqs)?;
     let (hd, idim, ih) = (shape.head_dim, sel.index_dim, sel.index_heads);
     ensure!(hd <= MAX_HEAD_DIM && idim <= MAX_HEAD_DIM, "block_sparse_attention: head dims {hd} / {idim} over {MAX_HEAD_DIM}");
-    ensure!(
-        ishape.kv_heads == 1 && ishape.head_dim == idim,
-        "block_sparse_attention: index layer holds {}x{}, expected 1x{idim}",
-        ishape.kv_heads,
-        ishape.head_dim
-    );
-    ensure!(hd > 0 && q.cols.is_multiple_of(hd), "block_sparse_attention: q rows of {} in heads of {hd}", q.cols);
-    let heads = q.cols / hd;
-    ensure!(shape.kv_heads > 0 && heads.is_multiple_of(shape.kv_heads), "block_sparse_attention: {heads} heads over {} kv heads", shape.kv_heads);
-    ensure!(ih > 0 && heads.is_multiple_of(ih), "block_sparse_attention: {heads} heads over {ih} indexer heads");
-    ensure!(iq.cols == ih * idim && iq.rows == q.rows, "block_sparse_attention: iq is {}x{}, expected {}x{}", iq.rows, iq.cols, q.rows, ih * idim);
-    ensure!(sel.block > 0 && sel.topk > 0, "block_sparse_attention: blocks of {} positions, {} kept", sel.block, sel.topk);
-    let rows: usize = seqs.iter().map(|s| s.q_len).sum();
-    ensure!(rows == q.rows, "block_sparse_attention: sequences cover {rows} rows of {}", q.rows);
     let bt = kv.spec.block_tokens;
-    for s in seqs {
-        ensure!(
-            s.q_len <= s.kv_len && s.kv_len <= s.blocks.len() * bt,
-            "block_sparse_attention: sequence of {} rows over {} keys in {} blocks",
-            s.q_len,
-            s.kv_len,
-            s.blocks.len()
-        );
-        ensure!(s.q_start + s.q_len <= q.rows, "block_sparse_attention: sequence rows past the batch");
-    }
     out.data.resize(q.rows * q.cols, 0.0);
     (out.rows, out.cols) = (q.rows, q.cols);
 

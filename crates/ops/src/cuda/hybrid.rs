@@ -961,43 +961,15 @@ impl Cuda {
         sel: &BlockSparse,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let n_layers = kv.spec.layers.len();
-        ensure!(layer < n_layers && index_layer < n_layers, "block_sparse_attention: KV layers {layer} / {index_layer} of {n_layers}");
-        let shape = kv.spec.layers[layer];
-        let ishape = kv.spec.layers[index_layer];
+        let (shape, heads, rows) = sel.check_call((q.rows, q.cols), (iq.rows, iq.cols), &kv.spec, layer, index_layer, seqs)?;
         let (hd, idim, ih) = (shape.head_dim, sel.index_dim, sel.index_heads);
         ensure!(
             hd <= MAX_SPARSE_HEAD_DIM && idim <= MAX_INDEX_DIM,
             "block_sparse_attention: head dims {hd} / {idim} (at most {MAX_SPARSE_HEAD_DIM} / {MAX_INDEX_DIM} on CUDA)"
         );
-        ensure!(
-            ishape.kv_heads == 1 && ishape.head_dim == idim,
-            "block_sparse_attention: index layer holds {}x{}, expected 1x{idim}",
-            ishape.kv_heads,
-            ishape.head_dim
-        );
-        ensure!(hd > 0 && q.cols.is_multiple_of(hd), "block_sparse_attention: q rows of {} in heads of {hd}", q.cols);
-        let heads = q.cols / hd;
-        ensure!(shape.kv_heads > 0 && heads.is_multiple_of(shape.kv_heads), "block_sparse_attention: {heads} heads over {} kv heads", shape.kv_heads);
-        ensure!(ih > 0 && heads.is_multiple_of(ih), "block_sparse_attention: {heads} heads over {ih} indexer heads");
         ensure!(heads <= MAX_GRID_YZ, "block_sparse_attention: {heads} heads (at most {MAX_GRID_YZ} on CUDA)");
-        ensure!(iq.cols == ih * idim && iq.rows == q.rows, "block_sparse_attention: iq is {}x{}, expected {}x{}", iq.rows, iq.cols, q.rows, ih * idim);
-        ensure!(sel.block > 0 && sel.topk > 0, "block_sparse_attention: blocks of {} positions, {} kept", sel.block, sel.topk);
         ensure!(sel.topk <= MAX_TOPK, "block_sparse_attention: {} blocks kept (at most {MAX_TOPK} on CUDA)", sel.topk);
-        let rows: usize = seqs.iter().map(|s| s.q_len).sum();
-        ensure!(rows == q.rows, "block_sparse_attention: sequences cover {rows} rows of {}", q.rows);
         let bt = kv.spec.block_tokens;
-        for s in seqs {
-            ensure!(
-                s.q_len <= s.kv_len && s.kv_len <= s.blocks.len() * bt,
-                "block_sparse_attention: sequence of {} rows over {} keys in {} blocks",
-                s.q_len,
-                s.kv_len,
-                s.blocks.len()
-            );
-            ensure!(s.q_start + s.q_len <= q.rows, "block_sparse_attention: sequence rows past the batch");
-            ensure!(s.blocks.iter().all(|&b| (b as usize) < kv.spec.blocks), "block_sparse_attention: block past the pool's {}", kv.spec.blocks);
-        }
         self.hy_run(|f| {
             self.grow(out, q.rows, q.cols)?;
             if rows == 0 {

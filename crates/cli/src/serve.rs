@@ -76,11 +76,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
         let model_args = a.model.clone();
         let (kv, streams) = (a.kv_tokens, a.max_running);
-        let m = tokio::task::spawn_blocking(move || {
+        let mut m = tokio::task::spawn_blocking(move || {
             load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() })
         })
         .await??;
-        let mut m = m;
         load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
         let mut config = lane_config(&m);
         config.chunk_tokens = a.chunk.max(1);

@@ -213,6 +213,20 @@ pub struct Cuda {
 const ARENA_WORDS: usize = 4 << 20;
 /// Query rows per block of the prefill attention kernel (PF_BQ).
 const PREFILL_ROWS: usize = 64;
+/// Up to this many rows (decode), the norms and RoPE run wider blocks: with
+/// one block per row they are latency-bound.
+const FEW_ROWS: usize = 8;
+
+/// A numeric setting from the environment, or `default`.
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// An on/off setting from the environment: on unless set to `0`.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).map(|v| v != "0").unwrap_or(true)
+}
+
 const CUBLAS_WS: usize = 32 << 20;
 /// Up to this many rows (at most 8), GEMMs run as the GEMV kernels
 /// (decode); `BRAID_CUDA_GEMV_ROWS` overrides it (0: always cuBLAS). At 8
@@ -301,7 +315,7 @@ impl Cuda {
             cb::cublasSetWorkspace_v2(handle, ws.ptr as *mut _, CUBLAS_WS).result().map_err(|e| anyhow!("cublasSetWorkspace: {e:?}"))?;
         }
         let arena = DevBuf::new(raw_ctx, ARENA_WORDS * 4)?;
-        let graphs = std::env::var("BRAID_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
+        let graphs = env_flag("BRAID_CUDA_GRAPHS");
         Ok(Cuda {
             inner: Arc::new(Inner {
                 _ctx: ctx,
@@ -317,11 +331,11 @@ impl Cuda {
                 arena,
                 arena_words: ARENA_WORDS,
                 graphs_enabled: AtomicBool::new(graphs),
-                attn_max_splits: std::env::var("BRAID_CUDA_ATTN_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(16usize).clamp(1, 64),
-                gemv_deep_from: std::env::var("BRAID_CUDA_GEMV_DEEP").ok().and_then(|v| v.parse().ok()).unwrap_or(8),
-                gemv_blocks_per_sm: std::env::var("BRAID_CUDA_GEMV_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(1usize).clamp(1, 64),
-                pdl: cc.0 >= 9 && std::env::var("BRAID_CUDA_PDL").map(|v| v != "0").unwrap_or(true),
-                gemv_max_rows: std::env::var("BRAID_CUDA_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMV_MAX_ROWS).min(8),
+                attn_max_splits: env_usize("BRAID_CUDA_ATTN_SPLITS", 16).clamp(1, 64),
+                gemv_deep_from: env_usize("BRAID_CUDA_GEMV_DEEP", 8),
+                gemv_blocks_per_sm: env_usize("BRAID_CUDA_GEMV_BLOCKS", 1).clamp(1, 64),
+                pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
+                gemv_max_rows: env_usize("BRAID_CUDA_GEMV_ROWS", GEMV_MAX_ROWS).min(8),
                 st: Mutex::new(State {
                     mode: Mode::Eager,
                     sig: 0,
@@ -1347,7 +1361,7 @@ impl Device for Cuda {
                 self.launch(
                     self.inner.fns.rms_norm_block,
                     (groups as u32, 1, 1),
-                    (if groups <= 8 { 1024 } else { 256 }, 1, 1),
+                    (if groups <= FEW_ROWS { 1024 } else { 256 }, 1, 1),
                     0,
                     &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(g as i32), Arg::F(eps)],
                 )?;
@@ -1456,7 +1470,7 @@ impl Device for Cuda {
                 return Ok(());
             }
             // Few rows (decode): wider blocks, fewer serial steps per thread.
-            let threads = if x.rows <= 8 { 1024 } else { 256 };
+            let threads = if x.rows <= FEW_ROWS { 1024 } else { 256 };
             self.launch(
                 self.inner.fns.add_rms_norm,
                 (x.rows as u32, 1, 1),
@@ -1622,7 +1636,7 @@ impl Device for Cuda {
             let p = self.put_u32(positions)?;
             let sp = if slots.is_empty() { 0 } else { self.put_u32(slots)? };
             let heads = q.cols / head_dim + w / head_dim;
-            let (f, grid, threads) = if q.rows <= 8 {
+            let (f, grid, threads) = if q.rows <= FEW_ROWS {
                 (self.inner.fns.rope_kv, (q.rows as u32, heads as u32, 1), head_dim.next_power_of_two().clamp(32, 256) as u32)
             } else {
                 (self.inner.fns.rope_kv_rows, (q.rows as u32, 1, 1), 256)

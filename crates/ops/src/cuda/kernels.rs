@@ -183,6 +183,20 @@ extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __
 }
 
 // One block per row; threads over (head, pair).
+// Rotate pair i of one head at position p (pairs (i, i + dims/2) when
+// neox, else (2i, 2i + 1)): the one RoPE step every kernel here shares.
+__device__ __forceinline__ void rope_pair(float* hd, int i, int dims, float p, float theta, int neox) {
+    const int half = dims / 2;
+    float f = powf(theta, -((float)(2 * i)) / (float)dims);
+    float s, c;
+    sincosf(p * f, &s, &c);
+    int a = neox ? i : 2 * i;
+    int b = neox ? i + half : 2 * i + 1;
+    float x0 = hd[a], x1 = hd[b];
+    hd[a] = x0 * c - x1 * s;
+    hd[b] = x0 * s + x1 * c;
+}
+
 extern "C" __global__ void rope(float* __restrict__ x, const unsigned* __restrict__ pos, int cols, int head_dim, int dims,
                                 float theta, float pscale, int neox) {
     PDL_ENTRY();
@@ -190,18 +204,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const unsigned* __restric
     int heads = cols / head_dim;
     float p = (float)pos[blockIdx.x] / pscale;
     float* row = x + (long)blockIdx.x * cols;
-    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
-        int h = t / half, i = t % half;
-        float f = powf(theta, -((float)(2 * i)) / (float)dims);
-        float s, c;
-        sincosf(p * f, &s, &c);
-        int a = neox ? i : 2 * i;
-        int b = neox ? i + half : 2 * i + 1;
-        float* hd = row + h * head_dim;
-        float x0 = hd[a], x1 = hd[b];
-        hd[a] = x0 * c - x1 * s;
-        hd[b] = x0 * s + x1 * c;
-    }
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) rope_pair(row + (t / half) * head_dim, t % half, dims, p, theta, neox);
 }
 
 extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v, const unsigned* __restrict__ slots,
@@ -506,16 +509,8 @@ extern "C" __global__ void rope_kv_rows(float* q, float* k, const float* __restr
     float* qrow = q + (long)blockIdx.x * q_cols;
     float* krow = k + (long)blockIdx.x * kv_w;
     for (int t = threadIdx.x; t < (qh + kh) * half; t += blockDim.x) {
-        int h = t / half, i = t % half;
-        float f = powf(theta, -((float)(2 * i)) / (float)dims);
-        float s, c;
-        sincosf(p * f, &s, &c);
-        int a = neox ? i : 2 * i;
-        int b = neox ? i + half : 2 * i + 1;
-        float* hd = h < qh ? qrow + h * head_dim : krow + (h - qh) * head_dim;
-        float x0 = hd[a], x1 = hd[b];
-        hd[a] = x0 * c - x1 * s;
-        hd[b] = x0 * s + x1 * c;
+        const int h = t / half;
+        rope_pair(h < qh ? qrow + h * head_dim : krow + (h - qh) * head_dim, t % half, dims, p, theta, neox);
     }
     __syncthreads();
     if ((int)blockIdx.x < nslots) {
@@ -540,16 +535,7 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__
     const int row = blockIdx.x, h = blockIdx.y;
     const float p = (float)pos[row] / pscale;
     float* hd = h < qh ? q + (long)row * q_cols + h * head_dim : k + (long)row * kv_w + (h - qh) * head_dim;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float f = powf(theta, -((float)(2 * i)) / (float)dims);
-        float s, c;
-        sincosf(p * f, &s, &c);
-        int a = neox ? i : 2 * i;
-        int b = neox ? i + half : 2 * i + 1;
-        float x0 = hd[a], x1 = hd[b];
-        hd[a] = x0 * c - x1 * s;
-        hd[b] = x0 * s + x1 * c;
-    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_pair(hd, i, dims, p, theta, neox);
     if (h >= qh && row < nslots) {
         __syncthreads();
         const int off = (h - qh) * head_dim;

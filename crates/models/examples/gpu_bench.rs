@@ -3,7 +3,7 @@
 //! bf16 weights made on the device.
 //!
 //! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
-//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE] [--profile]`
+//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE] [--profile] [--gemv ROWS]`
 
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use anyhow::{bail, Context, Result};
@@ -25,6 +25,7 @@ fn run() -> Result<()> {
     let mut o = GpuBenchOpts::default();
     let (mut device, mut preset, mut json) = ("cuda".to_string(), "llama-3.2-1b".to_string(), None);
     let mut profile = false;
+    let mut gemv = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -39,11 +40,17 @@ fn run() -> Result<()> {
             "--no-eager" => o.compare_eager = false,
             "--json" => json = Some(val()?),
             "--profile" => profile = true,
+            "--gemv" => gemv = Some(val()?.parse::<usize>()?),
             other => bail!("unknown argument {other}"),
         }
     }
     let ordinal = braid_ops::cuda::Cuda::parse_ordinal(&device).with_context(|| format!("bad device {device} (cuda or cuda:N)"))?;
     let dev = braid_ops::cuda::Cuda::new(ordinal)?;
+    if let Some(rows) = gemv {
+        // Each decode product alone, then one layer's in sequence.
+        println!("{}", braid_models::gpubench::gemv_micro(&dev, rows)?);
+        return Ok(());
+    }
     let cfg = braid_models::random::preset(&preset)?;
     let t = std::time::Instant::now();
     let model = braid_models::random::llama(&dev, cfg.clone(), 1, false)?;

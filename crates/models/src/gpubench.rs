@@ -310,3 +310,72 @@ pub fn bench_llama(dev: &Cuda, cfg: &LlamaConfig, model: &dyn Model<Cuda>, o: &G
     log(&format!("graphs: {h} replays, {c} captures, {f} eager fallbacks"));
     Ok(rep)
 }
+
+/// The few-row products of one Llama-3.2-1B layer and its head, each timed
+/// alone (back-to-back launches over copies of the weight that together
+/// overflow L2), then one layer's four in sequence: where the decode
+/// round's GEMV time goes. Rows of x: `rows`.
+pub fn gemv_micro(dev: &Cuda, rows: usize) -> Result<String> {
+    use braid_ops::GateAct;
+    let copies = |bytes: usize| (256usize << 20).div_ceil(bytes).max(2);
+    let x_of = |k: usize| dev.upload(&vec![0.5f32; rows * k], rows, k);
+    // 24 calls per CUDA graph (as a decode round runs), the graph replayed.
+    let time = |f: &mut dyn FnMut(usize)| -> Result<f64> {
+        let per = 24;
+        let mut run = || {
+            dev.graph(&mut || {
+                for i in 0..per {
+                    f(i);
+                }
+                Ok(())
+            })
+        };
+        run()?;
+        run()?;
+        dev.sync()?;
+        let t = Instant::now();
+        let n = 20;
+        for _ in 0..n {
+            run()?;
+        }
+        dev.sync()?;
+        Ok(t.elapsed().as_secs_f64() * 1e6 / (n * per) as f64)
+    };
+    let mut rep = String::from("| product | bytes | µs | GB/s |\n| --- | ---: | ---: | ---: |\n");
+    let mut line =
+        |name: &str, bytes: usize, us: f64| rep.push_str(&format!("| {name} | {:.1} MB | {us:.1} | {:.0} |\n", bytes as f64 / 1e6, bytes as f64 / us / 1e3));
+    let mut seed = 100;
+    let mut weights = |m: usize, k: usize| -> Result<Vec<<Cuda as Device>::Weight>> {
+        (0..copies(m * k * 2))
+            .map(|_| {
+                seed += 1;
+                dev.random_weight(m, k, seed, 0.02)
+            })
+            .collect()
+    };
+    let (h, f, v) = (2048, 8192, 128256);
+    let (wo, wq, wd) = (weights(h, h)?, weights(h + 1024, h)?, weights(h, f)?);
+    let (wg, wu, head) = (weights(f, h)?, weights(f, h)?, weights(v, h)?);
+    let (xh, xf) = (x_of(h)?, x_of(f)?);
+    let mut out = dev.tensor(0, 0);
+    let (mut g, mut u, mut act) = (dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0));
+    let us = time(&mut |i| dev.matmul(&xh, &wo[i % wo.len()], &mut out))?;
+    line("o 2048x2048", h * h * 2, us);
+    let us = time(&mut |i| dev.matmul(&xh, &wq[i % wq.len()], &mut out))?;
+    line("qkv 3072x2048", 3 * h * h, us);
+    let us = time(&mut |i| dev.matmul(&xf, &wd[i % wd.len()], &mut out))?;
+    line("down 2048x8192", h * f * 2, us);
+    let us = time(&mut |i| dev.gated_matmul(&xh, &wg[i % wg.len()], &wu[i % wu.len()], GateAct::Silu, &mut g, &mut u, &mut act))?;
+    line("gate·up 2x8192x2048", 2 * h * f * 2, us);
+    let us = time(&mut |i| dev.matmul(&xh, &head[i % head.len()], &mut out))?;
+    line("head 128256x2048", v * h * 2, us);
+    let us = time(&mut |i| {
+        dev.matmul(&xh, &wq[i % wq.len()], &mut out);
+        dev.matmul(&xh, &wo[i % wo.len()], &mut out);
+        dev.gated_matmul(&xh, &wg[i % wg.len()], &wu[i % wu.len()], GateAct::Silu, &mut g, &mut u, &mut act);
+        dev.matmul(&xf, &wd[i % wd.len()], &mut out);
+    })?;
+    line("layer: qkv, o, gate·up, down", (3 * h * h) + h * h * 2 + 4 * h * f + 2 * h * f, us);
+    dev.sync()?;
+    Ok(rep)
+}

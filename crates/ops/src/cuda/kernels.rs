@@ -11,10 +11,14 @@
 pub const PRELUDE: &str = r#"
 typedef unsigned short bf16_t;
 // Programmatic dependent launch (Hopper on): every kernel is launched
-// allowed to start while the one before it finishes. So each waits for
-// its predecessor (all of it, memory included) before touching anything
-// it wrote or reads, then lets its own successor launch. Weights, never
-// written, may be loaded before the wait (the GEMVs do).
+// allowed to start while the one before it runs. Each lets its successor
+// launch at once, so the blocks of the next few kernels can sit on the SMs
+// with their first weight loads issued (weights, never written, may be
+// read before the wait; the GEMVs do), then waits for its predecessor
+// (all of it, memory included; the predecessor finished only after its
+// own wait, so everything earlier is complete too) before touching
+// anything a kernel wrote. PDL_LATE (`BRAID_CUDA_PDL_EARLY=0`): let the
+// successor launch only after the wait, one kernel ahead.
 #if __CUDA_ARCH__ >= 900
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
@@ -22,7 +26,11 @@ typedef unsigned short bf16_t;
 #define PDL_WAIT()
 #define PDL_LAUNCH()
 #endif
+#ifdef PDL_LATE
 #define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
+#else
+#define PDL_ENTRY() do { PDL_LAUNCH(); PDL_WAIT(); } while (0)
+#endif
 #define NEG_INF (__int_as_float(0xff800000))
 
 __device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
@@ -45,12 +53,22 @@ __device__ __forceinline__ float warp_max(float v) {
 
 /// A module's full source: the prelude, then `body`.
 pub fn with_prelude(body: &str) -> String {
-    format!("{PRELUDE}{body}")
+    format!("{}{PRELUDE}{body}", pdl_define())
+}
+
+/// `BRAID_CUDA_PDL_EARLY=0`: kernels let their successor launch only after
+/// their own wait (`PDL_LATE`).
+fn pdl_define() -> &'static str {
+    if super::env_flag("BRAID_CUDA_PDL_EARLY") {
+        ""
+    } else {
+        "#define PDL_LATE\n"
+    }
 }
 
 /// The attention module for head dim `hd` and `g` query heads per KV head.
 pub fn attention_source(hd: usize, g: usize) -> String {
-    format!("#define HD {hd}\n#define G {g}\n{PRELUDE}{ATTENTION}")
+    format!("{}#define HD {hd}\n#define G {g}\n{PRELUDE}{ATTENTION}", pdl_define())
 }
 
 /// Elementwise, norm, RoPE, KV, gather and sampling kernels.

@@ -177,6 +177,10 @@ struct Inner {
     /// Launch kernels with programmatic dependent launch (Hopper on;
     /// `BRAID_CUDA_PDL=0` turns it off).
     pdl: bool,
+    /// Kernels (name prefixes) not launched at all (`BRAID_CUDA_SKIP`,
+    /// comma-separated): a diagnostic that times a round without them.
+    /// Results are wrong while it is set.
+    skip: Vec<String>,
     st: Mutex<State>,
     /// The hybrid families' kernels (loaded on first use) and scratch.
     hybrid: hybrid::Hybrid,
@@ -335,6 +339,7 @@ impl Cuda {
                 gemv_deep_from: env_usize("BRAID_CUDA_GEMV_DEEP", 8),
                 gemv_blocks_per_sm: env_usize("BRAID_CUDA_GEMV_BLOCKS", 1).clamp(1, 64),
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
+                skip: std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default(),
                 gemv_max_rows: env_usize("BRAID_CUDA_GEMV_ROWS", GEMV_MAX_ROWS).min(8),
                 st: Mutex::new(State {
                     mode: Mode::Eager,
@@ -447,6 +452,9 @@ impl Cuda {
     fn launch(&self, f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &[Arg]) -> Result<()> {
         let mode = {
             let mut st = self.st();
+            if !self.inner.skip.is_empty() && st.names.get(&f).is_some_and(|n| self.inner.skip.iter().any(|s| n.starts_with(s.as_str()))) {
+                return Ok(());
+            }
             if st.mode == Mode::UploadOnly {
                 let mut h = rt::fnv(st.sig, f as u64);
                 h = rt::fnv(h, (grid.0 as u64) << 40 | (grid.1 as u64) << 20 | grid.2 as u64);

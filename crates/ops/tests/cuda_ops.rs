@@ -522,14 +522,19 @@ fn graph_replay_equals_eager() {
 use braid_ops::{BlockSparse, KvDtype, SsmShape, StateSeq};
 
 /// `t` (an op's output that claims a current bf16 copy) through a GEMV and a
-/// cuBLAS GEMM, which read that copy, against f64 over the bf16-rounded
-/// host values: a stale copy fails.
+/// cuBLAS GEMM, which read that copy, against f64 over its own f32 values
+/// rounded to bf16 (the host's values, a hair off the device's, can round
+/// the other way): a stale copy fails. `host`: the CPU's result, which the
+/// f32 values must match first.
 fn check_bf16_copy(d: &Cuda, r: &mut Rng, what: &str, t: &<Cuda as Device>::Tensor, host: &[f32]) {
     let (rows, cols) = d.shape(t);
     let m = 48;
     let w = r.vec(m * cols, 0.1);
     let gw = d.weight_from_f32(&w, m, cols).unwrap();
-    let want: Vec<f32> = mm_ref(host, &w, rows, cols, m).iter().map(|&v| v as f32).collect();
+    let own = d.download(t).unwrap();
+    let e = rel(&own, host);
+    assert!(e < 1e-3, "{what}: f32 values off the CPU's (rel err {e})");
+    let want: Vec<f32> = mm_ref(&own, &w, rows, cols, m).iter().map(|&v| v as f32).collect();
     let mut out = poisoned(d, 1, 1);
     d.matmul(t, &gw, &mut out);
     let e = rel(&d.download(&out).unwrap(), &want);

@@ -595,17 +595,65 @@ __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsig
 #define DEC_TK 128
 #define DEC_NO ((G * HD / 2 + DEC_THREADS - 1) / DEC_THREADS)
 
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// A float in block `rank`'s shared memory, at the address `p` has in this block's.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+}
+#endif
+
+// The splits' (acc, m, l) of the cluster's blocks (block = split, cp in
+// each block's shared memory, G x (HD + 2)) merged as attn_combine does;
+// each block writes a share of the G x HD outputs. The second barrier
+// keeps every block's shared memory alive until all have read it.
+__device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int split, int nsplit, int q_cols,
+                                         float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+#if __CUDA_ARCH__ >= 900
+    cluster_sync();
+    for (int idx = split * DEC_THREADS + threadIdx.x; idx < G * HD; idx += nsplit * DEC_THREADS) {
+        const int g = idx / HD, d = idx % HD;
+        const float* pg = cp + g * (HD + 2);
+        float M = NEG_INF;
+        for (int k = 0; k < nsplit; k++) M = fmaxf(M, ld_cluster(pg + HD, k));
+        float L = 0.f, acc = 0.f;
+        for (int k = 0; k < nsplit; k++) {
+            const float m = ld_cluster(pg + HD, k);
+            if (m == NEG_INF) continue;
+            const float w = __expf(m - M);
+            L += w * ld_cluster(pg + HD + 1, k);
+            acc += w * ld_cluster(pg + d, k);
+        }
+        const float v = L > 0.f ? acc / L : 0.f;
+        const long off = (long)row * q_cols + (kvh * G + g) * HD + d;
+        out[off] = v;
+        out_bf[off] = f2bf(v);
+    }
+    cluster_sync();
+#endif
+}
+
 // Decode attention: one block per (split, kv head, query row). Each block
 // walks its share of the row's keys in tiles of DEC_TK: scores for the G
 // query heads of this KV head (one key per thread), an online-softmax update
 // per head (one warp per head), then P·V with threads over (head, dim pair).
-// With nsplit > 1 the block leaves (acc, m, l) for attn_combine.
-extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
+// With nsplit > 1 the block leaves (acc, m, l) for attn_combine, or (CL:
+// the splits of a row and KV head form one thread-block cluster) in its
+// shared memory, where the cluster's blocks merge them (cl_merge).
+template <bool CL>
+__device__ __forceinline__ void attn_decode_body(
     const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
     const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
     float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
 {
     PDL_ENTRY();
+    __shared__ float cp[CL ? G : 1][HD + 2];
     __shared__ float qs[G][HD];
     __shared__ float sc[G][DEC_TK];
     __shared__ int slot_s[DEC_TK];
@@ -723,14 +771,23 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
                 out_bf[off] = f2bf(acc[o].x * inv);
                 out_bf[off + 1] = f2bf(acc[o].y * inv);
             } else {
-                float* pp = part + (((long)z * heads + h) * nsplit + split) * (HD + 2);
+                float* pp = CL ? cp[g] : part + (((long)z * heads + h) * nsplit + split) * (HD + 2);
                 pp[2 * d2] = acc[o].x;
                 pp[2 * d2 + 1] = acc[o].y;
                 if (d2 == 0) { pp[HD] = m_s[g]; pp[HD + 1] = l_s[g]; }
             }
         }
     }
+    if (CL && nsplit > 1) cl_merge(&cp[0][0], row, kvh, split, nsplit, q_cols, out, out_bf);
 }
+
+#define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \
+    int bt, const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads, \
+    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part
+#define DEC_PASS q, q_cols, kc, vc, kv_w, bt, meta, off_rows, off_bt, nsplit, scale, softcap, heads, out, out_bf, part
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(DEC_ARGS) { attn_decode_body<false>(DEC_PASS); }
+// Launched with clusters of nsplit blocks along x (Hopper on): no attn_combine.
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_cl(DEC_ARGS) { attn_decode_body<true>(DEC_PASS); }
 
 // Merge the splits of attn_decode: one block of HD threads per (row, head).
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_rows, int nsplit,

@@ -82,8 +82,12 @@ enum Mode {
     LaunchOnly,
 }
 
+#[derive(Clone, Copy)]
 struct AttnFns {
     decode: usize,
+    /// The decode kernel whose key splits merge inside a thread-block
+    /// cluster (Hopper on): no combine launch.
+    decode_cl: Option<usize>,
     combine: usize,
     prefill: Option<usize>,
 }
@@ -450,6 +454,11 @@ impl Cuda {
     }
 
     fn launch(&self, f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &[Arg]) -> Result<()> {
+        self.launch_cluster(f, grid, block, smem, args, 1)
+    }
+
+    /// `launch` with thread-block clusters of `cluster` blocks along x.
+    fn launch_cluster(&self, f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &[Arg], cluster: u32) -> Result<()> {
         let mode = {
             let mut st = self.st();
             if !self.inner.skip.is_empty() && st.names.get(&f).is_some_and(|n| self.inner.skip.iter().any(|s| n.starts_with(s.as_str()))) {
@@ -459,6 +468,7 @@ impl Cuda {
                 let mut h = rt::fnv(st.sig, f as u64);
                 h = rt::fnv(h, (grid.0 as u64) << 40 | (grid.1 as u64) << 20 | grid.2 as u64);
                 h = rt::fnv(h, (block.0 as u64) << 40 | (block.1 as u64) << 20 | block.2 as u64 | (smem as u64) << 60);
+                h = rt::fnv(h, cluster as u64);
                 for a in args {
                     h = rt::fnv(h, a.bits());
                 }
@@ -471,7 +481,7 @@ impl Cuda {
         }
         let prof = self.prof_begin(mode);
         // SAFETY: every kernel of braid's modules waits (PDL_WAIT) first.
-        let r = unsafe { rt::launch(f, grid, block, smem, self.stream(), args, self.inner.pdl) };
+        let r = unsafe { rt::launch(f, grid, block, smem, self.stream(), args, self.inner.pdl, cluster) };
         if let Some(ev) = prof {
             let name = self.st().names.get(&f).cloned().unwrap_or_else(|| format!("kernel {f:x}"));
             self.prof_end(ev, name);
@@ -731,25 +741,28 @@ impl Cuda {
         )
     }
 
-    fn attn_fns(&self, hd: usize, g: usize) -> Result<(usize, usize, Option<usize>)> {
+    fn attn_fns(&self, hd: usize, g: usize) -> Result<AttnFns> {
         if let Some(a) = self.st().attn.get(&(hd, g)) {
-            return Ok((a.decode, a.combine, a.prefill));
+            return Ok(*a);
         }
         let m = rt::compile_and_load(&kernels::attention_source(hd, g), &self.inner.arch)?;
         let f = AttnFns {
             decode: m.func("attn_decode")?,
+            decode_cl: if self.inner.cc.0 >= 9 && env_flag("BRAID_CUDA_ATTN_CLUSTER") { Some(m.func("attn_decode_cl")?) } else { None },
             combine: m.func("attn_combine")?,
             prefill: if self.inner.cc.0 >= 8 { Some(m.func("attn_prefill")?) } else { None },
         };
-        let r = (f.decode, f.combine, f.prefill);
         let mut st = self.st();
         st.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
+        if let Some(c) = f.decode_cl {
+            st.names.insert(c, format!("attn_decode_cl hd{hd} g{g}"));
+        }
         st.names.insert(f.combine, format!("attn_combine hd{hd}"));
         if let Some(p) = f.prefill {
             st.names.insert(p, format!("attn_prefill hd{hd} g{g}"));
         }
         st.attn.insert((hd, g), f);
-        Ok(r)
+        Ok(f)
     }
 
     /// Run `f` (one model forward) as a CUDA graph: pass 1 runs it doing
@@ -1003,7 +1016,8 @@ impl Cuda {
         if max_q == 0 {
             return Ok(());
         }
-        let (f_dec, f_comb, f_pre) = self.attn_fns(hd, g)?;
+        let fns = self.attn_fns(hd, g)?;
+        let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
         let prefill = f_pre.is_some() && max_q > 4;
         if prefill && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= 4) {
             // A decode round sharing its forward with a prompt chunk: the
@@ -1076,8 +1090,12 @@ impl Cuda {
             // block per KV head walking 200 keys took 14.8 µs against 6.4 +
             // 4.2 for the split and its combine.)
             let ctas = work * kvh;
-            let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, self.inner.attn_max_splits);
-            let part = if nsplit > 1 {
+            // A row and KV head's splits as one cluster (at most 8 blocks,
+            // the portable cluster size) merge in shared memory.
+            let max = if fns.decode_cl.is_some() { self.inner.attn_max_splits.min(8) } else { self.inner.attn_max_splits };
+            let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
+            let cluster = fns.decode_cl.filter(|_| nsplit > 1);
+            let part = if nsplit > 1 && cluster.is_none() {
                 let need = work * heads * nsplit * (hd + 2) * 4;
                 let mut st = self.st();
                 if st.part.bytes < need {
@@ -1090,8 +1108,8 @@ impl Cuda {
             } else {
                 0
             };
-            self.launch(
-                f_dec,
+            self.launch_cluster(
+                cluster.unwrap_or(f_dec),
                 (nsplit as u32, kvh as u32, work as u32),
                 (128, 1, 1),
                 0,
@@ -1113,8 +1131,9 @@ impl Cuda {
                     Arg::P(out.bptr()),
                     Arg::P(part),
                 ],
+                if cluster.is_some() { nsplit as u32 } else { 1 },
             )?;
-            if nsplit > 1 {
+            if nsplit > 1 && cluster.is_none() {
                 self.launch(
                     f_comb,
                     (work as u32, heads as u32, 1),

@@ -130,7 +130,9 @@ impl Arg {
 /// `f` must be a kernel whose parameters match `args` in order and size;
 /// with `pdl`, one that waits (`PDL_WAIT`) before touching memory that
 /// earlier work writes or reads.
-pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, stream: usize, args: &[Arg], pdl: bool) -> Result<()> {
+/// `cluster`: blocks per thread-block cluster along x (1: no clusters).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, stream: usize, args: &[Arg], pdl: bool, cluster: u32) -> Result<()> {
     let mut vals: [Arg; 24] = [Arg::I(0); 24];
     assert!(args.len() <= vals.len());
     vals[..args.len()].copy_from_slice(args);
@@ -142,13 +144,24 @@ pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), sm
             Arg::F(x) => x as *mut f32 as *mut c_void,
         };
     }
-    if !pdl {
+    if !pdl && cluster <= 1 {
         return drv::launch_kernel(f as sys::CUfunction, grid, block, smem, stream as sys::CUstream, &mut ptrs[..args.len()])
             .map_err(|e| anyhow!("kernel launch: {e:?}"));
     }
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+    let mut n = 0;
+    if pdl {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
+    }
+    if cluster > 1 {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n].value.clusterDim.x = cluster;
+        attrs[n].value.clusterDim.y = 1;
+        attrs[n].value.clusterDim.z = 1;
+        n += 1;
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -158,12 +171,12 @@ pub unsafe fn launch(f: usize, grid: (u32, u32, u32), block: (u32, u32, u32), sm
         blockDimZ: block.2,
         sharedMemBytes: smem,
         hStream: stream as sys::CUstream,
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
     };
     sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut())
         .result()
-        .map_err(|e| anyhow!("kernel launch (programmatic dependent): {e:?}"))
+        .map_err(|e| anyhow!("kernel launch (programmatic dependent {pdl}, cluster {cluster}): {e:?}"))
 }
 
 /// FNV-1a, for cache keys and graph signatures.

@@ -67,7 +67,12 @@ impl<D: Device> Attention<D> {
                 dev.rms_norm(&s.att, q_norm, eps, &mut s.q);
                 dev.rms_norm(&s.gate, k_norm, eps, &mut s.k);
             }
-            None => dev.matmul_many(&s.h, &ws, &mut [&mut s.q, &mut s.k, &mut s.v]),
+            None => {
+                if let Some(r) = rope {
+                    return dev.qkv_rope_kv(&s.h, ws, &mut s.q, &mut s.k, &mut s.v, kv, layer, batch.positions, batch.slots, head_dim, r);
+                }
+                dev.matmul_many(&s.h, &ws, &mut [&mut s.q, &mut s.k, &mut s.v])
+            }
         }
         match rope {
             Some(r) => dev.rope_kv_write(&mut s.q, &mut s.k, &s.v, kv, layer, batch.positions, batch.slots, head_dim, r),

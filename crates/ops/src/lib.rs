@@ -311,6 +311,26 @@ pub trait Device: Send + Sync + 'static {
             GateAct::GeluTanh => self.gelu_mul(gate, up, out),
         }
     }
+    /// `q, k, v = x · wqᵀ, x · wkᵀ, x · wvᵀ`, then
+    /// [`Device::rope_kv_write`]: a layer's attention input in one call.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_kv(
+        &self,
+        x: &Self::Tensor,
+        ws: [&Self::Weight; 3],
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        positions: &[u32],
+        slots: &[u32],
+        head_dim: usize,
+        rope: &Rope,
+    ) {
+        self.matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v]);
+        self.rope_kv_write(q, k, v, kv, layer, positions, slots, head_dim, rope);
+    }
     /// `rope(q)`, `rope(k)`, then `kv_write(k, v)` at `slots`.
     #[allow(clippy::too_many_arguments)]
     fn rope_kv_write(

@@ -203,6 +203,50 @@ fn mm_ref(x: &[f32], w: &[f32], rows: usize, k: usize, m: usize) -> Vec<f64> {
     y
 }
 
+/// q, k and v with RoPE and the KV write in the GEMV's store (few rows;
+/// more take the plain ops) against the products then `rope_kv_write`:
+/// q, k, v and attention over the written pool.
+#[test]
+fn qkv_rope_kv_equals_the_plain_ops() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    let (k, heads, kvh, hd) = (512, 8, 2, 64);
+    let (wq, wk, wv) = (r.vec(heads * hd * k, 0.05), r.vec(kvh * hd * k, 0.05), r.vec(kvh * hd * k, 0.05));
+    let gq = d.weight_from_f32(&wq, heads * hd, k).unwrap();
+    let gk = d.weight_from_f32(&wk, kvh * hd, k).unwrap();
+    let gv = d.weight_from_f32(&wv, kvh * hd, k).unwrap();
+    let spec = KvPoolSpec { blocks: 8, block_tokens: 16, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+    let table = [6u32, 2, 5];
+    for (rows, nslots, neox) in [(1usize, 1usize, true), (3, 3, false), (4, 3, true), (6, 6, true)] {
+        let rope = Rope { theta: 10000.0, dims: hd, neox, scale: 1.0 };
+        let x = d.upload(&r.vec(rows * k, 1.0), rows, k).unwrap();
+        let pos: Vec<u32> = (0..rows as u32).map(|i| i * 5 + 7).collect();
+        let slots: Vec<u32> = (0..nslots).map(|i| table[i / 16] * 16 + (i % 16) as u32).collect();
+        let probe = r.vec(heads * hd, 1.0);
+        let mut outs = Vec::new();
+        for fused in [false, true] {
+            let mut pool = d.kv_pool(&spec).unwrap();
+            let (mut q, mut kk, mut v) = (poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1));
+            if fused {
+                d.qkv_rope_kv(&x, [&gq, &gk, &gv], &mut q, &mut kk, &mut v, &mut pool, 0, &pos, &slots, hd, &rope);
+            } else {
+                d.matmul_many(&x, &[&gq, &gk, &gv], &mut [&mut q, &mut kk, &mut v]);
+                d.rope_kv_write(&mut q, &mut kk, &v, &mut pool, 0, &pos, &slots, hd, &rope);
+            }
+            let probe = d.upload(&probe, 1, heads * hd).unwrap();
+            let mut att = poisoned(&d, 1, 1);
+            let seq = AttnSeq { q_start: 0, q_len: 1, kv_len: nslots, blocks: &table, window: None };
+            d.attention(&probe, &pool, 0, &[seq], 0.125, None, &mut att);
+            outs.push([d.download(&q).unwrap(), d.download(&kk).unwrap(), d.download(&v).unwrap(), d.download(&att).unwrap()]);
+        }
+        // Not bit for bit: the plain GEMV may split k differently.
+        let (a, b) = (&outs[0], &outs[1]);
+        let (eq, ek, ev, ea) = (rel(&b[0], &a[0]), rel(&b[1], &a[1]), rel(&b[2], &a[2]), rel(&b[3], &a[3]));
+        eprintln!("qkv_rope_kv {rows} rows, {nslots} slots, neox {neox}: q {eq:.1e} k {ek:.1e} v {ev:.1e} attention {ea:.1e}");
+        assert!(eq < 1e-5 && ek < 1e-5 && ev < 1e-5 && ea < 1e-3, "qkv_rope_kv {rows} rows: q {eq} k {ek} v {ev} attention {ea}");
+    }
+}
+
 /// The fused ops: q/k/v in one call and the gated MLP input, on few rows
 /// (GEMV kernels, several rows per block and partial blocks) and many
 /// (cuBLAS), against f64; rope + KV write and add + norm against the plain

@@ -421,6 +421,73 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x_, int n, 
 extern "C" __global__ void __launch_bounds__(256) gemv(GEMV_ARGS) { gemv_body<4>(GEMV_PASS); }
 extern "C" __global__ void __launch_bounds__(256) gemv8(GEMV_ARGS) { gemv_body<8>(GEMV_PASS); }
 
+// q, k and v with RoPE and the KV write in the store (few rows): one launch
+// instead of the GEMV and rope_kv. Each block takes 8 weight rows, one per
+// warp: for q and k the two halves of 4 RoPE pairs (rows (p, p + hd/2) of
+// a head with neox, else (2p, 2p + 1)), so both values of a pair meet in
+// the block; for v 8 consecutive rows. Rotary dims must span the head.
+__device__ __forceinline__ int rope_row(int pair, int member, int hd, int neox) {
+    const int half = hd / 2, head = pair / half, p = pair % half;
+    return head * hd + (neox ? p + member * half : 2 * p + member);
+}
+
+template <int N, int U>
+__device__ __forceinline__ void gemv_rope_n(const bf16_t* __restrict__ w, int kind, int blk, int m, const uint4* __restrict__ x, int k8,
+    float* __restrict__ y, int hd, int neox, float theta, float pscale, const unsigned* __restrict__ pos,
+    const unsigned* __restrict__ slots, int nslots, bf16_t* __restrict__ cache, int kv_w, float* red) {
+    const int warp = threadIdx.x >> 5;
+    const int j = kind == 2 ? blk * 8 + warp : rope_row(blk * 4 + (warp & 3), warp >> 2, hd, neox);
+    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, 0, k8, red);
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t >= 8 * N) return;
+    const int r = t / N, i = t % N;
+    float v;
+    int col;
+    if (kind == 2) {
+        col = blk * 8 + r;
+        if (col >= m) return;
+        v = red[r * 8 + i];
+    } else {
+        const int pair = blk * 4 + (r & 3), member = r >> 2, half = hd / 2, pi = pair % half;
+        col = rope_row(pair, member, hd, neox);
+        if (col >= m) return;
+        // rope_pair's arithmetic.
+        const float f = powf(theta, -((float)(2 * pi)) / (float)hd);
+        float sn, cs;
+        sincosf((float)pos[i] / pscale * f, &sn, &cs);
+        const float x0 = red[(r & 3) * 8 + i], x1 = red[((r & 3) + 4) * 8 + i];
+        v = member ? x0 * sn + x1 * cs : x0 * cs - x1 * sn;
+    }
+    y[(long)i * m + col] = v;
+    if (kind > 0 && i < nslots) cache[(long)slots[i] * kv_w + col] = f2bf(v);
+}
+
+template <int U>
+__device__ __forceinline__ void gemv_rope_body(const bf16_t* __restrict__ x_, int n, int k8, const bf16_t* wq, const bf16_t* wk,
+    const bf16_t* wv, float* yq, float* yk, float* yv, int mq, int mk, int nbq, int nbk, int hd, int neox, float theta,
+    float pscale, const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc) {
+    __shared__ float red[GV_WARPS * 8];
+    const uint4* x = (const uint4*)x_;
+    int blk = blockIdx.x, kind = 0;
+    const bf16_t* w = wq; float* y = yq; int m = mq; bf16_t* cache = 0;
+    if (blk >= nbq + nbk) { blk -= nbq + nbk; kind = 2; w = wv; y = yv; m = mk; cache = vc; }
+    else if (blk >= nbq) { blk -= nbq; kind = 1; w = wk; y = yk; m = mk; cache = kc; }
+#define GR_CASE(NN) gemv_rope_n<NN, U>(w, kind, blk, m, x, k8, y, hd, neox, theta, pscale, pos, slots, nslots, cache, mk, red)
+    switch (n) {
+        case 1: GR_CASE(1); break; case 2: GR_CASE(2); break; case 3: GR_CASE(3); break; case 4: GR_CASE(4); break;
+        case 5: GR_CASE(5); break; case 6: GR_CASE(6); break; case 7: GR_CASE(7); break; default: GR_CASE(8); break;
+    }
+#undef GR_CASE
+}
+
+#define ROPE_ARGS const bf16_t* __restrict__ x_, int n, int k8, const bf16_t* wq, const bf16_t* wk, const bf16_t* wv, float* yq, \
+    float* yk, float* yv, int mq, int mk, int nbq, int nbk, int hd, int neox, float theta, float pscale, \
+    const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc
+#define ROPE_PASS x_, n, k8, wq, wk, wv, yq, yk, yv, mq, mk, nbq, nbk, hd, neox, theta, pscale, pos, slots, nslots, kc, vc
+extern "C" __global__ void __launch_bounds__(256) gemv_rope(ROPE_ARGS) { gemv_rope_body<4>(ROPE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv_rope8(ROPE_ARGS) { gemv_rope_body<8>(ROPE_PASS); }
+
 __device__ __forceinline__ float gate_act(float a, int act) {
     return act == 0 ? a / (1.f + expf(-a)) : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
 }

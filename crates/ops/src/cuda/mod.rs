@@ -150,6 +150,8 @@ struct Fns {
     act_mul_bf8: usize,
     rope_kv: usize,
     rope_kv_rows: usize,
+    gemv_rope: usize,
+    gemv_rope8: usize,
 }
 
 struct Inner {
@@ -181,6 +183,9 @@ struct Inner {
     /// Launch kernels with programmatic dependent launch (Hopper on;
     /// `BRAID_CUDA_PDL=0` turns it off).
     pdl: bool,
+    /// Few-row q/k/v products apply RoPE and write the KV pool in their
+    /// store (`BRAID_CUDA_ROPE_FOLD=0`: a separate rope_kv launch).
+    rope_fold: bool,
     /// Kernels (name prefixes) not launched at all (`BRAID_CUDA_SKIP`,
     /// comma-separated): a diagnostic that times a round without them.
     /// Results are wrong while it is set.
@@ -287,6 +292,8 @@ impl Cuda {
             act_mul_bf8: m.func("act_mul_bf8")?,
             rope_kv: m.func("rope_kv")?,
             rope_kv_rows: m.func("rope_kv_rows")?,
+            gemv_rope: m.func("gemv_rope")?,
+            gemv_rope8: m.func("gemv_rope8")?,
         };
         let names: HashMap<usize, String> = [
             (fns.to_bf16, "to_bf16"),
@@ -311,6 +318,8 @@ impl Cuda {
             (fns.act_mul_bf8, "act_mul_bf8"),
             (fns.rope_kv, "rope_kv"),
             (fns.rope_kv_rows, "rope_kv_rows"),
+            (fns.gemv_rope, "gemv_rope"),
+            (fns.gemv_rope8, "gemv_rope8"),
         ]
         .into_iter()
         .map(|(f, n)| (f, n.to_string()))
@@ -343,6 +352,7 @@ impl Cuda {
                 gemv_deep_from: env_usize("BRAID_CUDA_GEMV_DEEP", 8),
                 gemv_blocks_per_sm: env_usize("BRAID_CUDA_GEMV_BLOCKS", 1).clamp(1, 64),
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
+                rope_fold: env_flag("BRAID_CUDA_ROPE_FOLD"),
                 skip: std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default(),
                 gemv_max_rows: env_usize("BRAID_CUDA_GEMV_ROWS", GEMV_MAX_ROWS).min(8),
                 st: Mutex::new(State {
@@ -1687,6 +1697,94 @@ impl Device for Cuda {
                     Arg::F(rope.theta),
                     Arg::F(rope.scale),
                     Arg::I(rope.neox as i32),
+                    Arg::P(kv.k[layer].ptr),
+                    Arg::P(kv.v[layer].ptr),
+                ],
+            )
+        })();
+        self.record(r);
+    }
+
+    /// Few rows, RoPE over whole heads: one GEMV launch whose store turns
+    /// q and k and writes k and v to the pool (`gemv_rope`); else the
+    /// products, then `rope_kv_write`.
+    fn qkv_rope_kv(
+        &self,
+        x: &CudaTensor,
+        ws: [&CudaWeight; 3],
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &mut CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        positions: &[u32],
+        slots: &[u32],
+        head_dim: usize,
+        rope: &Rope,
+    ) {
+        if !self.ready() {
+            return;
+        }
+        let [wq, wk, wv] = ws;
+        let kv_w = kv.spec.layers.get(layer).map(|s| s.kv_heads * s.head_dim);
+        let total = (kv.spec.blocks * kv.spec.block_tokens) as u32;
+        let fits = self.inner.rope_fold
+            && self.gemv_fits(x.rows, x.cols)
+            && head_dim > 0
+            && rope.dims >= head_dim
+            && (head_dim / 2).is_multiple_of(4)
+            && head_dim.is_multiple_of(2)
+            && ws.iter().all(|w| w.cols == x.cols)
+            && wq.rows.is_multiple_of(head_dim)
+            && kv_w == Some(wk.rows)
+            && wv.rows == wk.rows
+            && positions.len() == x.rows
+            && slots.len() <= x.rows
+            && slots.iter().all(|&s| s < total);
+        if !fits {
+            self.matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v]);
+            self.rope_kv_write(q, k, v, kv, layer, positions, slots, head_dim, rope);
+            return;
+        }
+        let r = (|| {
+            self.grow(q, x.rows, wq.rows)?;
+            self.grow(k, x.rows, wk.rows)?;
+            self.grow(v, x.rows, wv.rows)?;
+            if x.rows == 0 {
+                return Ok(());
+            }
+            self.ensure_bf16(x)?;
+            let p = self.put_u32(positions)?;
+            let sp = if slots.is_empty() { 0 } else { self.put_u32(slots)? };
+            // 4 RoPE pairs (8 rows) a block for q and k, 8 rows for v.
+            let (nbq, nbk, nbv) = (wq.rows / 8, wk.rows / 8, wv.rows.div_ceil(8));
+            let f = self.gemv_kernel(x.cols / 8, 1, self.inner.fns.gemv_rope, self.inner.fns.gemv_rope8);
+            self.launch(
+                f,
+                ((nbq + nbk + nbv) as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::P(x.bptr()),
+                    Arg::I(x.rows as i32),
+                    Arg::I((x.cols / 8) as i32),
+                    Arg::P(wq.buf.ptr),
+                    Arg::P(wk.buf.ptr),
+                    Arg::P(wv.buf.ptr),
+                    Arg::P(q.fptr()),
+                    Arg::P(k.fptr()),
+                    Arg::P(v.fptr()),
+                    Arg::I(wq.rows as i32),
+                    Arg::I(wk.rows as i32),
+                    Arg::I(nbq as i32),
+                    Arg::I(nbk as i32),
+                    Arg::I(head_dim as i32),
+                    Arg::I(rope.neox as i32),
+                    Arg::F(rope.theta),
+                    Arg::F(rope.scale),
+                    Arg::P(p),
+                    Arg::P(sp),
+                    Arg::I(slots.len() as i32),
                     Arg::P(kv.k[layer].ptr),
                     Arg::P(kv.v[layer].ptr),
                 ],

@@ -37,6 +37,10 @@ pub struct Capabilities {
     /// `decode_round_greedy` works and is cheaper than `decode_round` plus
     /// sampling on the host (the logits stay where they were computed).
     pub greedy_rounds: bool,
+    /// Most candidates per row `decode_round_top` returns (0: it does not
+    /// work): rounds of top-k samplers then move k values a row instead of
+    /// a whole logits row.
+    pub top_rounds: usize,
 }
 
 /// How full the backend's state memory is.
@@ -108,6 +112,14 @@ pub trait Backend: Send {
     /// likely next token (the first on ties) instead of its logits.
     fn decode_round_greedy(&mut self, _rows: &[DecodeRow]) -> Result<Vec<u32>> {
         anyhow::bail!("this backend does not pick greedy tokens itself")
+    }
+
+    /// A decode round of one token per row that returns each row's `k`
+    /// largest logits with their tokens, largest first (the lower token
+    /// first on ties, NaN as -inf), instead of the whole row; `k` is at
+    /// most `Capabilities::top_rounds`.
+    fn decode_round_top(&mut self, _rows: &[DecodeRow], _k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        anyhow::bail!("this backend does not return top-k candidates")
     }
 
     /// A decode round and one prompt chunk of another stream in one

@@ -36,6 +36,8 @@ pub enum Call {
     CancelPrefill(StreamId),
     /// The next `Decode` returned greedy tokens, not logits.
     Greedy(Vec<StreamId>),
+    /// A decode round that returned top-k candidates (k, streams).
+    Top(usize, Vec<StreamId>),
     /// The next `Decode` and `Prefill` ran in one forward.
     Fused,
     /// One decode round: each row's stream and tokens, in order.
@@ -129,6 +131,7 @@ impl Default for FakeConfig {
                 vocab_size: 64,
                 feature_dim: 2,
                 greedy_rounds: false,
+                top_rounds: 0,
             },
             block_tokens: 4,
             blocks_total: 4096,
@@ -278,6 +281,14 @@ impl Backend for FakeBackend {
         self.log.push(Call::Greedy(rows.iter().map(|r| r.stream).collect()));
         let logits = self.decode_round(rows)?;
         Ok(logits.chunks(self.cfg.caps.vocab_size.max(1)).map(crate::sampling::argmax).collect())
+    }
+
+    fn decode_round_top(&mut self, rows: &[DecodeRow], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        ensure!(k >= 1 && k <= self.cfg.caps.top_rounds, "top-{k} rounds are off in this fake");
+        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a top-k round takes one token per row");
+        self.log.push(Call::Top(k, rows.iter().map(|r| r.stream).collect()));
+        let logits = self.decode_round(rows)?;
+        Ok(logits.chunks(self.cfg.caps.vocab_size.max(1)).map(|row| crate::sampling::top_n(row, k)).collect())
     }
 
     fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {

@@ -275,6 +275,9 @@ pub struct LaneStats {
     pub fused_rounds: u64,
     /// Decode rounds whose tokens the backend picked (greedy, no logits moved).
     pub greedy_rounds: u64,
+    /// Decode rounds whose tokens were drawn from the backend's top-k
+    /// candidates (k values a row moved, not the row).
+    pub top_rounds: u64,
     /// Seconds spent in plain decode rounds (the backend call alone).
     pub plain_round_secs: f64,
     pub plain_rounds: u64,
@@ -1254,9 +1257,44 @@ impl Core {
             self.finish_greedy_round(plan, tokens);
             return;
         }
+        if let Some(k) = self.top_round(&plan) {
+            let cands = self.backend.decode_round_top(&plan.rows, k);
+            self.note_plain_round(t.elapsed().as_secs_f64());
+            self.finish_top_round(plan, k, cands);
+            return;
+        }
         let logits = self.backend.decode_round(&plan.rows);
         self.note_plain_round(t.elapsed().as_secs_f64());
         self.finish_round(plan, logits);
+    }
+
+    /// Every stream of the round samples from its row's k largest logits
+    /// alone (greedy or top-k, no penalty, no logprobs), k within what the
+    /// backend returns, and there are no drafts: the k to ask for.
+    fn top_round(&self, plan: &RoundPlan) -> Option<usize> {
+        let most = self.caps.top_rounds.min(self.caps.vocab_size.saturating_sub(1));
+        if most == 0 || !plan.drafts.iter().all(Vec::is_empty) {
+            return None;
+        }
+        plan.batch.iter().try_fold(1, |k, &i| {
+            let s = &self.running[i];
+            let need = s.sampler.needs_only_top().filter(|&n| n <= most && s.logprobs.is_none())?;
+            Some(k.max(need))
+        })
+    }
+
+    /// Draw each stream's token from its candidates, then emit as a
+    /// greedy round does.
+    fn finish_top_round(&mut self, plan: RoundPlan, k: usize, cands: anyhow::Result<Vec<Vec<(u32, f32)>>>) {
+        let n = plan.batch.len();
+        let check = |c: &Vec<Vec<(u32, f32)>>| {
+            (c.len() != n || c.iter().any(|r| r.len() != k))
+                .then(|| format!("the backend returned {} candidate rows for a round of {n} rows (k = {k})", c.len()))
+        };
+        let Some(cands) = self.round_ok(&plan.batch, cands, check) else { return };
+        let tokens: Vec<u32> = plan.batch.iter().zip(&cands).map(|(&i, c)| self.running[i].sampler.sample_top(c)).collect();
+        self.stats.top_rounds += 1;
+        self.emit_picked(plan, tokens);
     }
 
     /// Every stream of the round takes the argmax with nothing to report
@@ -1272,11 +1310,16 @@ impl Core {
 
     /// Emit the tokens a greedy round picked.
     fn finish_greedy_round(&mut self, plan: RoundPlan, tokens: anyhow::Result<Vec<u32>>) {
-        let batch = plan.batch;
-        let n = batch.len();
+        let n = plan.batch.len();
         let check = |t: &Vec<u32>| (t.len() != n).then(|| format!("the backend picked {} tokens for a round of {n} rows", t.len()));
-        let Some(tokens) = self.round_ok(&batch, tokens, check) else { return };
+        let Some(tokens) = self.round_ok(&plan.batch, tokens, check) else { return };
         self.stats.greedy_rounds += 1;
+        self.emit_picked(plan, tokens);
+    }
+
+    /// Emit one picked token per stream of the round.
+    fn emit_picked(&mut self, plan: RoundPlan, tokens: Vec<u32>) {
+        let batch = plan.batch;
         let ctx = EmitCtx { eos: &self.cfg.eos_ids, text: &*self.text };
         for (&i, &tok) in batch.iter().zip(&tokens) {
             let s = &mut self.running[i];

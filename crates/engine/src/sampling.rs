@@ -398,32 +398,72 @@ impl Sampler {
         }
     }
 
+    /// The `top_k` candidates a backend may pick the token from, when
+    /// [`Sampler::sample`] of a row would only look at that row's `top_k`
+    /// largest logits: no penalty, no logprobs asked, and greedy (1) or a
+    /// top-k filter (then top-p and min-p apply among those). `None`:
+    /// the sampler needs the whole row.
+    pub fn needs_only_top(&self) -> Option<usize> {
+        let p = &self.params;
+        let plain = p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+        match () {
+            _ if !plain => None,
+            _ if p.is_greedy() => Some(1),
+            _ if p.top_k > 0 => Some(p.top_k),
+            _ => None,
+        }
+    }
+
+    /// [`Sampler::sample`] of a row from its largest logits alone: `top`
+    /// holds at least [`Sampler::needs_only_top`] of them, largest first
+    /// (the lower token first on ties, NaN as -inf), as `top_n` lists
+    /// them. Same token, same random draw as `sample` on the whole row.
+    pub fn sample_top(&mut self, top: &[(u32, f32)]) -> u32 {
+        let Some(&(first, max)) = top.first() else { return 0 };
+        if self.params.is_greedy() || key(max) == f32::NEG_INFINITY {
+            return first;
+        }
+        let k = self.params.top_k.min(top.len());
+        self.pick(key(max), Some(top[..k].to_vec()), None, Some(first))
+    }
+
     /// Temperature, then top-k, top-p and min-p, then one draw.
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let inv_t = 1.0 / p.temperature;
         let v = logits.len();
         let max = row_max(logits);
         if max == f32::NEG_INFINITY {
             return argmax(logits);
         }
+        // Candidates, most likely first, when top-k narrows the set.
+        let cands = (p.top_k > 0 && p.top_k < v).then(|| top_n(logits, p.top_k));
+        self.pick(max, cands, Some(logits), None)
+    }
+
+    /// The rest of [`Sampler::draw`] from the row's largest logit `max`
+    /// and its top-k candidates (if top-k narrowed the set; then `logits`
+    /// may be `None`): top-p, min-p, one draw. `fallback`: the row's
+    /// argmax, should the filters leave nothing (`None`: find it in `logits`).
+    fn pick(&mut self, max: f32, mut cands: Option<Vec<(u32, f32)>>, logits: Option<&[f32]>, fallback: Option<u32>) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
         // Unnormalised probability at temperature T; in (0, 1].
         let weight = |l: f32| exp_nonpositive((key(l) - max) * inv_t);
-        // The whole row's weights, computed at most once per token.
+        // The whole row's weights, computed at most once per token (only
+        // when no top-k candidates stand in for the row).
+        let row = logits.unwrap_or(&[]);
+        let v = row.len();
         let mut full: Option<f64> = None;
-        let mut whole_row = |w: &mut Vec<f32>, blocks: &mut Vec<f64>| -> f64 { *full.get_or_insert_with(|| row_weights(logits, max, inv_t, w, blocks)) };
+        let mut whole_row = |w: &mut Vec<f32>, blocks: &mut Vec<f64>| -> f64 { *full.get_or_insert_with(|| row_weights(row, max, inv_t, w, blocks)) };
 
         // Candidates, most likely first, when some filter narrows the set.
-        let mut cands: Option<Vec<(u32, f32)>> = None;
-        if p.top_k > 0 && p.top_k < v {
-            cands = Some(top_n(logits, p.top_k));
-        } else if p.top_p < 1.0 {
+        if cands.is_none() && p.top_p < 1.0 {
             // Nucleus over the whole vocabulary: grow a sorted head until
             // it holds `top_p` of the mass.
             let total = whole_row(&mut self.scratch, &mut self.blocks);
             let mut m = 64usize.min(v);
             loop {
-                let head = top_n(logits, m);
+                let head = top_n(row, m);
                 let mut cum = 0.0;
                 let cut = head.iter().position(|&(_, l)| {
                     cum += weight(l) as f64;
@@ -457,7 +497,7 @@ impl Sampler {
             let floor = max as f64 + (p.min_p as f64).ln() * p.temperature as f64;
             match cands.as_mut() {
                 Some(c) => c.retain(|&(_, l)| key(l) as f64 >= floor),
-                None => cands = Some(logits.iter().enumerate().filter(|&(_, &l)| key(l) as f64 >= floor).map(|(i, &l)| (i as u32, l)).collect()),
+                None => cands = Some(row.iter().enumerate().filter(|&(_, &l)| key(l) as f64 >= floor).map(|(i, &l)| (i as u32, l)).collect()),
             }
         }
 
@@ -475,7 +515,7 @@ impl Sampler {
                 }
                 c[c.len() - 1].0
             }
-            Some(_) => argmax(logits),
+            Some(_) => fallback.unwrap_or_else(|| argmax(row)),
             None => {
                 let total = whole_row(&mut self.scratch, &mut self.blocks);
                 walk(&self.scratch, &self.blocks, u * total) as u32
@@ -502,6 +542,45 @@ mod tests {
     fn pseudo_logits(n: usize, seed: u64) -> Vec<f32> {
         let mut r = Rng::new(seed);
         (0..n).map(|_| (r.next_f64() * 12.0 - 6.0) as f32).collect()
+    }
+
+    /// A backend's top-k candidates stand in for the whole row: the same
+    /// tokens from the same seed, draw for draw, under every filter that
+    /// applies among them; penalties and plain temperature need the row.
+    #[test]
+    fn sampling_from_the_top_candidates_equals_sampling_the_row() {
+        let cases = [
+            SamplingParams::greedy(),
+            SamplingParams { top_k: 1, ..Default::default() },
+            SamplingParams { top_k: 5, temperature: 0.7, ..Default::default() },
+            SamplingParams { top_k: 40, top_p: 0.9, ..Default::default() },
+            SamplingParams { top_k: 64, min_p: 0.05, temperature: 1.3, ..Default::default() },
+            SamplingParams { top_k: 20, top_p: 0.5, min_p: 0.1, ..Default::default() },
+        ];
+        for (c, params) in cases.iter().enumerate() {
+            let k = Sampler::new(params, &[]).needs_only_top().expect("top-k or greedy");
+            let seeded = SamplingParams { seed: Some(9), ..params.clone() };
+            let (mut whole, mut top) = (Sampler::new(&seeded, &[]), Sampler::new(&seeded, &[]));
+            for round in 0..200 {
+                let mut logits = pseudo_logits(3000, (c * 1000 + round) as u64);
+                if round % 7 == 0 {
+                    logits[round] = logits[(round + 1) % 3000]; // a tie
+                    logits[2999] = f32::NAN;
+                }
+                let cands = top_n(&logits, k);
+                let a = whole.sample(&mut logits.clone(), None).token;
+                let b = top.sample_top(&cands);
+                assert_eq!(a, b, "case {c} round {round}");
+            }
+        }
+        for params in [
+            SamplingParams { repetition_penalty: 1.1, ..SamplingParams::greedy() },
+            SamplingParams { presence_penalty: 0.5, top_k: 5, ..Default::default() },
+            SamplingParams { top_p: 0.9, ..Default::default() },
+            SamplingParams::default(),
+        ] {
+            assert_eq!(Sampler::new(&params, &[]).needs_only_top(), None, "{params:?}");
+        }
     }
 
     #[test]

@@ -558,6 +558,45 @@ fn greedy_rounds_go_to_the_backend_only_when_every_row_allows() {
     assert!(lane.stats().greedy_rounds >= 11);
 }
 
+// A backend that returns each row's top-k candidates gets every round
+// whose streams sample from those alone (greedy or top-k, no penalty, no
+// logprobs), asked for the largest k among them; the tokens are those of
+// sampling whole rows on the host, seed for seed. A stream that needs the
+// whole row (top-p alone, a penalty) gets logits.
+#[test]
+fn top_k_rounds_draw_the_host_samplers_tokens() {
+    let req = |seed: u64, top_k: usize, p: &[u32]| Request {
+        sampling: SamplingParams { temperature: 1.5, top_k, top_p: 0.95, seed: Some(seed), ..Default::default() },
+        ..greedy(p.to_vec(), 16)
+    };
+    let run = |top_rounds: usize, reqs: Vec<Request>| {
+        let mut fc = FakeConfig::default();
+        fc.caps.top_rounds = top_rounds;
+        let (lane, log) = lane(fc, no_marks());
+        let subs: Vec<_> = reqs.into_iter().map(|r| lane.submit(r).unwrap()).collect();
+        let tokens: Vec<Vec<u32>> = subs.iter().map(|s| drain(s).tokens).collect();
+        let tops: Vec<usize> = log.snapshot().iter().filter_map(|c| if let Call::Top(k, _) = c { Some(*k) } else { None }).collect();
+        (tokens, tops, lane.stats().top_rounds)
+    };
+    let (p1, p2) = (prompt(9, 31), prompt(13, 32));
+    let both = || vec![req(3, 5, &p1), req(4, 12, &p2), greedy(p1.clone(), 16)];
+    let (host, none, _) = run(0, both());
+    assert!(none.is_empty());
+    let (dev, tops, rounds) = run(64, both());
+    assert_eq!(dev, host, "top-k rounds changed the tokens");
+    assert!(rounds >= 15 && tops.iter().all(|&k| k == 12 || k == 5 || k == 1), "top rounds {rounds}, k {tops:?}");
+    assert!(tops.contains(&12), "a round of all three streams asks for the largest k");
+    // Sampling is not greedy: the seeded streams differ from the argmax.
+    assert_ne!(dev[0], dev[2]);
+    // k past what the backend returns, top-p alone, or a penalty: whole rows.
+    let mut penalised = req(5, 5, &p1);
+    penalised.sampling.presence_penalty = 0.4;
+    for r in [req(3, 65, &p1), req(3, 0, &p1), penalised] {
+        let (_, tops, rounds) = run(64, vec![r]);
+        assert!(tops.is_empty() && rounds == 0);
+    }
+}
+
 #[test]
 fn seeded_sampling_repeats_and_seeds_differ() {
     let (lane, _log) = lane(FakeConfig::default(), no_marks());

@@ -238,6 +238,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             vocab_size: self.model.vocab(),
             feature_dim: 0,
             greedy_rounds: self.dev.argmax_on_device(),
+            top_rounds: self.dev.top_k_on_device(),
         }
     }
 
@@ -288,6 +289,16 @@ impl<D: Device> Backend for ModelBackend<D> {
         let logit_rows: Vec<usize> = (0..total).collect();
         self.forward(&parts, &logit_rows)?;
         self.dev.argmax_rows(&self.scratch.logits)
+    }
+
+    fn decode_round_top(&mut self, rows: &[DecodeRow], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a top-k round takes one token per row");
+        ensure!((1..=self.dev.top_k_on_device()).contains(&k), "top-{k} candidates are not found on this device");
+        let total = self.reserve_round(rows)?;
+        let parts = round_parts(rows);
+        let logit_rows: Vec<usize> = (0..total).collect();
+        self.forward(&parts, &logit_rows)?;
+        self.dev.top_k_rows(&self.scratch.logits, k)
     }
 
     fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {

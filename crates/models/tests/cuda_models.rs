@@ -280,6 +280,37 @@ fn backend_greedy_rounds_equal_host_argmax() {
     assert_eq!(runs[0], runs[1], "device-picked greedy tokens differ from the host's argmax");
 }
 
+/// Top-k rounds (only each row's k best logits come back) give the
+/// candidates the host finds in the same round's logits.
+#[test]
+fn backend_top_k_rounds_equal_host_top_k() {
+    let Some(dev) = gpu() else { return };
+    let cfg = tiny_llama();
+    let mut runs = Vec::new();
+    for on_device in [false, true] {
+        let model = braid_models::random::llama(&dev, cfg.clone(), 11, false).unwrap();
+        let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+        assert_eq!(be.capabilities().top_rounds, 64);
+        let mut last = Vec::new();
+        for s in 0..3u64 {
+            be.open(s).unwrap();
+            let prompt: Vec<u32> = (0..10 + 5 * s as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect();
+            let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
+            last.push(argmax(&l) as u32);
+        }
+        let mut out = Vec::new();
+        for round in 0..10 {
+            let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
+            let cands = if on_device { be.decode_round_top(&rows, 40).unwrap() } else { braid_ops::top_k_host(&be.decode_round(&rows).unwrap(), 1000, 40) };
+            // Walk on through the candidates (not always the first).
+            last = cands.iter().map(|c| c[round % 3].0).collect();
+            out.push(cands);
+        }
+        runs.push(out);
+    }
+    assert_eq!(runs[0], runs[1], "device top-k candidates differ from the host's");
+}
+
 /// Teacher-forced top-1 agreement with llama.cpp on SmolLM2 (Q4_1 blocks
 /// dequantized to bf16 at load): reported, and at least 90%.
 #[test]

@@ -207,6 +207,21 @@ pub trait Device: Send + Sync + 'static {
         false
     }
 
+    /// Each row's `k` largest values with their columns, largest first,
+    /// the lower column first on ties, NaN counting as -inf (NaN values
+    /// come back as -inf): the candidates of top-k sampling. The default
+    /// downloads.
+    fn top_k_rows(&self, x: &Self::Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        let cols = self.shape(x).1;
+        Ok(top_k_host(&self.download(x)?, cols, k))
+    }
+
+    /// The largest `k` that `top_k_rows` finds where the values are (0:
+    /// it downloads the rows).
+    fn top_k_on_device(&self) -> usize {
+        0
+    }
+
     /// Run `f`, a forward made of this device's ops, the way that costs
     /// the least to repeat: the CUDA device records it as a graph keyed by
     /// everything it launches and replays it when the same shape comes
@@ -491,4 +506,16 @@ pub trait Device: Send + Sync + 'static {
         let _ = (q, iq, kv, layer, index_layer, seqs, scale, sel, out);
         anyhow::bail!("block_sparse_attention is not implemented on {}", self.name())
     }
+}
+
+/// [`Device::top_k_rows`] of rows of `cols` values on the host.
+pub fn top_k_host(data: &[f32], cols: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
+    data.chunks(cols.max(1))
+        .map(|r| {
+            let mut row: Vec<(u32, f32)> = r.iter().enumerate().map(|(i, &v)| (i as u32, if v.is_nan() { f32::NEG_INFINITY } else { v })).collect();
+            row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            row.truncate(k);
+            row
+        })
+        .collect()
 }

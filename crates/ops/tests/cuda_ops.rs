@@ -247,6 +247,35 @@ fn qkv_rope_kv_equals_the_plain_ops() {
     }
 }
 
+/// Top-k candidates found on the device equal the host's: values, columns
+/// and order (ties to the lower column, NaN as -inf), for vocabularies up to
+/// 262,144 and k up to 64.
+#[test]
+fn top_k_rows_equal_the_hosts() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    for (rows, cols) in [(1usize, 3usize), (4, 1000), (3, 128256), (1, 262144)] {
+        let mut x = r.vec(rows * cols, 8.0);
+        // Ties, NaN and -inf among the largest.
+        for row in 0..rows {
+            let b = row * cols;
+            x[b + cols / 2] = 9.0;
+            x[b + cols - 1] = 9.0;
+            x[b] = f32::NAN;
+            if cols > 2 {
+                x[b + 1] = f32::NEG_INFINITY;
+            }
+        }
+        let g = d.upload(&x, rows, cols).unwrap();
+        for k in [1usize, 5, 64] {
+            let k = k.min(cols);
+            let got = d.top_k_rows(&g, k).unwrap();
+            let want = braid_ops::top_k_host(&x, cols, k);
+            assert_eq!(got, want, "top-{k} of {rows} rows of {cols}");
+        }
+    }
+}
+
 /// The fused ops: q/k/v in one call and the gated MLP input, on few rows
 /// (GEMV kernels, several rows per block and partial blocks) and many
 /// (cuBLAS), against f64; rope + KV write and add + norm against the plain

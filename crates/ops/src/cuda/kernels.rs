@@ -252,6 +252,54 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsign
 // split a row; each folds (value, index) into one 64-bit key per row with
 // atomicMax (order-preserving float bits above, the complemented index
 // below, so ties go to the first index). `out` starts at zero.
+// A value and its column as one key that orders like the host's top_n:
+// larger value first, then the lower column; NaN counts as -inf (never
+// wins). 0 is below every key (padding).
+__device__ __forceinline__ unsigned long long rank_key(float v, int i) {
+    unsigned u = v != v ? 0xff800000u : __float_as_uint(v);
+    unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)ord << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+}
+
+// Sort s[0..n) (n a power of two) largest first, by the whole block.
+__device__ __forceinline__ void bitonic_desc(unsigned long long* s, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
+                const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
+                const unsigned long long a = s[lo], b = s[hi];
+                if (((lo & size) == 0) ? a < b : a > b) { s[lo] = b; s[hi] = a; }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Top-k of each row in two steps: each block sorts one chunk of a row (n,
+// a power of two, at most 4096 values) and keeps its k best keys; then one
+// block per row sorts the m = chunks * k kept keys (n2 >= m) and keeps k.
+#define TOPK_MAX_N 4096
+extern "C" __global__ void topk_chunks(const float* __restrict__ x, int cols, int n, int k, unsigned long long* __restrict__ part) {
+    PDL_ENTRY();
+    __shared__ unsigned long long s[TOPK_MAX_N];
+    const float* row = x + (long)blockIdx.y * cols;
+    const int a = blockIdx.x * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = a + i < cols ? rank_key(row[a + i], a + i) : 0ull;
+    bitonic_desc(s, n);
+    unsigned long long* out = part + ((long)blockIdx.y * gridDim.x + blockIdx.x) * k;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = s[i];
+}
+
+extern "C" __global__ void topk_merge(const unsigned long long* __restrict__ part, int m, int n2, int k, unsigned long long* __restrict__ out) {
+    PDL_ENTRY();
+    __shared__ unsigned long long s[TOPK_MAX_N];
+    const unsigned long long* p = part + (long)blockIdx.x * m;
+    for (int i = threadIdx.x; i < n2; i += blockDim.x) s[i] = i < m ? p[i] : 0ull;
+    bitonic_desc(s, n2);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) out[(long)blockIdx.x * k + i] = s[i];
+}
+
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned long long* __restrict__ out) {
     PDL_ENTRY();
     __shared__ unsigned long long best_s[32];
@@ -260,9 +308,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
     const int a = blockIdx.y * chunk, b = min(cols, a + chunk);
     unsigned long long best = 0ull;
     for (int i = a + threadIdx.x; i < b; i += blockDim.x) {
-        unsigned u = __float_as_uint(row[i]);
-        unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-        unsigned long long key = ((unsigned long long)ord << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+        const unsigned long long key = rank_key(row[i], i);
         best = key > best ? key : best;
     }
     for (int o = 16; o > 0; o >>= 1) {

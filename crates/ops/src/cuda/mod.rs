@@ -112,6 +112,7 @@ struct State {
     attn: HashMap<(usize, usize), AttnFns>,
     part: DevBuf,
     ids_out: DevBuf,
+    topk_part: DevBuf,
     pub graph_hits: u64,
     pub graph_captures: u64,
     pub graph_fallbacks: u64,
@@ -150,6 +151,8 @@ struct Fns {
     act_mul_bf8: usize,
     rope_kv: usize,
     rope_kv_rows: usize,
+    topk_chunks: usize,
+    topk_merge: usize,
     gemv_rope: usize,
     gemv_rope8: usize,
 }
@@ -245,6 +248,9 @@ const CUBLAS_WS: usize = 32 << 20;
 /// (decode); `BRAID_CUDA_GEMV_ROWS` overrides it (0: always cuBLAS). At 8
 /// rows the GEMV measured slower than cuBLAS on the H200 (docs/CUDA.md).
 const GEMV_MAX_ROWS: usize = 4;
+/// Most candidates `top_k` finds per row, and the keys one block sorts.
+const TOPK_MAX: usize = 64;
+const TOPK_N: usize = 4096;
 
 impl Cuda {
     /// Open GPU `ordinal`: load the libraries, compile (or load the cached)
@@ -292,6 +298,8 @@ impl Cuda {
             act_mul_bf8: m.func("act_mul_bf8")?,
             rope_kv: m.func("rope_kv")?,
             rope_kv_rows: m.func("rope_kv_rows")?,
+            topk_chunks: m.func("topk_chunks")?,
+            topk_merge: m.func("topk_merge")?,
             gemv_rope: m.func("gemv_rope")?,
             gemv_rope8: m.func("gemv_rope8")?,
         };
@@ -318,6 +326,8 @@ impl Cuda {
             (fns.act_mul_bf8, "act_mul_bf8"),
             (fns.rope_kv, "rope_kv"),
             (fns.rope_kv_rows, "rope_kv_rows"),
+            (fns.topk_chunks, "topk_chunks"),
+            (fns.topk_merge, "topk_merge"),
             (fns.gemv_rope, "gemv_rope"),
             (fns.gemv_rope8, "gemv_rope8"),
         ]
@@ -366,6 +376,7 @@ impl Cuda {
                     attn: HashMap::new(),
                     part: DevBuf::empty(raw_ctx),
                     ids_out: DevBuf::empty(raw_ctx),
+                    topk_part: DevBuf::empty(raw_ctx),
                     graph_hits: 0,
                     graph_captures: 0,
                     graph_fallbacks: 0,
@@ -951,6 +962,69 @@ impl Cuda {
         Ok(keys.iter().map(|&k| if k == 0 { 0 } else { 0xffff_ffff - (k & 0xffff_ffff) as u32 }).collect())
     }
 
+    /// Each row's `k` (at most `TOPK_MAX`) largest values and their
+    /// columns, as `Device::top_k_rows` describes: each chunk of a row
+    /// sorted in shared memory (bitonic, 2048 or 4096 keys), its best k
+    /// kept, then those sorted per row; k keys a row come back.
+    pub fn top_k(&self, t: &CudaTensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        if !self.ready() {
+            self.sync()?;
+        }
+        let (rows, cols) = (t.rows, t.cols);
+        let k = k.min(cols);
+        ensure!(k <= TOPK_MAX, "top_k: k = {k} past the {TOPK_MAX} this device finds");
+        // Chunks small enough that their kept keys fit one sort.
+        let per = TOPK_N / k.max(1).next_power_of_two();
+        let n = cols.div_ceil(per).next_power_of_two().max(k.next_power_of_two()).max(2);
+        if rows == 0 || k == 0 || n > TOPK_N {
+            return Ok(crate::top_k_host(&self.download(t)?, cols, k));
+        }
+        let chunks = cols.div_ceil(n);
+        let m = chunks * k;
+        let (part, out) = {
+            let mut guard = self.st();
+            let st = &mut *guard;
+            for (buf, bytes) in [(&mut st.topk_part, rows * m * 8), (&mut st.ids_out, rows * k * 8)] {
+                if buf.bytes < bytes {
+                    *buf = DevBuf::new(self.ctx(), bytes.max(1 << 16))?;
+                }
+            }
+            (st.topk_part.ptr, st.ids_out.ptr)
+        };
+        let threads = (n / 2).clamp(32, 1024) as u32;
+        self.launch(
+            self.inner.fns.topk_chunks,
+            (chunks as u32, rows as u32, 1),
+            (threads, 1, 1),
+            0,
+            &[Arg::P(t.fptr()), Arg::I(cols as i32), Arg::I(n as i32), Arg::I(k as i32), Arg::P(part)],
+        )?;
+        let n2 = m.next_power_of_two().max(2);
+        let threads = (n2 / 2).clamp(32, 1024) as u32;
+        self.launch(
+            self.inner.fns.topk_merge,
+            (rows as u32, 1, 1),
+            (threads, 1, 1),
+            0,
+            &[Arg::P(part), Arg::I(m as i32), Arg::I(n2 as i32), Arg::I(k as i32), Arg::P(out)],
+        )?;
+        self.sync()?;
+        let mut keys = vec![0u64; rows * k];
+        unsafe { cu(drv::memcpy_dtoh_sync(&mut keys, out), "top_k download")? };
+        Ok(keys
+            .chunks(k)
+            .map(|row| {
+                row.iter()
+                    .map(|&key| {
+                        let ord = (key >> 32) as u32;
+                        let bits = if ord & 0x8000_0000 != 0 { ord & 0x7fff_ffff } else { !ord };
+                        (0xffff_ffff - (key & 0xffff_ffff) as u32, f32::from_bits(bits))
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
     /// Device-to-device copy bandwidth in GB/s (bytes read + written).
     pub fn bench_copy(&self, bytes: usize, iters: usize) -> Result<f64> {
         rt::make_current(self.ctx())?;
@@ -1201,6 +1275,14 @@ impl Device for Cuda {
 
     fn argmax_on_device(&self) -> bool {
         true
+    }
+
+    fn top_k_rows(&self, x: &CudaTensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        self.top_k(x, k)
+    }
+
+    fn top_k_on_device(&self) -> usize {
+        TOPK_MAX
     }
 
     fn name(&self) -> String {

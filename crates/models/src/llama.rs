@@ -182,25 +182,17 @@ impl<D: Device> Model<D> for Llama<D> {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
         // The fused ops compose the plain ones by default; a device that
-        // fuses them (CUDA) saves launches. Each layer's residual add is
-        // fused into the next norm, so the attention input (normed x) is
-        // in `s.h` at the top of every layer.
-        if let Some(b) = self.blocks.first() {
-            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-        }
+        // fuses them (CUDA) saves launches: each norm folds into the
+        // products that read it, each residual add into the product that
+        // makes it.
         for (l, b) in self.blocks.iter().enumerate() {
             // Attention (Qwen3: q/k normalised per head before RoPE).
-            b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
+            b.attn.norm_qkv(dev, s, &b.attn_norm, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
             dev.attention(&s.q, kv, l, &batch.seqs, scale, None, &mut s.att);
-            dev.matmul(&s.att, &b.attn.wo, &mut s.h);
-            dev.add_rms_norm(&mut s.x, &s.h, &b.ffn_norm, c.eps, &mut s.q);
+            dev.matmul_add(&s.att, &b.attn.wo, &mut s.h, &mut s.x);
             // MLP.
-            dev.gated_matmul(&s.q, &b.w_gate, &b.w_up, GateAct::Silu, &mut s.gate, &mut s.up, &mut s.act);
-            dev.matmul(&s.act, &b.w_down, &mut s.att);
-            match self.blocks.get(l + 1) {
-                Some(next) => dev.add_rms_norm(&mut s.x, &s.att, &next.attn_norm, c.eps, &mut s.h),
-                None => dev.add(&mut s.x, &s.att),
-            }
+            dev.norm_gated_matmul(&s.x, &b.ffn_norm, c.eps, &mut s.q, &b.w_gate, &b.w_up, GateAct::Silu, &mut s.gate, &mut s.up, &mut s.act);
+            dev.matmul_add(&s.act, &b.w_down, &mut s.att, &mut s.x);
         }
         // Head: only the rows whose logits are wanted.
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);

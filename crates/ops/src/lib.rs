@@ -326,12 +326,16 @@ pub trait Device: Send + Sync + 'static {
             GateAct::GeluTanh => self.gelu_mul(gate, up, out),
         }
     }
-    /// `q, k, v = x · wqᵀ, x · wkᵀ, x · wvᵀ`, then
+    /// `q, k, v = h · wqᵀ, h · wkᵀ, h · wvᵀ` with `h = rms_norm(x)` (norm
+    /// weight and eps; `normed` is scratch for it, which a device that
+    /// folds the norm into the products may never write) or `h = x`, then
     /// [`Device::rope_kv_write`]: a layer's attention input in one call.
     #[allow(clippy::too_many_arguments)]
     fn qkv_rope_kv(
         &self,
         x: &Self::Tensor,
+        norm: Option<(&Self::Tensor, f32)>,
+        normed: &mut Self::Tensor,
         ws: [&Self::Weight; 3],
         q: &mut Self::Tensor,
         k: &mut Self::Tensor,
@@ -343,8 +347,39 @@ pub trait Device: Send + Sync + 'static {
         head_dim: usize,
         rope: &Rope,
     ) {
-        self.matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v]);
+        let h = match norm {
+            Some((w, eps)) => {
+                self.rms_norm(x, w, eps, normed);
+                &*normed
+            }
+            None => x,
+        };
+        self.matmul_many(h, &ws, &mut [&mut *q, &mut *k, &mut *v]);
         self.rope_kv_write(q, k, v, kv, layer, positions, slots, head_dim, rope);
+    }
+    /// [`Device::gated_matmul`] of `rms_norm(x)`; `normed` is scratch as in
+    /// [`Device::qkv_rope_kv`].
+    #[allow(clippy::too_many_arguments)]
+    fn norm_gated_matmul(
+        &self,
+        x: &Self::Tensor,
+        w_norm: &Self::Tensor,
+        eps: f32,
+        normed: &mut Self::Tensor,
+        w_gate: &Self::Weight,
+        w_up: &Self::Weight,
+        act: GateAct,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        self.rms_norm(x, w_norm, eps, normed);
+        self.gated_matmul(normed, w_gate, w_up, act, gate, up, out);
+    }
+    /// `acc += x · wᵀ` (a residual add); `tmp` is scratch.
+    fn matmul_add(&self, x: &Self::Tensor, w: &Self::Weight, tmp: &mut Self::Tensor, acc: &mut Self::Tensor) {
+        self.matmul(x, w, tmp);
+        self.add(acc, tmp);
     }
     /// `rope(q)`, `rope(k)`, then `kv_write(k, v)` at `slots`.
     #[allow(clippy::too_many_arguments)]

@@ -228,7 +228,7 @@ fn qkv_rope_kv_equals_the_plain_ops() {
             let mut pool = d.kv_pool(&spec).unwrap();
             let (mut q, mut kk, mut v) = (poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1));
             if fused {
-                d.qkv_rope_kv(&x, [&gq, &gk, &gv], &mut q, &mut kk, &mut v, &mut pool, 0, &pos, &slots, hd, &rope);
+                d.qkv_rope_kv(&x, None, &mut poisoned(&d, 1, 1), [&gq, &gk, &gv], &mut q, &mut kk, &mut v, &mut pool, 0, &pos, &slots, hd, &rope);
             } else {
                 d.matmul_many(&x, &[&gq, &gk, &gv], &mut [&mut q, &mut kk, &mut v]);
                 d.rope_kv_write(&mut q, &mut kk, &v, &mut pool, 0, &pos, &slots, hd, &rope);
@@ -274,6 +274,129 @@ fn top_k_rows_equal_the_hosts() {
             assert_eq!(got, want, "top-{k} of {rows} rows of {cols}");
         }
     }
+}
+
+/// `mm_ref` with x taken as it is (only w rounded to bf16).
+fn mm_exact_x(x: &[f32], w: &[f32], rows: usize, k: usize, m: usize) -> Vec<f64> {
+    let wb: Vec<f64> = w.iter().map(|&v| rbf(v) as f64).collect();
+    let mut y = vec![0f64; rows * m];
+    for i in 0..rows {
+        for j in 0..m {
+            y[i * m + j] = (0..k).map(|c| x[i * k + c] as f64 * wb[j * k + c]).sum();
+        }
+    }
+    y
+}
+
+fn silu(a: f64) -> f64 {
+    a / (1.0 + (-a).exp())
+}
+
+/// An RMSNorm folded into the products that read it: the norm's weight
+/// goes into the weights' columns once (as bf16), and the GEMV (rows 1-4)
+/// scales each row's sums by 1/rms of x; more rows take the norm (unit
+/// weight), then the GEMM. Against f64 over the same bf16 operands. Then a
+/// residual add folded into the product that makes it (and its bf16 copy,
+/// which the next product reads), and a folded weight refused by a plain
+/// product.
+#[test]
+fn norm_and_residual_folds_against_f64() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    let (k, eps, mg) = (2048, 1e-5f32, 1030);
+    let g = r.vec(k, 1.5);
+    let gg = d.upload(&g, 1, k).unwrap();
+    let (wg, wu) = (r.vec(mg * k, 0.05), r.vec(mg * k, 0.05));
+    let (gwg, gwu) = (d.weight_from_f32(&wg, mg, k).unwrap(), d.weight_from_f32(&wu, mg, k).unwrap());
+    // The folded weights, as the device makes them.
+    let fold = |w: &[f32]| -> Vec<f32> { w.iter().enumerate().map(|(i, &v)| rbf(rbf(v) * g[i % k])).collect() };
+    let (fg, fu) = (fold(&wg), fold(&wu));
+    for rows in [1usize, 2, 4, 5, 8, 40] {
+        let gemv = rows <= d.gemv_max_rows();
+        let x = r.vec(rows * k, 2.0);
+        let gx = d.upload(&x, rows, k).unwrap();
+        let inv: Vec<f32> = x.chunks(k).map(|row| 1.0 / (row.iter().map(|&v| v * v).sum::<f32>() / k as f32 + eps).sqrt()).collect();
+        // What the product reads, and what scales its sums.
+        let (xin, post): (Vec<f32>, Vec<f64>) = if gemv {
+            (x.iter().map(|&v| rbf(v)).collect(), inv.iter().map(|&s| s as f64).collect())
+        } else {
+            (x.iter().enumerate().map(|(i, &v)| rbf(v * inv[i / k])).collect(), vec![1.0; rows])
+        };
+        let scaled = |y: Vec<f64>| -> Vec<f64> { y.iter().enumerate().map(|(i, &v)| v * post[i / mg]).collect() };
+        let (gs, us) = (scaled(mm_exact_x(&xin, &fg, rows, k, mg)), scaled(mm_exact_x(&xin, &fu, rows, k, mg)));
+        let (mut normed, mut gate, mut up, mut out) = (poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1));
+        d.norm_gated_matmul(&gx, &gg, eps, &mut normed, &gwg, &gwu, GateAct::Silu, &mut gate, &mut up, &mut out);
+        // Past the GEMV's rows the GEMMs hand the activation bf16 gate and up.
+        let round = |v: f64| if gemv { v } else { rbf(v as f32) as f64 };
+        let want: Vec<f32> = gs.iter().zip(&us).map(|(&a, &b)| (silu(round(a)) * round(b)) as f32).collect();
+        let e = rel(&d.download(&out).unwrap(), &want);
+        eprintln!("norm_gated_matmul {rows} rows ({mg}x{k}): rel err {e:.2e}");
+        assert!(e < if gemv { 1e-4 } else { 5e-3 }, "norm_gated_matmul {rows} rows: rel err {e}");
+    }
+    // acc += x · wᵀ: long rows, odd widths, and past the GEMV's rows
+    // (cuBLAS with beta = 1).
+    for (rows, k, m) in [(1usize, 32768usize, 64usize), (3, 1536, 700), (4, 8192, 256), (9, 1536, 700)] {
+        let (x, w, acc) = (r.vec(rows * k, 1.0), r.vec(m * k, 0.05), r.vec(rows * m, 1.0));
+        let (gx, gw) = (d.upload(&x, rows, k).unwrap(), d.weight_from_f32(&w, m, k).unwrap());
+        let mut gacc = d.upload(&acc, rows, m).unwrap();
+        let mut tmp = poisoned(&d, 1, 1);
+        d.matmul_add(&gx, &gw, &mut tmp, &mut gacc);
+        let want: Vec<f32> = mm_ref(&x, &w, rows, k, m).iter().zip(&acc).map(|(&p, &a)| (p + a as f64) as f32).collect();
+        let e = rel(&d.download(&gacc).unwrap(), &want);
+        eprintln!("matmul_add {rows} rows ({m}x{k}): rel err {e:.2e}");
+        assert!(e < 1e-4, "matmul_add {rows} rows ({m}x{k}): rel err {e}");
+        // The sum's bf16 copy feeds the next product.
+        let w2 = r.vec(32 * m, 0.05);
+        let mut out2 = poisoned(&d, 1, 1);
+        d.matmul(&gacc, &d.weight_from_f32(&w2, 32, m).unwrap(), &mut out2);
+        let want2: Vec<f32> = mm_ref(&want, &w2, rows, m, 32).iter().map(|&v| v as f32).collect();
+        let e = rel(&d.download(&out2).unwrap(), &want2);
+        assert!(e < 1e-3, "product of the matmul_add sum, {rows} rows: rel err {e}");
+    }
+    // q, k, v with the norm folded and RoPE in the store, against the
+    // plain ops on the host-folded weights and the unit-weight norm.
+    let (heads, kvh, hd) = (8, 2, 64);
+    let ws: Vec<Vec<f32>> = [heads * hd, kvh * hd, kvh * hd].iter().map(|&m| r.vec(m * k, 0.05)).collect();
+    let gws: Vec<_> = ws.iter().map(|w| d.weight_from_f32(w, w.len() / k, k).unwrap()).collect();
+    let pws: Vec<_> = ws.iter().map(|w| d.weight_from_f32(&fold(w), w.len() / k, k).unwrap()).collect();
+    let ones = d.upload(&vec![1.0; k], 1, k).unwrap();
+    let spec = KvPoolSpec { blocks: 4, block_tokens: 16, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+    let rope = Rope { theta: 10000.0, dims: hd, neox: true, scale: 1.0 };
+    for rows in [1usize, 3, 6] {
+        let x = d.upload(&r.vec(rows * k, 2.0), rows, k).unwrap();
+        let pos: Vec<u32> = (0..rows as u32).map(|i| 3 * i + 2).collect();
+        let slots: Vec<u32> = (0..rows as u32).map(|i| 16 + i).collect();
+        let mut outs = Vec::new();
+        for fused in [true, false] {
+            let mut pool = d.kv_pool(&spec).unwrap();
+            let (mut h, mut q, mut kk, mut v) = (poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1), poisoned(&d, 1, 1));
+            if fused {
+                d.qkv_rope_kv(&x, Some((&gg, eps)), &mut h, [&gws[0], &gws[1], &gws[2]], &mut q, &mut kk, &mut v, &mut pool, 0, &pos, &slots, hd, &rope);
+            } else {
+                d.rms_norm(&x, &ones, eps, &mut h);
+                d.matmul_many(&h, &[&pws[0], &pws[1], &pws[2]], &mut [&mut q, &mut kk, &mut v]);
+                d.rope_kv_write(&mut q, &mut kk, &v, &mut pool, 0, &pos, &slots, hd, &rope);
+            }
+            outs.push([d.download(&q).unwrap(), d.download(&kk).unwrap(), d.download(&v).unwrap()]);
+        }
+        // bf16(x) scaled after the sums against bf16(x / rms): rounding apart.
+        for (name, a, b) in [("q", &outs[0][0], &outs[1][0]), ("k", &outs[0][1], &outs[1][1]), ("v", &outs[0][2], &outs[1][2])] {
+            let e = rel(a, b);
+            eprintln!("qkv_rope_kv with the norm folded, {rows} rows: {name} rel err {e:.2e}");
+            assert!(e < 4e-3, "qkv_rope_kv with the norm folded, {rows} rows: {name} rel err {e}");
+        }
+    }
+    // A folded weight in a plain product is an error (on a device of its own:
+    // an error stops every later op).
+    let d2 = gpu().unwrap();
+    let w = d2.weight_from_f32(&wg, mg, k).unwrap();
+    let gg2 = d2.upload(&g, 1, k).unwrap();
+    let x = d2.upload(&r.vec(k, 1.0), 1, k).unwrap();
+    let (mut n, mut a, mut b, mut o) = (poisoned(&d2, 1, 1), poisoned(&d2, 1, 1), poisoned(&d2, 1, 1), poisoned(&d2, 1, 1));
+    d2.norm_gated_matmul(&x, &gg2, eps, &mut n, &w, &w, GateAct::Silu, &mut a, &mut b, &mut o);
+    d2.sync().unwrap();
+    d2.matmul(&x, &w, &mut o);
+    assert!(d2.sync().is_err(), "a plain product took a folded weight");
 }
 
 /// The fused ops: q/k/v in one call and the gated MLP input, on few rows

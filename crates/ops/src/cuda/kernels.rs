@@ -112,7 +112,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
     __syncthreads();
     float inv = rsqrtf(red[0] / g + eps);
     for (int i = threadIdx.x; i < g; i += blockDim.x) {
-        float v = x[base + i] * inv * w[i];
+        float v = x[base + i] * inv * (w ? w[i] : 1.f);
         out[base + i] = v;
         out_bf[base + i] = f2bf(v);
     }
@@ -131,7 +131,7 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
     ss = warp_sum(ss);
     float inv = rsqrtf(ss / g + eps);
     for (int i = lane; i < g; i += 32) {
-        float v = x[base + i] * inv * w[i];
+        float v = x[base + i] * inv * (w ? w[i] : 1.f);
         out[base + i] = v;
         out_bf[base + i] = f2bf(v);
     }
@@ -157,7 +157,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     __syncthreads();
     float inv = rsqrtf(red[0] / g + eps);
     for (int i = threadIdx.x; i < g; i += blockDim.x) {
-        float v = x[base + i] * inv * w[i];
+        float v = x[base + i] * inv * (w ? w[i] : 1.f);
         out[base + i] = v;
         out_bf[base + i] = f2bf(v);
     }
@@ -360,10 +360,45 @@ __device__ __forceinline__ void gv_fma8(uint4 w, const uint4* __restrict__ x, in
     }
 }
 
+// An RMSNorm of x folded into the product (the weight's columns were
+// scaled by the norm's weight at load, see `Cuda::fold_norm`): xf, x's f32
+// rows, gives each row's sum of squares, read once per block while the
+// first weight loads are out, and 1/rms scales the sums at the end, so no
+// weight load waits for it. xf null: no norm.
+struct GvIn {
+    const float* xf;
+    float eps;
+};
+
+// The block's share of each x row's sum of squares, into red[64 + warp * 8 + i].
+template <int N>
+__device__ __forceinline__ void gv_sumsq(GvIn nx, int k8, float* red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int i = 0; i < N; i++) {
+        const float4* row = (const float4*)(nx.xf + (long)i * k8 * 8);
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < k8 * 2; c += blockDim.x) {
+            const float4 v = row[c];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[64 + warp * 8 + i] = ss;
+    }
+}
+
+// Row i's 1/rms from the partial sums (after the block's barrier); 1 without a norm.
+__device__ __forceinline__ float gv_scale(const float* red, GvIn nx, int k8, int i) {
+    if (!nx.xf) return 1.f;
+    float s = 0.f;
+    for (int w = 0; w < GV_WARPS; w++) s += red[64 + w * 8 + i];
+    return rsqrtf(s / (float)(k8 * 8) + nx.eps);
+}
+
 // One warp's share: weight row `w` (k8 chunks of 8 values), chunks
 // [c0, c1), into red[warp * 8 + i] (lane sums folded).
 template <int N, int U>
-__device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint4* __restrict__ x, int k8, int c0, int c1, float* red) {
+__device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint4* __restrict__ x, GvIn nx, int k8, int c0, int c1, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float acc[N];
     #pragma unroll
@@ -379,6 +414,7 @@ __device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint
         for (int u = 0; u < U; u++) wv[u] = ld_stream(wr + c + 32 * u);
     }
     PDL_ENTRY();
+    if (nx.xf) gv_sumsq<N>(nx, k8, red);
     if (w) {
         if (pre) {
             #pragma unroll
@@ -403,14 +439,14 @@ __device__ __forceinline__ void gv_warp(const bf16_t* __restrict__ w, const uint
 // Virtual row vr (0 <= vr < R) of this block, its k slice, and its weight
 // row pointer (null past the end).
 template <int N, int U>
-__device__ __forceinline__ void gv_block(const bf16_t* __restrict__ w, int row0, int m, const uint4* __restrict__ x, int k8, int R, float* red) {
+__device__ __forceinline__ void gv_block(const bf16_t* __restrict__ w, int row0, int m, const uint4* __restrict__ x, GvIn nx, int k8, int R, float* red) {
     const int warp = threadIdx.x >> 5;
     const int S = GV_WARPS / R;
     const int r = warp % R, slice = warp / R;
     const int j = row0 + r;
     const int per = (k8 + S - 1) / S;
     const int c0 = min(k8, slice * per), c1 = min(k8, c0 + per);
-    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
+    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, nx, k8, c0, c1, red);
 }
 
 // Sum of the S slices of virtual row vr, for x row i.
@@ -420,18 +456,21 @@ __device__ __forceinline__ float gv_total(const float* red, int R, int vr, int i
     return s;
 }
 
+// resid: y += the product (the residual stream); y_bf, if any, gets the
+// result's bf16 copy.
 template <int N, int U>
-__device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, int m, const uint4* __restrict__ x, int k8, int R,
-                                       float* __restrict__ y, bf16_t* __restrict__ y_bf, float* red) {
-    gv_block<N, U>(w, blk * R, m, x, k8, R, red);
+__device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, int m, const uint4* __restrict__ x, GvIn nx, int k8, int R,
+                                       float* __restrict__ y, bf16_t* __restrict__ y_bf, int resid, float* red) {
+    gv_block<N, U>(w, blk * R, m, x, nx, k8, R, red);
     __syncthreads();
     const int t = threadIdx.x;
     if (t < R * N) {
         const int r = t / N, i = t % N, j = blk * R + r;
         if (j < m) {
-            const float v = gv_total(red, R, r, i);
-            y[(long)i * m + j] = v;
-            if (y_bf) y_bf[(long)i * m + j] = f2bf(v);
+            const long o = (long)i * m + j;
+            const float v = gv_total(red, R, r, i) * gv_scale(red, nx, k8, i) + (resid ? y[o] : 0.f);
+            y[o] = v;
+            if (y_bf) y_bf[o] = f2bf(v);
         }
     }
 }
@@ -441,28 +480,29 @@ __device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, in
 template <int U>
 __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x_, int n, int k8, int R,
     const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, float* y0, float* y1, float* y2,
-    bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1) {
-    __shared__ float red[GV_WARPS * 8];
+    bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1, GvIn nx, int resid) {
+    __shared__ float red[GV_WARPS * 16];
     const uint4* x = (const uint4*)x_;
     int blk = blockIdx.x;
     const bf16_t* w = w0; float* y = y0; bf16_t* yb = b0; int m = m0;
     if (blk >= nb0 + nb1) { blk -= nb0 + nb1; w = w2; y = y2; yb = b2; m = m2; }
     else if (blk >= nb0) { blk -= nb0; w = w1; y = y1; yb = b1; m = m1; }
     switch (n) {
-        case 1: gemv_n<1, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 2: gemv_n<2, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 3: gemv_n<3, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 4: gemv_n<4, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 5: gemv_n<5, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 6: gemv_n<6, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        case 7: gemv_n<7, U>(w, blk, m, x, k8, R, y, yb, red); break;
-        default: gemv_n<8, U>(w, blk, m, x, k8, R, y, yb, red); break;
+        case 1: gemv_n<1, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        case 2: gemv_n<2, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        case 3: gemv_n<3, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        case 4: gemv_n<4, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        case 5: gemv_n<5, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        case 6: gemv_n<6, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        case 7: gemv_n<7, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
+        default: gemv_n<8, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
     }
 }
 
 #define GEMV_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, \
-    float* y0, float* y1, float* y2, bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1
-#define GEMV_PASS x_, n, k8, R, w0, w1, w2, y0, y1, y2, b0, b1, b2, m0, m1, m2, nb0, nb1
+    float* y0, float* y1, float* y2, bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1, \
+    const float* xf, float eps, int resid
+#define GEMV_PASS x_, n, k8, R, w0, w1, w2, y0, y1, y2, b0, b1, b2, m0, m1, m2, nb0, nb1, GvIn{xf, eps}, resid
 // gemv8: eight loads in flight per lane (long rows).
 extern "C" __global__ void __launch_bounds__(256) gemv(GEMV_ARGS) { gemv_body<4>(GEMV_PASS); }
 extern "C" __global__ void __launch_bounds__(256) gemv8(GEMV_ARGS) { gemv_body<8>(GEMV_PASS); }
@@ -478,22 +518,23 @@ __device__ __forceinline__ int rope_row(int pair, int member, int hd, int neox) 
 }
 
 template <int N, int U>
-__device__ __forceinline__ void gemv_rope_n(const bf16_t* __restrict__ w, int kind, int blk, int m, const uint4* __restrict__ x, int k8,
+__device__ __forceinline__ void gemv_rope_n(const bf16_t* __restrict__ w, int kind, int blk, int m, const uint4* __restrict__ x, GvIn nx, int k8,
     float* __restrict__ y, int hd, int neox, float theta, float pscale, const unsigned* __restrict__ pos,
     const unsigned* __restrict__ slots, int nslots, bf16_t* __restrict__ cache, int kv_w, float* red) {
     const int warp = threadIdx.x >> 5;
     const int j = kind == 2 ? blk * 8 + warp : rope_row(blk * 4 + (warp & 3), warp >> 2, hd, neox);
-    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, 0, k8, red);
+    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, nx, k8, 0, k8, red);
     __syncthreads();
     const int t = threadIdx.x;
     if (t >= 8 * N) return;
     const int r = t / N, i = t % N;
+    const float sc = gv_scale(red, nx, k8, i);
     float v;
     int col;
     if (kind == 2) {
         col = blk * 8 + r;
         if (col >= m) return;
-        v = red[r * 8 + i];
+        v = red[r * 8 + i] * sc;
     } else {
         const int pair = blk * 4 + (r & 3), member = r >> 2, half = hd / 2, pi = pair % half;
         col = rope_row(pair, member, hd, neox);
@@ -502,7 +543,7 @@ __device__ __forceinline__ void gemv_rope_n(const bf16_t* __restrict__ w, int ki
         const float f = powf(theta, -((float)(2 * pi)) / (float)hd);
         float sn, cs;
         sincosf((float)pos[i] / pscale * f, &sn, &cs);
-        const float x0 = red[(r & 3) * 8 + i], x1 = red[((r & 3) + 4) * 8 + i];
+        const float x0 = red[(r & 3) * 8 + i] * sc, x1 = red[((r & 3) + 4) * 8 + i] * sc;
         v = member ? x0 * sn + x1 * cs : x0 * cs - x1 * sn;
     }
     y[(long)i * m + col] = v;
@@ -512,14 +553,14 @@ __device__ __forceinline__ void gemv_rope_n(const bf16_t* __restrict__ w, int ki
 template <int U>
 __device__ __forceinline__ void gemv_rope_body(const bf16_t* __restrict__ x_, int n, int k8, const bf16_t* wq, const bf16_t* wk,
     const bf16_t* wv, float* yq, float* yk, float* yv, int mq, int mk, int nbq, int nbk, int hd, int neox, float theta,
-    float pscale, const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc) {
-    __shared__ float red[GV_WARPS * 8];
+    float pscale, const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc, GvIn nx) {
+    __shared__ float red[GV_WARPS * 16];
     const uint4* x = (const uint4*)x_;
     int blk = blockIdx.x, kind = 0;
     const bf16_t* w = wq; float* y = yq; int m = mq; bf16_t* cache = 0;
     if (blk >= nbq + nbk) { blk -= nbq + nbk; kind = 2; w = wv; y = yv; m = mk; cache = vc; }
     else if (blk >= nbq) { blk -= nbq; kind = 1; w = wk; y = yk; m = mk; cache = kc; }
-#define GR_CASE(NN) gemv_rope_n<NN, U>(w, kind, blk, m, x, k8, y, hd, neox, theta, pscale, pos, slots, nslots, cache, mk, red)
+#define GR_CASE(NN) gemv_rope_n<NN, U>(w, kind, blk, m, x, nx, k8, y, hd, neox, theta, pscale, pos, slots, nslots, cache, mk, red)
     switch (n) {
         case 1: GR_CASE(1); break; case 2: GR_CASE(2); break; case 3: GR_CASE(3); break; case 4: GR_CASE(4); break;
         case 5: GR_CASE(5); break; case 6: GR_CASE(6); break; case 7: GR_CASE(7); break; default: GR_CASE(8); break;
@@ -529,8 +570,8 @@ __device__ __forceinline__ void gemv_rope_body(const bf16_t* __restrict__ x_, in
 
 #define ROPE_ARGS const bf16_t* __restrict__ x_, int n, int k8, const bf16_t* wq, const bf16_t* wk, const bf16_t* wv, float* yq, \
     float* yk, float* yv, int mq, int mk, int nbq, int nbk, int hd, int neox, float theta, float pscale, \
-    const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc
-#define ROPE_PASS x_, n, k8, wq, wk, wv, yq, yk, yv, mq, mk, nbq, nbk, hd, neox, theta, pscale, pos, slots, nslots, kc, vc
+    const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc, const float* xf, float eps
+#define ROPE_PASS x_, n, k8, wq, wk, wv, yq, yk, yv, mq, mk, nbq, nbk, hd, neox, theta, pscale, pos, slots, nslots, kc, vc, GvIn{xf, eps}
 extern "C" __global__ void __launch_bounds__(256) gemv_rope(ROPE_ARGS) { gemv_rope_body<4>(ROPE_PASS); }
 extern "C" __global__ void __launch_bounds__(256) gemv_rope8(ROPE_ARGS) { gemv_rope_body<8>(ROPE_PASS); }
 
@@ -542,7 +583,7 @@ __device__ __forceinline__ float gate_act(float a, int act) {
 // rows 0..R) and the same R rows of up (R..2R), then out = act(g) * u.
 template <int N, int U>
 __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m,
-                                             const uint4* __restrict__ x, int k8, int R, int act,
+                                             const uint4* __restrict__ x, GvIn nx, int k8, int R, int act,
                                              float* __restrict__ out, bf16_t* __restrict__ out_bf, float* red) {
     const int warp = threadIdx.x >> 5;
     const int R2 = 2 * R;
@@ -552,13 +593,14 @@ __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, cons
     const int per = (k8 + S - 1) / S;
     const int c0 = min(k8, slice * per), c1 = min(k8, c0 + per);
     const bf16_t* w = vr < R ? wg : wu;
-    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, k8, c0, c1, red);
+    gv_warp<N, U>(j < m ? w + (long)j * k8 * 8 : (const bf16_t*)0, x, nx, k8, c0, c1, red);
     __syncthreads();
     const int t = threadIdx.x;
     if (t < R * N) {
         const int r = t / N, i = t % N, jj = blockIdx.x * R + r;
         if (jj < m) {
-            const float g = gv_total(red, R2, r, i), u = gv_total(red, R2, R + r, i);
+            const float sc = gv_scale(red, nx, k8, i);
+            const float g = gv_total(red, R2, r, i) * sc, u = gv_total(red, R2, R + r, i) * sc;
             const float v = gate_act(g, act) * u;
             out[(long)i * m + jj] = v;
             out_bf[(long)i * m + jj] = f2bf(v);
@@ -568,24 +610,25 @@ __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, cons
 
 template <int U>
 __device__ __forceinline__ void gemv_gated_body(const bf16_t* __restrict__ x_, int n, int k8, int R,
-    const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
-    __shared__ float red[GV_WARPS * 8];
+    const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf,
+    GvIn nx) {
+    __shared__ float red[GV_WARPS * 16];
     const uint4* x = (const uint4*)x_;
     switch (n) {
-        case 1: gemv_gated_n<1, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 2: gemv_gated_n<2, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 3: gemv_gated_n<3, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 4: gemv_gated_n<4, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 5: gemv_gated_n<5, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 6: gemv_gated_n<6, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        case 7: gemv_gated_n<7, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
-        default: gemv_gated_n<8, U>(wg, wu, m, x, k8, R, act, out, out_bf, red); break;
+        case 1: gemv_gated_n<1, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        case 2: gemv_gated_n<2, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        case 3: gemv_gated_n<3, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        case 4: gemv_gated_n<4, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        case 5: gemv_gated_n<5, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        case 6: gemv_gated_n<6, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        case 7: gemv_gated_n<7, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
+        default: gemv_gated_n<8, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
     }
 }
 
 #define GATED_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, \
-    int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf
-#define GATED_PASS x_, n, k8, R, wg, wu, m, act, out, out_bf
+    int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf, const float* xf, float eps
+#define GATED_PASS x_, n, k8, R, wg, wu, m, act, out, out_bf, GvIn{xf, eps}
 extern "C" __global__ void __launch_bounds__(256) gemv_gated(GATED_ARGS) { gemv_gated_body<4>(GATED_PASS); }
 extern "C" __global__ void __launch_bounds__(256) gemv_gated8(GATED_ARGS) { gemv_gated_body<8>(GATED_PASS); }
 
@@ -677,6 +720,14 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__
             vc[dst + i] = f2bf(vrow[i]);
         }
     }
+}
+
+// w[j, c] *= g[c] (bf16 weight, f32 g): an RMSNorm's weight folded into
+// the product that reads the norm (see GvIn).
+extern "C" __global__ void scale_cols(bf16_t* __restrict__ w, const float* __restrict__ g, long n, int cols) {
+    PDL_ENTRY();
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        w[i] = f2bf(bf2f(w[i]) * g[i % cols]);
 }
 
 // Random bf16 values, uniform in [-a, a) + bias, from a counter hash (random-weight models).

@@ -16,7 +16,7 @@ mod kernels;
 mod rt;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, ensure, Result};
@@ -60,6 +60,10 @@ pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
     buf: DevBuf,
+    /// The RMSNorm weight (its f32 buffer) folded into the columns, if
+    /// any (`Cuda::fold_norm`): the weight then only serves that norm's
+    /// fused ops.
+    folded: AtomicU64,
 }
 
 /// Paged KV in bf16: per layer, `blocks × block_tokens` slots of
@@ -124,6 +128,8 @@ struct State {
     names: HashMap<usize, String>,
     profiling: bool,
     prof: Vec<(String, usize, usize)>,
+    /// Inside a fused op whose products may take folded weights.
+    folded_ok: bool,
 }
 
 struct Fns {
@@ -152,6 +158,7 @@ struct Fns {
     rope_kv: usize,
     rope_kv_rows: usize,
     topk_chunks: usize,
+    scale_cols: usize,
     topk_merge: usize,
     gemv_rope: usize,
     gemv_rope8: usize,
@@ -186,6 +193,10 @@ struct Inner {
     /// Launch kernels with programmatic dependent launch (Hopper on;
     /// `BRAID_CUDA_PDL=0` turns it off).
     pdl: bool,
+    /// Few-row products fold in the RMSNorm of their input and the
+    /// residual add of their output (`BRAID_CUDA_NORM_FOLD=0`: separate
+    /// norm and add launches).
+    norm_fold: bool,
     /// Few-row q/k/v products apply RoPE and write the KV pool in their
     /// store (`BRAID_CUDA_ROPE_FOLD=0`: a separate rope_kv launch).
     rope_fold: bool,
@@ -248,6 +259,32 @@ const CUBLAS_WS: usize = 32 << 20;
 /// (decode); `BRAID_CUDA_GEMV_ROWS` overrides it (0: always cuBLAS). At 8
 /// rows the GEMV measured slower than cuBLAS on the H200 (docs/CUDA.md).
 const GEMV_MAX_ROWS: usize = 4;
+/// What a GEMV launch folds in: an RMSNorm of its input (x's f32 rows and
+/// eps; the weights carry the norm's weight, see `Cuda::fold_norm`) and a
+/// residual add of its output (`y +=`, the sum's bf16 copy into the given
+/// buffer).
+#[derive(Clone, Copy, Default)]
+struct GemvFold {
+    norm: Option<(u64, f32)>,
+    resid_bf: Option<u64>,
+}
+
+/// What a GEMM writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GemmOut {
+    F32,
+    Bf16,
+    /// f32, added to what `y` holds.
+    AddF32,
+}
+
+fn act_code(act: GateAct) -> i32 {
+    match act {
+        GateAct::Silu => 0,
+        GateAct::GeluTanh => 1,
+    }
+}
+
 /// Most candidates `top_k` finds per row, and the keys one block sorts.
 const TOPK_MAX: usize = 64;
 const TOPK_N: usize = 4096;
@@ -299,6 +336,7 @@ impl Cuda {
             rope_kv: m.func("rope_kv")?,
             rope_kv_rows: m.func("rope_kv_rows")?,
             topk_chunks: m.func("topk_chunks")?,
+            scale_cols: m.func("scale_cols")?,
             topk_merge: m.func("topk_merge")?,
             gemv_rope: m.func("gemv_rope")?,
             gemv_rope8: m.func("gemv_rope8")?,
@@ -327,6 +365,7 @@ impl Cuda {
             (fns.rope_kv, "rope_kv"),
             (fns.rope_kv_rows, "rope_kv_rows"),
             (fns.topk_chunks, "topk_chunks"),
+            (fns.scale_cols, "scale_cols"),
             (fns.topk_merge, "topk_merge"),
             (fns.gemv_rope, "gemv_rope"),
             (fns.gemv_rope8, "gemv_rope8"),
@@ -363,6 +402,7 @@ impl Cuda {
                 gemv_blocks_per_sm: env_usize("BRAID_CUDA_GEMV_BLOCKS", 1).clamp(1, 64),
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
                 rope_fold: env_flag("BRAID_CUDA_ROPE_FOLD"),
+                norm_fold: env_flag("BRAID_CUDA_NORM_FOLD"),
                 skip: std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default(),
                 gemv_max_rows: env_usize("BRAID_CUDA_GEMV_ROWS", GEMV_MAX_ROWS).min(8),
                 st: Mutex::new(State {
@@ -384,6 +424,7 @@ impl Cuda {
                     names,
                     profiling: false,
                     prof: Vec::new(),
+                    folded_ok: false,
                 }),
                 hybrid: hybrid::Hybrid::default(),
             }),
@@ -651,14 +692,14 @@ impl Cuda {
     }
 
     /// `y[n, m] = x[n, k] · w[m, k]ᵀ` with bf16 operands and f32 accumulation;
-    /// `y` is f32 or bf16.
+    /// `y` is f32 or bf16, or f32 that the product is added to.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, y_bf16: bool) -> Result<()> {
-        if !self.issue(&[0x6e6d6d, w, x, y, m as u64, n as u64, k as u64, y_bf16 as u64]) {
+    fn gemm(&self, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, out: GemmOut) -> Result<()> {
+        if !self.issue(&[0x6e6d6d, w, x, y, m as u64, n as u64, k as u64, out as u64]) {
             return Ok(());
         }
-        let (alpha, beta) = (1f32, 0f32);
-        let yt = if y_bf16 { cb::cudaDataType::CUDA_R_16BF } else { cb::cudaDataType::CUDA_R_32F };
+        let (alpha, beta) = (1f32, if out == GemmOut::AddF32 { 1f32 } else { 0f32 });
+        let yt = if out == GemmOut::Bf16 { cb::cudaDataType::CUDA_R_16BF } else { cb::cudaDataType::CUDA_R_32F };
         let mode = self.st().mode;
         let prof = self.prof_begin(mode);
         let r = unsafe {
@@ -726,7 +767,14 @@ impl Cuda {
     /// `y = x · wᵀ` (f32) for up to three `(weight, out rows, y)` sharing
     /// `x` (bf16 copy current, at most 8 rows), in one launch.
     fn gemv_launch(&self, x: &CudaTensor, ws: &[(u64, usize, u64)]) -> Result<()> {
+        self.gemv_launch_ex(x, ws, GemvFold::default())
+    }
+
+    /// `gemv_launch` with what `fold` asks for (a residual add: one weight).
+    fn gemv_launch_ex(&self, x: &CudaTensor, ws: &[(u64, usize, u64)], fold: GemvFold) -> Result<()> {
         ensure!(!ws.is_empty() && ws.len() <= 3, "gemv: {} weights in one launch", ws.len());
+        ensure!(fold.resid_bf.is_none() || ws.len() == 1, "gemv: a residual add takes one weight");
+        let (xf, eps) = fold.norm.unwrap_or((0, 0.0));
         let total: usize = ws.iter().map(|w| w.1).sum();
         let r = self.gemv_rows(total, 8);
         let get = |i: usize| ws.get(i).copied().unwrap_or((0, 0, 0));
@@ -750,7 +798,7 @@ impl Cuda {
                 Arg::P(a.2),
                 Arg::P(b.2),
                 Arg::P(c.2),
-                Arg::P(0),
+                Arg::P(fold.resid_bf.unwrap_or(0)),
                 Arg::P(0),
                 Arg::P(0),
                 Arg::I(a.1 as i32),
@@ -758,8 +806,158 @@ impl Cuda {
                 Arg::I(c.1 as i32),
                 Arg::I(nb[0] as i32),
                 Arg::I(nb[1] as i32),
+                Arg::P(xf),
+                Arg::F(eps),
+                Arg::I(fold.resid_bf.is_some() as i32),
             ],
         )
+    }
+
+    /// `out = act(x · gateᵀ) * (x · upᵀ)` (f32 and bf16) as one GEMV
+    /// launch, an RMSNorm of x (f32 rows, eps) folded in if given.
+    fn gemv_gated_launch(
+        &self,
+        x: &CudaTensor,
+        w_gate: &CudaWeight,
+        w_up: &CudaWeight,
+        act: GateAct,
+        out: &CudaTensor,
+        norm: Option<(u64, f32)>,
+    ) -> Result<()> {
+        let (n, m, k) = (x.rows, w_gate.rows, x.cols);
+        let r = self.gemv_rows(m, 4);
+        let f = self.gemv_kernel(k / 8, 8 / (2 * r), self.inner.fns.gemv_gated, self.inner.fns.gemv_gated8);
+        let (xf, eps) = norm.unwrap_or((0, 0.0));
+        self.launch(
+            f,
+            (m.div_ceil(r) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::P(x.bptr()),
+                Arg::I(n as i32),
+                Arg::I((k / 8) as i32),
+                Arg::I(r as i32),
+                Arg::P(w_gate.buf.ptr),
+                Arg::P(w_up.buf.ptr),
+                Arg::I(m as i32),
+                Arg::I(act_code(act)),
+                Arg::P(out.fptr()),
+                Arg::P(out.bptr()),
+                Arg::P(xf),
+                Arg::F(eps),
+            ],
+        )
+    }
+
+    /// Fold RMSNorm weight `g` into the columns of `ws` (once; a weight
+    /// folded with another norm is an error), so a GEMV that reads the
+    /// norm's input scales only its sums. Only eagerly (a graph pass would
+    /// record the scaling): `Ok(false)` then, and the caller takes the
+    /// plain ops.
+    fn fold_norm(&self, g: &CudaTensor, ws: &[&CudaWeight]) -> Result<bool> {
+        for w in ws {
+            ensure!(w.cols == g.len(), "fold_norm: a norm of {} over a weight of {} columns", g.len(), w.cols);
+            let f = w.folded.load(Ordering::Relaxed);
+            ensure!(f == 0 || f == g.fptr(), "a weight folded with one norm is used with another");
+        }
+        if ws.iter().all(|w| w.folded.load(Ordering::Relaxed) == g.fptr()) {
+            return Ok(true);
+        }
+        if self.st().mode != Mode::Eager {
+            return Ok(false);
+        }
+        for w in ws.iter().filter(|w| w.folded.load(Ordering::Relaxed) == 0) {
+            let n = w.rows * w.cols;
+            self.launch(
+                self.inner.fns.scale_cols,
+                Self::elementwise_grid(n),
+                (256, 1, 1),
+                0,
+                &[Arg::P(w.buf.ptr), Arg::P(g.fptr()), Arg::U64(n as u64), Arg::I(w.cols as i32)],
+            )?;
+            w.folded.store(g.fptr(), Ordering::Relaxed);
+        }
+        Ok(true)
+    }
+
+    /// Whether the weights of `ws` carry a folded norm (the plain products
+    /// must not take them).
+    fn any_folded(ws: &[&CudaWeight]) -> bool {
+        ws.iter().any(|w| w.folded.load(Ordering::Relaxed) != 0)
+    }
+
+    /// RMSNorm of `x` with weight `w` (groups of its width), or of whole
+    /// rows with a unit weight (`None`: the weight was folded into the
+    /// product that reads the norm).
+    fn rms_norm_with(&self, x: &CudaTensor, w: Option<&CudaTensor>, eps: f32, out: &mut CudaTensor) -> Result<()> {
+        let (g, wp) = w.map_or((x.cols, 0), |w| (w.cols, w.fptr()));
+        ensure!(g > 0 && x.cols.is_multiple_of(g), "rms_norm: weight of {g} does not divide rows of {}", x.cols);
+        self.grow(out, x.rows, x.cols)?;
+        let groups = x.len() / g;
+        if groups == 0 {
+            return Ok(());
+        }
+        if g <= 256 {
+            self.launch(
+                self.inner.fns.rms_norm_warp,
+                (groups.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[Arg::P(x.fptr()), Arg::P(wp), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(groups as i32), Arg::I(g as i32), Arg::F(eps)],
+            )?;
+        } else {
+            // Few rows (decode): wider blocks, fewer serial steps per thread.
+            self.launch(
+                self.inner.fns.rms_norm_block,
+                (groups as u32, 1, 1),
+                (if groups <= FEW_ROWS { 1024 } else { 256 }, 1, 1),
+                0,
+                &[Arg::P(x.fptr()), Arg::P(wp), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(g as i32), Arg::F(eps)],
+            )?;
+        }
+        out.set_bf(true);
+        Ok(())
+    }
+
+    /// For an op that reads `rms_norm(x, w)` through the weights `ws`:
+    /// `Some(true)` when `w` is folded into them (folding it now if this
+    /// is the first eager call), `Some(false)` when they stay plain, with
+    /// the norm folds off or x's rows not whole norm groups.
+    fn norm_folded(&self, x: &CudaTensor, w: &CudaTensor, ws: &[&CudaWeight]) -> Result<bool> {
+        if !(self.inner.norm_fold && w.len() == x.cols) {
+            ensure!(!Self::any_folded(ws), "a weight folded with a norm is used without the fold");
+            return Ok(false);
+        }
+        self.fold_norm(w, ws)
+    }
+
+    /// The input of a product that reads `rms_norm(x, w)`: `x` itself when
+    /// the GEMV folds the norm in (`Some` of x's f32 rows and eps), else
+    /// `normed` made here (with a unit weight when `w` is folded into the
+    /// product's weights).
+    fn normed_input(&self, x: &CudaTensor, w: &CudaTensor, eps: f32, folded: bool, gemv: bool, normed: &mut CudaTensor) -> Result<Option<(u64, f32)>> {
+        if folded && gemv {
+            self.ensure_bf16(x)?;
+            return Ok(Some((x.fptr(), eps)));
+        }
+        self.rms_norm_with(x, if folded { None } else { Some(w) }, eps, normed)?;
+        Ok(None)
+    }
+
+    /// Run `f`, which may use weights that carry a folded norm (the fused
+    /// ops' own products).
+    fn with_folded<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.st().folded_ok = true;
+        let r = f();
+        self.st().folded_ok = false;
+        r
+    }
+
+    /// Plain products must not take weights that carry a folded norm.
+    fn check_unfolded(&self, ws: &[&CudaWeight]) -> Result<()> {
+        ensure!(!Self::any_folded(ws) || self.st().folded_ok, "a weight folded with a norm is used by a plain product");
+        Ok(())
     }
 
     fn attn_fns(&self, hd: usize, g: usize) -> Result<AttnFns> {
@@ -909,7 +1107,7 @@ impl Cuda {
             0,
             &[Arg::P(buf.ptr), Arg::U64(n as u64), Arg::U64(seed), Arg::F(amp), Arg::F(0.0)],
         )?;
-        Ok(CudaWeight { rows, cols, buf })
+        Ok(CudaWeight { rows, cols, buf, folded: AtomicU64::new(0) })
     }
 
     /// A one-row tensor filled with `v`.
@@ -933,7 +1131,7 @@ impl Cuda {
         if !bits.is_empty() {
             unsafe { cu(drv::memcpy_htod_async(buf.ptr, bits, self.stream() as sys::CUstream), "weight upload")? };
         }
-        Ok(CudaWeight { rows, cols, buf })
+        Ok(CudaWeight { rows, cols, buf, folded: AtomicU64::new(0) })
     }
 
     /// Greedy tokens: the index of each row's largest value (the first, on ties).
@@ -1052,12 +1250,12 @@ impl Cuda {
         let b = self.random_weight(n, n, 2, 1.0)?;
         let c = DevBuf::new(self.ctx(), n * n * 2)?;
         for _ in 0..3 {
-            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, true)?;
+            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, GemmOut::Bf16)?;
         }
         self.sync()?;
         let t = std::time::Instant::now();
         for _ in 0..iters {
-            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, true)?;
+            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, GemmOut::Bf16)?;
         }
         self.sync()?;
         Ok(2.0 * (n as f64).powi(3) * iters as f64 / t.elapsed().as_secs_f64() / 1e12)
@@ -1416,6 +1614,7 @@ impl Device for Cuda {
         }
         let r = (|| {
             ensure!(x.cols == w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
+            self.check_unfolded(&[w])?;
             self.grow(out, x.rows, w.rows)?;
             if x.rows == 0 {
                 return Ok(());
@@ -1424,7 +1623,7 @@ impl Device for Cuda {
             if self.gemv_fits(x.rows, x.cols) {
                 self.gemv_launch(x, &[(w.buf.ptr, w.rows, out.fptr())])
             } else {
-                self.gemm(w.buf.ptr, x.bptr(), out.fptr(), w.rows, x.rows, w.cols, false)
+                self.gemm(w.buf.ptr, x.bptr(), out.fptr(), w.rows, x.rows, w.cols, GemmOut::F32)
             }
         })();
         self.record(r);
@@ -1459,35 +1658,7 @@ impl Device for Cuda {
         if !self.ready() {
             return;
         }
-        let r = (|| {
-            let g = w.cols;
-            ensure!(g > 0 && x.cols.is_multiple_of(g), "rms_norm: weight of {g} does not divide rows of {}", x.cols);
-            self.grow(out, x.rows, x.cols)?;
-            let groups = x.len() / g;
-            if groups == 0 {
-                return Ok(());
-            }
-            if g <= 256 {
-                self.launch(
-                    self.inner.fns.rms_norm_warp,
-                    (groups.div_ceil(8) as u32, 1, 1),
-                    (256, 1, 1),
-                    0,
-                    &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(groups as i32), Arg::I(g as i32), Arg::F(eps)],
-                )?;
-            } else {
-                // Few rows (decode): wider blocks, fewer serial steps per thread.
-                self.launch(
-                    self.inner.fns.rms_norm_block,
-                    (groups as u32, 1, 1),
-                    (if groups <= FEW_ROWS { 1024 } else { 256 }, 1, 1),
-                    0,
-                    &[Arg::P(x.fptr()), Arg::P(w.fptr()), Arg::P(out.fptr()), Arg::P(out.bptr()), Arg::I(g as i32), Arg::F(eps)],
-                )?;
-            }
-            out.set_bf(true);
-            Ok(())
-        })();
+        let r = self.rms_norm_with(x, Some(w), eps, out);
         self.record(r);
     }
 
@@ -1610,6 +1781,7 @@ impl Device for Cuda {
         }
         let r = (|| {
             ensure!(ws.len() == outs.len(), "matmul_many: {} weights for {} outputs", ws.len(), outs.len());
+            self.check_unfolded(ws)?;
             for w in ws {
                 ensure!(x.cols == w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
             }
@@ -1627,7 +1799,7 @@ impl Device for Cuda {
                 }
             } else {
                 for (w, o) in ws.iter().zip(outs.iter()) {
-                    self.gemm(w.buf.ptr, x.bptr(), o.fptr(), w.rows, x.rows, w.cols, false)?;
+                    self.gemm(w.buf.ptr, x.bptr(), o.fptr(), w.rows, x.rows, w.cols, GemmOut::F32)?;
                 }
             }
             Ok(())
@@ -1661,42 +1833,21 @@ impl Device for Cuda {
                 w_up.rows,
                 w_up.cols
             );
+            self.check_unfolded(&[w_gate, w_up])?;
             let (n, m, k) = (x.rows, w_gate.rows, x.cols);
             self.grow(out, n, m)?;
             if n == 0 || m == 0 {
                 return Ok(());
             }
             self.ensure_bf16(x)?;
-            let a = match act {
-                GateAct::Silu => 0,
-                GateAct::GeluTanh => 1,
-            };
+            let a = act_code(act);
             if self.gemv_fits(n, k) {
-                let r = self.gemv_rows(m, 4);
-                let f = self.gemv_kernel(k / 8, 8 / (2 * r), self.inner.fns.gemv_gated, self.inner.fns.gemv_gated8);
-                self.launch(
-                    f,
-                    (m.div_ceil(r) as u32, 1, 1),
-                    (256, 1, 1),
-                    0,
-                    &[
-                        Arg::P(x.bptr()),
-                        Arg::I(n as i32),
-                        Arg::I((k / 8) as i32),
-                        Arg::I(r as i32),
-                        Arg::P(w_gate.buf.ptr),
-                        Arg::P(w_up.buf.ptr),
-                        Arg::I(m as i32),
-                        Arg::I(a),
-                        Arg::P(out.fptr()),
-                        Arg::P(out.bptr()),
-                    ],
-                )?;
+                self.gemv_gated_launch(x, w_gate, w_up, act, out, None)?;
             } else {
                 self.grow(gate, n, m)?;
                 self.grow(up, n, m)?;
-                self.gemm(w_gate.buf.ptr, x.bptr(), gate.bptr(), m, n, k, true)?;
-                self.gemm(w_up.buf.ptr, x.bptr(), up.bptr(), m, n, k, true)?;
+                self.gemm(w_gate.buf.ptr, x.bptr(), gate.bptr(), m, n, k, GemmOut::Bf16)?;
+                self.gemm(w_up.buf.ptr, x.bptr(), up.bptr(), m, n, k, GemmOut::Bf16)?;
                 // Only their bf16 halves hold values now; `grow` left
                 // bf_ok false, so nothing later trusts either half.
                 let len = n * m;
@@ -1788,11 +1939,14 @@ impl Device for Cuda {
     }
 
     /// Few rows, RoPE over whole heads: one GEMV launch whose store turns
-    /// q and k and writes k and v to the pool (`gemv_rope`); else the
-    /// products, then `rope_kv_write`.
+    /// q and k and writes k and v to the pool (`gemv_rope`), the input's
+    /// RMSNorm folded in; else the norm, the products, then
+    /// `rope_kv_write`.
     fn qkv_rope_kv(
         &self,
         x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+        normed: &mut CudaTensor,
         ws: [&CudaWeight; 3],
         q: &mut CudaTensor,
         k: &mut CudaTensor,
@@ -1810,7 +1964,7 @@ impl Device for Cuda {
         let [wq, wk, wv] = ws;
         let kv_w = kv.spec.layers.get(layer).map(|s| s.kv_heads * s.head_dim);
         let total = (kv.spec.blocks * kv.spec.block_tokens) as u32;
-        let fits = self.inner.rope_fold
+        let gemv = self.inner.rope_fold
             && self.gemv_fits(x.rows, x.cols)
             && head_dim > 0
             && rope.dims >= head_dim
@@ -1823,21 +1977,30 @@ impl Device for Cuda {
             && positions.len() == x.rows
             && slots.len() <= x.rows
             && slots.iter().all(|&s| s < total);
-        if !fits {
-            self.matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v]);
-            self.rope_kv_write(q, k, v, kv, layer, positions, slots, head_dim, rope);
-            return;
-        }
         let r = (|| {
+            let fold = match norm {
+                Some((w, eps)) => {
+                    let folded = self.norm_folded(x, w, &ws)?;
+                    self.normed_input(x, w, eps, folded, gemv, normed)?
+                }
+                None => None,
+            };
+            let input: &CudaTensor = if norm.is_some() && fold.is_none() { normed } else { x };
+            if !gemv {
+                self.with_folded(|| self.matmul_many(input, &ws, &mut [&mut *q, &mut *k, &mut *v]));
+                self.rope_kv_write(q, k, v, kv, layer, positions, slots, head_dim, rope);
+                return Ok(());
+            }
             self.grow(q, x.rows, wq.rows)?;
             self.grow(k, x.rows, wk.rows)?;
             self.grow(v, x.rows, wv.rows)?;
             if x.rows == 0 {
                 return Ok(());
             }
-            self.ensure_bf16(x)?;
+            self.ensure_bf16(input)?;
             let p = self.put_u32(positions)?;
             let sp = if slots.is_empty() { 0 } else { self.put_u32(slots)? };
+            let (xf, eps) = fold.unwrap_or((0, 0.0));
             // 4 RoPE pairs (8 rows) a block for q and k, 8 rows for v.
             let (nbq, nbk, nbv) = (wq.rows / 8, wk.rows / 8, wv.rows.div_ceil(8));
             let f = self.gemv_kernel(x.cols / 8, 1, self.inner.fns.gemv_rope, self.inner.fns.gemv_rope8);
@@ -1847,7 +2010,7 @@ impl Device for Cuda {
                 (256, 1, 1),
                 0,
                 &[
-                    Arg::P(x.bptr()),
+                    Arg::P(input.bptr()),
                     Arg::I(x.rows as i32),
                     Arg::I((x.cols / 8) as i32),
                     Arg::P(wq.buf.ptr),
@@ -1869,8 +2032,84 @@ impl Device for Cuda {
                     Arg::I(slots.len() as i32),
                     Arg::P(kv.k[layer].ptr),
                     Arg::P(kv.v[layer].ptr),
+                    Arg::P(xf),
+                    Arg::F(eps),
                 ],
             )
+        })();
+        self.record(r);
+    }
+
+    /// Few rows: the norm (folded into the weights), gate, up and the
+    /// activation in one GEMV launch; else the norm, then `gated_matmul`.
+    fn norm_gated_matmul(
+        &self,
+        x: &CudaTensor,
+        w_norm: &CudaTensor,
+        eps: f32,
+        normed: &mut CudaTensor,
+        w_gate: &CudaWeight,
+        w_up: &CudaWeight,
+        act: GateAct,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) {
+        if !self.ready() {
+            return;
+        }
+        let r = (|| {
+            ensure!(
+                x.cols == w_gate.cols && x.cols == w_up.cols && w_gate.rows == w_up.rows,
+                "norm_gated_matmul: x has {} columns, gate is {}x{}, up {}x{}",
+                x.cols,
+                w_gate.rows,
+                w_gate.cols,
+                w_up.rows,
+                w_up.cols
+            );
+            let folded = self.norm_folded(x, w_norm, &[w_gate, w_up])?;
+            match self.normed_input(x, w_norm, eps, folded, self.gemv_fits(x.rows, x.cols), normed)? {
+                Some(fold) => {
+                    self.grow(out, x.rows, w_gate.rows)?;
+                    self.gemv_gated_launch(x, w_gate, w_up, act, out, Some(fold))?;
+                    out.set_bf(true);
+                }
+                None => self.with_folded(|| self.gated_matmul(normed, w_gate, w_up, act, gate, up, out)),
+            }
+            Ok(())
+        })();
+        self.record(r);
+    }
+
+    /// The product added in the GEMV's store, which also writes the sum's
+    /// bf16 copy (few rows), or by cuBLAS (beta = 1); `tmp` is written only
+    /// with the folds off.
+    fn matmul_add(&self, x: &CudaTensor, w: &CudaWeight, tmp: &mut CudaTensor, acc: &mut CudaTensor) {
+        if !self.ready() {
+            return;
+        }
+        if !self.inner.norm_fold {
+            self.matmul(x, w, tmp);
+            self.add(acc, tmp);
+            return;
+        }
+        let r = (|| {
+            ensure!(x.cols == w.cols, "matmul_add: x has {} columns, weight takes {}", x.cols, w.cols);
+            ensure!(acc.rows == x.rows && acc.cols == w.rows, "matmul_add: {}x{} += {} rows x {}", acc.rows, acc.cols, x.rows, w.rows);
+            self.check_unfolded(&[w])?;
+            acc.set_bf(false);
+            if x.rows == 0 {
+                return Ok(());
+            }
+            self.ensure_bf16(x)?;
+            if self.gemv_fits(x.rows, x.cols) {
+                self.gemv_launch_ex(x, &[(w.buf.ptr, w.rows, acc.fptr())], GemvFold { norm: None, resid_bf: Some(acc.bptr()) })?;
+                acc.set_bf(true);
+                Ok(())
+            } else {
+                self.gemm(w.buf.ptr, x.bptr(), acc.fptr(), w.rows, x.rows, w.cols, GemmOut::AddF32)
+            }
         })();
         self.record(r);
     }

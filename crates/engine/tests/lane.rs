@@ -584,7 +584,8 @@ fn top_k_rounds_draw_the_host_samplers_tokens() {
     assert!(none.is_empty());
     let (dev, tops, rounds) = run(64, both());
     assert_eq!(dev, host, "top-k rounds changed the tokens");
-    assert!(rounds >= 15 && tops.iter().all(|&k| k == 12 || k == 5 || k == 1), "top rounds {rounds}, k {tops:?}");
+    // (Rounds that share a forward with a prompt chunk take logits.)
+    assert!(rounds >= 8 && tops.iter().all(|&k| k == 12 || k == 5 || k == 1), "top rounds {rounds}, k {tops:?}");
     assert!(tops.contains(&12), "a round of all three streams asks for the largest k");
     // Sampling is not greedy: the seeded streams differ from the argmax.
     assert_ne!(dev[0], dev[2]);

@@ -132,6 +132,10 @@ pub struct LaneNumbers {
     /// Streams in decode rounds, summed: mean batch = this / rounds.
     pub decode_streams: u64,
     pub max_decode_batch: usize,
+    /// Decode rounds whose tokens came from the device: greedy picks, and
+    /// draws from top-k candidates (no logits rows moved).
+    pub greedy_rounds: u64,
+    pub top_rounds: u64,
     pub cancelled: u64,
     pub rejected: u64,
 }

@@ -130,6 +130,8 @@ impl Generator for LaneGenerator {
             decode_rounds: s.decode_rounds,
             decode_streams: s.decode_streams,
             max_decode_batch: s.max_decode_batch,
+            greedy_rounds: s.greedy_rounds,
+            top_rounds: s.top_rounds,
             cancelled: s.cancelled,
             rejected: s.rejected,
         }

@@ -121,6 +121,8 @@ impl Metrics {
             gauge(&mut out, "braid_decode_batch_max", "Largest decode round so far, in streams.", l.max_decode_batch as f64);
             let mean = if l.decode_rounds > 0 { l.decode_streams as f64 / l.decode_rounds as f64 } else { 0.0 };
             gauge(&mut out, "braid_decode_batch_mean", "Mean streams per decode round so far.", mean);
+            counter(&mut out, "braid_greedy_rounds_total", "Decode rounds whose greedy tokens the backend picked (no logits moved).", l.greedy_rounds);
+            counter(&mut out, "braid_top_k_rounds_total", "Decode rounds drawn from the backend's top-k candidates (no logits rows moved).", l.top_rounds);
             counter(&mut out, "braid_cancelled_streams_total", "Streams cancelled before their end.", l.cancelled);
             counter(&mut out, "braid_rejected_streams_total", "Submissions the lane refused (queue full, too long, invalid).", l.rejected);
         }

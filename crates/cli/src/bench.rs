@@ -48,6 +48,12 @@ pub struct BenchArgs {
     /// Stall scenario: tokens in the arriving prompt.
     #[arg(long, default_value_t = 1500)]
     pub arrival: usize,
+    /// Stall scenario: prompts arriving one after another (each a new
+    /// prompt of --arrival tokens); the table reports the first, and each
+    /// later one's largest gap and TTFT are listed after it (what a first
+    /// arrival pays once, a later one does not).
+    #[arg(long, default_value_t = 1)]
+    pub arrivals: usize,
     /// Prompt chunk cap (the whole-pass cuts).
     #[arg(long, default_value_t = 512)]
     pub chunk: usize,
@@ -265,20 +271,30 @@ fn stall_on(
     std::thread::sleep(Duration::from_secs(2));
     let usual_from = Instant::now();
     std::thread::sleep(Duration::from_secs(3));
-    let arrived = Instant::now();
-    let req = Request { prompt: arrival.clone(), sampling: greedy(), stop: StopRules { max_tokens: Some(1), ..StopRules::default() }, logprobs: None };
-    let h = lane.submit(req).context("the arriving prompt was refused")?;
-    let mut ttft = None;
-    for ev in h {
-        match ev {
-            Event::Token { .. } => {
-                ttft.get_or_insert_with(|| arrived.elapsed());
-            }
-            Event::Error(e) => bail!("the arriving prompt failed: {e}"),
-            _ => {}
+    // Each arrival: (arrived, done, time to first token). Later arrivals
+    // are new prompts (no prefix to reuse), a second apart.
+    let mut spans = Vec::new();
+    for n in 0..a.arrivals.max(1) {
+        if n > 0 {
+            std::thread::sleep(Duration::from_secs(1));
         }
+        let prompt: Vec<u32> = arrival.iter().map(|&t| (t + 101 * n as u32) % vocab.min(32000)).collect();
+        let arrived = Instant::now();
+        let req = Request { prompt, sampling: greedy(), stop: StopRules { max_tokens: Some(1), ..StopRules::default() }, logprobs: None };
+        let h = lane.submit(req).context("the arriving prompt was refused")?;
+        let mut ttft = None;
+        for ev in h {
+            match ev {
+                Event::Token { .. } => {
+                    ttft.get_or_insert_with(|| arrived.elapsed());
+                }
+                Event::Error(e) => bail!("the arriving prompt failed: {e}"),
+                _ => {}
+            }
+        }
+        spans.push((arrived, Instant::now(), ttft));
     }
-    let done = Instant::now();
+    let (arrived, done, ttft) = spans[0];
     std::thread::sleep(Duration::from_millis(300));
     stop_bg.store(true, Ordering::Relaxed);
     let times = times.lock().unwrap().clone();
@@ -317,6 +333,8 @@ fn stall_on(
     let max_gap = during.iter().cloned().fold(0.0, f64::max);
     let during_median = if during.is_empty() { f64::NAN } else { median(&mut during) };
     let ttft = ttft.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN);
+    let later: Vec<(f64, f64)> =
+        spans[1..].iter().map(|&(from, to, t)| (gaps(from, to).into_iter().fold(0.0, f64::max) * 1e3, t.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3))).collect();
     println!("| stall scenario | value |");
     println!("| --- | ---: |");
     println!("| background streams | {} |", a.bg);
@@ -329,11 +347,15 @@ fn stall_on(
     println!("| newcomer time to first token | {:.0} ms |", ttft * 1e3);
     println!("| whole-pass prefill on an idle lane | {:.0} ms |", whole_s * 1e3);
     println!("| TTFT / whole pass | {:.2} |", ttft / whole_s);
+    for (i, (gap, t)) in later.iter().enumerate() {
+        println!("| arrival {}: largest gap, TTFT | {gap:.1} ms, {t:.0} ms |", i + 2);
+    }
     if a.json {
         println!(
             "{}",
             serde_json::json!({"bg_streams": a.bg, "arrival_tokens": a.arrival, "usual_gap_ms": usual_gap * 1e3, "max_gap_ms": max_gap * 1e3, "median_gap_during_ms": during_median * 1e3, "rest_max_gap_ms": rest_max * 1e3,
-                "stall_ratio": max_gap / usual_gap, "newcomer_ttft_ms": ttft * 1e3, "whole_pass_ms": whole_s * 1e3, "ttft_over_whole": ttft / whole_s})
+                "stall_ratio": max_gap / usual_gap, "newcomer_ttft_ms": ttft * 1e3, "whole_pass_ms": whole_s * 1e3, "ttft_over_whole": ttft / whole_s,
+                "later_arrivals_max_gap_ttft_ms": later})
         );
     }
     Ok(())

@@ -247,6 +247,21 @@ fn backend_decode_rounds_replay_graphs() {
     assert!(runs[0] == runs[1], "graph-replayed decode rounds differ from eager ones");
 }
 
+/// A backend over a random tiny Llama (vocabulary 1000) with streams 0-2
+/// prompted, and each one's greedy first token.
+fn three_prompted_streams(dev: &Cuda, cfg: &braid_models::llama::LlamaConfig) -> (ModelBackend<Cuda>, Vec<u32>) {
+    let model = braid_models::random::llama(dev, cfg.clone(), 11, false).unwrap();
+    let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+    let mut first = Vec::new();
+    for s in 0..3u64 {
+        be.open(s).unwrap();
+        let prompt: Vec<u32> = (0..10 + 5 * s as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect();
+        let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
+        first.push(argmax(&l) as u32);
+    }
+    (be, first)
+}
+
 /// Greedy rounds picked on the device (only token ids come back) give the
 /// tokens that the host's argmax of the round's logits gives.
 #[test]
@@ -255,16 +270,8 @@ fn backend_greedy_rounds_equal_host_argmax() {
     let cfg = tiny_llama();
     let mut runs = Vec::new();
     for on_device in [false, true] {
-        let model = braid_models::random::llama(&dev, cfg.clone(), 11, false).unwrap();
-        let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+        let (mut be, mut last) = three_prompted_streams(&dev, &cfg);
         assert!(be.capabilities().greedy_rounds);
-        let mut last = Vec::new();
-        for s in 0..3u64 {
-            be.open(s).unwrap();
-            let prompt: Vec<u32> = (0..10 + 5 * s as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect();
-            let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
-            last.push(argmax(&l) as u32);
-        }
         let mut out = last.clone();
         for _ in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
@@ -288,16 +295,8 @@ fn backend_top_k_rounds_equal_host_top_k() {
     let cfg = tiny_llama();
     let mut runs = Vec::new();
     for on_device in [false, true] {
-        let model = braid_models::random::llama(&dev, cfg.clone(), 11, false).unwrap();
-        let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+        let (mut be, mut last) = three_prompted_streams(&dev, &cfg);
         assert_eq!(be.capabilities().top_rounds, 64);
-        let mut last = Vec::new();
-        for s in 0..3u64 {
-            be.open(s).unwrap();
-            let prompt: Vec<u32> = (0..10 + 5 * s as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect();
-            let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
-            last.push(argmax(&l) as u32);
-        }
         let mut out = Vec::new();
         for round in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();

@@ -954,6 +954,21 @@ impl Cuda {
         r
     }
 
+    /// The shapes a gated product takes: x's width is both weights', and
+    /// gate and up have as many rows.
+    fn check_gated(op: &str, x: &CudaTensor, w_gate: &CudaWeight, w_up: &CudaWeight) -> Result<()> {
+        ensure!(
+            x.cols == w_gate.cols && x.cols == w_up.cols && w_gate.rows == w_up.rows,
+            "{op}: x has {} columns, gate is {}x{}, up {}x{}",
+            x.cols,
+            w_gate.rows,
+            w_gate.cols,
+            w_up.rows,
+            w_up.cols
+        );
+        Ok(())
+    }
+
     /// Plain products must not take weights that carry a folded norm.
     fn check_unfolded(&self, ws: &[&CudaWeight]) -> Result<()> {
         ensure!(!Self::any_folded(ws) || self.st().folded_ok, "a weight folded with a norm is used by a plain product");
@@ -1824,15 +1839,7 @@ impl Device for Cuda {
             return;
         }
         let r = (|| {
-            ensure!(
-                x.cols == w_gate.cols && x.cols == w_up.cols && w_gate.rows == w_up.rows,
-                "gated_matmul: x has {} columns, gate is {}x{}, up {}x{}",
-                x.cols,
-                w_gate.rows,
-                w_gate.cols,
-                w_up.rows,
-                w_up.cols
-            );
+            Self::check_gated("gated_matmul", x, w_gate, w_up)?;
             self.check_unfolded(&[w_gate, w_up])?;
             let (n, m, k) = (x.rows, w_gate.rows, x.cols);
             self.grow(out, n, m)?;
@@ -2059,15 +2066,7 @@ impl Device for Cuda {
             return;
         }
         let r = (|| {
-            ensure!(
-                x.cols == w_gate.cols && x.cols == w_up.cols && w_gate.rows == w_up.rows,
-                "norm_gated_matmul: x has {} columns, gate is {}x{}, up {}x{}",
-                x.cols,
-                w_gate.rows,
-                w_gate.cols,
-                w_up.rows,
-                w_up.cols
-            );
+            Self::check_gated("norm_gated_matmul", x, w_gate, w_up)?;
             let folded = self.norm_folded(x, w_norm, &[w_gate, w_up])?;
             match self.normed_input(x, w_norm, eps, folded, self.gemv_fits(x.rows, x.cols), normed)? {
                 Some(fold) => {

@@ -293,9 +293,9 @@ fn silu(a: f64) -> f64 {
 }
 
 /// An RMSNorm folded into the products that read it: the norm's weight
-/// goes into the weights' columns once (as bf16), and the GEMV (rows 1-4)
+/// goes into the weights' columns once (as bf16), and the GEMV (rows 1-2)
 /// scales each row's sums by 1/rms of x; more rows take the norm (unit
-/// weight), then the GEMM. Against f64 over the same bf16 operands. Then a
+/// weight), then the GEMV (3-4) or the GEMM. Against f64 over the same bf16 operands. Then a
 /// residual add folded into the product that makes it (and its bf16 copy,
 /// which the next product reads), and a folded weight refused by a plain
 /// product.
@@ -311,13 +311,15 @@ fn norm_and_residual_folds_against_f64() {
     // The folded weights, as the device makes them.
     let fold = |w: &[f32]| -> Vec<f32> { w.iter().enumerate().map(|(i, &v)| rbf(rbf(v) * g[i % k])).collect() };
     let (fg, fu) = (fold(&wg), fold(&wu));
-    for rows in [1usize, 2, 4, 5, 8, 40] {
+    for rows in [1usize, 2, 3, 4, 5, 8, 40] {
         let gemv = rows <= d.gemv_max_rows();
+        // Rows whose norm the GEMV computes itself (BRAID_CUDA_NORM_FOLD_ROWS's default).
+        let in_gemv = gemv && rows <= 2;
         let x = r.vec(rows * k, 2.0);
         let gx = d.upload(&x, rows, k).unwrap();
         let inv: Vec<f32> = x.chunks(k).map(|row| 1.0 / (row.iter().map(|&v| v * v).sum::<f32>() / k as f32 + eps).sqrt()).collect();
         // What the product reads, and what scales its sums.
-        let (xin, post): (Vec<f32>, Vec<f64>) = if gemv {
+        let (xin, post): (Vec<f32>, Vec<f64>) = if in_gemv {
             (x.iter().map(|&v| rbf(v)).collect(), inv.iter().map(|&s| s as f64).collect())
         } else {
             (x.iter().enumerate().map(|(i, &v)| rbf(v * inv[i / k])).collect(), vec![1.0; rows])
@@ -331,7 +333,16 @@ fn norm_and_residual_folds_against_f64() {
         let want: Vec<f32> = gs.iter().zip(&us).map(|(&a, &b)| (silu(round(a)) * round(b)) as f32).collect();
         let e = rel(&d.download(&out).unwrap(), &want);
         eprintln!("norm_gated_matmul {rows} rows ({mg}x{k}): rel err {e:.2e}");
-        assert!(e < if gemv { 1e-4 } else { 5e-3 }, "norm_gated_matmul {rows} rows: rel err {e}");
+        // (The norm kernel's 1/rms and the host's can round x / rms to
+        // neighbouring bf16 values.)
+        let tol = if in_gemv {
+            1e-4
+        } else if gemv {
+            1e-3
+        } else {
+            5e-3
+        };
+        assert!(e < tol, "norm_gated_matmul {rows} rows: rel err {e}");
     }
     // acc += x · wᵀ: long rows, odd widths, and past the GEMV's rows
     // (cuBLAS with beta = 1).

@@ -197,6 +197,12 @@ struct Inner {
     /// residual add of their output (`BRAID_CUDA_NORM_FOLD=0`: separate
     /// norm and add launches).
     norm_fold: bool,
+    /// Most rows whose norm a GEMV computes itself (each block reads every
+    /// row's f32 values once); more take the norm kernel (unit weight),
+    /// then the GEMV (`BRAID_CUDA_NORM_FOLD_ROWS`, default 2: on the H200
+    /// 3 streams 2401-2406 tok/s with it against 2496-2527 without, 4
+    /// streams 2668-2682 against 2812-2845; 1 and 2 streams alike).
+    norm_fold_rows: usize,
     /// Few-row q/k/v products apply RoPE and write the KV pool in their
     /// store (`BRAID_CUDA_ROPE_FOLD=0`: a separate rope_kv launch).
     rope_fold: bool,
@@ -403,6 +409,7 @@ impl Cuda {
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
                 rope_fold: env_flag("BRAID_CUDA_ROPE_FOLD"),
                 norm_fold: env_flag("BRAID_CUDA_NORM_FOLD"),
+                norm_fold_rows: env_usize("BRAID_CUDA_NORM_FOLD_ROWS", 2),
                 skip: std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default(),
                 gemv_max_rows: env_usize("BRAID_CUDA_GEMV_ROWS", GEMV_MAX_ROWS).min(8),
                 st: Mutex::new(State {
@@ -937,7 +944,7 @@ impl Cuda {
     /// `normed` made here (with a unit weight when `w` is folded into the
     /// product's weights).
     fn normed_input(&self, x: &CudaTensor, w: &CudaTensor, eps: f32, folded: bool, gemv: bool, normed: &mut CudaTensor) -> Result<Option<(u64, f32)>> {
-        if folded && gemv {
+        if folded && gemv && x.rows <= self.inner.norm_fold_rows {
             self.ensure_bf16(x)?;
             return Ok(Some((x.fptr(), eps)));
         }

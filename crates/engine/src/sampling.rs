@@ -366,8 +366,13 @@ impl Sampler {
     /// with no penalty (so a backend may pick the token where the logits
     /// are, see `Backend::decode_round_greedy`).
     pub fn plain_greedy(&self) -> bool {
+        self.params.is_greedy() && self.no_penalty()
+    }
+
+    /// No repetition, presence or frequency penalty changes the logits.
+    fn no_penalty(&self) -> bool {
         let p = &self.params;
-        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
     }
 
     /// Pick the next token from one logits row (the row is used as scratch
@@ -405,12 +410,12 @@ impl Sampler {
     /// the sampler needs the whole row.
     pub fn needs_only_top(&self) -> Option<usize> {
         let p = &self.params;
-        let plain = p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
-        match () {
-            _ if !plain => None,
-            _ if p.is_greedy() => Some(1),
-            _ if p.top_k > 0 => Some(p.top_k),
-            _ => None,
+        if !self.no_penalty() {
+            None
+        } else if p.is_greedy() {
+            Some(1)
+        } else {
+            (p.top_k > 0).then_some(p.top_k)
         }
     }
 

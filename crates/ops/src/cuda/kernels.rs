@@ -475,6 +475,11 @@ __device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, in
     }
 }
 
+// CALL(N) with the x row count n as the template argument N (1..8).
+#define GV_ROWS(n, CALL) switch (n) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
+
 // Up to three weights sharing x (q, k, v): blocks [0, nb0) for w0, the next
 // nb1 for w1, the rest for w2. y_bf may be null.
 template <int U>
@@ -487,16 +492,9 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x_, int n, 
     const bf16_t* w = w0; float* y = y0; bf16_t* yb = b0; int m = m0;
     if (blk >= nb0 + nb1) { blk -= nb0 + nb1; w = w2; y = y2; yb = b2; m = m2; }
     else if (blk >= nb0) { blk -= nb0; w = w1; y = y1; yb = b1; m = m1; }
-    switch (n) {
-        case 1: gemv_n<1, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        case 2: gemv_n<2, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        case 3: gemv_n<3, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        case 4: gemv_n<4, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        case 5: gemv_n<5, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        case 6: gemv_n<6, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        case 7: gemv_n<7, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-        default: gemv_n<8, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red); break;
-    }
+#define GV_CALL(NN) gemv_n<NN, U>(w, blk, m, x, nx, k8, R, y, yb, resid, red)
+    GV_ROWS(n, GV_CALL)
+#undef GV_CALL
 }
 
 #define GEMV_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, \
@@ -560,12 +558,9 @@ __device__ __forceinline__ void gemv_rope_body(const bf16_t* __restrict__ x_, in
     const bf16_t* w = wq; float* y = yq; int m = mq; bf16_t* cache = 0;
     if (blk >= nbq + nbk) { blk -= nbq + nbk; kind = 2; w = wv; y = yv; m = mk; cache = vc; }
     else if (blk >= nbq) { blk -= nbq; kind = 1; w = wk; y = yk; m = mk; cache = kc; }
-#define GR_CASE(NN) gemv_rope_n<NN, U>(w, kind, blk, m, x, nx, k8, y, hd, neox, theta, pscale, pos, slots, nslots, cache, mk, red)
-    switch (n) {
-        case 1: GR_CASE(1); break; case 2: GR_CASE(2); break; case 3: GR_CASE(3); break; case 4: GR_CASE(4); break;
-        case 5: GR_CASE(5); break; case 6: GR_CASE(6); break; case 7: GR_CASE(7); break; default: GR_CASE(8); break;
-    }
-#undef GR_CASE
+#define GV_CALL(NN) gemv_rope_n<NN, U>(w, kind, blk, m, x, nx, k8, y, hd, neox, theta, pscale, pos, slots, nslots, cache, mk, red)
+    GV_ROWS(n, GV_CALL)
+#undef GV_CALL
 }
 
 #define ROPE_ARGS const bf16_t* __restrict__ x_, int n, int k8, const bf16_t* wq, const bf16_t* wk, const bf16_t* wv, float* yq, \
@@ -614,16 +609,9 @@ __device__ __forceinline__ void gemv_gated_body(const bf16_t* __restrict__ x_, i
     GvIn nx) {
     __shared__ float red[GV_WARPS * 16];
     const uint4* x = (const uint4*)x_;
-    switch (n) {
-        case 1: gemv_gated_n<1, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        case 2: gemv_gated_n<2, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        case 3: gemv_gated_n<3, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        case 4: gemv_gated_n<4, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        case 5: gemv_gated_n<5, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        case 6: gemv_gated_n<6, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        case 7: gemv_gated_n<7, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-        default: gemv_gated_n<8, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red); break;
-    }
+#define GV_CALL(NN) gemv_gated_n<NN, U>(wg, wu, m, x, nx, k8, R, act, out, out_bf, red)
+    GV_ROWS(n, GV_CALL)
+#undef GV_CALL
 }
 
 #define GATED_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, \

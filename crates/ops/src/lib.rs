@@ -7,6 +7,7 @@
 use anyhow::Result;
 use braid_formats::TensorView;
 
+mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -4,14 +4,11 @@
 //! Every output is the same fixed-order sum of `kernel` taps whatever rows
 //! came before it in the batch, so results do not depend on chunking.
 
-use anyhow::{ensure, Result};
+use anyhow::Result;
 
 use super::pointwise::silu1;
 use super::{par_rows, CpuTensor, SendPtr};
-use crate::StateSeq;
-
-/// Longest filter handled (Mamba2 uses 4, LFM2 3).
-const MAX_KERNEL: usize = 16;
+use crate::{checks, StateSeq};
 
 #[allow(clippy::too_many_arguments)]
 pub fn short_conv(
@@ -26,14 +23,9 @@ pub fn short_conv(
     out: &mut CpuTensor,
 ) -> Result<()> {
     let c = x.cols;
-    ensure!((1..=MAX_KERNEL).contains(&kernel), "short_conv: kernel of {kernel} taps (1..={MAX_KERNEL} supported)");
-    ensure!(weight.data.len() == c * kernel, "short_conv: weight holds {} values, not {c} channels x {kernel} taps", weight.data.len());
-    if let Some(b) = bias {
-        ensure!(b.data.len() == c, "short_conv: bias holds {} values for {c} channels", b.data.len());
-    }
+    checks::short_conv(c, kernel, weight.data.len(), bias.map(|b| b.data.len()), state.cols, state_offset)?;
     let tail = kernel - 1;
-    ensure!(state_offset + c * tail <= state.cols, "short_conv: state rows of {} cannot hold {} values at {state_offset}", state.cols, c * tail);
-    check_seqs(seqs, x.rows, state.rows)?;
+    checks::state_seqs(seqs, x.rows, state.rows)?;
     out.data.resize(x.data.len(), 0.0);
     (out.rows, out.cols) = (x.rows, c);
 
@@ -43,7 +35,7 @@ pub fn short_conv(
     // Channels are independent: split them over the pool, each task
     // walking every sequence in time order.
     par_rows(c, &|chans| {
-        let mut win = [0f32; MAX_KERNEL];
+        let mut win = [0f32; checks::MAX_CONV_KERNEL];
         for s in seqs {
             let st = s.slot as usize * scols + state_offset;
             for ch in chans.clone() {
@@ -65,22 +57,5 @@ pub fn short_conv(
             }
         }
     });
-    Ok(())
-}
-
-/// Sequences must lie inside the batch, not overlap, and name distinct
-/// state rows (two sequences updating one row would race).
-pub(crate) fn check_seqs(seqs: &[StateSeq], rows: usize, slots: usize) -> Result<()> {
-    let mut seen_rows = vec![false; rows];
-    let mut seen_slots = std::collections::HashSet::new();
-    for s in seqs {
-        ensure!(s.start + s.len <= rows, "sequence rows {}..{} past the batch of {rows}", s.start, s.start + s.len);
-        ensure!((s.slot as usize) < slots, "state row {} past the {slots} rows of the state", s.slot);
-        ensure!(seen_slots.insert(s.slot), "two sequences share state row {}", s.slot);
-        for r in &mut seen_rows[s.start..s.start + s.len] {
-            ensure!(!*r, "sequences overlap in the batch");
-            *r = true;
-        }
-    }
     Ok(())
 }

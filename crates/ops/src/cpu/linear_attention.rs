@@ -2,11 +2,10 @@
 //! run as its recurrence one token at a time: `S = e^(-slope)·S + kᵀv`,
 //! `o = q·S`. Stepwise, so results do not depend on chunking.
 
-use anyhow::{ensure, Result};
+use anyhow::Result;
 
-use super::conv::check_seqs;
 use super::{pool, CpuTensor, SendPtr};
-use crate::StateSeq;
+use crate::{checks, StateSeq};
 
 #[allow(clippy::too_many_arguments)]
 pub fn linear_attention(
@@ -19,16 +18,9 @@ pub fn linear_attention(
     seqs: &[StateSeq],
     out: &mut CpuTensor,
 ) -> Result<()> {
-    ensure!(qkv.cols == heads * 3 * hd, "linear_attention: qkv rows of {}, expected {heads} x 3 x {hd}", qkv.cols);
-    ensure!(slopes.data.len() == heads, "linear_attention: {} slopes for {heads} heads", slopes.data.len());
+    checks::linear_attention(qkv.cols, slopes.data.len(), heads, hd, state.cols, state_offset)?;
     let per_head = hd * hd;
-    ensure!(
-        state_offset + heads * per_head <= state.cols,
-        "linear_attention: state rows of {} cannot hold {} values at {state_offset}",
-        state.cols,
-        heads * per_head
-    );
-    check_seqs(seqs, qkv.rows, state.rows)?;
+    checks::state_seqs(seqs, qkv.rows, state.rows)?;
     let width = heads * hd;
     out.data.resize(qkv.rows * width, 0.0);
     (out.rows, out.cols) = (qkv.rows, width);

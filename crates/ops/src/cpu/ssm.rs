@@ -4,11 +4,10 @@
 //! result is the same whatever chunk it arrived in: prefill and decode agree
 //! bit for bit.
 
-use anyhow::{ensure, Result};
+use anyhow::Result;
 
-use super::conv::check_seqs;
 use super::{pool, CpuTensor, SendPtr};
-use crate::{SsmShape, StateSeq};
+use crate::{checks, SsmShape, StateSeq};
 
 #[allow(clippy::too_many_arguments)]
 pub fn ssm_scan(
@@ -24,18 +23,11 @@ pub fn ssm_scan(
     out: &mut CpuTensor,
 ) -> Result<()> {
     let (nh, hd, n, g) = (sh.heads, sh.head_dim, sh.state_dim, sh.groups);
-    // (Written so that a NaN limit fails too.)
-    ensure!(sh.dt_min <= sh.dt_max, "ssm_scan: dt limits {} > {}", sh.dt_min, sh.dt_max);
-    ensure!(g > 0 && nh.is_multiple_of(g), "ssm_scan: {nh} heads in {g} groups");
+    let lens = [("dt_bias", dt_bias.data.len()), ("a", a.data.len()), ("d", d.data.len())];
+    checks::ssm_scan(sh, (xbc.rows, xbc.cols), (dt.rows, dt.cols), lens, state.cols, state_offset)?;
+    checks::state_seqs(seqs, xbc.rows, state.rows)?;
     let inner = nh * hd;
-    ensure!(xbc.cols == inner + 2 * g * n, "ssm_scan: xbc rows of {}, expected {inner} + 2 x {g} x {n}", xbc.cols);
-    ensure!(dt.cols == nh && dt.rows == xbc.rows, "ssm_scan: dt is {}x{}, expected {}x{nh}", dt.rows, dt.cols, xbc.rows);
-    for (name, v) in [("dt_bias", dt_bias), ("a", a), ("d", d)] {
-        ensure!(v.data.len() == nh, "ssm_scan: {name} holds {} values for {nh} heads", v.data.len());
-    }
     let per_head = hd * n;
-    ensure!(state_offset + nh * per_head <= state.cols, "ssm_scan: state rows of {} cannot hold {} values at {state_offset}", state.cols, nh * per_head);
-    check_seqs(seqs, xbc.rows, state.rows)?;
     out.data.resize(xbc.rows * inner, 0.0);
     (out.rows, out.cols) = (xbc.rows, inner);
 

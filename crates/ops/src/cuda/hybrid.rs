@@ -19,10 +19,8 @@ use anyhow::{anyhow, ensure, Result};
 use super::kernels;
 use super::rt::{self, Arg, DevBuf};
 use super::{Cuda, CudaKv, CudaTensor, Mode};
-use crate::{AttnSeq, BlockSparse, SsmShape, StateSeq};
+use crate::{checks, AttnSeq, BlockSparse, SsmShape, StateSeq};
 
-/// Longest conv filter (as on the CPU: Mamba2 uses 4, LFM2 3).
-const MAX_KERNEL: usize = 16;
 /// SSM state size per lane × 32 lanes (`SSM_NPL` in the source).
 const MAX_SSM_STATE: usize = 256;
 /// Linear-attention head dim: 32 values per lane × 8 lanes (`LA_MPL`).
@@ -540,22 +538,9 @@ pub(super) struct Hybrid {
     scratch: Mutex<Option<DevBuf>>,
 }
 
-/// Sequences must lie inside the batch, not overlap, and name distinct
-/// state rows (two sequences updating one row would race).
 fn check_seqs(op: &str, seqs: &[StateSeq], rows: usize, slots: usize) -> Result<()> {
     ensure!(seqs.len() <= MAX_GRID_YZ, "{op}: {} sequences in one call (at most {MAX_GRID_YZ})", seqs.len());
-    let mut seen_rows = vec![false; rows];
-    let mut seen_slots = HashSet::new();
-    for s in seqs {
-        ensure!(s.start + s.len <= rows, "{op}: sequence rows {}..{} past the batch of {rows}", s.start, s.start + s.len);
-        ensure!((s.slot as usize) < slots, "{op}: state row {} past the {slots} rows of the state", s.slot);
-        ensure!(seen_slots.insert(s.slot), "{op}: two sequences share state row {}", s.slot);
-        for r in &mut seen_rows[s.start..s.start + s.len] {
-            ensure!(!*r, "{op}: sequences overlap in the batch");
-            *r = true;
-        }
-    }
-    Ok(())
+    checks::state_seqs(seqs, rows, slots).map_err(|e| anyhow!("{op}: {e}"))
 }
 
 /// `[start, len, slot]` per sequence.
@@ -778,13 +763,8 @@ impl Cuda {
         out: &mut CudaTensor,
     ) -> Result<()> {
         let c = x.cols;
-        ensure!((1..=MAX_KERNEL).contains(&kernel), "short_conv: kernel of {kernel} taps (1..={MAX_KERNEL} supported)");
-        ensure!(weight.len() == c * kernel, "short_conv: weight holds {} values, not {c} channels x {kernel} taps", weight.len());
-        if let Some(b) = bias {
-            ensure!(b.len() == c, "short_conv: bias holds {} values for {c} channels", b.len());
-        }
+        checks::short_conv(c, kernel, weight.len(), bias.map(|b| b.len()), state.cols, state_offset)?;
         let tail = kernel - 1;
-        ensure!(state_offset + c * tail <= state.cols, "short_conv: state rows of {} cannot hold {} values at {state_offset}", state.cols, c * tail);
         check_seqs("short_conv", seqs, x.rows, state.rows)?;
         self.hy_run(|f| {
             self.grow(out, x.rows, c)?;
@@ -849,19 +829,11 @@ impl Cuda {
         out: &mut CudaTensor,
     ) -> Result<()> {
         let (nh, hd, n, g) = (sh.heads, sh.head_dim, sh.state_dim, sh.groups);
-        // (Written so that a NaN limit fails too.)
-        ensure!(sh.dt_min <= sh.dt_max, "ssm_scan: dt limits {} > {}", sh.dt_min, sh.dt_max);
-        ensure!(g > 0 && nh.is_multiple_of(g), "ssm_scan: {nh} heads in {g} groups");
+        let lens = [("dt_bias", dt_bias.len()), ("a", a.len()), ("d", d.len())];
+        checks::ssm_scan(sh, (xbc.rows, xbc.cols), (dt.rows, dt.cols), lens, state.cols, state_offset)?;
         ensure!(nh <= MAX_GRID_YZ, "ssm_scan: {nh} heads (at most {MAX_GRID_YZ} on CUDA)");
         ensure!(n <= MAX_SSM_STATE, "ssm_scan: state size {n} (at most {MAX_SSM_STATE} on CUDA)");
         let inner = nh * hd;
-        ensure!(xbc.cols == inner + 2 * g * n, "ssm_scan: xbc rows of {}, expected {inner} + 2 x {g} x {n}", xbc.cols);
-        ensure!(dt.cols == nh && dt.rows == xbc.rows, "ssm_scan: dt is {}x{}, expected {}x{nh}", dt.rows, dt.cols, xbc.rows);
-        for (name, v) in [("dt_bias", dt_bias), ("a", a), ("d", d)] {
-            ensure!(v.len() == nh, "ssm_scan: {name} holds {} values for {nh} heads", v.len());
-        }
-        let per_head = hd * n;
-        ensure!(state_offset + nh * per_head <= state.cols, "ssm_scan: state rows of {} cannot hold {} values at {state_offset}", state.cols, nh * per_head);
         check_seqs("ssm_scan", seqs, xbc.rows, state.rows)?;
         self.hy_run(|f| {
             self.grow(out, xbc.rows, inner)?;
@@ -909,17 +881,9 @@ impl Cuda {
         seqs: &[StateSeq],
         out: &mut CudaTensor,
     ) -> Result<()> {
-        ensure!(qkv.cols == heads * 3 * hd, "linear_attention: qkv rows of {}, expected {heads} x 3 x {hd}", qkv.cols);
-        ensure!(slopes.len() == heads, "linear_attention: {} slopes for {heads} heads", slopes.len());
+        checks::linear_attention(qkv.cols, slopes.len(), heads, hd, state.cols, state_offset)?;
         ensure!(hd <= MAX_LINEAR_HEAD_DIM, "linear_attention: head dim {hd} (at most {MAX_LINEAR_HEAD_DIM} on CUDA)");
         ensure!(heads <= MAX_GRID_YZ, "linear_attention: {heads} heads (at most {MAX_GRID_YZ} on CUDA)");
-        let per_head = hd * hd;
-        ensure!(
-            state_offset + heads * per_head <= state.cols,
-            "linear_attention: state rows of {} cannot hold {} values at {state_offset}",
-            state.cols,
-            heads * per_head
-        );
         check_seqs("linear_attention", seqs, qkv.rows, state.rows)?;
         self.hy_run(|f| {
             self.grow(out, qkv.rows, heads * hd)?;

@@ -1,0 +1,80 @@
+//! The argument checks both devices make for the recurrent ops (short
+//! convolution, selective scan, linear attention), so they accept and
+//! refuse the same calls with the same words; each device adds its own
+//! limits beside them.
+
+use std::collections::HashSet;
+
+use anyhow::{ensure, Result};
+
+use crate::{SsmShape, StateSeq};
+
+/// Most taps a short convolution takes (Mamba2 uses 4, LFM2 3).
+pub(crate) const MAX_CONV_KERNEL: usize = 16;
+
+/// Each sequence's rows lie in a batch of `rows` and no two overlap; each
+/// continues its own one of the state's `slots` rows (two sequences
+/// updating one row would race).
+pub(crate) fn state_seqs(seqs: &[StateSeq], rows: usize, slots: usize) -> Result<()> {
+    let mut seen_rows = vec![false; rows];
+    let mut seen_slots = HashSet::new();
+    for s in seqs {
+        ensure!(s.start + s.len <= rows, "sequence rows {}..{} past the batch of {rows}", s.start, s.start + s.len);
+        ensure!((s.slot as usize) < slots, "state row {} past the {slots} rows of the state", s.slot);
+        ensure!(seen_slots.insert(s.slot), "two sequences share state row {}", s.slot);
+        for r in &mut seen_rows[s.start..s.start + s.len] {
+            ensure!(!*r, "sequences overlap in the batch");
+            *r = true;
+        }
+    }
+    Ok(())
+}
+
+/// The state row holds `need` values from `offset`.
+fn state_room(op: &str, state_cols: usize, offset: usize, need: usize) -> Result<()> {
+    ensure!(offset + need <= state_cols, "{op}: state rows of {state_cols} cannot hold {need} values at {offset}");
+    Ok(())
+}
+
+/// `short_conv` over `channels` channels: the weight's and bias's lengths
+/// and the state row's room.
+pub(crate) fn short_conv(channels: usize, kernel: usize, weight_len: usize, bias_len: Option<usize>, state_cols: usize, state_offset: usize) -> Result<()> {
+    let c = channels;
+    ensure!((1..=MAX_CONV_KERNEL).contains(&kernel), "short_conv: kernel of {kernel} taps (1..={MAX_CONV_KERNEL} supported)");
+    ensure!(weight_len == c * kernel, "short_conv: weight holds {weight_len} values, not {c} channels x {kernel} taps");
+    if let Some(b) = bias_len {
+        ensure!(b == c, "short_conv: bias holds {b} values for {c} channels");
+    }
+    state_room("short_conv", state_cols, state_offset, c * (kernel - 1))
+}
+
+/// `ssm_scan`'s shape against xbc's and dt's `(rows, cols)`, the lengths
+/// of its per-head vectors, and the state row's room.
+pub(crate) fn ssm_scan(
+    sh: &SsmShape,
+    xbc: (usize, usize),
+    dt: (usize, usize),
+    per_head: [(&str, usize); 3],
+    state_cols: usize,
+    state_offset: usize,
+) -> Result<()> {
+    let (nh, hd, n, g) = (sh.heads, sh.head_dim, sh.state_dim, sh.groups);
+    // (Written so that a NaN limit fails too.)
+    ensure!(sh.dt_min <= sh.dt_max, "ssm_scan: dt limits {} > {}", sh.dt_min, sh.dt_max);
+    ensure!(g > 0 && nh.is_multiple_of(g), "ssm_scan: {nh} heads in {g} groups");
+    let inner = nh * hd;
+    ensure!(xbc.1 == inner + 2 * g * n, "ssm_scan: xbc rows of {}, expected {inner} + 2 x {g} x {n}", xbc.1);
+    ensure!(dt.1 == nh && dt.0 == xbc.0, "ssm_scan: dt is {}x{}, expected {}x{nh}", dt.0, dt.1, xbc.0);
+    for (name, len) in per_head {
+        ensure!(len == nh, "ssm_scan: {name} holds {len} values for {nh} heads");
+    }
+    state_room("ssm_scan", state_cols, state_offset, nh * hd * n)
+}
+
+/// `linear_attention`'s q/k/v width and slopes against its heads, and the
+/// state row's room.
+pub(crate) fn linear_attention(qkv_cols: usize, slopes: usize, heads: usize, hd: usize, state_cols: usize, state_offset: usize) -> Result<()> {
+    ensure!(qkv_cols == heads * 3 * hd, "linear_attention: qkv rows of {qkv_cols}, expected {heads} x 3 x {hd}");
+    ensure!(slopes == heads, "linear_attention: {slopes} slopes for {heads} heads");
+    state_room("linear_attention", state_cols, state_offset, heads * hd * hd)
+}

@@ -265,16 +265,6 @@ const CUBLAS_WS: usize = 32 << 20;
 /// (decode); `BRAID_CUDA_GEMV_ROWS` overrides it (0: always cuBLAS). At 8
 /// rows the GEMV measured slower than cuBLAS on the H200 (docs/CUDA.md).
 const GEMV_MAX_ROWS: usize = 4;
-/// What a GEMV launch folds in: an RMSNorm of its input (x's f32 rows and
-/// eps; the weights carry the norm's weight, see `Cuda::fold_norm`) and a
-/// residual add of its output (`y +=`, the sum's bf16 copy into the given
-/// buffer).
-#[derive(Clone, Copy, Default)]
-struct GemvFold {
-    norm: Option<(u64, f32)>,
-    resid_bf: Option<u64>,
-}
-
 /// What a GEMM writes.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmOut {
@@ -774,14 +764,14 @@ impl Cuda {
     /// `y = x · wᵀ` (f32) for up to three `(weight, out rows, y)` sharing
     /// `x` (bf16 copy current, at most 8 rows), in one launch.
     fn gemv_launch(&self, x: &CudaTensor, ws: &[(u64, usize, u64)]) -> Result<()> {
-        self.gemv_launch_ex(x, ws, GemvFold::default())
+        self.gemv_launch_ex(x, ws, None)
     }
 
-    /// `gemv_launch` with what `fold` asks for (a residual add: one weight).
-    fn gemv_launch_ex(&self, x: &CudaTensor, ws: &[(u64, usize, u64)], fold: GemvFold) -> Result<()> {
+    /// `gemv_launch`, or with `resid_bf` (one weight) the residual add
+    /// `y += x · wᵀ`, the sum's bf16 copy into `resid_bf`.
+    fn gemv_launch_ex(&self, x: &CudaTensor, ws: &[(u64, usize, u64)], resid_bf: Option<u64>) -> Result<()> {
         ensure!(!ws.is_empty() && ws.len() <= 3, "gemv: {} weights in one launch", ws.len());
-        ensure!(fold.resid_bf.is_none() || ws.len() == 1, "gemv: a residual add takes one weight");
-        let (xf, eps) = fold.norm.unwrap_or((0, 0.0));
+        ensure!(resid_bf.is_none() || ws.len() == 1, "gemv: a residual add takes one weight");
         let total: usize = ws.iter().map(|w| w.1).sum();
         let r = self.gemv_rows(total, 8);
         let get = |i: usize| ws.get(i).copied().unwrap_or((0, 0, 0));
@@ -805,7 +795,7 @@ impl Cuda {
                 Arg::P(a.2),
                 Arg::P(b.2),
                 Arg::P(c.2),
-                Arg::P(fold.resid_bf.unwrap_or(0)),
+                Arg::P(resid_bf.unwrap_or(0)),
                 Arg::P(0),
                 Arg::P(0),
                 Arg::I(a.1 as i32),
@@ -813,9 +803,10 @@ impl Cuda {
                 Arg::I(c.1 as i32),
                 Arg::I(nb[0] as i32),
                 Arg::I(nb[1] as i32),
-                Arg::P(xf),
-                Arg::F(eps),
-                Arg::I(fold.resid_bf.is_some() as i32),
+                // No norm in the plain GEMV (the gated and q/k/v ones take it).
+                Arg::P(0),
+                Arg::F(0.0),
+                Arg::I(resid_bf.is_some() as i32),
             ],
         )
     }
@@ -2110,7 +2101,7 @@ impl Device for Cuda {
             }
             self.ensure_bf16(x)?;
             if self.gemv_fits(x.rows, x.cols) {
-                self.gemv_launch_ex(x, &[(w.buf.ptr, w.rows, acc.fptr())], GemvFold { norm: None, resid_bf: Some(acc.bptr()) })?;
+                self.gemv_launch_ex(x, &[(w.buf.ptr, w.rows, acc.fptr())], Some(acc.bptr()))?;
                 acc.set_bf(true);
                 Ok(())
             } else {

@@ -192,15 +192,8 @@ fn embedding_and_argmax() {
 
 /// `x · wᵀ` in f64 over the bf16-rounded operands.
 fn mm_ref(x: &[f32], w: &[f32], rows: usize, k: usize, m: usize) -> Vec<f64> {
-    let xb: Vec<f64> = x.iter().map(|&v| rbf(v) as f64).collect();
-    let wb: Vec<f64> = w.iter().map(|&v| rbf(v) as f64).collect();
-    let mut y = vec![0f64; rows * m];
-    for i in 0..rows {
-        for j in 0..m {
-            y[i * m + j] = (0..k).map(|c| xb[i * k + c] * wb[j * k + c]).sum();
-        }
-    }
-    y
+    let xb: Vec<f32> = x.iter().map(|&v| rbf(v)).collect();
+    mm_exact_x(&xb, w, rows, k, m)
 }
 
 /// q, k and v with RoPE and the KV write in the GEMV's store (few rows;

@@ -9,7 +9,7 @@ fn kernels_compile_for_hopper_and_ampere() {
         return;
     }
     for arch in ["sm_90a", "sm_80"] {
-        braid_ops::cuda::compile_check(arch, &[64, 128, 256], &[1, 4, 8]).unwrap_or_else(|e| panic!("{arch}: {e:#}"));
+        braid_ops::cuda::compile_check(arch, &[32, 64, 96, 128, 256], &[1, 4, 8, 16]).unwrap_or_else(|e| panic!("{arch}: {e:#}"));
     }
 }
 

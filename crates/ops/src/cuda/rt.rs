@@ -256,9 +256,17 @@ pub fn compile(src: &str, arch: &str) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result as nv, sys as nvs};
     let csrc = CString::new(src)?;
     let prog = nv::create_program(&csrc, Some(c"braid.cu")).map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
-    let opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string(), "-default-device".to_string()];
+    let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string(), "-default-device".to_string()];
+    // BRAID_NVRTC_VERBOSE=1: ptxas reports each kernel's registers, spills and shared memory.
+    let verbose = std::env::var("BRAID_NVRTC_VERBOSE").is_ok_and(|v| v != "0");
+    if verbose {
+        opts.push("--ptxas-options=-v".to_string());
+    }
     let res = unsafe { nv::compile_program(prog, &opts) };
     let log = unsafe { nv::get_program_log(prog) }.map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
+    if verbose {
+        eprintln!("{}", log.trim_end_matches('\0'));
+    }
     if let Err(e) = res {
         unsafe {
             let _ = nv::destroy_program(prog);

@@ -26,11 +26,16 @@ typedef unsigned short bf16_t;
 #define PDL_WAIT()
 #define PDL_LAUNCH()
 #endif
+// PDL_PRE, work that reads only what no kernel of this forward writes
+// (weights, uploaded indices), then PDL_POST.
 #ifdef PDL_LATE
-#define PDL_ENTRY() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
+#define PDL_PRE() do { PDL_WAIT(); PDL_LAUNCH(); } while (0)
+#define PDL_POST()
 #else
-#define PDL_ENTRY() do { PDL_LAUNCH(); PDL_WAIT(); } while (0)
+#define PDL_PRE() PDL_LAUNCH()
+#define PDL_POST() PDL_WAIT()
 #endif
+#define PDL_ENTRY() do { PDL_PRE(); PDL_POST(); } while (0)
 #define NEG_INF (__int_as_float(0xff800000))
 
 __device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
@@ -744,8 +749,16 @@ pub const ATTENTION: &str = r#"
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16); }
 
 #define DEC_THREADS 128
-#define DEC_TK 128
 #define DEC_NO ((G * HD / 2 + DEC_THREADS - 1) / DEC_THREADS)
+// Keys per tile. The tile's K and V rows sit in shared memory; sizes keep
+// the block under 48 KB for G up to 16.
+#define DEC_TK ((HD <= 64 ? 128 : HD <= 128 ? 64 : 32) / (G > 8 ? 2 : 1))
+// A K/V row in 16-byte chunks, padded by one chunk so that the 8 threads
+// of a quarter warp reading one chunk of 8 rows hit distinct banks.
+#define DEC_RC (HD / 8)
+#define DEC_RP (DEC_RC + 1)
+// Threads per key for the scores: each takes every DEC_GS-th head.
+#define DEC_GS (DEC_THREADS / DEC_TK)
 
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void cluster_sync() {
@@ -761,10 +774,26 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
 }
 #endif
 
+// 16 bytes global -> shared without registers (Ampere on).
+__device__ __forceinline__ void copy16_async(uint4* dst, const uint4* src) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+#else
+    *dst = *src;
+#endif
+}
+__device__ __forceinline__ void copy_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // The splits' (acc, m, l) of the cluster's blocks (block = split, cp in
 // each block's shared memory, G x (HD + 2)) merged as attn_combine does;
-// each block writes a share of the G x HD outputs. The second barrier
-// keeps every block's shared memory alive until all have read it.
+// each block writes a share of the G x HD outputs. A thread loads all its
+// remote values before using any (one round trip, not one per split). The
+// second barrier keeps every block's shared memory alive until all have
+// read it.
 __device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int split, int nsplit, int q_cols,
                                          float* __restrict__ out, bf16_t* __restrict__ out_bf) {
 #if __CUDA_ARCH__ >= 900
@@ -772,15 +801,26 @@ __device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int 
     for (int idx = split * DEC_THREADS + threadIdx.x; idx < G * HD; idx += nsplit * DEC_THREADS) {
         const int g = idx / HD, d = idx % HD;
         const float* pg = cp + g * (HD + 2);
+        float ms[8], ls[8], as[8];
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if (k < nsplit) {
+                ms[k] = ld_cluster(pg + HD, k);
+                ls[k] = ld_cluster(pg + HD + 1, k);
+                as[k] = ld_cluster(pg + d, k);
+            }
+        }
         float M = NEG_INF;
-        for (int k = 0; k < nsplit; k++) M = fmaxf(M, ld_cluster(pg + HD, k));
+        #pragma unroll
+        for (int k = 0; k < 8; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
         float L = 0.f, acc = 0.f;
-        for (int k = 0; k < nsplit; k++) {
-            const float m = ld_cluster(pg + HD, k);
-            if (m == NEG_INF) continue;
-            const float w = __expf(m - M);
-            L += w * ld_cluster(pg + HD + 1, k);
-            acc += w * ld_cluster(pg + d, k);
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if (k < nsplit && ms[k] != NEG_INF) {
+                const float w = __expf(ms[k] - M);
+                L += w * ls[k];
+                acc += w * as[k];
+            }
         }
         const float v = L > 0.f ? acc / L : 0.f;
         const long off = (long)row * q_cols + (kvh * G + g) * HD + d;
@@ -792,20 +832,25 @@ __device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int 
 }
 
 // Decode attention: one block per (split, kv head, query row). Each block
-// walks its share of the row's keys in tiles of DEC_TK: scores for the G
-// query heads of this KV head (one key per thread), an online-softmax update
-// per head (one warp per head), then P·V with threads over (head, dim pair).
-// With nsplit > 1 the block leaves (acc, m, l) for attn_combine, or (CL:
-// the splits of a row and KV head form one thread-block cluster) in its
-// shared memory, where the cluster's blocks merge them (cl_merge).
+// walks its share of the row's keys in tiles of DEC_TK. The tile's key
+// slots come from the uploaded block table before the wait for q's
+// producer; after it, the tile's K and V rows are copied into shared
+// memory all at once (one memory round trip, not one per key). Then the
+// scores for the G query heads of this KV head, an online-softmax update
+// per head (one warp per head), and P·V with threads over (head, dim
+// pair), all out of shared memory. With nsplit > 1 the block leaves (acc,
+// m, l) for attn_combine, or (CL: the splits of a row and KV head form
+// one thread-block cluster) in its shared memory, where the cluster's
+// blocks merge them (cl_merge).
 template <bool CL>
 __device__ __forceinline__ void attn_decode_body(
     const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
     const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
     float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
 {
-    PDL_ENTRY();
-    __shared__ float cp[CL ? G : 1][HD + 2];
+    PDL_PRE();
+    // K rows, then V rows; after the last tile, the splits' partials (cp).
+    __shared__ uint4 kv_s[2][DEC_TK][DEC_RP];
     __shared__ float qs[G][HD];
     __shared__ float sc[G][DEC_TK];
     __shared__ int slot_s[DEC_TK];
@@ -824,69 +869,83 @@ __device__ __forceinline__ void attn_decode_body(
     chunk = (chunk + 15) & ~15;
     const int a = lo + split * chunk;
     const int b = min(pos + 1, a + chunk);
+    if (tid < DEC_TK) slot_s[tid] = a + tid < b ? (int)blocks[(a + tid) / bt] * bt + (a + tid) % bt : 0;
+    if (tid < G) { m_s[tid] = NEG_INF; l_s[tid] = 0.f; }
+    PDL_POST();
 
     for (int idx = tid; idx < G * HD; idx += DEC_THREADS) {
         int g = idx / HD, d = idx % HD;
         qs[g][d] = q[(long)row * q_cols + (kvh * G + g) * HD + d] * scale;
     }
-    if (tid < G) { m_s[tid] = NEG_INF; l_s[tid] = 0.f; }
     float2 acc[DEC_NO];
     #pragma unroll
     for (int o = 0; o < DEC_NO; o++) acc[o] = make_float2(0.f, 0.f);
     __syncthreads();
 
     for (int t0 = a; t0 < b; t0 += DEC_TK) {
-        const int j = t0 + tid;
-        if (j < b) {
-            const int slot = (int)blocks[j / bt] * bt + j % bt;
-            slot_s[tid] = slot;
-            const uint4* kr = (const uint4*)(kc + (long)slot * kv_w + kvh * HD);
-            float sg[G];
+        const int nk = min(DEC_TK, b - t0);
+        for (int c = tid; c < nk * DEC_RC; c += DEC_THREADS) {
+            const int key = c / DEC_RC, part_c = c % DEC_RC;
+            const long base = (long)slot_s[key] * kv_w + kvh * HD;
+            copy16_async(&kv_s[0][key][part_c], (const uint4*)(kc + base) + part_c);
+            copy16_async(&kv_s[1][key][part_c], (const uint4*)(vc + base) + part_c);
+        }
+        // The next tile's slot, its block-table read beside the copies.
+        const int jn = t0 + DEC_TK + tid;
+        const int next = tid < DEC_TK && jn < b ? (int)blocks[jn / bt] * bt + jn % bt : 0;
+        copy_async_wait_all();
+        __syncthreads();
+        if (tid < DEC_TK) slot_s[tid] = next;
+        {
+            const int key = tid % DEC_TK, g0 = tid / DEC_TK;
+            float sg[(G + DEC_GS - 1) / DEC_GS];
             #pragma unroll
-            for (int g = 0; g < G; g++) sg[g] = 0.f;
-            #pragma unroll 4
-            for (int c = 0; c < HD / 8; c++) {
-                uint4 kv = kr[c];
-                unsigned w4[4] = {kv.x, kv.y, kv.z, kv.w};
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float k0 = __uint_as_float(w4[e] << 16), k1 = __uint_as_float(w4[e] & 0xffff0000u);
+            for (int h = 0; h < (G + DEC_GS - 1) / DEC_GS; h++) sg[h] = 0.f;
+            if (key < nk) {
+                #pragma unroll 4
+                for (int c = 0; c < DEC_RC; c++) {
+                    const uint4 kv = kv_s[0][key][c];
+                    const unsigned w4[4] = {kv.x, kv.y, kv.z, kv.w};
                     #pragma unroll
-                    for (int g = 0; g < G; g++) sg[g] += qs[g][c * 8 + 2 * e] * k0 + qs[g][c * 8 + 2 * e + 1] * k1;
+                    for (int e = 0; e < 4; e++) {
+                        const float k0 = __uint_as_float(w4[e] << 16), k1 = __uint_as_float(w4[e] & 0xffff0000u);
+                        #pragma unroll
+                        for (int h = 0; h < (G + DEC_GS - 1) / DEC_GS; h++) {
+                            const int g = g0 + h * DEC_GS;
+                            if (g < G) sg[h] += qs[g][c * 8 + 2 * e] * k0 + qs[g][c * 8 + 2 * e + 1] * k1;
+                        }
+                    }
                 }
             }
             #pragma unroll
-            for (int g = 0; g < G; g++) {
-                float v = sg[g];
+            for (int h = 0; h < (G + DEC_GS - 1) / DEC_GS; h++) {
+                const int g = g0 + h * DEC_GS;
+                if (g >= G) continue;
+                float v = sg[h];
                 if (softcap > 0.f) v = softcap * tanhf(v / softcap);
-                sc[g][tid] = v;
+                sc[g][key] = key < nk ? v : NEG_INF;
             }
-        } else {
-            slot_s[tid] = 0;
-            #pragma unroll
-            for (int g = 0; g < G; g++) sc[g][tid] = NEG_INF;
         }
         __syncthreads();
         for (int g = warp; g < G; g += DEC_THREADS / 32) {
             float mx = NEG_INF;
             for (int k = lane; k < DEC_TK; k += 32) mx = fmaxf(mx, sc[g][k]);
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            float mold = m_s[g];
-            float mnew = fmaxf(mold, mx);
-            float corr = mold == NEG_INF ? 0.f : __expf(mold - mnew);
+            mx = warp_max(mx);
+            const float mold = m_s[g];
+            const float mnew = fmaxf(mold, mx);
+            const float corr = mold == NEG_INF ? 0.f : __expf(mold - mnew);
             float sum = 0.f;
             for (int k = lane; k < DEC_TK; k += 32) {
-                float sv = sc[g][k];
-                float p = sv == NEG_INF ? 0.f : __expf(sv - mnew);
+                const float sv = sc[g][k];
+                const float p = sv == NEG_INF ? 0.f : __expf(sv - mnew);
                 sc[g][k] = p;
                 sum += p;
             }
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            sum = warp_sum(sum);
             __syncwarp();
             if (lane == 0) { l_s[g] = l_s[g] * corr + sum; m_s[g] = mnew; corr_s[g] = corr; }
         }
         __syncthreads();
-        const int nk = min(DEC_TK, b - t0);
         #pragma unroll
         for (int o = 0; o < DEC_NO; o++) {
             const int idx = tid + o * DEC_THREADS;
@@ -894,11 +953,10 @@ __device__ __forceinline__ void attn_decode_body(
                 const int g = idx / (HD / 2), d2 = idx % (HD / 2);
                 const float c = corr_s[g];
                 float ax = acc[o].x * c, ay = acc[o].y * c;
-                const unsigned* vbase = (const unsigned*)(vc + kvh * HD) + d2;
-                #pragma unroll 4
+                #pragma unroll 8
                 for (int k = 0; k < nk; k++) {
                     const float p = sc[g][k];
-                    const unsigned vv = vbase[(long)slot_s[k] * (kv_w / 2)];
+                    const unsigned vv = ((const unsigned*)kv_s[1][k])[d2];
                     ax += p * __uint_as_float(vv << 16);
                     ay += p * __uint_as_float(vv & 0xffff0000u);
                 }
@@ -908,6 +966,7 @@ __device__ __forceinline__ void attn_decode_body(
         __syncthreads();
     }
 
+    float* cp = (float*)kv_s;
     #pragma unroll
     for (int o = 0; o < DEC_NO; o++) {
         const int idx = tid + o * DEC_THREADS;
@@ -923,14 +982,14 @@ __device__ __forceinline__ void attn_decode_body(
                 out_bf[off] = f2bf(acc[o].x * inv);
                 out_bf[off + 1] = f2bf(acc[o].y * inv);
             } else {
-                float* pp = CL ? cp[g] : part + (((long)z * heads + h) * nsplit + split) * (HD + 2);
+                float* pp = CL ? cp + g * (HD + 2) : part + (((long)z * heads + h) * nsplit + split) * (HD + 2);
                 pp[2 * d2] = acc[o].x;
                 pp[2 * d2 + 1] = acc[o].y;
                 if (d2 == 0) { pp[HD] = m_s[g]; pp[HD + 1] = l_s[g]; }
             }
         }
     }
-    if (CL && nsplit > 1) cl_merge(&cp[0][0], row, kvh, split, nsplit, q_cols, out, out_bf);
+    if (CL && nsplit > 1) cl_merge(cp, row, kvh, split, nsplit, q_cols, out, out_bf);
 }
 
 #define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \

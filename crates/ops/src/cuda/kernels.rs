@@ -58,7 +58,14 @@ __device__ __forceinline__ float warp_max(float v) {
 
 /// A module's full source: the prelude, then `body`.
 pub fn with_prelude(body: &str) -> String {
-    format!("{}{PRELUDE}{body}", pdl_define())
+    format!("{}{PRELUDE}{body}", defines())
+}
+
+/// The compile-time settings from the environment: `PDL_LATE`, and
+/// `GV_MINB`, the blocks per SM the 1–2-row GEMV kernels are built for
+/// (`BRAID_CUDA_GEMV_MINB`).
+fn defines() -> String {
+    format!("{}#define GV_MINB {}\n", pdl_define(), super::gemv_min_blocks().max(1))
 }
 
 /// `BRAID_CUDA_PDL_EARLY=0`: kernels let their successor launch only after
@@ -480,14 +487,18 @@ __device__ __forceinline__ void gemv_n(const bf16_t* __restrict__ w, int blk, in
     }
 }
 
-// CALL(N) with the x row count n as the template argument N (1..8).
-#define GV_ROWS(n, CALL) switch (n) { \
+// CALL(N) with the x row count n as the template argument N (1..8); the
+// lean kernels (LEAN) take 1 or 2 rows only. A kernel's registers are
+// those of its largest case: without the 3..8-row cases, a lean kernel
+// fits GV_MINB blocks on an SM where the full one fits 2, which keeps more
+// weight loads in flight and lets the next kernel's blocks in sooner.
+#define GV_ROWS(n, CALL) if (LEAN) { if (n == 1) CALL(1); else CALL(2); } else switch (n) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
 // Up to three weights sharing x (q, k, v): blocks [0, nb0) for w0, the next
 // nb1 for w1, the rest for w2. y_bf may be null.
-template <int U>
+template <int U, bool LEAN>
 __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x_, int n, int k8, int R,
     const bf16_t* w0, const bf16_t* w1, const bf16_t* w2, float* y0, float* y1, float* y2,
     bf16_t* b0, bf16_t* b1, bf16_t* b2, int m0, int m1, int m2, int nb0, int nb1, GvIn nx, int resid) {
@@ -507,8 +518,10 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x_, int n, 
     const float* xf, float eps, int resid
 #define GEMV_PASS x_, n, k8, R, w0, w1, w2, y0, y1, y2, b0, b1, b2, m0, m1, m2, nb0, nb1, GvIn{xf, eps}, resid
 // gemv8: eight loads in flight per lane (long rows).
-extern "C" __global__ void __launch_bounds__(256) gemv(GEMV_ARGS) { gemv_body<4>(GEMV_PASS); }
-extern "C" __global__ void __launch_bounds__(256) gemv8(GEMV_ARGS) { gemv_body<8>(GEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv(GEMV_ARGS) { gemv_body<4, false>(GEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv8(GEMV_ARGS) { gemv_body<8, false>(GEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(256, GV_MINB) gemv_lean(GEMV_ARGS) { gemv_body<4, true>(GEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(256, GV_MINB) gemv8_lean(GEMV_ARGS) { gemv_body<8, true>(GEMV_PASS); }
 
 // q, k and v with RoPE and the KV write in the store (few rows): one launch
 // instead of the GEMV and rope_kv. Each block takes 8 weight rows, one per
@@ -553,7 +566,7 @@ __device__ __forceinline__ void gemv_rope_n(const bf16_t* __restrict__ w, int ki
     if (kind > 0 && i < nslots) cache[(long)slots[i] * kv_w + col] = f2bf(v);
 }
 
-template <int U>
+template <int U, bool LEAN>
 __device__ __forceinline__ void gemv_rope_body(const bf16_t* __restrict__ x_, int n, int k8, const bf16_t* wq, const bf16_t* wk,
     const bf16_t* wv, float* yq, float* yk, float* yv, int mq, int mk, int nbq, int nbk, int hd, int neox, float theta,
     float pscale, const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc, GvIn nx) {
@@ -572,8 +585,10 @@ __device__ __forceinline__ void gemv_rope_body(const bf16_t* __restrict__ x_, in
     float* yk, float* yv, int mq, int mk, int nbq, int nbk, int hd, int neox, float theta, float pscale, \
     const unsigned* __restrict__ pos, const unsigned* __restrict__ slots, int nslots, bf16_t* kc, bf16_t* vc, const float* xf, float eps
 #define ROPE_PASS x_, n, k8, wq, wk, wv, yq, yk, yv, mq, mk, nbq, nbk, hd, neox, theta, pscale, pos, slots, nslots, kc, vc, GvIn{xf, eps}
-extern "C" __global__ void __launch_bounds__(256) gemv_rope(ROPE_ARGS) { gemv_rope_body<4>(ROPE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) gemv_rope8(ROPE_ARGS) { gemv_rope_body<8>(ROPE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv_rope(ROPE_ARGS) { gemv_rope_body<4, false>(ROPE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv_rope8(ROPE_ARGS) { gemv_rope_body<8, false>(ROPE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, GV_MINB) gemv_rope_lean(ROPE_ARGS) { gemv_rope_body<4, true>(ROPE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, GV_MINB) gemv_rope8_lean(ROPE_ARGS) { gemv_rope_body<8, true>(ROPE_PASS); }
 
 __device__ __forceinline__ float gate_act(float a, int act) {
     return act == 0 ? a / (1.f + expf(-a)) : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
@@ -608,7 +623,7 @@ __device__ __forceinline__ void gemv_gated_n(const bf16_t* __restrict__ wg, cons
     }
 }
 
-template <int U>
+template <int U, bool LEAN>
 __device__ __forceinline__ void gemv_gated_body(const bf16_t* __restrict__ x_, int n, int k8, int R,
     const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf,
     GvIn nx) {
@@ -622,8 +637,10 @@ __device__ __forceinline__ void gemv_gated_body(const bf16_t* __restrict__ x_, i
 #define GATED_ARGS const bf16_t* __restrict__ x_, int n, int k8, int R, const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, \
     int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf, const float* xf, float eps
 #define GATED_PASS x_, n, k8, R, wg, wu, m, act, out, out_bf, GvIn{xf, eps}
-extern "C" __global__ void __launch_bounds__(256) gemv_gated(GATED_ARGS) { gemv_gated_body<4>(GATED_PASS); }
-extern "C" __global__ void __launch_bounds__(256) gemv_gated8(GATED_ARGS) { gemv_gated_body<8>(GATED_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv_gated(GATED_ARGS) { gemv_gated_body<4, false>(GATED_PASS); }
+extern "C" __global__ void __launch_bounds__(256) gemv_gated8(GATED_ARGS) { gemv_gated_body<8, false>(GATED_PASS); }
+extern "C" __global__ void __launch_bounds__(256, GV_MINB) gemv_gated_lean(GATED_ARGS) { gemv_gated_body<4, true>(GATED_PASS); }
+extern "C" __global__ void __launch_bounds__(256, GV_MINB) gemv_gated8_lean(GATED_ARGS) { gemv_gated_body<8, true>(GATED_PASS); }
 
 // Gated activation over bf16 gate/up (the GEMMs wrote bf16: half the bytes
 // of f32 both ways); out in f32 and bf16.

@@ -149,10 +149,8 @@ struct Fns {
     argmax_rows: usize,
     fill_random_bf16: usize,
     fill_f32: usize,
-    gemv: usize,
-    gemv8: usize,
-    gemv_gated: usize,
-    gemv_gated8: usize,
+    gemv: GvFns,
+    gemv_gated: GvFns,
     act_mul_bf: usize,
     act_mul_bf8: usize,
     rope_kv: usize,
@@ -160,8 +158,39 @@ struct Fns {
     topk_chunks: usize,
     scale_cols: usize,
     topk_merge: usize,
-    gemv_rope: usize,
-    gemv_rope8: usize,
+    gemv_rope: GvFns,
+}
+
+/// One GEMV kernel's builds: 4 or 8 loads in flight per lane (`deep`),
+/// for any row count or (`lean`) for 1–2 rows.
+#[derive(Clone, Copy)]
+struct GvFns {
+    plain: usize,
+    deep: usize,
+    plain_lean: usize,
+    deep_lean: usize,
+}
+
+impl GvFns {
+    fn load(m: &rt::Module, name: &str, names: &mut Vec<(usize, String)>) -> Result<Self> {
+        let mut get = |n: String| -> Result<usize> {
+            let f = m.func(&n)?;
+            names.push((f, n));
+            Ok(f)
+        };
+        Ok(Self {
+            plain: get(name.to_string())?,
+            deep: get(format!("{name}8"))?,
+            plain_lean: get(format!("{name}_lean"))?,
+            deep_lean: get(format!("{name}8_lean"))?,
+        })
+    }
+}
+
+/// Blocks per SM the lean (1–2-row) GEMV kernels are built for
+/// (`BRAID_CUDA_GEMV_MINB`; 0: the lean kernels are not used).
+pub(crate) fn gemv_min_blocks() -> usize {
+    env_usize("BRAID_CUDA_GEMV_MINB", 3).min(8)
 }
 
 struct Inner {
@@ -190,6 +219,8 @@ struct Inner {
     /// (`BRAID_CUDA_GEMV_BLOCKS`, default 1: fewer, longer blocks measured
     /// faster on the H200, 800 against 780 tok/s for 1 stream).
     gemv_blocks_per_sm: usize,
+    /// 1–2-row products take the lean GEMV builds (`gemv_min_blocks` > 0).
+    gemv_lean: bool,
     /// Launch kernels with programmatic dependent launch (Hopper on;
     /// `BRAID_CUDA_PDL=0` turns it off).
     pdl: bool,
@@ -306,6 +337,7 @@ impl Cuda {
         let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| anyhow!("cuStreamCreate: {e:?}"))? as usize;
         let arch = rt::arch_name(cc);
         let m = rt::compile_and_load(&kernels::with_prelude(kernels::BASE), &arch)?;
+        let mut gv_names = Vec::new();
         let fns = Fns {
             to_bf16: m.func("to_bf16")?,
             embed: m.func("embed")?,
@@ -323,10 +355,8 @@ impl Cuda {
             argmax_rows: m.func("argmax_rows")?,
             fill_random_bf16: m.func("fill_random_bf16")?,
             fill_f32: m.func("fill_f32")?,
-            gemv: m.func("gemv")?,
-            gemv8: m.func("gemv8")?,
-            gemv_gated: m.func("gemv_gated")?,
-            gemv_gated8: m.func("gemv_gated8")?,
+            gemv: GvFns::load(&m, "gemv", &mut gv_names)?,
+            gemv_gated: GvFns::load(&m, "gemv_gated", &mut gv_names)?,
             act_mul_bf: m.func("act_mul_bf")?,
             act_mul_bf8: m.func("act_mul_bf8")?,
             rope_kv: m.func("rope_kv")?,
@@ -334,8 +364,7 @@ impl Cuda {
             topk_chunks: m.func("topk_chunks")?,
             scale_cols: m.func("scale_cols")?,
             topk_merge: m.func("topk_merge")?,
-            gemv_rope: m.func("gemv_rope")?,
-            gemv_rope8: m.func("gemv_rope8")?,
+            gemv_rope: GvFns::load(&m, "gemv_rope", &mut gv_names)?,
         };
         let names: HashMap<usize, String> = [
             (fns.to_bf16, "to_bf16"),
@@ -352,10 +381,6 @@ impl Cuda {
             (fns.kv_write, "kv_write"),
             (fns.gather_rows, "gather_rows"),
             (fns.argmax_rows, "argmax_rows"),
-            (fns.gemv, "gemv"),
-            (fns.gemv8, "gemv8"),
-            (fns.gemv_gated, "gemv_gated"),
-            (fns.gemv_gated8, "gemv_gated8"),
             (fns.act_mul_bf, "act_mul_bf"),
             (fns.act_mul_bf8, "act_mul_bf8"),
             (fns.rope_kv, "rope_kv"),
@@ -363,11 +388,10 @@ impl Cuda {
             (fns.topk_chunks, "topk_chunks"),
             (fns.scale_cols, "scale_cols"),
             (fns.topk_merge, "topk_merge"),
-            (fns.gemv_rope, "gemv_rope"),
-            (fns.gemv_rope8, "gemv_rope8"),
         ]
         .into_iter()
         .map(|(f, n)| (f, n.to_string()))
+        .chain(gv_names)
         .collect();
         let mut handle: cb::cublasHandle_t = std::ptr::null_mut();
         unsafe { cb::cublasCreate_v2(&mut handle) }.result().map_err(|e| anyhow!("cublasCreate: {e:?}"))?;
@@ -396,6 +420,7 @@ impl Cuda {
                 attn_max_splits: env_usize("BRAID_CUDA_ATTN_SPLITS", 16).clamp(1, 64),
                 gemv_deep_from: env_usize("BRAID_CUDA_GEMV_DEEP", 8),
                 gemv_blocks_per_sm: env_usize("BRAID_CUDA_GEMV_BLOCKS", 1).clamp(1, 64),
+                gemv_lean: gemv_min_blocks() > 0,
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
                 rope_fold: env_flag("BRAID_CUDA_ROPE_FOLD"),
                 norm_fold: env_flag("BRAID_CUDA_NORM_FOLD"),
@@ -753,11 +778,14 @@ impl Cuda {
 
     /// The GEMV kernel for rows of `k8` chunks split over `slices` warps:
     /// 8 loads in flight per lane for long slices (see `gemv_deep_from`).
-    fn gemv_kernel(&self, k8: usize, slices: usize, plain: usize, deep: usize) -> usize {
-        if k8.div_ceil(slices.max(1) * 32) >= self.inner.gemv_deep_from {
-            deep
-        } else {
-            plain
+    /// The lean build for 1–2 rows (see `gemv_min_blocks`).
+    fn gemv_kernel(&self, n: usize, k8: usize, slices: usize, f: &GvFns) -> usize {
+        let deep = k8.div_ceil(slices.max(1) * 32) >= self.inner.gemv_deep_from;
+        match (deep, n <= 2 && self.inner.gemv_lean) {
+            (true, true) => f.deep_lean,
+            (true, false) => f.deep,
+            (false, true) => f.plain_lean,
+            (false, false) => f.plain,
         }
     }
 
@@ -778,7 +806,7 @@ impl Cuda {
         let (a, b, c) = (get(0), get(1), get(2));
         let nb = [a.1.div_ceil(r), b.1.div_ceil(r), c.1.div_ceil(r)];
         let blocks = nb.iter().sum::<usize>();
-        let f = self.gemv_kernel(x.cols / 8, 8 / r, self.inner.fns.gemv, self.inner.fns.gemv8);
+        let f = self.gemv_kernel(x.rows, x.cols / 8, 8 / r, &self.inner.fns.gemv);
         self.launch(
             f,
             (blocks as u32, 1, 1),
@@ -824,7 +852,7 @@ impl Cuda {
     ) -> Result<()> {
         let (n, m, k) = (x.rows, w_gate.rows, x.cols);
         let r = self.gemv_rows(m, 4);
-        let f = self.gemv_kernel(k / 8, 8 / (2 * r), self.inner.fns.gemv_gated, self.inner.fns.gemv_gated8);
+        let f = self.gemv_kernel(n, k / 8, 8 / (2 * r), &self.inner.fns.gemv_gated);
         let (xf, eps) = norm.unwrap_or((0, 0.0));
         self.launch(
             f,
@@ -2008,7 +2036,7 @@ impl Device for Cuda {
             let (xf, eps) = fold.unwrap_or((0, 0.0));
             // 4 RoPE pairs (8 rows) a block for q and k, 8 rows for v.
             let (nbq, nbk, nbv) = (wq.rows / 8, wk.rows / 8, wv.rows.div_ceil(8));
-            let f = self.gemv_kernel(x.cols / 8, 1, self.inner.fns.gemv_rope, self.inner.fns.gemv_rope8);
+            let f = self.gemv_kernel(x.rows, x.cols / 8, 1, &self.inner.fns.gemv_rope);
             self.launch(
                 f,
                 ((nbq + nbk + nbv) as u32, 1, 1),

@@ -198,6 +198,9 @@ fn decode_inner(
     let rows: Vec<usize> = (0..streams).collect();
     let state_slots: Vec<u32> = (0..streams as u32).collect();
     let mut t0 = Instant::now();
+    // Host time before the round's launch (graph pass 1, uploads), when
+    // the GPU has nothing queued.
+    let mut host = 0f64;
     for r in 0..warmup + rounds {
         if r == warmup {
             dev.sync()?;
@@ -205,12 +208,16 @@ fn decode_inner(
                 dev.profile_start();
             }
             t0 = Instant::now();
+            host = 0.0;
+            dev.pass_host_us();
         }
+        let th = Instant::now();
         let pos: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
         let slots: Vec<u32> = (0..streams).map(|i| slot(&tables[i], lens[i])).collect();
         let seqs: Vec<AttnSeq> = (0..streams).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: lens[i] + 1, blocks: &tables[i], window: None }).collect();
         let batch = Batch { tokens: &last, positions: &pos, slots: &slots, seqs, logit_rows: &rows, state_slots: &state_slots };
         dev.graph(&mut || model.forward(dev, &batch, &mut mem, &mut s))?;
+        host += th.elapsed().as_secs_f64();
         let next = dev.argmax(&s.logits)?;
         if let Some(r) = record.as_deref_mut() {
             r.push(next.clone());
@@ -219,6 +226,14 @@ fn decode_inner(
         lens.iter_mut().for_each(|l| *l += 1);
     }
     let t = t0.elapsed().as_secs_f64();
+    if record.is_none() && profile.is_none() {
+        let (pass, launch) = dev.pass_host_us();
+        eprintln!(
+            "  {streams} streams (graphs {graphs}): host work before each launch {:.1} µs of {:.1} µs a round (graph pass 1 {pass:.1}, launch {launch:.1})",
+            1e6 * host / rounds as f64,
+            1e6 * t / rounds as f64
+        );
+    }
     dev.set_graphs(true);
     if let Some(p) = profile {
         *p = dev.profile_report()?;

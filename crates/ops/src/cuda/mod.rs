@@ -108,6 +108,9 @@ struct State {
     /// (identical arrays, such as every layer's positions, share one copy).
     arena_off: usize,
     recent: Vec<(Vec<u32>, usize)>,
+    /// Host nanoseconds of graph pass 1 (the forward's host work and its
+    /// uploads), the passes, and nanoseconds of graph launches.
+    pass_host: [u64; 3],
     /// The first error; once set, ops do nothing.
     error: Option<String>,
     /// An error inside a graph pass: the pass is abandoned, not the device.
@@ -432,6 +435,7 @@ impl Cuda {
                     sig: 0,
                     arena_off: 0,
                     recent: Vec::new(),
+                    pass_host: [0; 3],
                     error: None,
                     pass_error: None,
                     graphs: HashMap::new(),
@@ -476,6 +480,16 @@ impl Cuda {
     }
 
     /// (replays, captures, eager fallbacks) of [`Cuda::graph`] so far.
+    /// Mean host microseconds per graph pass: pass 1 (the forward's host
+    /// work and uploads, while the GPU waits for the launch) and the graph
+    /// launch; then resets.
+    pub fn pass_host_us(&self) -> (f64, f64) {
+        let mut st = self.st();
+        let p = std::mem::take(&mut st.pass_host);
+        let n = p[1].max(1) as f64 * 1e3;
+        (p[0] as f64 / n, p[2] as f64 / n)
+    }
+
     pub fn graph_stats(&self) -> (u64, u64, u64) {
         let st = self.st();
         (st.graph_hits, st.graph_captures, st.graph_fallbacks)
@@ -1035,9 +1049,15 @@ impl Cuda {
             return f();
         }
         let gen0 = rt::ALLOC_GEN.load(Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
         self.begin_pass(Mode::UploadOnly);
         let r = f();
         let (sig, perr) = self.end_pass();
+        {
+            let mut st = self.st();
+            st.pass_host[0] += t0.elapsed().as_nanos() as u64;
+            st.pass_host[1] += 1;
+        }
         let moved = rt::ALLOC_GEN.load(Ordering::Relaxed) != gen0;
         if perr.is_some() || moved {
             // (An error of the pass itself, such as a read-back that got
@@ -1062,7 +1082,10 @@ impl Cuda {
         };
         if let Some(exec) = exec {
             self.st().graph_hits += 1;
-            return self.launch_graph(exec);
+            let t = std::time::Instant::now();
+            let r = self.launch_graph(exec);
+            self.st().pass_host[2] += t.elapsed().as_nanos() as u64;
+            return r;
         }
         // Pass 2: record.
         let stream = self.stream() as sys::CUstream;

@@ -3,7 +3,7 @@
 //! bf16 weights made on the device.
 //!
 //! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
-//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--json FILE] [--profile] [--gemv ROWS]`
+//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--no-eager] [--json FILE] [--profile] [--gemv ROWS]`
 
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use anyhow::{bail, Context, Result};
@@ -18,6 +18,13 @@ fn main() -> Result<()> {
         bail!("built without the cuda feature")
     }
 }
+
+#[cfg(feature = "cuda")]
+const USAGE: &str = "usage: gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64] [--prompt 128] \
+[--rounds 64] [--prefill 2048 (0: none)] [--no-graphs] [--no-eager] [--json FILE] [--profile] [--gemv ROWS]
+  decode tokens/s at each stream count (with and without CUDA graphs unless --no-eager), a prefill,
+  and the copy-bandwidth and GEMM ceilings; --profile adds GPU time per kernel, --gemv times each
+  decode product alone for ROWS rows of x.";
 
 #[cfg(feature = "cuda")]
 fn run() -> Result<()> {
@@ -41,7 +48,11 @@ fn run() -> Result<()> {
             "--json" => json = Some(val()?),
             "--profile" => profile = true,
             "--gemv" => gemv = Some(val()?.parse::<usize>()?),
-            other => bail!("unknown argument {other}"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
     let ordinal = braid_ops::cuda::Cuda::parse_ordinal(&device).with_context(|| format!("bad device {device} (cuda or cuda:N)"))?;

@@ -774,8 +774,9 @@ __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsig
 // of a quarter warp reading one chunk of 8 rows hit distinct banks.
 #define DEC_RC (HD / 8)
 #define DEC_RP (DEC_RC + 1)
-// Threads per key for the scores: each takes every DEC_GS-th head.
+// Threads per key for the scores: each takes every DEC_GS-th head, DEC_HPT of them.
 #define DEC_GS (DEC_THREADS / DEC_TK)
+#define DEC_HPT ((G + DEC_GS - 1) / DEC_GS)
 
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void cluster_sync() {
@@ -915,9 +916,9 @@ __device__ __forceinline__ void attn_decode_body(
         if (tid < DEC_TK) slot_s[tid] = next;
         {
             const int key = tid % DEC_TK, g0 = tid / DEC_TK;
-            float sg[(G + DEC_GS - 1) / DEC_GS];
+            float sg[DEC_HPT];
             #pragma unroll
-            for (int h = 0; h < (G + DEC_GS - 1) / DEC_GS; h++) sg[h] = 0.f;
+            for (int h = 0; h < DEC_HPT; h++) sg[h] = 0.f;
             if (key < nk) {
                 #pragma unroll 4
                 for (int c = 0; c < DEC_RC; c++) {
@@ -927,7 +928,7 @@ __device__ __forceinline__ void attn_decode_body(
                     for (int e = 0; e < 4; e++) {
                         const float k0 = __uint_as_float(w4[e] << 16), k1 = __uint_as_float(w4[e] & 0xffff0000u);
                         #pragma unroll
-                        for (int h = 0; h < (G + DEC_GS - 1) / DEC_GS; h++) {
+                        for (int h = 0; h < DEC_HPT; h++) {
                             const int g = g0 + h * DEC_GS;
                             if (g < G) sg[h] += qs[g][c * 8 + 2 * e] * k0 + qs[g][c * 8 + 2 * e + 1] * k1;
                         }
@@ -935,7 +936,7 @@ __device__ __forceinline__ void attn_decode_body(
                 }
             }
             #pragma unroll
-            for (int h = 0; h < (G + DEC_GS - 1) / DEC_GS; h++) {
+            for (int h = 0; h < DEC_HPT; h++) {
                 const int g = g0 + h * DEC_GS;
                 if (g >= G) continue;
                 float v = sg[h];

@@ -198,8 +198,9 @@ fn decode_inner(
     let rows: Vec<usize> = (0..streams).collect();
     let state_slots: Vec<u32> = (0..streams as u32).collect();
     let mut t0 = Instant::now();
-    // Host time before the round's launch (graph pass 1, uploads), when
-    // the GPU has nothing queued.
+    // With graphs, host time before the round's launch (batch, graph pass
+    // 1, uploads), when the GPU has nothing queued (eager launches overlap
+    // the GPU's work instead).
     let mut host = 0f64;
     for r in 0..warmup + rounds {
         if r == warmup {
@@ -226,10 +227,10 @@ fn decode_inner(
         lens.iter_mut().for_each(|l| *l += 1);
     }
     let t = t0.elapsed().as_secs_f64();
-    if record.is_none() && profile.is_none() {
+    if graphs && record.is_none() && profile.is_none() {
         let (pass, launch) = dev.pass_host_us();
         eprintln!(
-            "  {streams} streams (graphs {graphs}): host work before each launch {:.1} µs of {:.1} µs a round (graph pass 1 {pass:.1}, launch {launch:.1})",
+            "  {streams} streams: host work before each launch {:.1} µs of {:.1} µs a round (graph pass 1 {pass:.1}, launch {launch:.1})",
             1e6 * host / rounds as f64,
             1e6 * t / rounds as f64
         );

@@ -101,6 +101,16 @@ struct Graph {
     gen: u64,
 }
 
+/// Host time of graph replays, while the GPU waits for the launch.
+#[derive(Default)]
+struct PassHost {
+    /// Pass 1: the forward's host work and its uploads.
+    pass_ns: u64,
+    passes: u64,
+    launch_ns: u64,
+    launches: u64,
+}
+
 struct State {
     mode: Mode,
     sig: u64,
@@ -108,9 +118,7 @@ struct State {
     /// (identical arrays, such as every layer's positions, share one copy).
     arena_off: usize,
     recent: Vec<(Vec<u32>, usize)>,
-    /// Host nanoseconds of graph pass 1 (the forward's host work and its
-    /// uploads), the passes, and nanoseconds of graph launches.
-    pass_host: [u64; 3],
+    pass_host: PassHost,
     /// The first error; once set, ops do nothing.
     error: Option<String>,
     /// An error inside a graph pass: the pass is abandoned, not the device.
@@ -435,7 +443,7 @@ impl Cuda {
                     sig: 0,
                     arena_off: 0,
                     recent: Vec::new(),
-                    pass_host: [0; 3],
+                    pass_host: PassHost::default(),
                     error: None,
                     pass_error: None,
                     graphs: HashMap::new(),
@@ -480,14 +488,12 @@ impl Cuda {
     }
 
     /// (replays, captures, eager fallbacks) of [`Cuda::graph`] so far.
-    /// Mean host microseconds per graph pass: pass 1 (the forward's host
-    /// work and uploads, while the GPU waits for the launch) and the graph
+    /// Mean host microseconds of a graph pass 1 (the forward's host work
+    /// and uploads, while the GPU waits for the launch) and of a graph
     /// launch; then resets.
     pub fn pass_host_us(&self) -> (f64, f64) {
-        let mut st = self.st();
-        let p = std::mem::take(&mut st.pass_host);
-        let n = p[1].max(1) as f64 * 1e3;
-        (p[0] as f64 / n, p[2] as f64 / n)
+        let p = std::mem::take(&mut self.st().pass_host);
+        (p.pass_ns as f64 / (p.passes.max(1) as f64 * 1e3), p.launch_ns as f64 / (p.launches.max(1) as f64 * 1e3))
     }
 
     pub fn graph_stats(&self) -> (u64, u64, u64) {
@@ -1055,8 +1061,8 @@ impl Cuda {
         let (sig, perr) = self.end_pass();
         {
             let mut st = self.st();
-            st.pass_host[0] += t0.elapsed().as_nanos() as u64;
-            st.pass_host[1] += 1;
+            st.pass_host.pass_ns += t0.elapsed().as_nanos() as u64;
+            st.pass_host.passes += 1;
         }
         let moved = rt::ALLOC_GEN.load(Ordering::Relaxed) != gen0;
         if perr.is_some() || moved {
@@ -1082,10 +1088,7 @@ impl Cuda {
         };
         if let Some(exec) = exec {
             self.st().graph_hits += 1;
-            let t = std::time::Instant::now();
-            let r = self.launch_graph(exec);
-            self.st().pass_host[2] += t.elapsed().as_nanos() as u64;
-            return r;
+            return self.launch_graph(exec);
         }
         // Pass 2: record.
         let stream = self.stream() as sys::CUstream;
@@ -1154,7 +1157,12 @@ impl Cuda {
     }
 
     fn launch_graph(&self, exec: usize) -> Result<()> {
-        unsafe { cu(drv::graph::launch(exec as sys::CUgraphExec, self.stream() as sys::CUstream), "cuGraphLaunch") }
+        let t = std::time::Instant::now();
+        let r = unsafe { cu(drv::graph::launch(exec as sys::CUgraphExec, self.stream() as sys::CUstream), "cuGraphLaunch") };
+        let mut st = self.st();
+        st.pass_host.launch_ns += t.elapsed().as_nanos() as u64;
+        st.pass_host.launches += 1;
+        r
     }
 
     // ---- extras used by tests, random models and benchmarks ----

@@ -150,11 +150,6 @@ impl<D: Device> ModelBackend<D> {
         self.model.state_size() > 0
     }
 
-    fn slot(&self, blocks: &[u32], pos: usize) -> u32 {
-        let bt = self.cfg.block_tokens;
-        blocks[pos / bt] * bt as u32 + (pos % bt) as u32
-    }
-
     /// Check a prompt chunk and give its stream the blocks it needs.
     fn reserve_chunk(&mut self, stream: StreamId, chunk: &Chunk<'_>) -> Result<()> {
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
@@ -183,38 +178,29 @@ impl<D: Device> ModelBackend<D> {
     /// Run rows for several streams in one forward; leaves logits for
     /// `logit_rows` in `scratch.logits`.
     fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<()> {
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut slots = Vec::new();
-        let mut ranges = Vec::new();
-        let mut state_slots = Vec::with_capacity(parts.len());
-        for &(id, toks) in parts {
-            let st = &self.streams[&id];
-            let start = st.len;
-            state_slots.push(st.slot);
-            ranges.push((tokens.len(), toks.len(), start + toks.len()));
-            for (i, &t) in toks.iter().enumerate() {
-                tokens.push(t);
-                positions.push((start + i) as u32);
-                slots.push(self.slot(&st.blocks, start + i));
-            }
-        }
-        let seqs: Vec<AttnSeq<'_>> = parts
-            .iter()
-            .zip(&ranges)
-            .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &self.streams[&id].blocks, window: None })
-            .collect();
-        let batch = Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs, logit_rows, state_slots: &state_slots };
+        let bt = self.cfg.block_tokens;
+        let rows = RowArrays::new(&self.streams, bt, parts);
+        let batch = rows.batch(&self.streams, parts, logit_rows);
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
-        if parts.iter().all(|p| p.1.len() <= REPLAY_ROWS) {
+        let decode = parts.iter().all(|p| p.1.len() <= REPLAY_ROWS);
+        if decode {
             // A decode round: its shape recurs round after round.
-            dev.replay(&mut || model.forward(dev, &batch, mem, scratch))?;
+            dev.replay_keyed(batch.key(), batch.tokens, &mut || model.forward(dev, &batch, mem, scratch))?;
         } else {
             model.forward(dev, &batch, mem, scratch)?;
         }
         drop(batch);
-        for (&(id, toks), _) in parts.iter().zip(&ranges) {
+        for &(id, toks) in parts {
             self.streams.get_mut(&id).unwrap().len += toks.len();
+        }
+        // While the device runs this round, do the host work of the round
+        // most likely next: the same streams one token further (when their
+        // blocks already hold it). This round's tokens stand in for its.
+        let one_each = parts.iter().all(|p| p.1.len() == 1);
+        if decode && one_each && dev.replays_ahead() && parts.iter().all(|(id, _)| self.streams[id].len < self.streams[id].blocks.len() * bt) {
+            let next = RowArrays::new(&self.streams, bt, parts);
+            let batch = next.batch(&self.streams, parts, logit_rows);
+            dev.replay_ahead(batch.key(), batch.tokens, &mut || model.forward(dev, &batch, mem, scratch));
         }
         Ok(())
     }
@@ -223,6 +209,46 @@ impl<D: Device> ModelBackend<D> {
     fn run(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<Vec<f32>> {
         self.forward(parts, logit_rows)?;
         self.dev.download(&self.scratch.logits)
+    }
+}
+
+/// A forward's host arrays over `(stream, tokens)` parts, each stream's
+/// rows starting at its current length.
+struct RowArrays {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    /// Each part's (first row, rows, KV rows after it).
+    ranges: Vec<(usize, usize, usize)>,
+    state_slots: Vec<u32>,
+}
+
+impl RowArrays {
+    fn new(streams: &HashMap<StreamId, StreamState>, bt: usize, parts: &[(StreamId, &[u32])]) -> RowArrays {
+        let mut r =
+            RowArrays { tokens: Vec::new(), positions: Vec::new(), slots: Vec::new(), ranges: Vec::new(), state_slots: Vec::with_capacity(parts.len()) };
+        for &(id, toks) in parts {
+            let st = &streams[&id];
+            let start = st.len;
+            r.state_slots.push(st.slot);
+            r.ranges.push((r.tokens.len(), toks.len(), start + toks.len()));
+            for (i, &t) in toks.iter().enumerate() {
+                let pos = start + i;
+                r.tokens.push(t);
+                r.positions.push(pos as u32);
+                r.slots.push(st.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
+            }
+        }
+        r
+    }
+
+    fn batch<'a>(&'a self, streams: &'a HashMap<StreamId, StreamState>, parts: &[(StreamId, &[u32])], logit_rows: &'a [usize]) -> Batch<'a> {
+        let seqs = parts
+            .iter()
+            .zip(&self.ranges)
+            .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &streams[&id].blocks, window: None })
+            .collect();
+        Batch { tokens: &self.tokens, positions: &self.positions, slots: &self.slots, seqs, logit_rows, state_slots: &self.state_slots }
     }
 }
 

@@ -74,6 +74,21 @@ pub struct Batch<'a> {
     pub state_slots: &'a [u32],
 }
 
+impl Batch<'_> {
+    /// A hash of everything a forward reads from the batch but its token
+    /// ids' values: two batches with equal keys run the same launches on
+    /// the same memory (`Device::replay_keyed`).
+    pub fn key(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.tokens.len(), self.positions, self.slots, self.logit_rows, self.state_slots).hash(&mut h);
+        for s in &self.seqs {
+            (s.q_start, s.q_len, s.kv_len, s.blocks, s.window).hash(&mut h);
+        }
+        h.finish()
+    }
+}
+
 /// Activation buffers reused across forwards (no allocation per token once
 /// they have grown to the largest batch).
 pub struct Scratch<D: Device> {

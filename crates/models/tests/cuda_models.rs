@@ -287,6 +287,63 @@ fn backend_greedy_rounds_equal_host_argmax() {
     assert_eq!(runs[0], runs[1], "device-picked greedy tokens differ from the host's argmax");
 }
 
+/// Greedy rounds whose host work was done ahead, while the GPU ran the
+/// round before (`Device::replay_ahead`), give the tokens eager rounds
+/// give, through rounds that are not the one expected: a stream leaves,
+/// one joins, one is rewound, block boundaries pass.
+#[test]
+fn rounds_prepared_ahead_equal_eager() {
+    let Some(dev) = gpu() else { return };
+    let cfg = tiny_llama();
+    let mut runs = Vec::new();
+    for graphs in [false, true] {
+        dev.set_graphs(graphs);
+        let hits = dev.ahead_hits();
+        let (mut be, first) = three_prompted_streams(&dev, &cfg);
+        let mut last: std::collections::HashMap<u64, u32> = (0..3u64).zip(first).collect();
+        let mut lens: std::collections::HashMap<u64, usize> = [(0, 10), (1, 15), (2, 20)].into();
+        let mut out = Vec::new();
+        for round in 0..40 {
+            if round == 12 {
+                be.forget(1);
+                last.remove(&1);
+            }
+            if round == 20 {
+                be.open(5).unwrap();
+                let prompt: Vec<u32> = (0..13).map(|i| (i * 17 + 3) % 1000).collect();
+                let l = be.prefill_step(5, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
+                last.insert(5, argmax(&l) as u32);
+                lens.insert(5, 13);
+            }
+            if round == 28 {
+                // Back two rows: the next round repeats a position the
+                // round prepared ahead did not expect.
+                let l = lens[&0] - 2;
+                be.rewind(0, l).unwrap();
+                lens.insert(0, l);
+                last.insert(0, 42);
+            }
+            let mut ids: Vec<u64> = last.keys().copied().collect();
+            ids.sort();
+            let rows: Vec<DecodeRow> = ids.iter().map(|&s| DecodeRow { stream: s, tokens: vec![last[&s]] }).collect();
+            let toks = be.decode_round_greedy(&rows).unwrap();
+            for (&s, &t) in ids.iter().zip(&toks) {
+                last.insert(s, t);
+                *lens.get_mut(&s).unwrap() += 1;
+            }
+            out.push(toks);
+        }
+        if graphs {
+            let n = dev.ahead_hits() - hits;
+            eprintln!("rounds replayed from a pass done ahead: {n} of 40");
+            assert!(n >= 20, "only {n} of 40 rounds were prepared ahead");
+        }
+        runs.push(out);
+    }
+    dev.set_graphs(true);
+    assert_eq!(runs[0], runs[1], "rounds prepared ahead differ from eager rounds");
+}
+
 /// Top-k rounds (only each row's k best logits come back) give the
 /// candidates the host finds in the same round's logits.
 #[test]

@@ -231,6 +231,25 @@ pub trait Device: Send + Sync + 'static {
         f()
     }
 
+    /// Whether [`Device::replay_ahead`] does anything here.
+    fn replays_ahead(&self) -> bool {
+        false
+    }
+
+    /// Do now, while the device still runs the forward just replayed, the
+    /// host work of `f`, the forward expected next, so that
+    /// [`Device::replay_keyed`] of it launches at once: `key` hashes
+    /// everything `f` reads but its token ids, which `tokens` stand in
+    /// for. A forward that never comes costs only that host work. The
+    /// default does nothing.
+    fn replay_ahead(&self, _key: u64, _tokens: &[u32], _f: &mut dyn FnMut() -> Result<()>) {}
+
+    /// [`Device::replay`] of the forward `f` that `key` describes (as in
+    /// [`Device::replay_ahead`]), whose token ids are `tokens`.
+    fn replay_keyed(&self, _key: u64, _tokens: &[u32], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.replay(f)
+    }
+
     // ---- memory ----
     /// A tensor of the given shape (contents unspecified).
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;

@@ -101,6 +101,19 @@ struct Graph {
     gen: u64,
 }
 
+/// Graph pass 1 of the forward expected next, done while the device still
+/// ran the last one (`Device::replay_ahead`): its uploads are queued, only
+/// its token ids are missing.
+struct Ahead {
+    /// The caller's key: everything the forward reads but its token ids.
+    key: u64,
+    sig: u64,
+    gen: u64,
+    tokens: usize,
+    /// Where its embeds read the token ids.
+    token_dst: Vec<u64>,
+}
+
 /// Host time of graph replays, while the GPU waits for the launch.
 #[derive(Default)]
 struct PassHost {
@@ -109,6 +122,9 @@ struct PassHost {
     passes: u64,
     launch_ns: u64,
     launches: u64,
+    /// Passes 1 done ahead, while the GPU ran the round before.
+    ahead_ns: u64,
+    aheads: u64,
 }
 
 struct State {
@@ -118,6 +134,10 @@ struct State {
     /// (identical arrays, such as every layer's positions, share one copy).
     arena_off: usize,
     recent: Vec<(Vec<u32>, usize)>,
+    /// This pass's token uploads: the ids' host address and count, and
+    /// where they went.
+    token_uploads: Vec<(usize, usize, u64)>,
+    ahead: Option<Ahead>,
     pass_host: PassHost,
     /// The first error; once set, ops do nothing.
     error: Option<String>,
@@ -129,6 +149,8 @@ struct State {
     ids_out: DevBuf,
     topk_part: DevBuf,
     pub graph_hits: u64,
+    /// Replays whose pass 1 was done ahead.
+    pub ahead_hits: u64,
     pub graph_captures: u64,
     pub graph_fallbacks: u64,
     /// A forward read values back inside a graph pass (MoE routing): such
@@ -248,6 +270,9 @@ struct Inner {
     /// Few-row q/k/v products apply RoPE and write the KV pool in their
     /// store (`BRAID_CUDA_ROPE_FOLD=0`: a separate rope_kv launch).
     rope_fold: bool,
+    /// Decode rounds do the next round's pass 1 while the GPU runs
+    /// (`Device::replay_ahead`; `BRAID_CUDA_AHEAD=0` turns it off).
+    ahead: bool,
     /// Kernels (name prefixes) not launched at all (`BRAID_CUDA_SKIP`,
     /// comma-separated): a diagnostic that times a round without them.
     /// Results are wrong while it is set.
@@ -434,6 +459,7 @@ impl Cuda {
                 gemv_lean: gemv_min_blocks() > 0,
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
                 rope_fold: env_flag("BRAID_CUDA_ROPE_FOLD"),
+                ahead: env_flag("BRAID_CUDA_AHEAD"),
                 norm_fold: env_flag("BRAID_CUDA_NORM_FOLD"),
                 norm_fold_rows: env_usize("BRAID_CUDA_NORM_FOLD_ROWS", 2),
                 skip: std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default(),
@@ -443,6 +469,8 @@ impl Cuda {
                     sig: 0,
                     arena_off: 0,
                     recent: Vec::new(),
+                    token_uploads: Vec::new(),
+                    ahead: None,
                     pass_host: PassHost::default(),
                     error: None,
                     pass_error: None,
@@ -452,6 +480,7 @@ impl Cuda {
                     ids_out: DevBuf::empty(raw_ctx),
                     topk_part: DevBuf::empty(raw_ctx),
                     graph_hits: 0,
+                    ahead_hits: 0,
                     graph_captures: 0,
                     graph_fallbacks: 0,
                     host_reads: false,
@@ -487,18 +516,25 @@ impl Cuda {
         self.inner.graphs_enabled.store(on, Ordering::Relaxed);
     }
 
-    /// (replays, captures, eager fallbacks) of [`Cuda::graph`] so far.
     /// Mean host microseconds of a graph pass 1 (the forward's host work
-    /// and uploads, while the GPU waits for the launch) and of a graph
-    /// launch; then resets.
-    pub fn pass_host_us(&self) -> (f64, f64) {
+    /// and uploads, while the GPU waits for the launch), of a graph launch
+    /// and of a pass 1 done ahead (while the GPU runs the round before);
+    /// then resets.
+    pub fn pass_host_us(&self) -> (f64, f64, f64) {
         let p = std::mem::take(&mut self.st().pass_host);
-        (p.pass_ns as f64 / (p.passes.max(1) as f64 * 1e3), p.launch_ns as f64 / (p.launches.max(1) as f64 * 1e3))
+        let mean = |ns: u64, n: u64| ns as f64 / (n.max(1) as f64 * 1e3);
+        (mean(p.pass_ns, p.passes), mean(p.launch_ns, p.launches), mean(p.ahead_ns, p.aheads))
     }
 
+    /// (replays, captures, eager fallbacks) of [`Cuda::graph`] so far.
     pub fn graph_stats(&self) -> (u64, u64, u64) {
         let st = self.st();
         (st.graph_hits, st.graph_captures, st.graph_fallbacks)
+    }
+
+    /// Replays of [`Cuda::graph_keyed`] whose pass 1 was done ahead.
+    pub fn ahead_hits(&self) -> u64 {
+        self.st().ahead_hits
     }
 
     fn st(&self) -> MutexGuard<'_, State> {
@@ -665,8 +701,27 @@ impl Cuda {
     /// Put a small index array on the device (in the upload arena) and return
     /// its address. Identical arrays within a pass share one copy.
     fn put_u32(&self, data: &[u32]) -> Result<u64> {
+        self.put_u32_as(data, true)
+    }
+
+    /// [`Cuda::put_u32`] of a forward's token ids: never shared, since a
+    /// pass done ahead gets its real ids written over these.
+    fn put_tokens(&self, ids: &[u32]) -> Result<u64> {
+        let ptr = self.put_u32_as(ids, false)?;
         let mut st = self.st();
-        if let Some((_, off)) = st.recent.iter().find(|(d, _)| d.as_slice() == data) {
+        if st.mode == Mode::UploadOnly {
+            st.token_uploads.push((ids.as_ptr() as usize, ids.len(), ptr));
+        }
+        Ok(ptr)
+    }
+
+    fn put_u32_as(&self, data: &[u32], share: bool) -> Result<u64> {
+        let mut st = self.st();
+        if st.mode == Mode::Eager {
+            // The arena may now hold other data than a pass done ahead put there.
+            st.ahead = None;
+        }
+        if let Some((_, off)) = st.recent.iter().find(|(d, _)| share && d.as_slice() == data) {
             return Ok(self.inner.arena.ptr + 4 * *off as u64);
         }
         // Room to grow (block tables lengthen as sequences do), so the
@@ -684,10 +739,12 @@ impl Cuda {
         }
         let off = st.arena_off;
         st.arena_off += n;
-        if st.recent.len() >= 8 {
-            st.recent.remove(0);
+        if share {
+            if st.recent.len() >= 8 {
+                st.recent.remove(0);
+            }
+            st.recent.push((data.to_vec(), off));
         }
-        st.recent.push((data.to_vec(), off));
         let ptr = self.inner.arena.ptr + 4 * off as u64;
         if st.mode != Mode::LaunchOnly && !data.is_empty() {
             unsafe { cu(drv::memcpy_htod_async(ptr, data, self.stream() as sys::CUstream), "upload")? };
@@ -1140,13 +1197,72 @@ impl Cuda {
         self.launch_graph(exec)
     }
 
+    /// Pass 1 of `f`, the forward expected next, done now while the GPU
+    /// still runs the last one: `key` hashes everything `f` reads but its
+    /// token ids, and `tokens` stand in for those. The uploads queue behind
+    /// the work in flight; [`Cuda::graph_keyed`] of the same key then only
+    /// writes its token ids and launches. Kept only when every upload of
+    /// ids in the pass is of `tokens` itself (a model that embeds ids made
+    /// from them, such as Gemma 4's per-layer tables, gets no pass ahead).
+    pub fn graph_ahead(&self, key: u64, tokens: &[u32], f: &mut dyn FnMut() -> Result<()>) {
+        if !self.replays_ahead() || !self.ready() || self.st().host_reads || tokens.is_empty() {
+            return;
+        }
+        let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
+        self.begin_pass(Mode::UploadOnly);
+        let r = f();
+        let (sig, perr) = self.end_pass();
+        let mut st = self.st();
+        st.pass_host.ahead_ns += t0.elapsed().as_nanos() as u64;
+        st.pass_host.aheads += 1;
+        let ups = std::mem::take(&mut st.token_uploads);
+        let whole = !ups.is_empty() && ups.iter().all(|&(p, n, _)| p == tokens.as_ptr() as usize && n == tokens.len());
+        if r.is_ok() && perr.is_none() && whole && rt::ALLOC_GEN.load(Ordering::Relaxed) == gen {
+            st.ahead = Some(Ahead { key, sig, gen, tokens: tokens.len(), token_dst: ups.iter().map(|u| u.2).collect() });
+        }
+    }
+
+    /// [`Cuda::graph`] of the forward `f` that `key` describes (as in
+    /// [`Cuda::graph_ahead`]) with token ids `tokens`: when its pass 1 was
+    /// done ahead and its graph is recorded, the ids are written where its
+    /// embeds read them and the graph launches, with no pass 1 now.
+    pub fn graph_keyed(&self, key: u64, tokens: &[u32], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let ahead = self.st().ahead.take();
+        if let Some(a) = ahead {
+            let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
+            let usable = a.key == key
+                && a.tokens == tokens.len()
+                && a.gen == gen
+                && self.inner.graphs_enabled.load(Ordering::Relaxed)
+                && self.ready()
+                && !self.st().host_reads;
+            let exec = if usable { self.st().graphs.get(&a.sig).filter(|g| g.gen == gen).map(|g| g.exec) } else { None };
+            if let Some(exec) = exec {
+                for &dst in &a.token_dst {
+                    unsafe { cu(drv::memcpy_htod_async(dst, tokens, self.stream() as sys::CUstream), "token upload")? };
+                }
+                {
+                    let mut st = self.st();
+                    st.graph_hits += 1;
+                    st.ahead_hits += 1;
+                }
+                return self.launch_graph(exec);
+            }
+        }
+        self.graph(f)
+    }
+
     fn begin_pass(&self, mode: Mode) {
         let mut st = self.st();
         st.mode = mode;
         st.sig = 0xcbf29ce484222325;
         st.arena_off = 0;
         st.recent.clear();
+        st.token_uploads.clear();
         st.pass_error = None;
+        // Any pass rewrites the arena a pass done ahead filled.
+        st.ahead = None;
     }
 
     fn end_pass(&self) -> (u64, Option<String>) {
@@ -1539,6 +1655,18 @@ impl Device for Cuda {
         self.graph(f)
     }
 
+    fn replays_ahead(&self) -> bool {
+        self.inner.ahead && self.inner.graphs_enabled.load(Ordering::Relaxed)
+    }
+
+    fn replay_ahead(&self, key: u64, tokens: &[u32], f: &mut dyn FnMut() -> Result<()>) {
+        self.graph_ahead(key, tokens, f)
+    }
+
+    fn replay_keyed(&self, key: u64, tokens: &[u32], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.graph_keyed(key, tokens, f)
+    }
+
     fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
         self.argmax(x)
     }
@@ -1658,7 +1786,7 @@ impl Device for Cuda {
             if ids.is_empty() {
                 return Ok(());
             }
-            let p = self.put_u32(ids)?;
+            let p = self.put_tokens(ids)?;
             self.launch(
                 self.inner.fns.embed,
                 (ids.len() as u32, 1, 1),

@@ -314,7 +314,14 @@ impl<D: Device> Backend for ModelBackend<D> {
         let parts = round_parts(rows);
         let logit_rows: Vec<usize> = (0..total).collect();
         self.forward(&parts, &logit_rows)?;
-        self.dev.argmax_rows(&self.scratch.logits)
+        if self.rewindable {
+            // The round expected next runs while the engine handles these
+            // tokens; if it is not the one asked for, it only wrote KV past
+            // each stream's length (no recurrent state here).
+            self.dev.argmax_rows_launch_ahead(&self.scratch.logits)
+        } else {
+            self.dev.argmax_rows(&self.scratch.logits)
+        }
     }
 
     fn decode_round_top(&mut self, rows: &[DecodeRow], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {

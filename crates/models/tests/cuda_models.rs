@@ -288,9 +288,11 @@ fn backend_greedy_rounds_equal_host_argmax() {
 }
 
 /// Greedy rounds whose host work was done ahead, while the GPU ran the
-/// round before (`Device::replay_ahead`), give the tokens eager rounds
-/// give, through rounds that are not the one expected: a stream leaves,
-/// one joins, one is rewound, block boundaries pass.
+/// round before (`Device::replay_ahead`), and which were launched before
+/// the engine asked for them (`Device::argmax_rows_launch_ahead`), give
+/// the tokens eager rounds give, through rounds that are not the one
+/// expected: a stream leaves, one joins, one is rewound, block boundaries
+/// pass.
 #[test]
 fn rounds_prepared_ahead_equal_eager() {
     let Some(dev) = gpu() else { return };
@@ -334,9 +336,10 @@ fn rounds_prepared_ahead_equal_eager() {
             out.push(toks);
         }
         if graphs {
-            let n = dev.ahead_hits() - hits;
-            eprintln!("rounds replayed from a pass done ahead: {n} of 40");
+            let (n, launched) = (dev.ahead_hits().0 - hits.0, dev.ahead_hits().1 - hits.1);
+            eprintln!("rounds replayed from a pass done ahead: {n} of 40, {launched} of them launched before they were asked for");
             assert!(n >= 20, "only {n} of 40 rounds were prepared ahead");
+            assert!(launched >= 20, "only {launched} of 40 rounds were launched ahead");
         }
         runs.push(out);
     }

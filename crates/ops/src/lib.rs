@@ -202,6 +202,18 @@ pub trait Device: Send + Sync + 'static {
             .collect())
     }
 
+    /// [`Device::argmax_rows`], then the round [`Device::replay_ahead`]
+    /// prepared launched at once with these tokens (fed on the device),
+    /// so it runs while the caller handles them: the caller's
+    /// [`Device::replay_keyed`] of that round with these tokens finds it
+    /// running. When another forward comes instead, that round has run for
+    /// nothing, so use it only where such a round leaves nothing that
+    /// matters (attention KV past each stream's length; no recurrent
+    /// state). The default is `argmax_rows`.
+    fn argmax_rows_launch_ahead(&self, x: &Self::Tensor) -> Result<Vec<u32>> {
+        self.argmax_rows(x)
+    }
+
     /// Whether `argmax_rows` runs where the values are (so greedy
     /// sampling there saves moving whole logits rows to the host).
     fn argmax_on_device(&self) -> bool {

@@ -112,6 +112,16 @@ struct Ahead {
     tokens: usize,
     /// Where its embeds read the token ids.
     token_dst: Vec<u64>,
+    /// Launched already (`Cuda::argmax_launch_ahead`) with these tokens.
+    running: Option<Vec<u32>>,
+}
+
+/// Pinned host memory the greedy tokens' keys come back to (an
+/// asynchronous copy, which a launch may follow), and the event after it.
+struct KeysBack {
+    host: usize,
+    words: usize,
+    event: usize,
 }
 
 /// Host time of graph replays, while the GPU waits for the launch.
@@ -138,6 +148,7 @@ struct State {
     /// where they went.
     token_uploads: Vec<(usize, usize, u64)>,
     ahead: Option<Ahead>,
+    keys_back: Option<KeysBack>,
     pass_host: PassHost,
     /// The first error; once set, ops do nothing.
     error: Option<String>,
@@ -151,6 +162,8 @@ struct State {
     pub graph_hits: u64,
     /// Replays whose pass 1 was done ahead.
     pub ahead_hits: u64,
+    /// Of those, rounds launched before they were asked for.
+    pub launched_ahead: u64,
     pub graph_captures: u64,
     pub graph_fallbacks: u64,
     /// A forward read values back inside a graph pass (MoE routing): such
@@ -180,6 +193,7 @@ struct Fns {
     kv_write: usize,
     gather_rows: usize,
     argmax_rows: usize,
+    argmax_ids: usize,
     fill_random_bf16: usize,
     fill_f32: usize,
     gemv: GvFns,
@@ -273,6 +287,10 @@ struct Inner {
     /// Decode rounds do the next round's pass 1 while the GPU runs
     /// (`Device::replay_ahead`; `BRAID_CUDA_AHEAD=0` turns it off).
     ahead: bool,
+    /// Greedy rounds launch the round prepared ahead before returning
+    /// (`Device::argmax_rows_launch_ahead`; `BRAID_CUDA_LAUNCH_AHEAD=0`
+    /// turns it off).
+    launch_ahead: bool,
     /// Kernels (name prefixes) not launched at all (`BRAID_CUDA_SKIP`,
     /// comma-separated): a diagnostic that times a round without them.
     /// Results are wrong while it is set.
@@ -295,6 +313,10 @@ impl Drop for Inner {
                 if let Ok(mut st) = self.st.lock() {
                     for (_, g) in st.graphs.drain() {
                         let _ = drv::graph::exec_destroy(g.exec as sys::CUgraphExec);
+                    }
+                    if let Some(k) = st.keys_back.take() {
+                        let _ = drv::free_host(k.host as *mut std::ffi::c_void);
+                        let _ = drv::event::destroy(k.event as sys::CUevent);
                     }
                 }
                 let _ = cb::cublasDestroy_v2(self.cublas as cb::cublasHandle_t);
@@ -389,6 +411,7 @@ impl Cuda {
             kv_write: m.func("kv_write")?,
             gather_rows: m.func("gather_rows")?,
             argmax_rows: m.func("argmax_rows")?,
+            argmax_ids: m.func("argmax_ids")?,
             fill_random_bf16: m.func("fill_random_bf16")?,
             fill_f32: m.func("fill_f32")?,
             gemv: GvFns::load(&m, "gemv", &mut gv_names)?,
@@ -417,6 +440,7 @@ impl Cuda {
             (fns.kv_write, "kv_write"),
             (fns.gather_rows, "gather_rows"),
             (fns.argmax_rows, "argmax_rows"),
+            (fns.argmax_ids, "argmax_ids"),
             (fns.act_mul_bf, "act_mul_bf"),
             (fns.act_mul_bf8, "act_mul_bf8"),
             (fns.rope_kv, "rope_kv"),
@@ -460,6 +484,7 @@ impl Cuda {
                 pdl: cc.0 >= 9 && env_flag("BRAID_CUDA_PDL"),
                 rope_fold: env_flag("BRAID_CUDA_ROPE_FOLD"),
                 ahead: env_flag("BRAID_CUDA_AHEAD"),
+                launch_ahead: env_flag("BRAID_CUDA_LAUNCH_AHEAD"),
                 norm_fold: env_flag("BRAID_CUDA_NORM_FOLD"),
                 norm_fold_rows: env_usize("BRAID_CUDA_NORM_FOLD_ROWS", 2),
                 skip: std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default(),
@@ -471,6 +496,7 @@ impl Cuda {
                     recent: Vec::new(),
                     token_uploads: Vec::new(),
                     ahead: None,
+                    keys_back: None,
                     pass_host: PassHost::default(),
                     error: None,
                     pass_error: None,
@@ -481,6 +507,7 @@ impl Cuda {
                     topk_part: DevBuf::empty(raw_ctx),
                     graph_hits: 0,
                     ahead_hits: 0,
+                    launched_ahead: 0,
                     graph_captures: 0,
                     graph_fallbacks: 0,
                     host_reads: false,
@@ -532,9 +559,11 @@ impl Cuda {
         (st.graph_hits, st.graph_captures, st.graph_fallbacks)
     }
 
-    /// Replays of [`Cuda::graph_keyed`] whose pass 1 was done ahead.
-    pub fn ahead_hits(&self) -> u64 {
-        self.st().ahead_hits
+    /// Replays of [`Cuda::graph_keyed`] whose pass 1 was done ahead, and
+    /// of those the rounds [`Cuda::argmax_launch_ahead`] had launched.
+    pub fn ahead_hits(&self) -> (u64, u64) {
+        let st = self.st();
+        (st.ahead_hits, st.launched_ahead)
     }
 
     fn st(&self) -> MutexGuard<'_, State> {
@@ -577,6 +606,18 @@ impl Cuda {
             Some(e) => bail!("CUDA device error: {e}"),
             None => Ok(()),
         }
+    }
+
+    /// Copy `dst.len()` values at `src` to the host once the work queued
+    /// before has run: the copy queues on the stream, so the host wakes
+    /// once (a synchronous copy after a stream sync costs a second round
+    /// trip while the GPU idles).
+    fn read_back<T: Copy>(&self, dst: &mut [T], src: u64, what: &str) -> Result<()> {
+        if !dst.is_empty() {
+            let r = unsafe { cu(drv::memcpy_dtoh_async(dst, src, self.stream() as sys::CUstream), what) };
+            self.record(r);
+        }
+        self.sync()
     }
 
     /// Whether ops should run at all (no error kept), making the context current.
@@ -1219,7 +1260,7 @@ impl Cuda {
         let ups = std::mem::take(&mut st.token_uploads);
         let whole = !ups.is_empty() && ups.iter().all(|&(p, n, _)| p == tokens.as_ptr() as usize && n == tokens.len());
         if r.is_ok() && perr.is_none() && whole && rt::ALLOC_GEN.load(Ordering::Relaxed) == gen {
-            st.ahead = Some(Ahead { key, sig, gen, tokens: tokens.len(), token_dst: ups.iter().map(|u| u.2).collect() });
+            st.ahead = Some(Ahead { key, sig, gen, tokens: tokens.len(), token_dst: ups.iter().map(|u| u.2).collect(), running: None });
         }
     }
 
@@ -1231,6 +1272,19 @@ impl Cuda {
         let ahead = self.st().ahead.take();
         if let Some(a) = ahead {
             let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
+            if let Some(run) = &a.running {
+                if a.key == key && run.as_slice() == tokens && a.gen == gen {
+                    // Launched already: this very round is running.
+                    let mut st = self.st();
+                    st.graph_hits += 1;
+                    st.ahead_hits += 1;
+                    st.launched_ahead += 1;
+                    return Ok(());
+                }
+                // It ran for nothing (its writes are past every stream's
+                // length); this one replays as usual.
+                return self.graph(f);
+            }
             let usable = a.key == key
                 && a.tokens == tokens.len()
                 && a.gen == gen
@@ -1324,6 +1378,54 @@ impl Cuda {
 
     /// Greedy tokens: the index of each row's largest value (the first, on ties).
     pub fn argmax(&self, t: &CudaTensor) -> Result<Vec<u32>> {
+        self.argmax_then(t, false)
+    }
+
+    /// [`Cuda::argmax`], then the round prepared by [`Cuda::graph_ahead`]
+    /// launched at once with these tokens, written where its embeds read
+    /// them on the device, so that it runs while the caller handles them:
+    /// [`Cuda::graph_keyed`] of that round with these tokens then finds it
+    /// running. When some other forward comes instead, that round has run
+    /// for nothing, so only callers whose forwards leave nothing but
+    /// attention KV past each stream's length may use it (see
+    /// `Device::argmax_rows_launch_ahead`).
+    pub fn argmax_launch_ahead(&self, t: &CudaTensor) -> Result<Vec<u32>> {
+        self.argmax_then(t, self.inner.launch_ahead)
+    }
+
+    /// The recorded graph of the round prepared ahead for `rows` tokens,
+    /// and where it reads them, when it can launch now.
+    fn ahead_ready(&self, rows: usize) -> Option<(usize, Vec<u64>)> {
+        if !self.replays_ahead() {
+            return None;
+        }
+        let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
+        let st = self.st();
+        let a = st.ahead.as_ref().filter(|a| a.tokens == rows && a.gen == gen && a.running.is_none() && !st.host_reads)?;
+        let exec = st.graphs.get(&a.sig).filter(|g| g.gen == gen)?.exec;
+        Some((exec, a.token_dst.clone()))
+    }
+
+    /// Pinned host room for `words` keys (grown as needed) and its event.
+    fn keys_back(&self, words: usize) -> Result<(usize, usize)> {
+        let mut st = self.st();
+        if st.keys_back.as_ref().is_none_or(|k| k.words < words) {
+            if let Some(k) = st.keys_back.take() {
+                unsafe {
+                    let _ = drv::free_host(k.host as *mut std::ffi::c_void);
+                    let _ = drv::event::destroy(k.event as sys::CUevent);
+                }
+            }
+            let words = words.max(1024);
+            let host = unsafe { drv::malloc_host(words * 8, 0) }.map_err(|e| anyhow!("pinned host memory: {e:?}"))? as usize;
+            let event = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| anyhow!("cuEventCreate: {e:?}"))? as usize;
+            st.keys_back = Some(KeysBack { host, words, event });
+        }
+        let k = st.keys_back.as_ref().expect("just made");
+        Ok((k.host, k.event))
+    }
+
+    fn argmax_then(&self, t: &CudaTensor, launch_ahead: bool) -> Result<Vec<u32>> {
         if !self.ready() {
             self.sync()?;
         }
@@ -1338,14 +1440,39 @@ impl Cuda {
             }
             st.ids_out.ptr
         };
-        unsafe { cu(drv::memset_d8_async(ptr, 0, rows * 8, self.stream() as sys::CUstream), "argmax clear")? };
+        let stream = self.stream() as sys::CUstream;
+        unsafe { cu(drv::memset_d8_async(ptr, 0, rows * 8, stream), "argmax clear")? };
         // Enough blocks per row to spread a long row over the GPU.
-        let split = (t.cols / 4096).clamp(1, (2 * self.inner.sms).div_ceil(rows).max(1)) as u32;
+        let split = (t.cols / 1024).clamp(1, (4 * self.inner.sms).div_ceil(rows).max(1)) as u32;
         self.launch(self.inner.fns.argmax_rows, (rows as u32, split, 1), (256, 1, 1), 0, &[Arg::P(t.fptr()), Arg::I(t.cols as i32), Arg::P(ptr)])?;
-        self.sync()?;
-        let mut keys = vec![0u64; rows];
-        unsafe { cu(drv::memcpy_dtoh_sync(&mut keys, ptr), "argmax download")? };
-        Ok(keys.iter().map(|&k| if k == 0 { 0 } else { 0xffff_ffff - (k & 0xffff_ffff) as u32 }).collect())
+        let go = if launch_ahead { self.ahead_ready(rows) } else { None };
+        if let Some((_, dst)) = &go {
+            for &d in dst {
+                self.launch(self.inner.fns.argmax_ids, ((rows as u32).div_ceil(256), 1, 1), (256, 1, 1), 0, &[Arg::P(ptr), Arg::I(rows as i32), Arg::P(d)])?;
+            }
+        }
+        // The keys come back through pinned memory: the copy is queued,
+        // the next round may launch behind it, and only then the host waits.
+        let (host, event) = self.keys_back(rows)?;
+        unsafe {
+            cu(sys::cuMemcpyDtoHAsync_v2(host as *mut std::ffi::c_void, ptr, rows * 8, stream).result(), "argmax download")?;
+            cu(drv::event::record(event as sys::CUevent, stream), "cuEventRecord")?;
+        }
+        if let Some((exec, _)) = go {
+            self.launch_graph(exec)?;
+        }
+        unsafe { cu(drv::event::synchronize(event as sys::CUevent), "argmax download")? };
+        if let Some(e) = &self.st().error {
+            bail!("CUDA device error: {e}");
+        }
+        let keys = unsafe { std::slice::from_raw_parts(host as *const u64, rows) };
+        let ids: Vec<u32> = keys.iter().map(|&k| if k == 0 { 0 } else { 0xffff_ffff - (k & 0xffff_ffff) as u32 }).collect();
+        if go.is_some() {
+            if let Some(a) = self.st().ahead.as_mut() {
+                a.running = Some(ids.clone());
+            }
+        }
+        Ok(ids)
     }
 
     /// Each row's `k` (at most `TOPK_MAX`) largest values and their
@@ -1394,9 +1521,8 @@ impl Cuda {
             0,
             &[Arg::P(part), Arg::I(m as i32), Arg::I(n2 as i32), Arg::I(k as i32), Arg::P(out)],
         )?;
-        self.sync()?;
         let mut keys = vec![0u64; rows * k];
-        unsafe { cu(drv::memcpy_dtoh_sync(&mut keys, out), "top_k download")? };
+        self.read_back(&mut keys, out, "top_k download")?;
         Ok(keys
             .chunks(k)
             .map(|row| {
@@ -1671,6 +1797,10 @@ impl Device for Cuda {
         self.argmax(x)
     }
 
+    fn argmax_rows_launch_ahead(&self, x: &CudaTensor) -> Result<Vec<u32>> {
+        self.argmax_launch_ahead(x)
+    }
+
     fn argmax_on_device(&self) -> bool {
         true
     }
@@ -1728,11 +1858,8 @@ impl Device for Cuda {
                 return Ok(vec![0.0; t.len()]);
             }
         }
-        self.sync()?;
         let mut out = vec![0f32; t.len()];
-        if !out.is_empty() {
-            unsafe { cu(drv::memcpy_dtoh_sync(&mut out, t.fptr()), "download")? };
-        }
+        self.read_back(&mut out, t.fptr(), "download")?;
         Ok(out)
     }
 

@@ -181,13 +181,19 @@ fn embedding_and_argmax() {
             assert_eq!(got[i * cols + c], rbf(table[id as usize * cols + c]) * 0.5, "embed row {i} col {c}");
         }
     }
-    let logits = r.vec(3 * 50000, 5.0);
-    let t = d.upload(&logits, 3, 50000).unwrap();
-    let am = d.argmax(&t).unwrap();
-    for (i, &a) in am.iter().enumerate() {
-        let row = &logits[i * 50000..(i + 1) * 50000];
-        let want = row.iter().enumerate().fold(0, |b, (j, v)| if *v > row[b] { j } else { b });
-        assert_eq!(a as usize, want, "argmax row {i}");
+    // Twice over different rows: each call must leave its keys cleared
+    // for the next (the kernel's last block does), and more rows than a
+    // block has threads.
+    for (rows, cols) in [(3, 50000), (300, 2000), (2, 50000)] {
+        let logits = r.vec(rows * cols, 5.0);
+        let t = d.upload(&logits, rows, cols).unwrap();
+        let am = d.argmax(&t).unwrap();
+        assert_eq!(am.len(), rows);
+        for (i, &a) in am.iter().enumerate() {
+            let row = &logits[i * cols..(i + 1) * cols];
+            let want = row.iter().enumerate().fold(0, |b, (j, v)| if *v > row[b] { j } else { b });
+            assert_eq!(a as usize, want, "argmax of {rows}x{cols}, row {i}");
+        }
     }
 }
 

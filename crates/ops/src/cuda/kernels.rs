@@ -312,9 +312,16 @@ extern "C" __global__ void topk_merge(const unsigned long long* __restrict__ par
     for (int i = threadIdx.x; i < k; i += blockDim.x) out[(long)blockIdx.x * k + i] = s[i];
 }
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned long long* __restrict__ out) {
+// Each row's argmax, over gridDim.y blocks a row: the blocks' best keys
+// meet in keys (atomicMax); the last block to finish turns every row's key
+// into its token id (ids, and dst if any: where a round prepared ahead
+// reads its tokens) and clears keys and the count for the next call, so
+// no clearing launch comes before. keys and done start zeroed.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned long long* keys, unsigned* done,
+                                       unsigned* __restrict__ ids, unsigned* __restrict__ dst) {
     PDL_ENTRY();
     __shared__ unsigned long long best_s[32];
+    __shared__ bool last;
     const float* row = x + (long)blockIdx.x * cols;
     const int chunk = (cols + gridDim.y - 1) / gridDim.y;
     const int a = blockIdx.y * chunk, b = min(cols, a + chunk);
@@ -338,18 +345,22 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
             unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
             best = other > best ? other : best;
         }
-        if (lane == 0 && best != 0ull) atomicMax(out + blockIdx.x, best);
+        if (lane == 0) {
+            if (best != 0ull) atomicMax(keys + blockIdx.x, best);
+            __threadfence();
+            last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+        }
     }
-}
-
-// Token ids from argmax_rows's keys, where a round prepared ahead reads
-// its tokens (the next round fed on the device).
-extern "C" __global__ void argmax_ids(const unsigned long long* __restrict__ keys, int rows, unsigned* __restrict__ ids) {
-    PDL_ENTRY();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows) {
-        const unsigned long long k = keys[i];
-        ids[i] = k == 0ull ? 0u : 0xffffffffu - (unsigned)(k & 0xffffffffull);
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        for (int r = threadIdx.x; r < gridDim.x; r += blockDim.x) {
+            const unsigned long long k = atomicExch(keys + r, 0ull);
+            const unsigned id = k == 0ull ? 0u : 0xffffffffu - (unsigned)(k & 0xffffffffull);
+            ids[r] = id;
+            if (dst) dst[r] = id;
+        }
+        if (threadIdx.x == 0) *done = 0u;
     }
 }
 

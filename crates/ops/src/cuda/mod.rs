@@ -148,6 +148,11 @@ struct State {
     /// where they went.
     token_uploads: Vec<(usize, usize, u64)>,
     ahead: Option<Ahead>,
+    /// In a pass ahead, uploads gather in `mirror` (the arena's host
+    /// image) and go in one copy at its end: between two rounds one copy
+    /// rather than one per array.
+    staging: bool,
+    mirror: Vec<u32>,
     keys_back: Option<KeysBack>,
     pass_host: PassHost,
     /// The first error; once set, ops do nothing.
@@ -158,6 +163,10 @@ struct State {
     attn: HashMap<(usize, usize), AttnFns>,
     part: DevBuf,
     ids_out: DevBuf,
+    /// `argmax_rows`'s keys (`argmax_cap` rows; zero between calls), its
+    /// finish count, then the token ids.
+    argmax_buf: DevBuf,
+    argmax_cap: usize,
     topk_part: DevBuf,
     pub graph_hits: u64,
     /// Replays whose pass 1 was done ahead.
@@ -193,7 +202,6 @@ struct Fns {
     kv_write: usize,
     gather_rows: usize,
     argmax_rows: usize,
-    argmax_ids: usize,
     fill_random_bf16: usize,
     fill_f32: usize,
     gemv: GvFns,
@@ -411,7 +419,6 @@ impl Cuda {
             kv_write: m.func("kv_write")?,
             gather_rows: m.func("gather_rows")?,
             argmax_rows: m.func("argmax_rows")?,
-            argmax_ids: m.func("argmax_ids")?,
             fill_random_bf16: m.func("fill_random_bf16")?,
             fill_f32: m.func("fill_f32")?,
             gemv: GvFns::load(&m, "gemv", &mut gv_names)?,
@@ -440,7 +447,6 @@ impl Cuda {
             (fns.kv_write, "kv_write"),
             (fns.gather_rows, "gather_rows"),
             (fns.argmax_rows, "argmax_rows"),
-            (fns.argmax_ids, "argmax_ids"),
             (fns.act_mul_bf, "act_mul_bf"),
             (fns.act_mul_bf8, "act_mul_bf8"),
             (fns.rope_kv, "rope_kv"),
@@ -496,6 +502,8 @@ impl Cuda {
                     recent: Vec::new(),
                     token_uploads: Vec::new(),
                     ahead: None,
+                    staging: false,
+                    mirror: Vec::new(),
                     keys_back: None,
                     pass_host: PassHost::default(),
                     error: None,
@@ -504,6 +512,8 @@ impl Cuda {
                     attn: HashMap::new(),
                     part: DevBuf::empty(raw_ctx),
                     ids_out: DevBuf::empty(raw_ctx),
+                    argmax_buf: DevBuf::empty(raw_ctx),
+                    argmax_cap: 0,
                     topk_part: DevBuf::empty(raw_ctx),
                     graph_hits: 0,
                     ahead_hits: 0,
@@ -787,7 +797,13 @@ impl Cuda {
             st.recent.push((data.to_vec(), off));
         }
         let ptr = self.inner.arena.ptr + 4 * off as u64;
-        if st.mode != Mode::LaunchOnly && !data.is_empty() {
+        if st.staging {
+            // A pass ahead: gathered here, sent in one copy at its end.
+            if st.mirror.len() < self.inner.arena_words {
+                st.mirror.resize(self.inner.arena_words, 0);
+            }
+            st.mirror[off..off + data.len()].copy_from_slice(data);
+        } else if st.mode != Mode::LaunchOnly && !data.is_empty() {
             unsafe { cu(drv::memcpy_htod_async(ptr, data, self.stream() as sys::CUstream), "upload")? };
         }
         Ok(ptr)
@@ -1252,16 +1268,25 @@ impl Cuda {
         let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
         let t0 = std::time::Instant::now();
         self.begin_pass(Mode::UploadOnly);
+        self.st().staging = true;
         let r = f();
+        self.st().staging = false;
         let (sig, perr) = self.end_pass();
         let mut st = self.st();
-        st.pass_host.ahead_ns += t0.elapsed().as_nanos() as u64;
-        st.pass_host.aheads += 1;
         let ups = std::mem::take(&mut st.token_uploads);
         let whole = !ups.is_empty() && ups.iter().all(|&(p, n, _)| p == tokens.as_ptr() as usize && n == tokens.len());
         if r.is_ok() && perr.is_none() && whole && rt::ALLOC_GEN.load(Ordering::Relaxed) == gen {
+            let end = st.arena_off;
+            if end > 0 {
+                if let Err(e) = unsafe { cu(drv::memcpy_htod_async(self.inner.arena.ptr, &st.mirror[..end], self.stream() as sys::CUstream), "upload") } {
+                    self.fail(&mut st, format!("{e:#}"));
+                    return;
+                }
+            }
             st.ahead = Some(Ahead { key, sig, gen, tokens: tokens.len(), token_dst: ups.iter().map(|u| u.2).collect(), running: None });
         }
+        st.pass_host.ahead_ns += t0.elapsed().as_nanos() as u64;
+        st.pass_host.aheads += 1;
     }
 
     /// [`Cuda::graph`] of the forward `f` that `key` describes (as in
@@ -1406,7 +1431,8 @@ impl Cuda {
         Some((exec, a.token_dst.clone()))
     }
 
-    /// Pinned host room for `words` keys (grown as needed) and its event.
+    /// Pinned host room for `words` 8-byte words (grown as needed) and the
+    /// event after the copy into it.
     fn keys_back(&self, words: usize) -> Result<(usize, usize)> {
         let mut st = self.st();
         if st.keys_back.as_ref().is_none_or(|k| k.words < words) {
@@ -1433,29 +1459,41 @@ impl Cuda {
         if rows == 0 {
             return Ok(Vec::new());
         }
-        let ptr = {
-            let mut st = self.st();
-            if st.ids_out.bytes < rows * 8 {
-                st.ids_out = DevBuf::new(self.ctx(), rows.max(1024) * 8)?;
-            }
-            st.ids_out.ptr
-        };
         let stream = self.stream() as sys::CUstream;
-        unsafe { cu(drv::memset_d8_async(ptr, 0, rows * 8, stream), "argmax clear")? };
+        let (keys, done, ids) = {
+            let mut st = self.st();
+            if st.argmax_cap < rows {
+                let cap = rows.max(1024);
+                let bytes = cap * 12 + 16;
+                st.argmax_buf = DevBuf::new(self.ctx(), bytes)?;
+                st.argmax_cap = cap;
+                // Zero once; each call leaves it zeroed again.
+                unsafe { cu(drv::memset_d8_async(st.argmax_buf.ptr, 0, bytes, stream), "argmax clear")? };
+            }
+            let (p, cap) = (st.argmax_buf.ptr, st.argmax_cap as u64);
+            (p, p + cap * 8, p + cap * 8 + 16)
+        };
+        let go = if launch_ahead { self.ahead_ready(rows) } else { None };
+        let dst = go.as_ref().map_or(0, |g| g.1[0]);
         // Enough blocks per row to spread a long row over the GPU.
         let split = (t.cols / 1024).clamp(1, (4 * self.inner.sms).div_ceil(rows).max(1)) as u32;
-        self.launch(self.inner.fns.argmax_rows, (rows as u32, split, 1), (256, 1, 1), 0, &[Arg::P(t.fptr()), Arg::I(t.cols as i32), Arg::P(ptr)])?;
-        let go = if launch_ahead { self.ahead_ready(rows) } else { None };
-        if let Some((_, dst)) = &go {
-            for &d in dst {
-                self.launch(self.inner.fns.argmax_ids, ((rows as u32).div_ceil(256), 1, 1), (256, 1, 1), 0, &[Arg::P(ptr), Arg::I(rows as i32), Arg::P(d)])?;
+        self.launch(
+            self.inner.fns.argmax_rows,
+            (rows as u32, split, 1),
+            (256, 1, 1),
+            0,
+            &[Arg::P(t.fptr()), Arg::I(t.cols as i32), Arg::P(keys), Arg::P(done), Arg::P(ids), Arg::P(dst)],
+        )?;
+        if let Some((_, more)) = &go {
+            for &d in &more[1..] {
+                unsafe { cu(drv::memcpy_dtod_async(d, ids, rows * 4, stream), "token ids")? };
             }
         }
-        // The keys come back through pinned memory: the copy is queued,
+        // The ids come back through pinned memory: the copy is queued,
         // the next round may launch behind it, and only then the host waits.
         let (host, event) = self.keys_back(rows)?;
         unsafe {
-            cu(sys::cuMemcpyDtoHAsync_v2(host as *mut std::ffi::c_void, ptr, rows * 8, stream).result(), "argmax download")?;
+            cu(sys::cuMemcpyDtoHAsync_v2(host as *mut std::ffi::c_void, ids, rows * 4, stream).result(), "argmax download")?;
             cu(drv::event::record(event as sys::CUevent, stream), "cuEventRecord")?;
         }
         if let Some((exec, _)) = go {
@@ -1465,14 +1503,13 @@ impl Cuda {
         if let Some(e) = &self.st().error {
             bail!("CUDA device error: {e}");
         }
-        let keys = unsafe { std::slice::from_raw_parts(host as *const u64, rows) };
-        let ids: Vec<u32> = keys.iter().map(|&k| if k == 0 { 0 } else { 0xffff_ffff - (k & 0xffff_ffff) as u32 }).collect();
+        let out = unsafe { std::slice::from_raw_parts(host as *const u32, rows) }.to_vec();
         if go.is_some() {
             if let Some(a) = self.st().ahead.as_mut() {
-                a.running = Some(ids.clone());
+                a.running = Some(out.clone());
             }
         }
-        Ok(ids)
+        Ok(out)
     }
 
     /// Each row's `k` (at most `TOPK_MAX`) largest values and their

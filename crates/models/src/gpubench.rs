@@ -244,9 +244,8 @@ fn decode_inner(
         // The round's graph alone, launched back to back (the same tokens
         // again; the next position is free in every stream's blocks): the
         // GPU's share of a round, the rest is the GPU waiting.
-        let (pos, slots): (Vec<u32>, Vec<u32>) = (lens.iter().map(|&l| l as u32).collect(), (0..streams).map(|i| slot(&tables[i], lens[i])).collect());
-        let seqs = (0..streams).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: lens[i] + 1, blocks: &tables[i], window: None }).collect();
-        let batch = Batch { tokens: &last, positions: &pos, slots: &slots, seqs, logit_rows: &rows, state_slots: &state_slots };
+        let (pos, slots) = arrays(&lens);
+        let batch = Batch { tokens: &last, positions: &pos, slots: &slots, seqs: seqs(&lens), logit_rows: &rows, state_slots: &state_slots };
         dev.graph(&mut || model.forward(dev, &batch, &mut mem, &mut s))?;
         dev.sync()?;
         let tg = Instant::now();

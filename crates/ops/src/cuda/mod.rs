@@ -116,11 +116,11 @@ struct Ahead {
     running: Option<Vec<u32>>,
 }
 
-/// Pinned host memory the greedy tokens' keys come back to (an
-/// asynchronous copy, which a launch may follow), and the event after it.
-struct KeysBack {
+/// Pinned host memory the greedy token ids come back to (an asynchronous
+/// copy, which a launch may follow), and the event after that copy.
+struct IdsBack {
     host: usize,
-    words: usize,
+    bytes: usize,
     event: usize,
 }
 
@@ -153,7 +153,7 @@ struct State {
     /// rather than one per array.
     staging: bool,
     mirror: Vec<u32>,
-    keys_back: Option<KeysBack>,
+    ids_back: Option<IdsBack>,
     pass_host: PassHost,
     /// The first error; once set, ops do nothing.
     error: Option<String>,
@@ -322,7 +322,7 @@ impl Drop for Inner {
                     for (_, g) in st.graphs.drain() {
                         let _ = drv::graph::exec_destroy(g.exec as sys::CUgraphExec);
                     }
-                    if let Some(k) = st.keys_back.take() {
+                    if let Some(k) = st.ids_back.take() {
                         let _ = drv::free_host(k.host as *mut std::ffi::c_void);
                         let _ = drv::event::destroy(k.event as sys::CUevent);
                     }
@@ -504,7 +504,7 @@ impl Cuda {
                     ahead: None,
                     staging: false,
                     mirror: Vec::new(),
-                    keys_back: None,
+                    ids_back: None,
                     pass_host: PassHost::default(),
                     error: None,
                     pass_error: None,
@@ -1431,23 +1431,24 @@ impl Cuda {
         Some((exec, a.token_dst.clone()))
     }
 
-    /// Pinned host room for `words` 8-byte words (grown as needed) and the
-    /// event after the copy into it.
-    fn keys_back(&self, words: usize) -> Result<(usize, usize)> {
+    /// Pinned host room for `bytes` (grown as needed) and the event after
+    /// the copy into it. (Each use waits for its copy, so none is in
+    /// flight when it grows.)
+    fn ids_back(&self, bytes: usize) -> Result<(usize, usize)> {
         let mut st = self.st();
-        if st.keys_back.as_ref().is_none_or(|k| k.words < words) {
-            if let Some(k) = st.keys_back.take() {
+        if st.ids_back.as_ref().is_none_or(|k| k.bytes < bytes) {
+            if let Some(k) = st.ids_back.take() {
                 unsafe {
                     let _ = drv::free_host(k.host as *mut std::ffi::c_void);
                     let _ = drv::event::destroy(k.event as sys::CUevent);
                 }
             }
-            let words = words.max(1024);
-            let host = unsafe { drv::malloc_host(words * 8, 0) }.map_err(|e| anyhow!("pinned host memory: {e:?}"))? as usize;
+            let bytes = bytes.max(8192);
+            let host = unsafe { drv::malloc_host(bytes, 0) }.map_err(|e| anyhow!("pinned host memory: {e:?}"))? as usize;
             let event = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| anyhow!("cuEventCreate: {e:?}"))? as usize;
-            st.keys_back = Some(KeysBack { host, words, event });
+            st.ids_back = Some(IdsBack { host, bytes, event });
         }
-        let k = st.keys_back.as_ref().expect("just made");
+        let k = st.ids_back.as_ref().expect("just made");
         Ok((k.host, k.event))
     }
 
@@ -1491,7 +1492,7 @@ impl Cuda {
         }
         // The ids come back through pinned memory: the copy is queued,
         // the next round may launch behind it, and only then the host waits.
-        let (host, event) = self.keys_back(rows)?;
+        let (host, event) = self.ids_back(rows * 4)?;
         unsafe {
             cu(sys::cuMemcpyDtoHAsync_v2(host as *mut std::ffi::c_void, ids, rows * 4, stream).result(), "argmax download")?;
             cu(drv::event::record(event as sys::CUevent, stream), "cuEventRecord")?;

@@ -110,7 +110,11 @@ pub trait Backend: Send {
 
     /// A decode round of one token per row that returns each row's most
     /// likely next token (the first on ties) instead of its logits.
-    fn decode_round_greedy(&mut self, _rows: &[DecodeRow]) -> Result<Vec<u32>> {
+    /// `same_next`: the engine expects its next call to be this round
+    /// again, each stream one token further (no stream ends by length with
+    /// this token, no prompt waits to join), so a backend may start that
+    /// round before returning; a stop token may still end a stream.
+    fn decode_round_greedy(&mut self, _rows: &[DecodeRow], _same_next: bool) -> Result<Vec<u32>> {
         anyhow::bail!("this backend does not pick greedy tokens itself")
     }
 

@@ -34,8 +34,12 @@ pub enum Call {
         want_logits: bool,
     },
     CancelPrefill(StreamId),
-    /// The next `Decode` returned greedy tokens, not logits.
-    Greedy(Vec<StreamId>),
+    /// The next `Decode` returned greedy tokens, not logits; the engine
+    /// expected the same round next (`same_next`).
+    Greedy {
+        streams: Vec<StreamId>,
+        same_next: bool,
+    },
     /// A decode round that returned top-k candidates (k, streams).
     Top(usize, Vec<StreamId>),
     /// The next `Decode` and `Prefill` ran in one forward.
@@ -275,10 +279,10 @@ impl Backend for FakeBackend {
         Ok(out)
     }
 
-    fn decode_round_greedy(&mut self, rows: &[DecodeRow]) -> Result<Vec<u32>> {
+    fn decode_round_greedy(&mut self, rows: &[DecodeRow], same_next: bool) -> Result<Vec<u32>> {
         ensure!(self.cfg.caps.greedy_rounds, "greedy rounds are off in this fake");
         ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
-        self.log.push(Call::Greedy(rows.iter().map(|r| r.stream).collect()));
+        self.log.push(Call::Greedy { streams: rows.iter().map(|r| r.stream).collect(), same_next });
         let logits = self.decode_round(rows)?;
         Ok(logits.chunks(self.cfg.caps.vocab_size.max(1)).map(crate::sampling::argmax).collect())
     }

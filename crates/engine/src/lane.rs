@@ -857,7 +857,7 @@ impl Core {
         // Under `prefill_share` a chunk is sized against a plain round's
         // time, so fuse only once one has been measured.
         let fuse = self.drafter.is_none() && (self.cfg.prefill_share.is_none() || self.round_secs > 0.0);
-        let prefilling = self.running.iter().any(|s| !s.done && matches!(s.phase, Phase::Prefilling(_)));
+        let prefilling = self.prefilling();
         // Every few fused rounds, a plain round re-measures the others'
         // round (it grows with their contexts); the chunk waits for it.
         let remeasure = self.cfg.prefill_share.is_some() && self.fused_since_plain >= REMEASURE_EVERY;
@@ -1252,7 +1252,7 @@ impl Core {
     fn plain_round(&mut self, plan: RoundPlan) {
         let t = Instant::now();
         if self.greedy_round(&plan) {
-            let tokens = self.backend.decode_round_greedy(&plan.rows);
+            let tokens = self.backend.decode_round_greedy(&plan.rows, self.same_round_next(&plan));
             self.note_plain_round(t.elapsed().as_secs_f64());
             self.finish_greedy_round(plan, tokens);
             return;
@@ -1306,6 +1306,20 @@ impl Core {
                 let s = &self.running[i];
                 s.logprobs.is_none() && s.sampler.plain_greedy()
             })
+    }
+
+    /// Whether the next round is likely this one again, each stream one
+    /// token further: none of its streams ends by length with this round's
+    /// token, and no prompt is being prefilled (its chunks join the next
+    /// rounds). A backend may start that round early (the CUDA one does);
+    /// when it does not come, that work was for nothing.
+    fn same_round_next(&self, plan: &RoundPlan) -> bool {
+        plan.batch.iter().all(|&i| self.running[i].room() > 1) && !self.prefilling()
+    }
+
+    /// Some stream is in its prompt pass.
+    fn prefilling(&self) -> bool {
+        self.running.iter().any(|s| !s.done && matches!(s.phase, Phase::Prefilling(_)))
     }
 
     /// Emit the tokens a greedy round picked.

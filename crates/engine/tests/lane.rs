@@ -546,7 +546,7 @@ fn greedy_rounds_go_to_the_backend_only_when_every_row_allows() {
     let p = prompt(9, 21);
     let plain = lane.submit(greedy(p.clone(), 12)).unwrap();
     assert_eq!(drain(&plain).tokens, oracle(&p, 12, 64));
-    let greedy_calls = |log: &CallLog| log.snapshot().iter().filter(|c| matches!(c, Call::Greedy(_))).count();
+    let greedy_calls = |log: &CallLog| log.snapshot().iter().filter(|c| matches!(c, Call::Greedy { .. })).count();
     assert_eq!(greedy_calls(&log), 11, "every decode round of a plain greedy stream");
     log.clear();
     let with_logprobs = lane.submit(Request { logprobs: Some(2), ..greedy(p.clone(), 12) }).unwrap();
@@ -556,6 +556,42 @@ fn greedy_rounds_go_to_the_backend_only_when_every_row_allows() {
     drain(&lane.submit(penalised).unwrap());
     assert_eq!(greedy_calls(&log), 0, "a stream that needs its logits got greedy rounds");
     assert!(lane.stats().greedy_rounds >= 11);
+}
+
+// Greedy rounds tell the backend whether the same round is expected next
+// (the CUDA backend then starts it before returning): not when a stream
+// ends by length with the round's token, nor while a prompt is in its
+// pass (its chunks join the coming rounds).
+#[test]
+fn greedy_rounds_say_when_the_same_round_comes_next() {
+    let mut fc = slow();
+    fc.caps.greedy_rounds = true;
+    fc.caps.chunk_invariant = true;
+    let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 4, prefill_share: Some(0.15), ..no_marks() });
+    let hints =
+        |calls: &[Call]| -> Vec<bool> { calls.iter().filter_map(|c| if let Call::Greedy { same_next, .. } = c { Some(*same_next) } else { None }).collect() };
+    // Alone, 6 tokens: the first from the prompt pass, then 5 rounds; the
+    // last one's token ends the stream.
+    drain(&lane.submit(greedy(prompt(5, 40), 6)).unwrap());
+    assert_eq!(hints(&log.snapshot()), [true, true, true, true, false]);
+    log.clear();
+    // A long prompt arrives while A decodes: the plain rounds among its
+    // steps (every few fused ones, to re-measure A's round) say no.
+    let a = lane.submit(greedy(prompt(3, 41), LONG)).unwrap();
+    for _ in 0..3 {
+        wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    }
+    let b = lane.submit(greedy(prompt(60, 42), 2)).unwrap();
+    drain(&b);
+    a.cancel();
+    drain(&a);
+    let calls = log.snapshot();
+    let steps: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| matches!(c, Call::Prefill { stream, .. } if *stream == b.id)).map(|(i, _)| i).collect();
+    let (first, last) = (steps[0], steps[steps.len() - 1]);
+    let during = hints(&calls[first..last]);
+    assert!(!during.is_empty(), "no plain greedy round among B's {} steps", steps.len());
+    assert!(during.iter().all(|&h| !h), "a round during B's pass expected the same round next: {during:?}");
+    assert!(hints(&calls[..first]).iter().any(|&h| h), "A's rounds alone before B came did not expect the same round next");
 }
 
 // A backend that returns each row's top-k candidates gets every round

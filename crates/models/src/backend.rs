@@ -308,13 +308,13 @@ impl<D: Device> Backend for ModelBackend<D> {
         self.run(&parts, &logit_rows)
     }
 
-    fn decode_round_greedy(&mut self, rows: &[DecodeRow]) -> Result<Vec<u32>> {
+    fn decode_round_greedy(&mut self, rows: &[DecodeRow], same_next: bool) -> Result<Vec<u32>> {
         ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
         let total = self.reserve_round(rows)?;
         let parts = round_parts(rows);
         let logit_rows: Vec<usize> = (0..total).collect();
         self.forward(&parts, &logit_rows)?;
-        if self.rewindable {
+        if self.rewindable && same_next {
             // The round expected next runs while the engine handles these
             // tokens; if it is not the one asked for, it only wrote KV past
             // each stream's length (no recurrent state here).

@@ -276,7 +276,7 @@ fn backend_greedy_rounds_equal_host_argmax() {
         for _ in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
             last = if on_device {
-                be.decode_round_greedy(&rows).unwrap()
+                be.decode_round_greedy(&rows, true).unwrap()
             } else {
                 be.decode_round(&rows).unwrap().chunks(1000).map(|r| argmax(r) as u32).collect()
             };
@@ -328,7 +328,7 @@ fn rounds_prepared_ahead_equal_eager() {
             let mut ids: Vec<u64> = last.keys().copied().collect();
             ids.sort();
             let rows: Vec<DecodeRow> = ids.iter().map(|&s| DecodeRow { stream: s, tokens: vec![last[&s]] }).collect();
-            let toks = be.decode_round_greedy(&rows).unwrap();
+            let toks = be.decode_round_greedy(&rows, true).unwrap();
             for (&s, &t) in ids.iter().zip(&toks) {
                 last.insert(s, t);
                 *lens.get_mut(&s).unwrap() += 1;

@@ -1310,13 +1310,7 @@ impl Cuda {
                 // length); this one replays as usual.
                 return self.graph(f);
             }
-            let usable = a.key == key
-                && a.tokens == tokens.len()
-                && a.gen == gen
-                && self.inner.graphs_enabled.load(Ordering::Relaxed)
-                && self.ready()
-                && !self.st().host_reads;
-            let exec = if usable { self.st().graphs.get(&a.sig).filter(|g| g.gen == gen).map(|g| g.exec) } else { None };
+            let exec = if a.key == key && a.tokens == tokens.len() && self.ready() { self.ahead_exec(&self.st(), &a) } else { None };
             if let Some(exec) = exec {
                 for &dst in &a.token_dst {
                     unsafe { cu(drv::memcpy_htod_async(dst, tokens, self.stream() as sys::CUstream), "token upload")? };
@@ -1421,14 +1415,20 @@ impl Cuda {
     /// The recorded graph of the round prepared ahead for `rows` tokens,
     /// and where it reads them, when it can launch now.
     fn ahead_ready(&self, rows: usize) -> Option<(usize, Vec<u64>)> {
-        if !self.replays_ahead() {
+        let st = self.st();
+        let a = st.ahead.as_ref().filter(|a| a.tokens == rows && a.running.is_none())?;
+        Some((self.ahead_exec(&st, a)?, a.token_dst.clone()))
+    }
+
+    /// The recorded graph of pass `a` done ahead, if nothing it relied on
+    /// has moved since: no allocation, graphs on, no forward that reads
+    /// values back.
+    fn ahead_exec(&self, st: &State, a: &Ahead) -> Option<usize> {
+        let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
+        if a.gen != gen || st.host_reads || !self.inner.graphs_enabled.load(Ordering::Relaxed) {
             return None;
         }
-        let gen = rt::ALLOC_GEN.load(Ordering::Relaxed);
-        let st = self.st();
-        let a = st.ahead.as_ref().filter(|a| a.tokens == rows && a.gen == gen && a.running.is_none() && !st.host_reads)?;
-        let exec = st.graphs.get(&a.sig).filter(|g| g.gen == gen)?.exec;
-        Some((exec, a.token_dst.clone()))
+        st.graphs.get(&a.sig).filter(|g| g.gen == gen).map(|g| g.exec)
     }
 
     /// Pinned host room for `bytes` (grown as needed) and the event after

@@ -162,12 +162,13 @@ struct State {
     graphs: HashMap<u64, Graph>,
     attn: HashMap<(usize, usize), AttnFns>,
     part: DevBuf,
-    ids_out: DevBuf,
     /// `argmax_rows`'s keys (`argmax_cap` rows; zero between calls), its
     /// finish count, then the token ids.
     argmax_buf: DevBuf,
     argmax_cap: usize,
+    /// `top_k`'s chunk candidates and each row's k best.
     topk_part: DevBuf,
+    topk_out: DevBuf,
     pub graph_hits: u64,
     /// Replays whose pass 1 was done ahead.
     pub ahead_hits: u64,
@@ -511,7 +512,7 @@ impl Cuda {
                     graphs: HashMap::new(),
                     attn: HashMap::new(),
                     part: DevBuf::empty(raw_ctx),
-                    ids_out: DevBuf::empty(raw_ctx),
+                    topk_out: DevBuf::empty(raw_ctx),
                     argmax_buf: DevBuf::empty(raw_ctx),
                     argmax_cap: 0,
                     topk_part: DevBuf::empty(raw_ctx),
@@ -1535,12 +1536,12 @@ impl Cuda {
         let (part, out) = {
             let mut guard = self.st();
             let st = &mut *guard;
-            for (buf, bytes) in [(&mut st.topk_part, rows * m * 8), (&mut st.ids_out, rows * k * 8)] {
+            for (buf, bytes) in [(&mut st.topk_part, rows * m * 8), (&mut st.topk_out, rows * k * 8)] {
                 if buf.bytes < bytes {
                     *buf = DevBuf::new(self.ctx(), bytes.max(1 << 16))?;
                 }
             }
-            (st.topk_part.ptr, st.ids_out.ptr)
+            (st.topk_part.ptr, st.topk_out.ptr)
         };
         let threads = (n / 2).clamp(32, 1024) as u32;
         self.launch(

@@ -1,8 +1,15 @@
-//! Device ops: the few kernels LLM inference needs, behind one trait.
+//! Device ops: the few kernels LLM inference needs, behind one small trait.
 //!
-//! Models are written once against [`Device`]; each device (the CPU here,
-//! CUDA behind a feature) implements the ops for its own tensor and weight
-//! types. The engine never sees any of this.
+//! Models are written once against [`Device`]: memory, about a dozen
+//! primitive ops, picking tokens where the logits are, and running a
+//! forward. Ops only some families need live in extension traits
+//! ([`RecurrentOps`], [`MoeOps`], [`SparseAttentionOps`]), so a model that
+//! needs them says so in its bounds. Fusions are the device's business: the
+//! CUDA device records a forward's primitive ops and matches fusable
+//! sequences in them (`cuda/fuse.rs`), so every family gets every fusion.
+//! The engine never sees any of this.
+
+use std::sync::Arc;
 
 use anyhow::Result;
 use braid_formats::TensorView;
@@ -23,6 +30,25 @@ pub struct Rope {
     pub neox: bool,
     /// Linear position scaling (1.0 = none).
     pub scale: f32,
+    /// An explicit frequency table, for variants `theta` cannot express
+    /// (Gemma 4's "proportional" RoPE): in every head the pair
+    /// `(i, i + freqs.len())` turns by `position * freqs[i]` (NeoX pairing)
+    /// and dimensions past `2 * freqs.len()` pass unchanged; `theta`,
+    /// `dims`, `neox` and `scale` are then not used.
+    pub freqs: Option<Arc<[f32]>>,
+}
+
+impl Rope {
+    /// RoPE over `dims` dimensions with base `theta`, unscaled.
+    pub fn new(theta: f32, dims: usize, neox: bool) -> Rope {
+        Rope { theta, dims, neox, scale: 1.0, freqs: None }
+    }
+
+    /// RoPE from an explicit frequency table (see [`Rope::freqs`]).
+    pub fn table(freqs: Vec<f32>) -> Rope {
+        let dims = 2 * freqs.len();
+        Rope { theta: 0.0, dims, neox: true, scale: 1.0, freqs: Some(freqs.into()) }
+    }
 }
 
 /// Shape of one layer's attention KV, as stored in the paged pool.
@@ -51,7 +77,7 @@ pub struct StateSeq {
     pub slot: u32,
 }
 
-/// Shape and limits of a Mamba2 selective scan ([`Device::ssm_scan`]).
+/// Shape and limits of a Mamba2 selective scan ([`RecurrentOps::ssm_scan`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SsmShape {
     pub heads: usize,
@@ -67,7 +93,7 @@ pub struct SsmShape {
 
 /// Block selection of a block-sparse attention layer (MiniMax-M3): an
 /// indexer scores key blocks per query and each query attends only to the
-/// chosen blocks ([`Device::block_sparse_attention`]).
+/// chosen blocks ([`SparseAttentionOps::block_sparse_attention`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockSparse {
     /// Positions per key block.
@@ -81,7 +107,7 @@ pub struct BlockSparse {
 }
 
 impl BlockSparse {
-    /// The checks every device makes of a [`Device::block_sparse_attention`]
+    /// The checks every device makes of a [`SparseAttentionOps::block_sparse_attention`]
     /// call, whatever its own limits: the layers, the shapes of `q`
     /// (`[rows, cols]`) and `iq`, and the sequences. Returns the attended
     /// layer's KV shape, the query heads and the query rows.
@@ -129,13 +155,79 @@ impl BlockSparse {
     }
 }
 
-/// The activation of a gated MLP ([`Device::gated_matmul`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GateAct {
+/// The activation of a gated product ([`Device::gated`]):
+/// `out = act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Act {
+    /// `gate * up`.
+    Identity,
     /// `silu(gate) * up` (Llama, Qwen).
     Silu,
     /// `gelu_tanh(gate) * up` (Gemma).
     GeluTanh,
+    /// `sigmoid(gate) * up` (an output gate).
+    Sigmoid,
+    /// MiniMax-M3's clamped SwiGLU: `g = min(gate, limit)`,
+    /// `u = clamp(up, -limit, limit)`, `out = (u + 1) · g · sigmoid(alpha · g)`.
+    SwiGluClamped { limit: f32, alpha: f32 },
+}
+
+/// An elementwise op in place ([`Device::map`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Map {
+    /// `x *= s`.
+    Scale(f32),
+    /// `x = cap * tanh(x / cap)`.
+    Softcap(f32),
+    /// `x = silu(x)`.
+    Silu,
+    /// `x = relu(x)²` (Nemotron-H's MLP activation).
+    Relu2,
+}
+
+/// What [`Device::pick`] finds in each row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowPick {
+    /// The index of the row's largest value (the first on ties; NaN never wins).
+    Argmax,
+    /// The `k` largest values with their columns, largest first, the lower
+    /// column first on ties, NaN counting (and coming back) as -inf.
+    TopK(usize),
+}
+
+/// What [`Device::pick`] found, one entry per row.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowPicked {
+    Argmax(Vec<u32>),
+    TopK(Vec<Vec<(u32, f32)>>),
+}
+
+/// What a device declares about itself.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// A row's result is bit-identical whatever else shares its batch (how
+    /// many rows a matmul sees, how a prompt is chunked). The CPU kernels
+    /// are written so; cuBLAS picks kernels by shape, so CUDA is not.
+    pub batch_invariant: bool,
+    /// [`RowPick::Argmax`] runs where the values are (greedy sampling there
+    /// saves moving whole rows to the host).
+    pub argmax: bool,
+    /// The largest `k` of [`RowPick::TopK`] found where the values are (0:
+    /// the rows are downloaded).
+    pub top_k: usize,
+    /// [`Device::forward_ahead`] does something here.
+    pub ahead: bool,
+}
+
+/// A forward as the device sees it: the rows' token ids and, when its
+/// shape recurs (decode rounds), a key for recording and replaying it.
+#[derive(Clone, Copy, Debug)]
+pub struct Forward<'a> {
+    /// A hash of everything the forward reads but its token ids' values:
+    /// two forwards with equal keys run the same ops on the same memory.
+    /// `None`: a shape that rarely recurs (a long prompt chunk).
+    pub key: Option<u64>,
+    pub tokens: &'a [u32],
 }
 
 /// How a KV pool stores its rows. F16 halves the memory; F32 keeps k and v
@@ -167,100 +259,17 @@ pub struct AttnSeq<'a> {
 /// Everything a model needs from a device.
 ///
 /// Tensors are 2-D, row-major `[rows, cols]`: one row per token in a
-/// batch. Weights are 2-D `[out, in]`; `matmul` computes `x · Wᵀ`.
+/// batch. Weights are 2-D `[out, in]`; `matmul` computes `x · Wᵀ`. Ops
+/// resize their outputs. Ops return nothing: a device that can fail inside
+/// one keeps the error and returns it from the next call that returns a
+/// `Result` (`download`, `pick`, `forward`).
 pub trait Device: Send + Sync + 'static {
     type Tensor: Send + Sync;
     type Weight: Send + Sync;
     type Kv: Send + Sync;
 
     fn name(&self) -> String;
-
-    /// Whether a row's result is bit-identical whatever else shares its
-    /// batch (how many rows a matmul sees, how a prompt is chunked). The
-    /// CPU kernels are written so; cuBLAS picks kernels by shape, so CUDA
-    /// is not.
-    fn batch_invariant(&self) -> bool {
-        true
-    }
-
-    /// Each row's index of its largest value (the first on ties; NaN never
-    /// wins on the host), for greedy sampling. The default downloads.
-    fn argmax_rows(&self, x: &Self::Tensor) -> Result<Vec<u32>> {
-        let (rows, cols) = self.shape(x);
-        let data = self.download(x)?;
-        Ok((0..rows)
-            .map(|r| {
-                let row = &data[r * cols..(r + 1) * cols];
-                let mut best = (0usize, f32::NEG_INFINITY);
-                for (i, &v) in row.iter().enumerate() {
-                    if v > best.1 {
-                        best = (i, v);
-                    }
-                }
-                best.0 as u32
-            })
-            .collect())
-    }
-
-    /// [`Device::argmax_rows`], then the round [`Device::replay_ahead`]
-    /// prepared launched at once with these tokens (fed on the device),
-    /// so it runs while the caller handles them: the caller's
-    /// [`Device::replay_keyed`] of that round with these tokens finds it
-    /// running. When another forward comes instead, that round has run for
-    /// nothing, so use it only where such a round leaves nothing that
-    /// matters (attention KV past each stream's length; no recurrent
-    /// state). The default is `argmax_rows`.
-    fn argmax_rows_launch_ahead(&self, x: &Self::Tensor) -> Result<Vec<u32>> {
-        self.argmax_rows(x)
-    }
-
-    /// Whether `argmax_rows` runs where the values are (so greedy
-    /// sampling there saves moving whole logits rows to the host).
-    fn argmax_on_device(&self) -> bool {
-        false
-    }
-
-    /// Each row's `k` largest values with their columns, largest first,
-    /// the lower column first on ties, NaN counting as -inf (NaN values
-    /// come back as -inf): the candidates of top-k sampling. The default
-    /// downloads.
-    fn top_k_rows(&self, x: &Self::Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        let cols = self.shape(x).1;
-        Ok(top_k_host(&self.download(x)?, cols, k))
-    }
-
-    /// The largest `k` that `top_k_rows` finds where the values are (0:
-    /// it downloads the rows).
-    fn top_k_on_device(&self) -> usize {
-        0
-    }
-
-    /// Run `f`, a forward made of this device's ops, the way that costs
-    /// the least to repeat: the CUDA device records it as a graph keyed by
-    /// everything it launches and replays it when the same shape comes
-    /// back (a decode round of the same streams). The default runs it.
-    fn replay(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        f()
-    }
-
-    /// Whether [`Device::replay_ahead`] does anything here.
-    fn replays_ahead(&self) -> bool {
-        false
-    }
-
-    /// Do now, while the device still runs the forward just replayed, the
-    /// host work of `f`, the forward expected next, so that
-    /// [`Device::replay_keyed`] of it launches at once: `key` hashes
-    /// everything `f` reads but its token ids, which `tokens` stand in
-    /// for. A forward that never comes costs only that host work. The
-    /// default does nothing.
-    fn replay_ahead(&self, _key: u64, _tokens: &[u32], _f: &mut dyn FnMut() -> Result<()>) {}
-
-    /// [`Device::replay`] of the forward `f` that `key` describes (as in
-    /// [`Device::replay_ahead`]), whose token ids are `tokens`.
-    fn replay_keyed(&self, _key: u64, _tokens: &[u32], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        self.replay(f)
-    }
+    fn caps(&self) -> DeviceCaps;
 
     // ---- memory ----
     /// A tensor of the given shape (contents unspecified).
@@ -276,31 +285,26 @@ pub trait Device: Send + Sync + 'static {
     /// A 1-D parameter (norm weight, bias) as one row, in f32 precision.
     /// `offset` is added to every element (Gemma's norms scale by 1 + w).
     fn vector(&self, view: &TensorView, offset: f32) -> Result<Self::Tensor>;
-    fn kv_pool(&self, spec: &KvPoolSpec) -> Result<Self::Kv>;
-    /// A KV pool storing its rows as `dtype` (`kv_pool` is the F16 one).
-    fn kv_pool_as(&self, spec: &KvPoolSpec, dtype: KvDtype) -> Result<Self::Kv> {
-        match dtype {
-            KvDtype::F16 => self.kv_pool(spec),
-            other => anyhow::bail!("{other:?} KV is not implemented on {}", self.name()),
-        }
-    }
+    /// A paged KV pool storing its rows as `dtype`.
+    fn kv_pool(&self, spec: &KvPoolSpec, dtype: KvDtype) -> Result<Self::Kv>;
 
     // ---- ops ----
     /// `out[i] = table[ids[i]] * scale`.
     fn embed(&self, table: &Self::Weight, ids: &[u32], scale: f32, out: &mut Self::Tensor);
-    /// `out = x · wᵀ` (out is resized to `[x.rows, w.out]`).
-    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor);
-    /// Copy the given rows of `x` into `out` (resized).
+    /// `outs[i] = x · ws[i]ᵀ` for each weight: one input, several products
+    /// (q, k and v; gate and up).
+    fn matmul(&self, x: &Self::Tensor, ws: &[&Self::Weight], outs: &mut [&mut Self::Tensor]);
+    /// Copy the given rows of `x` into `out`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor);
     /// RMSNorm over groups of `w.cols` elements of each row (a whole row, or
-    /// each head when `w` is one head wide).
+    /// each head when `w` is one head wide), times `w`.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32, out: &mut Self::Tensor);
-    /// `x += y`.
+    /// `x += y`; a `y` of one row is added to every row of `x` (a bias).
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
-    /// `out = silu(gate) * up`.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
-    /// `out = gelu_tanh(gate) * up`.
-    fn gelu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
+    /// An elementwise op in place.
+    fn map(&self, x: &mut Self::Tensor, f: Map);
+    /// `out = act(gate) * up`, elementwise.
+    fn gated(&self, act: Act, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
     /// Rotate every head of `x` (`heads × head_dim` wide) at `positions`.
     fn rope(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, rope: &Rope);
     /// Store each row's k and v at the pool slot `slots[i]`
@@ -310,11 +314,8 @@ pub trait Device: Send + Sync + 'static {
     fn kv_copy_blocks(&self, kv: &mut Self::Kv, src: &[u32], dst: &[u32]);
     /// Causal attention of q rows over each sequence's paged KV; `q` is
     /// `heads × head_dim` wide, `out` likewise.
+    #[allow(clippy::too_many_arguments)]
     fn attention(&self, q: &Self::Tensor, kv: &Self::Kv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut Self::Tensor);
-    /// `x *= s` elementwise (final logit scaling and the like).
-    fn scale(&self, x: &mut Self::Tensor, s: f32);
-    /// `x = cap * tanh(x / cap)`.
-    fn softcap(&self, x: &mut Self::Tensor, cap: f32);
 
     // ---- per-stream recurrent state (conv, SSM, linear attention) ----
     // Such state lives in one tensor of `[slots, elems]`: a row per stream
@@ -324,164 +325,58 @@ pub trait Device: Send + Sync + 'static {
     /// Set the given rows to zero (a fresh stream's state).
     fn zero_rows(&self, t: &mut Self::Tensor, rows: &[u32]);
 
-    // ---- fused ops: the defaults compose the ops above (same results);
-    // a device overrides them to save launches and memory passes ----
-    /// `x += y`, then `out = rms_norm(x)` (see [`Device::rms_norm`]).
-    fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, w: &Self::Tensor, eps: f32, out: &mut Self::Tensor) {
-        self.add(x, y);
-        self.rms_norm(x, w, eps, out);
-    }
-    /// `outs[i] = x · ws[i]ᵀ` for each pair (q, k and v from one input).
-    fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight], outs: &mut [&mut Self::Tensor]) {
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.matmul(x, w, out);
-        }
-    }
-    /// The gated MLP's first half: `out = act(x · gateᵀ) * (x · upᵀ)`.
-    /// `gate` and `up` are scratch: their contents afterwards are
-    /// unspecified (a device may never write them).
-    #[allow(clippy::too_many_arguments)]
-    fn gated_matmul(
-        &self,
-        x: &Self::Tensor,
-        w_gate: &Self::Weight,
-        w_up: &Self::Weight,
-        act: GateAct,
-        gate: &mut Self::Tensor,
-        up: &mut Self::Tensor,
-        out: &mut Self::Tensor,
-    ) {
-        self.matmul(x, w_gate, gate);
-        self.matmul(x, w_up, up);
-        match act {
-            GateAct::Silu => self.silu_mul(gate, up, out),
-            GateAct::GeluTanh => self.gelu_mul(gate, up, out),
-        }
-    }
-    /// `q, k, v = h · wqᵀ, h · wkᵀ, h · wvᵀ` with `h = rms_norm(x)` (norm
-    /// weight and eps; `normed` is scratch for it, which a device that
-    /// folds the norm into the products may never write) or `h = x`, then
-    /// [`Device::rope_kv_write`]: a layer's attention input in one call.
-    #[allow(clippy::too_many_arguments)]
-    fn qkv_rope_kv(
-        &self,
-        x: &Self::Tensor,
-        norm: Option<(&Self::Tensor, f32)>,
-        normed: &mut Self::Tensor,
-        ws: [&Self::Weight; 3],
-        q: &mut Self::Tensor,
-        k: &mut Self::Tensor,
-        v: &mut Self::Tensor,
-        kv: &mut Self::Kv,
-        layer: usize,
-        positions: &[u32],
-        slots: &[u32],
-        head_dim: usize,
-        rope: &Rope,
-    ) {
-        let h = match norm {
-            Some((w, eps)) => {
-                self.rms_norm(x, w, eps, normed);
-                &*normed
-            }
-            None => x,
-        };
-        self.matmul_many(h, &ws, &mut [&mut *q, &mut *k, &mut *v]);
-        self.rope_kv_write(q, k, v, kv, layer, positions, slots, head_dim, rope);
-    }
-    /// [`Device::gated_matmul`] of `rms_norm(x)`; `normed` is scratch as in
-    /// [`Device::qkv_rope_kv`].
-    #[allow(clippy::too_many_arguments)]
-    fn norm_gated_matmul(
-        &self,
-        x: &Self::Tensor,
-        w_norm: &Self::Tensor,
-        eps: f32,
-        normed: &mut Self::Tensor,
-        w_gate: &Self::Weight,
-        w_up: &Self::Weight,
-        act: GateAct,
-        gate: &mut Self::Tensor,
-        up: &mut Self::Tensor,
-        out: &mut Self::Tensor,
-    ) {
-        self.rms_norm(x, w_norm, eps, normed);
-        self.gated_matmul(normed, w_gate, w_up, act, gate, up, out);
-    }
-    /// `acc += x · wᵀ` (a residual add); `tmp` is scratch.
-    fn matmul_add(&self, x: &Self::Tensor, w: &Self::Weight, tmp: &mut Self::Tensor, acc: &mut Self::Tensor) {
-        self.matmul(x, w, tmp);
-        self.add(acc, tmp);
-    }
-    /// `rope(q)`, `rope(k)`, then `kv_write(k, v)` at `slots`.
-    #[allow(clippy::too_many_arguments)]
-    fn rope_kv_write(
-        &self,
-        q: &mut Self::Tensor,
-        k: &mut Self::Tensor,
-        v: &Self::Tensor,
-        kv: &mut Self::Kv,
-        layer: usize,
-        positions: &[u32],
-        slots: &[u32],
-        head_dim: usize,
-        rope: &Rope,
-    ) {
-        self.rope(q, positions, head_dim, rope);
-        self.rope(k, positions, head_dim, rope);
-        self.kv_write(kv, layer, k, v, slots);
+    // ---- sampling where the logits are ----
+    /// Each row's argmax or top-k (see [`RowPick`]). The default downloads
+    /// the rows; `DeviceCaps` says what a device finds where they are.
+    /// `launch_ahead`: after an argmax, launch at once (with these tokens,
+    /// on the device) the forward [`Device::forward_ahead`] prepared, so it
+    /// runs while the caller handles them; [`Device::forward`] of it then
+    /// finds it running. Use it only where such a forward, when another
+    /// comes instead, leaves nothing that matters (attention KV past each
+    /// stream's length; no recurrent state).
+    fn pick(&self, x: &Self::Tensor, pick: RowPick, launch_ahead: bool) -> Result<RowPicked> {
+        let _ = launch_ahead;
+        let (rows, cols) = self.shape(x);
+        let data = self.download(x)?;
+        Ok(match pick {
+            RowPick::Argmax => RowPicked::Argmax((0..rows).map(|r| argmax_host(&data[r * cols..(r + 1) * cols])).collect()),
+            RowPick::TopK(k) => RowPicked::TopK(top_k_host(&data, cols, k)),
+        })
     }
 
-    // ---- ops some models need; a device without them says so ----
-    /// RoPE from an explicit frequency table: in every head of `x`, the pair
-    /// `(i, i + inv_freq.len())` turns by `position * inv_freq[i]` (NeoX
-    /// pairing); dimensions past `2 * inv_freq.len()` pass unchanged. For
-    /// variants [`Device::rope`] cannot express, such as Gemma 4's
-    /// "proportional" RoPE (zero frequencies past the rotated part).
-    fn rope_freqs(&self, x: &mut Self::Tensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
-        let _ = (x, positions, head_dim, inv_freq);
-        anyhow::bail!("rope_freqs is not implemented on {}", self.name())
-    }
-    /// `out[rows[i]] += weights[i] * y[i]` for each row `i` of `y`, in order
-    /// (a mixture of experts adding one expert's outputs to its tokens).
-    fn scatter_add_rows(&self, out: &mut Self::Tensor, y: &Self::Tensor, rows: &[u32], weights: &[f32]) -> Result<()> {
-        let _ = (out, y, rows, weights);
-        anyhow::bail!("scatter_add_rows is not implemented on {}", self.name())
+    // ---- running a forward ----
+    /// Run `run`, a forward made of this device's ops, the way that costs
+    /// the least: the CUDA device records its ops, fuses what it can, and
+    /// for a keyed forward records a graph it replays when the key comes
+    /// back. The default runs it.
+    fn forward(&self, fw: Forward<'_>, run: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = fw;
+        run()
     }
 
-    // ---- ops of the hybrid families (LFM2, Nemotron-H, MiniMax) ----
-    /// `x = silu(x)`.
-    fn silu(&self, x: &mut Self::Tensor) -> Result<()> {
-        let _ = x;
-        anyhow::bail!("silu is not implemented on {}", self.name())
+    /// Do now, while the device still runs the last forward, the host work
+    /// of `run`, the keyed forward expected next, so that [`Device::forward`]
+    /// of it launches at once. A forward that never comes costs only that
+    /// host work. The default does nothing.
+    fn forward_ahead(&self, fw: Forward<'_>, run: &mut dyn FnMut() -> Result<()>) {
+        let _ = (fw, run);
     }
-    /// `out = relu(x)²` (Nemotron-H's MLP activation).
-    fn relu2(&self, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<()> {
-        let _ = (x, out);
-        anyhow::bail!("relu2 is not implemented on {}", self.name())
+
+    /// See one representative forward before serving (at load): a device
+    /// may fold weights (a norm's scale into the products that alone read
+    /// it) and build kernels. Weights do not change after. The default
+    /// does nothing.
+    fn prepare(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = run;
+        Ok(())
     }
-    /// `x *= y` elementwise.
-    fn mul(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
-        let _ = (x, y);
-        anyhow::bail!("mul is not implemented on {}", self.name())
-    }
-    /// `x *= sigmoid(gate)` elementwise (an output gate).
-    fn sigmoid_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()> {
-        let _ = (x, gate);
-        anyhow::bail!("sigmoid_mul is not implemented on {}", self.name())
-    }
+}
+
+/// Ops of the recurrent families (LFM2, Nemotron-H, MiniMax linear).
+pub trait RecurrentOps: Device {
     /// RMSNorm over each group of `group` elements of a row, times `w`,
     /// which is a whole row wide (Mamba2's gated norm over channel groups).
-    fn group_rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, group: usize, eps: f32, out: &mut Self::Tensor) -> Result<()> {
-        let _ = (x, w, group, eps, out);
-        anyhow::bail!("group_rms_norm is not implemented on {}", self.name())
-    }
-    /// Clamped SwiGLU (MiniMax-M3): `g = min(gate, limit)`, `u = clamp(up,
-    /// -limit, limit)`, `out = (u + 1) · g · sigmoid(alpha · g)`.
-    fn swiglu_clamped(&self, gate: &Self::Tensor, up: &Self::Tensor, limit: f32, alpha: f32, out: &mut Self::Tensor) -> Result<()> {
-        let _ = (gate, up, limit, alpha, out);
-        anyhow::bail!("swiglu_clamped is not implemented on {}", self.name())
-    }
+    fn group_rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, group: usize, eps: f32, out: &mut Self::Tensor) -> Result<()>;
     /// Depthwise causal convolution over time with a `kernel`-tap filter per
     /// channel, continuing each sequence from its state. `x` is `[rows, C]`;
     /// `weight` is one row of `C × kernel` (channel-major, as HF's conv1d
@@ -502,10 +397,7 @@ pub trait Device: Send + Sync + 'static {
         state_offset: usize,
         seqs: &[StateSeq],
         out: &mut Self::Tensor,
-    ) -> Result<()> {
-        let _ = (x, weight, bias, kernel, silu, state, state_offset, seqs, out);
-        anyhow::bail!("short_conv is not implemented on {}", self.name())
-    }
+    ) -> Result<()>;
     /// Mamba2 selective scan. `xbc` is `[rows, heads·head_dim + 2·groups·N]`
     /// holding x, B, C (after the conv); `dt` is `[rows, heads]` before the
     /// softplus; `dt_bias`, `a` (= -exp(A_log)) and `d` are one row of `heads`.
@@ -526,10 +418,7 @@ pub trait Device: Send + Sync + 'static {
         state_offset: usize,
         seqs: &[StateSeq],
         out: &mut Self::Tensor,
-    ) -> Result<()> {
-        let _ = (xbc, dt, dt_bias, a, d, shape, state, state_offset, seqs, out);
-        anyhow::bail!("ssm_scan is not implemented on {}", self.name())
-    }
+    ) -> Result<()>;
     /// Linear ("lightning") attention with a per-head decay: `qkv` is `[rows,
     /// heads·3·head_dim]`, each head's q, k, v side by side; `slopes` one row
     /// of `heads`. Per head: `S = exp(-slope)·S + kᵀv`, `o = q·S`. The state
@@ -546,10 +435,18 @@ pub trait Device: Send + Sync + 'static {
         state_offset: usize,
         seqs: &[StateSeq],
         out: &mut Self::Tensor,
-    ) -> Result<()> {
-        let _ = (qkv, slopes, heads, head_dim, state, state_offset, seqs, out);
-        anyhow::bail!("linear_attention is not implemented on {}", self.name())
-    }
+    ) -> Result<()>;
+}
+
+/// Ops of the mixture-of-experts families.
+pub trait MoeOps: Device {
+    /// `out[rows[i]] += weights[i] * y[i]` for each row `i` of `y`, in order
+    /// (one expert's outputs added to its tokens).
+    fn scatter_add_rows(&self, out: &mut Self::Tensor, y: &Self::Tensor, rows: &[u32], weights: &[f32]) -> Result<()>;
+}
+
+/// Block-sparse attention (MiniMax-M3).
+pub trait SparseAttentionOps: Device {
     /// Block-sparse causal attention. The indexer keys of every position sit
     /// in KV layer `index_layer` (as k, one head of `sel.index_dim`). For
     /// each query row and indexer head, blocks of `sel.block` positions are
@@ -569,13 +466,27 @@ pub trait Device: Send + Sync + 'static {
         scale: f32,
         sel: &BlockSparse,
         out: &mut Self::Tensor,
-    ) -> Result<()> {
-        let _ = (q, iq, kv, layer, index_layer, seqs, scale, sel, out);
-        anyhow::bail!("block_sparse_attention is not implemented on {}", self.name())
-    }
+    ) -> Result<()>;
 }
 
-/// [`Device::top_k_rows`] of rows of `cols` values on the host.
+/// A device with every family's ops (both of braid's devices): what
+/// loading any architecture asks for.
+pub trait AllOps: Device + RecurrentOps + MoeOps + SparseAttentionOps {}
+impl<D: Device + RecurrentOps + MoeOps + SparseAttentionOps> AllOps for D {}
+
+/// The index of the row's largest value on the host (the first on ties;
+/// NaN never wins).
+pub fn argmax_host(row: &[f32]) -> u32 {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        if v > best.1 {
+            best = (i, v);
+        }
+    }
+    best.0 as u32
+}
+
+/// [`RowPick::TopK`] of rows of `cols` values on the host.
 pub fn top_k_host(data: &[f32], cols: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
     data.chunks(cols.max(1))
         .map(|r| {

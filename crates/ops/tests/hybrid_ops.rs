@@ -4,7 +4,7 @@
 //! rows.
 
 use braid_ops::cpu::{Cpu, CpuTensor};
-use braid_ops::{AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, KvShape, SsmShape, StateSeq};
+use braid_ops::{Act, AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, KvShape, Map, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
 
 /// xorshift: reproducible values in [-1, 1).
 struct Rng(u64);
@@ -235,18 +235,21 @@ fn pointwise_ops() {
 
     let g = t(vec![3.0, -1.0, 0.5], 1, 3);
     let u = t(vec![5.0, -5.0, 0.25], 1, 3);
-    dev.swiglu_clamped(&g, &u, 2.0, 1.702, &mut out).unwrap();
+    dev.gated(Act::SwiGluClamped { limit: 2.0, alpha: 1.702 }, &g, &u, &mut out);
     let f = |g: f32, u: f32| (u + 1.0) * g / (1.0 + (-1.702 * g).exp());
     assert!(max_diff(&out.data, &[f(2.0, 2.0), f(-1.0, -2.0), f(0.5, 0.25)]) < 1e-6);
 
-    dev.relu2(&t(vec![-2.0, 3.0], 1, 2), &mut out).unwrap();
-    assert_eq!(out.data, vec![0.0, 9.0]);
-    let mut y = t(vec![1.0, 2.0], 1, 2);
-    dev.sigmoid_mul(&mut y, &t(vec![0.0, 100.0], 1, 2)).unwrap();
-    assert_eq!(y.data, vec![0.5, 2.0]);
-    dev.mul(&mut y, &t(vec![4.0, -1.0], 1, 2)).unwrap();
-    assert_eq!(y.data, vec![2.0, -2.0]);
-    assert!(dev.mul(&mut y, &t(vec![1.0], 1, 1)).is_err());
+    let mut r2 = t(vec![-2.0, 3.0], 1, 2);
+    dev.map(&mut r2, Map::Relu2);
+    assert_eq!(r2.data, vec![0.0, 9.0]);
+    let y = t(vec![1.0, 2.0], 1, 2);
+    dev.gated(Act::Sigmoid, &t(vec![0.0, 100.0], 1, 2), &y, &mut out);
+    assert_eq!(out.data, vec![0.5, 2.0]);
+    let mut prod = CpuTensor::default();
+    dev.gated(Act::Identity, &t(vec![4.0, -1.0], 1, 2), &out, &mut prod);
+    assert_eq!(prod.data, vec![2.0, -2.0]);
+    let mismatched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dev.gated(Act::Identity, &t(vec![1.0], 1, 1), &y, &mut prod)));
+    assert!(mismatched.is_err(), "gated must refuse tensors of different shapes");
 }
 
 /// Block-sparse attention: with every block kept it is ordinary causal
@@ -263,7 +266,7 @@ fn block_sparse_case(dtype: KvDtype) {
     let (heads, kvh, hd, idim, ih, n) = (4, 2, 8, 8, 2, 29);
     let bt = 4;
     let spec = KvPoolSpec { blocks: 8, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }, KvShape { kv_heads: 1, head_dim: idim }] };
-    let mut kv = dev.kv_pool_as(&spec, dtype).unwrap();
+    let mut kv = dev.kv_pool(&spec, dtype).unwrap();
     // Blocks out of order, to check the table is followed.
     let blocks: Vec<u32> = vec![5, 2, 7, 0, 1, 3, 6, 4];
     let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();

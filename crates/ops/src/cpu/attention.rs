@@ -620,7 +620,7 @@ mod tests {
         let spec = KvPoolSpec { blocks: nb + 3, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
         // Blocks out of order, as a paged pool hands them out.
         let blocks: Vec<u32> = (0..nb as u32).map(|b| (b * 5 + 2) % (nb as u32 + 3)).collect();
-        let mut kv = dev.kv_pool(&spec).unwrap();
+        let mut kv = dev.kv_pool(&spec, crate::KvDtype::F16).unwrap();
         let k = dev.upload(&(0..n * kvh * hd).map(|i| val(i, 1)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
         let v = dev.upload(&(0..n * kvh * hd).map(|i| val(i, 2)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
         let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();

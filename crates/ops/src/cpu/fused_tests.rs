@@ -1,10 +1,11 @@
-//! The CPU's fused ops give exactly what the plain ops give.
+//! The CPU's products give each row exactly what a product alone gives:
+//! several weights over one input, and any number of rows.
 
 use braid_formats::{Bytes, DType};
 
 use super::quant::f32_to_f16;
 use super::{Cpu, CpuTensor, CpuWeight};
-use crate::{Device, GateAct};
+use crate::Device;
 
 struct Rng(u64);
 impl Rng {
@@ -48,7 +49,7 @@ fn tensor(rng: &mut Rng, rows: usize, cols: usize) -> CpuTensor {
 const TYPES: [DType; 6] = [DType::Q4_1, DType::Q5_0, DType::Q8_0, DType::Q4K, DType::Q6K, DType::F16];
 
 #[test]
-fn matmul_many_equals_separate_matmuls() {
+fn several_products_equal_separate_ones() {
     let dev = Cpu::new(Some(2));
     let mut rng = Rng(11);
     let cols = 512;
@@ -61,64 +62,15 @@ fn matmul_many_equals_separate_matmuls() {
             let mut fused = [dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0)];
             {
                 let [a, b, c] = &mut fused;
-                dev.matmul_many(&x, &[&ws[0], &ws[1], &ws[2]], &mut [a, b, c]);
+                dev.matmul(&x, &[&ws[0], &ws[1], &ws[2]], &mut [a, b, c]);
             }
             for (w, f) in ws.iter().zip(&fused) {
                 let mut one = dev.tensor(0, 0);
-                dev.matmul(&x, w, &mut one);
+                dev.matmul(&x, &[w], &mut [&mut one]);
                 assert_eq!((f.rows, f.cols), (m, w.rows));
                 assert_eq!(f.data, one.data, "{:?} m={m}", w.dtype);
             }
         }
-    }
-}
-
-#[test]
-fn gated_matmul_equals_matmuls_then_activation() {
-    let dev = Cpu::new(Some(2));
-    let mut rng = Rng(12);
-    let cols = 256;
-    for m in [1, 2, 17, 40] {
-        for (i, &dt) in TYPES.iter().enumerate() {
-            // Same types (the fused path) and different ones.
-            for up_dt in [dt, TYPES[(i + 2) % TYPES.len()]] {
-                let (wg, wu) = (weight(&mut rng, dt, 75, cols), weight(&mut rng, up_dt, 75, cols));
-                let x = tensor(&mut rng, m, cols);
-                for act in [GateAct::Silu, GateAct::GeluTanh] {
-                    let (mut g, mut u, mut out) = (dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0));
-                    dev.gated_matmul(&x, &wg, &wu, act, &mut g, &mut u, &mut out);
-                    let (mut g2, mut u2, mut want) = (dev.tensor(0, 0), dev.tensor(0, 0), dev.tensor(0, 0));
-                    dev.matmul(&x, &wg, &mut g2);
-                    dev.matmul(&x, &wu, &mut u2);
-                    match act {
-                        GateAct::Silu => dev.silu_mul(&g2, &u2, &mut want),
-                        GateAct::GeluTanh => dev.gelu_mul(&g2, &u2, &mut want),
-                    }
-                    assert_eq!((out.rows, out.cols), (m, 75));
-                    assert_eq!(out.data, want.data, "{dt} x {up_dt} {act:?} m={m}");
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn add_rms_norm_equals_add_then_rms_norm() {
-    let dev = Cpu::new(Some(2));
-    let mut rng = Rng(13);
-    // Whole-row and per-head (grouped) norm weights.
-    for (rows, cols, g) in [(1, 64, 64), (7, 96, 96), (40, 128, 32)] {
-        let x0 = tensor(&mut rng, rows, cols);
-        let y = tensor(&mut rng, rows, cols);
-        let w = tensor(&mut rng, 1, g);
-        let (mut x1, mut out1) = (x0.clone(), dev.tensor(0, 0));
-        dev.add_rms_norm(&mut x1, &y, &w, 1e-6, &mut out1);
-        let (mut x2, mut out2) = (x0.clone(), dev.tensor(0, 0));
-        dev.add(&mut x2, &y);
-        dev.rms_norm(&x2, &w, 1e-6, &mut out2);
-        assert_eq!(x1.data, x2.data);
-        assert_eq!(out1.data, out2.data);
-        assert_eq!((out1.rows, out1.cols), (rows, cols));
     }
 }
 
@@ -136,12 +88,12 @@ fn each_row_equals_its_matvec_for_every_m() {
         let mut one = Vec::new();
         for r in 0..x.rows {
             let mut o = dev.tensor(0, 0);
-            dev.matmul(&CpuTensor { data: x.row(r).to_vec(), rows: 1, cols }, &w, &mut o);
+            dev.matmul(&CpuTensor { data: x.row(r).to_vec(), rows: 1, cols }, &[&w], &mut [&mut o]);
             one.push(o.data);
         }
         for m in 2..=x.rows {
             let mut o = dev.tensor(0, 0);
-            dev.matmul(&CpuTensor { data: x.data[..m * cols].to_vec(), rows: m, cols }, &w, &mut o);
+            dev.matmul(&CpuTensor { data: x.data[..m * cols].to_vec(), rows: m, cols }, &[&w], &mut [&mut o]);
             for (r, want) in one.iter().enumerate().take(m) {
                 assert_eq!(o.row(r), &want[..], "{dt} m={m} row {r}");
             }

@@ -145,7 +145,7 @@ mod tests {
         let seqs = [AttnSeq { q_start: 0, q_len: n, kv_len: n, blocks: &blocks, window: Some(6) }];
         let mut outs = Vec::new();
         for dtype in [KvDtype::F16, KvDtype::F32] {
-            let mut kv = dev.kv_pool_as(&spec, dtype).unwrap();
+            let mut kv = dev.kv_pool(&spec, dtype).unwrap();
             dev.kv_write(&mut kv, 0, &k, &v, &slots);
             let mut out = dev.tensor(0, 0);
             dev.attention(&q, &kv, 0, &seqs, 0.25, None, &mut out);
@@ -154,7 +154,7 @@ mod tests {
         let d = outs[0].iter().zip(&outs[1]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(d < 1e-5, "f16 and f32 pools differ by {d}");
 
-        let mut kv = dev.kv_pool_as(&spec, KvDtype::F32).unwrap();
+        let mut kv = dev.kv_pool(&spec, KvDtype::F32).unwrap();
         let fine = dev.upload(&vec![1.0 + 1e-6; kvh * hd], 1, kvh * hd).unwrap();
         dev.kv_write(&mut kv, 0, &fine, &fine, &[2]);
         dev.kv_copy_blocks(&mut kv, &[0], &[3]);

@@ -21,7 +21,7 @@ use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{AttnSeq, BlockSparse, Device, GateAct, KvDtype, KvPoolSpec, Rope, SsmShape, StateSeq};
+use crate::{Act, AttnSeq, BlockSparse, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SparseAttentionOps, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -129,6 +129,10 @@ impl Device for Cpu {
         format!("cpu ({} threads)", pool::threads())
     }
 
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps { batch_invariant: true, ..DeviceCaps::default() }
+    }
+
     fn tensor(&self, rows: usize, cols: usize) -> CpuTensor {
         CpuTensor { data: vec![0.0; rows * cols], rows, cols }
     }
@@ -181,11 +185,7 @@ impl Device for Cpu {
         Ok(CpuTensor { data, rows: 1, cols: n })
     }
 
-    fn kv_pool(&self, spec: &KvPoolSpec) -> Result<CpuKv> {
-        kv::kv_pool(spec, KvDtype::F16)
-    }
-
-    fn kv_pool_as(&self, spec: &KvPoolSpec, dtype: KvDtype) -> Result<CpuKv> {
+    fn kv_pool(&self, spec: &KvPoolSpec, dtype: KvDtype) -> Result<CpuKv> {
         kv::kv_pool(spec, dtype)
     }
 
@@ -204,54 +204,19 @@ impl Device for Cpu {
         }
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
-        assert_eq!(x.cols, w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
-        self.resize(out, x.rows, w.rows);
-        quant::matmul(w.qref(), &x.data, x.rows, &mut out.data);
-    }
-
-    fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {
+    fn matmul(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {
+        assert_eq!(ws.len(), outs.len(), "matmul: {} weights for {} outputs", ws.len(), outs.len());
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             assert_eq!(x.cols, w.cols, "matmul: x has {} columns, weight takes {}", x.cols, w.cols);
             self.resize(out, x.rows, w.rows);
         }
+        if let ([w], [out]) = (ws, &mut *outs) {
+            return quant::matmul(w.qref(), &x.data, x.rows, &mut out.data);
+        }
+        // Several products of one input in one pass over the pool.
         let refs: Vec<quant::QMatRef<'_>> = ws.iter().map(|w| w.qref()).collect();
         let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o.data[..]).collect();
         quant::matmul_many(&refs, &x.data, x.rows, &mut slices);
-    }
-
-    fn gated_matmul(&self, x: &CpuTensor, w_gate: &CpuWeight, w_up: &CpuWeight, act: GateAct, gate: &mut CpuTensor, up: &mut CpuTensor, out: &mut CpuTensor) {
-        assert_eq!(x.cols, w_gate.cols, "matmul: x has {} columns, weight takes {}", x.cols, w_gate.cols);
-        for t in [&mut *gate, &mut *up, &mut *out] {
-            self.resize(t, x.rows, w_gate.rows);
-        }
-        // Elementwise and lane-exact (vmath), so applying it per task block
-        // gives what silu_mul / gelu_mul over whole rows give.
-        let f: fn(&[f32], &[f32], &mut [f32]) = match act {
-            GateAct::Silu => vmath::silu_mul,
-            GateAct::GeluTanh => vmath::gelu_mul,
-        };
-        quant::matmul_gated(w_gate.qref(), w_up.qref(), &x.data, x.rows, &mut gate.data, &mut up.data, &mut out.data, &f);
-    }
-
-    fn add_rms_norm(&self, x: &mut CpuTensor, y: &CpuTensor, w: &CpuTensor, eps: f32, out: &mut CpuTensor) {
-        assert_eq!(x.data.len(), y.data.len());
-        let g = w.cols;
-        assert!(g > 0 && x.cols.is_multiple_of(g), "rms_norm: weight of {g} does not divide rows of {}", x.cols);
-        self.resize(out, x.rows, x.cols);
-        let cols = x.cols;
-        let (xptr, optr) = (SendPtr(x.data.as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
-        // One pass per row: the add, then the norm, each as the plain ops do it.
-        par_rows(x.rows, &|range| {
-            for r in range {
-                // SAFETY: each task owns its rows of x and out.
-                let (xr, or) = unsafe { (xptr.slice(r * cols, cols), optr.slice(r * cols, cols)) };
-                xr.iter_mut().zip(&y.data[r * cols..(r + 1) * cols]).for_each(|(a, b)| *a += b);
-                for (src, dst) in xr.chunks_exact(g).zip(or.chunks_exact_mut(g)) {
-                    norm_group(src, &w.data, eps, dst);
-                }
-            }
-        });
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
@@ -276,31 +241,48 @@ impl Device for Cpu {
     }
 
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
-        assert_eq!(x.data.len(), y.data.len());
+        if y.rows == 1 && x.rows != 1 {
+            // A bias: one row added to every row.
+            assert_eq!(x.cols, y.cols, "add: rows of {} plus a row of {}", x.cols, y.cols);
+            x.data.chunks_exact_mut(x.cols.max(1)).for_each(|r| r.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b));
+            return;
+        }
+        assert_eq!(x.data.len(), y.data.len(), "add: {}x{} += {}x{}", x.rows, x.cols, y.rows, y.cols);
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
     }
 
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
-        self.resize(out, gate.rows, gate.cols);
-        let optr = SendPtr(out.data.as_mut_ptr());
-        par_rows(gate.rows, &|range| {
-            let (a, n) = (range.start * gate.cols, range.len() * gate.cols);
-            let dst = unsafe { optr.slice(a, n) };
-            vmath::silu_mul(&gate.data[a..a + n], &up.data[a..a + n], dst);
-        });
+    fn map(&self, x: &mut CpuTensor, f: Map) {
+        match f {
+            Map::Scale(s) => x.data.iter_mut().for_each(|v| *v *= s),
+            Map::Softcap(cap) => x.data.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()),
+            Map::Silu => pointwise::silu(x),
+            Map::Relu2 => pointwise::relu2(x),
+        }
     }
 
-    fn gelu_mul(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+    fn gated(&self, act: Act, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+        assert!(gate.rows == up.rows && gate.cols == up.cols, "gated: gate {}x{}, up {}x{}", gate.rows, gate.cols, up.rows, up.cols);
         self.resize(out, gate.rows, gate.cols);
+        let f: fn(&[f32], &[f32], &mut [f32]) = match act {
+            Act::Silu => vmath::silu_mul,
+            Act::GeluTanh => vmath::gelu_mul,
+            Act::Identity => pointwise::mul,
+            Act::Sigmoid => pointwise::sigmoid_mul,
+            Act::SwiGluClamped { limit, alpha } => return pointwise::swiglu_clamped(gate, up, limit, alpha, out),
+        };
         let optr = SendPtr(out.data.as_mut_ptr());
         par_rows(gate.rows, &|range| {
             let (a, n) = (range.start * gate.cols, range.len() * gate.cols);
+            // SAFETY: each task writes its own rows.
             let dst = unsafe { optr.slice(a, n) };
-            vmath::gelu_mul(&gate.data[a..a + n], &up.data[a..a + n], dst);
+            f(&gate.data[a..a + n], &up.data[a..a + n], dst);
         });
     }
 
     fn rope(&self, x: &mut CpuTensor, positions: &[u32], head_dim: usize, rope: &Rope) {
+        if let Some(freqs) = &rope.freqs {
+            return rope_freqs::rope_freqs(x, positions, head_dim, freqs);
+        }
         assert_eq!(positions.len(), x.rows);
         let dims = rope.dims.min(head_dim);
         let half = dims / 2;
@@ -342,14 +324,6 @@ impl Device for Cpu {
         }
     }
 
-    fn scale(&self, x: &mut CpuTensor, s: f32) {
-        x.data.iter_mut().for_each(|v| *v *= s);
-    }
-
-    fn softcap(&self, x: &mut CpuTensor, cap: f32) {
-        x.data.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
-    }
-
     fn copy_rows(&self, t: &mut CpuTensor, src: &[u32], dst: &[u32]) {
         let c = t.cols;
         for (&s, &d) in src.iter().zip(dst) {
@@ -362,32 +336,12 @@ impl Device for Cpu {
             t.row_mut(r as usize).fill(0.0);
         }
     }
+}
 
-    // Hybrid families: the kernels live in their own files.
-    fn silu(&self, x: &mut CpuTensor) -> Result<()> {
-        pointwise::silu(x);
-        Ok(())
-    }
-
-    fn relu2(&self, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
-        pointwise::relu2(x, out);
-        Ok(())
-    }
-
-    fn mul(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        pointwise::mul(x, y)
-    }
-
-    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
-        pointwise::sigmoid_mul(x, gate)
-    }
-
+// The families' ops: the kernels live in their own files.
+impl RecurrentOps for Cpu {
     fn group_rms_norm(&self, x: &CpuTensor, w: &CpuTensor, group: usize, eps: f32, out: &mut CpuTensor) -> Result<()> {
         pointwise::group_rms_norm(x, w, group, eps, out)
-    }
-
-    fn swiglu_clamped(&self, gate: &CpuTensor, up: &CpuTensor, limit: f32, alpha: f32, out: &mut CpuTensor) -> Result<()> {
-        pointwise::swiglu_clamped(gate, up, limit, alpha, out)
     }
 
     fn short_conv(
@@ -434,7 +388,9 @@ impl Device for Cpu {
     ) -> Result<()> {
         linear_attention::linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
     }
+}
 
+impl SparseAttentionOps for Cpu {
     fn block_sparse_attention(
         &self,
         q: &CpuTensor,
@@ -449,11 +405,9 @@ impl Device for Cpu {
     ) -> Result<()> {
         sparse_attention::block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
+}
 
-    fn rope_freqs(&self, x: &mut CpuTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
-        rope_freqs::rope_freqs(x, positions, head_dim, inv_freq)
-    }
-
+impl MoeOps for Cpu {
     fn scatter_add_rows(&self, out: &mut CpuTensor, y: &CpuTensor, rows: &[u32], weights: &[f32]) -> Result<()> {
         scatter_add_rows::scatter_add_rows(out, y, rows, weights)
     }

@@ -8,25 +8,21 @@ pub fn silu(x: &mut CpuTensor) {
     x.data.iter_mut().for_each(|v| *v = silu1(*v));
 }
 
-pub fn relu2(x: &CpuTensor, out: &mut CpuTensor) {
-    out.data.resize(x.data.len(), 0.0);
-    (out.rows, out.cols) = (x.rows, x.cols);
-    for (o, v) in out.data.iter_mut().zip(&x.data) {
+pub fn relu2(x: &mut CpuTensor) {
+    x.data.iter_mut().for_each(|v| {
         let r = v.max(0.0);
-        *o = r * r;
-    }
+        *v = r * r;
+    });
 }
 
-pub fn mul(x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-    ensure!(x.rows == y.rows && x.cols == y.cols, "mul: {}x{} by {}x{}", x.rows, x.cols, y.rows, y.cols);
-    x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a *= b);
-    Ok(())
+/// `out = gate * up`.
+pub fn mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (g, u))| *o = u * g);
 }
 
-pub fn sigmoid_mul(x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
-    ensure!(x.rows == gate.rows && x.cols == gate.cols, "sigmoid_mul: {}x{} gated by {}x{}", x.rows, x.cols, gate.rows, gate.cols);
-    x.data.iter_mut().zip(&gate.data).for_each(|(a, g)| *a *= sigmoid(*g));
-    Ok(())
+/// `out = sigmoid(gate) * up`.
+pub fn sigmoid_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (g, u))| *o = u * sigmoid(*g));
 }
 
 pub fn group_rms_norm(x: &CpuTensor, w: &CpuTensor, group: usize, eps: f32, out: &mut CpuTensor) -> Result<()> {
@@ -51,16 +47,12 @@ pub fn group_rms_norm(x: &CpuTensor, w: &CpuTensor, group: usize, eps: f32, out:
     Ok(())
 }
 
-pub fn swiglu_clamped(gate: &CpuTensor, up: &CpuTensor, limit: f32, alpha: f32, out: &mut CpuTensor) -> Result<()> {
-    ensure!(gate.rows == up.rows && gate.cols == up.cols, "swiglu_clamped: gate {}x{}, up {}x{}", gate.rows, gate.cols, up.rows, up.cols);
-    out.data.resize(gate.data.len(), 0.0);
-    (out.rows, out.cols) = (gate.rows, gate.cols);
+pub fn swiglu_clamped(gate: &CpuTensor, up: &CpuTensor, limit: f32, alpha: f32, out: &mut CpuTensor) {
     for ((o, g), u) in out.data.iter_mut().zip(&gate.data).zip(&up.data) {
         let g = g.min(limit);
         let u = u.clamp(-limit, limit);
         *o = (u + 1.0) * g * sigmoid(alpha * g);
     }
-    Ok(())
 }
 
 pub(crate) fn sigmoid(x: f32) -> f32 {

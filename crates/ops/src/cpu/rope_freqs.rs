@@ -1,14 +1,12 @@
-//! RoPE from an explicit frequency table (see `Device::rope_freqs`).
-
-use anyhow::{ensure, Result};
+//! RoPE from an explicit frequency table (see `Rope::freqs`).
 
 use super::CpuTensor;
 
-pub fn rope_freqs(x: &mut CpuTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) -> Result<()> {
+pub fn rope_freqs(x: &mut CpuTensor, positions: &[u32], head_dim: usize, inv_freq: &[f32]) {
     let half = inv_freq.len();
-    ensure!(positions.len() == x.rows, "rope_freqs: {} positions for {} rows", positions.len(), x.rows);
-    ensure!(head_dim > 0 && x.cols.is_multiple_of(head_dim), "rope_freqs: rows of {} are not whole heads of {head_dim}", x.cols);
-    ensure!(2 * half <= head_dim, "rope_freqs: {half} frequencies do not fit a head of {head_dim}");
+    assert!(positions.len() == x.rows, "rope_freqs: {} positions for {} rows", positions.len(), x.rows);
+    assert!(head_dim > 0 && x.cols.is_multiple_of(head_dim), "rope_freqs: rows of {} are not whole heads of {head_dim}", x.cols);
+    assert!(2 * half <= head_dim, "rope_freqs: {half} frequencies do not fit a head of {head_dim}");
     let cols = x.cols;
     for (r, &p) in positions.iter().enumerate() {
         let pos = p as f32;
@@ -22,7 +20,6 @@ pub fn rope_freqs(x: &mut CpuTensor, positions: &[u32], head_dim: usize, inv_fre
             }
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -38,14 +35,14 @@ mod tests {
         let pos = [0u32, 5, 17];
         let mut a = dev.upload(&data, 3, heads * hd).unwrap();
         let mut b = a.clone();
-        dev.rope(&mut a, &pos, hd, &Rope { theta, dims: hd, neox: true, scale: 1.0 });
+        dev.rope(&mut a, &pos, hd, &Rope::new(theta, hd, true));
         let inv: Vec<f32> = (0..hd / 2).map(|i| theta.powf(-((2 * i) as f32) / hd as f32)).collect();
-        dev.rope_freqs(&mut b, &pos, hd, &inv).unwrap();
+        dev.rope(&mut b, &pos, hd, &Rope::table(inv));
         assert_eq!(a.data, b.data);
 
         // Zero frequencies leave their pairs exactly as they were.
         let mut c = dev.upload(&data, 3, heads * hd).unwrap();
-        dev.rope_freqs(&mut c, &pos, hd, &[0.5, 0.0, 0.0, 0.0]).unwrap();
+        dev.rope(&mut c, &pos, hd, &Rope::table(vec![0.5, 0.0, 0.0, 0.0]));
         for (r, row) in c.data.chunks(heads * hd).enumerate() {
             for (h, head) in row.chunks(hd).enumerate() {
                 let orig = &data[r * heads * hd + h * hd..][..hd];
@@ -57,6 +54,7 @@ mod tests {
                 }
             }
         }
-        assert!(dev.rope_freqs(&mut c, &pos, hd, &[0.0; 5]).is_err());
+        let too_many = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dev.rope(&mut c, &pos, hd, &Rope::table(vec![0.0; 5]))));
+        assert!(too_many.is_err());
     }
 }

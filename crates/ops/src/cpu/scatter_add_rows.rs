@@ -21,7 +21,7 @@ pub fn scatter_add_rows(out: &mut CpuTensor, y: &CpuTensor, rows: &[u32], weight
 #[cfg(test)]
 mod tests {
     use crate::cpu::Cpu;
-    use crate::Device;
+    use crate::{Device, MoeOps};
 
     #[test]
     fn adds_weighted_rows_and_checks_targets() {

@@ -6,7 +6,7 @@
 //! so [`check_libraries`] looks first and every entry point that may load a
 //! symbol runs under `catch_unwind`.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_void, CString};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{result as drv, sys};
 
-/// Bumped whenever device memory is allocated or freed: CUDA graphs bake
-/// pointers in, so a graph recorded under another generation is stale.
+/// Bumped whenever device memory is allocated or freed: a forward prepared
+/// ahead bakes pointers in, so one prepared under another generation is stale.
 pub static ALLOC_GEN: AtomicU64 = AtomicU64::new(0);
 
 /// Turn a panic from a missing library or symbol into an error.
@@ -57,6 +57,26 @@ pub fn cu(r: Result<(), drv::DriverError>, what: &str) -> Result<()> {
 
 thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(0) };
+    /// While a forward is recorded, freeing waits: its commands, run after,
+    /// may still name the memory (`exec.rs`).
+    static DEFER: Cell<bool> = const { Cell::new(false) };
+    static DEFERRED: RefCell<Vec<(usize, u64)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Hold frees of this thread's buffers (`on`) until [`free_deferred`].
+pub fn defer_frees(on: bool) {
+    DEFER.with(|d| d.set(on));
+}
+
+/// Free what was held while frees were deferred.
+pub fn free_deferred() {
+    for (ctx, ptr) in DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())) {
+        if make_current(ctx).is_ok() {
+            unsafe {
+                let _ = drv::free_sync(ptr);
+            }
+        }
+    }
 }
 
 /// Make `ctx` current on this thread (the lane thread may not be the one
@@ -93,11 +113,16 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        if self.ptr != 0 && make_current(self.ctx).is_ok() {
+        if self.ptr == 0 {
+            return;
+        }
+        ALLOC_GEN.fetch_add(1, Ordering::Relaxed);
+        if DEFER.with(|d| d.get()) {
+            DEFERRED.with(|d| d.borrow_mut().push((self.ctx, self.ptr)));
+        } else if make_current(self.ctx).is_ok() {
             unsafe {
                 let _ = drv::free_sync(self.ptr);
             }
-            ALLOC_GEN.fetch_add(1, Ordering::Relaxed);
         }
     }
 }

@@ -38,7 +38,7 @@ use anyhow::{bail, Result};
 use braid_formats::DType;
 
 pub use blocks::{f16_to_f32, f32_to_f16};
-pub use matmul::{matmul, matmul_gated, matmul_isa, matmul_many, matmul_rows};
+pub use matmul::{matmul, matmul_isa, matmul_many, matmul_rows};
 
 /// A weight matrix as the file stores it: `rows` output features, each a
 /// row of `cols` input features in `dtype`'s blocks, rows back to back.

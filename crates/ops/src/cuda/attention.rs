@@ -1,0 +1,240 @@
+//! Paged attention over the bf16 KV pool: a split-KV decode kernel (its
+//! splits merged by a combine launch, or inside a thread-block cluster on
+//! Hopper), and a tensor-core prefill kernel for prompt chunks. One NVRTC
+//! module per (head dim, query heads per KV head), compiled on first use.
+//!
+//! `try_attention` is the `Device` op, run through `Cuda::op`; recorded in a
+//! forward, it uploads its metadata now and its launches run with the forward.
+
+use std::collections::HashMap;
+
+use anyhow::{anyhow, ensure, Result};
+
+use super::exec::Io;
+use super::rt::{self, DevBuf};
+use super::{kernels, Cuda, CudaKv, CudaTensor};
+use crate::AttnSeq;
+
+/// Query rows per block of the prefill attention kernel (PF_BQ).
+const PREFILL_ROWS: usize = 64;
+
+#[derive(Clone, Copy)]
+pub(super) struct AttnFns {
+    decode: usize,
+    /// The decode kernel whose key splits merge inside a thread-block
+    /// cluster (Hopper on): no combine launch.
+    decode_cl: Option<usize>,
+    combine: usize,
+    prefill: Option<usize>,
+}
+
+/// The modules compiled so far, and the split-KV scratch.
+pub(super) struct Attn {
+    fns: HashMap<(usize, usize), AttnFns>,
+    part: DevBuf,
+}
+
+impl Attn {
+    pub fn new(ctx: usize) -> Attn {
+        Attn { fns: HashMap::new(), part: DevBuf::empty(ctx) }
+    }
+}
+
+impl Cuda {
+    /// Compiled-kernel check: build the attention kernels for a shape now
+    /// (so a compile error shows here, not inside a forward).
+    pub fn prepare_attention(&self, head_dim: usize, group: usize) -> Result<()> {
+        rt::make_current(self.ctx())?;
+        self.attn_fns(head_dim, group).map(|_| ())
+    }
+
+    fn attn_fns(&self, hd: usize, g: usize) -> Result<AttnFns> {
+        if let Some(a) = self.st().attn.fns.get(&(hd, g)) {
+            return Ok(*a);
+        }
+        let m = rt::compile_and_load(&kernels::attention_source(&self.inner.tuning, hd, g), &self.inner.arch)?;
+        let f = AttnFns {
+            decode: m.func("attn_decode")?,
+            decode_cl: if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster { Some(m.func("attn_decode_cl")?) } else { None },
+            combine: m.func("attn_combine")?,
+            prefill: if self.inner.cc.0 >= 8 { Some(m.func("attn_prefill")?) } else { None },
+        };
+        let mut st = self.st();
+        st.prof.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
+        if let Some(c) = f.decode_cl {
+            st.prof.names.insert(c, format!("attn_decode_cl hd{hd} g{g}"));
+        }
+        st.prof.names.insert(f.combine, format!("attn_combine hd{hd}"));
+        if let Some(p) = f.prefill {
+            st.prof.names.insert(p, format!("attn_prefill hd{hd} g{g}"));
+        }
+        st.attn.fns.insert((hd, g), f);
+        Ok(f)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn try_attention(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        softcap: Option<f32>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.other(|| {
+            self.attention_cmds(q, kv, layer, seqs, scale, softcap, out)?;
+            Ok(Io { reads: vec![q.fptr()], writes: vec![out.fptr()], bf: vec![out.fptr()] })
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cmds(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        softcap: Option<f32>,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let shape = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("attention: layer {layer} not in the KV pool"))?;
+        let (hd, kvh) = (shape.head_dim, shape.kv_heads);
+        ensure!(hd % 16 == 0 && hd <= 256, "attention: head dim {hd} is not supported on CUDA (a multiple of 16, at most 256)");
+        ensure!(q.cols.is_multiple_of(hd), "attention: q is {} wide, not a multiple of head dim {hd}", q.cols);
+        let heads = q.cols / hd;
+        ensure!(heads.is_multiple_of(kvh) && heads / kvh <= 16, "attention: {heads} query heads over {kvh} KV heads is not supported");
+        let g = heads / kvh;
+        self.grow(out, q.rows, q.cols)?;
+        let bt = kv.spec.block_tokens;
+        let max_q = seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+        if max_q == 0 {
+            return Ok(());
+        }
+        let fns = self.attn_fns(hd, g)?;
+        let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
+        let prefill = f_pre.is_some() && max_q > 4;
+        if prefill && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= 4) {
+            // A decode round sharing its forward with a prompt chunk: the
+            // decode rows keep the split-KV kernel (one prefill block
+            // walking a long context alone would stall them).
+            let (short, long): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().partition(|s| s.q_len <= 4);
+            self.attention_cmds(q, kv, layer, &short, scale, softcap, out)?;
+            return self.attention_cmds(q, kv, layer, &long, scale, softcap, out);
+        }
+        // Metadata: per sequence [q_start, q_len, kv_len, window, table offset],
+        // then the work list (rows or 64-row tiles), then the block tables.
+        let mut meta: Vec<u32> = Vec::with_capacity(seqs.len() * 8);
+        let mut bt_off = 0usize;
+        for s in seqs {
+            ensure!(s.kv_len >= s.q_len && s.q_start + s.q_len <= q.rows, "attention: sequence rows {}+{} of {} (kv {})", s.q_start, s.q_len, q.rows, s.kv_len);
+            ensure!(s.blocks.len() * bt >= s.kv_len, "attention: {} blocks hold fewer than {} positions", s.blocks.len(), s.kv_len);
+            meta.extend([s.q_start as u32, s.q_len as u32, s.kv_len as u32, s.window.unwrap_or(0) as u32, bt_off as u32]);
+            bt_off += s.kv_len.div_ceil(bt);
+        }
+        let off_list = meta.len();
+        let mut work = 0usize;
+        for (si, s) in seqs.iter().enumerate() {
+            if prefill {
+                for t in (0..s.q_len).step_by(PREFILL_ROWS) {
+                    meta.extend([si as u32, t as u32]);
+                    work += 1;
+                }
+            } else {
+                for i in 0..s.q_len {
+                    meta.extend([si as u32, i as u32]);
+                    work += 1;
+                }
+            }
+        }
+        let off_bt = meta.len();
+        for s in seqs {
+            meta.extend_from_slice(&s.blocks[..s.kv_len.div_ceil(bt)]);
+        }
+        let mp = self.put_u32(&meta)?;
+        let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
+        let kv_w = (kvh * hd) as i32;
+        let cap = softcap.unwrap_or(0.0);
+        if prefill {
+            let f = f_pre.unwrap_or(f_dec);
+            self.launch(f)
+                .grid((work as u32, heads as u32, 1))
+                .block(128)
+                .ptr(q.fptr())
+                .int(q.cols)
+                .ptr(kc)
+                .ptr(vc)
+                .i32(kv_w)
+                .int(bt)
+                .ptr(mp)
+                .int(off_list)
+                .int(off_bt)
+                .f32(scale)
+                .f32(cap)
+                .ptr(out.fptr())
+                .ptr(out.bptr())
+                .run()?;
+        } else {
+            // Split the keys so the launch fills the GPU; the split count
+            // depends on the batch shape only, so graphs stay valid as
+            // sequences grow. (Not splitting short contexts was tried: one
+            // block per KV head walking 200 keys took 14.8 µs against 6.4 +
+            // 4.2 for the split and its combine.)
+            let ctas = work * kvh;
+            // A row and KV head's splits as one cluster (at most 8 blocks,
+            // the portable cluster size) merge in shared memory.
+            let max = if fns.decode_cl.is_some() { self.inner.tuning.attn_max_splits.min(8) } else { self.inner.tuning.attn_max_splits };
+            let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
+            let cluster = fns.decode_cl.filter(|_| nsplit > 1);
+            let part = if nsplit > 1 && cluster.is_none() {
+                let need = work * heads * nsplit * (hd + 2) * 4;
+                let mut st = self.st();
+                let part = &mut st.attn.part;
+                if part.bytes < need {
+                    *part = DevBuf::new(self.ctx(), need.max(4 << 20))?;
+                }
+                part.ptr
+            } else {
+                0
+            };
+            self.launch(cluster.unwrap_or(f_dec))
+                .grid((nsplit as u32, kvh as u32, work as u32))
+                .block(128)
+                .cluster(if cluster.is_some() { nsplit as u32 } else { 1 })
+                .ptr(q.fptr())
+                .int(q.cols)
+                .ptr(kc)
+                .ptr(vc)
+                .i32(kv_w)
+                .int(bt)
+                .ptr(mp)
+                .int(off_list)
+                .int(off_bt)
+                .int(nsplit)
+                .f32(scale)
+                .f32(cap)
+                .int(heads)
+                .ptr(out.fptr())
+                .ptr(out.bptr())
+                .ptr(part)
+                .run()?;
+            if nsplit > 1 && cluster.is_none() {
+                self.launch(f_comb)
+                    .grid((work as u32, heads as u32, 1))
+                    .block(hd as u32)
+                    .ptr(part)
+                    .ptr(mp)
+                    .int(off_list)
+                    .int(nsplit)
+                    .int(heads)
+                    .int(q.cols)
+                    .ptr(out.fptr())
+                    .ptr(out.bptr())
+                    .run()?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,471 @@
+// Paged attention, compiled once per (HD = head dim, G = query heads per KV
+// head), both `#define`d before prelude.cuh. The metadata array (`meta`)
+// holds, per sequence, `[q_start, q_len, kv_len, window, block-table
+// offset]`, then the work lists, then the block tables (see
+// `attention.rs`).
+__device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16); }
+
+#define DEC_THREADS 128
+#define DEC_NO ((G * HD / 2 + DEC_THREADS - 1) / DEC_THREADS)
+// Keys per tile. The tile's K and V rows sit in shared memory; sizes keep
+// the block under 48 KB for G up to 16.
+#define DEC_TK ((HD <= 64 ? 128 : HD <= 128 ? 64 : 32) / (G > 8 ? 2 : 1))
+// A K/V row in 16-byte chunks, padded by one chunk so that the 8 threads
+// of a quarter warp reading one chunk of 8 rows hit distinct banks.
+#define DEC_RC (HD / 8)
+#define DEC_RP (DEC_RC + 1)
+// Threads per key for the scores: each takes every DEC_GS-th head, DEC_HPT of them.
+#define DEC_GS (DEC_THREADS / DEC_TK)
+#define DEC_HPT ((G + DEC_GS - 1) / DEC_GS)
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// A float in block `rank`'s shared memory, at the address `p` has in this block's.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+}
+#endif
+
+// 16 bytes global -> shared without registers (Ampere on).
+__device__ __forceinline__ void copy16_async(uint4* dst, const uint4* src) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+#else
+    *dst = *src;
+#endif
+}
+__device__ __forceinline__ void copy_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// The splits' (acc, m, l) of the cluster's blocks (block = split, cp in
+// each block's shared memory, G x (HD + 2)) merged as attn_combine does;
+// each block writes a share of the G x HD outputs. A thread loads all its
+// remote values before using any (one round trip, not one per split). The
+// second barrier keeps every block's shared memory alive until all have
+// read it.
+__device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int split, int nsplit, int q_cols,
+                                         float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+#if __CUDA_ARCH__ >= 900
+    cluster_sync();
+    for (int idx = split * DEC_THREADS + threadIdx.x; idx < G * HD; idx += nsplit * DEC_THREADS) {
+        const int g = idx / HD, d = idx % HD;
+        const float* pg = cp + g * (HD + 2);
+        float ms[8], ls[8], as[8];
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if (k < nsplit) {
+                ms[k] = ld_cluster(pg + HD, k);
+                ls[k] = ld_cluster(pg + HD + 1, k);
+                as[k] = ld_cluster(pg + d, k);
+            }
+        }
+        float M = NEG_INF;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
+        float L = 0.f, acc = 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if (k < nsplit && ms[k] != NEG_INF) {
+                const float w = __expf(ms[k] - M);
+                L += w * ls[k];
+                acc += w * as[k];
+            }
+        }
+        const float v = L > 0.f ? acc / L : 0.f;
+        const long off = (long)row * q_cols + (kvh * G + g) * HD + d;
+        out[off] = v;
+        out_bf[off] = f2bf(v);
+    }
+    cluster_sync();
+#endif
+}
+
+// Decode attention: one block per (split, kv head, query row). Each block
+// walks its share of the row's keys in tiles of DEC_TK. The tile's key
+// slots come from the uploaded block table before the wait for q's
+// producer; after it, the tile's K and V rows are copied into shared
+// memory all at once (one memory round trip, not one per key). Then the
+// scores for the G query heads of this KV head, an online-softmax update
+// per head (one warp per head), and P·V with threads over (head, dim
+// pair), all out of shared memory. With nsplit > 1 the block leaves (acc,
+// m, l) for attn_combine, or (CL: the splits of a row and KV head form
+// one thread-block cluster) in its shared memory, where the cluster's
+// blocks merge them (cl_merge).
+template <bool CL>
+__device__ __forceinline__ void attn_decode_body(
+    const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
+    const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
+    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
+{
+    PDL_PRE();
+    // K rows, then V rows; after the last tile, the splits' partials (cp).
+    __shared__ uint4 kv_s[2][DEC_TK][DEC_RP];
+    __shared__ float qs[G][HD];
+    __shared__ float sc[G][DEC_TK];
+    __shared__ int slot_s[DEC_TK];
+    __shared__ float m_s[G], l_s[G], corr_s[G];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int z = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
+    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
+    const unsigned* st = meta + 5 * s;
+    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
+    const unsigned* blocks = meta + off_bt + st[4];
+    const int row = q_start + i;
+    const int pos = kv_len - q_len + i;
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int n = pos + 1 - lo;
+    int chunk = (n + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    const int a = lo + split * chunk;
+    const int b = min(pos + 1, a + chunk);
+    if (tid < DEC_TK) slot_s[tid] = a + tid < b ? (int)blocks[(a + tid) / bt] * bt + (a + tid) % bt : 0;
+    if (tid < G) { m_s[tid] = NEG_INF; l_s[tid] = 0.f; }
+    PDL_POST();
+
+    for (int idx = tid; idx < G * HD; idx += DEC_THREADS) {
+        int g = idx / HD, d = idx % HD;
+        qs[g][d] = q[(long)row * q_cols + (kvh * G + g) * HD + d] * scale;
+    }
+    float2 acc[DEC_NO];
+    #pragma unroll
+    for (int o = 0; o < DEC_NO; o++) acc[o] = make_float2(0.f, 0.f);
+    __syncthreads();
+
+    for (int t0 = a; t0 < b; t0 += DEC_TK) {
+        const int nk = min(DEC_TK, b - t0);
+        for (int c = tid; c < nk * DEC_RC; c += DEC_THREADS) {
+            const int key = c / DEC_RC, part_c = c % DEC_RC;
+            const long base = (long)slot_s[key] * kv_w + kvh * HD;
+            copy16_async(&kv_s[0][key][part_c], (const uint4*)(kc + base) + part_c);
+            copy16_async(&kv_s[1][key][part_c], (const uint4*)(vc + base) + part_c);
+        }
+        // The next tile's slot, its block-table read beside the copies.
+        const int jn = t0 + DEC_TK + tid;
+        const int next = tid < DEC_TK && jn < b ? (int)blocks[jn / bt] * bt + jn % bt : 0;
+        copy_async_wait_all();
+        __syncthreads();
+        if (tid < DEC_TK) slot_s[tid] = next;
+        {
+            const int key = tid % DEC_TK, g0 = tid / DEC_TK;
+            float sg[DEC_HPT];
+            #pragma unroll
+            for (int h = 0; h < DEC_HPT; h++) sg[h] = 0.f;
+            if (key < nk) {
+                #pragma unroll 4
+                for (int c = 0; c < DEC_RC; c++) {
+                    const uint4 kv = kv_s[0][key][c];
+                    const unsigned w4[4] = {kv.x, kv.y, kv.z, kv.w};
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float k0 = __uint_as_float(w4[e] << 16), k1 = __uint_as_float(w4[e] & 0xffff0000u);
+                        #pragma unroll
+                        for (int h = 0; h < DEC_HPT; h++) {
+                            const int g = g0 + h * DEC_GS;
+                            if (g < G) sg[h] += qs[g][c * 8 + 2 * e] * k0 + qs[g][c * 8 + 2 * e + 1] * k1;
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (int h = 0; h < DEC_HPT; h++) {
+                const int g = g0 + h * DEC_GS;
+                if (g >= G) continue;
+                float v = sg[h];
+                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                sc[g][key] = key < nk ? v : NEG_INF;
+            }
+        }
+        __syncthreads();
+        for (int g = warp; g < G; g += DEC_THREADS / 32) {
+            float mx = NEG_INF;
+            for (int k = lane; k < DEC_TK; k += 32) mx = fmaxf(mx, sc[g][k]);
+            mx = warp_max(mx);
+            const float mold = m_s[g];
+            const float mnew = fmaxf(mold, mx);
+            const float corr = mold == NEG_INF ? 0.f : __expf(mold - mnew);
+            float sum = 0.f;
+            for (int k = lane; k < DEC_TK; k += 32) {
+                const float sv = sc[g][k];
+                const float p = sv == NEG_INF ? 0.f : __expf(sv - mnew);
+                sc[g][k] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) { l_s[g] = l_s[g] * corr + sum; m_s[g] = mnew; corr_s[g] = corr; }
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int o = 0; o < DEC_NO; o++) {
+            const int idx = tid + o * DEC_THREADS;
+            if (idx < G * HD / 2) {
+                const int g = idx / (HD / 2), d2 = idx % (HD / 2);
+                const float c = corr_s[g];
+                float ax = acc[o].x * c, ay = acc[o].y * c;
+                #pragma unroll 8
+                for (int k = 0; k < nk; k++) {
+                    const float p = sc[g][k];
+                    const unsigned vv = ((const unsigned*)kv_s[1][k])[d2];
+                    ax += p * __uint_as_float(vv << 16);
+                    ay += p * __uint_as_float(vv & 0xffff0000u);
+                }
+                acc[o] = make_float2(ax, ay);
+            }
+        }
+        __syncthreads();
+    }
+
+    float* cp = (float*)kv_s;
+    #pragma unroll
+    for (int o = 0; o < DEC_NO; o++) {
+        const int idx = tid + o * DEC_THREADS;
+        if (idx < G * HD / 2) {
+            const int g = idx / (HD / 2), d2 = idx % (HD / 2);
+            const int h = kvh * G + g;
+            if (nsplit == 1) {
+                const float l = l_s[g];
+                const float inv = l > 0.f ? 1.f / l : 0.f;
+                const long off = (long)row * q_cols + h * HD + 2 * d2;
+                out[off] = acc[o].x * inv;
+                out[off + 1] = acc[o].y * inv;
+                out_bf[off] = f2bf(acc[o].x * inv);
+                out_bf[off + 1] = f2bf(acc[o].y * inv);
+            } else {
+                float* pp = CL ? cp + g * (HD + 2) : part + (((long)z * heads + h) * nsplit + split) * (HD + 2);
+                pp[2 * d2] = acc[o].x;
+                pp[2 * d2 + 1] = acc[o].y;
+                if (d2 == 0) { pp[HD] = m_s[g]; pp[HD + 1] = l_s[g]; }
+            }
+        }
+    }
+    if (CL && nsplit > 1) cl_merge(cp, row, kvh, split, nsplit, q_cols, out, out_bf);
+}
+
+#define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \
+    int bt, const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads, \
+    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part
+#define DEC_PASS q, q_cols, kc, vc, kv_w, bt, meta, off_rows, off_bt, nsplit, scale, softcap, heads, out, out_bf, part
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(DEC_ARGS) { attn_decode_body<false>(DEC_PASS); }
+// Launched with clusters of nsplit blocks along x (Hopper on): no attn_combine.
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_cl(DEC_ARGS) { attn_decode_body<true>(DEC_PASS); }
+
+// Merge the splits of attn_decode: one block of HD threads per (row, head).
+extern "C" __global__ void attn_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_rows, int nsplit,
+                                        int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    PDL_ENTRY();
+    const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
+    const int row = meta[5 * s] + i;
+    const float* pp = part + ((long)z * heads + h) * nsplit * (HD + 2);
+    float M = NEG_INF;
+    for (int k = 0; k < nsplit; k++) M = fmaxf(M, pp[k * (HD + 2) + HD]);
+    float L = 0.f, acc = 0.f;
+    for (int k = 0; k < nsplit; k++) {
+        const float m = pp[k * (HD + 2) + HD];
+        if (m == NEG_INF) continue;
+        const float w = __expf(m - M);
+        L += w * pp[k * (HD + 2) + HD + 1];
+        acc += w * pp[k * (HD + 2) + d];
+    }
+    const float v = L > 0.f ? acc / L : 0.f;
+    const long off = (long)row * q_cols + h * HD + d;
+    out[off] = v;
+    out_bf[off] = f2bf(v);
+}
+
+#if __CUDA_ARCH__ >= 800
+// Prefill attention on tensor cores (mma.sync m16n8k16, bf16 in, f32
+// accumulate): one block of 4 warps per (64 query rows of one sequence,
+// query head); each warp owns 16 rows. K and V tiles of PF_KT keys are
+// gathered from the paged pool into shared memory (V transposed), rows
+// padded by 8 values so the fragment loads are free of bank conflicts. A
+// warp skips tiles wholly outside its rows' causal (and window) range and
+// masks only the tiles that cross an edge. Scores are kept in log2 units.
+#define PF_KT (HD > 128 ? 32 : 64)
+#define PF_KP (HD + 8)
+#define PF_VP (PF_KT + 8)
+#define PF_BQ 64
+#define PF_THREADS 128
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
+    const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
+    const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap,
+    float* __restrict__ out, bf16_t* __restrict__ out_bf)
+{
+    PDL_ENTRY();
+    __shared__ __align__(16) bf16_t Ks[PF_KT * PF_KP];
+    __shared__ __align__(16) bf16_t Vt[HD * PF_VP];
+    const float LOG2E = 1.4426950408889634f;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+    const int h = blockIdx.y, kvh = h / G;
+    const unsigned s = meta[off_tiles + 2 * blockIdx.x];
+    const int i0 = meta[off_tiles + 2 * blockIdx.x + 1];
+    const unsigned* st = meta + 5 * s;
+    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
+    const unsigned* blocks = meta + off_bt + st[4];
+    const int base_pos = kv_len - q_len;
+    const int r0 = i0 + warp * 16 + gid, r1 = r0 + 8;
+    const int p0 = base_pos + r0, p1 = base_pos + r1;
+    const int lo0 = window > 0 ? max(0, p0 + 1 - window) : 0;
+    const int lo1 = window > 0 ? max(0, p1 + 1 - window) : 0;
+    const int last_row = min(i0 + PF_BQ - 1, q_len - 1);
+    const int key_hi = base_pos + last_row;  // inclusive
+    const int key_lo = window > 0 ? max(0, base_pos + i0 + 1 - window) : 0;
+    // This warp's rows: first and last position, smallest and largest window start.
+    const int wr_first = i0 + warp * 16;
+    const bool warp_active = wr_first < q_len;
+    const int wr_last = min(wr_first + 15, q_len - 1);
+    const int wp_first = base_pos + wr_first, wp_last = base_pos + wr_last;
+    const int wlo_first = window > 0 ? max(0, wp_first + 1 - window) : 0;
+    const int wlo_last = window > 0 ? max(0, wp_last + 1 - window) : 0;
+    const bool warp_rows_full = wr_first + 15 < q_len;
+
+    unsigned qa[HD / 16][4];
+    {
+        const float* q0 = q + (long)(q_start + min(r0, q_len - 1)) * q_cols + h * HD;
+        const float* q1 = q + (long)(q_start + min(r1, q_len - 1)) * q_cols + h * HD;
+        #pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const int c = ks * 16 + tig * 2;
+            qa[ks][0] = pack_bf2(q0[c], q0[c + 1]);
+            qa[ks][1] = pack_bf2(q1[c], q1[c + 1]);
+            qa[ks][2] = pack_bf2(q0[c + 8], q0[c + 9]);
+            qa[ks][3] = pack_bf2(q1[c + 8], q1[c + 9]);
+        }
+    }
+    float o[HD / 8][4];
+    #pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f; }
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    for (int kb = key_lo; kb <= key_hi; kb += PF_KT) {
+        __syncthreads();
+        // K and V rows: consecutive threads take consecutive 16-byte parts
+        // of a row (coalesced); V is stored transposed.
+        for (int c = tid; c < PF_KT * (HD / 8); c += PF_THREADS) {
+            const int key = c / (HD / 8), part = c % (HD / 8);
+            const int j = kb + key;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (j < kv_len) {
+                const long slot = (long)blocks[j / bt] * bt + j % bt;
+                kv4 = *(const uint4*)(kc + slot * kv_w + kvh * HD + part * 8);
+                vv4 = *(const uint4*)(vc + slot * kv_w + kvh * HD + part * 8);
+            }
+            *(uint4*)&Ks[key * PF_KP + part * 8] = kv4;
+            const unsigned vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                Vt[(part * 8 + 2 * e) * PF_VP + key] = (bf16_t)(vw[e] & 0xffffu);
+                Vt[(part * 8 + 2 * e + 1) * PF_VP + key] = (bf16_t)(vw[e] >> 16);
+            }
+        }
+        __syncthreads();
+        if (!warp_active || kb > wp_last || kb + PF_KT - 1 < wlo_first) continue;
+        const bool full = warp_rows_full && kb + PF_KT - 1 <= wp_first && kb >= wlo_last;
+
+        float sacc[PF_KT / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+            const bf16_t* krow = Ks + (nt * 8 + gid) * PF_KP + tig * 2;
+            #pragma unroll
+            for (int ks = 0; ks < HD / 16; ks++) {
+                const unsigned b0 = *(const unsigned*)(krow + ks * 16);
+                const unsigned b1 = *(const unsigned*)(krow + ks * 16 + 8);
+                mma16816(sacc[nt], qa[ks], b0, b1);
+            }
+        }
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+        #pragma unroll
+        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const bool top = e < 2;
+                float v = sacc[nt][e] * scale;
+                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                v *= LOG2E;
+                if (!full) {
+                    const int key = kb + nt * 8 + tig * 2 + (e & 1);
+                    const bool ok = (top ? r0 : r1) < q_len && key <= (top ? p0 : p1) && key >= (top ? lo0 : lo1);
+                    v = ok ? v : NEG_INF;
+                }
+                sacc[nt][e] = v;
+                if (top) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float c0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
+        const float c1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
+        m0 = n0; m1 = n1;
+        float s0 = 0.f, s1 = 0.f;
+        #pragma unroll
+        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const bool top = e < 2;
+                const float v = sacc[nt][e];
+                const float p = v == NEG_INF ? 0.f : exp2f(v - (top ? n0 : n1));
+                sacc[nt][e] = p;
+                if (top) s0 += p; else s1 += p;
+            }
+        }
+        l0 = l0 * c0 + s0;
+        l1 = l1 * c1 + s1;
+        #pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
+        #pragma unroll
+        for (int ks = 0; ks < PF_KT / 16; ks++) {
+            unsigned pa[4];
+            pa[0] = pack_bf2(sacc[2 * ks][0], sacc[2 * ks][1]);
+            pa[1] = pack_bf2(sacc[2 * ks][2], sacc[2 * ks][3]);
+            pa[2] = pack_bf2(sacc[2 * ks + 1][0], sacc[2 * ks + 1][1]);
+            pa[3] = pack_bf2(sacc[2 * ks + 1][2], sacc[2 * ks + 1][3]);
+            #pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) {
+                const bf16_t* vrow = Vt + (nt * 8 + gid) * PF_VP + ks * 16 + tig * 2;
+                const unsigned b0 = *(const unsigned*)(vrow);
+                const unsigned b1 = *(const unsigned*)(vrow + 8);
+                mma16816(o[nt], pa, b0, b1);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    #pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++) {
+        const int d = nt * 8 + tig * 2;
+        if (r0 < q_len) {
+            const long off = (long)(q_start + r0) * q_cols + h * HD + d;
+            out[off] = o[nt][0] * inv0; out[off + 1] = o[nt][1] * inv0;
+            out_bf[off] = f2bf(o[nt][0] * inv0); out_bf[off + 1] = f2bf(o[nt][1] * inv0);
+        }
+        if (r1 < q_len) {
+            const long off = (long)(q_start + r1) * q_cols + h * HD + d;
+            out[off] = o[nt][2] * inv1; out[off + 1] = o[nt][3] * inv1;
+            out_bf[off] = f2bf(o[nt][2] * inv1); out_bf[off + 1] = f2bf(o[nt][3] * inv1);
+        }
+    }
+}
+#endif

@@ -1,0 +1,144 @@
+//! The CUDA device's tuning knobs, in one place, fixed when the device opens.
+//!
+//! [`Tuning::default`] is what the production binary runs with: the values
+//! measured best on the H200 (docs/dev/cuda-sessions.md). Dev tools pass others through
+//! [`super::Cuda::with_tuning`]; built with the `cuda-tuning` feature,
+//! [`super::Cuda::new`] reads them from the `BRAID_CUDA_*` variables
+//! ([`Tuning::from_env`]), which a build without it never looks at.
+
+/// Settings that change how fast the device runs, never what it computes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Blocks per SM the lean (1–2-row) GEMV kernels are built for (at
+    /// most 8; 0: the lean kernels are not used). 3 fits where the full
+    /// kernels fit 2, so more weight loads stay in flight.
+    pub gemv_min_blocks: usize,
+    /// From how many 16-byte chunks per lane a GEMV keeps 8 loads in flight
+    /// instead of 4: 8 measured 888 -> 940 tok/s at 1 stream, 2553 -> 2767
+    /// at 4 on the H200.
+    pub gemv_deep_from: usize,
+    /// GEMV blocks wanted per SM before a block takes more weight rows
+    /// (1–64): fewer, longer blocks measured faster (800 against 780 tok/s
+    /// at 1 stream).
+    pub gemv_blocks_per_sm: usize,
+    /// Up to this many rows (at most 8; 0: always cuBLAS) a GEMM runs as
+    /// the GEMV kernels: at 8 rows the GEMV measured slower than cuBLAS.
+    pub gemv_max_rows: usize,
+    /// Most key splits of the decode attention (1–64): enough to fill the
+    /// GPU at one stream.
+    pub attn_max_splits: usize,
+    /// The decode attention merges its key splits inside a thread-block
+    /// cluster (Hopper on): no combine launch.
+    pub attn_cluster: bool,
+    /// Programmatic dependent launch (Hopper on): a kernel's blocks start
+    /// while the one before it finishes.
+    pub pdl: bool,
+    /// Kernels let their successor launch before their own wait (off:
+    /// after it, one kernel ahead), so its first weight loads go out early.
+    pub pdl_early: bool,
+    /// Few-row products fold in the RMSNorm of their input and the
+    /// residual add of their output: fewer launches in a decode round.
+    pub norm_fold: bool,
+    /// Most rows whose norm a GEMV computes itself (each block reads every
+    /// row's f32 values once): past 2, the norm kernel then the GEMV
+    /// measured faster (3 streams 2401 against 2496 tok/s).
+    pub norm_fold_rows: usize,
+    /// Few-row q/k/v products apply RoPE and write the KV pool in their
+    /// store: no separate `rope_kv` launch.
+    pub rope_fold: bool,
+    /// Decode rounds do the next round's graph pass 1 while the GPU runs
+    /// (`Device::replay_ahead`): the host work leaves the GPU's critical path.
+    pub ahead: bool,
+    /// Greedy rounds launch the round prepared ahead before returning
+    /// (`Device::argmax_rows_launch_ahead`): the GPU does not wait for the
+    /// host to handle the tokens.
+    pub launch_ahead: bool,
+    /// Decode rounds replay as CUDA graphs ([`super::Cuda::graph`]): one
+    /// launch for a whole forward (`Cuda::set_graphs` changes it later).
+    pub graphs: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            gemv_min_blocks: 3,
+            gemv_deep_from: 8,
+            gemv_blocks_per_sm: 1,
+            gemv_max_rows: 4,
+            attn_max_splits: 16,
+            attn_cluster: true,
+            pdl: true,
+            pdl_early: true,
+            norm_fold: true,
+            norm_fold_rows: 2,
+            rope_fold: true,
+            ahead: true,
+            launch_ahead: true,
+            graphs: true,
+        }
+    }
+}
+
+impl Tuning {
+    /// What [`super::Cuda::new`] opens with: the defaults (a build with
+    /// the `cuda-tuning` feature reads the environment instead).
+    #[cfg(not(feature = "cuda-tuning"))]
+    pub fn initial() -> Tuning {
+        Tuning::default()
+    }
+
+    /// What [`super::Cuda::new`] opens with: the environment's settings
+    /// (this is the `cuda-tuning` build).
+    #[cfg(feature = "cuda-tuning")]
+    pub fn initial() -> Tuning {
+        Tuning::from_env()
+    }
+
+    /// The values brought into the ranges the kernels are built for.
+    pub(super) fn limited(self) -> Tuning {
+        Tuning {
+            gemv_min_blocks: self.gemv_min_blocks.min(8),
+            gemv_blocks_per_sm: self.gemv_blocks_per_sm.clamp(1, 64),
+            gemv_max_rows: self.gemv_max_rows.min(8),
+            attn_max_splits: self.attn_max_splits.clamp(1, 64),
+            ..self
+        }
+    }
+
+    /// The defaults, each overridden by its `BRAID_CUDA_*` variable: a
+    /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
+    /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_ATTN_SPLITS`,
+    /// `_ATTN_CLUSTER`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
+    /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
+    /// `_GRAPHS`).
+    #[cfg(feature = "cuda-tuning")]
+    pub fn from_env() -> Tuning {
+        let d = Tuning::default();
+        let num = |name: &str, default: usize| std::env::var(format!("BRAID_CUDA_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+        let on = |name: &str, default: bool| std::env::var(format!("BRAID_CUDA_{name}")).map(|v| v != "0").unwrap_or(default);
+        Tuning {
+            gemv_min_blocks: num("GEMV_MINB", d.gemv_min_blocks),
+            gemv_deep_from: num("GEMV_DEEP", d.gemv_deep_from),
+            gemv_blocks_per_sm: num("GEMV_BLOCKS", d.gemv_blocks_per_sm),
+            gemv_max_rows: num("GEMV_ROWS", d.gemv_max_rows),
+            attn_max_splits: num("ATTN_SPLITS", d.attn_max_splits),
+            attn_cluster: on("ATTN_CLUSTER", d.attn_cluster),
+            pdl: on("PDL", d.pdl),
+            pdl_early: on("PDL_EARLY", d.pdl_early),
+            norm_fold: on("NORM_FOLD", d.norm_fold),
+            norm_fold_rows: num("NORM_FOLD_ROWS", d.norm_fold_rows),
+            rope_fold: on("ROPE_FOLD", d.rope_fold),
+            ahead: on("AHEAD", d.ahead),
+            launch_ahead: on("LAUNCH_AHEAD", d.launch_ahead),
+            graphs: on("GRAPHS", d.graphs),
+        }
+    }
+
+    /// `BRAID_CUDA_SKIP=name,...`: kernels (name prefixes) not launched at
+    /// all, a diagnostic that times a round without them. Results are wrong
+    /// while it is set, so only the `cuda-tuning` build reads it.
+    #[cfg(feature = "cuda-tuning")]
+    pub(super) fn skip_from_env() -> Vec<String> {
+        std::env::var("BRAID_CUDA_SKIP").map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect()).unwrap_or_default()
+    }
+}

@@ -2,8 +2,11 @@
 //!
 //! A backend owns a model on one device and the per-stream state (KV blocks,
 //! conv/SSM state). It knows nothing of scheduling: the engine plans every
-//! cut and every batch, and the backend runs exactly what it is handed.
-//! Capabilities are declared up front; the engine never probes by failing.
+//! cut and every batch, and the backend runs exactly what it is handed, in
+//! one call per round ([`Backend::round`]). Capabilities are declared up
+//! front; the engine never probes by failing. Whatever a backend does ahead
+//! of time (preparing the next round, recorded graphs) it decides from the
+//! steps it was given, never from hints.
 
 use anyhow::Result;
 
@@ -13,20 +16,39 @@ pub type StreamId = u64;
 /// Names one kept snapshot of a stream's state (see [`Backend::keep_mark`]).
 pub type MarkId = u64;
 
+/// What a backend can pick on the device instead of returning whole
+/// logits rows (see [`Pick`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Picks {
+    /// [`Pick::Argmax`] is cheaper than moving logits to the host.
+    pub argmax: bool,
+    /// Most candidates per row [`Pick::TopK`] returns (0: not offered).
+    pub top_k: usize,
+}
+
 /// What a backend declares about itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Capabilities {
-    /// Results are bit-identical under any chunking of a prompt pass; only
-    /// then may the engine cap a step to `max_rows`.
+    /// Results are bit-identical under any chunking of a prompt pass.
     pub chunk_invariant: bool,
+    /// A row's results are bit-identical whatever else shares its forward
+    /// (false where kernels are chosen by the batch's shape, as cuBLAS does).
+    pub batch_invariant: bool,
     /// `fill()` reports real memory use.
     pub reports_fill: bool,
     /// `keep_mark` / `restore_mark` work.
     pub supports_marks: bool,
+    /// The backend caches every full KV block of the streams started with
+    /// [`Backend::attach_prefix`] (content-addressed, kept after they end,
+    /// evicted least recently used when the pool needs room), so a stream
+    /// can start from any earlier prompt's blocks. The lane then keeps no
+    /// marks: they would only duplicate those blocks.
+    pub prefix_blocks: bool,
     /// `rewind` can drop rows from the end of a stream's state (attention
     /// KV can; conv/SSM state cannot).
     pub supports_rewind: bool,
-    /// Most token rows one decode round may carry.
+    /// Most token rows one round may carry (decode rows, drafts and the
+    /// prompt chunk together).
     pub max_batch: usize,
     /// Longest a stream may grow (prompt + generated), in tokens.
     pub max_context: usize,
@@ -34,26 +56,37 @@ pub struct Capabilities {
     pub vocab_size: usize,
     /// Width of one feature row (0 when the backend taps no features).
     pub feature_dim: usize,
-    /// `decode_round_greedy` works and is cheaper than `decode_round` plus
-    /// sampling on the host (the logits stay where they were computed).
-    pub greedy_rounds: bool,
-    /// Most candidates per row `decode_round_top` returns (0: it does not
-    /// work): rounds of top-k samplers then move k values a row instead of
-    /// a whole logits row.
-    pub top_rounds: usize,
+    /// What the backend picks where the logits are.
+    pub picks: Picks,
 }
 
 /// How full the backend's state memory is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fill {
-    /// KV blocks in use, and how many the pool holds.
+    /// KV blocks held by streams and marks, and how many the pool holds.
     pub blocks_used: usize,
     pub blocks_total: usize,
+    /// Blocks the prefix cache alone holds: not in `blocks_used`, so free
+    /// as far as admission goes (the backend evicts them when it needs room).
+    pub blocks_cached: usize,
+    /// Cached blocks evicted so far to make room (a running count).
+    pub blocks_evicted: u64,
     /// Tokens per KV block.
     pub block_tokens: usize,
     /// Stream state slots in use, and how many there are.
     pub slots_used: usize,
     pub slots_total: usize,
+}
+
+impl Capabilities {
+    /// Whether the engine may choose a pass's cut sizes (cap a chunk to
+    /// `max_rows`, pace it to a round): the results do not depend on the
+    /// cuts, or they never were bit-identical from one batch to the next,
+    /// so no cut is more faithful than another. Otherwise a pass keeps the
+    /// whole pass's cuts, so stepped and whole passes give the same bits.
+    pub fn free_cuts(&self) -> bool {
+        self.chunk_invariant || !self.batch_invariant
+    }
 }
 
 impl Fill {
@@ -65,6 +98,11 @@ impl Fill {
     /// Whether one more stream needing `tokens` tokens fits now.
     pub fn fits(&self, tokens: usize) -> bool {
         self.slots_used < self.slots_total && self.blocks_used + self.blocks_for(tokens) <= self.blocks_total
+    }
+
+    /// Blocks not in use (cached ones included: they give way).
+    pub fn blocks_free(&self) -> usize {
+        self.blocks_total.saturating_sub(self.blocks_used)
     }
 }
 
@@ -80,10 +118,62 @@ pub struct Chunk<'a> {
 
 /// One stream's rows in a decode round: usually one token (the last one
 /// sampled); a drafter's verification adds its proposed block after it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DecodeRow {
     pub stream: StreamId,
     pub tokens: Vec<u32>,
+}
+
+/// What a round returns for each decode token row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// The whole logits row.
+    Logits,
+    /// The row's most likely token (the first on ties).
+    Argmax,
+    /// The row's `k` largest logits with their tokens, largest first (the
+    /// lower token first on ties, NaN as -inf); `k` at most `Picks::top_k`.
+    TopK(usize),
+}
+
+/// One round: the decode rows of every decoding stream (each one token, or
+/// a token and a draft to verify), at most one prompt chunk of another
+/// stream, and what to return per decode token row. Either part may be
+/// empty. Both run in one forward, so its fixed cost is paid once.
+#[derive(Clone, Copy, Debug)]
+pub struct Step<'a> {
+    pub rows: &'a [DecodeRow],
+    pub chunk: Option<(StreamId, Chunk<'a>)>,
+    pub pick: Pick,
+}
+
+/// What the decode rows of a round returned, one entry per token row in
+/// order (`sum(tokens)` rows).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Picked {
+    /// `rows * vocab_size` floats.
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+    Top(Vec<Vec<(u32, f32)>>),
+}
+
+impl Picked {
+    /// Token rows this holds (`vocab` wide for logits).
+    pub fn rows(&self, vocab: usize) -> usize {
+        match self {
+            Picked::Logits(l) => l.len() / vocab.max(1),
+            Picked::Tokens(t) => t.len(),
+            Picked::Top(t) => t.len(),
+        }
+    }
+}
+
+/// What a round produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundOut {
+    pub picked: Picked,
+    /// The chunk's last-row logits, when the chunk asked for them.
+    pub chunk_logits: Option<Vec<f32>>,
 }
 
 pub trait Backend: Send {
@@ -95,52 +185,44 @@ pub trait Backend: Send {
     /// Take a state slot for a new stream (empty, position 0).
     fn open(&mut self, stream: StreamId) -> Result<()>;
 
-    /// Run one chunk of `stream`'s prompt pass. The stream's state must hold
-    /// exactly `chunk.start` rows. Returns the last row's logits when asked.
-    fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>>;
+    /// Run one round (see [`Step`]): each decode row's tokens are appended
+    /// to its stream, the chunk's to its stream (which must hold exactly
+    /// `chunk.start` rows). On error nothing is appended.
+    fn round(&mut self, step: Step<'_>) -> Result<RoundOut>;
+
+    /// The whole pass's chunk body: one chunk with no decode rows. Returns
+    /// the last row's logits when asked.
+    fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
+        Ok(self.round(Step { rows: &[], chunk: Some((stream, chunk)), pick: Pick::Logits })?.chunk_logits)
+    }
+
+    /// A round of decode rows alone, returning their logits (for tools and
+    /// tests; the lane calls `round`).
+    fn decode_logits(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
+        match self.round(Step { rows, chunk: None, pick: Pick::Logits })?.picked {
+            Picked::Logits(l) => Ok(l),
+            other => anyhow::bail!("a round asked for logits returned {} other rows", other.rows(self.capabilities().vocab_size)),
+        }
+    }
 
     /// Stop a prompt pass between chunks; the state stays at the last
-    /// chunk's end, so a later `prefill_step` resumes there.
+    /// chunk's end, so a later chunk resumes there.
     fn cancel_prefill(&mut self, stream: StreamId);
 
-    /// One batched forward for every row: appends each row's tokens to its
-    /// stream and returns one logits row per token, in order, flattened
-    /// (`sum(tokens) * vocab_size` floats).
-    fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>>;
-
-    /// A decode round of one token per row that returns each row's most
-    /// likely next token (the first on ties) instead of its logits.
-    /// `same_next`: the engine expects its next call to be this round
-    /// again, each stream one token further (no stream ends by length with
-    /// this token, no prompt waits to join), so a backend may start that
-    /// round before returning; a stop token may still end a stream.
-    fn decode_round_greedy(&mut self, _rows: &[DecodeRow], _same_next: bool) -> Result<Vec<u32>> {
-        anyhow::bail!("this backend does not pick greedy tokens itself")
-    }
-
-    /// A decode round of one token per row that returns each row's `k`
-    /// largest logits with their tokens, largest first (the lower token
-    /// first on ties, NaN as -inf), instead of the whole row; `k` is at
-    /// most `Capabilities::top_rounds`.
-    fn decode_round_top(&mut self, _rows: &[DecodeRow], _k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        anyhow::bail!("this backend does not return top-k candidates")
-    }
-
-    /// A decode round and one prompt chunk of another stream in one
-    /// forward, so the forward's fixed cost (every layer's launches and
-    /// hand-offs) is paid once: the chunk then costs only its own rows.
-    /// Returns what `decode_round` and `prefill_step` would. The default
-    /// runs the two one after the other.
-    fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-        let logits = self.decode_round(rows)?;
-        let last = self.prefill_step(stream, chunk)?;
-        Ok((logits, last))
-    }
-
-    /// Feature rows of the last forward (prefill chunk or decode round),
-    /// one per token row, `feature_dim` wide; valid until the next forward.
+    /// Feature rows of the last round, one per token row (the decode token
+    /// rows in order, then the chunk's rows), `feature_dim` wide; valid
+    /// until the next round.
     fn features(&self) -> Option<&[f32]> {
         None
+    }
+
+    /// Start `stream` (open and empty) from the longest prefix of `prompt`
+    /// the backend's block cache holds under `salt`, at most `max_len` rows,
+    /// and from now on cache its full blocks under `salt` as they fill.
+    /// Returns the rows it now holds (0 when nothing matched). Only backends
+    /// that declare `prefix_blocks` cache anything.
+    fn attach_prefix(&mut self, _stream: StreamId, _prompt: &[u32], _salt: u64, _max_len: usize) -> Result<usize> {
+        Ok(0)
     }
 
     /// Snapshot `stream`'s state at its current length.

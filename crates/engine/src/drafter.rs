@@ -2,12 +2,14 @@
 //!
 //! A block drafter (DFlash / DSpark style) reads feature rows tapped from
 //! the target model. The lane hands it every prefill chunk's features and,
-//! after each decode round, the features of the rows that were kept (the
-//! fed token and the accepted drafts). Before a round it asks for a block;
-//! the round feeds `[last_token, draft...]`, and the lane keeps the longest
-//! prefix that the stream's own sampler agrees with, so output is the same
-//! as without a drafter (token for token under greedy, and under a seeded
-//! sampler too: one random draw per emitted token either way).
+//! after each round, the features of a stream's rows that were kept (the
+//! fed token and the accepted drafts). Then, as soon as a stream has a new
+//! newest token, it asks for a block; the stream's next round feeds
+//! `[last_token, draft...]` (the plan may trim it), and the lane keeps
+//! the longest prefix that the stream's own sampler agrees with, so output
+//! is the same as without a drafter (token for token under greedy, and
+//! under a seeded sampler too: one random draw per emitted token either
+//! way).
 
 use crate::backend::StreamId;
 

@@ -3,18 +3,28 @@
 //! server's) can assert the exact sequence of chunks, rounds, cancels,
 //! marks and absorbs without a model.
 //!
+//! With `prefix_blocks` declared, the fake keeps its memory in a
+//! [`BlockPool`], as a model backend does, so cached blocks, eviction and
+//! salts behave as they would on a device.
+//!
 //! The fake model is deterministic: after a sequence whose last token is
 //! `t` and whose length is `n`, the most likely next token is
 //! [`fake_next`]`(t, n, vocab)`. Feature rows are `[token, position]`.
+//! The fake grammar ([`FakeGrammar`]) forbids a known set of tokens at each
+//! step, so a test can compute the guided continuation on its own.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
+use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
+use crate::blocks::{BlockPool, BlockTable};
 use crate::drafter::Drafter;
+use crate::guide::{Constraint, Grammar, TokenMask};
+use crate::sampling::{argmax, top_n};
 use crate::stop::TokenText;
 
 /// The fake model's next token after a sequence of length `len` ending in
@@ -23,29 +33,29 @@ pub fn fake_next(last: u32, len: usize, vocab: usize) -> u32 {
     ((last as u64 * 31 + len as u64 * 17 + 7) % vocab.max(1) as u64) as u32
 }
 
+/// One prompt chunk as the backend was handed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkCall {
+    pub stream: StreamId,
+    pub start: usize,
+    pub tokens: Vec<u32>,
+    pub want_logits: bool,
+}
+
 /// One logged call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Call {
     Open(StreamId),
-    Prefill {
-        stream: StreamId,
-        start: usize,
-        tokens: Vec<u32>,
-        want_logits: bool,
+    /// `prefill_step`: a chunk in a forward of its own.
+    Prefill(ChunkCall),
+    /// `round`: each decode row's stream and tokens in order, the chunk
+    /// that shared the forward, and what was picked per token row.
+    Round {
+        rows: Vec<(StreamId, Vec<u32>)>,
+        chunk: Option<ChunkCall>,
+        pick: Pick,
     },
     CancelPrefill(StreamId),
-    /// The next `Decode` returned greedy tokens, not logits; the engine
-    /// expected the same round next (`same_next`).
-    Greedy {
-        streams: Vec<StreamId>,
-        same_next: bool,
-    },
-    /// A decode round that returned top-k candidates (k, streams).
-    Top(usize, Vec<StreamId>),
-    /// The next `Decode` and `Prefill` ran in one forward.
-    Fused,
-    /// One decode round: each row's stream and tokens, in order.
-    Decode(Vec<(StreamId, Vec<u32>)>),
     KeepMark {
         stream: StreamId,
         mark: MarkId,
@@ -57,6 +67,13 @@ pub enum Call {
         len: usize,
     },
     DropMark(MarkId),
+    /// `attach_prefix`: the rows the stream started with, under `salt`.
+    AttachPrefix {
+        stream: StreamId,
+        salt: u64,
+        max_len: usize,
+        len: usize,
+    },
     Rewind {
         stream: StreamId,
         len: usize,
@@ -71,6 +88,29 @@ pub enum Call {
         stream: StreamId,
         tokens: Vec<u32>,
     },
+}
+
+impl Call {
+    /// The prompt chunk this call ran, alone or in a round.
+    pub fn chunk(&self) -> Option<&ChunkCall> {
+        match self {
+            Call::Prefill(c) | Call::Round { chunk: Some(c), .. } => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The decode rows of a round (empty for other calls).
+    pub fn rows(&self) -> &[(StreamId, Vec<u32>)] {
+        match self {
+            Call::Round { rows, .. } => rows,
+            _ => &[],
+        }
+    }
+
+    /// Whether this is a round with a decode row of `stream`.
+    pub fn decodes(&self, stream: StreamId) -> bool {
+        self.rows().iter().any(|r| r.0 == stream)
+    }
 }
 
 /// A shared, append-only call log.
@@ -90,15 +130,15 @@ impl CallLog {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    /// `(start, len)` of every prefill chunk of `stream`, in order.
+    /// `(start, len)` of every prompt chunk of `stream` (alone or in a
+    /// round), in order.
     pub fn chunks(&self, stream: StreamId) -> Vec<(usize, usize)> {
-        self.snapshot()
-            .into_iter()
-            .filter_map(|c| match c {
-                Call::Prefill { stream: s, start, tokens, .. } if s == stream => Some((start, tokens.len())),
-                _ => None,
-            })
-            .collect()
+        self.snapshot().iter().filter_map(Call::chunk).filter(|c| c.stream == stream).map(|c| (c.start, c.tokens.len())).collect()
+    }
+
+    /// The pick of every round with decode rows, in order.
+    pub fn picks(&self) -> Vec<Pick> {
+        self.snapshot().iter().filter_map(|c| if let Call::Round { rows, pick, .. } = c { (!rows.is_empty()).then_some(*pick) } else { None }).collect()
     }
 }
 
@@ -109,17 +149,20 @@ pub struct FakeConfig {
     pub block_tokens: usize,
     pub blocks_total: usize,
     pub slots_total: usize,
-    /// Sleep in every decode round (to let a test act between rounds).
+    /// Most marks held at once (`keep_mark` fails beyond it), as a model
+    /// backend's mark slots; `None`: no limit.
+    pub max_marks: Option<usize>,
+    /// Sleep in every round with decode rows (to let a test act between rounds).
     pub decode_delay: Option<Duration>,
-    /// Sleep in every prefill step.
+    /// A scripted cost: every round sleeps `f(decode rows, chunk rows)`
+    /// (for pacing tests, whose checks read the script, not the clock).
+    pub round_cost: Option<fn(usize, usize) -> Duration>,
+    /// Sleep in every call that runs a prompt chunk.
     pub prefill_delay: Option<Duration>,
     /// While a test holds this lock, the lane stops at its next `open`,
-    /// `prefill_step` or `decode_round` (after logging the call), so the
-    /// test can line up arrivals deterministically.
+    /// `prefill_step` or `round` (after logging the call), so the test can
+    /// line up arrivals deterministically.
     pub hold: Option<Arc<Mutex<()>>>,
-    /// Log [`Call::Fused`] before the decode round and the chunk that a
-    /// `decode_round_with_chunk` runs together.
-    pub log_fused: bool,
 }
 
 impl Default for FakeConfig {
@@ -127,33 +170,40 @@ impl Default for FakeConfig {
         FakeConfig {
             caps: Capabilities {
                 chunk_invariant: false,
+                batch_invariant: true,
                 reports_fill: true,
                 supports_marks: true,
+                prefix_blocks: false,
                 supports_rewind: true,
                 max_batch: 64,
                 max_context: 4096,
                 vocab_size: 64,
                 feature_dim: 2,
-                greedy_rounds: false,
-                top_rounds: 0,
+                picks: Picks::default(),
             },
             block_tokens: 4,
             blocks_total: 4096,
             slots_total: 32,
+            max_marks: None,
             decode_delay: None,
+            round_cost: None,
             prefill_delay: None,
             hold: None,
-            log_fused: false,
         }
     }
 }
 
 /// A backend that logs every call and enforces the contract (a chunk must
-/// start at the stream's length, a restore needs an empty stream, ...).
+/// start at the stream's length, a round fits the batch and the memory,
+/// picks are only asked for when declared, a restore needs an empty
+/// stream, ...).
 pub struct FakeBackend {
     cfg: FakeConfig,
     log: CallLog,
     streams: HashMap<StreamId, Vec<u32>>,
+    /// The streams' blocks, with `prefix_blocks`.
+    pool: BlockPool,
+    tables: HashMap<StreamId, BlockTable>,
     marks: HashMap<MarkId, Vec<u32>>,
     next_mark: MarkId,
     features: Vec<f32>,
@@ -161,7 +211,8 @@ pub struct FakeBackend {
 
 impl FakeBackend {
     pub fn new(cfg: FakeConfig, log: CallLog) -> FakeBackend {
-        FakeBackend { cfg, log, streams: HashMap::new(), marks: HashMap::new(), next_mark: 1, features: Vec::new() }
+        let pool = BlockPool::new(cfg.blocks_total, cfg.block_tokens);
+        FakeBackend { cfg, log, streams: HashMap::new(), pool, tables: HashMap::new(), marks: HashMap::new(), next_mark: 1, features: Vec::new() }
     }
 
     fn logits_after(&self, seq: &[u32]) -> Vec<f32> {
@@ -178,16 +229,103 @@ impl FakeBackend {
         }
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        let v = self.cfg.caps.vocab_size;
-        ensure!(tokens.iter().all(|&t| (t as usize) < v), "token id out of range (vocab {v})");
+    fn used_blocks(&self) -> usize {
+        let b = self.cfg.block_tokens.max(1);
+        let marks: usize = self.marks.values().map(|s| s.len().div_ceil(b)).sum();
+        if self.cfg.caps.prefix_blocks {
+            return self.pool.in_use() + marks;
+        }
+        marks + self.streams.values().map(|s| s.len().div_ceil(b)).sum::<usize>()
+    }
+
+    /// Check a whole step against the contract before anything changes.
+    fn check(&self, step: &Step<'_>) -> Result<()> {
+        let caps = &self.cfg.caps;
+        match step.pick {
+            Pick::Logits => {}
+            Pick::Argmax => ensure!(caps.picks.argmax, "argmax picks are not declared by this fake"),
+            Pick::TopK(k) => ensure!(k >= 1 && k <= caps.picks.top_k, "top-{k} picks are not declared by this fake (top_k {})", caps.picks.top_k),
+        }
+        let mut parts: Vec<(StreamId, &[u32], Option<usize>)> = step.rows.iter().map(|r| (r.stream, &r.tokens[..], None)).collect();
+        if let Some((stream, c)) = &step.chunk {
+            ensure!(!c.tokens.is_empty(), "empty chunk");
+            parts.push((*stream, c.tokens, Some(c.start)));
+        }
+        let total: usize = parts.iter().map(|p| p.1.len()).sum();
+        ensure!(total <= caps.max_batch, "round of {total} rows over max batch {}", caps.max_batch);
+        let b = self.cfg.block_tokens.max(1);
+        let mut need = 0;
+        for (i, &(stream, tokens, start)) in parts.iter().enumerate() {
+            ensure!(parts[..i].iter().all(|p| p.0 != stream), "stream {stream} appears twice in one round");
+            ensure!(tokens.iter().all(|&t| (t as usize) < caps.vocab_size), "token id out of range (vocab {})", caps.vocab_size);
+            let Some(seq) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
+            if let Some(start) = start {
+                ensure!(seq.len() == start, "stream {stream} holds {} rows, the chunk starts at {start}", seq.len());
+            }
+            let len = seq.len() + tokens.len();
+            ensure!(len <= caps.max_context, "stream {stream} would hold {len} rows, past the context");
+            need += len.div_ceil(b) - seq.len().div_ceil(b);
+        }
+        ensure!(need <= self.cfg.blocks_total.saturating_sub(self.used_blocks()), "KV pool full");
         Ok(())
     }
 
-    fn used_blocks(&self) -> usize {
-        let b = self.cfg.block_tokens.max(1);
-        self.streams.values().chain(self.marks.values()).map(|s| s.len().div_ceil(b)).sum()
+    /// Append `tokens` to `stream`; each row's features, and its logits
+    /// when asked for.
+    fn append(&mut self, stream: StreamId, tokens: &[u32], logits: Option<&mut Vec<f32>>) {
+        let seq = self.streams.get_mut(&stream).expect("checked");
+        let start = seq.len();
+        seq.extend_from_slice(tokens);
+        if let Some(t) = self.tables.get_mut(&stream) {
+            self.pool.grow(t, start + tokens.len()).expect("checked: the round fits");
+            self.pool.append(t, tokens);
+        }
+        let seq = seq.clone();
+        for (i, &t) in tokens.iter().enumerate() {
+            self.features.extend_from_slice(&[t as f32, (start + i) as f32]);
+        }
+        if let Some(out) = logits {
+            for n in start + 1..=seq.len() {
+                out.extend(self.logits_after(&seq[..n]));
+            }
+        }
     }
+
+    /// The body of `round` and `prefill_step`, after logging.
+    fn run(&mut self, step: Step<'_>) -> Result<RoundOut> {
+        self.wait_hold();
+        if let (false, Some(d)) = (step.rows.is_empty(), self.cfg.decode_delay) {
+            std::thread::sleep(d);
+        }
+        if let (Some(_), Some(d)) = (step.chunk, self.cfg.prefill_delay) {
+            std::thread::sleep(d);
+        }
+        if let Some(cost) = self.cfg.round_cost {
+            let decode: usize = step.rows.iter().map(|r| r.tokens.len()).sum();
+            std::thread::sleep(cost(decode, step.chunk.map_or(0, |(_, c)| c.tokens.len())));
+        }
+        self.check(&step)?;
+        self.features.clear();
+        let mut logits = Vec::new();
+        for r in step.rows {
+            self.append(r.stream, &r.tokens, Some(&mut logits));
+        }
+        let chunk_logits = step.chunk.and_then(|(stream, c)| {
+            self.append(stream, c.tokens, None);
+            c.want_logits.then(|| self.logits_after(&self.streams[&stream]))
+        });
+        let vocab = self.cfg.caps.vocab_size.max(1);
+        let picked = match step.pick {
+            Pick::Logits => Picked::Logits(logits),
+            Pick::Argmax => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
+            Pick::TopK(k) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
+        };
+        Ok(RoundOut { picked, chunk_logits })
+    }
+}
+
+fn chunk_call(stream: StreamId, c: &Chunk<'_>) -> ChunkCall {
+    ChunkCall { stream, start: c.start, tokens: c.tokens.to_vec(), want_logits: c.want_logits }
 }
 
 impl Backend for FakeBackend {
@@ -202,6 +340,8 @@ impl Backend for FakeBackend {
         Fill {
             blocks_used: self.used_blocks(),
             blocks_total: self.cfg.blocks_total,
+            blocks_cached: self.pool.cached(),
+            blocks_evicted: self.pool.evicted(),
             block_tokens: self.cfg.block_tokens,
             slots_used: self.streams.len(),
             slots_total: self.cfg.slots_total,
@@ -214,103 +354,45 @@ impl Backend for FakeBackend {
         ensure!(!self.streams.contains_key(&stream), "stream {stream} is already open");
         ensure!(self.streams.len() < self.cfg.slots_total, "no free slot");
         self.streams.insert(stream, Vec::new());
+        if self.cfg.caps.prefix_blocks {
+            self.tables.insert(stream, BlockTable::default());
+        }
         Ok(())
     }
 
+    fn round(&mut self, step: Step<'_>) -> Result<RoundOut> {
+        let rows = step.rows.iter().map(|r: &DecodeRow| (r.stream, r.tokens.clone())).collect();
+        self.log.push(Call::Round { rows, chunk: step.chunk.map(|(s, c)| chunk_call(s, &c)), pick: step.pick });
+        self.run(step)
+    }
+
     fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
-        self.log.push(Call::Prefill { stream, start: chunk.start, tokens: chunk.tokens.to_vec(), want_logits: chunk.want_logits });
-        self.wait_hold();
-        if let Some(d) = self.cfg.prefill_delay {
-            std::thread::sleep(d);
-        }
-        self.check_tokens(chunk.tokens)?;
-        ensure!(!chunk.tokens.is_empty(), "empty chunk");
-        let Some(seq) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
-        ensure!(seq.len() == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", seq.len(), chunk.start);
-        let len = seq.len() + chunk.tokens.len();
-        ensure!(len <= self.cfg.caps.max_context, "past the context");
-        let free = self.cfg.blocks_total.saturating_sub(self.used_blocks());
-        let b = self.cfg.block_tokens.max(1);
-        ensure!(len.div_ceil(b) - seq.len().div_ceil(b) <= free, "KV pool full");
-        self.features.clear();
-        for (i, &t) in chunk.tokens.iter().enumerate() {
-            self.features.extend_from_slice(&[t as f32, (chunk.start + i) as f32]);
-        }
-        let seq = self.streams.get_mut(&stream).expect("checked above");
-        seq.extend_from_slice(chunk.tokens);
-        let seq = seq.clone();
-        Ok(chunk.want_logits.then(|| self.logits_after(&seq)))
+        self.log.push(Call::Prefill(chunk_call(stream, &chunk)));
+        Ok(self.run(Step { rows: &[], chunk: Some((stream, chunk)), pick: Pick::Logits })?.chunk_logits)
     }
 
     fn cancel_prefill(&mut self, stream: StreamId) {
         self.log.push(Call::CancelPrefill(stream));
     }
 
-    fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
-        self.log.push(Call::Decode(rows.iter().map(|r| (r.stream, r.tokens.clone())).collect()));
-        self.wait_hold();
-        if let Some(d) = self.cfg.decode_delay {
-            std::thread::sleep(d);
-        }
-        let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
-        ensure!(total <= self.cfg.caps.max_batch, "round of {total} rows over max batch {}", self.cfg.caps.max_batch);
-        let b = self.cfg.block_tokens.max(1);
-        let mut need = 0;
-        for r in rows {
-            self.check_tokens(&r.tokens)?;
-            let Some(seq) = self.streams.get(&r.stream) else { bail!("stream {} is not open", r.stream) };
-            let len = seq.len() + r.tokens.len();
-            ensure!(len <= self.cfg.caps.max_context, "stream {} would hold {len} rows, past the context", r.stream);
-            need += len.div_ceil(b) - seq.len().div_ceil(b);
-        }
-        ensure!(need <= self.cfg.blocks_total.saturating_sub(self.used_blocks()), "KV pool full");
-        let mut out = Vec::with_capacity(total * self.cfg.caps.vocab_size);
-        self.features.clear();
-        for r in rows {
-            for &t in &r.tokens {
-                let seq = self.streams.get_mut(&r.stream).expect("checked above");
-                seq.push(t);
-                let pos = seq.len() - 1;
-                let seq = seq.clone();
-                out.extend(self.logits_after(&seq));
-                self.features.extend_from_slice(&[t as f32, pos as f32]);
-            }
-        }
-        Ok(out)
-    }
-
-    fn decode_round_greedy(&mut self, rows: &[DecodeRow], same_next: bool) -> Result<Vec<u32>> {
-        ensure!(self.cfg.caps.greedy_rounds, "greedy rounds are off in this fake");
-        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
-        self.log.push(Call::Greedy { streams: rows.iter().map(|r| r.stream).collect(), same_next });
-        let logits = self.decode_round(rows)?;
-        Ok(logits.chunks(self.cfg.caps.vocab_size.max(1)).map(crate::sampling::argmax).collect())
-    }
-
-    fn decode_round_top(&mut self, rows: &[DecodeRow], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        ensure!(k >= 1 && k <= self.cfg.caps.top_rounds, "top-{k} rounds are off in this fake");
-        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a top-k round takes one token per row");
-        self.log.push(Call::Top(k, rows.iter().map(|r| r.stream).collect()));
-        let logits = self.decode_round(rows)?;
-        Ok(logits.chunks(self.cfg.caps.vocab_size.max(1)).map(|row| crate::sampling::top_n(row, k)).collect())
-    }
-
-    fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-        if self.cfg.log_fused {
-            self.log.push(Call::Fused);
-        }
-        let logits = self.decode_round(rows)?;
-        let last = self.prefill_step(stream, chunk)?;
-        Ok((logits, last))
-    }
-
     fn features(&self) -> Option<&[f32]> {
         (self.cfg.caps.feature_dim > 0).then_some(&self.features[..])
+    }
+
+    fn attach_prefix(&mut self, stream: StreamId, prompt: &[u32], salt: u64, max_len: usize) -> Result<usize> {
+        ensure!(self.cfg.caps.prefix_blocks, "this fake caches no blocks");
+        ensure!(self.streams.get(&stream).is_some_and(Vec::is_empty), "stream {stream} is not open and empty");
+        let table = self.tables.get_mut(&stream).expect("opened with a table");
+        let rows = self.pool.attach(table, prompt, salt, max_len).rows;
+        self.log.push(Call::AttachPrefix { stream, salt, max_len, len: rows });
+        self.streams.insert(stream, prompt[..rows].to_vec());
+        Ok(rows)
     }
 
     fn keep_mark(&mut self, stream: StreamId) -> Result<MarkId> {
         ensure!(self.cfg.caps.supports_marks, "this backend does not support marks");
         let Some(seq) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
+        ensure!(self.cfg.max_marks.is_none_or(|m| self.marks.len() < m), "all mark slots are taken");
         let mark = self.next_mark;
         self.next_mark += 1;
         self.log.push(Call::KeepMark { stream, mark, len: seq.len() });
@@ -326,6 +408,9 @@ impl Backend for FakeBackend {
         let m = m.clone();
         self.log.push(Call::RestoreMark { stream, mark, len: m.len() });
         let len = m.len();
+        if let Some(t) = self.tables.get_mut(&stream) {
+            self.pool.grow(t, len).map_err(anyhow::Error::msg)?;
+        }
         self.streams.insert(stream, m);
         Ok(len)
     }
@@ -341,12 +426,18 @@ impl Backend for FakeBackend {
         let Some(seq) = self.streams.get_mut(&stream) else { bail!("stream {stream} is not open") };
         ensure!(len <= seq.len(), "cannot rewind forward");
         seq.truncate(len);
+        if let Some(t) = self.tables.get_mut(&stream) {
+            self.pool.truncate(t, len).map_err(anyhow::Error::msg)?;
+        }
         Ok(())
     }
 
     fn forget(&mut self, stream: StreamId) {
         self.log.push(Call::Forget(stream));
         self.streams.remove(&stream);
+        if let Some(t) = self.tables.remove(&stream) {
+            self.pool.free_table(t);
+        }
     }
 }
 
@@ -423,5 +514,75 @@ impl TokenText for FakeText {
             Some(b) => b.clone(),
             None => vec![b'a' + (id % 26) as u8],
         }
+    }
+}
+
+/// Whether the fake grammar lets token `t` follow `n` completion tokens:
+/// all but those with `(t + n) % every == 0`.
+pub fn fake_allows(every: usize, n: usize, t: u32) -> bool {
+    !(t as usize + n).is_multiple_of(every.max(1))
+}
+
+/// The fake model's greedy continuation under the fake grammar: at each
+/// step the most likely allowed token (the fake's logits fall off with
+/// distance above the target, so the first allowed one from it up).
+pub fn fake_guided(prompt: &[u32], n: usize, vocab: usize, every: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for i in 0..n {
+        let target = fake_next(*seq.last().unwrap_or(&0), seq.len(), vocab);
+        let t = (0..vocab as u32).map(|d| (target + d) % vocab as u32).find(|&t| fake_allows(every, i, t)).unwrap_or(target);
+        seq.push(t);
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+/// A grammar over the fake vocabulary (see [`fake_allows`]), complete after
+/// `length` tokens if set. Its constraints refuse a token the rule forbids
+/// (so a stream that sampled outside its mask fails), count the masks they
+/// compute, and take `delay` per mask (to be slower than a round).
+#[derive(Clone, Debug, Default)]
+pub struct FakeGrammar {
+    pub vocab: usize,
+    pub every: usize,
+    pub length: Option<usize>,
+    pub delay: Option<Duration>,
+    pub masks: Arc<AtomicUsize>,
+}
+
+struct FakeConstraint {
+    grammar: FakeGrammar,
+    seq: Vec<u32>,
+}
+
+impl Grammar for FakeGrammar {
+    fn start(&self) -> Result<Box<dyn Constraint>, String> {
+        Ok(Box::new(FakeConstraint { grammar: self.clone(), seq: Vec::new() }))
+    }
+}
+
+impl Constraint for FakeConstraint {
+    fn mask(&mut self) -> Result<TokenMask, String> {
+        let g = &self.grammar;
+        if let Some(d) = g.delay {
+            std::thread::sleep(d);
+        }
+        g.masks.fetch_add(1, Ordering::SeqCst);
+        let n = self.seq.len();
+        Ok(TokenMask::of(g.vocab, (0..g.vocab as u32).filter(|&t| fake_allows(g.every, n, t))))
+    }
+
+    fn commit(&mut self, token: u32) -> Result<bool, String> {
+        let n = self.seq.len();
+        if !fake_allows(self.grammar.every, n, token) || self.grammar.length.is_some_and(|l| n >= l) {
+            return Err(format!("token {token} is not allowed after {n} tokens"));
+        }
+        self.seq.push(token);
+        Ok(self.grammar.length == Some(self.seq.len()))
+    }
+
+    fn rollback(&mut self, tokens: usize) -> Result<(), String> {
+        let keep = self.seq.len().checked_sub(tokens).ok_or("rolled back past the start")?;
+        self.seq.truncate(keep);
+        Ok(())
     }
 }

@@ -1,6 +1,8 @@
 //! The host side of braid: lanes, streams, scheduling, cut planning,
-//! sampling and stop rules. No device code lives here; everything is tested
-//! against recording fake backends (see [`fake`]).
+//! sampling, stop rules, and the prefix cache's indexes (marks, and the KV
+//! block pool a backend keeps its cached blocks in). No device code lives
+//! here; everything is tested against recording fake backends (see
+//! [`fake`]).
 //!
 //! Start with [`Lane`]: spawn one per device over a [`Backend`], submit
 //! [`Request`]s, read [`Event`]s from each [`StreamHandle`] (or hand the
@@ -17,7 +19,7 @@
 //!     prompt: vec![1, 2, 3],
 //!     sampling: SamplingParams::greedy(),
 //!     stop: StopRules { max_tokens: Some(4), ..StopRules::default() },
-//!     logprobs: None,
+//!     ..Request::default()
 //! };
 //! let mut text = String::new();
 //! for event in lane.submit(req).unwrap() {
@@ -36,8 +38,10 @@
 //! ```
 
 pub mod backend;
+pub mod blocks;
 pub mod drafter;
 pub mod fake;
+pub mod guide;
 pub mod lane;
 pub mod pass;
 pub mod prefix;
@@ -45,10 +49,12 @@ pub mod rng;
 pub mod sampling;
 pub mod stop;
 
-pub use backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
+pub use backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
+pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
 pub use drafter::Drafter;
+pub use guide::{Constraint, Grammar, Guide, TokenMask};
 pub use lane::{Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, StreamControl, StreamHandle, SubmitError, Timing, Usage};
 pub use pass::{chunk_end, prefill_whole, CutPlan, Pass, StepOutcome, WholePass};
-pub use prefix::PrefixIndex;
+pub use prefix::{PrefixIndex, SeenPrefixes};
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use stop::{StopRules, TextStops, TokenText};

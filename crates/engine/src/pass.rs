@@ -27,15 +27,15 @@ pub struct CutPlan {
     pub marks: Vec<usize>,
     /// Per-step row cap, for fairness.
     pub max_rows: Option<usize>,
-    /// The backend's results do not depend on chunking; only then does
-    /// `max_rows` apply.
-    pub chunk_invariant: bool,
+    /// The engine may choose cut sizes (`Capabilities::free_cuts`); only
+    /// then does `max_rows` apply.
+    pub free_cuts: bool,
 }
 
 impl CutPlan {
     /// Where the chunk starting at `pos` ends. See [`chunk_end`].
     pub fn chunk_end(&self, pos: usize) -> usize {
-        chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, self.max_rows, self.chunk_invariant)
+        chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, self.max_rows, self.free_cuts)
     }
 
     /// Every cut of the pass from `from` on, in order (for tests and tools).
@@ -60,15 +60,7 @@ impl CutPlan {
 ///   that is not keeps the whole pass's cuts, always).
 ///
 /// Always returns more than `pos` while `pos < prompt_len`.
-pub fn chunk_end(
-    pos: usize,
-    prompt_len: usize,
-    chunk_tokens: usize,
-    planned_start: usize,
-    marks: &[usize],
-    max_rows: Option<usize>,
-    chunk_invariant: bool,
-) -> usize {
+pub fn chunk_end(pos: usize, prompt_len: usize, chunk_tokens: usize, planned_start: usize, marks: &[usize], max_rows: Option<usize>, free_cuts: bool) -> usize {
     if pos >= prompt_len {
         return prompt_len;
     }
@@ -79,7 +71,7 @@ pub fn chunk_end(
     if let Some(&m) = marks.iter().find(|&&m| m > pos) {
         end = end.min(m);
     }
-    if chunk_invariant {
+    if free_cuts {
         if let Some(cap) = max_rows {
             end = end.min(pos + cap.max(1));
         }
@@ -155,15 +147,17 @@ impl Pass {
     /// every consumer has absorbed the chunk). On error the position stays
     /// where it was.
     pub fn step(&mut self, backend: &mut dyn Backend, drafter: Option<&mut (dyn Drafter + '_)>) -> Result<StepOutcome> {
-        self.step_via(backend, drafter, |b, stream, chunk| b.prefill_step(stream, chunk))
+        self.step_via(backend, drafter, 0, |b, stream, chunk| b.prefill_step(stream, chunk))
     }
 
-    /// [`Pass::step`], with the chunk run by `run` (the lane runs it inside
-    /// a decode round's forward: [`Backend::decode_round_with_chunk`]).
+    /// [`Pass::step`], with the chunk run by `run` (the lane runs it in a
+    /// [`Backend::round`] beside decode rows). `rows_before`: token rows the
+    /// same forward ran ahead of the chunk, whose feature rows come first.
     pub fn step_via(
         &mut self,
         backend: &mut dyn Backend,
         drafter: Option<&mut (dyn Drafter + '_)>,
+        rows_before: usize,
         run: impl FnOnce(&mut dyn Backend, StreamId, Chunk<'_>) -> Result<Option<Vec<f32>>>,
     ) -> Result<StepOutcome> {
         ensure!(!self.done(), "the prompt pass of stream {} is already complete", self.stream);
@@ -174,7 +168,10 @@ impl Pass {
         ensure!(!chunk.want_logits || logits.is_some(), "the backend returned no logits for the last chunk of stream {}", self.stream);
         self.pos = end;
         if let Some(d) = drafter {
-            d.absorb(self.stream, backend.features().unwrap_or(&[]), end - start);
+            let rows = end - start;
+            let features = backend.features().unwrap_or(&[]);
+            let width = features.len() / (rows_before + rows);
+            d.absorb(self.stream, features.get(rows_before * width..).unwrap_or(&[]), rows);
         }
         // A failed mark only costs a future cache hit; the pass goes on.
         let mark = if self.plan.marks.binary_search(&end).is_ok() { backend.keep_mark(self.stream).ok() } else { None };
@@ -222,7 +219,7 @@ mod tests {
     use super::*;
 
     fn plan(len: usize, chunk: usize, start: usize, marks: &[usize], max_rows: Option<usize>, inv: bool) -> CutPlan {
-        CutPlan { prompt_len: len, chunk_tokens: chunk, planned_start: start, marks: marks.to_vec(), max_rows, chunk_invariant: inv }
+        CutPlan { prompt_len: len, chunk_tokens: chunk, planned_start: start, marks: marks.to_vec(), max_rows, free_cuts: inv }
     }
 
     #[test]
@@ -237,7 +234,7 @@ mod tests {
     }
 
     #[test]
-    fn max_rows_applies_only_to_chunk_invariant_backends() {
+    fn max_rows_applies_only_where_cuts_are_free() {
         assert_eq!(plan(10, 8, 0, &[], Some(3), false).cuts_from(0), vec![8, 10]);
         // Capped steps come back to the grid: 8 stays a cut.
         assert_eq!(plan(10, 8, 0, &[], Some(3), true).cuts_from(0), vec![3, 6, 8, 10]);

@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::guide::{Guide, TokenMask};
 use crate::rng::Rng;
 
 /// How a stream picks its tokens. The defaults sample the model's own
@@ -39,6 +40,10 @@ pub struct SamplingParams {
     /// Seed of the stream's RNG; the same seed gives the same tokens. `None`
     /// draws a fresh seed.
     pub seed: Option<u64>,
+    /// A grammar the tokens must follow (structured outputs, tool calls):
+    /// tokens it does not allow next are masked out before sampling, and
+    /// the stream ends when it is complete.
+    pub guide: Option<Guide>,
 }
 
 impl Default for SamplingParams {
@@ -53,6 +58,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            guide: None,
         }
     }
 }
@@ -363,16 +369,17 @@ impl Sampler {
     }
 
     /// Whether [`Sampler::sample`] would just take the row's argmax: greedy
-    /// with no penalty (so a backend may pick the token where the logits
-    /// are, see `Backend::decode_round_greedy`).
+    /// with no penalty and no guide (so a backend may pick the token where
+    /// the logits are, see `Pick::Argmax`).
     pub fn plain_greedy(&self) -> bool {
-        self.params.is_greedy() && self.no_penalty()
+        self.params.is_greedy() && self.unchanged_row()
     }
 
-    /// No repetition, presence or frequency penalty changes the logits.
-    fn no_penalty(&self) -> bool {
+    /// No penalty changes the logits and no guide masks them: the row's
+    /// largest logits are the ones sampled from.
+    fn unchanged_row(&self) -> bool {
         let p = &self.params;
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.guide.is_none()
     }
 
     /// Pick the next token from one logits row (the row is used as scratch
@@ -381,6 +388,13 @@ impl Sampler {
     /// record the token: call [`Sampler::accept`] for a token that is kept.
     /// Non-greedy sampling draws exactly one random number per call.
     pub fn sample(&mut self, logits: &mut [f32], logprobs: Option<usize>) -> Sampled {
+        self.sample_masked(logits, logprobs, None)
+    }
+
+    /// [`Sampler::sample`] among the tokens `mask` allows (a guide's):
+    /// the others' logits become -inf after penalties, so logprobs still
+    /// describe the model's own distribution.
+    pub fn sample_masked(&mut self, logits: &mut [f32], logprobs: Option<usize>, mask: Option<&TokenMask>) -> Sampled {
         if logits.is_empty() {
             return Sampled { token: 0, logprob: None, top: Vec::new() };
         }
@@ -393,7 +407,15 @@ impl Sampler {
             (log_sum_exp(logits), top_n(logits, n), touched)
         });
         self.apply_penalties(logits);
-        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        if let Some(m) = mask {
+            m.apply(logits);
+        }
+        let mut token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        if let Some(m) = mask.filter(|m| !m.allows(token)) {
+            // Every allowed logit is -inf or NaN (a broken row): argmax
+            // fell on token 0; take an allowed one instead.
+            token = m.first().unwrap_or(token);
+        }
         match raw {
             None => Sampled { token, logprob: None, top: Vec::new() },
             Some((lse, top, touched)) => {
@@ -410,7 +432,7 @@ impl Sampler {
     /// the sampler needs the whole row.
     pub fn needs_only_top(&self) -> Option<usize> {
         let p = &self.params;
-        if !self.no_penalty() {
+        if !self.unchanged_row() {
             None
         } else if p.is_greedy() {
             Some(1)

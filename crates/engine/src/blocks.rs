@@ -1,0 +1,474 @@
+//! The KV block pool and its content-addressed prefix cache, as plain host
+//! data: which block ids are free, who holds each one, and which token
+//! blocks each one holds. A backend keeps the rows themselves on its device
+//! and asks this for ids; when a block must be copied (a stream is about to
+//! write into a block it shares) it is told which to copy where.
+//!
+//! Every full block of a keyed stream is *sealed*: indexed under a chained
+//! hash of the cache salt and every token up to its end (so a block matches
+//! only behind the same prefix). A block that no stream or mark holds any
+//! more stays cached, idle, until the pool needs room: only then are idle
+//! blocks evicted, least recently used first. A new stream starts from the
+//! longest run of cached full blocks of its prompt, shared as they are, plus
+//! the best partial match of the next block (a stream's last, partly filled
+//! block is cached when it ends), copied, since the stream writes on in it.
+//!
+//! Lookups check the tokens and the parent link of every block they walk,
+//! so a hash collision cannot hand a stream the wrong rows.
+
+use std::collections::{BTreeMap, HashMap};
+
+/// Names one KV block of a pool.
+pub type BlockId = u32;
+
+/// The hash a salt's chains start from.
+pub fn chain_root(salt: u64) -> u64 {
+    mix(0xCBF2_9CE4_8422_2325 ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The hash of a block of `tokens` behind a prefix hashed `parent`.
+pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    tokens.iter().fold(parent, |x, &t| mix(x ^ t as u64))
+}
+
+fn mix(x: u64) -> u64 {
+    // splitmix64's finaliser: every input bit reaches every output bit.
+    let x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A sealed block: the tokens it holds behind the prefix hashed `parent`.
+struct Sealed {
+    parent: u64,
+    /// `block_tokens` of them for a full block, fewer for a stream's tail.
+    tokens: Vec<u32>,
+    /// Its own chain hash (full blocks; tails are found through `parent`).
+    hash: u64,
+}
+
+/// One stream's blocks, and (for a keyed stream) the tokens its rows hold
+/// and the chain hash after each full block.
+#[derive(Debug, Default)]
+pub struct BlockTable {
+    /// Block `i` holds rows `i * block_tokens ..`.
+    pub blocks: Vec<BlockId>,
+    /// `Some(chain)` when the stream is keyed: `chain[i]` covers the first
+    /// `i` full blocks (`chain[0]` is the salt's root).
+    chain: Option<Vec<u64>>,
+    tokens: Vec<u32>,
+}
+
+impl BlockTable {
+    /// Whether the stream's blocks are sealed into the cache as they fill.
+    pub fn keyed(&self) -> bool {
+        self.chain.is_some()
+    }
+
+    /// Seal nothing more of this stream (its rows are no longer known);
+    /// blocks sealed already stay cached.
+    pub fn unkey(&mut self) {
+        self.chain = None;
+        self.tokens = Vec::new();
+    }
+}
+
+/// What [`BlockPool::attach`] gave a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Attached {
+    /// Rows the stream now holds.
+    pub rows: usize,
+    /// Copy block `.0` to `.1` on the device before the stream runs: its
+    /// last block, matched in part, is its own copy.
+    pub copy: Option<(BlockId, BlockId)>,
+}
+
+/// The pool's ids, their holders, and the cache of sealed blocks.
+pub struct BlockPool {
+    block_tokens: usize,
+    /// Holders of each block: streams and marks.
+    refs: Vec<u32>,
+    free: Vec<BlockId>,
+    sealed: Vec<Option<Sealed>>,
+    /// Full sealed blocks by chain hash.
+    full: HashMap<u64, BlockId>,
+    /// Sealed blocks (full and tails) by their parent's hash, for the
+    /// partial match at the end of a lookup.
+    children: HashMap<u64, Vec<BlockId>>,
+    /// Sealed blocks nobody holds, by when they were last let go.
+    idle: BTreeMap<u64, BlockId>,
+    /// Each idle block's key in `idle`.
+    idle_at: Vec<u64>,
+    clock: u64,
+    evicted: u64,
+}
+
+impl BlockPool {
+    pub fn new(blocks: usize, block_tokens: usize) -> BlockPool {
+        BlockPool {
+            block_tokens: block_tokens.max(1),
+            refs: vec![0; blocks],
+            free: (0..blocks as BlockId).rev().collect(),
+            sealed: (0..blocks).map(|_| None).collect(),
+            full: HashMap::new(),
+            children: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_at: vec![0; blocks],
+            clock: 0,
+            evicted: 0,
+        }
+    }
+
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    pub fn total(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Blocks a new row could take: free ones and idle cached ones.
+    pub fn available(&self) -> usize {
+        self.free.len() + self.idle.len()
+    }
+
+    /// Blocks held by streams or marks.
+    pub fn in_use(&self) -> usize {
+        self.total() - self.available()
+    }
+
+    /// Blocks only the cache holds (evictable).
+    pub fn cached(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// Cached blocks evicted so far to make room.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Holders of `b` (for tests and checks).
+    pub fn holders(&self, b: BlockId) -> u32 {
+        self.refs[b as usize]
+    }
+
+    /// A block for one holder: a free one, else the least recently used
+    /// idle one, evicted from the cache. `None` when every block is held.
+    pub fn alloc(&mut self) -> Option<BlockId> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let (_, b) = self.idle.pop_first()?;
+                self.unseal(b);
+                self.evicted += 1;
+                b
+            }
+        };
+        self.refs[b as usize] = 1;
+        Some(b)
+    }
+
+    /// One more holder of `b` (a stream sharing it, a mark).
+    pub fn retain(&mut self, b: BlockId) {
+        if self.refs[b as usize] == 0 {
+            self.idle.remove(&self.idle_at[b as usize]);
+        }
+        self.refs[b as usize] += 1;
+    }
+
+    /// One holder fewer: a block nobody holds stays cached if it is sealed,
+    /// else it is free.
+    pub fn release(&mut self, b: BlockId) {
+        let r = &mut self.refs[b as usize];
+        debug_assert!(*r > 0, "block {b} released more often than held");
+        *r = r.saturating_sub(1);
+        if *r > 0 {
+            return;
+        }
+        if self.sealed[b as usize].is_some() {
+            self.clock += 1;
+            self.idle_at[b as usize] = self.clock;
+            self.idle.insert(self.clock, b);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    /// Grow `table` to hold `len` rows; all or nothing.
+    pub fn grow(&mut self, table: &mut BlockTable, len: usize) -> Result<(), String> {
+        let need = len.div_ceil(self.block_tokens).saturating_sub(table.blocks.len());
+        if need > self.available() {
+            return Err(format!("KV pool full: {need} more blocks needed, {} free", self.available()));
+        }
+        for _ in 0..need {
+            table.blocks.push(self.alloc().expect("counted above"));
+        }
+        Ok(())
+    }
+
+    /// Start an empty `table` keyed by `salt` from the longest prefix of
+    /// `prompt` the cache holds, at most `max_len` rows. The stream's
+    /// blocks are sealed as they fill from now on.
+    pub fn attach(&mut self, table: &mut BlockTable, prompt: &[u32], salt: u64, max_len: usize) -> Attached {
+        debug_assert!(table.blocks.is_empty() && table.chain.is_none(), "attach needs an empty table");
+        let bt = self.block_tokens;
+        let max_len = max_len.min(prompt.len());
+        let mut chain = vec![chain_root(salt)];
+        let mut parent = chain[0];
+        while table.blocks.len() * bt + bt <= max_len {
+            let start = table.blocks.len() * bt;
+            let toks = &prompt[start..start + bt];
+            let hash = chain_hash(parent, toks);
+            let Some(&b) = self.full.get(&hash) else { break };
+            if !self.sealed[b as usize].as_ref().is_some_and(|s| s.parent == parent && s.tokens == toks) {
+                break;
+            }
+            self.retain(b);
+            table.blocks.push(b);
+            chain.push(hash);
+            parent = hash;
+        }
+        let start = table.blocks.len() * bt;
+        let mut out = Attached { rows: start, copy: None };
+        let rest = &prompt[start..max_len.min(start + bt)];
+        if let Some((src, rows)) = self.best_child(parent, rest) {
+            // Held while the copy's block is found, so it cannot be the one evicted.
+            self.retain(src);
+            let dst = self.alloc();
+            self.release(src);
+            if let Some(dst) = dst {
+                table.blocks.push(dst);
+                out = Attached { rows: start + rows, copy: Some((src, dst)) };
+            }
+        }
+        table.tokens = prompt[..out.rows].to_vec();
+        table.chain = Some(chain);
+        out
+    }
+
+    /// The sealed block behind `parent` sharing the longest run of leading
+    /// tokens with `rest`, and that run's length (at least 1).
+    fn best_child(&self, parent: u64, rest: &[u32]) -> Option<(BlockId, usize)> {
+        let kids = self.children.get(&parent)?;
+        let common = |b: &BlockId| self.sealed[*b as usize].as_ref().map_or(0, |s| s.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count());
+        kids.iter().map(|b| (*b, common(b))).filter(|&(_, n)| n > 0).max_by_key(|&(_, n)| n)
+    }
+
+    /// `tokens` were written after `table`'s rows: seal every block they
+    /// filled (a keyed table; others keep no tokens).
+    pub fn append(&mut self, table: &mut BlockTable, tokens: &[u32]) {
+        let Some(chain) = table.chain.as_mut() else { return };
+        table.tokens.extend_from_slice(tokens);
+        let bt = self.block_tokens;
+        while chain.len() * bt <= table.tokens.len() {
+            let i = chain.len() - 1;
+            let parent = chain[i];
+            let toks = &table.tokens[i * bt..(i + 1) * bt];
+            let hash = chain_hash(parent, toks);
+            let b = table.blocks[i];
+            // A block holding the same rows is cached already: this one
+            // stays the stream's own.
+            if !self.full.contains_key(&hash) && self.sealed[b as usize].is_none() {
+                self.seal(b, Sealed { parent, tokens: toks.to_vec(), hash });
+            }
+            chain.push(hash);
+        }
+    }
+
+    /// Cut `table` back to `len` rows. The block the stream writes on in
+    /// must be its own: one it shares is copied (the pair returned, to copy
+    /// on the device; an error when no block is left for the copy, and the
+    /// stream must not run on), one only it holds leaves the cache.
+    pub fn truncate(&mut self, table: &mut BlockTable, len: usize) -> Result<Option<(BlockId, BlockId)>, String> {
+        let bt = self.block_tokens;
+        for b in table.blocks.split_off(len.div_ceil(bt).min(table.blocks.len())) {
+            self.release(b);
+        }
+        if let Some(chain) = table.chain.as_mut() {
+            table.tokens.truncate(len);
+            chain.truncate(len / bt + 1);
+        }
+        let i = len / bt;
+        if len.is_multiple_of(bt) || i >= table.blocks.len() {
+            return Ok(None);
+        }
+        let b = table.blocks[i];
+        if self.refs[b as usize] > 1 {
+            let dst = self.alloc().ok_or("KV pool full: no block left to copy a shared one into")?;
+            self.release(b);
+            table.blocks[i] = dst;
+            return Ok(Some((b, dst)));
+        }
+        self.unseal(b);
+        Ok(None)
+    }
+
+    /// The stream is gone: cache its partly filled last block (a keyed
+    /// stream's, unless the cache holds those rows already) and let go of
+    /// every block, last first, so its tail is the first evicted.
+    pub fn free_table(&mut self, table: BlockTable) {
+        let bt = self.block_tokens;
+        if let Some(chain) = &table.chain {
+            let (n, i) = (table.tokens.len(), chain.len() - 1);
+            let tail = &table.tokens[(i * bt).min(n)..];
+            if !tail.is_empty() && n < (i + 1) * bt && i < table.blocks.len() {
+                let b = table.blocks[i];
+                let parent = chain[i];
+                if self.sealed[b as usize].is_none() && self.best_child(parent, tail).is_none_or(|(_, n)| n < tail.len()) {
+                    self.seal(b, Sealed { parent, tokens: tail.to_vec(), hash: 0 });
+                }
+            }
+        }
+        for &b in table.blocks.iter().rev() {
+            self.release(b);
+        }
+    }
+
+    fn seal(&mut self, b: BlockId, s: Sealed) {
+        if s.tokens.len() == self.block_tokens {
+            self.full.insert(s.hash, b);
+        }
+        self.children.entry(s.parent).or_default().push(b);
+        self.sealed[b as usize] = Some(s);
+    }
+
+    fn unseal(&mut self, b: BlockId) {
+        let Some(s) = self.sealed[b as usize].take() else { return };
+        if s.tokens.len() == self.block_tokens && self.full.get(&s.hash) == Some(&b) {
+            self.full.remove(&s.hash);
+        }
+        if let Some(kids) = self.children.get_mut(&s.parent) {
+            kids.retain(|&k| k != b);
+            if kids.is_empty() {
+                self.children.remove(&s.parent);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(pool: &mut BlockPool, t: &mut BlockTable, tokens: &[u32]) {
+        let len = t.tokens.len() + tokens.len();
+        pool.grow(t, len).unwrap();
+        pool.append(t, tokens);
+    }
+
+    fn seq(n: usize, seed: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| i * 7 + seed).collect()
+    }
+
+    #[test]
+    fn a_prompt_seen_before_attaches_its_blocks_and_a_copy_of_its_tail() {
+        let mut pool = BlockPool::new(16, 4);
+        let p = seq(10, 1);
+        let mut a = BlockTable::default();
+        assert_eq!(pool.attach(&mut a, &p, 0, 9), Attached { rows: 0, copy: None });
+        run(&mut pool, &mut a, &p);
+        let a_blocks = a.blocks.clone();
+        // While A runs, its two full blocks are shared; its tail is not cached yet.
+        let mut b = BlockTable::default();
+        assert_eq!(pool.attach(&mut b, &p, 0, 9).rows, 8);
+        assert_eq!(b.blocks, a_blocks[..2]);
+        assert_eq!(pool.holders(a_blocks[0]), 2);
+        pool.free_table(b);
+        pool.free_table(a);
+        assert_eq!((pool.in_use(), pool.cached()), (0, 3), "every block of A stays cached");
+        // The same prompt again: everything but its last row.
+        let mut c = BlockTable::default();
+        let got = pool.attach(&mut c, &p, 0, 9);
+        assert_eq!(got.rows, 9);
+        let (src, dst) = got.copy.unwrap();
+        assert_eq!(src, a_blocks[2]);
+        assert_ne!(dst, src, "the tail is the stream's own copy");
+        assert_eq!(c.blocks, vec![a_blocks[0], a_blocks[1], dst]);
+    }
+
+    #[test]
+    fn a_block_matches_only_behind_the_same_prefix_and_salt() {
+        let mut pool = BlockPool::new(16, 4);
+        let p = seq(8, 1);
+        let mut a = BlockTable::default();
+        pool.attach(&mut a, &p, 7, 8);
+        run(&mut pool, &mut a, &p);
+        pool.free_table(a);
+        let mut other_salt = BlockTable::default();
+        assert_eq!(pool.attach(&mut other_salt, &p, 8, 8).rows, 0);
+        // The second block's tokens behind a different first block.
+        let mut q = seq(4, 99);
+        q.extend_from_slice(&p[4..]);
+        let mut shifted = BlockTable::default();
+        assert_eq!(pool.attach(&mut shifted, &q, 7, 8).rows, 0);
+        // Diverging inside the second block matches its leading rows, copied.
+        let mut r = p.clone();
+        r[6] = 1000;
+        let mut part = BlockTable::default();
+        let got = pool.attach(&mut part, &r, 7, 8);
+        assert_eq!(got.rows, 6);
+        assert!(got.copy.is_some());
+    }
+
+    #[test]
+    fn idle_blocks_are_evicted_only_for_room_oldest_first() {
+        let mut pool = BlockPool::new(4, 2);
+        let (p, q) = (seq(4, 1), seq(4, 2));
+        for x in [&p, &q] {
+            let mut t = BlockTable::default();
+            pool.attach(&mut t, x, 0, 4);
+            run(&mut pool, &mut t, x);
+            pool.free_table(t);
+        }
+        assert_eq!((pool.cached(), pool.available(), pool.evicted()), (4, 4, 0));
+        // Using p makes q the oldest: a new stream of one block evicts q's
+        // last block first (a stream's tail goes before its head).
+        let mut t = BlockTable::default();
+        assert_eq!(pool.attach(&mut t, &p, 0, 4).rows, 4);
+        pool.free_table(t);
+        let mut n = BlockTable::default();
+        pool.grow(&mut n, 2).unwrap();
+        assert_eq!(pool.evicted(), 1);
+        let mut t = BlockTable::default();
+        assert_eq!(pool.attach(&mut t, &q, 0, 4).rows, 2, "q lost its second block");
+        pool.free_table(t);
+        let mut t = BlockTable::default();
+        assert_eq!(pool.attach(&mut t, &p, 0, 4).rows, 4, "p kept both");
+    }
+
+    #[test]
+    fn rewinding_into_a_shared_block_copies_it_and_into_an_own_one_unseals_it() {
+        let mut pool = BlockPool::new(8, 4);
+        let p = seq(8, 3);
+        let mut a = BlockTable::default();
+        pool.attach(&mut a, &p, 0, 8);
+        run(&mut pool, &mut a, &p);
+        let mut b = BlockTable::default();
+        assert_eq!(pool.attach(&mut b, &p, 0, 8).rows, 8);
+        let shared = b.blocks[1];
+        let (src, dst) = pool.truncate(&mut b, 6).unwrap().unwrap();
+        assert_eq!(src, shared);
+        assert_eq!(b.blocks[1], dst);
+        pool.free_table(b);
+        // A alone holds its second block: cut into, it leaves the cache.
+        assert_eq!(pool.truncate(&mut a, 5), Ok(None));
+        pool.append(&mut a, &[500, 501, 502]);
+        pool.free_table(a);
+        let mut c = BlockTable::default();
+        let mut q = p[..5].to_vec();
+        q.extend([500, 501, 502]);
+        assert_eq!(pool.attach(&mut c, &q, 0, 8).rows, 8);
+        let mut d = BlockTable::default();
+        assert_eq!(pool.attach(&mut d, &p, 0, 8).rows, 5, "the old second block is gone: one row matches A's rewritten one");
+    }
+
+    #[test]
+    fn an_unkeyed_table_seals_nothing() {
+        let mut pool = BlockPool::new(4, 2);
+        let mut t = BlockTable::default();
+        run(&mut pool, &mut t, &[1, 2, 3]);
+        assert!(!t.keyed());
+        pool.free_table(t);
+        assert_eq!((pool.cached(), pool.available()), (0, 4));
+    }
+}

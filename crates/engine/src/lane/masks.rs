@@ -1,0 +1,284 @@
+//! Guided streams: their masks, computed off the lane's thread.
+//!
+//! A guided stream's [`Constraint`] travels. As soon as the stream's
+//! newest token is committed (on the lane thread: commits are fast, and
+//! say at once when the grammar is complete), the constraint goes to a
+//! mask worker with the stream's draft. The worker computes the mask of
+//! the stream's next row, and one per draft token (consuming each, then
+//! rolling back), while the lane runs the round's forward. When the
+//! round's results come back the masks are usually there; when they are
+//! not, the stream's rows wait ([`Phase::Waiting`]) and the lane goes on
+//! with the other streams, sampling the waiting ones once their masks
+//! come (a worker wakes the lane). So a slow mask delays its own stream,
+//! never the others.
+//!
+//! Masks apply on the host, so every round with a guided stream returns
+//! logits rows (`Need::Logits`): a backend's argmax or top-k would pick
+//! among tokens the mask may forbid, and nothing could be picked instead
+//! without the row.
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+
+use super::run::Core;
+use super::stream::{Phase, Stream};
+use super::Command;
+use crate::backend::{Picked, StreamId};
+use crate::guide::{Constraint, TokenMask};
+
+/// A guided stream's constraint: with a worker, or here with the masks of
+/// the stream's next rows (mask `j` for the row after draft token `j - 1`).
+pub(super) enum Guided {
+    Away,
+    Here { constraint: Box<dyn Constraint>, masks: Vec<TokenMask> },
+}
+
+impl Guided {
+    /// The mask of the stream's row `j` of the round (None past those
+    /// computed: such a row cannot be reached, see [`masks_for`]).
+    pub fn mask(&self, j: usize) -> Option<&TokenMask> {
+        match self {
+            Guided::Here { masks, .. } => masks.get(j),
+            Guided::Away => None,
+        }
+    }
+
+    /// Accept a sampled token; true when the grammar is complete.
+    pub fn commit(&mut self, token: u32) -> Result<bool, String> {
+        match self {
+            Guided::Here { constraint, .. } => constraint.commit(token),
+            Guided::Away => Err("the constraint was committed to while a worker held it".into()),
+        }
+    }
+}
+
+/// Results a waiting stream's rows left, to sample once its masks come.
+pub(super) enum Held {
+    /// The prompt's last-row logits (the first token).
+    First(Vec<f32>),
+    /// A decode round's rows: the draft they verified, their logits rows
+    /// and their feature rows.
+    Round { draft: Vec<u32>, logits: Vec<f32>, features: Vec<f32> },
+}
+
+struct Job {
+    stream: StreamId,
+    constraint: Box<dyn Constraint>,
+    draft: Vec<u32>,
+}
+
+struct Done {
+    stream: StreamId,
+    constraint: Box<dyn Constraint>,
+    masks: Result<Vec<TokenMask>, String>,
+}
+
+/// The mask workers: threads started with the first guided stream, fed
+/// one job per stream and round.
+pub(super) struct MaskWorkers {
+    threads: usize,
+    /// Wakes the lane when a job is done (it may be waiting for nothing else).
+    wake: Sender<Command>,
+    jobs: Option<Sender<Job>>,
+    done_tx: Sender<Done>,
+    done: Receiver<Done>,
+}
+
+impl MaskWorkers {
+    pub fn new(threads: usize, wake: Sender<Command>) -> MaskWorkers {
+        let (done_tx, done) = mpsc::channel();
+        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done }
+    }
+
+    fn send(&mut self, job: Job) {
+        if self.jobs.is_none() {
+            self.jobs = self.spawn();
+        }
+        let job = match &self.jobs {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => return,
+                Err(mpsc::SendError(job)) => job,
+            },
+            None => job,
+        };
+        // No worker could start: compute here rather than never.
+        let _ = self.done_tx.send(run(job));
+    }
+
+    fn spawn(&self) -> Option<Sender<Job>> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut started = 0;
+        for i in 0..self.threads {
+            let (rx, done, wake) = (rx.clone(), self.done_tx.clone(), self.wake.clone());
+            let worker = move || loop {
+                let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                let Ok(job) = job else { return };
+                if done.send(run(job)).is_err() {
+                    return;
+                }
+                let _ = wake.send(Command::Wake);
+            };
+            started += usize::from(std::thread::Builder::new().name(format!("braid-mask-{i}")).spawn(worker).is_ok());
+        }
+        (started > 0).then_some(tx)
+    }
+}
+
+fn run(mut job: Job) -> Done {
+    let masks = masks_for(&mut *job.constraint, &job.draft);
+    Done { stream: job.stream, constraint: job.constraint, masks }
+}
+
+/// The mask of the next row, then one per draft token while the draft
+/// follows the grammar: draft token `i` is consumed (if the mask before
+/// it allows it and it does not complete the grammar) and the next mask
+/// computed; then the drafts are rolled back. A row past the masks is
+/// never sampled: reaching it takes a sampled token equal to a draft
+/// token its mask forbids, or one that ended the stream.
+fn masks_for(c: &mut dyn Constraint, draft: &[u32]) -> Result<Vec<TokenMask>, String> {
+    let mut masks = vec![c.mask()?];
+    let mut consumed = 0;
+    for &t in draft {
+        if !masks[consumed].allows(t) {
+            break;
+        }
+        let complete = c.commit(t)?;
+        consumed += 1;
+        if complete {
+            break;
+        }
+        masks.push(c.mask()?);
+    }
+    c.rollback(consumed)?;
+    Ok(masks)
+}
+
+impl Core {
+    /// A new stream with a guide starts its constraint, and its first mask
+    /// is computed while it queues and prefills.
+    pub(super) fn start_guide(&mut self, s: &mut Stream) {
+        let Some(guide) = s.sampler.params().guide.clone() else { return };
+        match guide.start() {
+            Ok(constraint) => {
+                self.mask_workers.send(Job { stream: s.id, constraint, draft: Vec::new() });
+                s.guided = Some(Guided::Away);
+            }
+            Err(e) => s.fail(format!("the grammar could not start: {e}")),
+        }
+    }
+
+    /// Hand the constraint of the stream at `at` (decoding, its newest
+    /// token committed) to a worker for its next rows' masks.
+    pub(super) fn send_guide(&mut self, at: usize) {
+        let s = &mut self.running[at];
+        let (Some(g @ Guided::Here { .. }), Phase::Decoding { draft, .. }) = (&mut s.guided, &s.phase) else { return };
+        let Guided::Here { constraint, .. } = std::mem::replace(g, Guided::Away) else { return };
+        self.mask_workers.send(Job { stream: s.id, constraint, draft: draft.clone() });
+    }
+
+    /// Hand finished masks to their streams (dropped if a stream is gone).
+    fn take_masks(&mut self) {
+        while let Ok(done) = self.mask_workers.done.try_recv() {
+            let Some(s) = self.running.iter_mut().chain(self.queue.iter_mut()).find(|s| s.id == done.stream) else { continue };
+            if s.ended() {
+                continue;
+            }
+            match done.masks {
+                Ok(masks) => {
+                    self.stats.guided_masks += masks.len() as u64;
+                    // Draft tokens past the masks are never accepted:
+                    // they need not run.
+                    if let Phase::Decoding { draft, .. } = &mut s.phase {
+                        draft.truncate(masks.len() - 1);
+                    }
+                    s.guided = Some(Guided::Here { constraint: done.constraint, masks });
+                }
+                Err(e) => s.fail(format!("the grammar failed: {e}")),
+            }
+        }
+    }
+
+    /// Whether the stream at `at` can sample now: it has no guide, or its
+    /// masks are back.
+    pub(super) fn masks_ready(&mut self, at: usize) -> bool {
+        if matches!(self.running[at].guided, Some(Guided::Away)) {
+            self.take_masks();
+        }
+        !matches!(self.running[at].guided, Some(Guided::Away))
+    }
+
+    /// Park a stream's results until its masks come.
+    pub(super) fn hold(&mut self, at: usize, held: Held) {
+        self.stats.mask_waits += 1;
+        self.running[at].phase = Phase::Waiting(held);
+    }
+
+    /// Sample the waiting streams whose masks came; true if any did.
+    pub(super) fn settle(&mut self) -> bool {
+        self.take_masks();
+        let mut moved = false;
+        for at in 0..self.running.len() {
+            let s = &mut self.running[at];
+            if !matches!(s.phase, Phase::Waiting(_)) || matches!(s.guided, Some(Guided::Away)) {
+                continue;
+            }
+            let Phase::Waiting(held) = std::mem::replace(&mut s.phase, Phase::Decoding { last: 0, draft: Vec::new() }) else { continue };
+            moved = true;
+            match held {
+                Held::First(logits) => self.first_token(at, logits),
+                Held::Round { draft, logits, features } => self.verify(at, &draft, &mut Picked::Logits(logits), 0, &features),
+            }
+        }
+        moved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Allows tokens above the last committed one (`0..vocab` at the start),
+    /// complete at `done`; logs its calls.
+    struct Rising {
+        seq: Vec<u32>,
+        vocab: u32,
+        done: u32,
+        calls: Vec<String>,
+    }
+
+    impl Constraint for Rising {
+        fn mask(&mut self) -> Result<TokenMask, String> {
+            self.calls.push(format!("mask@{}", self.seq.len()));
+            let from = self.seq.last().map_or(0, |&t| t + 1);
+            Ok(TokenMask::of(self.vocab as usize, from..self.vocab))
+        }
+        fn commit(&mut self, token: u32) -> Result<bool, String> {
+            self.calls.push(format!("commit {token}"));
+            self.seq.push(token);
+            Ok(token == self.done)
+        }
+        fn rollback(&mut self, tokens: usize) -> Result<(), String> {
+            self.calls.push(format!("rollback {tokens}"));
+            self.seq.truncate(self.seq.len() - tokens);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn draft_masks_stop_where_the_draft_leaves_the_grammar() {
+        let mut c = Rising { seq: vec![3], vocab: 16, done: 15, calls: Vec::new() };
+        // 5 and 7 rise; 6 does not: masks for rows 0, 1, 2 (after 5, 7).
+        let masks = masks_for(&mut c, &[5, 7, 6, 9]).unwrap();
+        assert_eq!(masks.len(), 3);
+        assert!(masks[0].allows(4) && !masks[0].allows(3));
+        assert!(masks[2].allows(8) && !masks[2].allows(7));
+        assert_eq!(c.seq, vec![3], "the drafts were rolled back");
+        assert_eq!(c.calls, ["mask@1", "commit 5", "mask@2", "commit 7", "mask@3", "rollback 2"]);
+        // A draft token that completes the grammar: no row after it.
+        let mut c = Rising { seq: vec![3], vocab: 16, done: 9, calls: Vec::new() };
+        assert_eq!(masks_for(&mut c, &[5, 9, 12]).unwrap().len(), 2);
+        assert_eq!(c.seq, vec![3]);
+        assert_eq!(c.calls.last().unwrap(), "rollback 2");
+    }
+}

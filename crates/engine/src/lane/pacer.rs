@@ -1,0 +1,320 @@
+//! The pacer: how many prompt rows a round may take.
+//!
+//! A prompt chunk that shares a round with decode rows adds its rows' cost
+//! to every decoding stream's inter-token gap. The pacer sizes each chunk
+//! one of two ways:
+//! * **An inter-token-latency target** (`LaneConfig::itl_target`): the
+//!   largest chunk whose round the cost model predicts within the target,
+//!   at least one row (the newcomer always advances). The model is linear —
+//!   a fixed cost per forward, a cost per decode row and per decoding
+//!   context token, per prompt row and per prompt row and context token —
+//!   fitted as the lane runs by non-negative least squares ([`CostModel`]), so
+//!   it follows the device (CPU or GPU) and the streams' growing contexts;
+//!   chunks grow by half at most past the largest it has seen.
+//!   A round the target cannot hold (the decode rows alone exceed it) is
+//!   counted and said once in the log.
+//! * **A share of a plain round** (`LaneConfig::prefill_share`): each chunk
+//!   adds about that fraction to the decode rows' round, steered by the
+//!   last chunk's measured cost.
+//!
+//! Only where the cut sizes are free (see `Capabilities`: a chunk-invariant
+//! backend, or one whose results depend on the batch anyway) does the
+//! pacer choose; otherwise the pass keeps its own cuts.
+
+use std::cell::Cell;
+use std::time::Duration;
+
+use crate::backend::StreamId;
+
+/// Rows of a pass's first chunk under `prefill_share`, before any cost is
+/// known: small, since in a shared forward each row adds its full cost to
+/// the others' round (the steering grows it by half at most per chunk).
+const FIRST_STEP_ROWS: usize = 1;
+
+/// Under `prefill_share`, a plain round every this many shared ones: the
+/// plain round's time grows with the decoding streams' contexts.
+const REMEASURE_EVERY: usize = 8;
+
+/// Rounds with a chunk the cost model needs before a target trusts it;
+/// until then chunks probe, doubling while rounds stay within the target.
+const TRUSTED_AFTER: usize = 6;
+
+/// How many prompt rows the next round may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Budget {
+    /// A chunk of at most this many rows (`None`: the pass's own cuts).
+    Chunk(Option<usize>),
+    /// No chunk: the next round runs the decode rows alone, to measure them.
+    Measure,
+}
+
+/// What a round holds, as the cost model sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct Shape {
+    /// Decode token rows (drafts included).
+    pub decode_rows: usize,
+    /// The decoding streams' context tokens, summed.
+    pub decode_ctx: usize,
+    /// The chunk's rows and the position it starts at.
+    pub chunk_rows: usize,
+    pub chunk_start: usize,
+}
+
+/// What one round ran, as the pacer is told it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Ran {
+    pub shape: Shape,
+    /// The prompt chunk's stream, if the round carried one.
+    pub chunk: Option<StreamId>,
+    /// The backend call's wall time.
+    pub secs: f64,
+    /// The loop's own time around it (planning, sampling, emitting) since
+    /// the last round: part of every decoding stream's gap.
+    pub overhead: f64,
+}
+
+/// Features of a round: the fixed cost, decode rows, decoding context (in
+/// thousands of tokens), prompt rows, and prompt rows times their mean
+/// position (in thousands).
+const FEATURES: usize = 5;
+
+fn features(s: &Shape) -> [f64; FEATURES] {
+    let r = s.chunk_rows as f64;
+    [1.0, s.decode_rows as f64, s.decode_ctx as f64 / 1e3, r, r * (s.chunk_start as f64 + r / 2.0) / 1e3]
+}
+
+/// A round's seconds as a linear function of its [`features`] with
+/// non-negative coefficients (every part of a round costs time, so a fit
+/// that noise would tilt cannot promise a free row), fitted as least
+/// squares over the rounds seen, recent ones weighing most (the device's
+/// speed drifts with clocks and load).
+#[derive(Clone, Debug)]
+pub(super) struct CostModel {
+    /// The weighted normal equations: Σ w·x·xᵀ and Σ w·x·secs.
+    gram: [[f64; FEATURES]; FEATURES],
+    rhs: [f64; FEATURES],
+    theta: [f64; FEATURES],
+    /// Rounds with a chunk taken in.
+    pub chunk_rounds: usize,
+    pub rounds: usize,
+    /// The largest chunk seen: a prediction far past what was seen is a
+    /// guess, so a budget grows to at most half again as much.
+    pub max_seen: usize,
+}
+
+/// Forgetting factor: a round's weight halves after ~70 later ones.
+const FORGET: f64 = 0.99;
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel { gram: [[0.0; FEATURES]; FEATURES], rhs: [0.0; FEATURES], theta: [0.0; FEATURES], chunk_rounds: 0, rounds: 0, max_seen: 0 }
+    }
+}
+
+impl CostModel {
+    /// Take in one round that took `secs`, and refit.
+    pub fn observe(&mut self, s: &Shape, secs: f64) {
+        let x = features(s);
+        for (i, row) in self.gram.iter_mut().enumerate() {
+            for (j, g) in row.iter_mut().enumerate() {
+                *g = FORGET * *g + x[i] * x[j];
+            }
+            self.rhs[i] = FORGET * self.rhs[i] + x[i] * secs;
+        }
+        self.rounds += 1;
+        if s.chunk_rows > 0 {
+            self.chunk_rounds += 1;
+            self.max_seen = self.max_seen.max(s.chunk_rows);
+        }
+        self.fit();
+    }
+
+    /// Non-negative least squares by coordinate descent on the normal
+    /// equations (five unknowns: a few sweeps converge), from the last fit.
+    fn fit(&mut self) {
+        for _ in 0..64 {
+            for j in 0..FEATURES {
+                // A touch of ridge keeps a feature never seen at zero.
+                let d = self.gram[j][j] + 1e-12;
+                let r: f64 = self.rhs[j] - (0..FEATURES).map(|k| self.gram[j][k] * self.theta[k]).sum::<f64>();
+                self.theta[j] = (self.theta[j] + r / d).max(0.0);
+            }
+        }
+    }
+
+    /// The predicted seconds of a round of shape `s`.
+    pub fn predict(&self, s: &Shape) -> f64 {
+        features(s).iter().zip(&self.theta).map(|(x, t)| x * t).sum()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Pacer {
+    /// The target inter-token gap in seconds, if one is set.
+    target: Option<f64>,
+    /// The fraction of a plain round a chunk may add (`None`: no pacing).
+    share: Option<f64>,
+    /// The configured per-chunk cap, which every budget honours.
+    max_rows: Option<usize>,
+    model: CostModel,
+    /// Moving average of a plain round's seconds (0: none measured yet).
+    plain_secs: f64,
+    /// Moving average of the loop's own time per round.
+    overhead: f64,
+    /// Moving average of how far rounds with a chunk ran past the model's
+    /// prediction (0 when they ran short): set aside as well, so a noisy
+    /// device or a fit still settling errs on the short side.
+    under: f64,
+    /// The last chunk: its stream, rows, the seconds it added, and its whole round's.
+    last: Option<(StreamId, usize, f64, f64)>,
+    /// Rounds shared with a chunk since the last plain one.
+    shared_since_plain: usize,
+    /// Rounds whose decode rows alone the model predicted past the target.
+    target_misses: Cell<u64>,
+}
+
+/// Moving average that follows changes within a few samples.
+fn ema(old: f64, new: f64) -> f64 {
+    if old == 0.0 {
+        new
+    } else {
+        0.7 * old + 0.3 * new
+    }
+}
+
+impl Pacer {
+    /// `target`: `LaneConfig::itl_target`; `share`: `LaneConfig::prefill_share`
+    /// (a target, when set, takes its place); both honoured only when
+    /// `free_cuts`. `max_rows`: `LaneConfig::max_rows`.
+    pub fn new(target: Option<Duration>, share: Option<f32>, max_rows: Option<usize>, free_cuts: bool) -> Pacer {
+        let target = target.filter(|_| free_cuts).map(|d| d.as_secs_f64());
+        let share = share.filter(|_| free_cuts && target.is_none()).map(f64::from);
+        Pacer {
+            target,
+            share,
+            max_rows,
+            model: CostModel::default(),
+            plain_secs: 0.0,
+            overhead: 0.0,
+            under: 0.0,
+            last: None,
+            shared_since_plain: 0,
+            target_misses: Cell::new(0),
+        }
+    }
+
+    /// Rounds whose decode rows alone the model predicted past the target
+    /// (the newcomer then took one row).
+    pub fn target_misses(&self) -> u64 {
+        self.target_misses.get()
+    }
+
+    /// The budget for the next chunk of `stream`'s pass, which would start
+    /// at `start` beside the decode rows of `next` (none: it runs alone).
+    pub fn budget(&self, stream: StreamId, start: usize, next: Shape) -> Budget {
+        let decoding = next.decode_rows > 0;
+        if let (Some(target), true) = (self.target, decoding) {
+            return Budget::Chunk(Some(self.cap(self.target_rows(stream, start, next, target))));
+        }
+        let Some(share) = self.share.filter(|_| decoding) else { return Budget::Chunk(self.max_rows) };
+        if self.plain_secs == 0.0 || self.shared_since_plain >= REMEASURE_EVERY {
+            return Budget::Measure;
+        }
+        // A chunk costs a fixed part plus a part per row, both unknown and
+        // changing with the position, so the size is steered by the last
+        // chunk: scaled by budget / time taken.
+        let rows = match self.last {
+            Some((id, rows, secs, _)) if id == stream => {
+                let scaled = (rows as f64 * share * self.plain_secs / secs.max(1e-6)) as usize;
+                // Grow by half at most: one overshoot is one long gap.
+                scaled.clamp(1, rows + rows / 2 + 1)
+            }
+            // A new pass probes afresh: costs depend on the position.
+            _ => FIRST_STEP_ROWS,
+        };
+        Budget::Chunk(Some(self.cap(rows)))
+    }
+
+    fn cap(&self, rows: usize) -> usize {
+        self.max_rows.map_or(rows, |m| m.min(rows)).max(1)
+    }
+
+    /// Under a target: the most prompt rows whose round the model holds
+    /// within it (the loop's own time and its recent underestimates set
+    /// aside), at least one, at most half again the largest chunk it has seen;
+    /// while the model is young, a probe that doubles while rounds stay
+    /// within it.
+    fn target_rows(&self, stream: StreamId, start: usize, next: Shape, target: f64) -> usize {
+        let room = target - self.overhead - self.under;
+        let with = |rows: usize| Shape { chunk_rows: rows, chunk_start: start, ..next };
+        if self.model.chunk_rounds < TRUSTED_AFTER {
+            return match self.last {
+                Some((id, rows, _, secs)) if id == stream && secs + self.overhead <= target => rows * 2,
+                Some((id, rows, _, _)) if id == stream => (rows / 2).max(1),
+                _ => FIRST_STEP_ROWS,
+            };
+        }
+        if self.model.predict(&with(1)) > room {
+            self.target_misses.set(self.target_misses.get() + 1);
+            if self.target_misses.get() == 1 {
+                tracing::warn!(
+                    target_ms = target * 1e3,
+                    predicted_ms = self.model.predict(&with(0)) * 1e3,
+                    "the inter-token-latency target cannot be held: the decode rows alone take longer; prompts advance one row a round"
+                );
+            }
+            return 1;
+        }
+        // The largest rows within the room (the prediction grows with
+        // rows), and no more than half again what the model has seen.
+        let seen = self.model.max_seen.max(1);
+        let (mut lo, mut hi) = (1usize, self.max_rows.unwrap_or(usize::MAX).min(seen + seen / 2 + 1));
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.model.predict(&with(mid)) <= room {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+
+    /// Take in what a round ran.
+    pub fn ran(&mut self, r: Ran) {
+        if self.target.is_some() && r.shape.chunk_rows > 0 {
+            tracing::debug!(
+                decode_rows = r.shape.decode_rows,
+                chunk_rows = r.shape.chunk_rows,
+                chunk_start = r.shape.chunk_start,
+                predicted_ms = self.model.predict(&r.shape) * 1e3,
+                took_ms = r.secs * 1e3,
+                overhead_ms = r.overhead * 1e3,
+                "paced round"
+            );
+        }
+        if r.shape.chunk_rows > 0 && self.model.chunk_rounds >= TRUSTED_AFTER {
+            self.under = ema(self.under, (r.secs - self.model.predict(&r.shape)).max(0.0));
+        }
+        self.model.observe(&r.shape, r.secs);
+        self.overhead = ema(self.overhead, r.overhead);
+        let (decode, rows) = (r.shape.decode_rows, r.shape.chunk_rows);
+        match r.chunk {
+            None if decode > 0 => {
+                self.plain_secs = ema(self.plain_secs, r.secs);
+                self.shared_since_plain = 0;
+            }
+            None => {}
+            // A chunk alone costs all of its round.
+            Some(id) if decode == 0 => self.last = Some((id, rows, r.secs, r.secs)),
+            // A shared chunk's own cost: the round less a plain one's.
+            Some(id) => {
+                self.last = Some((id, rows, (r.secs - self.plain_secs).max(0.1 * r.secs), r.secs));
+                self.shared_since_plain += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,373 @@
+//! One round: run a plan in one backend call, then hand its results to
+//! the streams.
+//!
+//! Every round's decode token rows come back as one [`Picked`], whatever
+//! was picked, and go through one finish path: each stream's rows are
+//! sampled in turn inside the draft verification loop (a stream without a
+//! draft has one row). A chunk rides in the same call; a chunk alone goes
+//! through `prefill_step`, the whole pass's chunk body.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
+
+use super::masks::Held;
+use super::pacer::{Budget, Ran, Shape};
+use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
+use super::run::Core;
+use super::stream::{Phase, Stream};
+use super::FinishReason;
+use crate::backend::{Backend, Pick, Picked, Step};
+use crate::pass::StepOutcome;
+use crate::sampling::Sampled;
+
+/// The most of the loop's own time between two calls the pacer believes
+/// (more is a wait for work, not work).
+const MAX_OVERHEAD: f64 = 2e-3;
+
+impl Core {
+    /// Plan the round, making room until it fits, and run it; true when
+    /// anything moved.
+    pub(super) fn turn(&mut self) -> bool {
+        let mut changed = false;
+        let plan = loop {
+            self.begin_pass();
+            let p = plan(&self.view());
+            match p.short {
+                Some(short) if self.make_room(short) => changed = true,
+                _ => break p,
+            }
+        };
+        self.rotate = plan.rotate;
+        self.chunk_waited = plan.chunk_left_out;
+        if plan.is_empty() {
+            return changed;
+        }
+        self.run_round(plan);
+        true
+    }
+
+    /// The plain data the plan reads.
+    fn view(&self) -> LaneView<'_> {
+        let decoding: Vec<Decoder<'_>> = (self.running.iter().enumerate())
+            .filter_map(|(at, s)| match &s.phase {
+                Phase::Decoding { last, draft } => Some(Decoder { at, id: s.id, last: *last, len: s.len, room: s.room(), draft, need: s.need() }),
+                _ => None,
+            })
+            .collect();
+        let prefill = self.running.iter().enumerate().find_map(|(at, s)| match &s.phase {
+            Phase::Prefilling { pass, .. } => Some(Prefill { at, id: s.id, cuts: pass.plan(), pos: pass.pos() }),
+            _ => None,
+        });
+        let next =
+            Shape { decode_rows: decoding.iter().map(|d| 1 + d.draft.len()).sum(), decode_ctx: decoding.iter().map(|d| d.len).sum(), ..Shape::default() };
+        let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| self.pacer.budget(p.id, p.pos, next));
+        let memory = self.caps.reports_fill.then(|| {
+            let fill = self.backend.fill();
+            Memory { free_blocks: fill.blocks_free(), block_tokens: fill.block_tokens }
+        });
+        LaneView {
+            decoding,
+            prefill,
+            budget,
+            max_batch: if self.caps.max_batch == 0 { usize::MAX } else { self.caps.max_batch },
+            max_draft: if self.drafter.is_some() { self.cfg.max_draft } else { 0 },
+            vocab: self.caps.vocab_size,
+            picks: self.caps.picks,
+            memory,
+            rotate: self.rotate,
+            chunk_waited: self.chunk_waited,
+        }
+    }
+
+    /// Run `plan` (not empty) and hand its results to its streams.
+    pub(super) fn run_round(&mut self, plan: RoundPlan) {
+        let decode_rows: usize = plan.rows.iter().map(|r| r.tokens.len()).sum();
+        // The drafter absorbs the decode rows' features after verifying
+        // them; copied now, while they are valid.
+        let dim = self.drafter.as_ref().map_or(0, |_| self.caps.feature_dim);
+        let mut features = Vec::new();
+        let mut picked = None;
+        let t = Instant::now();
+        let stepped = match plan.chunk {
+            None => {
+                let out = self.backend.round(Step { rows: &plan.rows, chunk: None, pick: plan.pick });
+                features = leading_features(&*self.backend, decode_rows * dim);
+                picked = Some(out.map(|o| o.picked));
+                None
+            }
+            Some(c) => {
+                let drafter = self.drafter.as_deref_mut();
+                let s = &mut self.running[c.at];
+                let Phase::Prefilling { pass, paused } = &mut s.phase else { unreachable!("a planned chunk's stream is prefilling") };
+                *paused = false;
+                pass.set_max_rows(c.max_rows);
+                debug_assert_eq!(pass.next_chunk(), (c.start, c.end));
+                let backend = &mut *self.backend;
+                Some(if plan.rows.is_empty() {
+                    pass.step(backend, drafter)
+                } else {
+                    pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
+                        let out = b.round(Step { rows: &plan.rows, chunk: Some((stream, chunk)), pick: plan.pick });
+                        features = leading_features(b, decode_rows * dim);
+                        let (p, logits) = match out {
+                            Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),
+                            Err(e) => (Err(anyhow!("{e:#}")), Err(e)),
+                        };
+                        picked = Some(p);
+                        logits
+                    })
+                })
+            }
+        };
+        let secs = t.elapsed().as_secs_f64();
+        // The loop's own time since the last call (an idle wait is not).
+        let overhead = self.round_end.map_or(0.0, |e| t.duration_since(e).as_secs_f64()).min(MAX_OVERHEAD);
+        self.round_end = Some(Instant::now());
+        if picked.as_ref().is_none_or(Result::is_ok) && stepped.as_ref().is_none_or(Result::is_ok) {
+            let decode_ctx = plan.rows.iter().map(|r| self.running.iter().find(|s| s.id == r.stream).map_or(0, |s| s.len)).sum();
+            let (chunk_rows, chunk_start) = plan.chunk.map_or((0, 0), |c| (c.end - c.start, c.start));
+            let shape = Shape { decode_rows, decode_ctx, chunk_rows, chunk_start };
+            self.pacer.ran(Ran { shape, chunk: plan.chunk.map(|c| c.stream), secs, overhead });
+        }
+        self.count_round(&plan, decode_rows, secs);
+        if let (Some(c), Some(stepped)) = (plan.chunk, stepped) {
+            self.finish_chunk(c.at, stepped);
+        }
+        if !plan.rows.is_empty() {
+            let picked = picked.unwrap_or_else(|| Err(anyhow!("the round did not run")));
+            self.finish_rows(&plan, picked, &features);
+        }
+    }
+
+    fn count_round(&mut self, plan: &RoundPlan, decode_rows: usize, secs: f64) {
+        if plan.rows.is_empty() {
+            return;
+        }
+        let over = self.cfg.itl_target.is_some_and(|t| secs > t.as_secs_f64());
+        let st = &mut self.stats;
+        st.rounds_over_target += over as u64;
+        st.decode_rounds += 1;
+        st.decode_streams += plan.rows.len() as u64;
+        st.decode_rows += decode_rows as u64;
+        st.max_decode_batch = st.max_decode_batch.max(plan.rows.len());
+        if plan.chunk.is_some() {
+            st.fused_rounds += 1;
+            st.longest_fused_round_secs = st.longest_fused_round_secs.max(secs);
+        } else {
+            st.plain_round_secs += secs;
+            st.plain_rounds += 1;
+            st.longest_plain_round_secs = st.longest_plain_round_secs.max(secs);
+        }
+    }
+
+    /// Account for a prompt chunk: keep its mark, and after the pass's
+    /// last chunk sample the first token.
+    fn finish_chunk(&mut self, at: usize, stepped: Result<StepOutcome>) {
+        let s = &mut self.running[at];
+        let out = match stepped {
+            Ok(o) => o,
+            Err(e) => return s.fail(format!("prefill failed: {e:#}")),
+        };
+        self.stats.prefill_chunks += 1;
+        self.stats.prefill_tokens += (out.end - out.start) as u64;
+        s.len = out.end;
+        let planned = matches!(&s.phase, Phase::Prefilling { pass, .. } if pass.plan().marks.binary_search(&out.end).is_ok());
+        match out.mark {
+            Some(m) => {
+                self.stats.marks_kept += 1;
+                for d in self.prefix.insert(m, s.cache_salt, &s.prompt[..out.end]) {
+                    self.backend.drop_mark(d);
+                    self.stats.marks_dropped += 1;
+                }
+            }
+            // The backend had no room for it (its mark slots are full, say):
+            // the oldest mark gives way, so the cache keeps taking new ones.
+            None if planned => {
+                self.drop_lru_mark();
+            }
+            None => {}
+        }
+        let s = &mut self.running[at];
+        if !out.done {
+            return;
+        }
+        if s.warm {
+            return s.finish(FinishReason::Warmed, String::new());
+        }
+        let vocab = self.caps.vocab_size;
+        let logits = match out.logits {
+            Some(l) if l.len() == vocab => l,
+            other => return s.fail(format!("the backend returned {} logits for the last prompt row, expected {vocab}", other.map_or(0, |l| l.len()))),
+        };
+        if self.masks_ready(at) {
+            self.first_token(at, logits);
+        } else {
+            self.hold(at, Held::First(logits));
+        }
+    }
+
+    /// Sample the first token of the stream at `at` from its prompt's
+    /// last-row logits.
+    pub(super) fn first_token(&mut self, at: usize, mut logits: Vec<f32>) {
+        let s = &mut self.running[at];
+        let mask = s.guided.as_ref().and_then(|g| g.mask(0));
+        let sampled = s.sampler.sample_masked(&mut logits, s.logprobs, mask);
+        let last = sampled.token;
+        if !self.emit(at, sampled) {
+            let s = &mut self.running[at];
+            let draft = self.drafter.as_mut().map(|d| d.propose(s.id, last)).unwrap_or_default();
+            s.phase = Phase::Decoding { last, draft };
+            self.send_guide(at);
+        }
+    }
+
+    /// Emit a sampled token of the stream at `at` and commit it to its
+    /// constraint; true when the stream has ended (a stop, its length, or
+    /// the grammar complete).
+    fn emit(&mut self, at: usize, sampled: Sampled) -> bool {
+        let s = &mut self.running[at];
+        let token = sampled.token;
+        if s.emit(sampled, &self.cfg.eos_ids, &*self.text, &mut self.stats) {
+            return true;
+        }
+        let Some(g) = s.guided.as_mut() else { return false };
+        match g.commit(token) {
+            Ok(false) => false,
+            Ok(true) => {
+                let tail = s.text.finish();
+                s.finish(FinishReason::Stop, tail);
+                true
+            }
+            Err(e) => {
+                s.fail(format!("the grammar refused token {token}: {e}"));
+                true
+            }
+        }
+    }
+
+    /// Every decode row's results, or every stream of the round fails,
+    /// told why.
+    fn finish_rows(&mut self, plan: &RoundPlan, picked: Result<Picked>, features: &[f32]) {
+        let total: usize = plan.rows.iter().map(|r| r.tokens.len()).sum();
+        let mut picked = match picked.and_then(|p| check(p, plan.pick, total, self.caps.vocab_size)) {
+            Ok(p) => p,
+            Err(e) => return plan.at.iter().for_each(|&at| self.running[at].fail(format!("decode round failed: {e:#}"))),
+        };
+        match plan.pick {
+            Pick::Argmax => self.stats.greedy_rounds += 1,
+            Pick::TopK(_) => self.stats.top_rounds += 1,
+            Pick::Logits => {}
+        }
+        let (dim, vocab) = (self.caps.feature_dim, self.caps.vocab_size);
+        let mut offset = 0;
+        for (row, &at) in plan.rows.iter().zip(&plan.at) {
+            let n = row.tokens.len();
+            let kept = features.get(offset * dim..(offset + n) * dim).unwrap_or(&[]);
+            match &picked {
+                // A guided stream's round always returns logits (see `masks`).
+                Picked::Logits(l) if !self.masks_ready(at) => {
+                    let logits = l[offset * vocab..(offset + n) * vocab].to_vec();
+                    self.hold(at, Held::Round { draft: row.tokens[1..].to_vec(), logits, features: kept.to_vec() });
+                }
+                _ => self.verify(at, &row.tokens[1..], &mut picked, offset, kept),
+            }
+            offset += n;
+        }
+    }
+
+    /// One stream's token rows, from `offset` on: sample each in turn; a
+    /// row's result is kept while the token sampled before it matched the
+    /// draft it fed, so output is what it would be without the draft.
+    /// Then rewind the rejected rows, let the drafter absorb the kept
+    /// rows' features, and take its next proposal.
+    pub(super) fn verify(&mut self, at: usize, draft: &[u32], picked: &mut Picked, offset: usize, features: &[f32]) {
+        let vocab = self.caps.vocab_size;
+        let mut kept = 0;
+        let mut last = None;
+        let mut ended = false;
+        for j in 0..=draft.len() {
+            let s = &mut self.running[at];
+            let sampled = match sample_row(s, picked, offset + j, j, vocab) {
+                Ok(x) => x,
+                Err(msg) => return s.fail(msg),
+            };
+            let tok = sampled.token;
+            kept = j + 1;
+            if self.emit(at, sampled) {
+                ended = true;
+                break;
+            }
+            last = Some(tok);
+            if draft.get(j) != Some(&tok) {
+                break;
+            }
+            self.stats.draft_accepted += 1;
+        }
+        self.stats.draft_proposed += draft.len() as u64;
+        let Some(last) = last.filter(|_| !ended) else { return };
+        let s = &mut self.running[at];
+        s.len += kept;
+        if kept <= draft.len() {
+            if let Err(e) = self.backend.rewind(s.id, s.len) {
+                return s.fail(format!("rewinding rejected drafts failed: {e:#}"));
+            }
+        }
+        let dim = features.len() / (draft.len() + 1);
+        let next = match self.drafter.as_mut() {
+            Some(d) => {
+                d.absorb(s.id, &features[..kept * dim], kept);
+                d.propose(s.id, last)
+            }
+            None => Vec::new(),
+        };
+        s.phase = Phase::Decoding { last, draft: next };
+        self.send_guide(at);
+    }
+}
+
+/// The first `n` floats of the backend's features (empty if it has fewer).
+fn leading_features(backend: &dyn Backend, n: usize) -> Vec<f32> {
+    backend.features().and_then(|f| f.get(..n)).unwrap_or(&[]).to_vec()
+}
+
+/// `picked` if it is what `pick` asked for, one entry per token row.
+fn check(picked: Picked, pick: Pick, rows: usize, vocab: usize) -> Result<Picked> {
+    let ok = match (&picked, pick) {
+        (Picked::Logits(l), Pick::Logits) => l.len() == rows * vocab,
+        (Picked::Tokens(t), Pick::Argmax) => t.len() == rows,
+        (Picked::Top(c), Pick::TopK(k)) => c.len() == rows && c.iter().all(|r| r.len() == k),
+        _ => false,
+    };
+    if !ok {
+        let got = match &picked {
+            Picked::Logits(l) => format!("{} logits", l.len()),
+            Picked::Tokens(t) => format!("{} tokens", t.len()),
+            Picked::Top(c) => format!("{} candidate rows", c.len()),
+        };
+        bail!("the backend returned {got} for a round of {rows} rows of {vocab} asking for {pick:?}");
+    }
+    Ok(picked)
+}
+
+/// Sample token row `row` of a round for `s` (its row `j`): its sampler
+/// over the logits (within its mask, when guided), over the top
+/// candidates, or the backend's argmax as it is.
+fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize) -> Result<Sampled, String> {
+    // A guided row past its masks is never reached (see `masks`), and a
+    // guided stream's round always returns logits; say so if not.
+    let mask = match &s.guided {
+        Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
+        None => None,
+    };
+    let sampled = match picked {
+        Picked::Logits(l) => s.sampler.sample_masked(&mut l[row * vocab..(row + 1) * vocab], s.logprobs, mask),
+        _ if mask.is_some() => return Err("a guided stream's round returned no logits".into()),
+        Picked::Tokens(t) => Sampled { token: t[row], logprob: None, top: Vec::new() },
+        Picked::Top(c) => Sampled { token: s.sampler.sample_top(&c[row]), logprob: None, top: Vec::new() },
+    };
+    if sampled.token as usize >= vocab {
+        return Err(format!("the backend picked token {}, past the vocabulary of {vocab}", sampled.token));
+    }
+    Ok(sampled)
+}

@@ -1,0 +1,216 @@
+//! One stream as the lane keeps it: its phase (which includes how it
+//! ended), its sampler and stop rules, and where its events go.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::masks::{Guided, Held};
+use super::plan::Need;
+use super::{Event, EventSink, FinishReason, LaneStats, Pending, StreamShared, Timing, Usage};
+use crate::backend::StreamId;
+use crate::pass::Pass;
+use crate::sampling::{Sampled, Sampler};
+use crate::stop::{StopRules, TextStops, TokenText};
+
+/// Where a stream is: queued → admitted → prefilling → decoding → ended.
+pub(super) enum Phase {
+    /// Waiting for admission (no backend slot yet).
+    Queued,
+    /// Holds a slot; its pass begins when the passes before it are done.
+    Admitted,
+    /// In its prompt pass. `paused`: the pass was stopped between chunks
+    /// (`cancel_prefill`) for lack of memory, and resumes when it fits.
+    Prefilling { pass: Pass, paused: bool },
+    /// `last` is the newest sampled token, fed in the next round; `draft`
+    /// the drafter's proposal to follow it, verified in the same round.
+    Decoding { last: u32, draft: Vec<u32> },
+    /// A guided stream whose rows ran before its masks were ready: their
+    /// results wait here, and the stream sits out rounds until a worker
+    /// hands the masks back (the other streams go on).
+    Waiting(Held),
+    /// Its last event is sent (or its receiver is gone); the sweep
+    /// removes it and returns its slot.
+    Ended(End),
+}
+
+/// How a stream ended, for the lane's counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum End {
+    /// Stop, length, or a warm feed completed.
+    Finished,
+    /// Cancelled, left, or cut by shutdown.
+    Cancelled,
+    /// An error event ended it.
+    Failed,
+}
+
+pub(super) struct Stream {
+    pub id: StreamId,
+    pub prompt: Arc<[u32]>,
+    /// A warm feed: a prompt pass with no completion.
+    pub warm: bool,
+    pub logprobs: Option<usize>,
+    pub stop: StopRules,
+    pub cache_salt: u64,
+    pub prefix_hint: Option<usize>,
+    pub sink: Box<dyn EventSink>,
+    pub shared: Arc<StreamShared>,
+    pub phase: Phase,
+    pub sampler: Sampler,
+    /// The stream's constraint and its masks, when its sampling has a guide.
+    pub guided: Option<Guided>,
+    pub text: TextStops,
+    /// Tokens sampled so far.
+    pub completion: usize,
+    /// Rows in the backend state.
+    pub len: usize,
+    /// Prompt rows restored from the prefix cache.
+    pub cached: usize,
+    /// Prompt + completion may not pass this.
+    pub max_total: usize,
+    /// Tokens of memory claimed at admission (prompt + reserve).
+    pub claim: usize,
+    pub submitted: Instant,
+    pub admitted: Option<Instant>,
+    pub first_token: Option<Instant>,
+    /// The queue position last told to the caller.
+    pub sent_position: Option<usize>,
+}
+
+impl Stream {
+    /// A queued stream for a submission; `decode_reserve` tokens of memory
+    /// are claimed for its completion (at most what it may generate).
+    pub fn new(p: Pending, max_context: usize, decode_reserve: usize, vocab: usize) -> Stream {
+        let prompt: Arc<[u32]> = p.req.prompt.into();
+        let max_total = match (p.warm, p.req.stop.max_tokens) {
+            (true, _) => prompt.len(),
+            (false, Some(m)) => (prompt.len() + m).min(max_context),
+            (false, None) => max_context,
+        };
+        let reserve = decode_reserve.min(max_total.saturating_sub(prompt.len()));
+        Stream {
+            id: p.id,
+            sampler: Sampler::new(&p.req.sampling, &prompt),
+            guided: None,
+            text: TextStops::new(&p.req.stop.stop_strings),
+            claim: prompt.len() + reserve,
+            prompt,
+            warm: p.warm,
+            logprobs: p.req.logprobs.map(|n| n.min(vocab)),
+            stop: p.req.stop,
+            cache_salt: p.req.cache_salt,
+            prefix_hint: p.req.prefix_hint,
+            sink: p.sink,
+            shared: p.shared,
+            phase: Phase::Queued,
+            completion: 0,
+            len: 0,
+            cached: 0,
+            max_total,
+            submitted: p.submitted,
+            admitted: None,
+            first_token: None,
+            sent_position: None,
+        }
+    }
+
+    pub fn ended(&self) -> bool {
+        matches!(self.phase, Phase::Ended(_))
+    }
+
+    /// Decoding, or waiting for the masks of rows it decoded.
+    pub fn decoding(&self) -> bool {
+        matches!(self.phase, Phase::Decoding { .. } | Phase::Waiting(_))
+    }
+
+    /// Admitted or in its pass: not decoding yet.
+    pub fn prefilling(&self) -> bool {
+        matches!(self.phase, Phase::Admitted | Phase::Prefilling { .. })
+    }
+
+    pub fn send(&mut self, ev: Event) {
+        if !self.sink.send(ev) {
+            // The receiver is gone: forget the stream.
+            self.phase = Phase::Ended(End::Cancelled);
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        Usage { prompt_tokens: self.prompt.len(), completion_tokens: self.completion, cached_tokens: self.cached }
+    }
+
+    fn timing(&self) -> Timing {
+        let now = Instant::now();
+        Timing { queued: self.admitted.unwrap_or(now) - self.submitted, ttft: self.first_token.map(|t| t - self.submitted), total: now - self.submitted }
+    }
+
+    /// End with `reason` (once), releasing `tail`.
+    pub fn finish(&mut self, reason: FinishReason, tail: String) {
+        if self.ended() {
+            return;
+        }
+        let (usage, timing) = (self.usage(), self.timing());
+        self.send(Event::Finished { reason, usage, tail, timing });
+        if !self.ended() {
+            self.phase = Phase::Ended(if reason == FinishReason::Cancelled { End::Cancelled } else { End::Finished });
+        }
+    }
+
+    /// End with an error (once).
+    pub fn fail(&mut self, msg: String) {
+        if self.ended() {
+            return;
+        }
+        self.send(Event::Error(msg));
+        self.phase = Phase::Ended(End::Failed);
+    }
+
+    /// Room for more tokens (prompt + completion below `max_total`).
+    pub fn room(&self) -> usize {
+        self.max_total.saturating_sub(self.prompt.len() + self.completion)
+    }
+
+    /// What sampling this stream's rows needs from a round.
+    pub fn need(&self) -> Need {
+        Need::of(&self.sampler, self.logprobs)
+    }
+
+    /// Record one sampled token and tell the caller; true when the stream
+    /// has ended. A final EOS / stop token id gets no `Token` event.
+    pub fn emit(&mut self, sampled: Sampled, eos: &[u32], text: &dyn TokenText, stats: &mut LaneStats) -> bool {
+        let t = sampled.token;
+        self.completion += 1;
+        stats.generated_tokens += 1;
+        self.first_token.get_or_insert_with(Instant::now);
+        self.sampler.accept(t);
+        if self.stop.stop_ids.contains(&t) || (!self.stop.ignore_eos && eos.contains(&t)) {
+            let tail = self.text.finish();
+            self.finish(FinishReason::Stop, tail);
+            return true;
+        }
+        let released = self.text.push(&text.token_bytes(t));
+        let mut out = released.text;
+        let reason = if released.stop.is_some() {
+            Some(FinishReason::Stop)
+        } else if self.room() == 0 {
+            out.push_str(&self.text.finish());
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        self.send(Event::Token { id: t, text: out, logprob: sampled.logprob, top: sampled.top });
+        if let Some(r) = reason {
+            self.finish(r, String::new());
+        }
+        self.ended()
+    }
+
+    /// Count this (ended) stream in the lane's totals.
+    pub fn count_end(&self, stats: &mut LaneStats) {
+        match self.phase {
+            Phase::Ended(End::Failed) => stats.errors += 1,
+            Phase::Ended(End::Cancelled) => stats.cancelled += 1,
+            _ => stats.finished += 1,
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! Helpers shared by the lane tests: lanes over recording fakes, the fake
+//! model's own continuation, and readers for events and call logs.
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use braid_engine::fake::{fake_next, Call, CallLog, FakeBackend, FakeConfig, FakeDrafter, FakeText};
+use braid_engine::{Event, FinishReason, Lane, LaneConfig, Request, SamplingParams, StopRules, StreamHandle, Usage};
+
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// A completion that outlasts the test's checks (the test cancels it), on
+/// fakes whose decode rounds take `SLOW`.
+pub const LONG: usize = 4000;
+pub const SLOW: Option<Duration> = Some(Duration::from_millis(1));
+
+pub fn slow() -> FakeConfig {
+    FakeConfig { decode_delay: SLOW, ..FakeConfig::default() }
+}
+
+pub fn lane(fc: FakeConfig, lc: LaneConfig) -> (Lane, CallLog) {
+    let log = CallLog::default();
+    let backend = FakeBackend::new(fc, log.clone());
+    (Lane::spawn(Box::new(backend), Arc::new(FakeText::default()), lc), log)
+}
+
+pub fn lane_with_drafter(fc: FakeConfig, lc: LaneConfig, wrong_every: usize) -> (Lane, CallLog) {
+    let (lane, log, _) = lane_with_checked_drafter(fc, lc, wrong_every);
+    (lane, log)
+}
+
+/// A lane with a drafter of 4-token blocks, and the count of feature rows
+/// the drafter was fed out of order (see [`FakeDrafter`]).
+pub fn lane_with_checked_drafter(fc: FakeConfig, lc: LaneConfig, wrong_every: usize) -> (Lane, CallLog, Arc<Mutex<usize>>) {
+    let log = CallLog::default();
+    let vocab = fc.caps.vocab_size;
+    let backend = FakeBackend::new(fc, log.clone());
+    let drafter = FakeDrafter::new(log.clone(), vocab, 4, wrong_every);
+    let errors = drafter.feature_errors.clone();
+    (Lane::spawn_with_drafter(Box::new(backend), Some(Box::new(drafter)), Arc::new(FakeText::default()), lc), log, errors)
+}
+
+/// The fake model's greedy continuation, computed independently of the lane.
+pub fn oracle(prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        let t = fake_next(*seq.last().unwrap(), seq.len(), vocab);
+        seq.push(t);
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        stop: StopRules { max_tokens: Some(max_tokens), ..StopRules::default() },
+        logprobs: None,
+        ..Default::default()
+    }
+}
+
+pub fn prompt(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 7 + seed * 13 + 1) % 64).collect()
+}
+
+pub fn no_marks() -> LaneConfig {
+    LaneConfig { prefix_marks: 0, ..LaneConfig::default() }
+}
+
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub events: Vec<Event>,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub reason: Option<FinishReason>,
+    pub usage: Usage,
+    pub error: Option<String>,
+}
+
+/// Read a stream's events up to its last one.
+pub fn drain(h: &StreamHandle) -> Outcome {
+    let mut o = Outcome::default();
+    loop {
+        let ev = h.recv_timeout(WAIT).expect("the stream should end in time");
+        o.events.push(ev.clone());
+        match ev {
+            Event::Token { id, text, .. } => {
+                o.tokens.push(id);
+                o.text.push_str(&text);
+            }
+            Event::Finished { reason, usage, tail, .. } => {
+                o.text.push_str(&tail);
+                o.reason = Some(reason);
+                o.usage = usage;
+                return o;
+            }
+            Event::Error(e) => {
+                o.error = Some(e);
+                return o;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Wait for the next event matching `pred`.
+pub fn wait_event(h: &StreamHandle, pred: impl Fn(&Event) -> bool) -> Event {
+    loop {
+        let ev = h.recv_timeout(WAIT).expect("the event should come in time");
+        if pred(&ev) {
+            return ev;
+        }
+        assert!(!matches!(ev, Event::Finished { .. } | Event::Error(_)), "the stream ended first: {ev:?}");
+    }
+}
+
+pub fn wait_log(log: &CallLog, what: &str, pred: impl Fn(&[Call]) -> bool) {
+    let t = Instant::now();
+    while !pred(&log.snapshot()) {
+        assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+pub fn wait_until(what: &str, mut pred: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !pred() {
+        assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// `(start, tokens, want_logits)` of every prompt chunk of `stream`, alone
+/// or in a round, in order.
+pub fn prefills(log: &[Call], stream: u64) -> Vec<(usize, Vec<u32>, bool)> {
+    log.iter().filter_map(Call::chunk).filter(|c| c.stream == stream).map(|c| (c.start, c.tokens.clone(), c.want_logits)).collect()
+}
+
+/// Indices of the calls that ran a chunk of `stream`.
+pub fn chunk_calls(log: &[Call], stream: u64) -> Vec<usize> {
+    log.iter().enumerate().filter(|(_, c)| c.chunk().is_some_and(|c| c.stream == stream)).map(|(i, _)| i).collect()
+}

@@ -1,0 +1,188 @@
+//! Admission, refusal and the lane's life: memory and `max_running` gate
+//! admission, malformed or oversized requests are refused with what is
+//! wrong, and shutdown, idling and a panicking backend end cleanly.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use braid_engine::fake::{Call, CallLog, FakeBackend, FakeConfig, FakeText};
+use braid_engine::{Backend, Event, FinishReason, Lane, LaneConfig, Request, SamplingParams, Step, StreamHandle, SubmitError};
+use common::*;
+
+// 8. Admission waits while fill says full, shows queue positions, and
+//    proceeds when a stream finishes.
+#[test]
+fn admission_waits_for_memory() {
+    let fc = FakeConfig { blocks_total: 8, block_tokens: 16, decode_delay: Some(Duration::from_millis(10)), ..FakeConfig::default() };
+    let lc = LaneConfig { decode_reserve: 16, chunk_tokens: 64, ..no_marks() };
+    let (lane, log) = lane(fc, lc);
+    assert_eq!(lane.max_context(), 128);
+    // A claims 80 + 16 tokens = 6 blocks; B (40 + 16: 4 blocks) and C
+    // (60 + 16: 5 blocks) must wait, and do not both fit after A.
+    let a = lane.submit(greedy(prompt(80, 11), 45)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Started { .. }));
+    // (The reserve is capped by max_tokens, so these ask for 16.)
+    let b = lane.submit(greedy(prompt(40, 12), 16)).unwrap();
+    let c = lane.submit(greedy(prompt(60, 13), 16)).unwrap();
+    assert_eq!(wait_event(&b, |e| matches!(e, Event::Queued { .. })), Event::Queued { position: 0 });
+    assert_eq!(wait_event(&c, |e| matches!(e, Event::Queued { .. })), Event::Queued { position: 1 });
+    assert_eq!(b.queue_position(), Some(0));
+    assert_eq!(c.queue_position(), Some(1));
+    assert_eq!(lane.stats().queued, 2);
+    assert!(!log.snapshot().contains(&Call::Open(b.id)));
+    a.cancel();
+    drain(&a);
+    let out_b = drain(&b);
+    assert_eq!(out_b.reason, Some(FinishReason::Length));
+    // C moved up once B was admitted, then got in when B finished.
+    let out_c = drain(&c);
+    assert!(out_c.events.contains(&Event::Queued { position: 0 }), "{:?}", out_c.events);
+    assert_eq!(out_c.reason, Some(FinishReason::Length));
+    let calls = log.snapshot();
+    let pos = |c: &Call| calls.iter().position(|x| x == c).unwrap();
+    assert!(pos(&Call::Forget(a.id)) < pos(&Call::Open(b.id)));
+    assert!(pos(&Call::Forget(b.id)) < pos(&Call::Open(c.id)));
+}
+
+// Backends that report no fill are admitted by `max_running` alone.
+#[test]
+fn without_fill_max_running_gates_admission() {
+    let mut fc = FakeConfig { blocks_total: 1, ..slow() };
+    fc.caps.reports_fill = false;
+    let (lane, log) = lane(fc, LaneConfig { max_running: 1, ..no_marks() });
+    let a = lane.submit(greedy(prompt(3, 14), LONG)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let b = lane.submit(greedy(prompt(3, 15), 1)).unwrap();
+    wait_event(&b, |e| matches!(e, Event::Queued { .. }));
+    assert!(!log.snapshot().contains(&Call::Open(b.id)));
+    drop(a);
+    assert_eq!(drain(&b).reason, Some(FinishReason::Length));
+}
+
+#[test]
+fn a_full_queue_rejects_with_its_capacity() {
+    let (lane, _log) = lane(slow(), LaneConfig { max_running: 1, queue_capacity: 1, ..no_marks() });
+    let a = lane.submit(greedy(prompt(3, 16), LONG)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Started { .. }));
+    let b = lane.submit(greedy(prompt(3, 17), 1)).unwrap();
+    let c = lane.submit(greedy(prompt(3, 18), 1));
+    assert_eq!(c.err(), Some(SubmitError::QueueFull { capacity: 1 }));
+    assert_eq!(lane.stats().rejected, 1);
+    a.cancel();
+    assert_eq!(drain(&b).reason, Some(FinishReason::Length));
+    // Room again.
+    let d = lane.submit(greedy(prompt(3, 19), 1)).unwrap();
+    assert_eq!(drain(&d).reason, Some(FinishReason::Length));
+}
+
+#[test]
+fn too_long_requests_are_rejected_with_both_numbers() {
+    let (lane, _log) = lane(FakeConfig::default(), LaneConfig { max_context: 64, ..no_marks() });
+    let e = lane.submit(greedy(prompt(60, 1), 10)).err().unwrap();
+    assert_eq!(e, SubmitError::TooLong { prompt_tokens: 60, max_tokens: Some(10), max_context: 64 });
+    let msg = e.to_string();
+    assert!(msg.contains("64") && msg.contains("70"), "{msg}");
+    let e = lane.submit(Request::new(prompt(64, 1))).err().unwrap();
+    assert_eq!(e, SubmitError::TooLong { prompt_tokens: 64, max_tokens: None, max_context: 64 });
+    // Exactly full is fine, and stops at the context.
+    let h = lane.submit(greedy(prompt(60, 1), 4)).unwrap();
+    let out = drain(&h);
+    assert_eq!(out.usage.completion_tokens, 4);
+    let h = lane.submit(Request { sampling: SamplingParams::greedy(), ..Request::new(prompt(61, 1)) }).unwrap();
+    let out = drain(&h);
+    assert_eq!(out.reason, Some(FinishReason::Length));
+    assert_eq!(out.usage.completion_tokens, 3);
+}
+
+#[test]
+fn malformed_requests_say_what_is_wrong() {
+    let (lane, _log) = lane(FakeConfig::default(), no_marks());
+    assert!(matches!(lane.submit(Request::new(vec![])), Err(SubmitError::Invalid(m)) if m.contains("empty")));
+    assert!(matches!(lane.submit(Request::new(vec![1, 64])), Err(SubmitError::Invalid(m)) if m.contains("64")));
+    let bad = Request { sampling: SamplingParams { top_p: 2.0, ..Default::default() }, ..Request::new(vec![1]) };
+    assert!(matches!(lane.submit(bad), Err(SubmitError::Invalid(m)) if m.contains("top_p")));
+    assert!(matches!(lane.submit(greedy(vec![1], 0)), Err(SubmitError::Invalid(m)) if m.contains("max_tokens")));
+}
+
+#[test]
+fn an_idle_lane_sleeps() {
+    let (lane, _log) = lane(FakeConfig::default(), no_marks());
+    drain(&lane.submit(greedy(prompt(4, 80), 2)).unwrap());
+    std::thread::sleep(Duration::from_millis(30));
+    let before = lane.stats().rounds;
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(lane.stats().rounds, before, "the lane spun while idle");
+}
+
+#[test]
+fn shutdown_cancels_running_and_queued_streams() {
+    let (lane, log) = lane(slow(), LaneConfig { max_running: 1, ..no_marks() });
+    let a = lane.submit(greedy(prompt(4, 81), LONG)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let b = lane.submit(greedy(prompt(4, 82), 10)).unwrap();
+    wait_event(&b, |e| matches!(e, Event::Queued { .. }));
+    lane.shutdown();
+    assert_eq!(drain(&a).reason, Some(FinishReason::Cancelled));
+    assert_eq!(drain(&b).reason, Some(FinishReason::Cancelled));
+    assert!(a.recv().is_none(), "the channel closes after the last event");
+    assert!(log.snapshot().contains(&Call::Forget(a.id)));
+}
+
+/// A fake that panics in its `at`-th round.
+struct Exploding {
+    inner: FakeBackend,
+    rounds: usize,
+    at: usize,
+}
+
+impl Backend for Exploding {
+    fn capabilities(&self) -> braid_engine::Capabilities {
+        self.inner.capabilities()
+    }
+    fn fill(&self) -> braid_engine::Fill {
+        self.inner.fill()
+    }
+    fn open(&mut self, stream: u64) -> anyhow::Result<()> {
+        self.inner.open(stream)
+    }
+    fn round(&mut self, step: Step<'_>) -> anyhow::Result<braid_engine::RoundOut> {
+        self.rounds += 1;
+        if self.rounds == self.at {
+            panic!("boom in round {}", self.rounds);
+        }
+        self.inner.round(step)
+    }
+    fn prefill_step(&mut self, stream: u64, chunk: braid_engine::Chunk<'_>) -> anyhow::Result<Option<Vec<f32>>> {
+        self.inner.prefill_step(stream, chunk)
+    }
+    fn cancel_prefill(&mut self, stream: u64) {
+        self.inner.cancel_prefill(stream)
+    }
+    fn forget(&mut self, stream: u64) {
+        self.inner.forget(stream)
+    }
+}
+
+#[test]
+fn a_panicking_backend_fails_its_streams_and_closes_the_lane() {
+    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
+    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 5 }), Arc::new(FakeText::default()), no_marks());
+    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
+    let out = drain(&h);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 5")), "{:?}", out.error);
+    assert_eq!(out.tokens.len(), 5, "the first token and four decoded ones came before the panic");
+    wait_until("the lane to close", || matches!(lane.submit(greedy(prompt(4, 101), 1)), Err(SubmitError::Closed)));
+    assert_eq!(lane.stats().errors, 1);
+}
+
+#[test]
+fn lanes_and_controls_can_be_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<Lane>();
+    send_sync::<braid_engine::StreamControl>();
+    send::<StreamHandle>();
+    send::<Event>();
+}

@@ -1,0 +1,180 @@
+//! Speculative drafting in a lane: lossless under every pick, the drafter
+//! absorbs every chunk and every kept row in order (also when a chunk and
+//! drafts share a round), and a mark is kept only after the absorb.
+
+mod common;
+
+use braid_engine::fake::{Call, FakeConfig};
+use braid_engine::{Event, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
+use common::*;
+
+// 5. The drafter absorbs every chunk (and every kept decode row), and a
+//    mark reached by a chunk is kept only after the drafter's absorb.
+#[test]
+fn the_drafter_absorbs_every_chunk_before_a_mark_is_kept() {
+    let lc = LaneConfig { chunk_tokens: 4, mark_every: 8, ..LaneConfig::default() };
+    let (lane, log) = lane_with_drafter(FakeConfig::default(), lc, 3);
+    let p = prompt(22, 8);
+    let h = lane.submit(greedy(p.clone(), 12)).unwrap();
+    let out = drain(&h);
+    assert_eq!(out.tokens, oracle(&p, 12, 64));
+    let calls: Vec<Call> = log.snapshot();
+    let chunk_of = |c: &Call| c.chunk().filter(|c| c.stream == h.id).map(|c| (c.start, c.tokens.len()));
+    let mine: Vec<&Call> = calls
+        .iter()
+        .filter(|c| match c {
+            Call::Absorb { stream, .. } | Call::KeepMark { stream, .. } => *stream == h.id,
+            _ => chunk_of(c).is_some() || c.decodes(h.id),
+        })
+        .collect();
+    let mut marks = Vec::new();
+    for (i, c) in mine.iter().enumerate() {
+        if let Some((_, rows)) = chunk_of(c) {
+            assert_eq!(mine.get(i + 1), Some(&&Call::Absorb { stream: h.id, rows }), "chunk not absorbed next");
+        } else if let Call::KeepMark { len, .. } = c {
+            marks.push(*len);
+            assert!(matches!(mine[i - 1], Call::Absorb { .. }), "mark kept before the absorb");
+            assert_eq!(chunk_of(mine[i - 2]).map(|(start, rows)| start + rows), Some(*len));
+        } else if c.decodes(h.id) {
+            assert!(matches!(mine.get(i + 1), Some(Call::Absorb { .. })) || i + 1 == mine.len(), "decode round not absorbed");
+        }
+    }
+    assert_eq!(marks, vec![8, 16, 22]);
+}
+
+// Drafting is lossless: the same tokens with a drafter that is sometimes
+// right as without one, greedy and seeded.
+#[test]
+fn drafting_is_lossless() {
+    let requests = |seed: Option<u64>| -> Vec<Request> {
+        (0..3)
+            .map(|i| Request {
+                sampling: match seed {
+                    None => SamplingParams::greedy(),
+                    Some(s) => SamplingParams { temperature: 0.7, seed: Some(s + i), ..Default::default() },
+                },
+                ..greedy(prompt(6 + i as usize * 5, 30 + i as u32), 40)
+            })
+            .collect()
+    };
+    for seed in [None, Some(100)] {
+        let run = |drafter: bool| {
+            let (lane, log) = if drafter { lane_with_drafter(FakeConfig::default(), no_marks(), 3) } else { lane(FakeConfig::default(), no_marks()) };
+            let hs: Vec<StreamHandle> = requests(seed).into_iter().map(|r| lane.submit(r).unwrap()).collect();
+            let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
+            (outs, lane.stats(), log)
+        };
+        let (plain, plain_stats, _) = run(false);
+        let (drafted, stats, log) = run(true);
+        assert_eq!(plain, drafted, "seed {seed:?}");
+        if seed.is_none() {
+            for (i, r) in requests(None).iter().enumerate() {
+                assert_eq!(plain[i], oracle(&r.prompt, 40, 64));
+            }
+        }
+        assert!(stats.draft_accepted > 0, "the drafter was never right");
+        assert!(stats.draft_accepted < stats.draft_proposed, "the drafter was never wrong");
+        assert!(log.snapshot().iter().any(|c| matches!(c, Call::Rewind { .. })));
+        // Verified drafts mean fewer rounds for the same tokens.
+        assert!(stats.decode_rounds < plain_stats.decode_rounds);
+    }
+}
+
+// Drafts ride in every pick: verified from the backend's argmax, from its
+// top-k candidates (the same token and the same random draw as sampling
+// the whole row) or from logits, and the tokens are those of a lane with
+// neither a drafter nor picks.
+#[test]
+fn drafting_is_lossless_under_every_pick() {
+    // Greedy streams, or seeded ones that sample from their top 5.
+    let set = |top5: bool| -> Vec<Request> {
+        (0..3)
+            .map(|i| Request {
+                sampling: if top5 {
+                    SamplingParams { temperature: 0.3, top_k: 5, seed: Some(200 + i as u64), ..Default::default() }
+                } else {
+                    SamplingParams::greedy()
+                },
+                ..greedy(prompt(5 + i * 4, 33 + i as u32), 30)
+            })
+            .collect()
+    };
+    let argmax = Picks { argmax: true, top_k: 0 };
+    let top_k = Picks { argmax: false, top_k: 8 };
+    let cases = [
+        (Picks::default(), false, Pick::Logits),
+        (argmax, false, Pick::Argmax),
+        (top_k, false, Pick::TopK(1)),
+        (top_k, true, Pick::TopK(5)),
+        (argmax, true, Pick::Logits),
+    ];
+    for (picks, top5, want) in cases {
+        let run = |picks: Picks, drafter: bool| {
+            let mut fc = FakeConfig::default();
+            fc.caps.picks = picks;
+            let (lane, log) = if drafter { lane_with_drafter(fc, no_marks(), 3) } else { lane(fc, no_marks()) };
+            let hs: Vec<StreamHandle> = set(top5).into_iter().map(|r| lane.submit(r).unwrap()).collect();
+            let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
+            (outs, lane.stats(), log)
+        };
+        let (plain, _, _) = run(Picks::default(), false);
+        let (drafted, stats, log) = run(picks, true);
+        assert_eq!(plain, drafted, "{want:?}");
+        assert!(stats.draft_accepted > 0, "{want:?}: the drafter was never right");
+        assert!(stats.draft_accepted < stats.draft_proposed, "{want:?}: the drafter was never wrong");
+        let rounds: Vec<Call> = log.snapshot().into_iter().filter(|c| !c.rows().is_empty()).collect();
+        assert!(rounds.iter().all(|c| matches!(c, Call::Round { pick, .. } if *pick == want)), "{want:?}");
+        assert!(rounds.iter().any(|c| c.rows().iter().any(|r| r.1.len() > 1)), "{want:?}: no round verified a draft");
+    }
+}
+
+// A chunk and drafts share a round: decode rows with their drafts, then
+// the chunk, in one forward. The decoding stream stays lossless, the
+// drafter gets every feature row in order (the decode rows' first, the
+// chunk's after them), and a mark reached by the chunk is kept after the
+// drafter absorbed it.
+#[test]
+fn a_drafter_rides_mixed_rounds() {
+    let lc = LaneConfig { chunk_tokens: 4, mark_every: 8, ..LaneConfig::default() };
+    let (lane, log, feature_errors) = lane_with_checked_drafter(slow(), lc, 3);
+    let pa = prompt(3, 40);
+    let a = lane.submit(greedy(pa.clone(), 60)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let pb = prompt(22, 41);
+    let b = lane.submit(greedy(pb.clone(), 6)).unwrap();
+    assert_eq!(drain(&b).tokens, oracle(&pb, 6, 64));
+    assert_eq!(drain(&a).tokens, oracle(&pa, 60, 64)[1..]);
+    assert_eq!(*feature_errors.lock().unwrap(), 0, "the drafter was fed features out of place");
+    let calls = log.snapshot();
+    let mixed: Vec<usize> = chunk_calls(&calls, b.id).into_iter().filter(|&i| calls[i].rows().iter().any(|r| r.0 == a.id && r.1.len() > 1)).collect();
+    assert!(!mixed.is_empty(), "no chunk of B shared a round with A's drafts");
+    for &i in &chunk_calls(&calls, b.id) {
+        let rows = calls[i].chunk().unwrap().tokens.len();
+        let end = calls[i].chunk().unwrap().start + rows;
+        // B's absorb follows its chunk (A's absorb of the same round may
+        // come first), and B's mark, if the chunk reached one, after that.
+        let next: Vec<&Call> =
+            calls[i + 1..].iter().filter(|c| matches!(c, Call::Absorb { stream, .. } | Call::KeepMark { stream, .. } if *stream == b.id)).take(2).collect();
+        assert_eq!(next.first(), Some(&&Call::Absorb { stream: b.id, rows }), "chunk at call {i} not absorbed next");
+        let marked = calls.iter().any(|c| matches!(c, Call::KeepMark { stream, len, .. } if *stream == b.id && *len == end));
+        if marked {
+            assert!(matches!(next.get(1), Some(Call::KeepMark { len, .. }) if *len == end), "mark at {end} not kept right after the absorb");
+        }
+    }
+    let kept: Vec<usize> =
+        calls.iter().filter_map(|c| if let Call::KeepMark { stream, len, .. } = c { (*stream == b.id).then_some(*len) } else { None }).collect();
+    assert_eq!(kept, vec![8, 16, 22]);
+    assert!(lane.stats().fused_rounds >= mixed.len() as u64);
+}
+
+#[test]
+fn no_drafting_without_rewind() {
+    let mut fc = FakeConfig::default();
+    fc.caps.supports_rewind = false;
+    let (lane, log) = lane_with_drafter(fc, no_marks(), 3);
+    let p = prompt(5, 40);
+    let out = drain(&lane.submit(greedy(p.clone(), 10)).unwrap());
+    assert_eq!(out.tokens, oracle(&p, 10, 64));
+    assert!(log.snapshot().iter().all(|c| !matches!(c, Call::Propose { .. } | Call::Absorb { .. } | Call::Rewind { .. })));
+    assert!(log.snapshot().iter().all(|c| !c.rows().iter().any(|r| r.1.len() > 1)));
+}

@@ -1,0 +1,163 @@
+//! Guided streams: every token within its mask whatever the backend could
+//! pick, drafts verified within masks and still lossless, a complete
+//! grammar ends the stream, and a slow mask delays only its own stream.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use braid_engine::fake::{fake_allows, fake_guided, Call, FakeConfig, FakeGrammar};
+use braid_engine::{Event, FinishReason, Guide, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
+use common::*;
+
+const EVERY: usize = 3;
+
+fn grammar() -> FakeGrammar {
+    FakeGrammar { vocab: 64, every: EVERY, ..FakeGrammar::default() }
+}
+
+fn guided(prompt: Vec<u32>, max_tokens: usize, g: &FakeGrammar) -> Request {
+    let mut r = greedy(prompt, max_tokens);
+    r.sampling.guide = Some(Guide::new(g.clone()));
+    r
+}
+
+fn assert_within(tokens: &[u32]) {
+    for (n, &t) in tokens.iter().enumerate() {
+        assert!(fake_allows(EVERY, n, t), "token {t} at {n} is outside its mask");
+    }
+}
+
+#[test]
+fn a_guided_stream_samples_within_its_mask() {
+    let (lane, _log) = lane(FakeConfig::default(), no_marks());
+    let g = grammar();
+    let p = prompt(7, 50);
+    let out = drain(&lane.submit(guided(p.clone(), 30, &g)).unwrap());
+    assert_eq!(out.tokens, fake_guided(&p, 30, 64, EVERY));
+    assert_ne!(out.tokens, oracle(&p, 30, 64), "the grammar should change the greedy output");
+    // Sampled at a temperature, with logprobs: still within the mask.
+    let mut r = guided(prompt(5, 51), 60, &g);
+    r.sampling = SamplingParams { temperature: 1.5, seed: Some(4), guide: r.sampling.guide, ..SamplingParams::default() };
+    r.logprobs = Some(2);
+    let out = drain(&lane.submit(r).unwrap());
+    assert_eq!(out.tokens.len(), 60);
+    assert_within(&out.tokens);
+    assert!(g.masks.load(Ordering::SeqCst) >= 90);
+    // The lane publishes its counters after the round that ended the stream.
+    wait_until("the mask count", || lane.stats().guided_masks >= 90);
+}
+
+#[test]
+fn a_complete_grammar_ends_the_stream_with_stop() {
+    let (lane, _log) = lane(FakeConfig::default(), no_marks());
+    let g = FakeGrammar { length: Some(5), ..grammar() };
+    let p = prompt(4, 52);
+    let out = drain(&lane.submit(guided(p.clone(), 50, &g)).unwrap());
+    assert_eq!(out.reason, Some(FinishReason::Stop));
+    assert_eq!(out.tokens, fake_guided(&p, 5, 64, EVERY));
+    assert_eq!(out.usage.completion_tokens, 5);
+}
+
+// A backend that picks argmax or top-k on the device never picks for a
+// guided stream: its rounds return logits, rounds without it still pick.
+#[test]
+fn rounds_with_a_guided_stream_return_logits() {
+    let mut fc = slow();
+    fc.caps.picks = Picks { argmax: true, top_k: 8 };
+    let (lane, log) = lane(fc, no_marks());
+    let g = grammar();
+    let (pa, pb) = (prompt(3, 53), prompt(6, 54));
+    let a = lane.submit(greedy(pa.clone(), 80)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let top5 = SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), guide: Some(Guide::new(g.clone())), ..SamplingParams::default() };
+    let b = lane.submit(Request { sampling: top5, ..greedy(pb.clone(), 20) }).unwrap();
+    let out_b = drain(&b);
+    assert_within(&out_b.tokens);
+    assert_eq!(out_b.tokens.len(), 20);
+    assert_eq!(drain(&a).tokens, oracle(&pa, 80, 64)[1..]);
+    let rounds: Vec<(bool, Pick)> = log
+        .snapshot()
+        .iter()
+        .filter_map(|c| match c {
+            Call::Round { rows, pick, .. } if !rows.is_empty() => Some((rows.iter().any(|r| r.0 == b.id), *pick)),
+            _ => None,
+        })
+        .collect();
+    assert!(rounds.iter().filter(|r| r.0).count() >= 19);
+    assert!(rounds.iter().all(|&(with_b, pick)| !with_b || pick == Pick::Logits), "a guided row was picked on the device");
+    assert!(rounds.iter().any(|&(with_b, pick)| !with_b && pick == Pick::Argmax), "rounds without it stopped picking argmax");
+}
+
+// Drafts are verified within masks (the worker computes one per draft
+// token): the tokens are those without a drafter, greedy and seeded, and
+// drafts the grammar forbids are cut before they run.
+#[test]
+fn guided_drafting_is_lossless() {
+    for seed in [None, Some(7)] {
+        let run = |drafter: bool| {
+            let g = grammar();
+            let (lane, log) = if drafter { lane_with_drafter(FakeConfig::default(), no_marks(), 5) } else { lane(FakeConfig::default(), no_marks()) };
+            let hs: Vec<StreamHandle> = (0..3)
+                .map(|i| {
+                    let mut r = guided(prompt(4 + i * 3, 55 + i as u32), 40, &g);
+                    if let Some(s) = seed {
+                        r.sampling = SamplingParams { temperature: 0.7, seed: Some(s + i as u64), ..r.sampling };
+                    }
+                    lane.submit(r).unwrap()
+                })
+                .collect();
+            let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
+            (outs, lane.stats(), log)
+        };
+        let (plain, _, _) = run(false);
+        let (drafted, stats, log) = run(true);
+        assert_eq!(plain, drafted, "seed {seed:?}");
+        for (i, toks) in plain.iter().enumerate() {
+            assert_within(toks);
+            if seed.is_none() {
+                assert_eq!(*toks, fake_guided(&prompt(4 + i * 3, 55 + i as u32), 40, 64, EVERY));
+            }
+        }
+        assert!(stats.draft_accepted > 0 && stats.draft_accepted < stats.draft_proposed, "{stats:?}");
+        assert!(log.snapshot().iter().any(|c| c.rows().iter().any(|r| r.1.len() > 1)), "no round verified a draft");
+    }
+}
+
+// A mask slower than a round holds back its own stream only: the other
+// stream's tokens keep their pace while the guided one waits for masks,
+// and the guided stream's tokens are still right.
+#[test]
+fn a_slow_mask_never_stalls_the_other_streams() {
+    let (lane, _log) = lane(slow(), LaneConfig { mask_threads: 1, ..no_marks() });
+    let g = FakeGrammar { delay: Some(Duration::from_millis(40)), ..grammar() };
+    let pa = prompt(3, 56);
+    let a = lane.submit(greedy(pa.clone(), LONG)).unwrap();
+    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let pb = prompt(5, 57);
+    let b = lane.submit(guided(pb.clone(), 8, &g)).unwrap();
+    let (mut gaps, mut last, mut b_done) = (Vec::new(), Instant::now(), false);
+    let mut out_b = Vec::new();
+    while !b_done {
+        if let Ok(Event::Token { .. }) = a.recv_timeout(WAIT) {
+            gaps.push(last.elapsed());
+            last = Instant::now();
+        }
+        while let Ok(ev) = b.try_recv() {
+            match ev {
+                Event::Token { id, .. } => out_b.push(id),
+                Event::Finished { .. } => b_done = true,
+                Event::Error(e) => panic!("{e}"),
+                _ => {}
+            }
+        }
+    }
+    a.cancel();
+    assert_eq!(out_b, fake_guided(&pb, 8, 64, EVERY));
+    let worst = gaps.iter().max().unwrap();
+    // Rounds take ~1 ms; a mask takes 40.
+    assert!(*worst < Duration::from_millis(25), "the unguided stream waited {worst:?} for a mask");
+    assert!(gaps.len() > 100, "only {} tokens while the guided stream ran", gaps.len());
+    wait_until("a wait for masks (else the test proves nothing)", || lane.stats().mask_waits > 0);
+}

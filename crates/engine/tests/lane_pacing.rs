@@ -1,0 +1,79 @@
+//! The pacer through a lane, against a recording fake whose rounds cost
+//! what a script says (they sleep it): with an inter-token-latency target a
+//! prompt arriving beside decoding streams is cut so that rounds keep
+//! within the target, and it advances every round. The checks read the
+//! script's cost of each logged round, not the clock: a loaded machine
+//! makes rounds look dearer, so the pacer errs small, never large.
+
+mod common;
+
+use std::time::Duration;
+
+use braid_engine::fake::{Call, FakeConfig};
+use braid_engine::{Event, LaneConfig};
+use common::*;
+
+/// 3 ms a forward, 0.2 ms a decode row, 0.05 ms a prompt row.
+fn cost(decode: usize, chunk: usize) -> Duration {
+    Duration::from_micros(3000 + 200 * decode as u64 + 50 * chunk as u64)
+}
+
+/// The arriving prompt's stream (the lane numbers streams from 1 as submitted).
+const ARRIVAL: u64 = 5;
+
+fn paced(target: Option<Duration>) -> Vec<Call> {
+    let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
+    fc.caps.chunk_invariant = true;
+    fc.caps.max_batch = 4096;
+    let lc = LaneConfig { itl_target: target, chunk_tokens: 4096, prefix_marks: 0, ..no_marks() };
+    let (lane, log) = lane(fc, lc);
+    // Four streams decode, then an 1800-row prompt arrives.
+    let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();
+    for h in &bg {
+        wait_event(h, |e| matches!(e, Event::Token { .. }));
+    }
+    let arrival = lane.submit(greedy(prompt(1800, 9), 1)).unwrap();
+    let out = drain(&arrival);
+    assert_eq!(out.tokens.len(), 1, "the arrival gets its token");
+    drop(bg);
+    lane.shutdown();
+    log.snapshot()
+}
+
+#[test]
+fn a_target_keeps_shared_rounds_within_it_and_the_arrival_advances() {
+    let target = Duration::from_millis(12);
+    let calls = paced(Some(target));
+    // Every round that carried both the decode rows and a chunk, in order.
+    let shared: Vec<(usize, usize)> = calls
+        .iter()
+        .filter_map(|c| match (c.chunk(), c.rows().len()) {
+            (Some(ch), n) if n > 0 && ch.stream == ARRIVAL => Some((c.rows().iter().map(|r| r.1.len()).sum(), ch.tokens.len())),
+            _ => None,
+        })
+        .collect();
+    let around: Vec<String> = calls
+        .iter()
+        .filter(|c| c.chunk().is_some() || !c.rows().is_empty())
+        .take(40)
+        .map(|c| format!("{:?}/{:?}", c.rows().iter().map(|r| r.0).collect::<Vec<_>>(), c.chunk().map(|ch| (ch.stream, ch.start, ch.tokens.len()))))
+        .collect();
+    assert!(shared.len() > 8, "the prompt was cut over the decode rounds: {shared:?}\n{around:?}");
+    // The arrival's chunks cover it, one a round.
+    let arrival: Vec<usize> = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).collect();
+    assert_eq!(arrival.iter().sum::<usize>(), 1800, "{arrival:?}");
+    // After the model's first rounds (the pacer probes, doubling), no
+    // shared round's scripted cost passes the target.
+    let late: Vec<Duration> = shared.iter().skip(8).map(|&(d, c)| cost(d, c)).collect();
+    assert!(late.iter().all(|&c| c <= target + Duration::from_micros(100)), "rounds past the target: {late:?}");
+    // The target is used: 12 ms leaves room for ~160 rows beside 4 streams.
+    let biggest = shared.iter().map(|s| s.1).max().unwrap_or(0);
+    assert!(biggest >= 40, "chunks stayed small: {shared:?}");
+}
+
+#[test]
+fn without_a_target_or_share_the_chunk_is_the_whole_cap() {
+    let calls = paced(None);
+    let chunks: Vec<usize> = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).collect();
+    assert_eq!(chunks, vec![1800], "one chunk of the whole prompt");
+}

@@ -22,7 +22,7 @@ fn main() {
         let mut ts = Vec::new();
         for _ in 0..15 {
             let t = Instant::now();
-            be.decode_round(&[DecodeRow { stream: s, tokens: vec![5] }]).unwrap();
+            be.decode_logits(&[DecodeRow { stream: s, tokens: vec![5] }]).unwrap();
             ts.push(t.elapsed().as_secs_f64() * 1e3);
         }
         ts.sort_by(|a, b| a.partial_cmp(b).unwrap());

@@ -3,7 +3,7 @@
 //! bf16 weights made on the device.
 //!
 //! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
-//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--no-eager] [--json FILE] [--profile] [--gemv ROWS]`
+//! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--no-eager] [--json FILE] [--profile]`
 
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 use anyhow::{bail, Context, Result};
@@ -21,10 +21,10 @@ fn main() -> Result<()> {
 
 #[cfg(feature = "cuda")]
 const USAGE: &str = "usage: gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64] [--prompt 128] \
-[--rounds 64] [--prefill 2048 (0: none)] [--no-graphs] [--no-eager] [--json FILE] [--profile] [--gemv ROWS]
+[--rounds 64] [--prefill 2048 (0: none)] [--no-graphs] [--no-eager] [--json FILE] [--profile]
   decode tokens/s at each stream count (with and without CUDA graphs unless --no-eager), a prefill,
-  and the copy-bandwidth and GEMM ceilings; --profile adds GPU time per kernel, --gemv times each
-  decode product alone for ROWS rows of x.";
+  and the copy-bandwidth and GEMM ceilings, all through the backend's round call (the serving
+  path); --profile prints GPU time per kernel instead.";
 
 #[cfg(feature = "cuda")]
 fn run() -> Result<()> {
@@ -32,7 +32,6 @@ fn run() -> Result<()> {
     let mut o = GpuBenchOpts::default();
     let (mut device, mut preset, mut json) = ("cuda".to_string(), "llama-3.2-1b".to_string(), None);
     let mut profile = false;
-    let mut gemv = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -47,7 +46,6 @@ fn run() -> Result<()> {
             "--no-eager" => o.compare_eager = false,
             "--json" => json = Some(val()?),
             "--profile" => profile = true,
-            "--gemv" => gemv = Some(val()?.parse::<usize>()?),
             "--help" | "-h" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -57,25 +55,22 @@ fn run() -> Result<()> {
     }
     let ordinal = braid_ops::cuda::Cuda::parse_ordinal(&device).with_context(|| format!("bad device {device} (cuda or cuda:N)"))?;
     let dev = braid_ops::cuda::Cuda::new(ordinal)?;
-    if let Some(rows) = gemv {
-        // Each decode product alone, then one layer's in sequence.
-        println!("{}", braid_models::gpubench::gemv_micro(&dev, rows)?);
-        return Ok(());
-    }
     let cfg = braid_models::random::preset(&preset)?;
     let t = std::time::Instant::now();
     let model = braid_models::random::llama(&dev, cfg.clone(), 1, false)?;
     dev.sync()?;
     eprintln!("{}: random {preset} made in {:.2} s", braid_ops::Device::name(&dev), t.elapsed().as_secs_f64());
+    let streams = o.streams.iter().copied().max().unwrap_or(1);
+    let mut be = braid_models::gpubench::backend(&dev, Box::new(model), streams, (o.prompt + o.warmup + o.rounds).max(o.prefill))?;
     if profile {
         // GPU time per kernel (CUDA events around each launch), eager.
-        println!("## prefill {} tokens, one forward\n\n{}", o.prefill, braid_models::gpubench::prefill_profile(&dev, &model, o.prefill)?);
+        println!("## prefill {} tokens, one chunk\n\n{}", o.prefill, braid_models::gpubench::prefill_profile(&mut be, o.prefill)?);
         for &n in &o.streams {
-            println!("## decode, {n} streams, 8 eager rounds\n\n{}", braid_models::gpubench::decode_profile(&dev, &model, n, o.prompt, 8)?);
+            println!("## decode, {n} streams, 8 eager rounds\n\n{}", braid_models::gpubench::decode_profile(&mut be, n, o.prompt, 8)?);
         }
         return Ok(());
     }
-    let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
+    let rep = bench_llama(&mut be, &cfg, &o, &mut |s| eprintln!("{s}"))?;
     println!("{}", rep.table());
     if let Some(p) = json {
         std::fs::write(&p, rep.json()).with_context(|| p.clone())?;

@@ -1,22 +1,38 @@
 //! Serves any [`Model`] on any [`Device`] to the engine: per-stream block
-//! tables over one paged KV pool, marks as shared blocks, batched forwards.
+//! tables over one paged KV pool, marks as shared blocks, and one forward
+//! per round.
+//!
+//! Attention-only models cache their KV by block: the pool's ids and the
+//! index of which tokens each block holds are the engine's [`BlockPool`];
+//! the rows live here, on the device. Every full block of a stream started
+//! with `attach_prefix` is cached under its prompt's salt and stays after
+//! the stream ends, until the pool needs the room; a later stream shares
+//! the blocks its prompt begins with (a partly matching last block is
+//! copied, since the stream writes on in it). Recurrent state cannot be
+//! rebuilt from blocks, so models that keep it cache prefixes as marks,
+//! which the lane places.
+//!
+//! A round's decode rows and its prompt chunk run as one batch. Rounds
+//! whose streams each run a few rows (decode, drafts) are keyed
+//! ([`Batch::key`]), so a device can record them once and replay them.
+//! Launching ahead lives here, below the engine: after a greedy round of
+//! one token per stream the device is told to start the same round one
+//! token further at once (attention-only models, whose stray KV past a
+//! stream's length is harmless). When the next round asks for those rows
+//! they are already computed; rows it asks for beyond them (a prompt
+//! chunk, a stream that joined) run in a forward of their own.
 
 use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
-use braid_engine::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, StreamId};
-use braid_ops::{AttnSeq, Device, KvDtype, KvPoolSpec};
+use braid_engine::{Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
+use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicked};
 
 use crate::{Batch, Memory, Model, Scratch};
 
-/// A decode round's rows as the forward's `(stream, tokens)` parts.
-fn round_parts(rows: &[DecodeRow]) -> Vec<(StreamId, &[u32])> {
-    rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect()
-}
-
-/// Rounds whose streams each run at most this many rows (decode, drafts)
-/// go through `Device::replay` (CUDA graphs); prompt chunks, whose shapes
-/// rarely recur, run directly.
+/// Forwards whose streams each run at most this many rows (decode, drafts)
+/// are keyed for replay; longer prompt chunks, whose shapes rarely recur,
+/// are not.
 const REPLAY_ROWS: usize = 16;
 
 #[derive(Clone, Debug)]
@@ -27,7 +43,7 @@ pub struct BackendConfig {
     pub kv_tokens: usize,
     /// Most streams held at once.
     pub max_streams: usize,
-    /// Most rows one decode round may carry.
+    /// Most rows one round may carry.
     pub max_batch: usize,
     /// Longest stream; 0 = the model's own context length.
     pub context: usize,
@@ -44,7 +60,7 @@ impl Default for BackendConfig {
 }
 
 struct StreamState {
-    blocks: Vec<u32>,
+    table: BlockTable,
     len: usize,
     /// Row in `Memory::state`.
     slot: u32,
@@ -57,6 +73,13 @@ struct Mark {
     slot: Option<u32>,
 }
 
+/// A round the device was told to start before it was asked for: each
+/// stream fed one token (the one the last round picked) at its current
+/// length. Its logits land in `Scratch::logits`.
+struct Launched {
+    rows: Vec<(StreamId, u32)>,
+}
+
 pub struct ModelBackend<D: Device> {
     dev: D,
     model: Box<dyn Model<D>>,
@@ -67,14 +90,22 @@ pub struct ModelBackend<D: Device> {
     free_mark_slots: Vec<u32>,
     /// Every layer's state can be cut back (attention only).
     rewindable: bool,
+    /// Full KV blocks are cached for later prompts (attention only: a
+    /// stream can start from blocks alone).
+    caches_blocks: bool,
     cfg: BackendConfig,
-    blocks_total: usize,
-    free: Vec<u32>,
-    /// Owners of each block: streams and marks.
-    refs: Vec<u32>,
+    /// Which blocks are free, held or cached.
+    pool: BlockPool,
     streams: HashMap<StreamId, StreamState>,
     marks: HashMap<MarkId, Mark>,
     next_mark: MarkId,
+    /// The round launched ahead, if one is running.
+    launched: Option<Launched>,
+    /// The last round carried a prompt chunk: a pass is under way, so the
+    /// next round will likely carry one too (no launching ahead).
+    chunk_last: bool,
+    /// One row of logits gathered from `scratch.logits` (a chunk's last row).
+    row: D::Tensor,
 }
 
 impl<D: Device> ModelBackend<D> {
@@ -85,27 +116,47 @@ impl<D: Device> ModelBackend<D> {
         }
         let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens).max(1);
         let spec = KvPoolSpec { blocks: blocks_total, block_tokens: cfg.block_tokens, layers: model.kv_layers() };
-        let kv = dev.kv_pool_as(&spec, cfg.kv_dtype)?;
+        let kv = dev.kv_pool(&spec, cfg.kv_dtype)?;
         let state_size = model.state_size();
         let (stream_rows, mark_rows) = if state_size > 0 { (cfg.max_streams, cfg.max_marks) } else { (0, 0) };
         let state = dev.tensor(stream_rows + mark_rows, state_size);
-        let scratch = Scratch::new(&dev);
+        let mut scratch = Scratch::new(&dev);
+        let mut mem = Memory { kv, state };
+        // Let the device see one forward before serving (it may fold
+        // weights and build kernels now, never later): one row at position
+        // 0 of block 0 and state row 0, all free until a stream takes them.
+        let blocks = [0u32];
+        let batch = Batch {
+            tokens: &[0],
+            positions: &[0],
+            slots: &[0],
+            seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks: &blocks, window: None }],
+            logit_rows: &[0],
+            state_slots: &[0],
+        };
+        if stream_rows > 0 || state_size == 0 {
+            dev.prepare(&mut || model.forward(&dev, &batch, &mut mem, &mut scratch))?;
+        }
         let rewindable = model.layer_states().iter().all(|l| l.rewindable());
+        let caches_blocks = rewindable && state_size == 0;
+        let row = dev.tensor(0, 0);
         Ok(ModelBackend {
             free_slots: (0..cfg.max_streams as u32).rev().collect(),
             free_mark_slots: (stream_rows as u32..(stream_rows + mark_rows) as u32).rev().collect(),
             rewindable,
+            caches_blocks,
             dev,
             model,
-            mem: Memory { kv, state },
+            mem,
             scratch,
-            free: (0..blocks_total as u32).rev().collect(),
-            refs: vec![0; blocks_total],
-            blocks_total,
+            pool: BlockPool::new(blocks_total, cfg.block_tokens),
             cfg,
             streams: HashMap::new(),
             marks: HashMap::new(),
             next_mark: 1,
+            launched: None,
+            chunk_last: false,
+            row,
         })
     }
 
@@ -118,97 +169,227 @@ impl<D: Device> ModelBackend<D> {
     }
 
     fn alloc_block(&mut self) -> Result<u32> {
-        let b = self.free.pop().ok_or_else(|| anyhow::anyhow!("KV pool full ({} blocks of {} tokens)", self.blocks_total, self.cfg.block_tokens))?;
-        self.refs[b as usize] = 1;
-        Ok(b)
-    }
-
-    fn release(&mut self, blocks: &[u32]) {
-        for &b in blocks {
-            let r = &mut self.refs[b as usize];
-            *r -= 1;
-            if *r == 0 {
-                self.free.push(b);
-            }
-        }
+        self.pool.alloc().ok_or_else(|| anyhow::anyhow!("KV pool full ({} blocks of {} tokens)", self.pool.total(), self.cfg.block_tokens))
     }
 
     /// Give `stream` blocks for `len` rows; all-or-nothing.
     fn reserve(&mut self, stream: StreamId, len: usize) -> Result<()> {
         ensure!(len <= self.cfg.context, "stream would hold {len} tokens, past the context of {}", self.cfg.context);
-        let have = self.streams[&stream].blocks.len();
-        let need = len.div_ceil(self.cfg.block_tokens).saturating_sub(have);
-        ensure!(need <= self.free.len(), "KV pool full: {need} more blocks needed, {} free", self.free.len());
-        for _ in 0..need {
-            let b = self.alloc_block()?;
-            self.streams.get_mut(&stream).unwrap().blocks.push(b);
+        let st = self.streams.get_mut(&stream).expect("checked by the caller");
+        self.pool.grow(&mut st.table, len).map_err(anyhow::Error::msg)
+    }
+
+    /// The step ran: its tokens are the new rows of its streams, for the
+    /// block cache to seal the blocks they filled. After a failed step the
+    /// rows are uncertain, so its streams cache nothing more.
+    fn record(&mut self, step: &Step<'_>, ok: bool) {
+        let parts = step.rows.iter().map(|r| (r.stream, r.tokens.as_slice())).chain(step.chunk.map(|(s, c)| (s, c.tokens)));
+        for (stream, tokens) in parts {
+            let Some(st) = self.streams.get_mut(&stream) else { continue };
+            if ok {
+                self.pool.append(&mut st.table, tokens);
+            } else {
+                st.table.unkey();
+            }
         }
-        Ok(())
     }
 
     fn has_state(&self) -> bool {
         self.model.state_size() > 0
     }
 
-    /// Check a prompt chunk and give its stream the blocks it needs.
-    fn reserve_chunk(&mut self, stream: StreamId, chunk: &Chunk<'_>) -> Result<()> {
-        let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
-        ensure!(st.len == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", st.len, chunk.start);
-        ensure!(!chunk.tokens.is_empty(), "empty chunk");
+    /// Check a step (open streams, contiguous chunk, token ids, batch
+    /// size) and give its streams the blocks they need.
+    fn reserve_step(&mut self, step: &Step<'_>) -> Result<()> {
         let vocab = self.model.vocab();
-        ensure!(chunk.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
-        self.reserve(stream, chunk.start + chunk.tokens.len())
-    }
-
-    /// Check a decode round and give its streams the blocks they need;
-    /// returns its rows.
-    fn reserve_round(&mut self, rows: &[DecodeRow]) -> Result<usize> {
-        let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
-        ensure!(total <= self.cfg.max_batch, "decode round of {total} rows exceeds max batch {}", self.cfg.max_batch);
-        let vocab = self.model.vocab();
-        for r in rows {
+        let mut total = 0;
+        for r in step.rows {
             let Some(st) = self.streams.get(&r.stream) else { bail!("stream {} is not open", r.stream) };
+            ensure!(!r.tokens.is_empty(), "a decode row of stream {} without tokens", r.stream);
             ensure!(r.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+            total += r.tokens.len();
             let len = st.len + r.tokens.len();
             self.reserve(r.stream, len)?;
         }
-        Ok(total)
+        if let Some((stream, chunk)) = &step.chunk {
+            ensure!(step.rows.iter().all(|r| r.stream != *stream), "stream {stream} is both decoding and prefilling");
+            let Some(st) = self.streams.get(stream) else { bail!("stream {stream} is not open") };
+            ensure!(st.len == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", st.len, chunk.start);
+            ensure!(!chunk.tokens.is_empty(), "empty chunk");
+            ensure!(chunk.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+            total += chunk.tokens.len();
+            self.reserve(*stream, chunk.start + chunk.tokens.len())?;
+        }
+        ensure!(total <= self.cfg.max_batch, "a round of {total} rows exceeds max batch {}", self.cfg.max_batch);
+        Ok(())
     }
 
-    /// Run rows for several streams in one forward; leaves logits for
-    /// `logit_rows` in `scratch.logits`.
+    /// One forward over `parts`, each stream's rows from its current
+    /// length; leaves the logits of `logit_rows` in `scratch.logits` and
+    /// advances every part's stream.
     fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<()> {
         let bt = self.cfg.block_tokens;
         let rows = RowArrays::new(&self.streams, bt, parts);
         let batch = rows.batch(&self.streams, parts, logit_rows);
+        let key = parts.iter().all(|p| p.1.len() <= REPLAY_ROWS).then(|| batch.key());
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
-        let decode = parts.iter().all(|p| p.1.len() <= REPLAY_ROWS);
-        if decode {
-            // A decode round: its shape recurs round after round.
-            dev.replay_keyed(batch.key(), batch.tokens, &mut || model.forward(dev, &batch, mem, scratch))?;
-        } else {
-            model.forward(dev, &batch, mem, scratch)?;
-        }
+        dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch))?;
         drop(batch);
         for &(id, toks) in parts {
-            self.streams.get_mut(&id).unwrap().len += toks.len();
-        }
-        // While the device runs this round, do the host work of the round
-        // most likely next: the same streams one token further (when their
-        // blocks already hold it). This round's tokens stand in for its.
-        let one_each = parts.iter().all(|p| p.1.len() == 1);
-        if decode && one_each && dev.replays_ahead() && parts.iter().all(|(id, _)| self.streams[id].len < self.streams[id].blocks.len() * bt) {
-            let next = RowArrays::new(&self.streams, bt, parts);
-            let batch = next.batch(&self.streams, parts, logit_rows);
-            dev.replay_ahead(batch.key(), batch.tokens, &mut || model.forward(dev, &batch, mem, scratch));
+            self.streams.get_mut(&id).expect("checked by reserve_step").len += toks.len();
         }
         Ok(())
     }
 
-    /// [`ModelBackend::forward`], then the logits on the host.
-    fn run(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<Vec<f32>> {
-        self.forward(parts, logit_rows)?;
-        self.dev.download(&self.scratch.logits)
+    /// Whether the round after `rows` (just run: the same streams, one
+    /// token further) may be started before it is asked for: the device
+    /// can, no pass is under way, a stray round leaves nothing that matters
+    /// (no recurrent state), and each stream's blocks hold its next row.
+    fn may_launch_ahead(&self, rows: &[DecodeRow]) -> bool {
+        let bt = self.cfg.block_tokens;
+        self.dev.caps().ahead
+            && self.rewindable
+            && !self.chunk_last
+            && !rows.is_empty()
+            && rows.iter().all(|r| r.tokens.len() == 1 && self.streams.get(&r.stream).is_some_and(|s| s.len < s.table.blocks.len() * bt))
+    }
+
+    /// Prepare (the host work of) the round after `rows`: the same streams,
+    /// one token further. This round's tokens stand in for the ones the
+    /// launch will feed.
+    fn prepare_ahead(&mut self, rows: &[DecodeRow]) {
+        let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let logit_rows: Vec<usize> = (0..parts.len()).collect();
+        let arrays = RowArrays::new(&self.streams, self.cfg.block_tokens, &parts);
+        let batch = arrays.batch(&self.streams, &parts, &logit_rows);
+        let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
+        dev.forward_ahead(Forward { key: Some(batch.key()), tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch));
+    }
+
+    /// `pick` of the logits rows (one per decode token row), on the device
+    /// where it can; with `ahead` (an argmax), the round after `rows` is
+    /// prepared and launched on the device with the tokens picked.
+    fn pick_rows(&mut self, rows: &[DecodeRow], pick: Pick, ahead: bool) -> Result<Picked> {
+        let n = self.dev.shape(&self.scratch.logits).0;
+        if ahead {
+            self.prepare_ahead(rows);
+        }
+        let picked = match pick {
+            Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),
+            Pick::Argmax => match self.dev.pick(&self.scratch.logits, RowPick::Argmax, ahead)? {
+                RowPicked::Argmax(t) => Picked::Tokens(t),
+                RowPicked::TopK(_) => bail!("the device answered an argmax with top-k candidates"),
+            },
+            Pick::TopK(k) => {
+                ensure!((1..=self.dev.caps().top_k).contains(&k), "top-{k} candidates are not found on this device");
+                match self.dev.pick(&self.scratch.logits, RowPick::TopK(k), false)? {
+                    RowPicked::TopK(t) => Picked::Top(t),
+                    RowPicked::Argmax(_) => bail!("the device answered a top-k with argmax tokens"),
+                }
+            }
+        };
+        ensure!(picked.rows(self.model.vocab()) == n, "picked {} rows of {n}", picked.rows(self.model.vocab()));
+        if ahead {
+            self.launched = Some(Launched { rows: launched_rows(rows, &picked) });
+        }
+        Ok(picked)
+    }
+
+    /// One forward for `rows` and the chunk: the decode rows' picks, and
+    /// the chunk's last-row logits when asked. `allow_ahead`: the round
+    /// after may be launched ahead (see [`ModelBackend::may_launch_ahead`]).
+    fn run(&mut self, rows: &[DecodeRow], chunk: Option<(StreamId, Chunk<'_>)>, pick: Pick, allow_ahead: bool) -> Result<RoundOut> {
+        let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        let mut logit_rows: Vec<usize> = (0..total).collect();
+        if let Some((stream, c)) = &chunk {
+            parts.push((*stream, c.tokens));
+            if c.want_logits {
+                logit_rows.push(total + c.tokens.len() - 1);
+            }
+        }
+        self.forward(&parts, &logit_rows)?;
+        let chunk_logits = match chunk {
+            Some((_, c)) if c.want_logits => {
+                self.dev.gather_rows(&self.scratch.logits, &[total], &mut self.row);
+                let l = self.dev.download(&self.row)?;
+                self.dev.resize(&mut self.scratch.logits, total, self.model.vocab());
+                Some(l)
+            }
+            _ => None,
+        };
+        if total == 0 {
+            return Ok(RoundOut { picked: empty(pick), chunk_logits });
+        }
+        let ahead = allow_ahead && chunk.is_none() && pick == Pick::Argmax && self.may_launch_ahead(rows);
+        let picked = self.pick_rows(rows, pick, ahead)?;
+        Ok(RoundOut { picked, chunk_logits })
+    }
+
+    /// The round launched ahead, if `step` asks for any of its rows again
+    /// (the same stream fed the same token): it is taken (the device finds
+    /// it running), and the pairs (index in `step.rows`, index in the
+    /// launched round) of the rows it serves are returned. Streams it fed
+    /// that `step` does not ask for stay where they were: it wrote only
+    /// their KV past their length.
+    fn take_launched(&mut self, step: &Step<'_>) -> Result<Vec<(usize, usize)>> {
+        let Some(mut l) = self.launched.take() else { return Ok(Vec::new()) };
+        // A stream that left since the launch is not served; the forward
+        // without it is another forward, run eagerly.
+        l.rows.retain(|(s, _)| self.streams.contains_key(s));
+        let served: Vec<(usize, usize)> = step
+            .rows
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| (r.tokens.len() == 1).then(|| l.rows.iter().position(|&(s, t)| s == r.stream && t == r.tokens[0]).map(|j| (i, j))).flatten())
+            .collect();
+        if served.is_empty() {
+            return Ok(served);
+        }
+        let toks: Vec<[u32; 1]> = l.rows.iter().map(|&(_, t)| [t]).collect();
+        let parts: Vec<(StreamId, &[u32])> = l.rows.iter().zip(&toks).map(|(&(s, _), t)| (s, &t[..])).collect();
+        let logit_rows: Vec<usize> = (0..parts.len()).collect();
+        let lens: Vec<usize> = l.rows.iter().map(|(s, _)| self.streams[s].len).collect();
+        self.forward(&parts, &logit_rows)?;
+        for (j, &(s, _)) in l.rows.iter().enumerate() {
+            if !served.iter().any(|&(_, k)| k == j) {
+                self.streams.get_mut(&s).expect("a launched stream is open").len = lens[j];
+            }
+        }
+        Ok(served)
+    }
+    /// The round's forwards: the round launched ahead where it serves,
+    /// the rest (and the chunk) now.
+    fn run_step(&mut self, step: &Step<'_>) -> Result<RoundOut> {
+        let launched = self.launched.as_ref().map_or(0, |l| l.rows.len());
+        let served = self.take_launched(step)?;
+        let out = if served.is_empty() {
+            self.run(step.rows, step.chunk, step.pick, true)?
+        } else if served.len() == step.rows.len() && launched == served.len() && step.chunk.is_none() && served.iter().all(|&(i, j)| i == j) {
+            // The very round launched ahead: pick its rows (and launch the next).
+            let ahead = step.pick == Pick::Argmax && self.may_launch_ahead(step.rows);
+            RoundOut { picked: self.pick_rows(step.rows, step.pick, ahead)?, chunk_logits: None }
+        } else {
+            // Part of the round was launched ahead; the rest (and the chunk) run now.
+            let all = self.pick_rows(&[], step.pick, false)?;
+            let vocab = self.model.vocab();
+            let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
+            let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
+            let second = self.run(&rest, step.chunk, step.pick, false)?;
+            let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
+            RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
+        };
+        self.chunk_last = step.chunk.is_some();
+        Ok(out)
+    }
+}
+
+/// No rows, in the shape `pick` asks for.
+fn empty(pick: Pick) -> Picked {
+    match pick {
+        Pick::Logits => Picked::Logits(Vec::new()),
+        Pick::Argmax => Picked::Tokens(Vec::new()),
+        Pick::TopK(_) => Picked::Top(Vec::new()),
     }
 }
 
@@ -236,7 +417,7 @@ impl RowArrays {
                 let pos = start + i;
                 r.tokens.push(t);
                 r.positions.push(pos as u32);
-                r.slots.push(st.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
+                r.slots.push(st.table.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
             }
         }
         r
@@ -246,7 +427,7 @@ impl RowArrays {
         let seqs = parts
             .iter()
             .zip(&self.ranges)
-            .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &streams[&id].blocks, window: None })
+            .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &streams[&id].table.blocks, window: None })
             .collect();
         Batch { tokens: &self.tokens, positions: &self.positions, slots: &self.slots, seqs, logit_rows, state_slots: &self.state_slots }
     }
@@ -254,24 +435,28 @@ impl RowArrays {
 
 impl<D: Device> Backend for ModelBackend<D> {
     fn capabilities(&self) -> Capabilities {
+        let caps = self.dev.caps();
         Capabilities {
-            chunk_invariant: self.model.chunk_invariant() && self.dev.batch_invariant(),
+            chunk_invariant: self.model.chunk_invariant() && caps.batch_invariant,
+            batch_invariant: caps.batch_invariant,
             reports_fill: true,
             supports_marks: !self.has_state() || self.cfg.max_marks > 0,
+            prefix_blocks: self.caches_blocks,
             supports_rewind: self.rewindable,
             max_batch: self.cfg.max_batch,
             max_context: self.cfg.context,
             vocab_size: self.model.vocab(),
             feature_dim: 0,
-            greedy_rounds: self.dev.argmax_on_device(),
-            top_rounds: self.dev.top_k_on_device(),
+            picks: Picks { argmax: caps.argmax, top_k: caps.top_k },
         }
     }
 
     fn fill(&self) -> Fill {
         Fill {
-            blocks_used: self.blocks_total - self.free.len(),
-            blocks_total: self.blocks_total,
+            blocks_used: self.pool.in_use(),
+            blocks_total: self.pool.total(),
+            blocks_cached: self.pool.cached(),
+            blocks_evicted: self.pool.evicted(),
             block_tokens: self.cfg.block_tokens,
             slots_used: self.streams.len(),
             slots_total: self.cfg.max_streams,
@@ -284,16 +469,18 @@ impl<D: Device> Backend for ModelBackend<D> {
         if self.has_state() {
             self.dev.zero_rows(&mut self.mem.state, &[slot]);
         }
-        self.streams.insert(stream, StreamState { blocks: Vec::new(), len: 0, slot });
+        self.streams.insert(stream, StreamState { table: BlockTable::default(), len: 0, slot });
         Ok(())
     }
 
-    fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
-        self.reserve_chunk(stream, &chunk)?;
-        let last = [chunk.tokens.len() - 1];
-        let rows: &[usize] = if chunk.want_logits { &last } else { &[] };
-        let logits = self.run(&[(stream, chunk.tokens)], rows)?;
-        Ok(chunk.want_logits.then_some(logits))
+    fn round(&mut self, step: Step<'_>) -> Result<RoundOut> {
+        if let Err(e) = self.reserve_step(&step) {
+            self.launched = None;
+            return Err(e);
+        }
+        let out = self.run_step(&step);
+        self.record(&step, out.is_ok());
+        out
     }
 
     fn cancel_prefill(&mut self, _stream: StreamId) {
@@ -301,58 +488,24 @@ impl<D: Device> Backend for ModelBackend<D> {
         // flight, and the state already ends at the last chunk.
     }
 
-    fn decode_round(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
-        let total = self.reserve_round(rows)?;
-        let parts = round_parts(rows);
-        let logit_rows: Vec<usize> = (0..total).collect();
-        self.run(&parts, &logit_rows)
-    }
-
-    fn decode_round_greedy(&mut self, rows: &[DecodeRow], same_next: bool) -> Result<Vec<u32>> {
-        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a greedy round takes one token per row");
-        let total = self.reserve_round(rows)?;
-        let parts = round_parts(rows);
-        let logit_rows: Vec<usize> = (0..total).collect();
-        self.forward(&parts, &logit_rows)?;
-        if self.rewindable && same_next {
-            // The round expected next runs while the engine handles these
-            // tokens; if it is not the one asked for, it only wrote KV past
-            // each stream's length (no recurrent state here).
-            self.dev.argmax_rows_launch_ahead(&self.scratch.logits)
-        } else {
-            self.dev.argmax_rows(&self.scratch.logits)
+    fn attach_prefix(&mut self, stream: StreamId, prompt: &[u32], salt: u64, max_len: usize) -> Result<usize> {
+        let Some(st) = self.streams.get_mut(&stream) else { bail!("stream {stream} is not open") };
+        ensure!(st.len == 0 && st.table.blocks.is_empty(), "stream {stream} is not empty");
+        if !self.caches_blocks {
+            return Ok(0);
         }
-    }
-
-    fn decode_round_top(&mut self, rows: &[DecodeRow], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        ensure!(rows.iter().all(|r| r.tokens.len() == 1), "a top-k round takes one token per row");
-        ensure!((1..=self.dev.top_k_on_device()).contains(&k), "top-{k} candidates are not found on this device");
-        let total = self.reserve_round(rows)?;
-        let parts = round_parts(rows);
-        let logit_rows: Vec<usize> = (0..total).collect();
-        self.forward(&parts, &logit_rows)?;
-        self.dev.top_k_rows(&self.scratch.logits, k)
-    }
-
-    fn decode_round_with_chunk(&mut self, rows: &[DecodeRow], stream: StreamId, chunk: Chunk<'_>) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-        ensure!(rows.iter().all(|r| r.stream != stream), "stream {stream} is both decoding and prefilling");
-        let total = self.reserve_round(rows)?;
-        self.reserve_chunk(stream, &chunk)?;
-        let mut parts = round_parts(rows);
-        parts.push((stream, chunk.tokens));
-        let mut logit_rows: Vec<usize> = (0..total).collect();
-        if chunk.want_logits {
-            logit_rows.push(total + chunk.tokens.len() - 1);
+        let got = self.pool.attach(&mut st.table, prompt, salt, max_len.min(self.cfg.context));
+        st.len = got.rows;
+        if let Some((src, dst)) = got.copy {
+            self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
         }
-        let mut logits = self.run(&parts, &logit_rows)?;
-        let last = chunk.want_logits.then(|| logits.split_off(total * self.model.vocab()));
-        Ok((logits, last))
+        Ok(got.rows)
     }
 
     fn keep_mark(&mut self, stream: StreamId) -> Result<MarkId> {
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
         let used = st.len.div_ceil(self.cfg.block_tokens);
-        let blocks = st.blocks[..used].to_vec();
+        let blocks = st.table.blocks[..used].to_vec();
         let (len, stream_slot) = (st.len, st.slot);
         let slot = if self.has_state() {
             let Some(m) = self.free_mark_slots.pop() else { bail!("all {} mark slots are taken", self.cfg.max_marks) };
@@ -362,7 +515,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             None
         };
         for &b in &blocks {
-            self.refs[b as usize] += 1;
+            self.pool.retain(b);
         }
         let id = self.next_mark;
         self.next_mark += 1;
@@ -373,27 +526,26 @@ impl<D: Device> Backend for ModelBackend<D> {
     fn restore_mark(&mut self, stream: StreamId, mark: MarkId) -> Result<usize> {
         let Some(m) = self.marks.get(&mark) else { bail!("no mark {mark}") };
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
-        ensure!(st.len == 0 && st.blocks.is_empty(), "stream {stream} is not empty");
+        ensure!(st.len == 0 && st.table.blocks.is_empty(), "stream {stream} is not empty");
         let (len, mut blocks, mark_slot) = (m.len, m.blocks.clone(), m.slot);
         let bt = self.cfg.block_tokens;
         // Full blocks are shared read-only; a partly filled last block is
         // copied, since this stream will write into its free tail.
-        let partial = len % bt != 0;
-        if partial {
-            let src = blocks.pop().unwrap();
+        if len % bt != 0 {
+            let src = blocks.pop().expect("a partial block");
             let dst = self.alloc_block()?;
             self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
             for &b in &blocks {
-                self.refs[b as usize] += 1;
+                self.pool.retain(b);
             }
             blocks.push(dst);
         } else {
             for &b in &blocks {
-                self.refs[b as usize] += 1;
+                self.pool.retain(b);
             }
         }
-        let st = self.streams.get_mut(&stream).unwrap();
-        st.blocks = blocks;
+        let st = self.streams.get_mut(&stream).expect("checked above");
+        st.table.blocks = blocks;
         st.len = len;
         if let Some(ms) = mark_slot {
             let slot = st.slot;
@@ -404,7 +556,9 @@ impl<D: Device> Backend for ModelBackend<D> {
 
     fn drop_mark(&mut self, mark: MarkId) {
         if let Some(m) = self.marks.remove(&mark) {
-            self.release(&m.blocks);
+            for &b in &m.blocks {
+                self.pool.release(b);
+            }
             self.free_mark_slots.extend(m.slot);
         }
     }
@@ -414,16 +568,67 @@ impl<D: Device> Backend for ModelBackend<D> {
         let Some(st) = self.streams.get_mut(&stream) else { bail!("stream {stream} is not open") };
         ensure!(len <= st.len, "cannot rewind stream {stream} forward from {} to {len}", st.len);
         st.len = len;
-        let keep = len.div_ceil(self.cfg.block_tokens);
-        let dropped: Vec<u32> = st.blocks.split_off(keep);
-        self.release(&dropped);
+        // The block it writes on in must be its own: a shared one is copied.
+        if let Some((src, dst)) = self.pool.truncate(&mut st.table, len).map_err(anyhow::Error::msg)? {
+            self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
+        }
         Ok(())
     }
 
     fn forget(&mut self, stream: StreamId) {
         if let Some(st) = self.streams.remove(&stream) {
-            self.release(&st.blocks);
+            self.pool.free_table(st.table);
             self.free_slots.push(st.slot);
         }
+    }
+}
+
+/// The rows a launched round feeds: each stream the token just picked for it.
+fn launched_rows(rows: &[DecodeRow], picked: &Picked) -> Vec<(StreamId, u32)> {
+    match picked {
+        Picked::Tokens(t) => rows.iter().zip(t).map(|(r, &t)| (r.stream, t)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The picks of rows `idx` (one token row each) of `all`, in that order.
+fn select(all: &Picked, idx: impl Iterator<Item = usize>, vocab: usize) -> Picked {
+    match all {
+        Picked::Logits(v) => Picked::Logits(idx.flat_map(|i| v[i * vocab..(i + 1) * vocab].iter().copied()).collect()),
+        Picked::Tokens(t) => Picked::Tokens(idx.map(|i| t[i]).collect()),
+        Picked::Top(t) => Picked::Top(idx.map(|i| t[i].clone()).collect()),
+    }
+}
+
+/// The picks of `rows` in order: the `served` rows' from `first`, the
+/// others' from `second` (both in row order).
+fn merge(rows: &[DecodeRow], served: &[usize], first: Picked, second: Picked, vocab: usize) -> Picked {
+    fn interleave<T: Clone>(rows: &[DecodeRow], served: &[usize], a: Vec<Vec<T>>, b: Vec<Vec<T>>) -> Vec<T> {
+        let (mut a, mut b) = (a.into_iter(), b.into_iter());
+        let mut out = Vec::new();
+        for i in 0..rows.len() {
+            let part = if served.contains(&i) { a.next() } else { b.next() };
+            out.extend(part.unwrap_or_default());
+        }
+        out
+    }
+    // Split each side into per-row groups (a decode row may hold several
+    // token rows: drafts), then interleave in row order.
+    let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
+    let served_lens: Vec<usize> = served.iter().map(|&i| lens[i]).collect();
+    let rest_lens: Vec<usize> = (0..rows.len()).filter(|i| !served.contains(i)).map(|i| lens[i]).collect();
+    fn groups<T: Clone>(v: Vec<T>, lens: &[usize], width: usize) -> Vec<Vec<T>> {
+        let mut out = Vec::with_capacity(lens.len());
+        let mut it = v.into_iter();
+        for &n in lens {
+            out.push(it.by_ref().take(n * width).collect());
+        }
+        out
+    }
+    match (first, second) {
+        (Picked::Logits(a), Picked::Logits(b)) => Picked::Logits(interleave(rows, served, groups(a, &served_lens, vocab), groups(b, &rest_lens, vocab))),
+        (Picked::Tokens(a), Picked::Tokens(b)) => Picked::Tokens(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
+        (Picked::Top(a), Picked::Top(b)) => Picked::Top(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
+        (a, _) => a,
     }
 }

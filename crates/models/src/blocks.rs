@@ -51,74 +51,24 @@ impl<D: Device> Attention<D> {
     }
 
     /// q, k and v of the normed rows in `s.h`, into `s.q`, `s.k` and `s.v`:
-    /// q and k normed when the layer has norms, then turned by `rope` (none:
-    /// no positional encoding); k and v are written to KV layer `layer`.
-    /// `s.att` and `s.gate` are clobbered.
-    ///
-    /// The fused ops (one launch for q, k and v; RoPE and the KV write in
-    /// one) give the plain ops' results, and a device that fuses them saves
-    /// launches.
+    /// q and k normed per head when the layer has norms, then turned by
+    /// `rope` (none: no positional encoding); k and v are written to KV
+    /// layer `layer`.
     #[allow(clippy::too_many_arguments)]
     pub fn qkv(&self, dev: &D, s: &mut Scratch<D>, kv: &mut D::Kv, layer: usize, batch: &Batch<'_>, head_dim: usize, rope: Option<&Rope>, eps: f32) {
-        self.qkv_of(dev, s, None, kv, layer, batch, head_dim, rope, eps)
-    }
-
-    /// [`Attention::qkv`] of `rms_norm(s.x)` with the layer's input norm
-    /// `w_norm` (which a device may fold into the products); `s.h` is
-    /// clobbered too.
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_qkv(
-        &self,
-        dev: &D,
-        s: &mut Scratch<D>,
-        w_norm: &D::Tensor,
-        kv: &mut D::Kv,
-        layer: usize,
-        batch: &Batch<'_>,
-        head_dim: usize,
-        rope: Option<&Rope>,
-        eps: f32,
-    ) {
-        self.qkv_of(dev, s, Some(w_norm), kv, layer, batch, head_dim, rope, eps)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn qkv_of(
-        &self,
-        dev: &D,
-        s: &mut Scratch<D>,
-        norm: Option<&D::Tensor>,
-        kv: &mut D::Kv,
-        layer: usize,
-        batch: &Batch<'_>,
-        head_dim: usize,
-        rope: Option<&Rope>,
-        eps: f32,
-    ) {
         let ws = [&self.wq, &self.wk, &self.wv];
-        if let (None, Some(r)) = (&self.qk_norm, rope) {
-            // The input: s.x normed (s.h scratch), or s.h as it is.
-            let (x, normed) = match norm {
-                Some(_) => (&s.x, &mut s.h),
-                None => (&s.h, &mut s.att),
-            };
-            let norm = norm.map(|w| (w, eps));
-            return dev.qkv_rope_kv(x, norm, normed, ws, &mut s.q, &mut s.k, &mut s.v, kv, layer, batch.positions, batch.slots, head_dim, r);
-        }
-        if let Some(w) = norm {
-            dev.rms_norm(&s.x, w, eps, &mut s.h);
-        }
         match &self.qk_norm {
+            None => dev.matmul(&s.h, &ws, &mut [&mut s.q, &mut s.k, &mut s.v]),
             Some((q_norm, k_norm)) => {
-                dev.matmul_many(&s.h, &ws, &mut [&mut s.att, &mut s.gate, &mut s.v]);
-                dev.rms_norm(&s.att, q_norm, eps, &mut s.q);
-                dev.rms_norm(&s.gate, k_norm, eps, &mut s.k);
+                dev.matmul(&s.h, &ws, &mut [&mut s.q_raw, &mut s.k_raw, &mut s.v]);
+                dev.rms_norm(&s.q_raw, q_norm, eps, &mut s.q);
+                dev.rms_norm(&s.k_raw, k_norm, eps, &mut s.k);
             }
-            None => dev.matmul_many(&s.h, &ws, &mut [&mut s.q, &mut s.k, &mut s.v]),
         }
-        match rope {
-            Some(r) => dev.rope_kv_write(&mut s.q, &mut s.k, &s.v, kv, layer, batch.positions, batch.slots, head_dim, r),
-            None => dev.kv_write(kv, layer, &s.k, &s.v, batch.slots),
+        if let Some(r) = rope {
+            dev.rope(&mut s.q, batch.positions, head_dim, r);
+            dev.rope(&mut s.k, batch.positions, head_dim, r);
         }
+        dev.kv_write(kv, layer, &s.k, &s.v, batch.slots);
     }
 }

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use braid_formats::DType;
-use braid_ops::{AttnSeq, Device, GateAct, KvShape, Rope};
+use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
 
 use crate::blocks::Attention;
 use crate::config::HfConfig;
@@ -52,7 +52,7 @@ impl Gemma3Config {
                 let heads = g.get_u64(&key("attention.head_count"))? as usize;
                 let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
                 let layers = g.get_u64(&key("block_count"))? as usize;
-                let rope = |theta| Rope { theta, dims: head_dim, neox: true, scale: 1.0 };
+                let rope = |theta| Rope::new(theta, head_dim, true);
                 Ok(Gemma3Config {
                     hidden,
                     layers,
@@ -196,28 +196,23 @@ impl<D: Device> Model<D> for Gemma3<D> {
         let c = &self.cfg;
         dev.embed(&self.embed, batch.tokens, c.embed_scale, &mut s.x);
         let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();
-        // Each layer's residual add is fused into the next norm (the first
-        // layer's input norm stands alone), so the attention input is in
-        // `s.h` at the top of every layer.
-        if let Some(b) = self.blocks.first() {
-            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-        }
         for (l, b) in self.blocks.iter().enumerate() {
             let (rope, seqs) = if c.global[l] { (&c.rope_global, &batch.seqs) } else { (&c.rope_local, &local_seqs) };
-            // Attention: q/k normalised per head before RoPE.
+            // Attention: q/k normalised per head before RoPE, the output normed
+            // before it joins the residual stream.
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
             b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(rope), c.eps);
             dev.attention(&s.q, kv, l, seqs, c.attn_scale, c.attn_softcap, &mut s.att);
-            dev.matmul(&s.att, &b.attn.wo, &mut s.h);
-            dev.rms_norm(&s.h, &b.post_attn_norm, c.eps, &mut s.up);
-            dev.add_rms_norm(&mut s.x, &s.up, &b.ffn_norm, c.eps, &mut s.h);
-            // MLP.
-            dev.gated_matmul(&s.h, &b.w_gate, &b.w_up, GateAct::GeluTanh, &mut s.gate, &mut s.up, &mut s.act);
-            dev.matmul(&s.act, &b.w_down, &mut s.h);
-            dev.rms_norm(&s.h, &b.post_ffn_norm, c.eps, &mut s.up);
-            match self.blocks.get(l + 1) {
-                Some(next) => dev.add_rms_norm(&mut s.x, &s.up, &next.attn_norm, c.eps, &mut s.h),
-                None => dev.add(&mut s.x, &s.up),
-            }
+            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            dev.rms_norm(&s.out, &b.post_attn_norm, c.eps, &mut s.post);
+            dev.add(&mut s.x, &s.post);
+            // GELU-gated MLP, likewise normed before and after.
+            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
+            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
+            dev.gated(Act::GeluTanh, &s.gate, &s.up, &mut s.act);
+            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
+            dev.rms_norm(&s.out, &b.post_ffn_norm, c.eps, &mut s.post);
+            dev.add(&mut s.x, &s.post);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())

@@ -14,7 +14,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use braid_formats::TensorView;
-use braid_ops::{AttnSeq, Device, KvShape, Rope};
+use braid_ops::{Act, AttnSeq, Device, KvShape, Map, MoeOps, Rope};
 
 use crate::config::HfConfig;
 use crate::gemma3::round_to;
@@ -22,21 +22,14 @@ use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
-/// How one layer rotates q and k.
-#[derive(Clone, Debug)]
-pub enum LayerRope {
-    Plain(Rope),
-    /// An explicit frequency table over the whole head ("proportional":
-    /// zeros past the rotated part).
-    Table(Vec<f32>),
-}
-
 #[derive(Clone, Debug)]
 pub struct LayerCfg {
     pub sliding: bool,
     pub head_dim: usize,
     pub kv_heads: usize,
-    pub rope: LayerRope,
+    /// How the layer rotates q and k (a frequency table for "proportional"
+    /// RoPE: zeros past the rotated part).
+    pub rope: Rope,
     /// The pool layer this layer's k/v live in.
     pub kv_layer: usize,
     /// Whether this layer writes its own k/v (false in the shared-KV tail).
@@ -112,8 +105,8 @@ impl Gemma4Config {
             };
             let p = c.rope(Some(t), if sliding { 10_000.0 } else { 1_000_000.0 })?;
             let rope = match p.rope_type.as_str() {
-                "default" => LayerRope::Plain(Rope { theta: p.theta, dims: (hd as f32 * p.partial_rotary_factor) as usize, neox: true, scale: 1.0 }),
-                "proportional" => LayerRope::Table(proportional_freqs(p.theta, hd, p.partial_rotary_factor)),
+                "default" => Rope::new(p.theta, (hd as f32 * p.partial_rotary_factor) as usize, true),
+                "proportional" => Rope::table(proportional_freqs(p.theta, hd, p.partial_rotary_factor)),
                 other => bail!("{}: rope_type '{other}' is not supported for Gemma 4 (supported: default, proportional)", dir.display()),
             };
             let (kv_layer, stores_kv) = if l < first_shared {
@@ -266,7 +259,7 @@ impl<D: Device> Gemma4<D> {
                     let scale: Vec<f32> = t(&p("router.scale"))?.to_f32()?.iter().map(|s| s * h.powf(-0.5)).collect();
                     let per_expert = t(&p("router.per_expert_scale"))?.to_f32()?;
                     let router = Router { scoring: Scoring::Softmax, top_k, normalize: true, per_expert_scale: Some(per_expert), ..Router::default() };
-                    let experts = Experts::load_fused(dev, &t(&p("experts.gate_up_proj"))?, &t(&p("experts.down_proj"))?, Activation::GeluGated)?;
+                    let experts = Experts::load_fused(dev, &t(&p("experts.gate_up_proj"))?, &t(&p("experts.down_proj"))?, Activation::Gated(Act::GeluTanh))?;
                     ensure!(experts.experts.len() == count, "layer {i}: {} experts, config.json says {count}", experts.experts.len());
                     Some(MoeBlock {
                         router_in: dev.upload(&scale, 1, scale.len())?,
@@ -306,7 +299,7 @@ impl<D: Device> Gemma4<D> {
     }
 }
 
-impl<D: Device> Model<D> for Gemma4<D> {
+impl<D: MoeOps> Model<D> for Gemma4<D> {
     fn kv_layers(&self) -> Vec<KvShape> {
         self.cfg.layers.iter().filter(|l| l.stores_kv).map(|l| KvShape { kv_heads: l.kv_heads, head_dim: l.head_dim }).collect()
     }
@@ -335,88 +328,81 @@ impl<D: Device> Model<D> for Gemma4<D> {
         let kv = &mut mem.kv;
         let c = &self.cfg;
         let n = c.layers.len();
-        // Extra buffers: 0 the dense MLP's output beside the MoE, 1 MoE
-        // scratch, 2.. each layer's per-layer input.
+        // Extra buffers: the fixed ones named below, then each layer's per-layer input.
+        const FIXED: usize = 13;
         let ple_bufs = if c.ple_dim > 0 { n } else { 0 };
-        s.extra(dev, 1 + ple_bufs);
-        let Scratch { x, h, q, k, v, att, gate, up, act, logits: _, extra } = s;
-        let (fixed, ple_in) = extra.split_at_mut(2);
-        let [m1, moe_tmp] = fixed else { unreachable!("two fixed extra buffers") };
+        s.extra(dev, FIXED + ple_bufs - 1);
+        let (fixed, ple_in) = s.extra.split_at_mut(FIXED);
+        let [v_raw, ple_rows, ple_proj, ple_gate, dense, router_in, router_logits, moe_in, t0, t1, t2, t3, t4] = fixed else {
+            unreachable!("{FIXED} fixed extra buffers")
+        };
 
-        dev.embed(&self.embed, batch.tokens, c.embed_scale, x);
+        dev.embed(&self.embed, batch.tokens, c.embed_scale, &mut s.x);
         if let (Some(table), Some(norm)) = (&self.ple_embed, &self.ple_norm) {
             // per_layer_input[l] = (norm(proj_l(x0) · hidden^-½) + table[t, l] · √P) · 2^-½
             for (l, (b, buf)) in self.blocks.iter().zip(ple_in.iter_mut()).enumerate() {
                 let p = b.ple.as_ref().context("per-layer weights missing")?;
                 // Tokens past the per-layer table (Gemma's extra special tokens) read token 0's slice, as transformers does.
                 let ids: Vec<u32> = batch.tokens.iter().map(|&t| (if (t as usize) < c.ple_vocab { t } else { 0 }) * n as u32 + l as u32).collect();
-                dev.embed(table, &ids, c.ple_embed_scale, h);
-                dev.matmul(x, &p.model_proj, q);
-                dev.scale(q, (c.hidden as f32).powf(-0.5));
-                dev.rms_norm(q, norm, c.eps, buf);
-                dev.add(buf, h);
-                dev.scale(buf, std::f32::consts::FRAC_1_SQRT_2);
+                dev.embed(table, &ids, c.ple_embed_scale, ple_rows);
+                dev.matmul(&s.x, &[&p.model_proj], &mut [&mut *ple_proj]);
+                dev.map(ple_proj, Map::Scale((c.hidden as f32).powf(-0.5)));
+                dev.rms_norm(ple_proj, norm, c.eps, buf);
+                dev.add(buf, ple_rows);
+                dev.map(buf, Map::Scale(std::f32::consts::FRAC_1_SQRT_2));
             }
         }
         let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|sq| AttnSeq { window: Some(c.window), ..*sq }).collect();
         for (l, (b, lc)) in self.blocks.iter().zip(&c.layers).enumerate() {
             let seqs = if lc.sliding { &local_seqs } else { &batch.seqs };
-            let rope = |dev: &D, t: &mut D::Tensor| -> Result<()> {
-                match &lc.rope {
-                    LayerRope::Plain(r) => dev.rope(t, batch.positions, lc.head_dim, r),
-                    LayerRope::Table(f) => dev.rope_freqs(t, batch.positions, lc.head_dim, f)?,
-                }
-                Ok(())
-            };
             // Attention: q/k normed per head then rotated; v normed (no weight); scale 1.
-            dev.rms_norm(x, &b.attn_norm, c.eps, h);
-            dev.matmul(h, &b.attn.wq, att);
-            dev.rms_norm(att, &b.attn.q_norm, c.eps, q);
-            rope(dev, q)?;
-            if let Some(p) = &b.attn.kv {
-                dev.matmul(h, &p.wk, gate);
-                dev.rms_norm(gate, &p.k_norm, c.eps, k);
-                rope(dev, k)?;
-                match &p.wv {
-                    Some(wv) => {
-                        dev.matmul(h, wv, up);
-                        dev.rms_norm(up, &p.v_norm, c.eps, v);
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
+            match &b.attn.kv {
+                Some(p) => {
+                    match &p.wv {
+                        Some(wv) => dev.matmul(&s.h, &[&b.attn.wq, &p.wk, wv], &mut [&mut s.q_raw, &mut s.k_raw, &mut *v_raw]),
+                        None => dev.matmul(&s.h, &[&b.attn.wq, &p.wk], &mut [&mut s.q_raw, &mut s.k_raw]),
                     }
+                    dev.rms_norm(&s.k_raw, &p.k_norm, c.eps, &mut s.k);
+                    dev.rope(&mut s.k, batch.positions, lc.head_dim, &lc.rope);
                     // K = V: v is the raw k projection, normed.
-                    None => dev.rms_norm(gate, &p.v_norm, c.eps, v),
+                    let raw = if p.wv.is_some() { &*v_raw } else { &s.k_raw };
+                    dev.rms_norm(raw, &p.v_norm, c.eps, &mut s.v);
+                    dev.kv_write(kv, lc.kv_layer, &s.k, &s.v, batch.slots);
                 }
-                dev.kv_write(kv, lc.kv_layer, k, v, batch.slots);
+                None => dev.matmul(&s.h, &[&b.attn.wq], &mut [&mut s.q_raw]),
             }
-            dev.attention(q, kv, lc.kv_layer, seqs, 1.0, c.attn_softcap, att);
-            dev.matmul(att, &b.attn.wo, h);
-            dev.rms_norm(h, &b.post_attn_norm, c.eps, up);
-            dev.add(x, up);
+            dev.rms_norm(&s.q_raw, &b.attn.q_norm, c.eps, &mut s.q);
+            dev.rope(&mut s.q, batch.positions, lc.head_dim, &lc.rope);
+            dev.attention(&s.q, kv, lc.kv_layer, seqs, 1.0, c.attn_softcap, &mut s.att);
+            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            dev.rms_norm(&s.out, &b.post_attn_norm, c.eps, &mut s.post);
+            dev.add(&mut s.x, &s.post);
             // Dense MLP (and the MoE beside it, both reading the residual x).
-            dev.rms_norm(x, &b.ffn_norm, c.eps, h);
-            dev.matmul(h, &b.w_gate, gate);
-            dev.matmul(h, &b.w_up, up);
-            dev.gelu_mul(gate, up, act);
-            dev.matmul(act, &b.w_down, h);
+            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
+            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
+            dev.gated(Act::GeluTanh, &s.gate, &s.up, &mut s.act);
+            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
             if let Some(m) = &b.moe {
-                dev.rms_norm(h, &m.post_norm_dense, c.eps, m1);
-                dev.rms_norm(x, &m.router_in, c.eps, q);
-                dev.matmul(q, &m.router, k);
-                dev.rms_norm(x, &m.pre_norm, c.eps, v);
-                m.moe.forward(dev, v, k, att, [gate, up, act, moe_tmp])?;
-                dev.rms_norm(att, &m.post_norm_moe, c.eps, h);
-                dev.add(h, m1);
+                dev.rms_norm(&s.out, &m.post_norm_dense, c.eps, dense);
+                dev.rms_norm(&s.x, &m.router_in, c.eps, router_in);
+                dev.matmul(router_in, &[&m.router], &mut [&mut *router_logits]);
+                dev.rms_norm(&s.x, &m.pre_norm, c.eps, moe_in);
+                m.moe.forward(dev, moe_in, router_logits, &mut s.att, [&mut *t0, &mut *t1, &mut *t2, &mut *t3, &mut *t4])?;
+                dev.rms_norm(&s.att, &m.post_norm_moe, c.eps, &mut s.out);
+                dev.add(&mut s.out, dense);
             }
-            dev.rms_norm(h, &b.post_ffn_norm, c.eps, up);
-            dev.add(x, up);
+            dev.rms_norm(&s.out, &b.post_ffn_norm, c.eps, &mut s.post);
+            dev.add(&mut s.x, &s.post);
             // Per-layer input: x += norm(proj(gelu(gate(x)) · ple[l])).
             if let Some(p) = &b.ple {
-                dev.matmul(x, &p.gate, gate);
-                dev.gelu_mul(gate, &ple_in[l], act);
-                dev.matmul(act, &p.proj, h);
-                dev.rms_norm(h, &p.post_norm, c.eps, up);
-                dev.add(x, up);
+                dev.matmul(&s.x, &[&p.gate], &mut [&mut *ple_gate]);
+                dev.gated(Act::GeluTanh, ple_gate, &ple_in[l], &mut s.act);
+                dev.matmul(&s.act, &[&p.proj], &mut [&mut s.out]);
+                dev.rms_norm(&s.out, &p.post_norm, c.eps, &mut s.post);
+                dev.add(&mut s.x, &s.post);
             }
-            dev.scale(x, b.scalar);
+            dev.map(&mut s.x, Map::Scale(b.scalar));
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())

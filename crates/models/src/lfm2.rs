@@ -8,7 +8,7 @@
 //! state is the last `L_cache - 1` values of `B ⊙ x` per channel.
 
 use anyhow::{bail, ensure, Result};
-use braid_ops::{Device, KvShape, Rope};
+use braid_ops::{Act, Device, KvShape, MoeOps, RecurrentOps, Rope};
 
 use crate::blocks::Attention;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
@@ -97,7 +97,7 @@ impl Lfm2Config {
             vocab: c.usize("vocab_size")?,
             eps: c.opt_f32("norm_eps")?.unwrap_or(1e-5),
             kernel,
-            rope: Rope { theta: c.rope(None, 1_000_000.0)?.theta, dims: head_dim, neox: true, scale: 1.0 },
+            rope: Rope::new(c.rope(None, 1_000_000.0)?.theta, head_dim, true),
             context: c.opt_usize("max_position_embeddings")?.unwrap_or(128_000),
             moe,
         })
@@ -189,7 +189,7 @@ impl<D: Device> Lfm2<D> {
                         scale: m.scale,
                         per_expert_scale: None,
                     };
-                    let experts = Experts::load_split(dev, src, m.experts, Activation::SiluGated, |e| {
+                    let experts = Experts::load_split(dev, src, m.experts, Activation::Gated(Act::Silu), |e| {
                         (Some(f(&format!("experts.{e}.w1.weight"))), f(&format!("experts.{e}.w3.weight")), f(&format!("experts.{e}.w2.weight")))
                     })?;
                     FeedForward::Moe { gate: w(&f("gate.weight"))?, moe: Moe { router, experts } }
@@ -204,7 +204,7 @@ impl<D: Device> Lfm2<D> {
     }
 }
 
-impl<D: Device> Model<D> for Lfm2<D> {
+impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
     fn kv_layers(&self) -> Vec<KvShape> {
         let shape = KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim };
         self.cfg.attention.iter().filter(|&&a| a).map(|_| shape).collect()
@@ -241,37 +241,35 @@ impl<D: Device> Model<D> for Lfm2<D> {
             dev.rms_norm(&s.x, &b.operator_norm, c.eps, &mut s.h);
             match &b.op {
                 Operator::Conv(cv) => {
-                    dev.matmul(&s.h, &cv.in_b, &mut s.gate);
-                    dev.matmul(&s.h, &cv.in_x, &mut s.up);
-                    dev.mul(&mut s.gate, &s.up)?;
-                    dev.short_conv(&s.gate, &cv.filter, cv.bias.as_ref(), c.kernel, false, &mut mem.state, cv.state_at, &seqs, &mut s.act)?;
-                    dev.matmul(&s.h, &cv.in_c, &mut s.up);
-                    dev.mul(&mut s.act, &s.up)?;
-                    dev.matmul(&s.act, &cv.out, &mut s.h);
+                    // y = C · conv(B · x), the three from one input.
+                    let [bb, cc, xx, bx, y] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[&cv.in_b, &cv.in_c, &cv.in_x], &mut [&mut *bb, &mut *cc, &mut *xx]);
+                    dev.gated(Act::Identity, bb, xx, bx);
+                    dev.short_conv(bx, &cv.filter, cv.bias.as_ref(), c.kernel, false, &mut mem.state, cv.state_at, &seqs, y)?;
+                    dev.gated(Act::Identity, cc, y, bx);
+                    dev.matmul(bx, &[&cv.out], &mut [&mut s.out]);
                 }
                 Operator::Attention(a, kv) => {
                     a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
                     dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &a.wo, &mut s.h);
+                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
                 }
             }
-            dev.add(&mut s.x, &s.h);
+            dev.add(&mut s.x, &s.out);
             dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
             match &b.ffn {
                 FeedForward::Mlp { w1, w3, w2 } => {
-                    dev.matmul(&s.h, w1, &mut s.gate);
-                    dev.matmul(&s.h, w3, &mut s.up);
-                    dev.silu_mul(&s.gate, &s.up, &mut s.act);
-                    dev.matmul(&s.act, w2, &mut s.h);
+                    dev.matmul(&s.h, &[w1, w3], &mut [&mut s.gate, &mut s.up]);
+                    dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
+                    dev.matmul(&s.act, &[w2], &mut [&mut s.out]);
                 }
                 FeedForward::Moe { gate, moe } => {
-                    dev.matmul(&s.h, gate, &mut s.gate);
-                    let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
-                    moe.forward(dev, &s.h, &s.gate, &mut s.act, [t0, t1, t2, t3])?;
-                    std::mem::swap(&mut s.h, &mut s.act);
+                    let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[gate], &mut [&mut *logits]);
+                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
                 }
             }
-            dev.add(&mut s.x, &s.h);
+            dev.add(&mut s.x, &s.out);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())

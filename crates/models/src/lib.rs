@@ -22,7 +22,7 @@ pub mod source;
 use std::path::Path;
 
 use anyhow::{bail, Result};
-use braid_ops::{AttnSeq, Device, KvShape};
+use braid_ops::{AllOps, AttnSeq, Device, KvShape, Map};
 
 pub use backend::{BackendConfig, ModelBackend};
 pub use source::Source;
@@ -76,8 +76,8 @@ pub struct Batch<'a> {
 
 impl Batch<'_> {
     /// A hash of everything a forward reads from the batch but its token
-    /// ids' values: two batches with equal keys run the same launches on
-    /// the same memory (`Device::replay_keyed`).
+    /// ids' values: two batches with equal keys run the same ops on the
+    /// same memory (`Forward::key`).
     pub fn key(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -90,17 +90,32 @@ impl Batch<'_> {
 }
 
 /// Activation buffers reused across forwards (no allocation per token once
-/// they have grown to the largest batch).
+/// they have grown to the largest batch). Each keeps one meaning in every
+/// family.
 pub struct Scratch<D: Device> {
+    /// The residual stream.
     pub x: D::Tensor,
+    /// A sublayer's normed input.
     pub h: D::Tensor,
+    /// Attention's queries, keys and values (after their norms and RoPE).
     pub q: D::Tensor,
     pub k: D::Tensor,
     pub v: D::Tensor,
+    /// q and k as projected, before a per-head norm (families with q/k norms).
+    pub q_raw: D::Tensor,
+    pub k_raw: D::Tensor,
+    /// Attention's output, before its output projection.
     pub att: D::Tensor,
+    /// A sublayer's output, added to the residual stream.
+    pub out: D::Tensor,
+    /// A sublayer's output after its post-norm (Gemma's sandwich norms).
+    pub post: D::Tensor,
+    /// The MLP's gate and up projections and their gated product.
     pub gate: D::Tensor,
     pub up: D::Tensor,
     pub act: D::Tensor,
+    /// The rows whose logits are wanted, gathered from `x`.
+    pub last: D::Tensor,
     /// Output: one row per `Batch::logit_rows` entry.
     pub logits: D::Tensor,
     /// More buffers for models that need them (created on first use).
@@ -110,7 +125,24 @@ pub struct Scratch<D: Device> {
 impl<D: Device> Scratch<D> {
     pub fn new(dev: &D) -> Scratch<D> {
         let t = || dev.tensor(0, 0);
-        Scratch { x: t(), h: t(), q: t(), k: t(), v: t(), att: t(), gate: t(), up: t(), act: t(), logits: t(), extra: Vec::new() }
+        Scratch {
+            x: t(),
+            h: t(),
+            q: t(),
+            k: t(),
+            v: t(),
+            q_raw: t(),
+            k_raw: t(),
+            att: t(),
+            out: t(),
+            post: t(),
+            gate: t(),
+            up: t(),
+            act: t(),
+            last: t(),
+            logits: t(),
+            extra: Vec::new(),
+        }
     }
 
     /// The extra buffer `i`, made when first asked for.
@@ -122,15 +154,15 @@ impl<D: Device> Scratch<D> {
     }
 }
 
-/// The language-model head, as every family ends: gather the rows whose
-/// logits are wanted (`s.x` → `s.h`), the final RMSNorm (→ `s.q`), the
-/// output matrix (→ `s.logits`), then an optional softcap.
+/// The language-model head, as every family ends: the rows whose logits are
+/// wanted (`s.x` → `s.last`), the final RMSNorm (→ `s.h`), the output
+/// matrix (→ `s.logits`), then an optional softcap.
 pub fn lm_head<D: Device>(dev: &D, s: &mut Scratch<D>, logit_rows: &[usize], norm: &D::Tensor, eps: f32, head: &D::Weight, softcap: Option<f32>) {
-    dev.gather_rows(&s.x, logit_rows, &mut s.h);
-    dev.rms_norm(&s.h, norm, eps, &mut s.q);
-    dev.matmul(&s.q, head, &mut s.logits);
+    dev.gather_rows(&s.x, logit_rows, &mut s.last);
+    dev.rms_norm(&s.last, norm, eps, &mut s.h);
+    dev.matmul(&s.h, &[head], &mut [&mut s.logits]);
     if let Some(cap) = softcap {
-        dev.softcap(&mut s.logits, cap);
+        dev.map(&mut s.logits, Map::Softcap(cap));
     }
 }
 
@@ -156,7 +188,7 @@ pub trait Model<D: Device>: Send + Sync {
 }
 
 /// Load the model at `path` (a GGUF file or an HF folder) on `dev`.
-pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Box<dyn Model<D>>> {
+pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Box<dyn Model<D>>> {
     let arch = src.architecture()?;
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
@@ -175,7 +207,7 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
 }
 
 /// Open a model file or folder and load it (convenience for tools/tests).
-pub fn open<D: Device>(dev: &D, path: &Path) -> Result<(Source, Box<dyn Model<D>>)> {
+pub fn open<D: AllOps>(dev: &D, path: &Path) -> Result<(Source, Box<dyn Model<D>>)> {
     let src = Source::open(path)?;
     let m = load(dev, &src, &|_, _| {})?;
     Ok((src, m))

@@ -3,7 +3,7 @@
 //! tied) output head. Qwen3 is this model with q/k norms (`qwen3.rs`).
 
 use anyhow::{bail, Result};
-use braid_ops::{Device, GateAct, KvShape, Rope};
+use braid_ops::{Act, Device, KvShape, Rope};
 
 use crate::blocks::Attention;
 use crate::config::HfConfig;
@@ -44,14 +44,13 @@ impl LlamaConfig {
                     ffn: g.get_u64(&key("feed_forward_length"))? as usize,
                     vocab,
                     eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
-                    rope: Rope {
-                        theta: g.get_f32(&key("rope.freq_base")).unwrap_or(10000.0),
-                        dims: g.get_u64(&key("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim),
-                        // llama.cpp's converter permutes q/k rows for llama, so
-                        // the GGUF pairs adjacent dimensions.
-                        neox: false,
-                        scale: 1.0,
-                    },
+                    // llama.cpp's converter permutes q/k rows for llama, so
+                    // the GGUF pairs adjacent dimensions (not NeoX).
+                    rope: Rope::new(
+                        g.get_f32(&key("rope.freq_base")).unwrap_or(10000.0),
+                        g.get_u64(&key("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim),
+                        false,
+                    ),
                     context: g.get_u64(&key("context_length")).map(|v| v as usize).unwrap_or(4096),
                 })
             }
@@ -88,7 +87,7 @@ pub fn hf_rope(c: &HfConfig<'_>, layer_type: Option<&str>, head_dim: usize, dir:
         "linear" => p.factor,
         other => bail!("{}: rope_type '{other}' is not supported (supported: default, linear)", dir.display()),
     };
-    Ok(Rope { theta: p.theta, dims: (head_dim as f32 * p.partial_rotary_factor) as usize, neox: true, scale })
+    Ok(Rope { scale, ..Rope::new(p.theta, (head_dim as f32 * p.partial_rotary_factor) as usize, true) })
 }
 
 struct Block<D: Device> {
@@ -181,18 +180,19 @@ impl<D: Device> Model<D> for Llama<D> {
         let c = &self.cfg;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
-        // The fused ops compose the plain ones by default; a device that
-        // fuses them (CUDA) saves launches: each norm folds into the
-        // products that read it, each residual add into the product that
-        // makes it.
         for (l, b) in self.blocks.iter().enumerate() {
             // Attention (Qwen3: q/k normalised per head before RoPE).
-            b.attn.norm_qkv(dev, s, &b.attn_norm, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
+            b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
             dev.attention(&s.q, kv, l, &batch.seqs, scale, None, &mut s.att);
-            dev.matmul_add(&s.att, &b.attn.wo, &mut s.h, &mut s.x);
-            // MLP.
-            dev.norm_gated_matmul(&s.x, &b.ffn_norm, c.eps, &mut s.q, &b.w_gate, &b.w_up, GateAct::Silu, &mut s.gate, &mut s.up, &mut s.act);
-            dev.matmul_add(&s.act, &b.w_down, &mut s.att, &mut s.x);
+            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            dev.add(&mut s.x, &s.out);
+            // SwiGLU MLP.
+            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
+            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
+            dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
+            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
+            dev.add(&mut s.x, &s.out);
         }
         // Head: only the rows whose logits are wanted.
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);

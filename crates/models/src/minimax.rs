@@ -11,7 +11,7 @@
 //! projected. Its state is `S`, `[head_dim, head_dim]` per head.
 
 use anyhow::{bail, ensure, Result};
-use braid_ops::{Device, KvShape, Rope};
+use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, Rope};
 
 use crate::blocks::Attention;
 use crate::moe::{Activation, Experts, Moe, Router, Scoring};
@@ -88,7 +88,7 @@ impl MiniMaxConfig {
             vocab: c.usize("vocab_size")?,
             eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-5),
             // transformers rotates the whole head (it ignores `rotary_dim`).
-            rope: Rope { theta: c.rope(None, 10_000.0)?.theta, dims: head_dim, neox: true, scale: 1.0 },
+            rope: Rope::new(c.rope(None, 10_000.0)?.theta, head_dim, true),
             context: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             experts: c.usize("num_local_experts")?,
             top_k: c.usize("num_experts_per_tok")?,
@@ -164,7 +164,7 @@ impl<D: Device> MiniMax<D> {
                 })
             };
             let e = |n: String| p(&format!("block_sparse_moe.experts.{n}"));
-            let experts = Experts::load_split(dev, src, cfg.experts, Activation::SiluGated, |x| {
+            let experts = Experts::load_split(dev, src, cfg.experts, Activation::Gated(Act::Silu), |x| {
                 (Some(e(format!("{x}.w1.weight"))), e(format!("{x}.w3.weight")), e(format!("{x}.w2.weight")))
             })?;
             let router = Router { scoring: Scoring::Softmax, top_k: cfg.top_k, ..Router::default() };
@@ -182,7 +182,7 @@ impl<D: Device> MiniMax<D> {
     }
 }
 
-impl<D: Device> Model<D> for MiniMax<D> {
+impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
     fn kv_layers(&self) -> Vec<KvShape> {
         let shape = KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim };
         self.cfg.full.iter().filter(|&&f| f).map(|_| shape).collect()
@@ -216,41 +216,44 @@ impl<D: Device> Model<D> for MiniMax<D> {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
         for b in &self.blocks {
-            // s.x is the stream h; s.h the normed x, the residual of both branches.
+            // The residual of both branches is the normed stream h: x = α·h + β·f(h).
             dev.rms_norm(&s.x, &b.in_norm, c.eps, &mut s.h);
             let (alpha, beta) = match &b.mixer {
                 Mixer::Lightning(m) => {
-                    dev.matmul(&s.h, &m.qkv, &mut s.up);
-                    dev.silu(&mut s.up)?;
-                    dev.linear_attention(&s.up, &m.slopes, c.heads, c.head_dim, &mut mem.state, m.state_at, &seqs, &mut s.att)?;
-                    dev.rms_norm(&s.att, &m.norm, LINEAR_NORM_EPS, &mut s.act);
-                    dev.matmul(&s.h, &m.gate, &mut s.gate);
-                    dev.sigmoid_mul(&mut s.act, &s.gate)?;
-                    dev.matmul(&s.act, &m.out, &mut s.x);
+                    let [qkv, gate, normed] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[&m.qkv, &m.gate], &mut [&mut *qkv, &mut *gate]);
+                    dev.map(qkv, Map::Silu);
+                    dev.linear_attention(qkv, &m.slopes, c.heads, c.head_dim, &mut mem.state, m.state_at, &seqs, &mut s.att)?;
+                    dev.rms_norm(&s.att, &m.norm, LINEAR_NORM_EPS, normed);
+                    dev.gated(Act::Sigmoid, gate, normed, &mut s.act);
+                    dev.matmul(&s.act, &[&m.out], &mut [&mut s.out]);
                     c.linear_ab
                 }
                 Mixer::Attention(a, kv) => {
                     a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
                     dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &a.wo, &mut s.x);
+                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
                     c.full_ab
                 }
             };
-            // h = α·x + β·mixer(x), built in s.x.
-            dev.scale(&mut s.x, beta);
-            dev.scale(&mut s.h, alpha);
-            dev.add(&mut s.x, &s.h);
+            residual(dev, s, alpha, beta);
 
             dev.rms_norm(&s.x, &b.post_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &b.gate, &mut s.gate);
-            let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
-            b.moe.forward(dev, &s.h, &s.gate, &mut s.x, [t0, t1, t2, t3])?;
+            let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
+            dev.matmul(&s.h, &[&b.gate], &mut [&mut *logits]);
+            b.moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
             let (alpha, beta) = c.mlp_ab;
-            dev.scale(&mut s.x, beta);
-            dev.scale(&mut s.h, alpha);
-            dev.add(&mut s.x, &s.h);
+            residual(dev, s, alpha, beta);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())
     }
+}
+
+/// `x = α·h + β·out`: a branch's output joins its scaled input.
+fn residual<D: Device>(dev: &D, s: &mut Scratch<D>, alpha: f32, beta: f32) {
+    dev.map(&mut s.out, Map::Scale(beta));
+    dev.map(&mut s.h, Map::Scale(alpha));
+    std::mem::swap(&mut s.x, &mut s.out);
+    dev.add(&mut s.x, &s.h);
 }

@@ -12,7 +12,7 @@
 //! experts, scaled, plus a shared expert.
 
 use anyhow::{bail, ensure, Result};
-use braid_ops::{BlockSparse, Device, KvShape, Rope};
+use braid_ops::{Act, BlockSparse, Device, KvShape, MoeOps, Rope, SparseAttentionOps};
 
 use crate::blocks::Attention;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
@@ -117,7 +117,7 @@ impl MiniMaxM2Config {
             head_dim,
             vocab: c.usize("vocab_size")?,
             eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
-            rope: Rope { theta: rp.theta, dims: rotary, neox: true, scale: 1.0 },
+            rope: Rope::new(rp.theta, rotary, true),
             context: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             experts: c.usize("num_local_experts")?,
             top_k: c.usize("num_experts_per_tok")?,
@@ -201,7 +201,7 @@ impl<D: Device> MiniMaxM2<D> {
             let ffn = if cfg.dense[l] {
                 Ffn::Dense(glu(&p("mlp.gate_up_proj.weight"), &p("mlp.down_proj.weight"))?)
             } else if let Some((limit, alpha)) = cfg.swiglu {
-                let act = Activation::SwigluClamped { limit, alpha };
+                let act = Activation::Gated(Act::SwiGluClamped { limit, alpha });
                 let experts = Experts::load_fused(dev, &src.tensor(&p("mlp.experts.gate_up_proj"))?, &src.tensor(&p("mlp.experts.down_proj"))?, act)?;
                 let bias = src.tensor(&p("mlp.gate.e_score_correction_bias"))?.to_f32()?;
                 let shared_name = p("mlp.shared_experts.gate_up_proj.weight");
@@ -209,7 +209,7 @@ impl<D: Device> MiniMaxM2<D> {
                 Ffn::Moe { router: w(&p("mlp.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared }
             } else {
                 let e = |n: String| p(&format!("block_sparse_moe.experts.{n}"));
-                let experts = Experts::load_split(dev, src, cfg.experts, Activation::SiluGated, |x| {
+                let experts = Experts::load_split(dev, src, cfg.experts, Activation::Gated(Act::Silu), |x| {
                     (Some(e(format!("{x}.w1.weight"))), e(format!("{x}.w3.weight")), e(format!("{x}.w2.weight")))
                 })?;
                 let bias = src.tensor(&p("block_sparse_moe.e_score_correction_bias"))?.to_f32()?;
@@ -235,7 +235,7 @@ fn router(cfg: &MiniMaxM2Config, bias: Vec<f32>) -> Router {
     Router { scoring: cfg.scoring, top_k: cfg.top_k, choice_bias: Some(bias), normalize: true, norm_eps: 0.0, scale: cfg.routed_scale, per_expert_scale: None }
 }
 
-impl<D: Device> Model<D> for MiniMaxM2<D> {
+impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
     /// One layer per block, then one per block-sparse layer for its
     /// indexer keys (k only; v is a copy, unused).
     fn kv_layers(&self) -> Vec<KvShape> {
@@ -270,36 +270,35 @@ impl<D: Device> Model<D> for MiniMaxM2<D> {
             b.attn.qkv(dev, s, &mut mem.kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
             match (&b.indexer, &c.index) {
                 (Some(ix), Some(sel)) => {
-                    let [t, iq, ik] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &ix.wq, t);
-                    dev.rms_norm(t, &ix.q_norm, c.eps, iq);
+                    // The indexer's own q and k (k kept in its KV layer) choose the blocks.
+                    let [tq, tk, iq, ik] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[&ix.wq, &ix.wk], &mut [&mut *tq, &mut *tk]);
+                    dev.rms_norm(tq, &ix.q_norm, c.eps, iq);
                     dev.rope(iq, batch.positions, sel.index_dim, &c.rope);
-                    dev.matmul(&s.h, &ix.wk, t);
-                    dev.rms_norm(t, &ix.k_norm, c.eps, ik);
+                    dev.rms_norm(tk, &ix.k_norm, c.eps, ik);
                     dev.rope(ik, batch.positions, sel.index_dim, &c.rope);
                     dev.kv_write(&mut mem.kv, ix.kv, ik, ik, batch.slots);
                     dev.block_sparse_attention(&s.q, iq, &mem.kv, l, ix.kv, &batch.seqs, scale, sel, &mut s.att)?;
                 }
                 _ => dev.attention(&s.q, &mem.kv, l, &batch.seqs, scale, None, &mut s.att),
             }
-            dev.matmul(&s.att, &b.attn.wo, &mut s.h);
-            dev.add(&mut s.x, &s.h);
+            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            dev.add(&mut s.x, &s.out);
 
             dev.rms_norm(&s.x, &b.post_norm, c.eps, &mut s.h);
             match &b.ffn {
-                Ffn::Dense(m) => self.glu(dev, m, s)?,
+                Ffn::Dense(m) => self.glu(dev, m, s),
                 Ffn::Moe { router, moe, shared } => {
-                    dev.matmul(&s.h, router, &mut s.gate);
-                    let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
-                    moe.forward(dev, &s.h, &s.gate, &mut s.att, [t0, t1, t2, t3])?;
                     if let Some(m) = shared {
-                        self.glu(dev, m, s)?;
-                        dev.add(&mut s.x, &s.q);
+                        self.glu(dev, m, s);
+                        dev.add(&mut s.x, &s.out);
                     }
-                    std::mem::swap(&mut s.q, &mut s.att);
+                    let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[router], &mut [&mut *logits]);
+                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
                 }
             }
-            dev.add(&mut s.x, &s.q);
+            dev.add(&mut s.x, &s.out);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())
@@ -307,13 +306,11 @@ impl<D: Device> Model<D> for MiniMaxM2<D> {
 }
 
 impl<D: Device> MiniMaxM2<D> {
-    /// `s.q = down(swiglu_clamped(gate(s.h), up(s.h)))`.
-    fn glu(&self, dev: &D, m: &GluMlp<D>, s: &mut Scratch<D>) -> Result<()> {
+    /// `s.out = down(swiglu_clamped(gate(s.h), up(s.h)))`.
+    fn glu(&self, dev: &D, m: &GluMlp<D>, s: &mut Scratch<D>) {
         let (limit, alpha) = self.cfg.swiglu.unwrap_or((f32::INFINITY, 1.702));
-        dev.matmul(&s.h, &m.gate, &mut s.gate);
-        dev.matmul(&s.h, &m.up, &mut s.up);
-        dev.swiglu_clamped(&s.gate, &s.up, limit, alpha, &mut s.act)?;
-        dev.matmul(&s.act, &m.down, &mut s.q);
-        Ok(())
+        dev.matmul(&s.h, &[&m.gate, &m.up], &mut [&mut s.gate, &mut s.up]);
+        dev.gated(Act::SwiGluClamped { limit, alpha }, &s.gate, &s.up, &mut s.act);
+        dev.matmul(&s.act, &[&m.down], &mut [&mut s.out]);
     }
 }

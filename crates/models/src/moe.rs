@@ -13,22 +13,22 @@
 //! ```ignore
 //! // Load: the router's rule, and the experts (one tensor per expert, or fused).
 //! let router = Router { scoring: Scoring::Softmax, top_k: 2, ..Router::default() };
-//! let experts = Experts::load_split(dev, src, n_experts, Activation::SiluGated, |e| {
+//! let experts = Experts::load_split(dev, src, n_experts, Activation::Gated(Act::Silu), |e| {
 //!     (Some(format!("{p}experts.{e}.w1.weight")), format!("{p}experts.{e}.w3.weight"), format!("{p}experts.{e}.w2.weight"))
 //! })?;
 //! let moe = Moe { router, experts };
 //!
 //! // Forward: the model computes the router logits itself (families feed
 //! // the router different inputs), then:
-//! dev.matmul(&x_router, &gate_weight, &mut logits);
-//! moe.forward(dev, &x, &logits, &mut out, [&mut t0, &mut t1, &mut t2, &mut t3])?;
+//! dev.matmul(&x_router, &[&gate_weight], &mut [&mut logits]);
+//! moe.forward(dev, &x, &logits, &mut out, [&mut t0, &mut t1, &mut t2, &mut t3, &mut t4])?;
 //! // `out` is [rows, hidden]: the weighted sum of the chosen experts' outputs
-//! // (overwritten, not accumulated). t0..t3 are scratch tensors.
+//! // (overwritten, not accumulated). t0..t4 are scratch tensors.
 //! ```
 
 use anyhow::{bail, ensure, Context, Result};
 use braid_formats::TensorView;
-use braid_ops::Device;
+use braid_ops::{Act, Device, Map, MoeOps};
 
 use crate::source::Source;
 
@@ -121,20 +121,13 @@ impl Router {
     }
 }
 
-/// A custom expert activation: `f(dev, gate, up, out)`.
-pub type ActFn<D> = fn(&D, Option<&<D as Device>::Tensor>, &<D as Device>::Tensor, &mut <D as Device>::Tensor) -> Result<()>;
-
 /// The expert MLP's activation.
-pub enum Activation<D: Device> {
-    /// `silu(gate) * up`.
-    SiluGated,
-    /// `gelu_tanh(gate) * up`.
-    GeluGated,
-    /// MiniMax-M3's clamped SwiGLU ([`Device::swiglu_clamped`]).
-    SwigluClamped { limit: f32, alpha: f32 },
-    /// Anything else: `f(dev, gate, up, out)`, `gate` being None for experts
-    /// without a gate projection.
-    Custom(ActFn<D>),
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    /// `down(act(gate(x)) * up(x))`.
+    Gated(Act),
+    /// `down(f(up(x)))`, no gate projection (Nemotron-H's relu²).
+    Plain(Map),
 }
 
 pub struct Expert<D: Device> {
@@ -146,7 +139,7 @@ pub struct Expert<D: Device> {
 
 pub struct Experts<D: Device> {
     pub experts: Vec<Expert<D>>,
-    pub act: Activation<D>,
+    pub act: Activation,
 }
 
 /// Rows `first..first + rows` of `view` taken as a matrix `[view.rows(), view.cols()]`
@@ -162,7 +155,7 @@ pub fn slice_rows(view: &TensorView, first: usize, rows: usize) -> Result<Tensor
 impl<D: Device> Experts<D> {
     /// One tensor per expert: `names(e)` gives (gate, up, down) of expert `e`
     /// (gate None for non-gated experts).
-    pub fn load_split(dev: &D, src: &Source, n: usize, act: Activation<D>, names: impl Fn(usize) -> (Option<String>, String, String)) -> Result<Experts<D>> {
+    pub fn load_split(dev: &D, src: &Source, n: usize, act: Activation, names: impl Fn(usize) -> (Option<String>, String, String)) -> Result<Experts<D>> {
         let w = |name: &str| dev.weight(&src.tensor(name)?);
         let mut experts = Vec::with_capacity(n);
         for e in 0..n {
@@ -174,7 +167,7 @@ impl<D: Device> Experts<D> {
 
     /// Fused tensors: `gate_up` `[E, 2I, H]` (gate rows first, then up rows,
     /// not interleaved) and `down` `[E, H, I]`.
-    pub fn load_fused(dev: &D, gate_up: &TensorView, down: &TensorView, act: Activation<D>) -> Result<Experts<D>> {
+    pub fn load_fused(dev: &D, gate_up: &TensorView, down: &TensorView, act: Activation) -> Result<Experts<D>> {
         let (&[e, i2, h], &[e2, h2, i]) = (gate_up.shape.as_slice(), down.shape.as_slice()) else {
             bail!("fused experts {} {:?} and {} {:?}: expected [E, 2I, H] and [E, H, I]", gate_up.name, gate_up.shape, down.name, down.shape)
         };
@@ -191,22 +184,22 @@ impl<D: Device> Experts<D> {
     }
 
     /// `out = down(act(gate(x), up(x)))` over the rows of `x`.
-    fn run(&self, dev: &D, e: &Expert<D>, x: &D::Tensor, out: &mut D::Tensor, t: [&mut D::Tensor; 2]) -> Result<()> {
-        let [gate, act] = t;
-        dev.matmul(x, &e.up, out);
-        if let Some(g) = &e.gate {
-            dev.matmul(x, g, gate);
-        }
-        let gate = e.gate.as_ref().map(|_| &*gate);
-        match &self.act {
-            Activation::SiluGated => dev.silu_mul(gate.context("silu-gated expert without a gate projection")?, out, act),
-            Activation::GeluGated => dev.gelu_mul(gate.context("gelu-gated expert without a gate projection")?, out, act),
-            Activation::SwigluClamped { limit, alpha } => {
-                dev.swiglu_clamped(gate.context("clamped-SwiGLU expert without a gate projection")?, out, *limit, *alpha, act)?
+    fn run(&self, dev: &D, e: &Expert<D>, x: &D::Tensor, out: &mut D::Tensor, t: [&mut D::Tensor; 3]) -> Result<()> {
+        let [gate, up, act] = t;
+        match (self.act, &e.gate) {
+            (Activation::Gated(f), Some(g)) => {
+                dev.matmul(x, &[g, &e.up], &mut [&mut *gate, &mut *up]);
+                dev.gated(f, gate, up, act);
+                dev.matmul(act, &[&e.down], &mut [out]);
             }
-            Activation::Custom(f) => f(dev, gate, out, act)?,
+            (Activation::Plain(f), None) => {
+                dev.matmul(x, &[&e.up], &mut [&mut *up]);
+                dev.map(up, f);
+                dev.matmul(up, &[&e.down], &mut [out]);
+            }
+            (Activation::Gated(_), None) => bail!("a gated expert without a gate projection"),
+            (Activation::Plain(_), Some(_)) => bail!("an expert with a gate projection and an ungated activation"),
         }
-        dev.matmul(act, &e.down, out);
         Ok(())
     }
 }
@@ -217,11 +210,11 @@ pub struct Moe<D: Device> {
     pub experts: Experts<D>,
 }
 
-impl<D: Device> Moe<D> {
+impl<D: MoeOps> Moe<D> {
     /// `out = Σ_chosen w · expert(x)` per row of `x`, the experts chosen from
     /// `router_logits` (`[rows, experts]`). `out` is overwritten (resized to
     /// `[rows, hidden]`); `t` are scratch tensors.
-    pub fn forward(&self, dev: &D, x: &D::Tensor, router_logits: &D::Tensor, out: &mut D::Tensor, t: [&mut D::Tensor; 4]) -> Result<()> {
+    pub fn forward(&self, dev: &D, x: &D::Tensor, router_logits: &D::Tensor, out: &mut D::Tensor, t: [&mut D::Tensor; 5]) -> Result<()> {
         let n = self.experts.experts.len();
         let (rows, _) = dev.shape(x);
         let (lr, lc) = dev.shape(router_logits);
@@ -234,7 +227,7 @@ impl<D: Device> Moe<D> {
         dev.resize(out, rows, hidden);
         let all: Vec<u32> = (0..rows as u32).collect();
         dev.zero_rows(out, &all);
-        let [xe, ye, t0, t1] = t;
+        let [xe, ye, gate, up, act] = t;
         for (e, expert) in self.experts.experts.iter().enumerate() {
             let ids = &routing.rows[e];
             if ids.is_empty() {
@@ -242,7 +235,7 @@ impl<D: Device> Moe<D> {
             }
             let idx: Vec<usize> = ids.iter().map(|&r| r as usize).collect();
             dev.gather_rows(x, &idx, xe);
-            self.experts.run(dev, expert, xe, ye, [t0, t1])?;
+            self.experts.run(dev, expert, xe, ye, [&mut *gate, &mut *up, &mut *act])?;
             dev.scatter_add_rows(out, ye, ids, &routing.weights[e])?;
         }
         Ok(())

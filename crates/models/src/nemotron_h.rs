@@ -12,7 +12,7 @@
 //! README); clamping in both keeps prefill and decode one computation.
 
 use anyhow::{bail, ensure, Result};
-use braid_ops::{Device, KvShape, SsmShape};
+use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
 
 use crate::blocks::Attention;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
@@ -187,11 +187,6 @@ pub struct NemotronH<D: Device> {
     state: StateLayout,
 }
 
-/// The experts' activation: `relu(up(x))²`, no gate.
-fn relu2_expert<D: Device>(dev: &D, _gate: Option<&D::Tensor>, up: &D::Tensor, out: &mut D::Tensor) -> Result<()> {
-    dev.relu2(up, out)
-}
-
 impl<D: Device> NemotronH<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<NemotronH<D>> {
         let cfg = NemotronHConfig::from_source(src)?;
@@ -251,7 +246,7 @@ impl<D: Device> NemotronH<D> {
                         scale: cfg.routed_scale,
                         per_expert_scale: None,
                     };
-                    let experts = Experts::load_split(dev, src, cfg.experts, Activation::Custom(relu2_expert::<D>), |e| {
+                    let experts = Experts::load_split(dev, src, cfg.experts, Activation::Plain(Map::Relu2), |e| {
                         (None, p(&format!("experts.{e}.up_proj.weight")), p(&format!("experts.{e}.down_proj.weight")))
                     })?;
                     Layer::Moe {
@@ -269,7 +264,7 @@ impl<D: Device> NemotronH<D> {
     }
 }
 
-impl<D: Device> Model<D> for NemotronH<D> {
+impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
     fn kv_layers(&self) -> Vec<KvShape> {
         let shape = KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim };
         self.cfg.mixers.iter().filter(|&&m| m == Mixer::Attention).map(|_| shape).collect()
@@ -315,38 +310,38 @@ impl<D: Device> Model<D> for NemotronH<D> {
             dev.rms_norm(&s.x, &b.norm, c.eps, &mut s.h);
             match &b.mixer {
                 Layer::Mamba(m) => {
-                    dev.matmul(&s.h, &m.in_z, &mut s.gate);
-                    dev.matmul(&s.h, &m.in_xbc, &mut s.up);
-                    dev.matmul(&s.h, &m.in_dt, &mut s.v);
-                    dev.short_conv(&s.up, &m.conv, m.conv_bias.as_ref(), c.conv_kernel, true, &mut mem.state, m.conv_at, &seqs, &mut s.k)?;
-                    dev.ssm_scan(&s.k, &s.v, &m.dt_bias, &m.a, &m.d, &c.ssm, &mut mem.state, m.ssm_at, &seqs, &mut s.att)?;
+                    let [z, xbc, dt, conv, y, gated, normed] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[&m.in_z, &m.in_xbc, &m.in_dt], &mut [&mut *z, &mut *xbc, &mut *dt]);
+                    dev.short_conv(xbc, &m.conv, m.conv_bias.as_ref(), c.conv_kernel, true, &mut mem.state, m.conv_at, &seqs, conv)?;
+                    dev.ssm_scan(conv, dt, &m.dt_bias, &m.a, &m.d, &c.ssm, &mut mem.state, m.ssm_at, &seqs, y)?;
                     // Gated norm: (y ⊙ silu(z)), normalised per group of channels.
-                    dev.silu_mul(&s.gate, &s.att, &mut s.act);
-                    dev.group_rms_norm(&s.act, &m.norm, c.inner() / c.ssm.groups, c.eps, &mut s.q)?;
-                    dev.matmul(&s.q, &m.out, &mut s.h);
+                    dev.gated(Act::Silu, z, y, gated);
+                    dev.group_rms_norm(gated, &m.norm, c.inner() / c.ssm.groups, c.eps, normed)?;
+                    dev.matmul(normed, &[&m.out], &mut [&mut s.out]);
                 }
                 Layer::Attention(a, kv) => {
                     // No positional encoding.
                     a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, None, c.eps);
                     dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &a.wo, &mut s.h);
+                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
                 }
                 Layer::Mlp { up, down } => {
-                    dev.matmul(&s.h, up, &mut s.up);
-                    dev.relu2(&s.up, &mut s.act)?;
-                    dev.matmul(&s.act, down, &mut s.h);
+                    dev.matmul(&s.h, &[up], &mut [&mut s.up]);
+                    dev.map(&mut s.up, Map::Relu2);
+                    dev.matmul(&s.up, &[down], &mut [&mut s.out]);
                 }
                 Layer::Moe { gate, moe, shared_up, shared_down } => {
-                    dev.matmul(&s.h, gate, &mut s.gate);
-                    let [t0, t1, t2, t3] = extras(dev, &mut s.extra);
-                    moe.forward(dev, &s.h, &s.gate, &mut s.att, [t0, t1, t2, t3])?;
-                    dev.matmul(&s.h, shared_up, &mut s.up);
-                    dev.relu2(&s.up, &mut s.act)?;
-                    dev.matmul(&s.act, shared_down, &mut s.h);
-                    dev.add(&mut s.h, &s.att);
+                    let [logits, t0, t1, t2, t3, t4, shared] = extras(dev, &mut s.extra);
+                    dev.matmul(&s.h, &[gate], &mut [&mut *logits]);
+                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+                    // The shared expert: down(relu(up(h))²), beside the routed ones.
+                    dev.matmul(&s.h, &[shared_up], &mut [&mut s.up]);
+                    dev.map(&mut s.up, Map::Relu2);
+                    dev.matmul(&s.up, &[shared_down], &mut [&mut *shared]);
+                    dev.add(&mut s.out, shared);
                 }
             }
-            dev.add(&mut s.x, &s.h);
+            dev.add(&mut s.x, &s.out);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.head, None);
         Ok(())

@@ -37,7 +37,7 @@ pub fn llama_3_2_1b() -> LlamaConfig {
         ffn: 8192,
         vocab: 128256,
         eps: 1e-5,
-        rope: Rope { theta: 500000.0, dims: 64, neox: true, scale: 1.0 },
+        rope: Rope::new(500000.0, 64, true),
         context: 131072,
     }
 }

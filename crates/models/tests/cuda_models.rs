@@ -1,16 +1,21 @@
-//! Models on the CUDA device: the tiny transformers fixtures at bf16
-//! tolerance, stepped prefill equal to the whole pass, graphs equal to
-//! eager, and teacher-forced agreement with llama.cpp on SmolLM2. Each test
-//! skips (passes with a notice) where no GPU or driver is present, as in CI.
+//! Models on the CUDA device: every family's tiny transformers fixture at
+//! bf16 tolerance, stepped prefill equal to the whole pass, a model's
+//! forwards with graphs, without and outside any forward (unfused) in
+//! agreement, `ModelBackend`'s rounds (greedy, top-k, prepared and launched
+//! ahead, and rounds that differ from the one launched ahead) against host
+//! picks and a backend with ahead off, and teacher-forced agreement with
+//! llama.cpp on SmolLM2. Each test skips (passes with a notice) where no GPU
+//! or driver is present, as in CI.
 
 #![cfg(feature = "cuda")]
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
-use braid_engine::{Backend, Chunk, DecodeRow};
-use braid_models::{BackendConfig, ModelBackend};
-use braid_ops::cuda::Cuda;
-use braid_ops::Device;
+use braid_engine::{Backend, Chunk, DecodeRow, Pick, Picked, RoundOut, Step, StreamId};
+use braid_models::{BackendConfig, Batch, Memory, Model, ModelBackend, Scratch};
+use braid_ops::cuda::{Cuda, Tuning};
+use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec};
 use serde_json::Value;
 
 fn gpu() -> Option<Cuda> {
@@ -34,13 +39,13 @@ fn fixture_dir(name: &str) -> PathBuf {
 }
 
 /// F32 / I64 tensors of a reference.safetensors file, as f32.
-fn reference(name: &str) -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
+fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
     let p = fixture_dir(name).join("reference.safetensors");
     let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     let data = &bytes[8 + n..];
-    let mut out = std::collections::HashMap::new();
+    let mut out = HashMap::new();
     for (k, e) in header.as_object().unwrap() {
         if k == "__metadata__" {
             continue;
@@ -59,7 +64,7 @@ fn reference(name: &str) -> std::collections::HashMap<String, (Vec<usize>, Vec<f
 }
 
 fn argmax(x: &[f32]) -> usize {
-    x.iter().enumerate().fold(0, |b, (i, v)| if *v > x[b] { i } else { b })
+    braid_ops::argmax_host(x) as usize
 }
 
 fn backend(dev: &Cuda, dir: &std::path::Path) -> ModelBackend<Cuda> {
@@ -72,8 +77,38 @@ fn backend(dev: &Cuda, dir: &std::path::Path) -> ModelBackend<Cuda> {
     .unwrap()
 }
 
+/// Relative error of a whole logit table, and (agreeing, total) top-1 rows.
+fn compare(got: &[f32], want: &[f32], vocab: usize) -> (f64, usize, usize) {
+    assert_eq!(got.len(), want.len(), "logit tables of different sizes");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        let d = if a.is_finite() { (a - b) as f64 } else { f64::INFINITY };
+        num += d * d;
+        den += (*b as f64).powi(2);
+    }
+    let rows = got.len() / vocab;
+    let agree = (0..rows).filter(|&i| argmax(&got[i * vocab..(i + 1) * vocab]) == argmax(&want[i * vocab..(i + 1) * vocab])).count();
+    ((num / den.max(1e-30)).sqrt(), agree, rows)
+}
+
+/// The bf16 tolerance of these checks.
+const BF16_REL: f64 = 3e-2;
+
+/// The logits of one decode row of `tokens` (a prompt, or one token).
+fn feed(be: &mut ModelBackend<Cuda>, stream: u64, tokens: &[u32]) -> Vec<f32> {
+    be.decode_logits(&[DecodeRow { stream, tokens: tokens.to_vec() }]).unwrap()
+}
+
+fn tokens(out: RoundOut) -> Vec<u32> {
+    match out.picked {
+        Picked::Tokens(t) => t,
+        other => panic!("an argmax round returned {other:?}"),
+    }
+}
+
 /// Full-pass logits against transformers' (f32) at bf16 tolerance: relative
-/// error of the whole table, and top-1 agreement row by row.
+/// error of the whole table, and top-1 agreement row by row; then prefill
+/// 24 and one token a round against the incremental table.
 fn check_fixture(name: &str) {
     let Some(dev) = gpu() else { return };
     let r = reference(name);
@@ -82,36 +117,20 @@ fn check_fixture(name: &str) {
     let vocab = shape[1];
     let mut be = backend(&dev, &fixture_dir(name));
     be.open(1).unwrap();
-    let got = be.decode_round(&[DecodeRow { stream: 1, tokens: toks.clone() }]).unwrap();
-    assert_eq!(got.len(), want.len());
-    let (mut num, mut den) = (0f64, 0f64);
-    for (a, b) in got.iter().zip(want) {
-        assert!(a.is_finite(), "{name}: non-finite logit");
-        num += ((a - b) as f64).powi(2);
-        den += (*b as f64).powi(2);
-    }
-    let rel = (num / den).sqrt();
-    let rows = toks.len();
-    let agree = (0..rows).filter(|&i| argmax(&got[i * vocab..(i + 1) * vocab]) == argmax(&want[i * vocab..(i + 1) * vocab])).count();
+    let got = feed(&mut be, 1, &toks);
+    let (rel, agree, rows) = compare(&got, want, vocab);
     eprintln!("{name} on {}: full-pass logits rel err {rel:.2e}, top-1 agreement {agree}/{rows}", dev.name());
-    assert!(rel < 3e-2, "{name}: logits rel err {rel} over the bf16 tolerance 3e-2");
+    assert!(rel < BF16_REL, "{name}: logits rel err {rel} over the bf16 tolerance {BF16_REL}");
     assert!(agree * 10 >= rows * 9, "{name}: top-1 agreement {agree}/{rows}");
 
-    // Incremental: prefill 24, then one token per round, against logits_incremental.
-    let (_, inc) = &r["logits_incremental"];
     be.open(2).unwrap();
-    let mut got = be.decode_round(&[DecodeRow { stream: 2, tokens: toks[..24].to_vec() }]).unwrap();
+    let mut got = feed(&mut be, 2, &toks[..24]);
     for &t in &toks[24..] {
-        got.extend(be.decode_round(&[DecodeRow { stream: 2, tokens: vec![t] }]).unwrap());
+        got.extend(feed(&mut be, 2, &[t]));
     }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (a, b) in got.iter().zip(inc) {
-        num += ((a - b) as f64).powi(2);
-        den += (*b as f64).powi(2);
-    }
-    let rel = (num / den).sqrt();
+    let (rel, _, _) = compare(&got, &r["logits_incremental"].1, vocab);
     eprintln!("{name}: incremental logits rel err {rel:.2e}");
-    assert!(rel < 3e-2, "{name}: incremental logits rel err {rel}");
+    assert!(rel < BF16_REL, "{name}: incremental logits rel err {rel}");
 }
 
 #[test]
@@ -122,6 +141,126 @@ fn llama_fixture_bf16() {
 #[test]
 fn qwen3_fixture_bf16() {
     check_fixture("qwen3");
+}
+
+/// How a model's forwards run in [`direct`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum How {
+    /// `Model::forward` called outside any `Device::forward`, on weights no
+    /// `prepare` saw: every op runs at once, unfused.
+    Unfused,
+    /// Inside `Device::forward` without a key (eager), after `prepare`.
+    Eager,
+    /// Inside keyed forwards (CUDA graphs, replayed when a shape recurs),
+    /// after `prepare`.
+    Graphs,
+}
+
+/// Forwards of `model` over one stream, without `ModelBackend`: the prompt
+/// `toks[..24]` whole, then one token a forward; the logits of every row.
+/// With `prepare`, the device first sees one row at position 0 (as
+/// `ModelBackend::new` shows it).
+fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[u32]) -> Vec<f32> {
+    let bt = 16;
+    let spec = KvPoolSpec { blocks: toks.len().div_ceil(bt) + 1, block_tokens: bt, layers: model.kv_layers() };
+    let mut state = dev.tensor(1, model.state_size());
+    if model.state_size() > 0 {
+        dev.zero_rows(&mut state, &[0]);
+    }
+    let mut mem = Memory { kv: dev.kv_pool(&spec, KvDtype::F16).unwrap(), state };
+    let mut s = Scratch::new(dev);
+    let table: Vec<u32> = (0..spec.blocks as u32).collect();
+    if prepare {
+        let one = Batch {
+            tokens: &[0],
+            positions: &[0],
+            slots: &[0],
+            seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks: &table, window: None }],
+            logit_rows: &[0],
+            state_slots: &[0],
+        };
+        dev.prepare(&mut || model.forward(dev, &one, &mut mem, &mut s)).unwrap();
+    }
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut parts: Vec<&[u32]> = vec![&toks[..24]];
+    parts.extend(toks[24..].chunks(1));
+    for part in parts {
+        let n = part.len();
+        let positions: Vec<u32> = (start as u32..(start + n) as u32).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        let batch = Batch {
+            tokens: part,
+            positions: &positions,
+            slots: &positions,
+            seqs: vec![AttnSeq { q_start: 0, q_len: n, kv_len: start + n, blocks: &table, window: None }],
+            logit_rows: &rows,
+            state_slots: &[0],
+        };
+        match how {
+            How::Unfused => model.forward(dev, &batch, &mut mem, &mut s).unwrap(),
+            How::Eager | How::Graphs => {
+                let key = (how == How::Graphs).then(|| batch.key());
+                dev.forward(Forward { key, tokens: part }, &mut || model.forward(dev, &batch, &mut mem, &mut s)).unwrap()
+            }
+        }
+        out.extend(dev.download(&s.logits).unwrap());
+        start += n;
+    }
+    out
+}
+
+/// A fixture's forwards (prompt whole, then a token a forward) fused and
+/// folded, eagerly and as replayed graphs, and unfused outside any forward
+/// on weights never prepared: graphs give the eager bits, unfused agrees
+/// within bf16 rounding, and all three match transformers' incremental
+/// table. The MoE fixtures read their routing back mid-forward (such
+/// forwards run eagerly, and so do all after them on the device).
+fn check_direct(name: &str, incremental_key: &str, tol: f64) {
+    let Some(dev) = gpu() else { return };
+    let r = reference(name);
+    let toks: Vec<u32> = r["tokens"].1.iter().map(|&t| t as u32).collect();
+    let vocab = r["logits_full"].0[1];
+    let want = &r[incremental_key].1;
+    let (_, unprepared) = braid_models::open(&dev, &fixture_dir(name)).unwrap();
+    let (_, prepared) = braid_models::open(&dev, &fixture_dir(name)).unwrap();
+    let unfused = direct(&dev, unprepared.as_ref(), How::Unfused, false, &toks);
+    let eager = direct(&dev, prepared.as_ref(), How::Eager, true, &toks);
+    let before = dev.graph_stats();
+    let graphs = direct(&dev, prepared.as_ref(), How::Graphs, false, &toks);
+    let (replays, captures) = (dev.graph_stats().0 - before.0, dev.graph_stats().1 - before.1);
+    eprintln!("{name}: keyed forwards: {replays} graph replays, {captures} captures");
+    assert!(graphs.iter().zip(&eager).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: forwards as graphs differ from eager ones");
+    for (what, got) in [("unfused", &unfused), ("fused and folded", &eager)] {
+        let (rel, agree, rows) = compare(got, want, vocab);
+        eprintln!("{name} {what}: incremental logits rel err {rel:.2e}, top-1 {agree}/{rows}");
+        assert!(rel < BF16_REL, "{name} {what}: incremental logits rel err {rel} over {BF16_REL}");
+        assert!(agree * 10 >= rows * 9, "{name} {what}: top-1 agreement {agree}/{rows}");
+    }
+    let (rel, agree, rows) = compare(&eager, &unfused, vocab);
+    eprintln!("{name}: fused and folded vs unfused: rel err {rel:.2e}, top-1 {agree}/{rows}");
+    assert!(rel < tol, "{name}: fused and folded vs unfused: rel err {rel} over {tol}");
+}
+
+#[test]
+fn llama_fixture_graphs_eager_and_unfused_agree() {
+    check_direct("llama", "logits_incremental", 1e-2);
+}
+
+#[test]
+fn qwen3_fixture_graphs_eager_and_unfused_agree() {
+    check_direct("qwen3", "logits_incremental", 1e-2);
+}
+
+/// Forwards that read their MoE routing back mid-way (LFM2-MoE, Gemma 4's
+/// MoE, whose router reads a norm of its own right before the read, and the
+/// MiniMax families) equal the same ops unfused and the reference (at the
+/// bf16 tolerance: rounding may move a near-tie of the routing).
+#[test]
+fn moe_fixtures_reading_back_midway_agree() {
+    for name in ["lfm2_moe", "gemma4_text_moe", "minimax", "minimax_m2", "minimax_m3_vl_text"] {
+        check_direct(name, "logits_incremental", BF16_REL);
+    }
 }
 
 /// A prompt run whole (chunks back to back) and stepped (the same cuts, a
@@ -150,14 +289,14 @@ fn stepped_prefill_equals_whole() {
                 }
                 start += cut.len();
                 if interleave {
-                    be.decode_round(&[DecodeRow { stream: id + 100, tokens: vec![1] }]).unwrap();
+                    be.decode_logits(&[DecodeRow { stream: id + 100, tokens: vec![1] }]).unwrap();
                 }
             }
             let mut out = Vec::new();
             let mut t = argmax(&last) as u32;
             for _ in 0..8 {
                 out.push(t);
-                let l = be.decode_round(&[DecodeRow { stream: id, tokens: vec![t] }]).unwrap();
+                let l = feed(be, id, &[t]);
                 t = argmax(&l[..vocab]) as u32;
             }
             be.forget(id);
@@ -172,22 +311,6 @@ fn stepped_prefill_equals_whole() {
     }
 }
 
-/// Decode rounds as CUDA graphs equal eager rounds bit for bit.
-#[test]
-fn graphs_equal_eager_on_a_model() {
-    let Some(dev) = gpu() else { return };
-    let cfg = tiny_llama();
-    let model = braid_models::random::llama(&dev, cfg, 3, false).unwrap();
-    let eager = braid_models::gpubench::decode_run(&dev, &model, 5, 40, 2, 10, false).unwrap();
-    let graphed = braid_models::gpubench::decode_run(&dev, &model, 5, 40, 2, 10, true).unwrap();
-    eprintln!("tiny model: eager {eager:.0} tok/s, graphs {graphed:.0} tok/s, stats {:?}", dev.graph_stats());
-    // Same tokens, round by round.
-    let a = braid_models::gpubench::decode_tokens(&dev, &model, 5, 40, 12, false).unwrap();
-    let b = braid_models::gpubench::decode_tokens(&dev, &model, 5, 40, 12, true).unwrap();
-    assert_eq!(a, b, "graph rounds differ from eager rounds");
-    assert!(dev.graph_stats().0 > 0, "no graph was replayed");
-}
-
 /// A two-layer Llama shape for random-weight tests.
 fn tiny_llama() -> braid_models::llama::LlamaConfig {
     braid_models::llama::LlamaConfig {
@@ -199,24 +322,41 @@ fn tiny_llama() -> braid_models::llama::LlamaConfig {
         ffn: 512,
         vocab: 1000,
         eps: 1e-5,
-        rope: braid_ops::Rope { theta: 10000.0, dims: 32, neox: true, scale: 1.0 },
+        rope: braid_ops::Rope::new(10000.0, 32, true),
         context: 4096,
     }
 }
 
+fn tiny_backend(dev: &Cuda, seed: u64) -> ModelBackend<Cuda> {
+    let model = braid_models::random::llama(dev, tiny_llama(), seed, false).unwrap();
+    ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap()
+}
+
+/// The benchmark's greedy rounds (`Backend::round`, picked and launched
+/// ahead on the device) give the same tokens as graphs or eager rounds.
+#[test]
+fn graphs_equal_eager_on_a_model() {
+    let Some(dev) = gpu() else { return };
+    let model = || Box::new(braid_models::random::llama(&dev, tiny_llama(), 3, false).unwrap());
+    let mut be = braid_models::gpubench::backend(&dev, model(), 5, 60).unwrap();
+    let (eager_tok_s, eager) = braid_models::gpubench::decode_run(&mut be, 5, 40, 2, 10, false).unwrap();
+    let (graph_tok_s, graphed) = braid_models::gpubench::decode_run(&mut be, 5, 40, 2, 10, true).unwrap();
+    eprintln!("tiny model: eager {eager_tok_s:.0} tok/s, graphs {graph_tok_s:.0} tok/s, stats {:?}, ahead {:?}", dev.graph_stats(), dev.ahead_hits());
+    assert_eq!(eager, graphed, "graph rounds differ from eager rounds");
+    assert!(dev.graph_stats().0 > 0, "no graph was replayed");
+}
+
 /// Decode rounds served by `ModelBackend` replay CUDA graphs (one per
 /// batch shape) and give the same logits, bit for bit, as eager rounds;
-/// a round fused with a prompt chunk runs eagerly beside them.
+/// a round with a prompt chunk runs eagerly beside them.
 #[test]
 fn backend_decode_rounds_replay_graphs() {
     let Some(dev) = gpu() else { return };
-    let cfg = tiny_llama();
     let mut runs = Vec::new();
     for graphs in [false, true] {
         dev.set_graphs(graphs);
         let before = dev.graph_stats();
-        let model = braid_models::random::llama(&dev, cfg.clone(), 7, false).unwrap();
-        let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+        let mut be = tiny_backend(&dev, 7);
         let mut out = Vec::new();
         for s in 0..3u64 {
             be.open(s).unwrap();
@@ -228,57 +368,60 @@ fn backend_decode_rounds_replay_graphs() {
         for round in 0..8u32 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![(round * 13 + s as u32) % 1000] }).collect();
             if round == 4 {
-                let (l, last) = be.decode_round_with_chunk(&rows, 9, Chunk { start: 0, tokens: &late, want_logits: true }).unwrap();
-                out.extend(l);
-                out.extend(last.unwrap());
+                let o = be.round(Step { rows: &rows, chunk: Some((9, Chunk { start: 0, tokens: &late, want_logits: true })), pick: Pick::Logits }).unwrap();
+                match o.picked {
+                    Picked::Logits(l) => out.extend(l),
+                    other => panic!("a logits round returned {other:?}"),
+                }
+                out.extend(o.chunk_logits.unwrap());
             } else {
-                out.extend(be.decode_round(&rows).unwrap());
+                out.extend(be.decode_logits(&rows).unwrap());
             }
         }
         let after = dev.graph_stats();
         if graphs {
-            // 7 plain rounds: captures, then replays (the fused round's
-            // larger buffers retire the graphs recorded before it).
             assert!(after.0 - before.0 >= 3, "decode rounds did not replay graphs: {before:?} -> {after:?}");
         }
         runs.push(out);
     }
     dev.set_graphs(true);
-    assert!(runs[0] == runs[1], "graph-replayed decode rounds differ from eager ones");
+    assert!(runs[0].iter().zip(&runs[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "graph-replayed decode rounds differ from eager ones");
 }
 
 /// A backend over a random tiny Llama (vocabulary 1000) with streams 0-2
 /// prompted, and each one's greedy first token.
-fn three_prompted_streams(dev: &Cuda, cfg: &braid_models::llama::LlamaConfig) -> (ModelBackend<Cuda>, Vec<u32>) {
-    let model = braid_models::random::llama(dev, cfg.clone(), 11, false).unwrap();
-    let mut be = ModelBackend::new(dev.clone(), Box::new(model), BackendConfig { kv_tokens: 4096, context: 1024, ..Default::default() }).unwrap();
+fn three_prompted_streams(dev: &Cuda) -> (ModelBackend<Cuda>, Vec<u32>) {
+    let mut be = tiny_backend(dev, 11);
     let mut first = Vec::new();
     for s in 0..3u64 {
         be.open(s).unwrap();
-        let prompt: Vec<u32> = (0..10 + 5 * s as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect();
-        let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
+        let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt(s, 10 + 5 * s as usize), want_logits: true }).unwrap().unwrap();
         first.push(argmax(&l) as u32);
     }
     (be, first)
 }
 
-/// Greedy rounds picked on the device (only token ids come back) give the
-/// tokens that the host's argmax of the round's logits gives.
+fn prompt(s: u64, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % 1000).collect()
+}
+
+/// Greedy rounds picked on the device (only token ids come back, each
+/// round launched ahead) give the tokens that the host's argmax of the
+/// round's logits gives.
 #[test]
 fn backend_greedy_rounds_equal_host_argmax() {
     let Some(dev) = gpu() else { return };
-    let cfg = tiny_llama();
     let mut runs = Vec::new();
     for on_device in [false, true] {
-        let (mut be, mut last) = three_prompted_streams(&dev, &cfg);
-        assert!(be.capabilities().greedy_rounds);
+        let (mut be, mut last) = three_prompted_streams(&dev);
+        assert!(be.capabilities().picks.argmax);
         let mut out = last.clone();
         for _ in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
             last = if on_device {
-                be.decode_round_greedy(&rows, true).unwrap()
+                tokens(be.round(Step { rows: &rows, chunk: None, pick: Pick::Argmax }).unwrap())
             } else {
-                be.decode_round(&rows).unwrap().chunks(1000).map(|r| argmax(r) as u32).collect()
+                be.decode_logits(&rows).unwrap().chunks(1000).map(|r| argmax(r) as u32).collect()
             };
             out.extend(&last);
         }
@@ -288,22 +431,20 @@ fn backend_greedy_rounds_equal_host_argmax() {
 }
 
 /// Greedy rounds whose host work was done ahead, while the GPU ran the
-/// round before (`Device::replay_ahead`), and which were launched before
-/// the engine asked for them (`Device::argmax_rows_launch_ahead`), give
-/// the tokens eager rounds give, through rounds that are not the one
-/// expected: a stream leaves, one joins, one is rewound, block boundaries
-/// pass.
+/// round before, and which were launched before the engine asked for them,
+/// give the tokens eager rounds give (graphs off: the same batches, nothing
+/// done ahead), through rounds that are not the one expected: a stream
+/// leaves, one joins, one is rewound, block boundaries pass.
 #[test]
 fn rounds_prepared_ahead_equal_eager() {
     let Some(dev) = gpu() else { return };
-    let cfg = tiny_llama();
     let mut runs = Vec::new();
     for graphs in [false, true] {
         dev.set_graphs(graphs);
         let hits = dev.ahead_hits();
-        let (mut be, first) = three_prompted_streams(&dev, &cfg);
-        let mut last: std::collections::HashMap<u64, u32> = (0..3u64).zip(first).collect();
-        let mut lens: std::collections::HashMap<u64, usize> = [(0, 10), (1, 15), (2, 20)].into();
+        let (mut be, first) = three_prompted_streams(&dev);
+        let mut last: HashMap<u64, u32> = (0..3u64).zip(first).collect();
+        let mut lens: HashMap<u64, usize> = [(0, 10), (1, 15), (2, 20)].into();
         let mut out = Vec::new();
         for round in 0..40 {
             if round == 12 {
@@ -312,14 +453,14 @@ fn rounds_prepared_ahead_equal_eager() {
             }
             if round == 20 {
                 be.open(5).unwrap();
-                let prompt: Vec<u32> = (0..13).map(|i| (i * 17 + 3) % 1000).collect();
-                let l = be.prefill_step(5, Chunk { start: 0, tokens: &prompt, want_logits: true }).unwrap().unwrap();
+                let p: Vec<u32> = (0..13).map(|i| (i * 17 + 3) % 1000).collect();
+                let l = be.prefill_step(5, Chunk { start: 0, tokens: &p, want_logits: true }).unwrap().unwrap();
                 last.insert(5, argmax(&l) as u32);
                 lens.insert(5, 13);
             }
             if round == 28 {
                 // Back two rows: the next round repeats a position the
-                // round prepared ahead did not expect.
+                // round launched ahead did not expect.
                 let l = lens[&0] - 2;
                 be.rewind(0, l).unwrap();
                 lens.insert(0, l);
@@ -328,7 +469,7 @@ fn rounds_prepared_ahead_equal_eager() {
             let mut ids: Vec<u64> = last.keys().copied().collect();
             ids.sort();
             let rows: Vec<DecodeRow> = ids.iter().map(|&s| DecodeRow { stream: s, tokens: vec![last[&s]] }).collect();
-            let toks = be.decode_round_greedy(&rows, true).unwrap();
+            let toks = tokens(be.round(Step { rows: &rows, chunk: None, pick: Pick::Argmax }).unwrap());
             for (&s, &t) in ids.iter().zip(&toks) {
                 last.insert(s, t);
                 *lens.get_mut(&s).unwrap() += 1;
@@ -337,7 +478,7 @@ fn rounds_prepared_ahead_equal_eager() {
         }
         if graphs {
             let (n, launched) = (dev.ahead_hits().0 - hits.0, dev.ahead_hits().1 - hits.1);
-            eprintln!("rounds replayed from a pass done ahead: {n} of 40, {launched} of them launched before they were asked for");
+            eprintln!("rounds served from a forward done ahead: {n} of 40, {launched} of them launched before they were asked for");
             assert!(n >= 20, "only {n} of 40 rounds were prepared ahead");
             assert!(launched >= 20, "only {launched} of 40 rounds were launched ahead");
         }
@@ -347,20 +488,249 @@ fn rounds_prepared_ahead_equal_eager() {
     assert_eq!(runs[0], runs[1], "rounds prepared ahead differ from eager rounds");
 }
 
+/// One scripted step of [`rounds_that_differ_from_the_one_launched_ahead`].
+#[derive(Clone, Debug)]
+enum Event {
+    /// Open a stream and prefill its prompt in a chunk-only round.
+    Join(StreamId, usize),
+    /// Open a stream whose prompt arrives as the chunk of the next round.
+    Open(StreamId, usize),
+    Forget(StreamId),
+    /// Drop the stream's last rows.
+    Rewind(StreamId, usize),
+    /// The next round: this stream's row carries a draft of `n` tokens after its token.
+    Draft(StreamId, usize),
+    /// The next round: this stream is fed another token than the one picked.
+    Other(StreamId),
+    /// The next round: the rows in reverse order.
+    Reversed,
+    /// The next round asks for `pick` (not argmax).
+    Pick(Pick),
+}
+
+/// The rounds of the scenario: (round, what happens before it), a stream
+/// leaving last when `leave`.
+fn script(leave: bool) -> Vec<(usize, Event)> {
+    let mut v = vec![
+        (4, Event::Open(3, 13)),
+        (7, Event::Other(1)),
+        (9, Event::Draft(0, 2)),
+        (11, Event::Reversed),
+        (13, Event::Join(4, 9)),
+        (15, Event::Pick(Pick::TopK(5))),
+        (16, Event::Pick(Pick::Logits)),
+        (18, Event::Rewind(2, 3)),
+        (20, Event::Draft(3, 3)),
+        (22, Event::Reversed),
+    ];
+    if leave {
+        v.push((26, Event::Forget(1)));
+    }
+    v
+}
+
+/// `tok` is the argmax of `row` or within rounding of it: another batch
+/// shape (the backend launched ahead splits a round the other serves whole)
+/// changes the logits by bf16 rounding, so near-ties may flip; a wrong row
+/// (position, KV, order) gives a token far below the best.
+fn near_best(row: &[f32], tok: u32) -> bool {
+    let best = row[argmax(row)];
+    let worst = row.iter().cloned().fold(f32::INFINITY, f32::min);
+    row[tok as usize] >= best - 1e-2 * (best - worst)
+}
+
+/// `ModelBackend` decides when to launch the next round ahead (after an
+/// argmax round of one token per stream); when the next round differs from
+/// the one launched, the rows it asks again come from the launched round
+/// and the rest (and a chunk) run in another forward. Against a backend
+/// with ahead off (`Tuning { ahead: false, launch_ahead: false }`) over the
+/// same weights, fed the same tokens: each round's picks are the other's
+/// argmax (or a near-tie of it: the batches differ where one splits a
+/// round), its chunk logits the same within rounding, through a chunk
+/// arriving beside decode rows, a stream joining, one fed another token, a
+/// draft row, rows in another order, top-k and logits rounds, a rewind,
+/// block boundaries and, last, a stream leaving.
+#[test]
+fn rounds_that_differ_from_the_one_launched_ahead() {
+    let Some(dev) = gpu() else { return };
+    let off_dev = Cuda::with_tuning(0, Tuning { ahead: false, launch_ahead: false, ..Tuning::default() }).unwrap();
+    assert!(dev.caps().ahead && !off_dev.caps().ahead);
+    let vocab = 1000;
+    let (mut on, mut off) = (tiny_backend(&dev, 23), tiny_backend(&off_dev, 23));
+    let mut next: HashMap<StreamId, u32> = HashMap::new();
+    // Each stream's rows, as both backends hold them.
+    let mut lens: HashMap<StreamId, usize> = HashMap::new();
+    for s in 0..3u64 {
+        let p = prompt(s, 10 + 5 * s as usize);
+        lens.insert(s, p.len());
+        let mut firsts = Vec::new();
+        for be in [&mut on, &mut off] {
+            be.open(s).unwrap();
+            firsts.push(be.prefill_step(s, Chunk { start: 0, tokens: &p, want_logits: true }).unwrap().unwrap());
+        }
+        assert!(firsts[0].iter().zip(&firsts[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "stream {s}: prompt logits differ");
+        next.insert(s, argmax(&firsts[0]) as u32);
+    }
+    let script = script(true);
+    let hits0 = dev.ahead_hits();
+    let (mut exact, mut total) = (0usize, 0usize);
+    let mut pending_chunk: Option<(StreamId, Vec<u32>)> = None;
+    for round in 0..32usize {
+        let (mut draft, mut other, mut reversed, mut pick) = (None, None, false, Pick::Argmax);
+        for (_, ev) in script.iter().filter(|(r, _)| *r == round) {
+            eprintln!("round {round}: {ev:?}");
+            match *ev {
+                Event::Join(s, n) => {
+                    let p = prompt(s, n);
+                    let mut l = Vec::new();
+                    for be in [&mut on, &mut off] {
+                        be.open(s).unwrap();
+                        l.push(be.prefill_step(s, Chunk { start: 0, tokens: &p, want_logits: true }).unwrap().unwrap());
+                    }
+                    let (rel, _, _) = compare(&l[0], &l[1], vocab);
+                    assert!(rel < 1e-6, "round {round}: the joining stream's prompt logits differ ({rel})");
+                    next.insert(s, argmax(&l[0]) as u32);
+                    lens.insert(s, n);
+                }
+                Event::Open(s, n) => {
+                    for be in [&mut on, &mut off] {
+                        be.open(s).unwrap();
+                    }
+                    lens.insert(s, 0);
+                    pending_chunk = Some((s, prompt(s, n)));
+                }
+                Event::Forget(s) => {
+                    for be in [&mut on, &mut off] {
+                        be.forget(s);
+                    }
+                    next.remove(&s);
+                    lens.remove(&s);
+                }
+                Event::Rewind(s, n) => {
+                    let len = lens[&s] - n;
+                    for be in [&mut on, &mut off] {
+                        be.rewind(s, len).unwrap();
+                    }
+                    lens.insert(s, len);
+                    next.insert(s, 42);
+                }
+                Event::Draft(s, n) => draft = Some((s, n)),
+                Event::Other(s) => other = Some(s),
+                Event::Reversed => reversed = true,
+                Event::Pick(p) => pick = p,
+            }
+        }
+        let mut ids: Vec<StreamId> = next.keys().copied().collect();
+        ids.sort();
+        if reversed {
+            ids.reverse();
+        }
+        let rows: Vec<DecodeRow> = ids
+            .iter()
+            .map(|&s| {
+                let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
+                if let Some((_, n)) = draft.filter(|d| d.0 == s) {
+                    let t0 = t[0];
+                    t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
+                }
+                DecodeRow { stream: s, tokens: t }
+            })
+            .collect();
+        let chunk = pending_chunk.take();
+        let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
+        let a = on.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();
+        let b = off.round(Step { rows: &rows, chunk: step_chunk, pick: Pick::Logits }).unwrap();
+        let Picked::Logits(want) = b.picked else { panic!("a logits round returned other picks") };
+        if let Some((s, p)) = &chunk {
+            let (l_on, l_off) = (a.chunk_logits.as_ref().unwrap(), b.chunk_logits.as_ref().unwrap());
+            let (rel, _, _) = compare(l_on, l_off, vocab);
+            assert!(rel < 1e-2 && near_best(l_off, argmax(l_on) as u32), "round {round}: stream {s}'s chunk logits differ (rel err {rel})");
+            next.insert(*s, argmax(l_on) as u32);
+            *lens.get_mut(s).unwrap() += p.len();
+        }
+        // Each token row's pick against the other backend's logits.
+        let n_rows = want.len() / vocab;
+        let want_rows: Vec<&[f32]> = want.chunks(vocab).collect();
+        let picked_first: Vec<u32> = match &a.picked {
+            Picked::Tokens(t) => {
+                assert_eq!(t.len(), n_rows, "round {round}: picks for {} rows of {n_rows}", t.len());
+                for (i, (&tok, row)) in t.iter().zip(&want_rows).enumerate() {
+                    total += 1;
+                    exact += (tok as usize == argmax(row)) as usize;
+                    assert!(
+                        near_best(row, tok),
+                        "round {round}: row {i} picked {tok}, the other backend's best is {} ({} against {})",
+                        argmax(row),
+                        row[tok as usize],
+                        row[argmax(row)]
+                    );
+                }
+                t.clone()
+            }
+            Picked::Top(c) => {
+                assert_eq!(c.len(), n_rows);
+                for (i, (cands, row)) in c.iter().zip(&want_rows).enumerate() {
+                    assert!(near_best(row, cands[0].0), "round {round}: row {i}'s best candidate {:?} is not the other's best", cands[0]);
+                    for &(t, v) in cands {
+                        assert!(
+                            (v - row[t as usize]).abs() <= 1e-2 * row[t as usize].abs().max(0.1),
+                            "round {round}: row {i} candidate {t}: {v} against {}",
+                            row[t as usize]
+                        );
+                    }
+                }
+                c.iter().map(|c| c[0].0).collect()
+            }
+            Picked::Logits(l) => {
+                let (rel, agree, rows) = compare(l, &want, vocab);
+                assert!(rel < 1e-2 && agree * 10 >= rows * 9, "round {round}: logits differ (rel err {rel}, top-1 {agree}/{rows})");
+                want_rows.iter().map(|r| argmax(r) as u32).collect()
+            }
+        };
+        // Each stream goes on from its row's first pick (a draft's other
+        // picks are checked above; its drafts are then dropped).
+        let mut at = 0;
+        for r in &rows {
+            next.insert(r.stream, picked_first[at]);
+            at += r.tokens.len();
+            *lens.get_mut(&r.stream).unwrap() += r.tokens.len();
+        }
+        if let Some((s, n)) = draft {
+            let len = lens[&s] - n;
+            for be in [&mut on, &mut off] {
+                be.rewind(s, len).unwrap();
+            }
+            lens.insert(s, len);
+        }
+    }
+    let (h, l) = (dev.ahead_hits().0 - hits0.0, dev.ahead_hits().1 - hits0.1);
+    eprintln!(
+        "rounds differing from the one launched ahead: {exact}/{total} picks exactly the other backend's argmax; {h} forwards served ahead, {l} launched"
+    );
+    assert!(l >= 10, "only {l} rounds were launched ahead: the scenario did not exercise it");
+    assert!(exact * 10 >= total * 9, "only {exact}/{total} picks equal the other backend's argmax");
+}
+
 /// Top-k rounds (only each row's k best logits come back) give the
 /// candidates the host finds in the same round's logits.
 #[test]
 fn backend_top_k_rounds_equal_host_top_k() {
     let Some(dev) = gpu() else { return };
-    let cfg = tiny_llama();
     let mut runs = Vec::new();
     for on_device in [false, true] {
-        let (mut be, mut last) = three_prompted_streams(&dev, &cfg);
-        assert_eq!(be.capabilities().top_rounds, 64);
+        let (mut be, mut last) = three_prompted_streams(&dev);
+        assert_eq!(be.capabilities().picks.top_k, 64);
         let mut out = Vec::new();
         for round in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
-            let cands = if on_device { be.decode_round_top(&rows, 40).unwrap() } else { braid_ops::top_k_host(&be.decode_round(&rows).unwrap(), 1000, 40) };
+            let cands = if on_device {
+                match be.round(Step { rows: &rows, chunk: None, pick: Pick::TopK(40) }).unwrap().picked {
+                    Picked::Top(c) => c,
+                    other => panic!("a top-k round returned {other:?}"),
+                }
+            } else {
+                braid_ops::top_k_host(&be.decode_logits(&rows).unwrap(), 1000, 40)
+            };
             // Walk on through the candidates (not always the first).
             last = cands.iter().map(|c| c[round % 3].0).collect();
             out.push(cands);
@@ -390,7 +760,7 @@ fn smollm2_teacher_forced_bf16() {
         let toks: Vec<u32> = rec["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let all: Vec<u32> = prompt.iter().chain(&toks).cloned().collect();
         be.open(ri as u64).unwrap();
-        let logits = be.decode_round(&[DecodeRow { stream: ri as u64, tokens: all }]).unwrap();
+        let logits = feed(&mut be, ri as u64, &all);
         be.forget(ri as u64);
         for (i, step) in rec["steps"].as_array().unwrap().iter().enumerate() {
             let row = &logits[(prompt.len() - 1 + i) * vocab..(prompt.len() + i) * vocab];
@@ -405,29 +775,8 @@ fn smollm2_teacher_forced_bf16() {
     assert!(agree * 10 >= n * 9, "agreement {agree}/{n} under 90%");
 }
 
-// ---- the hybrid families (and Gemma 4) on CUDA: the recurrent ops, the
-// MoE scatter, RoPE from a table and block-sparse attention in a model ----
-
-/// Relative error of a whole logit table, and (agreeing, total) top-1 rows.
-fn compare(got: &[f32], want: &[f32], vocab: usize) -> (f64, usize, usize) {
-    assert_eq!(got.len(), want.len(), "logit tables of different sizes");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (a, b) in got.iter().zip(want) {
-        let d = if a.is_finite() { (a - b) as f64 } else { f64::INFINITY };
-        num += d * d;
-        den += (*b as f64).powi(2);
-    }
-    let rows = got.len() / vocab;
-    let agree = (0..rows).filter(|&i| argmax(&got[i * vocab..(i + 1) * vocab]) == argmax(&want[i * vocab..(i + 1) * vocab])).count();
-    ((num / den.max(1e-30)).sqrt(), agree, rows)
-}
-
-/// The bf16 tolerance of these checks (as for the attention fixtures).
-const BF16_REL: f64 = 3e-2;
-
-fn feed(be: &mut ModelBackend<Cuda>, stream: u64, tokens: &[u32]) -> Vec<f32> {
-    be.decode_round(&[DecodeRow { stream, tokens: tokens.to_vec() }]).unwrap()
-}
+// ---- the other families on CUDA: the recurrent ops, the MoE scatter,
+// RoPE from a table and block-sparse attention in a model ----
 
 /// One fixture on the GPU against its transformers tables (full pass,
 /// transformers' chunks of 16/11/13, prefill 24 then one token a round),
@@ -498,7 +847,7 @@ fn check_hybrid(name: &str, incremental_key: &str) {
     }
     for round in 0..rounds {
         let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: 10 + s as u64, tokens: vec![step(s, round)] }).collect();
-        let l = be.decode_round(&rows).unwrap();
+        let l = be.decode_logits(&rows).unwrap();
         for (s, t) in together.iter_mut().enumerate() {
             t.extend_from_slice(&l[s * vocab..(s + 1) * vocab]);
         }
@@ -516,6 +865,11 @@ fn check_hybrid(name: &str, incremental_key: &str) {
         // (A state row mixed up between streams moves logits by O(1).)
         assert!(rel < 1e-2, "{name}: stream {s} batched differs from alone (rel err {rel}, top-1 {agree}/{rows})");
     }
+}
+
+#[test]
+fn gemma3_fixture_bf16() {
+    check_hybrid("gemma3_text", "logits_incremental");
 }
 
 #[test]
@@ -553,4 +907,271 @@ fn minimax_m3_fixture_bf16() {
 fn gemma4_fixtures_bf16() {
     check_hybrid("gemma4_text", "logits_incremental");
     check_hybrid("gemma4_text_moe", "logits_incremental");
+}
+
+/// Every family's fixture with forwards as graphs, eager, and unfused: the
+/// families without MoE (the read-back ones are above).
+#[test]
+fn other_fixtures_graphs_eager_and_unfused_agree() {
+    for (name, key) in [
+        ("gemma3_text", "logits_incremental"),
+        ("gemma4_text", "logits_incremental"),
+        ("lfm2", "logits_incremental"),
+        ("nemotron_h", "logits_incremental_clamped"),
+    ] {
+        check_direct(name, key, 1e-2);
+    }
+}
+
+// ---- `ModelBackend`'s rounds launched ahead, on the CPU ----
+//
+// Only a device whose `caps().ahead` is set (CUDA) makes `ModelBackend`
+// launch rounds ahead and serve the next round from them. The CPU device
+// wrapped to claim it runs those paths too (its `forward_ahead` and launch
+// do nothing, so the backend's served rows come from the forward it runs
+// for them), and the CPU is batch-invariant: there, ahead on and ahead off
+// must give the same bits. This checks the backend's bookkeeping (which
+// rows are served, the rest run, picks merged back in order, lengths)
+// without a GPU.
+
+mod ahead_on_cpu {
+    use super::*;
+    use braid_formats::{Bytes, DType, TensorView};
+    use braid_ops::cpu::{Cpu, CpuKv, CpuTensor, CpuWeight};
+    use braid_ops::{Act, DeviceCaps, Map, Rope};
+
+    /// The CPU device, claiming `ahead` (and top-k on the host).
+    #[derive(Clone, Copy)]
+    pub struct AheadCpu(Cpu, bool);
+
+    impl Device for AheadCpu {
+        type Tensor = CpuTensor;
+        type Weight = CpuWeight;
+        type Kv = CpuKv;
+        fn name(&self) -> String {
+            format!("cpu claiming ahead {}", self.1)
+        }
+        fn caps(&self) -> DeviceCaps {
+            DeviceCaps { ahead: self.1, argmax: true, top_k: 64, ..self.0.caps() }
+        }
+        fn tensor(&self, r: usize, c: usize) -> CpuTensor {
+            self.0.tensor(r, c)
+        }
+        fn resize(&self, t: &mut CpuTensor, r: usize, c: usize) {
+            self.0.resize(t, r, c)
+        }
+        fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+            self.0.shape(t)
+        }
+        fn upload(&self, d: &[f32], r: usize, c: usize) -> anyhow::Result<CpuTensor> {
+            self.0.upload(d, r, c)
+        }
+        fn download(&self, t: &CpuTensor) -> anyhow::Result<Vec<f32>> {
+            self.0.download(t)
+        }
+        fn weight(&self, v: &TensorView) -> anyhow::Result<CpuWeight> {
+            self.0.weight(v)
+        }
+        fn weight_shape(&self, w: &CpuWeight) -> (usize, usize) {
+            self.0.weight_shape(w)
+        }
+        fn vector(&self, v: &TensorView, o: f32) -> anyhow::Result<CpuTensor> {
+            self.0.vector(v, o)
+        }
+        fn kv_pool(&self, s: &KvPoolSpec, d: KvDtype) -> anyhow::Result<CpuKv> {
+            self.0.kv_pool(s, d)
+        }
+        fn embed(&self, t: &CpuWeight, ids: &[u32], s: f32, o: &mut CpuTensor) {
+            self.0.embed(t, ids, s, o)
+        }
+        fn matmul(&self, x: &CpuTensor, ws: &[&CpuWeight], o: &mut [&mut CpuTensor]) {
+            self.0.matmul(x, ws, o)
+        }
+        fn gather_rows(&self, x: &CpuTensor, r: &[usize], o: &mut CpuTensor) {
+            self.0.gather_rows(x, r, o)
+        }
+        fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, e: f32, o: &mut CpuTensor) {
+            self.0.rms_norm(x, w, e, o)
+        }
+        fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
+            self.0.add(x, y)
+        }
+        fn map(&self, x: &mut CpuTensor, f: Map) {
+            self.0.map(x, f)
+        }
+        fn gated(&self, a: Act, g: &CpuTensor, u: &CpuTensor, o: &mut CpuTensor) {
+            self.0.gated(a, g, u, o)
+        }
+        fn rope(&self, x: &mut CpuTensor, p: &[u32], h: usize, r: &Rope) {
+            self.0.rope(x, p, h, r)
+        }
+        fn kv_write(&self, kv: &mut CpuKv, l: usize, k: &CpuTensor, v: &CpuTensor, s: &[u32]) {
+            self.0.kv_write(kv, l, k, v, s)
+        }
+        fn kv_copy_blocks(&self, kv: &mut CpuKv, s: &[u32], d: &[u32]) {
+            self.0.kv_copy_blocks(kv, s, d)
+        }
+        fn attention(&self, q: &CpuTensor, kv: &CpuKv, l: usize, s: &[AttnSeq<'_>], sc: f32, c: Option<f32>, o: &mut CpuTensor) {
+            self.0.attention(q, kv, l, s, sc, c, o)
+        }
+        fn copy_rows(&self, t: &mut CpuTensor, s: &[u32], d: &[u32]) {
+            self.0.copy_rows(t, s, d)
+        }
+        fn zero_rows(&self, t: &mut CpuTensor, r: &[u32]) {
+            self.0.zero_rows(t, r)
+        }
+    }
+
+    impl braid_models::random::RandomInit for AheadCpu {
+        fn random_weight(&self, rows: usize, cols: usize, seed: u64, amp: f32) -> anyhow::Result<CpuWeight> {
+            let mut s = seed | 1;
+            let bytes: Vec<u8> = (0..rows * cols)
+                .flat_map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    (((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp).to_le_bytes()
+                })
+                .collect();
+            self.weight(&TensorView { name: "random".into(), dtype: DType::F32, shape: vec![rows, cols], data: Bytes::from_vec(bytes) })
+        }
+        fn const_vector(&self, n: usize, v: f32) -> anyhow::Result<CpuTensor> {
+            self.upload(&vec![v; n], 1, n)
+        }
+    }
+
+    /// The scenario's rounds on a backend over `dev`: each round's picks
+    /// (logits as bits) and chunk logits, as text.
+    fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<String> {
+        let vocab = 100;
+        let cfg = braid_models::llama::LlamaConfig {
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 128,
+            vocab,
+            eps: 1e-5,
+            rope: Rope::new(1e4, 16, true),
+            context: 512,
+        };
+        let model = braid_models::random::llama(&dev, cfg, 5, false).unwrap();
+        let mut be = ModelBackend::new(dev, Box::new(model), BackendConfig { kv_tokens: 2048, context: 512, ..Default::default() }).unwrap();
+        let prompt = |s: u64, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % vocab as u32).collect() };
+        let (mut next, mut lens) = (HashMap::new(), HashMap::new());
+        for s in 0..3u64 {
+            be.open(s).unwrap();
+            let p = prompt(s, 10 + 5 * s as usize);
+            let l = be.prefill_step(s, Chunk { start: 0, tokens: &p, want_logits: true }).unwrap().unwrap();
+            next.insert(s, argmax(&l) as u32);
+            lens.insert(s, p.len());
+        }
+        let mut log = Vec::new();
+        let mut pending: Option<(StreamId, Vec<u32>)> = None;
+        for round in 0..32usize {
+            let (mut draft, mut other, mut reversed, mut pick) = (None, None, false, Pick::Argmax);
+            for (_, ev) in script.iter().filter(|(r, _)| *r == round) {
+                match *ev {
+                    Event::Join(s, n) => {
+                        be.open(s).unwrap();
+                        let l = be.prefill_step(s, Chunk { start: 0, tokens: &prompt(s, n), want_logits: true }).unwrap().unwrap();
+                        next.insert(s, argmax(&l) as u32);
+                        lens.insert(s, n);
+                    }
+                    Event::Open(s, n) => {
+                        be.open(s).unwrap();
+                        lens.insert(s, 0);
+                        pending = Some((s, prompt(s, n)));
+                    }
+                    Event::Forget(s) => {
+                        be.forget(s);
+                        next.remove(&s);
+                        lens.remove(&s);
+                    }
+                    Event::Rewind(s, n) => {
+                        let len = lens[&s] - n;
+                        be.rewind(s, len).unwrap();
+                        lens.insert(s, len);
+                        next.insert(s, 42);
+                    }
+                    Event::Draft(s, n) => draft = Some((s, n)),
+                    Event::Other(s) => other = Some(s),
+                    Event::Reversed => reversed = true,
+                    Event::Pick(p) => pick = p,
+                }
+            }
+            let mut ids: Vec<StreamId> = next.keys().copied().collect();
+            ids.sort();
+            if reversed {
+                ids.reverse();
+            }
+            let rows: Vec<DecodeRow> = ids
+                .iter()
+                .map(|&s| {
+                    let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
+                    if let Some((_, n)) = draft.filter(|d| d.0 == s) {
+                        let t0 = t[0];
+                        t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
+                    }
+                    DecodeRow { stream: s, tokens: t }
+                })
+                .collect();
+            let chunk = pending.take();
+            let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
+            let out = be.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();
+            if let Some((s, p)) = &chunk {
+                let l = out.chunk_logits.as_ref().unwrap();
+                log.push(format!("round {round}: chunk logits {:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+                next.insert(*s, argmax(l) as u32);
+                *lens.get_mut(s).unwrap() += p.len();
+            }
+            let firsts: Vec<u32> = match &out.picked {
+                Picked::Tokens(t) => t.clone(),
+                Picked::Top(c) => c.iter().map(|c| c[0].0).collect(),
+                Picked::Logits(l) => l.chunks(vocab).map(|r| argmax(r) as u32).collect(),
+            };
+            let picked = match &out.picked {
+                Picked::Logits(l) => format!("{:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()),
+                other => format!("{other:?}"),
+            };
+            log.push(format!("round {round}: rows {:?}: {picked}", rows.iter().map(|r| (r.stream, r.tokens.clone())).collect::<Vec<_>>()));
+            let mut at = 0;
+            for r in &rows {
+                next.insert(r.stream, firsts[at]);
+                at += r.tokens.len();
+                *lens.get_mut(&r.stream).unwrap() += r.tokens.len();
+            }
+            if let Some((s, n)) = draft {
+                let len = lens[&s] - n;
+                be.rewind(s, len).unwrap();
+                lens.insert(s, len);
+            }
+        }
+        log
+    }
+
+    fn check(script: &[(usize, Event)]) {
+        let on = drive(AheadCpu(Cpu::new(Some(1)), true), script);
+        let off = drive(AheadCpu(Cpu::new(Some(1)), false), script);
+        assert_eq!(on.len(), off.len());
+        for (a, b) in on.iter().zip(&off) {
+            assert_eq!(a, b, "ahead on and off differ");
+        }
+    }
+
+    /// The scenario of `rounds_that_differ_from_the_one_launched_ahead`
+    /// (but the stream leaving) on the CPU: ahead on equals ahead off, bit
+    /// for bit.
+    #[test]
+    fn rounds_that_differ_from_the_one_launched_ahead_on_the_cpu() {
+        check(&script(false));
+    }
+
+    /// A stream forgotten after a round launched ahead for it, the others
+    /// going on: the launched round is not served for the stream gone.
+    #[test]
+    fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
+        check(&script(true));
+    }
 }

@@ -7,7 +7,7 @@ mod fixtures_common;
 
 use std::sync::Arc;
 
-use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules, TokenText};
+use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Pick, Picked, Request, SamplingParams, Step, StopRules, TokenText};
 use fixtures_common::Fixture;
 
 const FAMILIES: [&str; 11] =
@@ -22,7 +22,13 @@ impl TokenText for NoText {
 }
 
 fn request(prompt: Vec<u32>) -> Request {
-    Request { prompt, sampling: SamplingParams::greedy(), stop: StopRules { max_tokens: Some(10), ignore_eos: true, ..Default::default() }, logprobs: None }
+    Request {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        stop: StopRules { max_tokens: Some(10), ignore_eos: true, ..Default::default() },
+        logprobs: None,
+        ..Default::default()
+    }
 }
 
 fn tokens(h: braid_engine::StreamHandle) -> Vec<u32> {
@@ -81,9 +87,11 @@ fn a_fused_forward_equals_the_two_forwards() {
                 let chunk = Chunk { start, tokens: &pb[start..end], want_logits: end == pb.len() };
                 let rows = [DecodeRow { stream: 1, tokens: vec![last] }];
                 let (round, first) = if fused {
-                    b.decode_round_with_chunk(&rows, 2, chunk).unwrap()
+                    let out = b.round(Step { rows: &rows, chunk: Some((2, chunk)), pick: Pick::Logits }).unwrap();
+                    let Picked::Logits(round) = out.picked else { panic!("{name}: a logits round returned {:?}", out.picked) };
+                    (round, out.chunk_logits)
                 } else {
-                    let round = b.decode_round(&rows).unwrap();
+                    let round = b.decode_logits(&rows).unwrap();
                     (round, b.prefill_step(2, chunk).unwrap())
                 };
                 assert_eq!(first.is_some(), chunk.want_logits, "{name}");
@@ -92,7 +100,7 @@ fn a_fused_forward_equals_the_two_forwards() {
                 out.extend(first.unwrap_or_default());
             }
             // The state after: one more round of both streams.
-            out.extend(b.decode_round(&[DecodeRow { stream: 1, tokens: vec![3] }, DecodeRow { stream: 2, tokens: vec![4] }]).unwrap());
+            out.extend(b.decode_logits(&[DecodeRow { stream: 1, tokens: vec![3] }, DecodeRow { stream: 2, tokens: vec![4] }]).unwrap());
             runs.push(out);
         }
         assert!(runs[0] == runs[1], "{name}: the fused forward differs from the two forwards");

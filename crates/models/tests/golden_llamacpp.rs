@@ -57,7 +57,7 @@ fn teacher_forced(model_file: &str, golden_file: &str) -> Option<(usize, usize, 
         let toks: Vec<u32> = rec["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let all: Vec<u32> = prompt.iter().chain(&toks).cloned().collect();
         be.open(ri as u64).unwrap();
-        let logits = be.decode_round(&[DecodeRow { stream: ri as u64, tokens: all.clone() }]).unwrap();
+        let logits = be.decode_logits(&[DecodeRow { stream: ri as u64, tokens: all.clone() }]).unwrap();
         be.forget(ri as u64);
         for (i, step) in rec["steps"].as_array().unwrap().iter().enumerate() {
             let row = &logits[(prompt.len() - 1 + i) * vocab..(prompt.len() + i) * vocab];

@@ -65,8 +65,13 @@ fn chunked_prefill_logits_are_bit_identical() {
 }
 
 fn greedy(lane: &Lane, prompt: Vec<u32>, n: usize) -> Vec<u32> {
-    let req =
-        Request { prompt, sampling: SamplingParams::greedy(), stop: StopRules { max_tokens: Some(n), ignore_eos: true, ..Default::default() }, logprobs: None };
+    let req = Request {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        stop: StopRules { max_tokens: Some(n), ignore_eos: true, ..Default::default() },
+        logprobs: None,
+        ..Default::default()
+    };
     lane.submit(req)
         .unwrap()
         .filter_map(|e| match e {
@@ -98,7 +103,7 @@ fn stepped_pass_equals_whole_pass_with_others_decoding() {
                 prompt: vec![1, 2, 3],
                 sampling: SamplingParams::greedy(),
                 stop: StopRules { max_tokens: Some(1500), ignore_eos: true, ..Default::default() },
-                logprobs: None,
+                ..Default::default()
             })
             .unwrap();
         // Wait until the background stream decodes.

@@ -329,7 +329,7 @@ impl Fixture {
         }
         for r in 0..rounds {
             let rows: Vec<DecodeRow> = (0..prompts.len()).map(|s| DecodeRow { stream: s as StreamId, tokens: feed(s, r) }).collect();
-            let logits = be.decode_round(&rows).unwrap();
+            let logits = be.decode_logits(&rows).unwrap();
             let mut at = 0;
             for (s, row) in rows.iter().enumerate() {
                 let k = row.tokens.len() * self.vocab;
@@ -356,7 +356,7 @@ impl Fixture {
 /// Feed `tokens` to an open stream as one decode round of its rows; the
 /// logits of every row.
 pub fn run_rows(be: &mut ModelBackend<Cpu>, stream: StreamId, tokens: &[u32]) -> Vec<f32> {
-    be.decode_round(&[DecodeRow { stream, tokens: tokens.to_vec() }]).unwrap()
+    be.decode_logits(&[DecodeRow { stream, tokens: tokens.to_vec() }]).unwrap()
 }
 
 /// Open `stream` and feed `tokens` in chunks of at most `cap`; every row's logits.

@@ -1,5 +1,5 @@
 //! The generation endpoints: `/v1/chat/completions` and `/v1/completions`,
-//! streamed (SSE) or not.
+//! streamed (SSE) or not; and `/v1/warm`, which only fills the prefix cache.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -8,26 +8,33 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use braid_engine::{Event, EventSink, FinishReason, Guide, Request, SamplingParams, StopRules, SubmitError};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::ApiError;
-use crate::generate::{Finish, GenEvent, GenRequest, Refusal, Sampling, Sink, Ticket};
+use crate::guide::Spec;
+use crate::lane::Ticket;
 use crate::params::{self, Common, Endpoint, Prompt};
-use crate::{App, Loaded, ModelInfo};
+use crate::tools::{CallParser, Piece, Toolset};
+use crate::{App, ModelInfo};
 
-pub(crate) async fn chat(axum::extract::State(app): axum::extract::State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    answer(app, Endpoint::Chat, body).await
+pub(crate) async fn chat(axum::extract::State(app): axum::extract::State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    answer(app, Endpoint::Chat, headers, body).await
 }
 
-pub(crate) async fn completions(axum::extract::State(app): axum::extract::State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    answer(app, Endpoint::Completions, body).await
+pub(crate) async fn completions(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    answer(app, Endpoint::Completions, headers, body).await
 }
 
-async fn answer(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
-    match generate(app, endpoint, body).await {
+async fn answer(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    match generate(app, endpoint, &headers, body).await {
         Ok(res) => res,
         Err(e) => {
             // Requests that never reached the lane get their line too.
@@ -47,19 +54,19 @@ fn rejected(r: BytesRejection) -> ApiError {
     }
 }
 
-async fn generate(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let body = body.map_err(rejected)?;
     let map = params::parse_object(&body)?;
     let max_n = app.cfg.max_n;
-    let (common, prompts) = match endpoint {
+    let (common, prompts, tools) = match endpoint {
         Endpoint::Chat => {
             let req = params::parse_chat(&map, max_n)?;
-            (req.common, Input::Chat(req.messages))
+            (req.common, Input::Chat(req.messages), Some((req.tools, req.tool_choice, req.parallel_tool_calls)))
         }
         Endpoint::Completions => {
             let req = params::parse_completion(&map, max_n)?;
-            (req.common, Input::Prompts(req.prompts))
+            (req.common, Input::Prompts(req.prompts), None)
         }
     };
     if let Some(model) = &common.model {
@@ -67,45 +74,54 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRe
             return Err(ApiError::model_not_found(model, &app.cfg.model_name));
         }
     }
-    let Loaded { gen, info } = app.loaded()?;
-    // Rendering and tokenizing a large prompt takes a while: keep it off
-    // the async workers.
-    let tok_info = info.clone();
-    let prompts = tokio::task::spawn_blocking(move || match prompts {
-        Input::Chat(messages) => Ok(vec![crate::chat_prompt(&tok_info, &messages)?]),
-        Input::Prompts(ps) => ps.into_iter().map(|p| tokenize(&tok_info, p)).collect::<Result<Vec<_>, _>>(),
+    let loaded = app.loaded()?;
+    let (gen, info) = (loaded.gen.clone(), loaded.info.clone());
+    let template = info.template.as_ref().map_or("", |t| t.source());
+    let toolset = tools.and_then(|(tools, choice, parallel)| Toolset::new(template, tools, choice, parallel)).map(Arc::new);
+    // What the output must follow: the request's format, or a forced call.
+    let spec = common.format.clone().or_else(|| toolset.as_ref().and_then(|t| t.grammar()).map(Spec::Lark));
+    let forced_call = common.format.is_none() && spec.is_some();
+    // Rendering and tokenizing a large prompt, and compiling a grammar,
+    // take a while: keep them off the async workers. Each prompt comes
+    // with where a mark would pay (a chat's system turn's end).
+    let (tok_info, tok_tools) = (info.clone(), toolset.clone());
+    let (hinted, guide) = tokio::task::spawn_blocking(move || -> Result<(Vec<Hinted>, Option<Guide>), ApiError> {
+        let hinted = match prompts {
+            Input::Chat(messages) => vec![crate::chat_prompt(&tok_info, &messages, tok_tools.as_deref(), true)?],
+            Input::Prompts(ps) => ps.into_iter().map(|p| Ok((tokenize(&tok_info, p)?, None))).collect::<Result<Vec<_>, ApiError>>()?,
+        };
+        let guide = match &spec {
+            None => None,
+            Some(spec) => Some(loaded.grammars()?.compile(spec).map_err(|e| refused_grammar(spec, forced_call, &e))?),
+        };
+        Ok((hinted, guide))
     })
     .await
-    .map_err(|e| ApiError::internal(format!("Tokenizing the prompt failed: {e}")))??;
+    .map_err(|e| ApiError::internal(format!("Preparing the request failed: {e}")))??;
+    let (prompts, hints): (Vec<Vec<u32>>, Vec<Option<usize>>) = hinted.into_iter().unzip();
+    let cache_salt = crate::cache_salt(&app.cfg, headers, common.cache_salt.as_deref());
     let max_tokens = prompts.iter().map(|p| fit(&common, p.len(), info.context, endpoint, app.cfg.default_max_tokens)).collect::<Result<Vec<_>, _>>()?;
 
     let n = common.n;
+    // The model's end tokens, unless the request runs past them.
+    let stop_ids = if common.stop.ignore_eos { Vec::new() } else { info.stop_ids.clone() };
     let (tx, rx) = mpsc::unbounded_channel();
     let mut tickets = Vec::with_capacity(prompts.len() * n);
     for (i, prompt) in prompts.iter().enumerate() {
         for j in 0..n {
-            let req = GenRequest {
+            let req = Request {
                 prompt: prompt.clone(),
-                sampling: Sampling {
-                    temperature: common.temperature,
-                    top_p: common.top_p,
-                    top_k: common.top_k,
-                    min_p: common.min_p,
-                    presence_penalty: common.presence_penalty,
-                    frequency_penalty: common.frequency_penalty,
-                    repetition_penalty: common.repetition_penalty,
-                    // Each choice its own seed, so n > 1 with a seed still
-                    // gives different (but reproducible) choices.
-                    seed: common.seed.map(|s| s.wrapping_add(j as u64)),
-                },
-                max_tokens: max_tokens[i],
-                stop_ids: Vec::new(),
-                stop_strings: common.stop.clone(),
-                ignore_eos: common.ignore_eos,
+                // Each choice its own seed, so n > 1 with a seed still gives
+                // different (but reproducible) choices.
+                sampling: SamplingParams { seed: common.sampling.seed.map(|s| s.wrapping_add(j as u64)), guide: guide.clone(), ..common.sampling.clone() },
+                stop: StopRules { max_tokens: Some(max_tokens[i]), stop_ids: stop_ids.clone(), ..common.stop.clone() },
                 logprobs: common.logprobs,
+                cache_salt,
+                prefix_hint: hints[i],
             };
+            let sink = ChoiceSink { index: i * n + j, tx: tx.clone() };
             // On refusal, dropping the tickets cancels the choices already queued.
-            tickets.push(gen.submit(req, Sink { index: i * n + j, tx: tx.clone() }).map_err(refusal)?);
+            tickets.push(gen.submit(req, Box::new(sink)).map_err(refused)?);
         }
     }
     drop(tx);
@@ -120,7 +136,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRe
         arrived,
         n,
         prompt_lens: prompts.iter().map(Vec::len).collect(),
-        choices: (0..prompts.len() * n).map(|_| Choice::default()).collect(),
+        choices: (0..prompts.len() * n).map(|_| Choice { parser: toolset.as_ref().map(|t| t.parser()), ..Choice::default() }).collect(),
         logprobs: common.logprobs,
         include_usage: common.include_usage,
         user: common.user.clone(),
@@ -135,9 +151,96 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRe
     }
 }
 
+/// A tokenized prompt and where a mark would pay in it.
+type Hinted = (Vec<u32>, Option<usize>);
+
 enum Input {
     Chat(Vec<params::Message>),
     Prompts(Vec<Prompt>),
+}
+
+/// A 400 for a grammar llguidance refused, naming the field it came from.
+fn refused_grammar(spec: &Spec, forced_call: bool, why: &str) -> ApiError {
+    let (param, what) = match spec {
+        _ if forced_call => ("tools", "The tools' parameter schemas"),
+        Spec::JsonObject | Spec::JsonSchema { .. } => ("response_format", "The JSON schema"),
+        Spec::Lark(_) => ("grammar", "The grammar"),
+        Spec::Regex(_) => ("regex", "The regex"),
+    };
+    ApiError::param(param, format!("{what} cannot be used for constrained decoding: {why}")).with_code("invalid_grammar")
+}
+
+pub(crate) async fn warm(axum::extract::State(app): axum::extract::State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = match body.map_err(rejected).and_then(|b| params::parse_object(&b)) {
+        Ok(map) => warm_with(app, &headers, &map).await,
+        Err(e) => Err(e),
+    };
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => {
+            tracing::info!(endpoint = "/v1/warm", status = e.status.as_u16(), error = %e.message, "request refused");
+            e.into_response()
+        }
+    }
+}
+
+/// Feed a `/v1/warm` body's prefix into the prefix cache and wait for it:
+/// its length and how much of it was cached already.
+pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_json::Map<String, Value>) -> Result<Value, ApiError> {
+    let arrived = Instant::now();
+    let req = params::parse_warm(map)?;
+    if let Some(model) = &req.model {
+        if *model != app.cfg.model_name {
+            return Err(ApiError::model_not_found(model, &app.cfg.model_name));
+        }
+    }
+    let loaded = app.loaded()?;
+    let (gen, info) = (loaded.gen.clone(), loaded.info.clone());
+    let tok_info = info.clone();
+    let input = req.input;
+    let (prompt, hint) = tokio::task::spawn_blocking(move || match input {
+        // The start of a later chat: no assistant turn opened.
+        params::WarmInput::Chat(messages) => crate::chat_prompt(&tok_info, &messages, None, false),
+        params::WarmInput::Prompt(p) => Ok((tokenize(&tok_info, p)?, None)),
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("Tokenizing the prefix failed: {e}")))??;
+    let param = if map.contains_key("messages") { "messages" } else { "prompt" };
+    if prompt.is_empty() {
+        return Err(ApiError::param(param, "The prefix is empty."));
+    }
+    if prompt.len() > info.context {
+        return Err(ApiError::param(param, format!("The prefix has {} tokens, past this model's context of {}.", prompt.len(), info.context))
+            .with_code("context_length_exceeded"));
+    }
+    let n = prompt.len();
+    let salt = crate::cache_salt(&app.cfg, headers, req.cache_salt.as_deref());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let lane_req = Request { prompt, cache_salt: salt, prefix_hint: hint, ..Request::default() };
+    let _ticket = gen.warm(lane_req, Box::new(ChoiceSink { index: 0, tx })).map_err(refused)?;
+    let mut cached = 0;
+    let mut cancel = app.cancel.subscribe();
+    loop {
+        tokio::select! {
+            ev = rx.recv() => match ev {
+                Some((_, Event::Started { cached_tokens })) => cached = cached_tokens,
+                Some((_, Event::Finished { reason: FinishReason::Warmed, .. })) => break,
+                Some((_, Event::Finished { reason, .. })) => return Err(ApiError::unavailable(format!("The warm feed ended early ({}).", reason.as_str()))),
+                Some((_, Event::Error(m))) => return Err(ApiError::internal(format!("Warming failed: {m}"))),
+                Some(_) => {}
+                None => return Err(ApiError::unavailable("The lane stopped before the warm feed finished.")),
+            },
+            _ = cancelled(&mut cancel) => return Err(ApiError::unavailable("The server is shutting down.")),
+        }
+    }
+    tracing::info!(
+        endpoint = "/v1/warm",
+        prompt_tokens = n,
+        cached_tokens = cached,
+        total_ms = format!("{:.1}", arrived.elapsed().as_secs_f64() * 1e3),
+        "warmed"
+    );
+    Ok(json!({"object": "prefix_cache.warm", "model": app.cfg.model_name, "prompt_tokens": n, "cached_tokens": cached}))
 }
 
 fn tokenize(info: &ModelInfo, p: Prompt) -> Result<Vec<u32>, ApiError> {
@@ -157,7 +260,7 @@ fn tokenize(info: &ModelInfo, p: Prompt) -> Result<Vec<u32>, ApiError> {
 /// completion fit the context, else a 400 naming both numbers.
 fn fit(common: &Common, prompt: usize, context: usize, endpoint: Endpoint, default_max: Option<usize>) -> Result<usize, ApiError> {
     let prompt_param = if endpoint == Endpoint::Chat { "messages" } else { "prompt" };
-    match common.max_tokens {
+    match common.stop.max_tokens {
         Some(m) if prompt.saturating_add(m) > context => Err(ApiError::param(
             "max_tokens",
             format!(
@@ -180,20 +283,44 @@ fn fit(common: &Common, prompt: usize, context: usize, endpoint: Endpoint, defau
     }
 }
 
-fn refusal(r: Refusal) -> ApiError {
-    match r {
-        Refusal::Overloaded(m) => ApiError::overloaded(m),
-        Refusal::TooLong { prompt, max_tokens, context } => ApiError::param(
-            "max_tokens",
-            format!(
-                "This model's maximum context length is {context} tokens, but {} tokens were requested \
-                 ({prompt} in the prompt, {max_tokens} for the completion).",
-                prompt + max_tokens
-            ),
-        )
-        .with_code("context_length_exceeded"),
-        Refusal::Invalid(m) => ApiError::invalid(m),
-        Refusal::Closed(m) => ApiError::unavailable(m),
+/// Why the lane refused a stream, as the client sees it: a full queue is
+/// a 503 to retry later; the rest are the request's fault, or a lane gone.
+fn refused(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::QueueFull { capacity } => ApiError::overloaded(format!("The server is busy: all {capacity} queue places are taken. Retry later.")),
+        SubmitError::TooLong { prompt_tokens, max_tokens, max_context } => {
+            // The server always sends `max_tokens`.
+            let max_tokens = max_tokens.unwrap_or(0);
+            ApiError::param(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {max_context} tokens, but {} tokens were requested \
+                     ({prompt_tokens} in the prompt, {max_tokens} for the completion).",
+                    prompt_tokens + max_tokens
+                ),
+            )
+            .with_code("context_length_exceeded")
+        }
+        SubmitError::Invalid(m) | SubmitError::Unsupported(m) => ApiError::invalid(m),
+        SubmitError::Closed => ApiError::unavailable("The lane has shut down."),
+    }
+}
+
+/// Where one choice's events go: its request's channel, tagged with the
+/// choice's index. The receiver goes when the request is over or its
+/// client left, and the lane then cancels the stream.
+struct ChoiceSink {
+    index: usize,
+    tx: mpsc::UnboundedSender<(usize, Event)>,
+}
+
+impl EventSink for ChoiceSink {
+    fn send(&mut self, event: Event) -> bool {
+        self.tx.send((self.index, event)).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
     }
 }
 
@@ -202,11 +329,62 @@ fn refusal(r: Refusal) -> ApiError {
 struct Choice {
     text: String,
     tokens: usize,
-    finish: Option<Finish>,
+    finish: Option<FinishReason>,
     first: Option<Instant>,
     last: Option<Instant>,
     cached: usize,
     logprobs: Vec<TokenLogprob>,
+    /// With tools: the output's parser, the content outside calls, and
+    /// the calls.
+    parser: Option<Box<dyn CallParser>>,
+    content: String,
+    calls: Vec<CallOut>,
+}
+
+struct CallOut {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// A streamed change to a chat choice with tools.
+enum Delta {
+    Content(String),
+    Call { index: usize, id: String, name: String },
+    Args { index: usize, text: String },
+}
+
+impl Choice {
+    /// Record parsed pieces: content, and calls with their ids.
+    fn take(&mut self, pieces: Vec<Piece>) -> Vec<Delta> {
+        let mut out = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            match p {
+                Piece::Text(t) if t.is_empty() => {}
+                Piece::Text(t) => {
+                    self.content.push_str(&t);
+                    out.push(Delta::Content(t));
+                }
+                Piece::Call(name) => {
+                    let id = format!("call_{}", random_id());
+                    self.calls.push(CallOut { id: id.clone(), name: name.clone(), arguments: String::new() });
+                    out.push(Delta::Call { index: self.calls.len() - 1, id, name });
+                }
+                Piece::Args(text) => {
+                    if let Some(c) = self.calls.last_mut() {
+                        c.arguments.push_str(&text);
+                        out.push(Delta::Args { index: self.calls.len() - 1, text });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// OpenAI's finish reason: `tool_calls` when a stopped choice called.
+    fn finish_reason(&self) -> Option<&'static str> {
+        self.finish.map(|r| if r == FinishReason::Stop && !self.calls.is_empty() { "tool_calls" } else { r.as_str() })
+    }
 }
 
 #[derive(Clone)]
@@ -227,11 +405,19 @@ enum Update {
         text: String,
         logprob: Option<TokenLogprob>,
     },
-    /// The choice ended; `text` is what was still held back.
+    /// With tools: what the new text made (maybe nothing yet).
+    Deltas {
+        index: usize,
+        deltas: Vec<Delta>,
+        logprob: Option<TokenLogprob>,
+    },
+    /// The choice ended; `text` is what was still held back (or, with
+    /// tools, `deltas` what it made).
     Finished {
         index: usize,
         text: String,
-        reason: Finish,
+        deltas: Vec<Delta>,
+        reason: &'static str,
     },
     Error(String),
     Nothing,
@@ -263,18 +449,18 @@ impl Run {
         self.choices.iter().all(|c| c.finish.is_some())
     }
 
-    fn apply(&mut self, index: usize, event: GenEvent) -> Update {
+    fn apply(&mut self, index: usize, event: Event) -> Update {
         let now = Instant::now();
         let Some(choice) = self.choices.get_mut(index) else {
             return Update::Nothing;
         };
         match event {
-            GenEvent::Queued { .. } => Update::Nothing,
-            GenEvent::Started { cached_tokens } => {
+            Event::Queued { .. } => Update::Nothing,
+            Event::Started { cached_tokens } => {
                 choice.cached = cached_tokens;
                 Update::Nothing
             }
-            GenEvent::Token { id, text, logprob, top } => {
+            Event::Token { id, text, logprob, top } => {
                 let m = &self.app.metrics;
                 match choice.last {
                     None => m.ttft.observe((now - self.arrived).as_secs_f64()),
@@ -293,16 +479,36 @@ impl Run {
                     _ => None,
                 };
                 choice.text.push_str(&text);
-                Update::Token { index, text, logprob: lp }
+                let Some(parser) = choice.parser.as_mut() else { return Update::Token { index, text, logprob: lp } };
+                // Control tokens print nothing, but a call syntax may be
+                // made of them (LFM2's `<|tool_call_start|>`). Their own
+                // text comes after the held-back text this event releases.
+                let mut raw = text;
+                let tok = &self.info.tokenizer;
+                if tok.is_control(id) {
+                    raw.push_str(tok.token_text(id).unwrap_or(""));
+                }
+                let mut pieces = Vec::new();
+                parser.push(&raw, &mut pieces);
+                Update::Deltas { index, deltas: choice.take(pieces), logprob: lp }
             }
-            GenEvent::Finished { reason, text, completion_tokens, cached_tokens, .. } => {
-                choice.text.push_str(&text);
-                choice.tokens = completion_tokens;
-                choice.cached = choice.cached.max(cached_tokens);
+            Event::Finished { reason, usage, tail, .. } => {
+                choice.text.push_str(&tail);
+                choice.tokens = usage.completion_tokens;
+                choice.cached = choice.cached.max(usage.cached_tokens);
                 choice.finish = Some(reason);
-                Update::Finished { index, text, reason }
+                let (text, deltas) = match choice.parser.as_mut() {
+                    None => (tail, Vec::new()),
+                    Some(parser) => {
+                        let mut pieces = Vec::new();
+                        parser.push(&tail, &mut pieces);
+                        parser.finish(&mut pieces);
+                        (String::new(), choice.take(pieces))
+                    }
+                };
+                Update::Finished { index, text, deltas, reason: choice.finish_reason().unwrap_or("stop") }
             }
-            GenEvent::Error(m) => Update::Error(m),
+            Event::Error(m) => Update::Error(m),
         }
     }
 
@@ -391,11 +597,11 @@ impl Run {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let finish = c.finish.map(Finish::as_str);
+                let finish = c.finish_reason();
                 match self.endpoint {
                     Endpoint::Chat => json!({
                         "index": i,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": message(c),
                         "logprobs": self.logprobs.map(|_| self.chat_logprobs(&c.logprobs)),
                         "finish_reason": finish,
                     }),
@@ -441,16 +647,37 @@ impl Run {
                 };
                 out.push_back(sse(&self.envelope(json!([choice]), true)));
             }
-            Update::Finished { index, text, reason } => {
+            Update::Deltas { index, deltas, logprob } => {
+                let mut logprob = logprob.map(|t| self.chat_logprobs(&[t]));
+                if deltas.is_empty() && logprob.is_some() {
+                    let choice = json!({"index": index, "delta": {"content": ""}, "logprobs": logprob, "finish_reason": null});
+                    out.push_back(sse(&self.envelope(json!([choice]), true)));
+                }
+                for d in deltas {
+                    let delta = match d {
+                        Delta::Content(t) => json!({"content": t}),
+                        Delta::Call { index: k, id, name } => {
+                            json!({"tool_calls": [{"index": k, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
+                        }
+                        Delta::Args { index: k, text } => json!({"tool_calls": [{"index": k, "function": {"arguments": text}}]}),
+                    };
+                    let choice = json!({"index": index, "delta": delta, "logprobs": logprob.take(), "finish_reason": null});
+                    out.push_back(sse(&self.envelope(json!([choice]), true)));
+                }
+            }
+            Update::Finished { index, text, deltas, reason } => {
                 if !text.is_empty() {
                     self.frames(Update::Token { index, text, logprob: None }, out);
                 }
+                if !deltas.is_empty() {
+                    self.frames(Update::Deltas { index, deltas, logprob: None }, out);
+                }
                 let choice = match self.endpoint {
                     Endpoint::Chat => {
-                        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason.as_str()})
+                        json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason})
                     }
                     Endpoint::Completions => {
-                        json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason.as_str()})
+                        json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason})
                     }
                 };
                 out.push_back(sse(&self.envelope(json!([choice]), true)));
@@ -488,7 +715,7 @@ impl Drop for Run {
         m.add_tokens(prompt, generated);
         m.duration.observe(self.arrived.elapsed().as_secs_f64());
         let ttft_ms = self.choices.iter().filter_map(|c| c.first).min().map(|t| (t - self.arrived).as_secs_f64() * 1e3);
-        let reasons: Vec<&str> = self.choices.iter().map(|c| c.finish.map(Finish::as_str).unwrap_or("cancelled")).collect();
+        let reasons: Vec<&str> = self.choices.iter().map(|c| c.finish.unwrap_or(FinishReason::Cancelled).as_str()).collect();
         tracing::info!(
             id = %self.id,
             endpoint = self.endpoint.path(),
@@ -503,6 +730,21 @@ impl Drop for Run {
     }
 }
 
+/// A whole chat choice's message: its text, or with tools the content
+/// outside its calls (null when only calls came) and the calls.
+fn message(c: &Choice) -> Value {
+    if c.parser.is_none() {
+        return json!({"role": "assistant", "content": c.text});
+    }
+    let content = c.content.trim();
+    if c.calls.is_empty() {
+        return json!({"role": "assistant", "content": c.content});
+    }
+    let calls: Vec<Value> =
+        c.calls.iter().map(|k| json!({"id": k.id, "type": "function", "function": {"name": k.name, "arguments": k.arguments.trim()}})).collect();
+    json!({"role": "assistant", "content": if content.is_empty() { Value::Null } else { Value::String(content.to_string()) }, "tool_calls": calls})
+}
+
 /// Resolves when the server decides to cancel every stream (shutdown);
 /// never if that signal is gone.
 async fn cancelled(cancel: &mut watch::Receiver<bool>) {
@@ -511,7 +753,7 @@ async fn cancelled(cancel: &mut watch::Receiver<bool>) {
     }
 }
 
-async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, GenEvent)>, mut cancel: watch::Receiver<bool>) -> Result<Response, ApiError> {
+async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, Event)>, mut cancel: watch::Receiver<bool>) -> Result<Response, ApiError> {
     while !run.all_finished() {
         tokio::select! {
             ev = rx.recv() => match ev {
@@ -530,7 +772,7 @@ async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, Ge
 
 struct Streaming {
     run: Run,
-    rx: mpsc::UnboundedReceiver<(usize, GenEvent)>,
+    rx: mpsc::UnboundedReceiver<(usize, Event)>,
     cancel: watch::Receiver<bool>,
     out: VecDeque<Bytes>,
 }
@@ -569,7 +811,7 @@ impl Streaming {
     }
 }
 
-fn stream_response(run: Run, rx: mpsc::UnboundedReceiver<(usize, GenEvent)>, cancel: watch::Receiver<bool>) -> Response {
+fn stream_response(run: Run, rx: mpsc::UnboundedReceiver<(usize, Event)>, cancel: watch::Receiver<bool>) -> Response {
     let mut out = VecDeque::new();
     run.opening(&mut out);
     let state = Streaming { run, rx, cancel, out };

@@ -1,7 +1,10 @@
 //! braid's OpenAI-compatible HTTP server over a lane.
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE
-//! streaming or not), `GET /v1/models`, `GET /health`, `GET /metrics`.
+//! streaming or not; structured outputs and tool calls, see `guide` and
+//! `tools`), `POST /v1/warm` (a prefix into the prefix cache, no
+//! completion), `POST /tokenize` and `/detokenize` (llama.cpp's shapes),
+//! `GET /v1/models`, `GET /health`, `GET /metrics`.
 //! The server knows streams and lanes, never tensors: it validates a
 //! request, renders and tokenizes the prompt, submits one lane stream per
 //! choice, and turns the lane's events into OpenAI-shaped JSON. A client
@@ -16,31 +19,32 @@
 
 mod api;
 mod error;
-mod generate;
+mod guide;
 mod lane;
 mod metrics;
 mod params;
+mod tokenize;
+mod tools;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use braid_formats::template::{ChatMessage, ChatTemplate};
+use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
 use serde_json::json;
 use tokio::sync::{oneshot, watch};
 
 pub use error::ApiError;
-pub use generate::{Finish, GenEvent, GenRequest, Generator, LaneNumbers, Refusal, Sampling, Sink, Ticket};
-pub use lane::{LaneGenerator, TokenizerText};
+pub use lane::{Generator, Ticket, TokenizerText};
 
 /// How the server listens and what it accepts.
 #[derive(Clone, Debug)]
@@ -50,8 +54,11 @@ pub struct ServerConfig {
     pub host: String,
     /// `0` picks a free port (see [`Server::local_addr`]).
     pub port: u16,
-    /// When set, every route but `/health` needs `Authorization: Bearer <key>`.
-    pub api_key: Option<String>,
+    /// When not empty, every route but `/health` needs
+    /// `Authorization: Bearer <key>` with one of these keys.
+    pub api_keys: Vec<String>,
+    /// Whether clients with different API keys share cached prompts.
+    pub cache_isolation: CacheIsolation,
     /// The model name clients must use (`model` field) and `/v1/models` lists.
     pub model_name: String,
     /// Larger request bodies get 413.
@@ -71,7 +78,8 @@ impl Default for ServerConfig {
         ServerConfig {
             host: "127.0.0.1".into(),
             port: 8080,
-            api_key: None,
+            api_keys: Vec::new(),
+            cache_isolation: CacheIsolation::Shared,
             model_name: "braid".into(),
             max_body_bytes: 4 << 20,
             max_n: 16,
@@ -81,6 +89,36 @@ impl Default for ServerConfig {
     }
 }
 
+/// Who shares the prefix cache. Requests also name their own cache with
+/// `cache_salt`; isolation comes on top of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CacheIsolation {
+    /// Every client (of one salt) shares cached prompts.
+    #[default]
+    Shared,
+    /// Each bearer token has a cache of its own: one client's
+    /// `cached_tokens` and timing tell nothing of another's prompts.
+    PerKey,
+}
+
+/// The lane's cache salt of a request: its `cache_salt`, under its bearer
+/// token when caches are kept per key (0, the shared cache, when neither).
+pub(crate) fn cache_salt(cfg: &ServerConfig, headers: &HeaderMap, salt: Option<&str>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let key = match cfg.cache_isolation {
+        CacheIsolation::PerKey => headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer),
+        CacheIsolation::Shared => None,
+    };
+    if key.is_none() && salt.is_none() {
+        return 0;
+    }
+    // SipHash with fixed keys: the same salt maps the same way for the
+    // process's life, and one salt cannot be made to collide with another.
+    let mut h = std::hash::DefaultHasher::new();
+    (key, salt).hash(&mut h);
+    h.finish().max(1)
+}
+
 /// What the server needs to know of the loaded model.
 pub struct ModelInfo {
     pub tokenizer: Arc<Tokenizer>,
@@ -88,10 +126,10 @@ pub struct ModelInfo {
     pub template: Option<ChatTemplate>,
     /// Longest stream (prompt + completion), in tokens.
     pub context: usize,
-    /// Tokens that end a generation (the tokenizer's EOS/EOT ids). The
-    /// lane's own `LaneConfig::eos_ids` normally do this; these are sent
-    /// with each request (unless it sets `ignore_eos`) only when the lane
-    /// was spawned without any.
+    /// Tokens that end a generation (the tokenizer's EOS/EOT ids), sent
+    /// with each request unless it sets `ignore_eos`. The lane's own
+    /// `LaneConfig::eos_ids` normally do this, so [`Server::ready`] sends
+    /// these only to a lane spawned without any.
     pub stop_ids: Vec<u32>,
 }
 
@@ -100,6 +138,21 @@ pub struct ModelInfo {
 pub(crate) struct Loaded {
     pub(crate) gen: Arc<dyn Generator>,
     pub(crate) info: Arc<ModelInfo>,
+    /// The vocabulary as grammars see it, built by the first request that
+    /// needs one (it takes a moment for a large vocabulary).
+    grammars: Arc<OnceLock<Result<Arc<guide::Grammars>, String>>>,
+}
+
+impl Loaded {
+    /// The grammar compiler (call off the async workers: the first call
+    /// builds it).
+    pub(crate) fn grammars(&self) -> Result<Arc<guide::Grammars>, ApiError> {
+        let built = self.grammars.get_or_init(|| {
+            let tok = &self.info.tokenizer;
+            guide::Grammars::new(tok, &tok.stop_ids()).map(Arc::new).map_err(|e| format!("{e:#}"))
+        });
+        built.clone().map_err(|e| ApiError::internal(format!("Structured output is not available for this model's vocabulary: {e}")))
+    }
 }
 
 /// State every handler shares.
@@ -118,8 +171,30 @@ impl App {
     }
 }
 
-/// Renders a chat with the model's template and tokenizes it.
-pub(crate) fn chat_prompt(info: &ModelInfo, messages: &[params::Message]) -> Result<Vec<u32>, ApiError> {
+/// Renders a chat (with its tools, if any) with the model's template
+/// (`generation`: opening the assistant's turn) and tokenizes it; with
+/// where its leading system turns end, when the rendered chat starts with
+/// them as rendered alone: a boundary that later chats with the same system
+/// prompt share (a place for a mark).
+pub(crate) fn chat_prompt(
+    info: &ModelInfo,
+    messages: &[params::Message],
+    tools: Option<&tools::Toolset>,
+    generation: bool,
+) -> Result<(Vec<u32>, Option<usize>), ApiError> {
+    let prompt = render_chat(info, messages, tools, generation)?;
+    let system = messages.iter().take_while(|m| m.role == "system").count();
+    if system == 0 || system == messages.len() {
+        return Ok((prompt, None));
+    }
+    let head = render_chat(info, &messages[..system], tools, false)?;
+    let hint = (!head.is_empty() && prompt.starts_with(&head)).then_some(head.len());
+    Ok((prompt, hint))
+}
+
+/// Renders `messages` (with `tools`) with the model's template and
+/// tokenizes them; `generation`: open the assistant's turn after them.
+pub(crate) fn render_chat(info: &ModelInfo, messages: &[params::Message], tools: Option<&tools::Toolset>, generation: bool) -> Result<Vec<u32>, ApiError> {
     let Some(template) = &info.template else {
         return Err(ApiError::invalid(
             "This model has no chat template, so /v1/chat/completions cannot format messages; \
@@ -127,9 +202,13 @@ pub(crate) fn chat_prompt(info: &ModelInfo, messages: &[params::Message]) -> Res
         )
         .with_code("no_chat_template"));
     };
-    let messages: Vec<ChatMessage> = messages.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect();
-    let text =
-        template.render(&messages, true).map_err(|e| ApiError::param("messages", format!("The chat template could not render these messages: {e:#}")))?;
+    let (messages, vars) = match tools {
+        Some(t) => (t.messages(messages), t.template_vars()),
+        None => (messages.iter().map(tools::message_value).collect(), serde_json::Map::new()),
+    };
+    let text = template
+        .render_with(&messages, generation, &vars)
+        .map_err(|e| ApiError::param("messages", format!("The chat template could not render these messages: {e:#}")))?;
     // Templates usually write the BOS token themselves; add it only when
     // the text does not already start with it.
     let tok = &info.tokenizer;
@@ -176,21 +255,34 @@ impl Server {
         self.addr
     }
 
-    /// The model is loaded: start generating with `lane`.
     /// The model is loaded: start generating with `lane`. The context
     /// checked per request is `model.context` capped by the lane's own.
     pub fn ready(&self, lane: braid_engine::Lane, mut model: ModelInfo) {
-        let gen = LaneGenerator::new(lane, &model.stop_ids);
-        if let Some(c) = gen.max_context() {
-            model.context = model.context.min(c);
+        model.context = model.context.min(lane.max_context());
+        if !lane.config().eos_ids.is_empty() {
+            model.stop_ids.clear();
         }
-        self.ready_with(Arc::new(gen), model);
+        self.ready_with(Arc::new(lane), model);
     }
 
-    /// Like [`ready`](Self::ready) with any [`Generator`] (tests use fakes).
+    /// Like [`ready`](Self::ready) with any [`Generator`] (tests use
+    /// fakes); `model` is taken as it is, `stop_ids` included.
     pub fn ready_with(&self, gen: Arc<dyn Generator>, model: ModelInfo) {
-        *self.app.loaded.write().unwrap_or_else(|e| e.into_inner()) = Some(Loaded { gen, info: Arc::new(model) });
+        *self.app.loaded.write().unwrap_or_else(|e| e.into_inner()) = Some(Loaded { gen, info: Arc::new(model), grammars: Arc::default() });
         tracing::info!(model = %self.app.cfg.model_name, "model ready");
+    }
+
+    /// Feed a prefix into the prefix cache, as `POST /v1/warm` does with
+    /// `body` (`prompt` or `messages`, optionally `cache_salt`) sent with
+    /// `api_key` (whose cache it fills under per-key isolation), and wait
+    /// for it: the answer `/v1/warm` gives.
+    pub async fn warm(&self, body: &serde_json::Value, api_key: Option<&str>) -> Result<serde_json::Value, ApiError> {
+        let Some(map) = body.as_object() else { return Err(ApiError::invalid("A warm body must be a JSON object.")) };
+        let mut headers = HeaderMap::new();
+        if let Some(v) = api_key.and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok()) {
+            headers.insert(header::AUTHORIZATION, v);
+        }
+        api::warm_with(self.app.clone(), &headers, map).await
     }
 
     /// Graceful shutdown: stop accepting, let running streams finish for up
@@ -210,8 +302,10 @@ impl Server {
         };
         let loaded = self.app.loaded.write().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(l) = loaded {
-            // Stopping the lane joins its thread: keep it off the runtime.
-            tokio::task::spawn_blocking(move || l.gen.shutdown()).await.context("the lane's shutdown panicked")?;
+            // Every request is over, so this is the lane's last handle, and
+            // dropping it stops the lane: that joins the lane's thread, so
+            // drop it off the runtime.
+            tokio::task::spawn_blocking(move || drop(l)).await.context("the lane's shutdown panicked")?;
         }
         result.context("the server task panicked")?.context("the server failed")?;
         tracing::info!("server stopped");
@@ -238,7 +332,10 @@ fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(api::chat))
         .route("/v1/completions", post(api::completions))
+        .route("/v1/warm", post(api::warm))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
@@ -254,7 +351,10 @@ fn route_label(path: &str) -> &'static str {
     match path {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
+        "/v1/warm" => "/v1/warm",
         "/v1/models" => "/v1/models",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         "/health" => "/health",
         "/metrics" => "/metrics",
@@ -265,24 +365,28 @@ fn route_label(path: &str) -> &'static str {
 /// Every request passes here: the API key check, then the count by status.
 async fn gate(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let route = route_label(req.uri().path());
-    let res = match &app.cfg.api_key {
-        Some(key) if route != "/health" && !authorized(&req, key) => ApiError::unauthorized().into_response(),
-        _ => next.run(req).await,
-    };
+    let keys = &app.cfg.api_keys;
+    let res = if !keys.is_empty() && route != "/health" && !authorized(&req, keys) { ApiError::unauthorized().into_response() } else { next.run(req).await };
     app.metrics.request(route, res.status().as_u16());
     res
 }
 
-fn authorized(req: &Request, key: &str) -> bool {
-    let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
+fn authorized(req: &Request, keys: &[String]) -> bool {
+    let Some(given) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer) else {
         return false;
     };
-    let Some(given) = value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")) else {
-        return false;
+    // Compare in time independent of where the first difference is (and
+    // of which key matches).
+    let same = |key: &String| {
+        let (a, b) = (given.as_bytes(), key.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
     };
-    // Compare in time independent of where the first difference is.
-    let (a, b) = (given.trim().as_bytes(), key.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    keys.iter().fold(false, |ok, k| ok | same(k))
+}
+
+/// The token of an `Authorization: Bearer <token>` header's value.
+fn bearer(value: &str) -> Option<&str> {
+    value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
 }
 
 fn model_entry(app: &App) -> serde_json::Value {
@@ -318,7 +422,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
-    let numbers = app.loaded().ok().map(|l| l.gen.numbers());
-    let text = app.metrics.render(numbers.as_ref());
+    let stats = app.loaded().ok().map(|l| l.gen.stats());
+    let text = app.metrics.render(stats.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

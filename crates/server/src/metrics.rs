@@ -6,7 +6,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::generate::LaneNumbers;
+use braid_engine::LaneStats;
 
 /// A fixed-bucket histogram.
 pub struct Histogram {
@@ -87,7 +87,7 @@ impl Metrics {
     }
 
     /// The whole exposition; `lane` is `None` while the model loads.
-    pub fn render(&self, lane: Option<&LaneNumbers>) -> String {
+    pub fn render(&self, lane: Option<&LaneStats>) -> String {
         let mut out = String::new();
         out.push_str("# HELP braid_requests_total HTTP requests answered, by route and status.\n");
         out.push_str("# TYPE braid_requests_total counter\n");
@@ -103,14 +103,21 @@ impl Metrics {
         let _ = writeln!(out, "braid_model_loaded {}", u8::from(lane.is_some()));
         if let Some(l) = lane {
             gauge(&mut out, "braid_queue_depth", "Streams waiting to start.", l.queued as f64);
-            gauge(&mut out, "braid_running_streams", "Streams prefilling or decoding.", l.running as f64);
-            gauge(&mut out, "braid_fill_used", "State memory in use (KV blocks).", l.fill_used as f64);
-            gauge(&mut out, "braid_fill_total", "State memory available (KV blocks).", l.fill_total as f64);
-            let ratio = if l.fill_total > 0 { l.fill_used as f64 / l.fill_total as f64 } else { 0.0 };
+            gauge(&mut out, "braid_running_streams", "Streams prefilling or decoding.", (l.prefilling + l.decoding) as f64);
+            let fill = &l.fill;
+            gauge(&mut out, "braid_fill_used", "State memory in use (KV blocks held by streams and marks; cached blocks give way).", fill.blocks_used as f64);
+            gauge(&mut out, "braid_fill_total", "State memory available (KV blocks).", fill.blocks_total as f64);
+            let ratio = if fill.blocks_total > 0 { fill.blocks_used as f64 / fill.blocks_total as f64 } else { 0.0 };
             gauge(&mut out, "braid_fill_ratio", "Fraction of state memory in use.", ratio);
             counter(&mut out, "braid_prefill_chunks_total", "Prefill chunks run.", l.prefill_chunks);
             counter(&mut out, "braid_prefill_tokens_total", "Prompt tokens prefilled.", l.prefill_tokens);
             counter(&mut out, "braid_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", l.cached_tokens);
+            counter(&mut out, "braid_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", l.prefix_query_tokens);
+            counter(&mut out, "braid_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (hit rate = this / queries).", l.cached_tokens);
+            gauge(&mut out, "braid_prefix_cache_blocks", "KV blocks only the prefix cache holds (evicted when memory is needed).", fill.blocks_cached as f64);
+            counter(&mut out, "braid_prefix_cache_evicted_blocks_total", "Cached KV blocks evicted to make room.", fill.blocks_evicted);
+            gauge(&mut out, "braid_prefix_cache_marks", "Marks (state snapshots) the prefix cache holds.", l.marks as f64);
+            counter(&mut out, "braid_prefix_cache_marks_kept_total", "Marks kept.", l.marks_kept);
             counter(&mut out, "braid_decode_rounds_total", "Decode rounds run.", l.decode_rounds);
             counter(
                 &mut out,
@@ -123,6 +130,13 @@ impl Metrics {
             gauge(&mut out, "braid_decode_batch_mean", "Mean streams per decode round so far.", mean);
             counter(&mut out, "braid_greedy_rounds_total", "Decode rounds whose greedy tokens the backend picked (no logits moved).", l.greedy_rounds);
             counter(&mut out, "braid_top_k_rounds_total", "Decode rounds drawn from the backend's top-k candidates (no logits rows moved).", l.top_rounds);
+            counter(
+                &mut out,
+                "braid_itl_target_misses_total",
+                "Rounds beside a prompt whose decode rows alone the pacer predicted past --itl-target (the prompt then took one row).",
+                l.itl_target_misses,
+            );
+            counter(&mut out, "braid_rounds_over_itl_target_total", "Decode rounds whose backend call took longer than --itl-target.", l.rounds_over_target);
             counter(&mut out, "braid_cancelled_streams_total", "Streams cancelled before their end.", l.cancelled);
             counter(&mut out, "braid_rejected_streams_total", "Submissions the lane refused (queue full, too long, invalid).", l.rejected);
         }

@@ -2,9 +2,11 @@
 //! wrong type or out-of-range value is a 400 naming the field (serde's
 //! derive would give one opaque message). Unknown fields are ignored.
 
+use braid_engine::{SamplingParams, StopRules};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::guide::Spec;
 
 /// The most top-logprob entries a request may ask for per token.
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -31,26 +33,25 @@ impl Endpoint {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Common {
     pub model: Option<String>,
-    /// `None`: up to the end of the context.
-    pub max_tokens: Option<usize>,
-    pub temperature: f32,
-    pub top_p: f32,
-    /// `0`: off (OpenAI-style clients send `-1` for off as well).
-    pub top_k: usize,
-    pub min_p: f32,
-    pub seed: Option<u64>,
-    pub stop: Vec<String>,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub repetition_penalty: f32,
+    /// Every choice's sampling; each choice offsets the seed by its index.
+    pub sampling: SamplingParams,
+    /// `max_tokens` as asked (`None`: up to the end of the context), the
+    /// stop strings and `ignore_eos`; the model's stop ids are added when
+    /// the streams are submitted.
+    pub stop: StopRules,
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
-    pub ignore_eos: bool,
     pub user: Option<String>,
     /// Logprobs asked for: `Some(k)` gives the chosen token's logprob and
     /// the `k` most likely alternatives.
     pub logprobs: Option<usize>,
+    /// What the output must follow (`response_format`, or the `grammar` /
+    /// `regex` / `json_schema` extensions); `None`: free text.
+    pub format: Option<Spec>,
+    /// The prefix cache to use (vLLM's `cache_salt`): only requests with
+    /// the same salt share cached prompts.
+    pub cache_salt: Option<String>,
 }
 
 /// One chat message, content flattened to text.
@@ -58,12 +59,47 @@ pub struct Common {
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls.
+    pub tool_calls: Vec<CallIn>,
+    /// A `tool` turn: the call it answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+/// A tool call in the history.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallIn {
+    pub id: String,
+    pub name: String,
+    /// JSON text, as the API carries it.
+    pub arguments: String,
+}
+
+/// A function the model may call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    pub name: String,
+    /// The JSON schema of its arguments (`{"type": "object"}` if none).
+    pub parameters: Value,
+    /// The request's `tools` entry as given (for the chat template).
+    pub raw: Value,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatRequest {
     pub common: Common,
     pub messages: Vec<Message>,
+    pub tools: Vec<Tool>,
+    pub tool_choice: ToolChoice,
+    pub parallel_tool_calls: bool,
 }
 
 /// One prompt of a completions request: text, or token ids as given.
@@ -119,7 +155,125 @@ pub fn parse_chat(map: &Map<String, Value>, max_n: usize) -> Result<ChatRequest,
     };
     let param = if f.0.get("max_completion_tokens").is_some_and(|v| !v.is_null()) { "max_completion_tokens" } else { "max_tokens" };
     let common = common(&f, max_n, logprobs, max_tokens, param)?;
-    Ok(ChatRequest { common, messages })
+    let tools = tools(&f)?;
+    let tool_choice = tool_choice(&f, &tools)?;
+    let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    if common.format.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::param("tool_choice", "A forced tool call (`tool_choice` required or named) cannot also follow `response_format`."));
+    }
+    Ok(ChatRequest { common, messages, tools, tool_choice, parallel_tool_calls })
+}
+
+fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
+    let items = match f.get("tools") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(f.wrong("tools", "an array of tools", other)),
+    };
+    let mut out: Vec<Tool> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        let Value::Object(t) = item else { return Err(Fields::wrong_at(&at, "a tool object", item)) };
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(other) => return Err(ApiError::param(&at, format!("Tools of type `{other}` are not supported; only `function`."))),
+            None => return Err(ApiError::param(&at, format!("`{at}.type` is required (\"function\")."))),
+        }
+        let Some(Value::Object(func)) = t.get("function") else {
+            return Err(ApiError::param(&format!("{at}.function"), format!("`{at}.function` must be an object with a `name`.")));
+        };
+        let name = match func.get("name") {
+            Some(Value::String(n)) if !n.is_empty() && n.len() <= 64 && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') => n.clone(),
+            _ => return Err(ApiError::param(&format!("{at}.function.name"), format!("`{at}.function.name` must be 1 to 64 letters, digits, `_` or `-`."))),
+        };
+        if out.iter().any(|o| o.name == name) {
+            return Err(ApiError::param(&format!("{at}.function.name"), format!("Two tools are named `{name}`.")));
+        }
+        let parameters = match func.get("parameters") {
+            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(other) => return Err(Fields::wrong_at(&format!("{at}.function.parameters"), "a JSON schema object", other)),
+        };
+        out.push(Tool { name, parameters, raw: item.clone() });
+    }
+    Ok(out)
+}
+
+fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let default = if tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto };
+    let choice = match f.get("tool_choice") {
+        None => default,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => default,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or a named function, got \"{other}\"."),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => match o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
+            Some(name) if tools.iter().any(|t| t.name == name) => ToolChoice::Named(name.to_string()),
+            Some(name) => return Err(ApiError::param("tool_choice", format!("`tool_choice` names `{name}`, which is not among `tools`."))),
+            None => return Err(ApiError::param("tool_choice", "`tool_choice` as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}.")),
+        },
+        Some(other) => return Err(f.wrong("tool_choice", "a string or an object", other)),
+    };
+    if tools.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::param("tool_choice", "`tool_choice` asks for a tool call, but the request has no `tools`."));
+    }
+    Ok(choice)
+}
+
+/// `response_format`, or one of the extensions `grammar` (Lark),
+/// `regex` and `json_schema` (llama.cpp's); at most one of them.
+fn format(f: &Fields) -> Result<Option<Spec>, ApiError> {
+    let mut found: Vec<(&str, Spec)> = Vec::new();
+    match f.get("response_format") {
+        None => {}
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format", Spec::JsonObject)),
+            Some("json_schema") => {
+                let Some(Value::Object(js)) = o.get("json_schema") else {
+                    return Err(ApiError::param("response_format.json_schema", "`response_format.json_schema` must be an object with a `schema`."));
+                };
+                let schema = match js.get("schema") {
+                    Some(s @ Value::Object(_)) => s.clone(),
+                    Some(other) => return Err(Fields::wrong_at("response_format.json_schema.schema", "a JSON schema object", other)),
+                    None => return Err(ApiError::param("response_format.json_schema.schema", "`response_format.json_schema.schema` is required.")),
+                };
+                let strict = matches!(js.get("strict"), Some(Value::Bool(true)));
+                found.push(("response_format", Spec::JsonSchema { schema, strict }));
+            }
+            Some(other) => {
+                return Err(ApiError::param("response_format.type", format!("`response_format.type` must be text, json_object or json_schema, got `{other}`.")))
+            }
+            None => return Err(ApiError::param("response_format.type", "`response_format.type` is required.")),
+        },
+        Some(other) => return Err(f.wrong("response_format", "an object", other)),
+    }
+    if let Some(g) = f.str("grammar")? {
+        found.push(("grammar", Spec::Lark(g.to_string())));
+    }
+    if let Some(r) = f.str("regex")? {
+        found.push(("regex", Spec::Regex(r.to_string())));
+    }
+    match f.get("json_schema") {
+        None => {}
+        Some(s @ Value::Object(_)) => found.push(("json_schema", Spec::JsonSchema { schema: s.clone(), strict: false })),
+        Some(other) => return Err(f.wrong("json_schema", "a JSON schema object", other)),
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(n, _)| *n).collect();
+        return Err(ApiError::param(
+            found[1].0,
+            format!("Give at most one of {}; got {}.", "`response_format`, `grammar`, `regex`, `json_schema`", names.join(" and ")),
+        ));
+    }
+    Ok(found.pop().map(|(_, s)| s))
 }
 
 pub fn parse_completion(map: &Map<String, Value>, max_n: usize) -> Result<CompletionRequest, ApiError> {
@@ -165,6 +319,7 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
     let top_k = match f.int("top_k")? {
         None => 0,
         Some(k) if k < -1 => return Err(ApiError::param("top_k", format!("`top_k` must be -1 or 0 (off) or positive, got {k}."))),
+        // Clients send -1 for off as well as 0.
         Some(k) => usize::try_from(k.max(0)).unwrap_or(usize::MAX),
     };
     let min_p = f.range("min_p", 0.0, 1.0)?.unwrap_or(0.0);
@@ -197,6 +352,7 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
     };
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     let user = f.str("user")?.map(str::to_string);
+    let cache_salt = salt(f)?;
     if let Some(bias) = f.0.get("logit_bias") {
         match bias {
             Value::Null => {}
@@ -207,23 +363,68 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
     }
     Ok(Common {
         model,
-        max_tokens,
-        temperature: temperature as f32,
-        top_p: top_p.unwrap_or(1.0) as f32,
-        top_k,
-        min_p: min_p as f32,
-        seed,
-        stop,
-        presence_penalty: presence_penalty as f32,
-        frequency_penalty: frequency_penalty as f32,
-        repetition_penalty: repetition_penalty as f32,
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p.unwrap_or(1.0) as f32,
+            min_p: min_p as f32,
+            repetition_penalty: repetition_penalty as f32,
+            presence_penalty: presence_penalty as f32,
+            frequency_penalty: frequency_penalty as f32,
+            seed,
+            ..SamplingParams::default()
+        },
+        stop: StopRules { max_tokens, stop_ids: Vec::new(), stop_strings: stop, ignore_eos },
         n,
         stream,
         include_usage,
-        ignore_eos,
         user,
         logprobs,
+        format: format(f)?,
+        cache_salt,
     })
+}
+
+fn salt(f: &Fields) -> Result<Option<String>, ApiError> {
+    match f.str("cache_salt")? {
+        Some("") => Err(ApiError::param("cache_salt", "`cache_salt` must not be empty.")),
+        s => Ok(s.map(str::to_string)),
+    }
+}
+
+/// What `/v1/warm` feeds into the prefix cache.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WarmInput {
+    Prompt(Prompt),
+    /// Rendered by the chat template as the start of a later chat (no
+    /// assistant turn opened).
+    Chat(Vec<Message>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct WarmRequest {
+    pub model: Option<String>,
+    pub input: WarmInput,
+    pub cache_salt: Option<String>,
+}
+
+/// A `/v1/warm` body: `prompt` (text or token ids) or `messages`, and
+/// optionally `model` and `cache_salt`.
+pub fn parse_warm(map: &Map<String, Value>) -> Result<WarmRequest, ApiError> {
+    let f = Fields(map);
+    let model = f.str("model")?.map(str::to_string);
+    let cache_salt = salt(&f)?;
+    let has = |k: &str| map.get(k).is_some_and(|v| !v.is_null());
+    let input = match (has("prompt"), has("messages")) {
+        (true, true) => return Err(ApiError::param("messages", "Send `prompt` or `messages`, not both.")),
+        (false, false) => return Err(ApiError::param("prompt", "`prompt` or `messages` is required.")),
+        (true, false) => match prompts(&f)?.as_slice() {
+            [one] => WarmInput::Prompt(one.clone()),
+            _ => return Err(ApiError::param("prompt", "`prompt` must be one prompt (text or token ids); send one request per prefix.")),
+        },
+        (false, true) => WarmInput::Chat(parse_chat(map, 1)?.messages),
+    };
+    Ok(WarmRequest { model, input, cache_salt })
 }
 
 fn top_count(param: &str, k: i64) -> Result<usize, ApiError> {
@@ -343,7 +544,38 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
         }
         Some(other) => return Err(Fields::wrong_at(&format!("{param}.content"), "a string or an array of content parts", other)),
     };
-    Ok(Message { role, content })
+    let text = |key: &str| -> Result<Option<String>, ApiError> {
+        match o.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(other) => Err(Fields::wrong_at(&format!("{param}.{key}"), "a string", other)),
+        }
+    };
+    let (tool_call_id, name) = (text("tool_call_id")?, text("name")?);
+    let tool_calls = match o.get("tool_calls") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(calls)) => calls.iter().enumerate().map(|(j, c)| call_in(&format!("{param}.tool_calls[{j}]"), c)).collect::<Result<_, _>>()?,
+        Some(other) => return Err(Fields::wrong_at(&format!("{param}.tool_calls"), "an array of tool calls", other)),
+    };
+    if role == "tool" && tool_call_id.is_none() {
+        return Err(ApiError::param(&format!("{param}.tool_call_id"), format!("`{param}` has role `tool` but no `tool_call_id`.")));
+    }
+    Ok(Message { role, content, tool_calls, tool_call_id, name })
+}
+
+fn call_in(at: &str, c: &Value) -> Result<CallIn, ApiError> {
+    let func = c.get("function").filter(|f| f.is_object()).ok_or_else(|| ApiError::param(at, format!("`{at}.function` must be an object.")))?;
+    let name = func.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+    let name = name.ok_or_else(|| ApiError::param(&format!("{at}.function.name"), format!("`{at}.function.name` is required.")))?.to_string();
+    let arguments = match func.get("arguments") {
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(a)) => a.clone(),
+        // Some clients send the arguments as an object.
+        Some(v @ Value::Object(_)) => v.to_string(),
+        Some(other) => return Err(Fields::wrong_at(&format!("{at}.function.arguments"), "a JSON string", other)),
+    };
+    let id = c.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
+    Ok(CallIn { id, name, arguments })
 }
 
 /// Typed access to a body's fields; `null` counts as absent.

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use braid_server::{Server, ServerConfig};
+use braid_server::{CacheIsolation, Server, ServerConfig};
 use common::fake::{self, FakeLane, REPLY};
 use common::*;
 use serde_json::{json, Value};
@@ -80,24 +80,29 @@ async fn completion_whole_response() {
     assert_eq!(v["usage"]["total_tokens"], 8);
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 
-    // Every parameter reached the lane.
+    // Every parameter reached the lane; `ignore_eos` sends no stop ids.
     let seen = lane.seen.lock().unwrap()[0].clone();
     assert_eq!(seen.prompt, b"abc".iter().map(|&b| b as u32).collect::<Vec<_>>());
-    assert_eq!(seen.max_tokens, 5);
+    assert_eq!(seen.stop.max_tokens, Some(5));
     let s = &seen.sampling;
     assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p), (0.5, 0.9, 7, 0.1));
     assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty), (0.5, -0.5, 1.1));
     assert_eq!(s.seed, Some(42));
-    assert_eq!(seen.stop_strings, vec!["xyz".to_string()]);
-    assert!(seen.ignore_eos);
+    assert_eq!(seen.stop.stop_strings, vec!["xyz".to_string()]);
+    assert!(seen.stop.ignore_eos);
+    assert_eq!(seen.stop.stop_ids, Vec::<u32>::new());
     assert_eq!(seen.logprobs, None);
 
     // Without max_tokens the stream may run to the end of the context.
     let v = post(addr, "/v1/completions", &json!({"prompt": [1, 2, 3, 4]})).await.json();
     assert_eq!(v["choices"][0]["text"], REPLY);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    assert_eq!(lane.seen.lock().unwrap()[1].max_tokens, 256 - 4);
-    assert_eq!(lane.seen.lock().unwrap()[1].prompt, vec![1, 2, 3, 4]);
+    let seen = lane.seen.lock().unwrap()[1].clone();
+    assert_eq!(seen.stop.max_tokens, Some(256 - 4));
+    assert_eq!(seen.prompt, vec![1, 2, 3, 4]);
+    // The model's end tokens go with every request that does not ignore them.
+    assert_eq!(seen.stop.stop_ids, vec![fake::EOS]);
+    assert!(!seen.stop.ignore_eos);
     server.shutdown().await.unwrap();
 }
 
@@ -142,7 +147,7 @@ async fn chat_whole_response_renders_the_template() {
     assert_eq!(v["usage"]["prompt_tokens"], rendered.len());
     let seen = lane.seen.lock().unwrap()[0].clone();
     assert_eq!(seen.prompt, rendered.bytes().map(u32::from).collect::<Vec<_>>());
-    assert_eq!(seen.max_tokens, 4);
+    assert_eq!(seen.stop.max_tokens, Some(4));
     server.shutdown().await.unwrap();
 }
 
@@ -318,6 +323,29 @@ async fn bad_requests_get_openai_errors() {
     server.shutdown().await.unwrap();
 }
 
+/// `Server::ready` over a real lane (on the engine's fake backend): the
+/// model's stop ids go with each request only to a lane that has no EOS
+/// ids of its own.
+#[tokio::test]
+async fn a_lane_without_eos_ids_stops_at_the_models_stop_ids() {
+    use braid_engine::fake::{fake_next, CallLog, FakeBackend, FakeConfig, FakeText};
+    use braid_engine::{Lane, LaneConfig};
+    // The fake model's greedy tokens after [1, 2, 3] are 23, 20, 8, 37.
+    let first = fake_next(3, 3, 64);
+    for (eos_ids, finish, tokens) in [(vec![], "stop", 1), (vec![63], "length", 4)] {
+        let backend = FakeBackend::new(FakeConfig::default(), CallLog::default());
+        let lane = Lane::spawn(Box::new(backend), Arc::new(FakeText::default()), LaneConfig { eos_ids: eos_ids.clone(), ..LaneConfig::default() });
+        let server = Server::bind(config()).await.unwrap();
+        server.ready(lane, braid_server::ModelInfo { stop_ids: vec![first], ..fake::model_info(false, 256) });
+        let r = post(server.local_addr(), "/v1/completions", &json!({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["choices"][0]["finish_reason"], finish, "eos_ids {eos_ids:?}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], tokens, "eos_ids {eos_ids:?}: {v}");
+        server.shutdown().await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a_model_without_template_refuses_chat_but_serves_completions() {
     let lane = FakeLane::new(2, 2, Duration::ZERO);
@@ -334,7 +362,7 @@ async fn a_model_without_template_refuses_chat_but_serves_completions() {
 #[tokio::test]
 async fn api_key_guards_every_route_but_health() {
     let lane = FakeLane::new(2, 2, Duration::ZERO);
-    let cfg = ServerConfig { api_key: Some("sekrit".into()), ..config() };
+    let cfg = ServerConfig { api_keys: vec!["sekrit".into()], ..config() };
     let server = start_with(cfg, lane, true).await;
     let addr = server.local_addr();
     let body = json!({"prompt": "x", "max_tokens": 1}).to_string();
@@ -451,4 +479,50 @@ async fn shutdown_cancels_streams_that_outlive_the_grace() {
     assert!(eventually(Duration::from_millis(500), || lane.running() == 0).await);
     // Nothing listens any more.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+// The lane's cache salt: 0 (the shared cache) unless a request names its
+// own with `cache_salt`, or caches are kept per API key; a chat's system
+// turn's end goes along as the place for a mark.
+#[tokio::test]
+async fn cache_salts_and_keys_name_the_prefix_cache() {
+    let lane = FakeLane::new(8, 8, Duration::ZERO);
+    let cfg = ServerConfig { api_keys: vec!["k1".into(), "k2".into()], cache_isolation: CacheIsolation::PerKey, ..config() };
+    let server = start_with(cfg, lane.clone(), true).await;
+    let addr = server.local_addr();
+    let call = |key: &'static str, path: &'static str, body: serde_json::Value| async move {
+        let auth = format!("Bearer {key}");
+        send(addr, "POST", path, &[("Authorization", auth.as_str())], body.to_string().as_bytes()).await.body().await
+    };
+    let plain = json!({"prompt": "x", "max_tokens": 1});
+    let salted = json!({"prompt": "x", "max_tokens": 1, "cache_salt": "tenant-a"});
+    for (key, body) in [("k1", &plain), ("k1", &plain), ("k2", &plain), ("k1", &salted), ("k2", &salted)] {
+        assert_eq!(call(key, "/v1/completions", body.clone()).await.status, 200);
+    }
+    let salts: Vec<u64> = lane.seen.lock().unwrap().iter().map(|r| r.cache_salt).collect();
+    assert!(salts.iter().all(|&s| s != 0), "{salts:?}");
+    assert_eq!(salts[0], salts[1], "one key, one cache");
+    assert_ne!(salts[0], salts[2], "another key, another cache");
+    assert!(salts[3] != salts[0] && salts[3] != salts[4], "a salt splits a key's cache, and stays under its key: {salts:?}");
+    let e = call("k1", "/v1/completions", json!({"prompt": "x", "cache_salt": ""})).await.expect_error(400);
+    assert_eq!(e["param"], "cache_salt");
+
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 1});
+    assert_eq!(call("k1", "/v1/chat/completions", chat).await.status, 200);
+    let last = lane.seen.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.prefix_hint, Some("<system>Be brief.\n".len()));
+    assert!(last.prompt.len() > "<system>Be brief.\n".len());
+    // This fake keeps no prefix cache to warm.
+    let r = call("k1", "/v1/warm", json!({"prompt": "x"})).await;
+    assert_eq!(r.expect_error(400)["type"], "invalid_request_error");
+    let e = call("k1", "/v1/warm", json!({"prompt": "x", "messages": []})).await.expect_error(400);
+    assert_eq!(e["param"], "messages");
+    server.shutdown().await.unwrap();
+
+    // Shared: no salt, the shared cache, whatever the key.
+    let lane = FakeLane::new(8, 8, Duration::ZERO);
+    let server = start_with(config(), lane.clone(), true).await;
+    assert_eq!(post(server.local_addr(), "/v1/completions", &plain).await.status, 200);
+    assert_eq!(lane.seen.lock().unwrap()[0].cache_salt, 0);
+    server.shutdown().await.unwrap();
 }

@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use braid_engine::{Event, EventSink, Fill, FinishReason, LaneStats, Request, SubmitError, Timing, Usage};
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::{GgufTokenizerSpec, Tokenizer};
-use braid_server::{Finish, GenEvent, GenRequest, Generator, LaneNumbers, ModelInfo, Refusal, Sink, Ticket};
+use braid_server::{Generator, ModelInfo, Ticket};
 
 /// What every fake stream writes, cut at `max_tokens` (then "length"); the
 /// whole of it ends with "stop", unless `ignore_eos` (then it repeats).
@@ -69,7 +70,7 @@ pub struct FakeLane {
     state: Arc<(Mutex<State>, Condvar)>,
     pub cancelled: Arc<AtomicU64>,
     /// Every request submitted, in order.
-    pub seen: Mutex<Vec<GenRequest>>,
+    pub seen: Mutex<Vec<Request>>,
 }
 
 impl FakeLane {
@@ -87,11 +88,11 @@ impl FakeLane {
 }
 
 impl Generator for FakeLane {
-    fn submit(&self, req: GenRequest, sink: Sink) -> Result<Ticket, Refusal> {
+    fn submit(&self, req: Request, mut sink: Box<dyn EventSink>) -> Result<Ticket, SubmitError> {
         {
             let mut s = self.state.0.lock().unwrap();
             if s.running >= self.max_running && s.queued >= self.queue {
-                return Err(Refusal::Overloaded("the queue is full".into()));
+                return Err(SubmitError::QueueFull { capacity: self.queue });
             }
             s.queued += 1;
         }
@@ -104,7 +105,7 @@ impl Generator for FakeLane {
             // Wait for a running slot; leave the queue if the client left.
             {
                 let mut s = lock.lock().unwrap();
-                sink.send(GenEvent::Queued { position: s.queued - 1 });
+                sink.send(Event::Queued { position: s.queued - 1 });
                 while s.running >= max_running {
                     if sink.is_closed() {
                         s.queued -= 1;
@@ -120,20 +121,20 @@ impl Generator for FakeLane {
                 lock.lock().unwrap().running -= 1;
                 cv.notify_all();
             };
-            sink.send(GenEvent::Started { cached_tokens: 0 });
+            sink.send(Event::Started { cached_tokens: 0 });
             let bytes = REPLY.as_bytes();
             let mut n = 0;
             let reason = loop {
-                if n == req.max_tokens {
-                    break Finish::Length;
+                if Some(n) == req.stop.max_tokens {
+                    break FinishReason::Length;
                 }
                 // Like EOS: the reply's end stops the stream unless ignored.
-                if n == bytes.len() && !req.ignore_eos {
-                    break Finish::Stop;
+                if n == bytes.len() && !req.stop.ignore_eos {
+                    break FinishReason::Stop;
                 }
                 std::thread::sleep(tick);
                 let b = bytes[n % bytes.len()];
-                let ev = GenEvent::Token {
+                let ev = Event::Token {
                     id: b as u32,
                     text: (b as char).to_string(),
                     logprob: req.logprobs.map(|_| -0.25),
@@ -147,22 +148,20 @@ impl Generator for FakeLane {
                 n += 1;
             };
             leave();
-            sink.send(GenEvent::Finished { reason, text: String::new(), prompt_tokens: req.prompt.len(), completion_tokens: n, cached_tokens: 0 });
+            let usage = Usage { prompt_tokens: req.prompt.len(), completion_tokens: n, cached_tokens: 0 };
+            sink.send(Event::Finished { reason, usage, tail: String::new(), timing: Timing::default() });
         });
         Ok(Ticket::default())
     }
 
-    fn numbers(&self) -> LaneNumbers {
+    fn stats(&self) -> LaneStats {
         let s = self.state.0.lock().unwrap();
-        LaneNumbers {
+        LaneStats {
             queued: s.queued,
-            running: s.running,
-            fill_used: s.running,
-            fill_total: self.max_running,
+            decoding: s.running,
+            fill: Fill { blocks_used: s.running, blocks_total: self.max_running, ..Fill::default() },
             cancelled: self.cancelled.load(Ordering::Relaxed),
-            ..LaneNumbers::default()
+            ..LaneStats::default()
         }
     }
-
-    fn shutdown(&self) {}
 }

@@ -1,0 +1,276 @@
+//! Structured outputs over llguidance: the model's vocabulary as a token
+//! trie, request grammars (JSON schemas, Lark, regexes) compiled into the
+//! engine's [`Guide`], and llguidance's matcher as the engine's
+//! [`Constraint`].
+//!
+//! The trie holds each token's bytes as braid's tokenizer decodes them
+//! (byte-level BPE characters mapped back to bytes, SentencePiece `▁` as a
+//! space and `<0xXX>` as that byte), and control tokens as llguidance's
+//! special-token spelling (`\xff` + their text), so a grammar can name
+//! them (`<|tool_call_start|>`) and no JSON string can hold one. Bytes a
+//! grammar forces are tokenized by the model's own tokenizer where it can
+//! tokenize a piece on its own (byte-level BPE); elsewhere llguidance
+//! leaves the choice to the model, under the mask.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use braid_engine::{Constraint, Grammar, Guide, TokenMask};
+use braid_formats::tokenizer::{TokenKind, Tokenizer};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory, TokenParser};
+use serde_json::{json, Value};
+
+/// What a request constrains its output to.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Spec {
+    /// Any JSON object (`response_format: json_object`).
+    JsonObject,
+    /// JSON valid under `schema`. `strict` refuses schema keywords the
+    /// grammar cannot enforce (a 400) instead of ignoring them.
+    JsonSchema { schema: Value, strict: bool },
+    /// A grammar in llguidance's Lark dialect (tool calls, `grammar`).
+    Lark(String),
+    /// A regular expression the whole output matches (`regex`).
+    Regex(String),
+}
+
+/// The JSON layout the grammar writes: OpenAI's separators and no free
+/// whitespace, so a small model cannot wander in blank space.
+pub fn json_layout() -> Value {
+    json!({"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": false})
+}
+
+/// `schema` with braid's JSON layout, unless it sets its own (`x-guidance`),
+/// and `lenient` (ignore keywords the grammar cannot enforce) unless strict.
+pub fn with_layout(schema: &Value, strict: bool) -> Result<Value, String> {
+    let Value::Object(map) = schema else {
+        return Err("the schema must be a JSON object".into());
+    };
+    let mut map = map.clone();
+    if !map.contains_key("x-guidance") {
+        let mut opts = json_layout();
+        opts["lenient"] = Value::Bool(!strict);
+        map.insert("x-guidance".into(), opts);
+    }
+    Ok(Value::Object(map))
+}
+
+/// Compiles grammars for one model's vocabulary.
+pub struct Grammars {
+    factory: ParserFactory,
+}
+
+impl Grammars {
+    /// The trie of `tok`'s vocabulary; `stop_ids` are the tokens that end
+    /// a generation (allowed where the grammar is complete).
+    pub fn new(tok: &Arc<Tokenizer>, stop_ids: &[u32]) -> Result<Grammars> {
+        let n = tok.vocab_size();
+        let words: Vec<Vec<u8>> = (0..n as u32)
+            .map(|id| match tok.kind(id) {
+                Some(TokenKind::Control | TokenKind::Unknown) => {
+                    let text = tok.token_text(id).unwrap_or("");
+                    if text.is_empty() {
+                        Vec::new()
+                    } else {
+                        [&[TokTrie::SPECIAL_TOKEN_MARKER][..], text.as_bytes()].concat()
+                    }
+                }
+                _ => tok.token_bytes(id).to_vec(),
+            })
+            .collect();
+        let eos = tok.eos().or_else(|| stop_ids.first().copied()).ok_or_else(|| anyhow!("the tokenizer names no end-of-text token"))?;
+        let info = TokRxInfo { tok_bos: tok.bos(), ..TokRxInfo::new(n as u32, eos) };
+        let mut ends = stop_ids.to_vec();
+        if ends.is_empty() {
+            ends.push(eos);
+        }
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&ends);
+        let env: TokEnv = Arc::new(Vocab { canonical: tok.encode_piece("a").is_some(), trie, tok: tok.clone() });
+        let mut factory = ParserFactory::new_simple(&env)?;
+        factory.quiet();
+        Ok(Grammars { factory })
+    }
+
+    /// A guide for `spec`, or why llguidance refuses it.
+    pub fn compile(&self, spec: &Spec) -> Result<Guide, String> {
+        let grammar = match spec {
+            Spec::JsonObject => TopLevelGrammar::from_json_schema(with_layout(&json!({"type": "object"}), false)?),
+            Spec::JsonSchema { schema, strict } => TopLevelGrammar::from_json_schema(with_layout(schema, *strict)?),
+            Spec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
+            Spec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        };
+        let parser = self.factory.create_parser(grammar).map_err(|e| format!("{e:#}"))?;
+        // A grammar whose start fails (nothing it could produce) is the
+        // request's fault, found now rather than mid-stream.
+        let probe = Matcher::new(Ok(parser.clone()));
+        if let Some(e) = probe.get_error() {
+            return Err(e);
+        }
+        Ok(Guide::new(Compiled(parser)))
+    }
+}
+
+/// The tokenizer as llguidance sees it.
+struct Vocab {
+    trie: TokTrie,
+    tok: Arc<Tokenizer>,
+    canonical: bool,
+}
+
+impl TokenizerEnv for Vocab {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        match std::str::from_utf8(s).ok().and_then(|t| self.tok.encode_piece(t)) {
+            Some(ids) => ids,
+            None => self.trie.greedy_tokenize(s),
+        }
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        self.canonical
+    }
+}
+
+/// A compiled grammar; each stream follows a clone of its fresh parser
+/// (clones share the lexer's cache, which warms up for all of them).
+struct Compiled(TokenParser);
+
+impl Grammar for Compiled {
+    fn start(&self) -> Result<Box<dyn Constraint>, String> {
+        let m = Matcher::new(Ok(self.0.clone()));
+        match m.get_error() {
+            Some(e) => Err(e),
+            None => Ok(Box::new(Follow(m))),
+        }
+    }
+}
+
+struct Follow(Matcher);
+
+impl Constraint for Follow {
+    fn mask(&mut self) -> Result<TokenMask, String> {
+        self.0.compute_mask().map(|v| TokenMask::from_words(v.into())).map_err(|e| format!("{e:#}"))
+    }
+
+    fn commit(&mut self, token: u32) -> Result<bool, String> {
+        self.0.consume_token(token).map_err(|e| format!("{e:#}"))?;
+        Ok(self.0.is_stopped())
+    }
+
+    fn rollback(&mut self, tokens: usize) -> Result<(), String> {
+        self.0.rollback(tokens).map_err(|e| format!("{e:#}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::{Tool, ToolChoice};
+    use crate::tools::Toolset;
+    use braid_formats::tokenizer::GgufTokenizerSpec;
+
+    /// One token per byte (GPT-2's byte characters), and an end token.
+    fn bytes_tokenizer() -> Arc<Tokenizer> {
+        let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let mut shifted = 0;
+        let mut tokens: Vec<String> = (0..=255u8)
+            .map(|b| {
+                if printable(b) {
+                    (b as char).to_string()
+                } else {
+                    shifted += 1;
+                    char::from_u32(255 + shifted).unwrap().to_string()
+                }
+            })
+            .collect();
+        tokens.push("<|endoftext|>".into());
+        let mut types = vec![1; 256];
+        types.push(3);
+        let spec = GgufTokenizerSpec {
+            model: "gpt2".into(),
+            tokens,
+            token_types: Some(types),
+            merges: Some(Vec::new()),
+            eos: Some(256),
+            add_bos: Some(false),
+            ..GgufTokenizerSpec::default()
+        };
+        Arc::new(Tokenizer::from_spec(spec).unwrap())
+    }
+
+    /// Feed `text` byte by byte: each must be allowed; true when the
+    /// grammar is complete at the end.
+    fn follows(g: &Guide, text: &str) -> Result<bool, String> {
+        let mut c = g.start()?;
+        let mut done = false;
+        for (i, &b) in text.as_bytes().iter().enumerate() {
+            if !c.mask()?.allows(b as u32) {
+                return Err(format!("byte {i} ({:?}) refused after {:?}", b as char, &text[..i]));
+            }
+            done = c.commit(b as u32)?;
+        }
+        Ok(done)
+    }
+
+    #[test]
+    fn schemas_compile_and_bind_the_output() {
+        let g = Grammars::new(&bytes_tokenizer(), &[256]).unwrap();
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}, "required": ["n", "tag"], "additionalProperties": false});
+        let guide = g.compile(&Spec::JsonSchema { schema, strict: true }).unwrap();
+        assert_eq!(follows(&guide, r#"{"n": 12, "tag": "b"}"#), Ok(true));
+        assert!(follows(&guide, r#"{"n":12"#).is_err(), "the layout is braid's: a space after the colon");
+        assert!(follows(&guide, r#"{"n": 1, "tag": "c"#).is_err());
+        // The end token is allowed only where the JSON is complete.
+        let object = g.compile(&Spec::JsonObject).unwrap();
+        let mut c = object.start().unwrap();
+        assert!(!c.mask().unwrap().allows(256));
+        let regex = g.compile(&Spec::Regex("[0-9]{3}-[a-z]+".into())).unwrap();
+        assert_eq!(follows(&regex, "123-ab"), Ok(false));
+        assert!(follows(&regex, "12a").is_err());
+    }
+
+    #[test]
+    fn a_grammar_llguidance_refuses_is_an_error_not_a_panic() {
+        let g = Grammars::new(&bytes_tokenizer(), &[256]).unwrap();
+        for bad in [
+            Spec::JsonSchema { schema: json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}), strict: true },
+            Spec::JsonSchema { schema: json!({"type": "strnig"}), strict: true },
+            Spec::JsonSchema { schema: json!(true), strict: false },
+            Spec::Lark("start: foo".into()),
+            Spec::Regex("(unclosed".into()),
+        ] {
+            let e = g.compile(&bad).expect_err(&format!("{bad:?} compiled"));
+            assert!(!e.is_empty());
+        }
+    }
+
+    // The grammars that force a call, for every syntax, compile and take
+    // a call the parser reads back.
+    #[test]
+    fn forced_call_grammars_take_their_calls() {
+        let g = Grammars::new(&bytes_tokenizer(), &[256]).unwrap();
+        let params = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]});
+        let tool = Tool { name: "weather".into(), raw: json!({"type": "function", "function": {"name": "weather", "parameters": params}}), parameters: params };
+        let cases = [
+            ("<tool_call>", "<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\", \"days\": 2}}\n</tool_call>"),
+            ("<|eot_id|> \"parameters\"", "{\"name\": \"weather\", \"parameters\": {\"city\": \"Oslo\"}}"),
+            ("<start_of_turn>", "```tool_code\n[weather(city=\"Oslo\", days=2)]\n```"),
+        ];
+        for (template, call) in cases {
+            let set = Toolset::new(template, vec![tool.clone()], ToolChoice::Named("weather".into()), true).unwrap();
+            let lark = set.grammar().unwrap();
+            let guide = g.compile(&Spec::Lark(lark.clone())).unwrap_or_else(|e| panic!("{e}\n{lark}"));
+            assert_eq!(follows(&guide, call), Ok(true), "{lark}");
+            let mut p = set.parser();
+            let mut out = Vec::new();
+            p.push(call, &mut out);
+            p.finish(&mut out);
+            assert!(matches!(&out[0], crate::tools::Piece::Call(n) if n == "weather"), "{out:?}");
+        }
+    }
+}

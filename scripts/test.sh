@@ -9,19 +9,20 @@ cargo build --release --quiet
 ./target/release/braid fetch smollm2 >/dev/null
 ./target/release/braid fetch gemma3-270m >/dev/null
 
-# The OpenAI Python client, for the server's client test (a private venv).
+# The OpenAI Python client, for the server's client tests, and jsonschema
+# to check structured outputs against their schemas (a private venv).
 if [ ! -x target/pyenv/bin/python ]; then
   python3 -m venv target/pyenv
 fi
-if ! target/pyenv/bin/python -c 'import openai' 2>/dev/null; then
-  target/pyenv/bin/python -m pip install --quiet --disable-pip-version-check 'openai>=1.50,<3'
+if ! target/pyenv/bin/python -c 'import openai, jsonschema' 2>/dev/null; then
+  target/pyenv/bin/python -m pip install --quiet --disable-pip-version-check 'openai>=1.50,<3' 'jsonschema>=4,<5'
 fi
 export BRAID_PYTHON="$PWD/target/pyenv/bin/python"
 
 cargo fmt --all -- --check
+# The CUDA device is in the default build (its libraries load at run time,
+# so it builds where no CUDA is installed): clippy and the tests compile it,
+# its tests and examples, so it never rots; its GPU tests skip where no GPU
+# answers.
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 cargo test --release --workspace --no-fail-fast
-# The CUDA device builds without CUDA installed (its libraries load at run
-# time); compile it, with its tests and examples, so it never rots. Its GPU
-# tests skip where no GPU answers.
-cargo test --release -p braid-ops -p braid-models --features braid-ops/cuda,braid-models/cuda

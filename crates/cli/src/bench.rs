@@ -63,6 +63,10 @@ pub struct BenchArgs {
     /// While others decode, size prefill steps to this fraction of a decode round.
     #[arg(long)]
     pub prefill_share: Option<f32>,
+    /// While others decode, keep their inter-token gap under this many
+    /// milliseconds (the stall scenario; see `braid serve --help`).
+    #[arg(long, value_name = "MS")]
+    pub itl_target: Option<f64>,
     /// Print one JSON line per result as well.
     #[arg(long)]
     pub json: bool,
@@ -127,7 +131,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let t = Instant::now();
             let mut tok = 1u32;
             for _ in 0..a.tg {
-                let logits = m.backend.decode_round(&[DecodeRow { stream: id, tokens: vec![tok] }])?;
+                let logits = m.backend.decode_logits(&[DecodeRow { stream: id, tokens: vec![tok] }])?;
                 tok = argmax(&logits) as u32;
             }
             let dt = t.elapsed().as_secs_f64();
@@ -162,7 +166,7 @@ fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
     let t = Instant::now();
     for _ in 0..tg {
         let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();
-        let logits = m.backend.decode_round(&rows)?;
+        let logits = m.backend.decode_logits(&rows)?;
         for (i, row) in logits.chunks_exact(m.vocab).enumerate() {
             last[i] = argmax(row) as u32;
         }
@@ -239,6 +243,7 @@ fn stall_on(
         eos_ids,
         chunk_tokens: a.chunk,
         prefill_share: a.prefill_share,
+        itl_target: load::itl_target(a.itl_target)?,
         max_rows: a.max_rows,
         prefix_marks: 0,
         ..LaneConfig::default()
@@ -252,8 +257,13 @@ fn stall_on(
     let mut readers = Vec::new();
     for i in 0..a.bg {
         let prompt: Vec<u32> = (0..16 + i as u32).map(|t| 200 + t * 5 + i as u32).collect();
-        let req =
-            Request { prompt, sampling: greedy(), stop: StopRules { max_tokens: Some(bg_tokens), ignore_eos: true, ..StopRules::default() }, logprobs: None };
+        let req = Request {
+            prompt,
+            sampling: greedy(),
+            stop: StopRules { max_tokens: Some(bg_tokens), ignore_eos: true, ..StopRules::default() },
+            logprobs: None,
+            ..Default::default()
+        };
         let h = lane.submit(req).context("background stream refused")?;
         let (times, stop) = (times.clone(), stop_bg.clone());
         readers.push(std::thread::spawn(move || {
@@ -280,7 +290,7 @@ fn stall_on(
         }
         let prompt: Vec<u32> = arrival.iter().map(|&t| (t + 101 * n as u32) % vocab.min(32000)).collect();
         let arrived = Instant::now();
-        let req = Request { prompt, sampling: greedy(), stop: StopRules { max_tokens: Some(1), ..StopRules::default() }, logprobs: None };
+        let req = Request { prompt, sampling: greedy(), stop: StopRules { max_tokens: Some(1), ..StopRules::default() }, logprobs: None, ..Default::default() };
         let h = lane.submit(req).context("the arriving prompt was refused")?;
         let mut ttft = None;
         for ev in h {
@@ -307,7 +317,6 @@ fn stall_on(
         st.fused_rounds,
         st.longest_fused_round_secs * 1e3
     );
-    eprintln!("shared rounds, ms: {:.1?}", st.first_fused_rounds_ms);
     drop(lane);
     for r in readers {
         let _ = r.join();
@@ -379,7 +388,10 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
         o.prefill = a.pp;
     }
     if !a.stall {
-        let rep = bench_llama(&dev, &cfg, &model, &o, &mut |s| eprintln!("{s}"))?;
+        let tokens = o.prompt + o.warmup + o.rounds;
+        let streams = o.streams.iter().copied().max().unwrap_or(1);
+        let mut be = braid_models::gpubench::backend(&dev, Box::new(model), streams, tokens.max(o.prefill))?;
+        let rep = bench_llama(&mut be, &cfg, &o, &mut |s| eprintln!("{s}"))?;
         println!("{}", rep.table());
         return Ok(());
     }
@@ -401,8 +413,9 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
     println!("random-weight {} on {device}", a.preset);
     let dev = be.device().clone();
     stall_on(a, &device, Box::new(be), vocab, context, Arc::new(NoText), Vec::new())?;
-    let (replays, captures, fallbacks) = dev.graph_stats();
-    eprintln!("graphs: {replays} replays, {captures} captures, {fallbacks} eager fallbacks");
+    let (replays, captures) = dev.graph_stats();
+    let (ahead, launched) = dev.ahead_hits();
+    eprintln!("graphs: {replays} replays, {captures} captures; rounds prepared ahead {ahead}, of which launched ahead {launched}");
     Ok(())
 }
 

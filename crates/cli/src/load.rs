@@ -10,7 +10,7 @@ use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
 use braid_models::{BackendConfig, ModelBackend, Source};
 use braid_ops::cpu::Cpu;
-use braid_ops::Device;
+use braid_ops::AllOps;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::fetch;
@@ -104,7 +104,7 @@ pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
     }
 }
 
-fn load_on<D: Device>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig) -> Result<Loaded> {
+fn load_on<D: AllOps>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig) -> Result<Loaded> {
     let src = Source::open(&path)?;
     let tokenizer = tokenizer_of(&src)?;
     let template = template_of(&src, &tokenizer)?;
@@ -129,6 +129,15 @@ fn load_on<D: Device>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfi
     Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend, device, vocab, context })
 }
 
+/// `--itl-target MS` as a duration (a positive, finite number of milliseconds).
+pub fn itl_target(ms: Option<f64>) -> Result<Option<std::time::Duration>> {
+    match ms {
+        None => Ok(None),
+        Some(ms) if ms.is_finite() && ms > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(ms / 1e3))),
+        Some(ms) => anyhow::bail!("--itl-target must be a positive number of milliseconds, got {ms}"),
+    }
+}
+
 pub fn load(args: &ModelArgs, min_ctx: usize) -> Result<Loaded> {
     let ctx = args.ctx.unwrap_or(8192).max(min_ctx);
     load_with(args, BackendConfig { context: ctx, kv_tokens: ctx, max_batch: 512, ..BackendConfig::default() })
@@ -142,7 +151,7 @@ impl Loaded {
         let mut out = Vec::with_capacity(tokens.len() * self.vocab);
         let result = (|| {
             for chunk in tokens.chunks(512) {
-                out.extend(self.backend.decode_round(&[DecodeRow { stream: STREAM, tokens: chunk.to_vec() }])?);
+                out.extend(self.backend.decode_logits(&[DecodeRow { stream: STREAM, tokens: chunk.to_vec() }])?);
             }
             Ok(())
         })();
@@ -190,7 +199,8 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
             let n = step.min(rows - 8 - start);
             let last = start + n == rows - 8;
             let round: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[start % 8]] }).collect();
-            backend.decode_round_with_chunk(&round, id, braid_engine::Chunk { start, tokens: &tokens[start..start + n], want_logits: last })?;
+            let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + n], want_logits: last };
+            backend.round(braid_engine::Step { rows: &round, chunk: Some((id, chunk)), pick: braid_engine::Pick::Logits })?;
             start += n;
             step = (step * 3).div_ceil(2);
         }

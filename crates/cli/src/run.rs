@@ -122,7 +122,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         prompt,
         sampling: a.sampling.params(),
         stop: StopRules { max_tokens: Some(a.max_tokens), stop_ids: Vec::new(), stop_strings: a.stop.clone(), ignore_eos: a.ignore_eos },
-        logprobs: None,
+        ..Request::default()
     };
     let t0 = Instant::now();
     let handle = lane.submit(req).context("the request was refused")?;

@@ -352,6 +352,23 @@ impl Tokenizer {
         Ok(out)
     }
 
+    /// `text` tokenized as a piece of a longer text: no BOS, no
+    /// special-token matching, no space prefix. `None` for vocabularies
+    /// where a piece does not tokenize on its own as it would inside the
+    /// whole (SentencePiece, `tokenizer.json`); byte-level BPE splits at
+    /// its pre-tokenizer's boundaries, so there it does. Constrained
+    /// decoding uses it to force the tokens a grammar allows only one way.
+    pub fn encode_piece(&self, text: &str) -> Option<Vec<u32>> {
+        match &self.model {
+            Model::Bpe(b) => {
+                let mut out = Vec::with_capacity(text.len() / 3 + 1);
+                b.encode(&self.index, text, &mut out);
+                Some(out)
+            }
+            Model::Spm(_) | Model::Hf(_) => None,
+        }
+    }
+
     /// Token ids to text: the tokens' bytes joined (control tokens give
     /// nothing), invalid UTF-8 replaced by U+FFFD. Unknown ids are skipped.
     pub fn decode(&self, ids: &[u32]) -> String {

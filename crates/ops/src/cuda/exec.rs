@@ -140,7 +140,9 @@ pub(super) struct Exec {
     /// Where commands go instead of running (an `Other` op being recorded,
     /// a forward being lowered).
     pub sink: Option<Vec<Cmd>>,
-    graphs: HashMap<u64, usize>,
+    /// Each recorded graph by signature, with the tick of its last use.
+    graphs: HashMap<u64, (usize, u64)>,
+    tick: u64,
     pub ahead: Option<Ahead>,
     /// Some forward read values back: forwards run eagerly from then on.
     pub host_reads: bool,
@@ -155,7 +157,7 @@ pub(super) struct Exec {
 impl Exec {
     /// Free every recorded graph (the device closes).
     pub fn destroy_all(&mut self) {
-        for (_, g) in self.graphs.drain() {
+        for (_, (g, _)) in self.graphs.drain() {
             unsafe {
                 let _ = drv::graph::exec_destroy(g as sys::CUgraphExec);
             }
@@ -393,9 +395,18 @@ impl Cuda {
     /// The graph of signature `sig`, recording `cmds` under stream capture
     /// if there is none yet.
     fn graph_for(&self, sig: u64, cmds: &[Cmd]) -> Result<usize> {
-        if let Some(&g) = self.st().exec.graphs.get(&sig) {
-            self.st().exec.replays += 1;
-            return Ok(g);
+        {
+            // One guard: a second `self.st()` inside an `if let` on the
+            // first would wait on itself.
+            let mut st = self.st();
+            st.exec.tick += 1;
+            let tick = st.exec.tick;
+            if let Some(g) = st.exec.graphs.get_mut(&sig) {
+                g.1 = tick;
+                let g = g.0;
+                st.exec.replays += 1;
+                return Ok(g);
+            }
         }
         let stream = self.stream() as sys::CUstream;
         unsafe { cu(drv::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")? };
@@ -424,10 +435,21 @@ impl Cuda {
         let exec = exec.map_err(|e| anyhow::anyhow!("instantiating a CUDA graph: {e:?}"))? as usize;
         let mut st = self.st();
         // Graphs bake pointers in; a bounded cache keeps stale ones few.
+        // The least recently used one goes. Freeing all 256 at once also
+        // dropped the hot decode graphs, to be recorded again, in one
+        // round: the likely cause of the 10 ms gaps the H200's stall probe
+        // saw mid-prefill, when every small mixed round was a new graph.
+        // (A graph still running is freed when it completes.)
         if st.exec.graphs.len() >= 256 {
-            st.exec.destroy_all();
+            if let Some((&old, &(g, _))) = st.exec.graphs.iter().min_by_key(|e| e.1 .1) {
+                st.exec.graphs.remove(&old);
+                unsafe {
+                    let _ = drv::graph::exec_destroy(g as sys::CUgraphExec);
+                }
+            }
         }
-        st.exec.graphs.insert(sig, exec);
+        let tick = st.exec.tick;
+        st.exec.graphs.insert(sig, (exec, tick));
         st.exec.captures += 1;
         Ok(exec)
     }

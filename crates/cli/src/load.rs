@@ -176,7 +176,7 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
         return Ok(());
     }
     let caps = backend.capabilities();
-    let rows = rows.min(caps.max_context);
+    let rows = rows.min(caps.max_context).min(if caps.max_batch == 0 { usize::MAX } else { caps.max_batch });
     let tokens: Vec<u32> = (0..rows).map(|i| (i % caps.vocab_size.max(1)) as u32).collect();
     let (id, bg) = (u64::MAX, u64::MAX - 1);
     backend.open(id)?;

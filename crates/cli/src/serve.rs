@@ -101,8 +101,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
         let model_args = a.model.clone();
         let (kv, streams) = (a.kv_tokens, a.max_running);
+        // A round holds every decoding stream's row and one prompt chunk.
+        let max_batch = a.chunk.max(1) + streams.max(1);
         let mut m = tokio::task::spawn_blocking(move || {
-            load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() })
+            load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() })
         })
         .await??;
         load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;

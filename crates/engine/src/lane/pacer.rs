@@ -13,9 +13,13 @@
 //!   chunks grow by half at most past the largest it has seen.
 //!   A round the target cannot hold (the decode rows alone exceed it) is
 //!   counted and said once in the log.
-//! * **A share of a plain round** (`LaneConfig::prefill_share`): each chunk
-//!   adds about that fraction to the decode rows' round, steered by the
-//!   last chunk's measured cost.
+//! * **A share of a plain round** (`LaneConfig::prefill_share`): each chunk's
+//!   rows add about that fraction to the decode rows' round, steered by the
+//!   last chunk's measured cost. A fixed cost of sharing a round at all
+//!   (on a GPU, the round runs eagerly instead of replaying its graph) is
+//!   paid by any chunk, so it is told apart (from the pass's first chunk
+//!   and its last) and not counted against the share: counted, it held
+//!   every chunk to one row and an 1800-token prompt to 1800 rounds.
 //!
 //! Only where the cut sizes are free (see `Capabilities`: a chunk-invariant
 //! backend, or one whose results depend on the batch anyway) does the
@@ -74,13 +78,13 @@ pub(super) struct Ran {
 }
 
 /// Features of a round: the fixed cost, decode rows, decoding context (in
-/// thousands of tokens), prompt rows, and prompt rows times their mean
-/// position (in thousands).
-const FEATURES: usize = 5;
+/// thousands of tokens), prompt rows, prompt rows times their mean
+/// position (in thousands), and whether it carries a chunk at all.
+const FEATURES: usize = 6;
 
 fn features(s: &Shape) -> [f64; FEATURES] {
     let r = s.chunk_rows as f64;
-    [1.0, s.decode_rows as f64, s.decode_ctx as f64 / 1e3, r, r * (s.chunk_start as f64 + r / 2.0) / 1e3]
+    [1.0, s.decode_rows as f64, s.decode_ctx as f64 / 1e3, r, r * (s.chunk_start as f64 + r / 2.0) / 1e3, (s.chunk_rows > 0) as u8 as f64]
 }
 
 /// A round's seconds as a linear function of its [`features`] with
@@ -167,6 +171,8 @@ pub(super) struct Pacer {
     under: f64,
     /// The last chunk: its stream, rows, the seconds it added, and its whole round's.
     last: Option<(StreamId, usize, f64, f64)>,
+    /// The pass's first chunk: its stream, rows and the seconds it added.
+    first: Option<(StreamId, usize, f64)>,
     /// Rounds shared with a chunk since the last plain one.
     shared_since_plain: usize,
     /// Rounds whose decode rows alone the model predicted past the target.
@@ -198,6 +204,7 @@ impl Pacer {
             overhead: 0.0,
             under: 0.0,
             last: None,
+            first: None,
             shared_since_plain: 0,
             target_misses: Cell::new(0),
         }
@@ -225,14 +232,38 @@ impl Pacer {
         // chunk: scaled by budget / time taken.
         let rows = match self.last {
             Some((id, rows, secs, _)) if id == stream => {
-                let scaled = (rows as f64 * share * self.plain_secs / secs.max(1e-6)) as usize;
+                let fixed = self.fixed_cost(stream, rows, secs);
+                let scaled = (rows as f64 * share * self.plain_secs / (secs - fixed).max(1e-6)) as usize;
                 // Grow by half at most: one overshoot is one long gap.
-                scaled.clamp(1, rows + rows / 2 + 1)
+                let next = scaled.clamp(1, rows + rows / 2 + 1);
+                // The same size as the first chunk again would tell the
+                // fixed part no better: one row more does.
+                match self.first {
+                    Some((id, first_rows, _)) if id == stream && first_rows == rows && next == rows => rows + 1,
+                    _ => next,
+                }
             }
             // A new pass probes afresh: costs depend on the position.
             _ => FIRST_STEP_ROWS,
         };
         Budget::Chunk(Some(self.cap(rows)))
+    }
+
+    /// The part of the last chunk's `secs` (of `rows` rows) that any chunk
+    /// adds, from the line through the pass's first chunk and it: 0 while
+    /// they are the same size, or where the smaller cost clearly more
+    /// (the position's cost grew: no fixed part to tell); all of it where
+    /// they cost about the same (rows too cheap to see yet).
+    fn fixed_cost(&self, stream: StreamId, rows: usize, secs: f64) -> f64 {
+        let Some((_, first_rows, first_secs)) = self.first.filter(|f| f.0 == stream && f.1 != rows) else { return 0.0 };
+        let per_row = (secs - first_secs) / (rows as f64 - first_rows as f64);
+        if per_row > 0.0 {
+            (secs - per_row * rows as f64).clamp(0.0, secs)
+        } else if (secs - first_secs).abs() <= 0.25 * secs.max(first_secs) {
+            secs
+        } else {
+            0.0
+        }
     }
 
     fn cap(&self, rows: usize) -> usize {
@@ -309,7 +340,11 @@ impl Pacer {
             Some(id) if decode == 0 => self.last = Some((id, rows, r.secs, r.secs)),
             // A shared chunk's own cost: the round less a plain one's.
             Some(id) => {
-                self.last = Some((id, rows, (r.secs - self.plain_secs).max(0.1 * r.secs), r.secs));
+                let added = (r.secs - self.plain_secs).max(0.1 * r.secs);
+                if self.last.is_none_or(|l| l.0 != id) {
+                    self.first = Some((id, rows, added));
+                }
+                self.last = Some((id, rows, added, r.secs));
                 self.shared_since_plain += 1;
             }
         }

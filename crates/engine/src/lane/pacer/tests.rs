@@ -202,3 +202,39 @@ fn a_target_the_decode_rows_alone_exceed_still_moves_the_newcomer() {
     assert!(rows[TRUSTED_AFTER + 1..].iter().all(|&r| r == 1), "{rows:?}");
     assert!(p.target_misses() > 0);
 }
+
+/// A GPU-like device under `prefill_share`: a plain round of 4 streams
+/// takes 1.4 ms; any round with a chunk adds 0.5 ms (it runs eagerly, no
+/// graph) plus 7 µs a prompt row. Returns the chunk sizes of an
+/// 1800-row pass and each shared round's seconds.
+fn shared_pass_with_a_fixed_cost(share: f32) -> (Vec<usize>, Vec<f64>) {
+    let mut p = Pacer::new(None, Some(share), None, true);
+    let (mut pos, mut rows, mut secs) = (0, Vec::new(), Vec::new());
+    while pos < 1800 && rows.len() < 5000 {
+        match p.budget(3, pos, four()) {
+            Budget::Measure => p.ran(plain(1.4e-3)),
+            Budget::Chunk(Some(r)) => {
+                let r = r.min(1800 - pos);
+                let s = 1.4e-3 + 0.5e-3 + 7e-6 * r as f64;
+                p.ran(shared(3, r, s));
+                rows.push(r);
+                secs.push(s);
+                pos += r;
+            }
+            Budget::Chunk(None) => panic!("a share gives a row budget"),
+        }
+    }
+    (rows, secs)
+}
+
+#[test]
+fn a_fixed_cost_of_sharing_a_round_does_not_hold_chunks_to_one_row() {
+    // The rows' own share: 0.15 x 1.4 ms = 0.21 ms, 30 rows a round.
+    let (rows, secs) = shared_pass_with_a_fixed_cost(0.15);
+    assert!(rows.len() < 120, "an 1800-row pass took {} chunks: {:?}", rows.len(), &rows[..20.min(rows.len())]);
+    let late = &rows[rows.len() / 2..rows.len() - 1];
+    assert!(late.iter().all(|&r| (20..=45).contains(&r)), "chunk sizes once steered: {late:?}");
+    // The rows' part of each round stays near the share.
+    let worst = secs.iter().fold(0.0f64, |a, &b| a.max(b));
+    assert!(worst <= 1.9e-3 + 0.21e-3 * 1.6, "a shared round took {:.3} ms", worst * 1e3);
+}

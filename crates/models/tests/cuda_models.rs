@@ -863,7 +863,8 @@ fn check_hybrid(name: &str, incremental_key: &str) {
         let (rel, agree, rows) = compare(&together[s], &alone, vocab);
         eprintln!("{name}: stream {s} decoding beside two others vs alone: rel err {rel:.2e}, top-1 {agree}/{rows}");
         // (A state row mixed up between streams moves logits by O(1).)
-        assert!(rel < 1e-2, "{name}: stream {s} batched differs from alone (rel err {rel}, top-1 {agree}/{rows})");
+        // bf16 alone puts a recurrent family (LFM2) at ~1e-2 of itself.
+        assert!(rel < 2e-2, "{name}: stream {s} batched differs from alone (rel err {rel}, top-1 {agree}/{rows})");
     }
 }
 

@@ -241,3 +241,21 @@ async fn embeddings_say_no_embedding_model_is_loaded() {
     assert!(e["message"].as_str().unwrap().contains("embedding model"), "{e}");
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_chat_page_is_served_at_the_root_without_a_key() {
+    let (server, _) = start(ServerConfig { api_keys: vec!["k".into()], ..config() }).await;
+    let r = get(server.local_addr(), "/").await;
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/html"), "{:?}", r.headers);
+    let page = r.text();
+    // It streams chat completions, has the controls, and a stop button.
+    for want in
+        ["/v1/chat/completions", "stream: true", "/v1/models", "id=\"temperature\"", "id=\"max_tokens\"", "id=\"stop\"", "controller.abort()", "Authorization"]
+    {
+        assert!(page.contains(want), "no {want:?} in the page");
+    }
+    // Model output is written as text, never parsed as HTML.
+    assert!(!page.contains("innerHTML"), "the page must not set innerHTML");
+    server.shutdown().await.unwrap();
+}

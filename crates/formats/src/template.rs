@@ -451,6 +451,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn select_takes_the_flag_then_the_file_beside_then_the_models_own() {
+        use crate::tokenizer::GgufTokenizerSpec;
+        let tokens = ["<s>", "</s>", "a"].map(String::from).to_vec();
+        let spec = GgufTokenizerSpec {
+            model: "gpt2".into(),
+            tokens,
+            token_types: Some(vec![3, 3, 1]),
+            merges: Some(Vec::new()),
+            bos: Some(0),
+            eos: Some(1),
+            ..Default::default()
+        };
+        let tok = Tokenizer::from_spec(spec).unwrap();
+        let dir = std::env::temp_dir().join(format!("braid-template-select-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let model = dir.join("model.gguf");
+        let own = || Some(ChatTemplate::new("own", "", "").unwrap());
+        let pick = |flag: Option<&str>, own: Option<ChatTemplate>| select(flag, &model, own, &tok).map(|(t, s)| (t.map(|t| t.source().to_string()), s));
+
+        assert_eq!(pick(None, own()).unwrap(), (Some("own".into()), TemplateSource::Model));
+        assert_eq!(pick(None, None).unwrap(), (None, TemplateSource::None));
+        let beside = dir.join(TEMPLATE_FILE);
+        std::fs::write(&beside, "{{ bos_token }}beside").unwrap();
+        let (t, s) = select(None, &model, own(), &tok).unwrap();
+        assert_eq!(s, TemplateSource::File(beside.clone()));
+        assert_eq!(t.unwrap().render(&[ChatMessage::new("user", "x")], false).unwrap(), "<s>beside", "BOS text from the tokenizer");
+        assert_eq!(pick(Some("chatml"), own()).unwrap().1, TemplateSource::Builtin("chatml"));
+        let other = dir.join("other.jinja");
+        std::fs::write(&other, "other").unwrap();
+        assert_eq!(pick(Some(other.to_str().unwrap()), own()).unwrap(), (Some("other".into()), TemplateSource::File(other.clone())));
+        let e = pick(Some("nope"), own()).unwrap_err().to_string();
+        assert!(e.contains("nope") && e.contains("chatml, llama3, gemma, plain"), "{e}");
+        std::fs::write(&other, "{% if %}").unwrap();
+        let e = pick(Some(other.to_str().unwrap()), own()).unwrap_err().to_string();
+        assert!(e.contains("other.jinja"), "a broken file is named: {e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn builtin_templates_compile_and_render() {
         for (name, src) in BUILTIN {
             let t = ChatTemplate::new(src, "<s>", "</s>").unwrap_or_else(|e| panic!("{name}: {e:#}"));

@@ -41,7 +41,7 @@ enum LogFormat {
 enum Cmd {
     /// Generate from one prompt, streaming tokens to the terminal.
     Run(run::RunArgs),
-    /// Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).
+    /// Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /tokenize, /props, /health, /metrics, a chat page at /).
     Serve(serve::ServeArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(TokenizeArgs),

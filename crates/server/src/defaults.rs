@@ -81,12 +81,14 @@ impl SamplingDefaults {
 
     /// The values as JSON (`/props`).
     pub fn to_json(&self) -> Value {
+        // As written (0.8), not as the nearest f64 to the f32 (0.800000011920929).
+        let short = |v: f32| v.to_string().parse::<f64>().unwrap_or(f64::from(v));
         serde_json::json!({
-            "temperature": self.temperature,
+            "temperature": short(self.temperature),
             "top_k": self.top_k,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
+            "top_p": short(self.top_p),
+            "min_p": short(self.min_p),
+            "repetition_penalty": short(self.repetition_penalty),
             "source": self.source,
         })
     }

@@ -142,6 +142,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
         let fill = lane.stats().fill;
         let (architecture, parameters) = about::architecture_and_parameters(&path);
+        server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.to_string() });
+        // Ready before the line says so: a client that reads it may ask at once.
+        server.ready(lane, info);
         tracing::info!(
             model = %name,
             architecture = %architecture,
@@ -154,8 +157,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             "ready on http://{}",
             server.local_addr()
         );
-        server.set_about(About { path: path.display().to_string(), architecture, parameters, device, template: template.to_string() });
-        server.ready(lane, info);
         // Under per-key isolation each key has its own cache to warm.
         let keys: Vec<Option<&str>> = match a.cache_isolation {
             Isolation::PerKey if !a.api_key.is_empty() => a.api_key.iter().map(|k| Some(k.as_str())).collect(),

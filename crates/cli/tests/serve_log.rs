@@ -34,12 +34,15 @@ fn serve(args: &[&str], env: &[(&str, &str)]) -> Option<(Vec<Value>, Serve)> {
     let stderr = child.stderr.take().unwrap();
     let server = Serve(child);
     let mut lines = Vec::new();
-    for line in BufReader::new(stderr).lines() {
+    let mut log = BufReader::new(stderr).lines();
+    for line in log.by_ref() {
         let line = line.expect("read the log");
         let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("a log line is not JSON ({e}): {line}"));
         let ready = v["fields"]["message"].as_str().is_some_and(|m| m.starts_with("ready on "));
         lines.push(v);
         if ready {
+            // Keep reading, so the server's later lines never meet a closed pipe.
+            std::thread::spawn(move || log.for_each(drop));
             return Some((lines, server));
         }
     }

@@ -131,10 +131,9 @@ def llama(tag):
 def braid(tag):
     pp, tg, rss = [], [], []
     for i in runs(tag, "braid"):
-        for line in open(f"{out}/{tag}.braid.{i}.json"):
-            if line.startswith("{"):
-                rec = json.loads(line)
-                (pp if rec["test"] == "pp512" else tg if rec["test"] == "tg128" else []).append(rec["median"])
+        # `braid bench --json` prints one object; its `results` are the rows.
+        for rec in json.load(open(f"{out}/{tag}.braid.{i}.json"))["results"]:
+            (pp if rec["test"] == "pp512" else tg if rec["test"] == "tg128" else []).append(rec["tokens_per_s"]["median"])
         rss.append(rss_mib(f"{out}/{tag}.braid.{i}.time"))
     return pp, tg, rss
 

@@ -26,3 +26,11 @@ cargo fmt --all -- --check
 # answers.
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 cargo test --release --workspace --no-fail-fast
+
+# The chat page at `/` in a real headless browser (Debian's chromium),
+# where one is installed; it saves a screenshot to target/chat-page.png.
+if command -v chromium >/dev/null 2>&1; then
+  python3 scripts/chat_page_test.py --braid target/release/braid --screenshot target/chat-page.png
+else
+  echo "SKIP: the chat page's browser test (no chromium; apt-get install chromium)"
+fi

@@ -67,7 +67,8 @@ pub struct BenchArgs {
     /// milliseconds (the stall scenario; see `braid serve --help`).
     #[arg(long, value_name = "MS")]
     pub itl_target: Option<f64>,
-    /// Print one JSON line per result as well.
+    /// Print one JSON object on stdout (the results) and nothing else: the
+    /// table goes to stderr.
     #[arg(long)]
     pub json: bool,
     /// Benchmark a model made from a preset shape with random weights on
@@ -78,6 +79,14 @@ pub struct BenchArgs {
     /// Shape for --random-weights.
     #[arg(long, default_value = "llama-3.2-1b")]
     pub preset: String,
+}
+
+/// A table line: on stdout, or on stderr under `--json` (stdout then holds
+/// only the JSON object).
+macro_rules! say {
+    ($json:expr, $($arg:tt)*) => {
+        if $json { eprintln!($($arg)*) } else { println!($($arg)*) }
+    };
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
@@ -98,7 +107,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     };
     let kv = if a.stall { ctx * (a.bg + 2) } else { ctx * a.streams.iter().copied().max().unwrap_or(1).max(1) };
     let m = load::load_with(&a.model, BackendConfig { context: ctx, kv_tokens: kv, max_streams: 64, max_batch: ctx.max(64), ..Default::default() })?;
-    println!("model: {}  device: {}", m.path.display(), m.device);
+    say!(a.json, "model: {}  device: {}", m.path.display(), m.device);
     if a.stall {
         return stall(a, m);
     }
@@ -106,8 +115,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let vocab = m.vocab as u32;
     // Deterministic, varied token ids.
     let tokens: Vec<u32> = (0..a.pp.max(1)).map(|i| (i as u32 * 7919 + 13) % vocab.min(32000)).collect();
-    println!("| test | tokens/s min | median | max |");
-    println!("| --- | ---: | ---: | ---: |");
+    say!(a.json, "| test | tokens/s min | median | max |");
+    say!(a.json, "| --- | ---: | ---: | ---: |");
+    let mut results = Vec::new();
     if a.pp > 0 {
         let mut rates = Vec::new();
         for r in 0..a.reps.max(1) + 1 {
@@ -121,7 +131,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 rates.push(a.pp as f64 / dt); // the first run warms caches and the pool
             }
         }
-        report(&format!("pp{}", a.pp), &mut rates, a.json);
+        results.push(report(&format!("pp{}", a.pp), &mut rates, a.json));
     }
     if a.tg > 0 {
         let mut rates = Vec::new();
@@ -140,16 +150,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 rates.push(a.tg as f64 / dt);
             }
         }
-        report(&format!("tg{}", a.tg), &mut rates, a.json);
+        results.push(report(&format!("tg{}", a.tg), &mut rates, a.json));
     }
     for &n in &a.streams {
         let mut rates = Vec::new();
         for r in 0..a.reps.max(1) {
             rates.push(multi_stream(&mut m, n, a.tg.max(32), 3000 + 100 * r as u64)?);
         }
-        report(&format!("decode x{n} streams (aggregate)"), &mut rates, a.json);
+        results.push(report(&format!("decode x{n} streams (aggregate)"), &mut rates, a.json));
     }
-    println!("peak RSS: {:.1} MiB", peak_rss_kib() as f64 / 1024.0);
+    let rss = peak_rss_kib() as f64 / 1024.0;
+    say!(a.json, "peak RSS: {rss:.1} MiB");
+    if a.json {
+        let device = m.device.clone();
+        println!("{}", serde_json::json!({"model": m.path.display().to_string(), "device": device, "results": results, "peak_rss_mib": rss}));
+    }
     Ok(())
 }
 
@@ -187,12 +202,11 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn report(name: &str, rates: &mut [f64], json: bool) {
+/// One table row; its JSON for `--json`.
+fn report(name: &str, rates: &mut [f64], json: bool) -> serde_json::Value {
     let med = median(rates);
-    println!("| {name} | {:.1} | {med:.1} | {:.1} |", rates[0], rates[rates.len() - 1]);
-    if json {
-        println!("{}", serde_json::json!({"test": name, "min": rates[0], "median": med, "max": rates[rates.len() - 1]}));
-    }
+    say!(json, "| {name} | {:.1} | {med:.1} | {:.1} |", rates[0], rates[rates.len() - 1]);
+    serde_json::json!({"test": name, "tokens_per_s": {"min": rates[0], "median": med, "max": rates[rates.len() - 1]}})
 }
 
 /// Peak resident set size of this process, in KiB (Linux; 0 elsewhere).
@@ -344,20 +358,20 @@ fn stall_on(
     let ttft = ttft.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN);
     let later: Vec<(f64, f64)> =
         spans[1..].iter().map(|&(from, to, t)| (gaps(from, to).into_iter().fold(0.0, f64::max) * 1e3, t.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3))).collect();
-    println!("| stall scenario | value |");
-    println!("| --- | ---: |");
-    println!("| background streams | {} |", a.bg);
-    println!("| arriving prompt | {} tokens |", a.arrival);
-    println!("| usual inter-token gap (median) | {:.1} ms |", usual_gap * 1e3);
-    println!("| largest gap before the arrival (3 s, noise floor) | {:.1} ms |", rest_max * 1e3);
-    println!("| largest gap during the arrival's prefill | {:.1} ms |", max_gap * 1e3);
-    println!("| median gap during the arrival's prefill | {:.1} ms |", during_median * 1e3);
-    println!("| stall ratio (largest / usual) | {:.2} |", max_gap / usual_gap);
-    println!("| newcomer time to first token | {:.0} ms |", ttft * 1e3);
-    println!("| whole-pass prefill on an idle lane | {:.0} ms |", whole_s * 1e3);
-    println!("| TTFT / whole pass | {:.2} |", ttft / whole_s);
+    say!(a.json, "| stall scenario | value |");
+    say!(a.json, "| --- | ---: |");
+    say!(a.json, "| background streams | {} |", a.bg);
+    say!(a.json, "| arriving prompt | {} tokens |", a.arrival);
+    say!(a.json, "| usual inter-token gap (median) | {:.1} ms |", usual_gap * 1e3);
+    say!(a.json, "| largest gap before the arrival (3 s, noise floor) | {:.1} ms |", rest_max * 1e3);
+    say!(a.json, "| largest gap during the arrival's prefill | {:.1} ms |", max_gap * 1e3);
+    say!(a.json, "| median gap during the arrival's prefill | {:.1} ms |", during_median * 1e3);
+    say!(a.json, "| stall ratio (largest / usual) | {:.2} |", max_gap / usual_gap);
+    say!(a.json, "| newcomer time to first token | {:.0} ms |", ttft * 1e3);
+    say!(a.json, "| whole-pass prefill on an idle lane | {:.0} ms |", whole_s * 1e3);
+    say!(a.json, "| TTFT / whole pass | {:.2} |", ttft / whole_s);
     for (i, (gap, t)) in later.iter().enumerate() {
-        println!("| arrival {}: largest gap, TTFT | {gap:.1} ms, {t:.0} ms |", i + 2);
+        say!(a.json, "| arrival {}: largest gap, TTFT | {gap:.1} ms, {t:.0} ms |", i + 2);
     }
     if a.json {
         println!(
@@ -392,7 +406,14 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
         let streams = o.streams.iter().copied().max().unwrap_or(1);
         let mut be = braid_models::gpubench::backend(&dev, Box::new(model), streams, tokens.max(o.prefill))?;
         let rep = bench_llama(&mut be, &cfg, &o, &mut |s| eprintln!("{s}"))?;
-        println!("{}", rep.table());
+        if a.json {
+            // The device report is a table; under --json it goes whole
+            // into one string field.
+            eprintln!("{}", rep.table());
+            println!("{}", serde_json::json!({"random_weights": a.preset, "table": rep.table()}));
+        } else {
+            println!("{}", rep.table());
+        }
         return Ok(());
     }
     // The stall scenario on the device: random weights give arbitrary
@@ -410,7 +431,7 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
         BackendConfig { context, kv_tokens: context * (a.bg + 2), max_streams: 64, max_batch: 4096, ..Default::default() },
     )?;
     let device = braid_ops::Device::name(be.device());
-    println!("random-weight {} on {device}", a.preset);
+    say!(a.json, "random-weight {} on {device}", a.preset);
     let dev = be.device().clone();
     stall_on(a, &device, Box::new(be), vocab, context, Arc::new(NoText), Vec::new())?;
     let (replays, captures) = dev.graph_stats();

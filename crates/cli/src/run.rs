@@ -7,30 +7,32 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use braid_engine::{Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
 use braid_formats::template::ChatMessage;
-use braid_server::TokenizerText;
+use braid_server::{SamplingDefaults, TokenizerText};
 use clap::Args;
 
 use crate::load::{self, Loaded};
 use crate::ModelArgs;
 
-/// Sampling flags shared by `run` and `serve` defaults.
+/// Sampling flags. Each one left out takes the model's own default
+/// (generation_config.json, or a GGUF's general.sampling.*), else braid's,
+/// which the server shares (see `braid_server::SamplingDefaults`).
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
-    /// Temperature; 0 picks the most likely token every time (greedy).
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Drop tokens less likely than min_p × the top token's probability (0 = off).
-    #[arg(long, default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Divide the logits of tokens seen recently (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repetition_penalty: f32,
+    /// Temperature; 0 picks the most likely token every time (greedy). [default: the model's, else 0.8]
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Keep only the k most likely tokens (0 = off). [default: the model's, else 40]
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches p (1 = off). [default: the model's, else 0.95]
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than min_p × the top token's probability (0 = off). [default: the model's, else 0.05]
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Divide the logits of tokens seen recently (1 = off). [default: the model's, else 1]
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
     /// Subtract from the logits of tokens already generated (OpenAI's presence penalty).
     #[arg(long, default_value_t = 0.0)]
     pub presence_penalty: f32,
@@ -43,13 +45,14 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    pub fn params(&self) -> SamplingParams {
+    /// The flags given, the rest from `defaults`.
+    pub fn params(&self, defaults: &SamplingDefaults) -> SamplingParams {
         SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(defaults.repetition_penalty),
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
@@ -70,6 +73,11 @@ pub struct RunArgs {
     /// A system message (with --chat).
     #[arg(long)]
     pub system: Option<String>,
+    /// The chat template (with --chat): a Jinja file or a built-in name
+    /// (chatml, llama3, gemma, plain). Default: chat_template.jinja beside
+    /// the model, else the model's own.
+    #[arg(long, value_name = "FILE|NAME")]
+    pub chat_template: Option<String>,
     /// Most tokens to generate.
     #[arg(long, short = 'n', default_value_t = 256)]
     pub max_tokens: usize,
@@ -96,7 +104,9 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
     if !chat {
         return m.tokenizer.encode(prompt, true);
     }
-    let Some(t) = &m.template else { bail!("{} has no chat template; run without --chat", m.path.display()) };
+    let Some(t) = &m.template else {
+        bail!("{} has no chat template (a base model?); run without --chat, or pass --chat-template FILE|NAME", m.path.display())
+    };
     let mut msgs = Vec::new();
     if let Some(s) = system {
         msgs.push(ChatMessage { role: "system".into(), content: s.into() });
@@ -110,7 +120,9 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let m = load::load(&a.model, 0)?;
+    let mut m = load::load(&a.model, 0)?;
+    crate::about::choose_template(&mut m, a.chat_template.as_deref())?;
+    let defaults = crate::about::sampling_defaults(&m.path);
     let prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -120,7 +132,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let lane = Lane::spawn(m.backend, text, config);
     let req = Request {
         prompt,
-        sampling: a.sampling.params(),
+        sampling: a.sampling.params(&defaults),
         stop: StopRules { max_tokens: Some(a.max_tokens), stop_ids: Vec::new(), stop_strings: a.stop.clone(), ignore_eos: a.ignore_eos },
         ..Request::default()
     };

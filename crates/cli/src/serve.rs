@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use braid_engine::Lane;
-use braid_server::{CacheIsolation, ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_server::{About, CacheIsolation, ModelInfo, Server, ServerConfig, TokenizerText};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 
-use crate::load;
 use crate::run::lane_config;
 use crate::ModelArgs;
+use crate::{about, load};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -76,6 +76,18 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// The chat template: a Jinja file, or a built-in name (chatml, llama3,
+    /// gemma, plain). Default: chat_template.jinja beside the model, else
+    /// the model's own.
+    #[arg(long, value_name = "FILE|NAME")]
+    pub chat_template: Option<String>,
+    /// Answer 400 to request fields the server does not read (by default
+    /// they are logged by name and ignored).
+    #[arg(long)]
+    pub strict: bool,
+    /// Serve /metrics without the API key (for a scraper on a trusted network).
+    #[arg(long)]
+    pub metrics_public: bool,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -83,6 +95,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     rt.block_on(async move {
         let path = crate::fetch::resolve(&a.model.model)?;
         let name = a.served_name.clone().unwrap_or_else(|| path.file_stem().and_then(|s| s.to_str()).unwrap_or("braid").to_string());
+        let sampling = about::sampling_defaults(&path);
         let cfg = ServerConfig {
             host: a.host.clone(),
             port: a.port,
@@ -94,6 +107,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             model_name: name.clone(),
             max_body_bytes: a.max_body,
             default_max_tokens: a.default_max_tokens,
+            sampling: sampling.clone(),
+            strict: a.strict,
+            metrics_public: a.metrics_public,
             ..ServerConfig::default()
         };
         // Listen first: /health says 503 until the model is loaded.
@@ -107,6 +123,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() })
         })
         .await??;
+        let template = about::choose_template(&mut m, a.chat_template.as_deref())?;
+        if m.template.is_none() {
+            tracing::warn!(
+                "{} has no chat template (a base model?): /v1/chat/completions and /v1/responses answer 400; \
+                 /v1/completions works. Pass --chat-template FILE|NAME to chat with it.",
+                path.display()
+            );
+        }
         load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
         let mut config = lane_config(&m);
         config.chunk_tokens = a.chunk.max(1);
@@ -116,9 +140,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         config.max_running = a.max_running.max(1);
         config.queue_capacity = a.queue;
         let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
+        let (device, context) = (m.device.clone(), m.context);
         let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+        let fill = lane.stats().fill;
+        let (architecture, parameters) = about::architecture_and_parameters(&path);
+        server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.to_string() });
+        // Ready before the line says so: a client that reads it may ask at once.
         server.ready(lane, info);
-        tracing::info!("ready: {} on {}", path.display(), server.local_addr());
+        tracing::info!(
+            model = %name,
+            architecture = %architecture,
+            parameters = %about::short_count(parameters),
+            context,
+            kv_pool_tokens = fill.blocks_total * fill.block_tokens,
+            template = %template,
+            sampling = format!("temperature {} top_k {} top_p {} min_p {} ({})", sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.source),
+            device = %device,
+            "ready on http://{}",
+            server.local_addr()
+        );
         // Under per-key isolation each key has its own cache to warm.
         let keys: Vec<Option<&str>> = match a.cache_isolation {
             Isolation::PerKey if !a.api_key.is_empty() => a.api_key.iter().map(|k| Some(k.as_str())).collect(),

@@ -164,6 +164,93 @@ impl ChatTemplate {
     }
 }
 
+/// Templates known by name, for models that ship none (a base model) or
+/// ship a wrong one: `--chat-template NAME`.
+pub const BUILTIN: &[(&str, &str)] = &[
+    (
+        "chatml",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ),
+    (
+        "llama3",
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}\
+         {% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+    ),
+    (
+        "gemma",
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m.role == 'assistant' else 'user' %}\
+         <start_of_turn>{{ role }}\n{% if m.role == 'system' %}{{ m.content | trim }}\n\n{% else %}{{ m.content | trim }}<end_of_turn>\n{% endif %}{% endfor %}\
+         {% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+    ),
+    (
+        "plain",
+        "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n\n{% else %}{{ m.role | capitalize }}: {{ m.content }}\n{% endif %}{% endfor %}\
+         {% if add_generation_prompt %}Assistant:{% endif %}",
+    ),
+];
+
+/// The file a model folder (or a model file's folder) may hold its
+/// template in, as newer Hugging Face repositories ship it.
+pub const TEMPLATE_FILE: &str = "chat_template.jinja";
+
+/// Where the template a model is served with came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TemplateSource {
+    /// `--chat-template FILE`, or `chat_template.jinja` beside the model.
+    File(std::path::PathBuf),
+    /// `--chat-template NAME`, one of [`BUILTIN`].
+    Builtin(&'static str),
+    /// The model's own (GGUF metadata, `tokenizer_config.json`).
+    Model,
+    /// None at all: chat requests are refused.
+    None,
+}
+
+impl std::fmt::Display for TemplateSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TemplateSource::File(p) => write!(f, "file {}", p.display()),
+            TemplateSource::Builtin(n) => write!(f, "builtin {n}"),
+            TemplateSource::Model => f.write_str("model"),
+            TemplateSource::None => f.write_str("none"),
+        }
+    }
+}
+
+/// The template a model is served with, first found of: `flag` (a file,
+/// or a [`BUILTIN`] name), `chat_template.jinja` beside the model (inside
+/// a model folder, or in a model file's folder), the model's own `own`.
+/// `tok` gives the BOS/EOS texts.
+pub fn select(flag: Option<&str>, model: &std::path::Path, own: Option<ChatTemplate>, tok: &Tokenizer) -> Result<(Option<ChatTemplate>, TemplateSource)> {
+    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_string();
+    let (bos, eos) = (text(tok.bos()), text(tok.eos()));
+    let from_file = |path: &std::path::Path| -> Result<(Option<ChatTemplate>, TemplateSource)> {
+        let src = std::fs::read_to_string(path).map_err(|e| anyhow!("could not read the chat template {}: {e}", path.display()))?;
+        let t = ChatTemplate::new(&src, &bos, &eos).map_err(|e| anyhow!("{}: {e:#}", path.display()))?;
+        Ok((Some(t), TemplateSource::File(path.to_path_buf())))
+    };
+    if let Some(flag) = flag {
+        let path = std::path::Path::new(flag);
+        if path.is_file() {
+            return from_file(path);
+        }
+        let Some(&(name, src)) = BUILTIN.iter().find(|(n, _)| *n == flag) else {
+            let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+            return Err(anyhow!("--chat-template {flag}: no such file, and not a built-in template ({})", names.join(", ")));
+        };
+        return Ok((Some(ChatTemplate::new(src, &bos, &eos)?), TemplateSource::Builtin(name)));
+    }
+    let dir = if model.is_dir() { Some(model) } else { model.parent() };
+    if let Some(beside) = dir.map(|d| d.join(TEMPLATE_FILE)).filter(|p| p.is_file()) {
+        return from_file(&beside);
+    }
+    Ok(match own {
+        Some(t) => (Some(t), TemplateSource::Model),
+        None => (None, TemplateSource::None),
+    })
+}
+
 /// An error message that says what went wrong and where in the template.
 fn describe(e: &Error, source: &str) -> anyhow::Error {
     // The template's own message says what is wrong; no location needed.
@@ -361,7 +448,58 @@ fn write_json_str(out: &mut String, s: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::strftime;
+    use super::*;
+
+    #[test]
+    fn select_takes_the_flag_then_the_file_beside_then_the_models_own() {
+        use crate::tokenizer::GgufTokenizerSpec;
+        let tokens = ["<s>", "</s>", "a"].map(String::from).to_vec();
+        let spec = GgufTokenizerSpec {
+            model: "gpt2".into(),
+            tokens,
+            token_types: Some(vec![3, 3, 1]),
+            merges: Some(Vec::new()),
+            bos: Some(0),
+            eos: Some(1),
+            ..Default::default()
+        };
+        let tok = Tokenizer::from_spec(spec).unwrap();
+        let dir = std::env::temp_dir().join(format!("braid-template-select-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let model = dir.join("model.gguf");
+        let own = || Some(ChatTemplate::new("own", "", "").unwrap());
+        let pick = |flag: Option<&str>, own: Option<ChatTemplate>| select(flag, &model, own, &tok).map(|(t, s)| (t.map(|t| t.source().to_string()), s));
+
+        assert_eq!(pick(None, own()).unwrap(), (Some("own".into()), TemplateSource::Model));
+        assert_eq!(pick(None, None).unwrap(), (None, TemplateSource::None));
+        let beside = dir.join(TEMPLATE_FILE);
+        std::fs::write(&beside, "{{ bos_token }}beside").unwrap();
+        let (t, s) = select(None, &model, own(), &tok).unwrap();
+        assert_eq!(s, TemplateSource::File(beside.clone()));
+        assert_eq!(t.unwrap().render(&[ChatMessage::new("user", "x")], false).unwrap(), "<s>beside", "BOS text from the tokenizer");
+        assert_eq!(pick(Some("chatml"), own()).unwrap().1, TemplateSource::Builtin("chatml"));
+        let other = dir.join("other.jinja");
+        std::fs::write(&other, "other").unwrap();
+        assert_eq!(pick(Some(other.to_str().unwrap()), own()).unwrap(), (Some("other".into()), TemplateSource::File(other.clone())));
+        let e = pick(Some("nope"), own()).unwrap_err().to_string();
+        assert!(e.contains("nope") && e.contains("chatml, llama3, gemma, plain"), "{e}");
+        std::fs::write(&other, "{% if %}").unwrap();
+        let e = pick(Some(other.to_str().unwrap()), own()).unwrap_err().to_string();
+        assert!(e.contains("other.jinja"), "a broken file is named: {e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn builtin_templates_compile_and_render() {
+        for (name, src) in BUILTIN {
+            let t = ChatTemplate::new(src, "<s>", "</s>").unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")];
+            let text = t.render(&msgs, true).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            assert!(text.contains("Hi") && text.contains("Be brief."), "{name}: {text}");
+        }
+        let chatml = ChatTemplate::new(BUILTIN[0].1, "", "").unwrap();
+        assert_eq!(chatml.render(&[ChatMessage::new("user", "Hi")], true).unwrap(), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
 
     #[test]
     fn strftime_known_dates() {

@@ -58,14 +58,43 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
     let arrived = Instant::now();
     let body = body.map_err(rejected)?;
     let map = params::parse_object(&body)?;
+    let started = start(app, endpoint, headers, &map, arrived).await?;
+    if started.stream {
+        Ok(stream_response(started.run, started.rx, started.cancel, ChatWriter))
+    } else {
+        let run = whole(started.run, started.rx, started.cancel).await?;
+        Ok(axum::Json(run.whole_body()).into_response())
+    }
+}
+
+/// A request whose streams are submitted: its run, the channel its
+/// events come on, and whether the client asked for a stream.
+pub(crate) struct Started {
+    pub(crate) run: Run,
+    pub(crate) rx: mpsc::UnboundedReceiver<(usize, Event)>,
+    pub(crate) cancel: watch::Receiver<bool>,
+    pub(crate) stream: bool,
+}
+
+/// Validates a chat or completions body (`map`), renders and tokenizes
+/// its prompts, and submits one lane stream per choice. `/v1/responses`
+/// comes here too, its body turned into a chat body.
+pub(crate) async fn start(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    map: &serde_json::Map<String, Value>,
+    arrived: Instant,
+) -> Result<Started, ApiError> {
+    crate::fields::check(&app.cfg, endpoint.path(), map)?;
     let max_n = app.cfg.max_n;
-    let (common, prompts, tools) = match endpoint {
+    let (mut common, prompts, tools) = match endpoint {
         Endpoint::Chat => {
-            let req = params::parse_chat(&map, max_n)?;
+            let req = params::parse_chat(map, max_n)?;
             (req.common, Input::Chat(req.messages), Some((req.tools, req.tool_choice, req.parallel_tool_calls)))
         }
         Endpoint::Completions => {
-            let req = params::parse_completion(&map, max_n)?;
+            let req = params::parse_completion(map, max_n)?;
             (req.common, Input::Prompts(req.prompts), None)
         }
     };
@@ -74,6 +103,9 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
             return Err(ApiError::model_not_found(model, &app.cfg.model_name));
         }
     }
+    // The fields the request left out sample as the server's defaults say.
+    app.cfg.sampling.fill(map, &mut common.sampling);
+    let kwargs = crate::fields::template_kwargs(map)?;
     let loaded = app.loaded()?;
     let (gen, info) = (loaded.gen.clone(), loaded.info.clone());
     let template = info.template.as_ref().map_or("", |t| t.source());
@@ -87,7 +119,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
     let (tok_info, tok_tools) = (info.clone(), toolset.clone());
     let (hinted, guide) = tokio::task::spawn_blocking(move || -> Result<(Vec<Hinted>, Option<Guide>), ApiError> {
         let hinted = match prompts {
-            Input::Chat(messages) => vec![crate::chat_prompt(&tok_info, &messages, tok_tools.as_deref(), true)?],
+            Input::Chat(messages) => vec![crate::chat_prompt(&tok_info, &messages, tok_tools.as_deref(), &kwargs, true)?],
             Input::Prompts(ps) => ps.into_iter().map(|p| Ok((tokenize(&tok_info, p)?, None))).collect::<Result<Vec<_>, ApiError>>()?,
         };
         let guide = match &spec {
@@ -130,7 +162,9 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
         app: app.clone(),
         info,
         id: format!("{}{}", if endpoint == Endpoint::Chat { "chatcmpl-" } else { "cmpl-" }, random_id()),
+        request_id: crate::request_id(headers),
         endpoint,
+        route: endpoint.path(),
         created: unix_now(),
         model: app.cfg.model_name.clone(),
         arrived,
@@ -143,12 +177,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
         done: false,
         _tickets: tickets,
     };
-    let cancel = app.cancel.subscribe();
-    if common.stream {
-        Ok(stream_response(run, rx, cancel))
-    } else {
-        whole_response(run, rx, cancel).await
-    }
+    Ok(Started { run, rx, cancel: app.cancel.subscribe(), stream: common.stream })
 }
 
 /// A tokenized prompt and where a mark would pay in it.
@@ -200,7 +229,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
     let input = req.input;
     let (prompt, hint) = tokio::task::spawn_blocking(move || match input {
         // The start of a later chat: no assistant turn opened.
-        params::WarmInput::Chat(messages) => crate::chat_prompt(&tok_info, &messages, None, false),
+        params::WarmInput::Chat(messages) => crate::chat_prompt(&tok_info, &messages, None, &serde_json::Map::new(), false),
         params::WarmInput::Prompt(p) => Ok((tokenize(&tok_info, p)?, None)),
     })
     .await
@@ -326,29 +355,31 @@ impl EventSink for ChoiceSink {
 
 /// One choice's progress.
 #[derive(Default)]
-struct Choice {
-    text: String,
-    tokens: usize,
-    finish: Option<FinishReason>,
+pub(crate) struct Choice {
+    pub(crate) text: String,
+    pub(crate) tokens: usize,
+    pub(crate) finish: Option<FinishReason>,
     first: Option<Instant>,
     last: Option<Instant>,
-    cached: usize,
+    pub(crate) cached: usize,
+    /// Submission to admission, as the lane measured it.
+    queued: Option<std::time::Duration>,
     logprobs: Vec<TokenLogprob>,
     /// With tools: the output's parser, the content outside calls, and
     /// the calls.
-    parser: Option<Box<dyn CallParser>>,
-    content: String,
-    calls: Vec<CallOut>,
+    pub(crate) parser: Option<Box<dyn CallParser>>,
+    pub(crate) content: String,
+    pub(crate) calls: Vec<CallOut>,
 }
 
-struct CallOut {
-    id: String,
-    name: String,
-    arguments: String,
+pub(crate) struct CallOut {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) arguments: String,
 }
 
 /// A streamed change to a chat choice with tools.
-enum Delta {
+pub(crate) enum Delta {
     Content(String),
     Call { index: usize, id: String, name: String },
     Args { index: usize, text: String },
@@ -382,13 +413,13 @@ impl Choice {
     }
 
     /// OpenAI's finish reason: `tool_calls` when a stopped choice called.
-    fn finish_reason(&self) -> Option<&'static str> {
+    pub(crate) fn finish_reason(&self) -> Option<&'static str> {
         self.finish.map(|r| if r == FinishReason::Stop && !self.calls.is_empty() { "tool_calls" } else { r.as_str() })
     }
 }
 
 #[derive(Clone)]
-struct TokenLogprob {
+pub(crate) struct TokenLogprob {
     id: u32,
     logprob: f32,
     top: Vec<(u32, f32)>,
@@ -398,7 +429,7 @@ struct TokenLogprob {
 }
 
 /// What one event changed, for the streaming writer.
-enum Update {
+pub(crate) enum Update {
     /// New text (maybe empty) with its token's logprobs when asked for.
     Token {
         index: usize,
@@ -424,17 +455,22 @@ enum Update {
 }
 
 /// One request's streams, from submission to the log line.
-struct Run {
+pub(crate) struct Run {
     app: Arc<App>,
     info: Arc<ModelInfo>,
-    id: String,
+    pub(crate) id: String,
+    /// The client's `x-request-id` (or the one the server gave it), for
+    /// the log line.
+    request_id: String,
     endpoint: Endpoint,
-    created: u64,
-    model: String,
+    /// The route the log line names (`/v1/responses` runs the chat path).
+    pub(crate) route: &'static str,
+    pub(crate) created: u64,
+    pub(crate) model: String,
     arrived: Instant,
     n: usize,
-    prompt_lens: Vec<usize>,
-    choices: Vec<Choice>,
+    pub(crate) prompt_lens: Vec<usize>,
+    pub(crate) choices: Vec<Choice>,
     logprobs: Option<usize>,
     include_usage: bool,
     user: Option<String>,
@@ -445,11 +481,11 @@ struct Run {
 }
 
 impl Run {
-    fn all_finished(&self) -> bool {
+    pub(crate) fn all_finished(&self) -> bool {
         self.choices.iter().all(|c| c.finish.is_some())
     }
 
-    fn apply(&mut self, index: usize, event: Event) -> Update {
+    pub(crate) fn apply(&mut self, index: usize, event: Event) -> Update {
         let now = Instant::now();
         let Some(choice) = self.choices.get_mut(index) else {
             return Update::Nothing;
@@ -492,7 +528,10 @@ impl Run {
                 parser.push(&raw, &mut pieces);
                 Update::Deltas { index, deltas: choice.take(pieces), logprob: lp }
             }
-            Event::Finished { reason, usage, tail, .. } => {
+            Event::Finished { reason, usage, tail, timing } => {
+                choice.queued = Some(timing.queued);
+                // Prefill time: admission to the first token.
+                self.app.metrics.timing(timing.queued, timing.ttft.map(|t| t.saturating_sub(timing.queued)));
                 choice.text.push_str(&tail);
                 choice.tokens = usage.completion_tokens;
                 choice.cached = choice.cached.max(usage.cached_tokens);
@@ -714,15 +753,24 @@ impl Drop for Run {
         let m = &self.app.metrics;
         m.add_tokens(prompt, generated);
         m.duration.observe(self.arrived.elapsed().as_secs_f64());
-        let ttft_ms = self.choices.iter().filter_map(|c| c.first).min().map(|t| (t - self.arrived).as_secs_f64() * 1e3);
-        let reasons: Vec<&str> = self.choices.iter().map(|c| c.finish.unwrap_or(FinishReason::Cancelled).as_str()).collect();
+        let ms = |d: std::time::Duration| format!("{:.1}", d.as_secs_f64() * 1e3);
+        let ttft_ms = self.choices.iter().filter_map(|c| c.first).min().map(|t| ms(t - self.arrived));
+        let queue_ms = self.choices.iter().filter_map(|c| c.queued).max().map(ms);
+        let reasons: Vec<&str> = self.choices.iter().map(|c| c.finish_reason().unwrap_or("cancelled")).collect();
+        for r in &reasons {
+            m.finish(r);
+        }
+        let cached: usize = self.choices.iter().step_by(self.n.max(1)).map(|c| c.cached).sum();
         tracing::info!(
+            request_id = %self.request_id,
             id = %self.id,
-            endpoint = self.endpoint.path(),
+            endpoint = self.route,
+            queue_ms = queue_ms.as_deref().unwrap_or("-"),
+            cached_tokens = cached,
             prompt_tokens = prompt,
-            generated_tokens = generated,
-            ttft_ms = ttft_ms.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
-            total_ms = format!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
+            completion_tokens = generated,
+            ttft_ms = ttft_ms.as_deref().unwrap_or("-"),
+            total_ms = ms(self.arrived.elapsed()),
             finish = reasons.join(","),
             user = self.user.as_deref().unwrap_or("-"),
             "request done"
@@ -753,7 +801,8 @@ async fn cancelled(cancel: &mut watch::Receiver<bool>) {
     }
 }
 
-async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, Event)>, mut cancel: watch::Receiver<bool>) -> Result<Response, ApiError> {
+/// Waits for every choice of `run` to finish.
+pub(crate) async fn whole(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, Event)>, mut cancel: watch::Receiver<bool>) -> Result<Run, ApiError> {
     while !run.all_finished() {
         tokio::select! {
             ev = rx.recv() => match ev {
@@ -767,54 +816,81 @@ async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, Ev
             _ = cancelled(&mut cancel) => return Err(ApiError::unavailable("The server is shutting down.")),
         }
     }
-    Ok(axum::Json(run.whole_body()).into_response())
+    Ok(run)
 }
 
-struct Streaming {
+/// How a stream's updates become SSE frames: chat and completions chunks
+/// here, `/v1/responses` events in `responses`.
+pub(crate) trait Writer: Send + 'static {
+    fn opening(&mut self, run: &Run, out: &mut VecDeque<Bytes>);
+    fn update(&mut self, run: &Run, update: Update, out: &mut VecDeque<Bytes>);
+    /// Every choice finished.
+    fn closing(&mut self, run: &Run, out: &mut VecDeque<Bytes>);
+    /// The stream failed midway; nothing follows.
+    fn failed(&mut self, run: &Run, error: ApiError, out: &mut VecDeque<Bytes>);
+}
+
+/// Chat and completions chunks, ending with `data: [DONE]`.
+pub(crate) struct ChatWriter;
+
+impl Writer for ChatWriter {
+    fn opening(&mut self, run: &Run, out: &mut VecDeque<Bytes>) {
+        run.opening(out);
+    }
+
+    fn update(&mut self, run: &Run, update: Update, out: &mut VecDeque<Bytes>) {
+        run.frames(update, out);
+    }
+
+    fn closing(&mut self, run: &Run, out: &mut VecDeque<Bytes>) {
+        run.closing(out);
+    }
+
+    fn failed(&mut self, _run: &Run, error: ApiError, out: &mut VecDeque<Bytes>) {
+        out.push_back(sse(&error.body()));
+        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
+}
+
+struct Streaming<W> {
     run: Run,
     rx: mpsc::UnboundedReceiver<(usize, Event)>,
     cancel: watch::Receiver<bool>,
     out: VecDeque<Bytes>,
+    writer: W,
 }
 
-impl Streaming {
+impl<W: Writer> Streaming<W> {
     /// Wait for the next event and turn it into frames.
     async fn step(&mut self) {
         tokio::select! {
             ev = self.rx.recv() => match ev {
-                Some((i, ev)) => {
-                    let update = self.run.apply(i, ev);
-                    let failed = matches!(update, Update::Error(_));
-                    self.run.frames(update, &mut self.out);
-                    if failed {
-                        self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                        self.run.done = true;
-                    } else if self.run.all_finished() {
-                        self.run.closing(&mut self.out);
-                        self.run.done = true;
+                Some((i, ev)) => match self.run.apply(i, ev) {
+                    Update::Error(m) => self.fail(ApiError::internal(format!("Generation failed: {m}"))),
+                    update => {
+                        self.writer.update(&self.run, update, &mut self.out);
+                        if self.run.all_finished() {
+                            self.writer.closing(&self.run, &mut self.out);
+                            self.run.done = true;
+                        }
                     }
-                }
-                None => {
-                    let e = ApiError::unavailable("The lane stopped before the request finished.");
-                    self.out.push_back(sse(&e.body()));
-                    self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                    self.run.done = true;
-                }
+                },
+                None => self.fail(ApiError::unavailable("The lane stopped before the request finished.")),
             },
-            _ = cancelled(&mut self.cancel) => {
-                let e = ApiError::unavailable("The server is shutting down.");
-                self.out.push_back(sse(&e.body()));
-                self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                self.run.done = true;
-            }
+            _ = cancelled(&mut self.cancel) => self.fail(ApiError::unavailable("The server is shutting down.")),
         }
+    }
+
+    fn fail(&mut self, e: ApiError) {
+        self.writer.failed(&self.run, e, &mut self.out);
+        self.run.done = true;
     }
 }
 
-fn stream_response(run: Run, rx: mpsc::UnboundedReceiver<(usize, Event)>, cancel: watch::Receiver<bool>) -> Response {
+pub(crate) fn stream_response<W: Writer>(run: Run, rx: mpsc::UnboundedReceiver<(usize, Event)>, cancel: watch::Receiver<bool>, mut writer: W) -> Response {
     let mut out = VecDeque::new();
-    run.opening(&mut out);
-    let state = Streaming { run, rx, cancel, out };
+    writer.opening(&run, &mut out);
+    let state = Streaming { run, rx, cancel, out, writer };
     // When the client leaves, hyper drops this stream: `rx` goes with it,
     // and the lane side sees its sinks closed and cancels.
     let body = futures::stream::unfold(state, |mut st| async move {

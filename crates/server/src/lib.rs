@@ -4,7 +4,11 @@
 //! streaming or not; structured outputs and tool calls, see `guide` and
 //! `tools`), `POST /v1/warm` (a prefix into the prefix cache, no
 //! completion), `POST /tokenize` and `/detokenize` (llama.cpp's shapes),
-//! `GET /v1/models`, `GET /health`, `GET /metrics`.
+//! `GET /v1/models`, `GET /health`, `GET /metrics`; `POST /v1/responses`
+//! (the stateless subset, over the chat path), `GET /props`, `POST
+//! /v1/embeddings` (a 400 until an embedding model can be loaded), and a
+//! chat page at `/`. Every answer carries an `x-request-id` (the client's,
+//! or one made here), which the request's log lines name.
 //! The server knows streams and lanes, never tensors: it validates a
 //! request, renders and tokenizes the prompt, submits one lane stream per
 //! choice, and turns the lane's events into OpenAI-shaped JSON. A client
@@ -18,11 +22,16 @@
 //! ```
 
 mod api;
+mod defaults;
 mod error;
+mod fields;
 mod guide;
 mod lane;
 mod metrics;
+mod page;
 mod params;
+mod props;
+mod responses;
 mod tokenize;
 mod tools;
 
@@ -43,8 +52,10 @@ use braid_formats::tokenizer::Tokenizer;
 use serde_json::json;
 use tokio::sync::{oneshot, watch};
 
+pub use defaults::SamplingDefaults;
 pub use error::ApiError;
 pub use lane::{Generator, Ticket, TokenizerText};
+pub use props::About;
 
 /// How the server listens and what it accepts.
 #[derive(Clone, Debug)]
@@ -71,6 +82,13 @@ pub struct ServerConfig {
     /// At shutdown, how long running streams may take to finish before
     /// they are cancelled.
     pub shutdown_grace: Duration,
+    /// What a request samples with for the fields it leaves out.
+    pub sampling: SamplingDefaults,
+    /// Refuse (400) request fields the server does not read, rather than
+    /// log and ignore them.
+    pub strict: bool,
+    /// Serve `/metrics` without the API key.
+    pub metrics_public: bool,
 }
 
 impl Default for ServerConfig {
@@ -85,6 +103,9 @@ impl Default for ServerConfig {
             max_n: 16,
             default_max_tokens: None,
             shutdown_grace: Duration::from_secs(10),
+            sampling: SamplingDefaults::default(),
+            strict: false,
+            metrics_public: false,
         }
     }
 }
@@ -163,6 +184,8 @@ pub(crate) struct App {
     /// Set to true to end every running stream (shutdown after the grace).
     pub(crate) cancel: watch::Sender<bool>,
     started: u64,
+    /// What `/props` tells of the model beyond `ModelInfo`.
+    about: RwLock<About>,
 }
 
 impl App {
@@ -180,32 +203,43 @@ pub(crate) fn chat_prompt(
     info: &ModelInfo,
     messages: &[params::Message],
     tools: Option<&tools::Toolset>,
+    kwargs: &serde_json::Map<String, serde_json::Value>,
     generation: bool,
 ) -> Result<(Vec<u32>, Option<usize>), ApiError> {
-    let prompt = render_chat(info, messages, tools, generation)?;
+    let prompt = render_chat(info, messages, tools, kwargs, generation)?;
     let system = messages.iter().take_while(|m| m.role == "system").count();
     if system == 0 || system == messages.len() {
         return Ok((prompt, None));
     }
-    let head = render_chat(info, &messages[..system], tools, false)?;
+    let head = render_chat(info, &messages[..system], tools, kwargs, false)?;
     let hint = (!head.is_empty() && prompt.starts_with(&head)).then_some(head.len());
     Ok((prompt, hint))
 }
 
 /// Renders `messages` (with `tools`) with the model's template and
-/// tokenizes them; `generation`: open the assistant's turn after them.
-pub(crate) fn render_chat(info: &ModelInfo, messages: &[params::Message], tools: Option<&tools::Toolset>, generation: bool) -> Result<Vec<u32>, ApiError> {
+/// tokenizes them, with `kwargs` (`chat_template_kwargs`) as extra
+/// template variables; `generation`: open the assistant's turn after them.
+pub(crate) fn render_chat(
+    info: &ModelInfo,
+    messages: &[params::Message],
+    tools: Option<&tools::Toolset>,
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+    generation: bool,
+) -> Result<Vec<u32>, ApiError> {
     let Some(template) = &info.template else {
         return Err(ApiError::invalid(
-            "This model has no chat template, so /v1/chat/completions cannot format messages; \
-             use /v1/completions with a prompt instead.",
+            "This model has no chat template (a base model?), so it cannot format chat messages; \
+             use /v1/completions with a prompt, or start the server with --chat-template FILE|NAME.",
         )
         .with_code("no_chat_template"));
     };
-    let (messages, vars) = match tools {
+    let (messages, mut vars) = match tools {
         Some(t) => (t.messages(messages), t.template_vars()),
         None => (messages.iter().map(tools::message_value).collect(), serde_json::Map::new()),
     };
+    for (k, v) in kwargs {
+        vars.entry(k.clone()).or_insert_with(|| v.clone());
+    }
     let text = template
         .render_with(&messages, generation, &vars)
         .map_err(|e| ApiError::param("messages", format!("The chat template could not render these messages: {e:#}")))?;
@@ -236,6 +270,7 @@ impl Server {
             metrics: metrics::Metrics::default(),
             cancel: watch::Sender::new(false),
             started: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            about: RwLock::new(About::default()),
             cfg,
         });
         let router = router(app.clone());
@@ -270,6 +305,12 @@ impl Server {
     pub fn ready_with(&self, gen: Arc<dyn Generator>, model: ModelInfo) {
         *self.app.loaded.write().unwrap_or_else(|e| e.into_inner()) = Some(Loaded { gen, info: Arc::new(model), grammars: Arc::default() });
         tracing::info!(model = %self.app.cfg.model_name, "model ready");
+    }
+
+    /// What `/props` reports of the model (architecture, device, where
+    /// the template came from, ...).
+    pub fn set_about(&self, about: About) {
+        *self.app.about.write().unwrap_or_else(|e| e.into_inner()) = about;
     }
 
     /// Feed a prefix into the prefix cache, as `POST /v1/warm` does with
@@ -329,7 +370,8 @@ pub async fn serve(cfg: ServerConfig, lane: braid_engine::Lane, model: ModelInfo
 }
 
 fn router(app: Arc<App>) -> Router {
-    Router::new()
+    use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+    surface_routes(Router::new())
         .route("/v1/chat/completions", post(api::chat))
         .route("/v1/completions", post(api::completions))
         .route("/v1/warm", post(api::warm))
@@ -343,7 +385,26 @@ fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(|| async { ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("Method not allowed on this route.") } })
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
+        // Outermost: a request without an `x-request-id` gets one, and the
+        // answer carries it back.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(app)
+}
+
+/// The routes beyond chat and completions that clients of a local server
+/// reach for.
+fn surface_routes(router: Router<Arc<App>>) -> Router<Arc<App>> {
+    router
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/embeddings", post(responses::embeddings))
+        .route("/props", get(props::props))
+        .route("/", get(page::page))
+}
+
+/// A request's `x-request-id` (the layer above sets one on every request).
+pub(crate) fn request_id(headers: &HeaderMap) -> String {
+    headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-").to_string()
 }
 
 /// Route label for metrics (bounded: unknown paths share one label).
@@ -358,15 +419,25 @@ fn route_label(path: &str) -> &'static str {
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/v1/responses" => "/v1/responses",
+        "/v1/embeddings" => "/v1/embeddings",
+        "/props" => "/props",
+        "/" => "/",
         _ => "other",
     }
 }
 
 /// Every request passes here: the API key check, then the count by status.
+/// Its log lines name its request id.
 async fn gate(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    use tracing::Instrument as _;
     let route = route_label(req.uri().path());
     let keys = &app.cfg.api_keys;
-    let res = if !keys.is_empty() && route != "/health" && !authorized(&req, keys) { ApiError::unauthorized().into_response() } else { next.run(req).await };
+    let span = tracing::info_span!("request", request_id = %request_id(req.headers()));
+    // The page is static (no data in it), and asks for the key itself.
+    let open = route == "/health" || route == "/" || (route == "/metrics" && app.cfg.metrics_public);
+    let res =
+        if !keys.is_empty() && !open && !authorized(&req, keys) { ApiError::unauthorized().into_response() } else { next.run(req).instrument(span).await };
     app.metrics.request(route, res.status().as_u16());
     res
 }
@@ -423,6 +494,6 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let stats = app.loaded().ok().map(|l| l.gen.stats());
-    let text = app.metrics.render(stats.as_ref());
+    let text = app.metrics.render(&app.cfg.model_name, stats.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

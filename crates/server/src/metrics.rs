@@ -1,10 +1,13 @@
 //! Prometheus text exposition, written by hand (no metrics crate): request
-//! counts by status, token counts, latency histograms, and the lane's gauges.
+//! counts by status, token counts, finish reasons, latency histograms, and
+//! the lane's gauges. Every series carries a `model_name` label (vLLM's
+//! name for it), so one dashboard can tell the models it scrapes apart.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use braid_engine::LaneStats;
 
@@ -35,17 +38,19 @@ impl Histogram {
         h.count += 1;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
+    /// `labels`: `key="value",` pairs each series starts with (or "").
+    fn render(&self, out: &mut String, labels: &str, name: &str, help: &str) {
         let h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cum = 0;
         for (b, c) in self.bounds.iter().zip(&h.counts) {
             cum += c;
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+            let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{b}\"}} {cum}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
-        let _ = writeln!(out, "{name}_sum {}", h.sum);
-        let _ = writeln!(out, "{name}_count {}", h.count);
+        let _ = writeln!(out, "{name}_bucket{{{labels}le=\"+Inf\"}} {}", h.count);
+        let labels = labels.trim_end_matches(',');
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
     }
 }
 
@@ -61,6 +66,12 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub duration: Histogram,
+    /// Submission to admission, per stream.
+    pub queue_time: Histogram,
+    /// Admission to the first token, per stream.
+    pub prefill_time: Histogram,
+    /// OpenAI's finish reason (and `cancelled`) -> streams.
+    finish_reasons: Mutex<BTreeMap<String, u64>>,
 }
 
 impl Default for Metrics {
@@ -72,6 +83,9 @@ impl Default for Metrics {
             ttft: Histogram::new(LATENCY),
             inter_token: Histogram::new(LATENCY),
             duration: Histogram::new(DURATION),
+            queue_time: Histogram::new(LATENCY),
+            prefill_time: Histogram::new(LATENCY),
+            finish_reasons: Mutex::new(BTreeMap::new()),
         }
     }
 }
@@ -86,21 +100,50 @@ impl Metrics {
         self.generated_tokens.fetch_add(generated as u64, Ordering::Relaxed);
     }
 
-    /// The whole exposition; `lane` is `None` while the model loads.
-    pub fn render(&self, lane: Option<&LaneStats>) -> String {
+    /// A stream ended with OpenAI's finish `reason` (or `cancelled`).
+    pub fn finish(&self, reason: &str) {
+        *self.finish_reasons.lock().unwrap_or_else(|e| e.into_inner()).entry(reason.to_string()).or_default() += 1;
+    }
+
+    /// A stream's time in the queue and in its prompt pass (`None`: it
+    /// made no token).
+    pub fn timing(&self, queued: Duration, prefill: Option<Duration>) {
+        self.queue_time.observe(queued.as_secs_f64());
+        if let Some(p) = prefill {
+            self.prefill_time.observe(p.as_secs_f64());
+        }
+    }
+
+    /// The whole exposition, every series labelled with `model`; `lane`
+    /// is `None` while the model loads.
+    pub fn render(&self, model: &str, lane: Option<&LaneStats>) -> String {
         let mut out = String::new();
+        // Label values escape `\`, `"` and newlines.
+        let model = model.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+        let l = format!("model_name=\"{model}\",");
+        let one = format!("{{model_name=\"{model}\"}}");
         out.push_str("# HELP braid_requests_total HTTP requests answered, by route and status.\n");
         out.push_str("# TYPE braid_requests_total counter\n");
         for ((route, status), n) in self.requests.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = writeln!(out, "braid_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}");
+            let _ = writeln!(out, "braid_requests_total{{{l}route=\"{route}\",status=\"{status}\"}} {n}");
         }
+        out.push_str("# HELP braid_finished_streams_total Streams ended, by OpenAI's finish reason (cancelled: the client left or the server stopped).\n");
+        out.push_str("# TYPE braid_finished_streams_total counter\n");
+        for (reason, n) in self.finish_reasons.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = writeln!(out, "braid_finished_streams_total{{{l}finish_reason=\"{reason}\"}} {n}");
+        }
+        let (counter, gauge) = (
+            |out: &mut String, name: &str, help: &str, v: u64| counter(out, &one, name, help, v),
+            |out: &mut String, name: &str, help: &str, v: f64| gauge(out, &one, name, help, v),
+        );
         counter(&mut out, "braid_prompt_tokens_total", "Prompt tokens of accepted requests.", self.prompt_tokens.load(Ordering::Relaxed));
         counter(&mut out, "braid_generated_tokens_total", "Tokens generated.", self.generated_tokens.load(Ordering::Relaxed));
-        self.ttft.render(&mut out, "braid_time_to_first_token_seconds", "Time from request arrival to a stream's first token.");
-        self.inter_token.render(&mut out, "braid_inter_token_seconds", "Gap between consecutive tokens of one stream.");
-        self.duration.render(&mut out, "braid_request_duration_seconds", "Time from request arrival to its last token.");
-        out.push_str("# HELP braid_model_loaded Whether the model is loaded and serving.\n# TYPE braid_model_loaded gauge\n");
-        let _ = writeln!(out, "braid_model_loaded {}", u8::from(lane.is_some()));
+        self.ttft.render(&mut out, &l, "braid_time_to_first_token_seconds", "Time from request arrival to a stream's first token.");
+        self.inter_token.render(&mut out, &l, "braid_inter_token_seconds", "Gap between consecutive tokens of one stream.");
+        self.duration.render(&mut out, &l, "braid_request_duration_seconds", "Time from request arrival to its last token.");
+        self.queue_time.render(&mut out, &l, "braid_queue_time_seconds", "Time a stream waited for admission.");
+        self.prefill_time.render(&mut out, &l, "braid_prefill_time_seconds", "Time from a stream's admission to its first token (its prompt pass).");
+        gauge(&mut out, "braid_model_loaded", "Whether the model is loaded and serving.", f64::from(u8::from(lane.is_some())));
         if let Some(l) = lane {
             gauge(&mut out, "braid_queue_depth", "Streams waiting to start.", l.queued as f64);
             gauge(&mut out, "braid_running_streams", "Streams prefilling or decoding.", (l.prefilling + l.decoding) as f64);
@@ -144,12 +187,12 @@ impl Metrics {
     }
 }
 
-fn counter(out: &mut String, name: &str, help: &str, v: u64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+fn counter(out: &mut String, labels: &str, name: &str, help: &str, v: u64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name}{labels} {v}");
 }
 
-fn gauge(out: &mut String, name: &str, help: &str, v: f64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+fn gauge(out: &mut String, labels: &str, name: &str, help: &str, v: f64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{labels} {v}");
 }
 
 #[cfg(test)]
@@ -163,12 +206,12 @@ mod tests {
             h.observe(v);
         }
         let mut s = String::new();
-        h.render(&mut s, "x", "help");
-        assert!(s.contains("x_bucket{le=\"0.1\"} 1\n"), "{s}");
-        assert!(s.contains("x_bucket{le=\"1\"} 3\n"), "{s}");
-        assert!(s.contains("x_bucket{le=\"+Inf\"} 4\n"), "{s}");
-        assert!(s.contains("x_count 4\n"), "{s}");
-        assert!(s.contains("x_sum 4.25\n"), "{s}");
+        h.render(&mut s, "m=\"a\",", "x", "help");
+        assert!(s.contains("x_bucket{m=\"a\",le=\"0.1\"} 1\n"), "{s}");
+        assert!(s.contains("x_bucket{m=\"a\",le=\"1\"} 3\n"), "{s}");
+        assert!(s.contains("x_bucket{m=\"a\",le=\"+Inf\"} 4\n"), "{s}");
+        assert!(s.contains("x_count{m=\"a\"} 4\n"), "{s}");
+        assert!(s.contains("x_sum{m=\"a\"} 4.25\n"), "{s}");
     }
 
     #[test]
@@ -177,9 +220,13 @@ mod tests {
         m.request("/v1/completions", 200);
         m.request("/v1/completions", 200);
         m.request("/v1/completions", 400);
-        let s = m.render(None);
-        assert!(s.contains("braid_requests_total{route=\"/v1/completions\",status=\"200\"} 2\n"), "{s}");
-        assert!(s.contains("braid_requests_total{route=\"/v1/completions\",status=\"400\"} 1\n"), "{s}");
-        assert!(s.contains("braid_model_loaded 0\n"), "{s}");
+        m.finish("stop");
+        m.finish("tool_calls");
+        m.finish("stop");
+        let s = m.render("my \"model\"", None);
+        assert!(s.contains("braid_requests_total{model_name=\"my \\\"model\\\"\",route=\"/v1/completions\",status=\"200\"} 2\n"), "{s}");
+        assert!(s.contains("braid_requests_total{model_name=\"my \\\"model\\\"\",route=\"/v1/completions\",status=\"400\"} 1\n"), "{s}");
+        assert!(s.contains("braid_finished_streams_total{model_name=\"my \\\"model\\\"\",finish_reason=\"stop\"} 2\n"), "{s}");
+        assert!(s.contains("braid_model_loaded{model_name=\"my \\\"model\\\"\"} 0\n"), "{s}");
     }
 }

@@ -318,8 +318,8 @@ async fn bad_requests_get_openai_errors() {
     let r = post(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 1})).await;
     assert_eq!(r.status, 200);
     let m = get(addr, "/metrics").await.text();
-    assert!(m.contains("braid_requests_total{route=\"/v1/completions\",status=\"400\"}"), "{m}");
-    assert!(m.contains("braid_requests_total{route=\"/v1/completions\",status=\"413\"} 1"), "{m}");
+    assert!(m.contains("braid_requests_total{model_name=\"fake\",route=\"/v1/completions\",status=\"400\"}"), "{m}");
+    assert!(m.contains("braid_requests_total{model_name=\"fake\",route=\"/v1/completions\",status=\"413\"} 1"), "{m}");
     server.shutdown().await.unwrap();
 }
 
@@ -444,7 +444,7 @@ async fn metrics_report_tokens_latency_and_lane_gauges() {
     assert!(m.header("content-type").unwrap().starts_with("text/plain"));
     let m = m.text();
     let value = |name: &str| -> f64 {
-        let line = m.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).unwrap_or_else(|| panic!("no {name} in {m}"));
+        let line = m.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{'])).unwrap_or_else(|| panic!("no {name} in {m}"));
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
     assert_eq!(value("braid_prompt_tokens_total"), 4.0);
@@ -453,7 +453,7 @@ async fn metrics_report_tokens_latency_and_lane_gauges() {
     assert_eq!(value("braid_inter_token_seconds_count"), 2.0);
     assert_eq!(value("braid_queue_depth"), 0.0);
     assert_eq!(value("braid_running_streams"), 0.0);
-    assert!(m.contains("braid_requests_total{route=\"/v1/completions\",status=\"200\"} 1"), "{m}");
+    assert!(m.contains("braid_requests_total{model_name=\"fake\",route=\"/v1/completions\",status=\"200\"} 1"), "{m}");
     assert!(m.contains("# TYPE braid_decode_batch_mean gauge"));
     server.shutdown().await.unwrap();
 }

@@ -55,7 +55,7 @@ async fn start(lane_cfg: LaneConfig) -> Option<Server> {
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).unwrap_or_else(|| panic!("no {name} in\n{text}"));
+    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{'])).unwrap_or_else(|| panic!("no {name} in\n{text}"));
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 

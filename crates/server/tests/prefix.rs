@@ -99,7 +99,7 @@ async fn ask(addr: std::net::SocketAddr, path: &str, body: Value, key: Option<&s
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).unwrap_or_else(|| panic!("no {name} in\n{text}"));
+    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{'])).unwrap_or_else(|| panic!("no {name} in\n{text}"));
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 

@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod blocks;
 pub mod config;
+pub mod dflash;
 pub mod gemma3;
 pub mod gemma4;
 #[cfg(feature = "cuda")]

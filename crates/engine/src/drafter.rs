@@ -10,17 +10,22 @@
 //! is the same as without a drafter (token for token under greedy, and
 //! under a seeded sampler too: one random draw per emitted token either
 //! way).
+//!
+//! Rows come with their token ids as well as their features: a block
+//! drafter reads the features, a prompt-lookup or draft-model drafter the
+//! tokens.
 
 use crate::backend::StreamId;
 
 pub trait Drafter: Send {
-    /// A stream begins; its state already holds `start` rows (a restored
-    /// prefix) whose features this drafter has not seen.
-    fn open(&mut self, _stream: StreamId, _start: usize) {}
+    /// A stream begins; its state already holds the rows of `prefix` (a
+    /// restored prefix) whose features this drafter has not seen.
+    fn open(&mut self, _stream: StreamId, _prefix: &[u32]) {}
 
-    /// Take in `rows` feature rows of `stream` (each `features.len() / rows`
-    /// wide; empty when the backend taps no features), in order.
-    fn absorb(&mut self, stream: StreamId, features: &[f32], rows: usize);
+    /// Take in the next rows of `stream`, in order: their token ids and
+    /// their feature rows (each `features.len() / tokens.len()` wide; empty
+    /// when the backend taps no features).
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]);
 
     /// Propose tokens to follow `last`, the newest token of `stream` (sampled
     /// but not yet fed). May be empty; the lane trims it to its budget.

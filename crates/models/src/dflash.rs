@@ -435,14 +435,15 @@ impl<D: Device> DFlashDrafter<D> {
 }
 
 impl<D: Device> Drafter for DFlashDrafter<D> {
-    fn open(&mut self, stream: StreamId, start: usize) {
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
         self.forget(stream);
         // Rows restored from a prefix were never seen: the context starts
         // after them (positions stay the target's).
-        self.stream(stream).base = start;
+        self.stream(stream).base = prefix.len();
     }
 
-    fn absorb(&mut self, stream: StreamId, features: &[f32], rows: usize) {
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
+        let rows = tokens.len();
         // A backend tapping other rows than this drafter reads is refused
         // when the drafter is attached; anything else is not this drafter's.
         if rows > 0 && features.len() == rows * self.model.feature_dim() {

@@ -48,7 +48,8 @@ impl Case {
         while at < to {
             let end = (at + step).min(to);
             let f = self.features(at, end).to_vec();
-            self.drafter.absorb(stream, &f, end - at);
+            let t = self.tokens[at..end].to_vec();
+            self.drafter.absorb(stream, &t, &f);
             at = end;
         }
     }
@@ -75,7 +76,7 @@ fn native_layout_matches_the_reference() {
     assert_eq!(c.width, 128);
     for (i, n) in cases(&c).into_iter().enumerate() {
         let stream = i as u64;
-        c.drafter.open(stream, 0);
+        c.drafter.open(stream, &[]);
         c.absorb(stream, 0, n, 1);
         let picks = c.check(stream, n);
         // Greedy picks are the logits' argmax, in the target's ids.
@@ -90,7 +91,7 @@ fn context_kept_across_proposals_matches_the_reference() {
     // lane feeds it (prompt chunks, then each round's kept rows), and each
     // proposal's block rows are overwritten by the context that follows.
     let mut c = case("dflash_gemma3");
-    c.drafter.open(7, 0);
+    c.drafter.open(7, &[]);
     c.absorb(7, 0, 5, 2);
     c.check(7, 5);
     c.absorb(7, 5, 24, 3);
@@ -99,7 +100,7 @@ fn context_kept_across_proposals_matches_the_reference() {
     c.check(7, 31);
     // A forgotten stream starts over: its blocks are free again.
     c.drafter.forget(7);
-    c.drafter.open(7, 0);
+    c.drafter.open(7, &[]);
     c.absorb(7, 0, 24, 1);
     c.check(7, 24);
 }
@@ -110,7 +111,7 @@ fn speculators_layout_matches_the_reference_and_maps_draft_ids() {
     assert_eq!(c.drafter.model().logits_width(), 128);
     for (i, n) in cases(&c).into_iter().enumerate() {
         let stream = i as u64;
-        c.drafter.open(stream, 0);
+        c.drafter.open(stream, &[]);
         c.absorb(stream, 0, n, 2);
         let picks = c.check(stream, n);
         // The fixture's draft vocabulary is the odd tokens: d2t maps draft

@@ -1,14 +1,15 @@
-//! The DFlash drafter in a lane over a real backend (the gemma3_text
-//! fixture on the CPU, its taps feeding the tiny random drafter of
-//! `scripts/fixtures/make_dflash.py`): output with the drafter equals
-//! output without, token for token, alone and with streams arriving
-//! together; and the drafter is fed every prompt row's real features.
+//! Drafters in a lane over a real backend (the gemma3_text fixture on the
+//! CPU): the DFlash drafter (its taps feeding the tiny random drafter of
+//! `scripts/fixtures/make_dflash.py`) and prompt lookup. Output with a
+//! drafter equals output without, token for token, alone and with streams
+//! arriving together; and the DFlash drafter is fed every prompt row's real
+//! features.
 
 mod fixtures_common;
 
 use std::sync::{Arc, Mutex};
 
-use braid_engine::{Drafter, Event, Lane, LaneConfig, LaneStats, Request, SamplingParams, StopRules, StreamId, TokenText};
+use braid_engine::{Drafter, Event, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId, TokenText};
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::Source;
 use braid_ops::cpu::Cpu;
@@ -22,8 +23,8 @@ impl TokenText for NoText {
     }
 }
 
-/// What the lane handed the drafter: each absorb's stream, rows and features.
-type Log = Arc<Mutex<Vec<(StreamId, usize, Vec<f32>)>>>;
+/// What the lane handed the drafter: each absorb's stream, tokens and features.
+type Log = Arc<Mutex<Vec<(StreamId, Vec<u32>, Vec<f32>)>>>;
 
 /// The DFlash drafter, recording what it absorbs.
 struct Recording {
@@ -32,12 +33,12 @@ struct Recording {
 }
 
 impl Drafter for Recording {
-    fn open(&mut self, stream: StreamId, start: usize) {
-        self.inner.open(stream, start)
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
+        self.inner.open(stream, prefix)
     }
-    fn absorb(&mut self, stream: StreamId, features: &[f32], rows: usize) {
-        self.log.lock().unwrap().push((stream, rows, features.to_vec()));
-        self.inner.absorb(stream, features, rows)
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
+        self.log.lock().unwrap().push((stream, tokens.to_vec(), features.to_vec()));
+        self.inner.absorb(stream, tokens, features)
     }
     fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
         let p = self.inner.propose(stream, last);
@@ -70,27 +71,39 @@ fn tokens(h: braid_engine::StreamHandle) -> Vec<u32> {
     .collect()
 }
 
-/// A lane over the gemma3_text fixture, with the DFlash drafter when `log` is given.
-fn lane(fx: &Fixture, log: Option<Log>) -> Lane {
+/// Which drafter a lane runs.
+#[derive(Clone)]
+enum Kind {
+    None,
+    DFlash(Log),
+    Ngram,
+}
+
+/// A lane over the gemma3_text fixture with the drafter `kind`.
+fn lane(fx: &Fixture, kind: &Kind) -> Lane {
     // Small chunks and a row cap, so passes take many steps between rounds.
     let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, ..LaneConfig::default() };
     let mut backend = fx.backend();
-    let drafter = log.map(|log| {
-        let target = Source::open(&fx.dir).unwrap();
-        let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join("dflash_gemma3"), &target).unwrap();
-        model.attach(&mut backend).unwrap();
-        Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log }) as Box<dyn Drafter>
-    });
+    let drafter: Option<Box<dyn Drafter>> = match kind {
+        Kind::None => None,
+        Kind::DFlash(log) => {
+            let target = Source::open(&fx.dir).unwrap();
+            let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join("dflash_gemma3"), &target).unwrap();
+            model.attach(&mut backend).unwrap();
+            Some(Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log: log.clone() }))
+        }
+        Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
+    };
     Lane::spawn_with_drafter(Box::new(backend), drafter, Arc::new(NoText), config)
 }
 
 /// Every prompt alone, then all together; the replies and the stats of the run together.
-fn serve(fx: &Fixture, prompts: &[Vec<u32>], seed: Option<u64>, log: Option<Log>) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, LaneStats) {
+fn serve(fx: &Fixture, prompts: &[Vec<u32>], seed: Option<u64>, kind: Kind) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, LaneStats) {
     let alone = {
-        let l = lane(fx, log.clone());
+        let l = lane(fx, &kind);
         prompts.iter().enumerate().map(|(i, p)| tokens(l.submit(request(p.clone(), seed.map(|s| s + i as u64))).unwrap())).collect()
     };
-    let l = lane(fx, log);
+    let l = lane(fx, &kind);
     let hs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| l.submit(request(p.clone(), seed.map(|s| s + i as u64))).unwrap()).collect();
     let together = hs.into_iter().map(tokens).collect();
     (alone, together, l.stats())
@@ -101,9 +114,8 @@ fn dflash_drafting_is_lossless_on_a_real_backend() {
     let fx = Fixture::load("gemma3_text");
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
     for seed in [None, Some(42)] {
-        let (plain_alone, plain_together, _) = serve(&fx, &prompts, seed, None);
-        let log: Log = Arc::default();
-        let (alone, together, stats) = serve(&fx, &prompts, seed, Some(log.clone()));
+        let (plain_alone, plain_together, _) = serve(&fx, &prompts, seed, Kind::None);
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default()));
         assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
         assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
         assert_eq!(together, alone, "seed {seed:?}");
@@ -128,27 +140,57 @@ fn the_drafter_absorbs_every_prompt_rows_real_features() {
     let width = reference["features"].shape[1];
     let prompt = fx.tokens[..17].to_vec();
     let log: Log = Arc::default();
-    let l = lane(&fx, Some(log.clone()));
+    let l = lane(&fx, &Kind::DFlash(log.clone()));
     let out = tokens(l.submit(request(prompt.clone(), None)).unwrap());
     assert_eq!(out.len(), 24);
     let log = log.lock().unwrap();
     // The prompt arrives in chunks of at most 3 rows (the row cap), each
     // absorbed whole, in order; together they are transformers' rows.
     let mut fed = Vec::new();
-    let mut rows = 0;
-    for (_, n, f) in log.iter() {
-        if rows >= prompt.len() {
+    let mut rows = Vec::new();
+    for (_, t, f) in log.iter() {
+        if rows.len() >= prompt.len() {
             break;
         }
-        assert!(*n <= 3 && f.len() == n * width, "a chunk of {n} rows with {} features", f.len());
+        assert!(t.len() <= 3 && f.len() == t.len() * width, "a chunk of {} rows with {} features", t.len(), f.len());
         fed.extend_from_slice(f);
-        rows += n;
+        rows.extend_from_slice(t);
     }
-    assert_eq!(rows, prompt.len());
+    assert_eq!(rows, prompt, "the chunks' tokens are the prompt's");
     assert_close("absorbed prompt features", &fed, &reference["features"].data[..prompt.len() * width], width, 1e-4);
     // After the prompt, each round's kept rows (the fed token and the
     // accepted drafts): every generated token is fed but the last, and the
     // round that ends the stream absorbs nothing (it holds 1 to 4 of them).
-    let after: usize = log.iter().map(|(_, n, _)| n).sum::<usize>() - prompt.len();
+    let after: Vec<u32> = log.iter().flat_map(|(_, t, _)| t.iter().copied()).skip(prompt.len()).collect();
+    assert_eq!(after, out[..after.len()], "the generated rows absorbed are the tokens generated");
+    let after = after.len();
     assert!((out.len() - 5..=out.len() - 2).contains(&after), "{after} rows absorbed after the prompt for {} tokens", out.len());
+}
+
+#[test]
+fn prompt_lookup_is_lossless_on_a_real_backend() {
+    let fx = Fixture::load("gemma3_text");
+    // Prompts that repeat themselves, so lookups find matches (the tiny
+    // random model copies some of them and not others).
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 6 + i].repeat(3)).collect();
+    for seed in [None, Some(7)] {
+        let (plain_alone, plain_together, plain) = serve(&fx, &prompts, seed, Kind::None);
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::Ngram);
+        assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
+        assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
+        assert!(stats.draft_proposed > 0, "{stats:?}");
+        eprintln!(
+            "prompt lookup, seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds against {} without",
+            stats.draft_proposed,
+            stats.draft_accepted,
+            100.0 * stats.draft_accepted as f64 / stats.draft_proposed.max(1) as f64,
+            stats.decode_rounds,
+            plain.decode_rounds
+        );
+        if seed.is_none() {
+            // Greedy: accepted drafts save rounds.
+            assert!(stats.draft_accepted > 0, "{stats:?}");
+            assert!(stats.decode_rounds < plain.decode_rounds);
+        }
+    }
 }

@@ -1,0 +1,147 @@
+//! Prompt lookup: a drafter with no weights. It proposes what followed the
+//! latest earlier occurrence of the stream's last `n` tokens (the longest
+//! `n` that occurs), in the prompt or in the output so far. It wins where
+//! the output copies its input (edits of given code or text) and costs
+//! verified rows where it does not, so each stream backs off while its
+//! proposals keep failing.
+
+use std::collections::HashMap;
+
+use crate::backend::StreamId;
+use crate::drafter::Drafter;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NgramConfig {
+    /// Shortest and longest suffix matched.
+    pub min_n: usize,
+    pub max_n: usize,
+    /// Most tokens proposed at once.
+    pub max_tokens: usize,
+    /// After this many proposals in a row with nothing accepted, the stream
+    /// proposes nothing for as many rounds (0: never back off).
+    pub patience: usize,
+}
+
+impl Default for NgramConfig {
+    fn default() -> Self {
+        NgramConfig { min_n: 2, max_n: 4, max_tokens: 8, patience: 4 }
+    }
+}
+
+#[derive(Default)]
+struct Seq {
+    tokens: Vec<u32>,
+    /// Tokens proposed last time (0: none), to see how many were accepted.
+    proposed: usize,
+    /// Proposals in a row with nothing accepted, and rounds left to skip.
+    misses: usize,
+    skip: usize,
+}
+
+pub struct PromptLookup {
+    cfg: NgramConfig,
+    streams: HashMap<StreamId, Seq>,
+}
+
+impl PromptLookup {
+    pub fn new(cfg: NgramConfig) -> PromptLookup {
+        PromptLookup { cfg, streams: HashMap::new() }
+    }
+}
+
+/// The tokens after the latest earlier occurrence of the longest suffix of
+/// `seq` of `min_n..=max_n` tokens, at most `k` of them.
+pub fn lookup(seq: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
+    let len = seq.len();
+    for n in (min_n.max(1)..=max_n.min(len.saturating_sub(1))).rev() {
+        let suffix = &seq[len - n..];
+        // Latest start first; the occurrence must end before the suffix does.
+        if let Some(i) = (0..len - n).rev().find(|&i| &seq[i..i + n] == suffix) {
+            return seq[i + n..(i + n + k).min(len)].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+impl Drafter for PromptLookup {
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
+        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), ..Seq::default() });
+    }
+
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], _features: &[f32]) {
+        let s = self.streams.entry(stream).or_default();
+        // A decode round's kept rows: the fed token and the drafts accepted.
+        if s.proposed > 0 {
+            if tokens.len() > 1 {
+                s.misses = 0;
+            } else {
+                s.misses += 1;
+                if self.cfg.patience > 0 && s.misses >= self.cfg.patience {
+                    s.skip = self.cfg.patience;
+                    s.misses = 0;
+                }
+            }
+            s.proposed = 0;
+        }
+        s.tokens.extend_from_slice(tokens);
+    }
+
+    fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
+        let cfg = &self.cfg;
+        let s = self.streams.entry(stream).or_default();
+        if s.skip > 0 {
+            s.skip -= 1;
+            return Vec::new();
+        }
+        s.tokens.push(last);
+        let out = lookup(&s.tokens, cfg.min_n, cfg.max_n, cfg.max_tokens);
+        // `last` is absorbed with the round that feeds it.
+        s.tokens.pop();
+        s.proposed = out.len();
+        out
+    }
+
+    fn forget(&mut self, stream: StreamId) {
+        self.streams.remove(&stream);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_suffix_proposes_what_followed_it_last() {
+        // "7 8" occurs twice; the longer "6 7 8" only at the start.
+        let seq = [6, 7, 8, 1, 2, 7, 8, 3, 4, 6, 7, 8];
+        assert_eq!(lookup(&seq, 1, 3, 3), vec![1, 2, 7]);
+        assert_eq!(lookup(&seq, 1, 2, 3), vec![3, 4, 6]);
+        assert_eq!(lookup(&seq, 1, 2, 1), vec![3]);
+        // No earlier occurrence of any suffix of at least 2: nothing.
+        assert_eq!(lookup(&[1, 2, 3, 4], 2, 3, 4), Vec::<u32>::new());
+        // A run proposes its own continuation.
+        assert_eq!(lookup(&[5, 5, 5], 1, 2, 4), vec![5]);
+    }
+
+    #[test]
+    fn a_stream_backs_off_while_nothing_is_accepted() {
+        let cfg = NgramConfig { min_n: 1, max_n: 2, max_tokens: 2, patience: 2 };
+        let mut d = PromptLookup::new(cfg);
+        d.open(1, &[1, 2, 1, 2, 1, 2]);
+        assert_eq!(d.propose(1, 1), vec![2, 1]);
+        d.absorb(1, &[1], &[]);
+        assert_eq!(d.propose(1, 2), vec![1, 2]);
+        d.absorb(1, &[2], &[]);
+        // Rejected twice in a row: two rounds propose nothing, then it tries again.
+        assert_eq!(d.propose(1, 1), Vec::<u32>::new());
+        d.absorb(1, &[1], &[]);
+        assert_eq!(d.propose(1, 2), Vec::<u32>::new());
+        d.absorb(1, &[2], &[]);
+        assert_eq!(d.propose(1, 1), vec![2, 1]);
+        // An accepted draft resets the count.
+        d.absorb(1, &[1, 2], &[]);
+        assert_eq!(d.propose(1, 1), vec![2, 1]);
+        d.absorb(1, &[1], &[]);
+        assert_eq!(d.propose(1, 2), vec![1, 2], "one miss is not a streak");
+    }
+}

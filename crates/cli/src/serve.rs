@@ -76,6 +76,9 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
+    #[arg(long, value_name = "DIR|ngram")]
+    pub drafter: Option<String>,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -100,9 +103,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let server = Server::bind(cfg).await?;
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
         let model_args = a.model.clone();
-        let (kv, streams) = (a.kv_tokens, a.max_running);
+        let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
         let mut m = tokio::task::spawn_blocking(move || {
-            load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() })
+            let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() };
+            load::load_drafted(&model_args, cfg, drafter.as_deref())
         })
         .await??;
         load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
@@ -114,7 +118,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         config.max_running = a.max_running.max(1);
         config.queue_capacity = a.queue;
         let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
-        let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+        let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(m.tokenizer.clone())), config);
         server.ready(lane, info);
         tracing::info!("ready: {} on {}", path.display(), server.local_addr());
         // Under per-key isolation each key has its own cache to warm.

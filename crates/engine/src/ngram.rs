@@ -2,8 +2,9 @@
 //! latest earlier occurrence of the stream's last `n` tokens (the longest
 //! `n` that occurs), in the prompt or in the output so far. It wins where
 //! the output copies its input (edits of given code or text) and costs
-//! verified rows where it does not, so each stream backs off while its
-//! proposals keep failing.
+//! verified rows where it does not, so each stream proposes about as many
+//! tokens as it had accepted lately, and backs off while its proposals
+//! keep failing.
 
 use std::collections::HashMap;
 
@@ -33,6 +34,9 @@ struct Seq {
     tokens: Vec<u32>,
     /// Tokens proposed last time (0: none), to see how many were accepted.
     proposed: usize,
+    /// Most tokens the next proposal may hold: doubled when a whole
+    /// proposal is accepted, else one more than was accepted.
+    budget: usize,
     /// Proposals in a row with nothing accepted, and rounds left to skip.
     misses: usize,
     skip: usize,
@@ -49,15 +53,20 @@ impl PromptLookup {
     }
 }
 
-/// The tokens after the latest earlier occurrence of the longest suffix of
-/// `seq` of `min_n..=max_n` tokens, at most `k` of them.
+/// The `k` tokens after the latest earlier occurrence of the longest suffix
+/// of `seq` of `min_n..=max_n` tokens. The copy may run on into the tokens
+/// it proposes (as LZ77 copies overlap), so a run or a cycle continues.
 pub fn lookup(seq: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
     let len = seq.len();
     for n in (min_n.max(1)..=max_n.min(len.saturating_sub(1))).rev() {
         let suffix = &seq[len - n..];
         // Latest start first; the occurrence must end before the suffix does.
         if let Some(i) = (0..len - n).rev().find(|&i| &seq[i..i + n] == suffix) {
-            return seq[i + n..(i + n + k).min(len)].to_vec();
+            let mut ext = seq.to_vec();
+            for j in 0..k {
+                ext.push(ext[i + n + j]);
+            }
+            return ext.split_off(len);
         }
     }
     Vec::new()
@@ -65,14 +74,16 @@ pub fn lookup(seq: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
 
 impl Drafter for PromptLookup {
     fn open(&mut self, stream: StreamId, prefix: &[u32]) {
-        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), ..Seq::default() });
+        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), budget: 2, ..Seq::default() });
     }
 
     fn absorb(&mut self, stream: StreamId, tokens: &[u32], _features: &[f32]) {
-        let s = self.streams.entry(stream).or_default();
+        let s = self.streams.entry(stream).or_insert_with(|| Seq { budget: 2, ..Seq::default() });
         // A decode round's kept rows: the fed token and the drafts accepted.
         if s.proposed > 0 {
-            if tokens.len() > 1 {
+            let accepted = tokens.len().saturating_sub(1);
+            s.budget = if accepted >= s.proposed { (2 * s.budget).min(self.cfg.max_tokens) } else { accepted + 1 };
+            if accepted > 0 {
                 s.misses = 0;
             } else {
                 s.misses += 1;
@@ -88,13 +99,13 @@ impl Drafter for PromptLookup {
 
     fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
         let cfg = &self.cfg;
-        let s = self.streams.entry(stream).or_default();
+        let s = self.streams.entry(stream).or_insert_with(|| Seq { budget: 2, ..Seq::default() });
         if s.skip > 0 {
             s.skip -= 1;
             return Vec::new();
         }
         s.tokens.push(last);
-        let out = lookup(&s.tokens, cfg.min_n, cfg.max_n, cfg.max_tokens);
+        let out = lookup(&s.tokens, cfg.min_n, cfg.max_n, s.budget.clamp(1, cfg.max_tokens));
         // `last` is absorbed with the round that feeds it.
         s.tokens.pop();
         s.proposed = out.len();
@@ -119,29 +130,43 @@ mod tests {
         assert_eq!(lookup(&seq, 1, 2, 1), vec![3]);
         // No earlier occurrence of any suffix of at least 2: nothing.
         assert_eq!(lookup(&[1, 2, 3, 4], 2, 3, 4), Vec::<u32>::new());
-        // A run proposes its own continuation.
-        assert_eq!(lookup(&[5, 5, 5], 1, 2, 4), vec![5]);
+        // A run and a cycle continue past the end of what was seen.
+        assert_eq!(lookup(&[5, 5, 5], 1, 2, 4), vec![5, 5, 5, 5]);
+        assert_eq!(lookup(&[9, 1, 2, 3, 1, 2], 2, 2, 5), vec![3, 1, 2, 3, 1]);
     }
 
     #[test]
     fn a_stream_backs_off_while_nothing_is_accepted() {
-        let cfg = NgramConfig { min_n: 1, max_n: 2, max_tokens: 2, patience: 2 };
+        let cfg = NgramConfig { min_n: 1, max_n: 2, max_tokens: 4, patience: 2 };
         let mut d = PromptLookup::new(cfg);
         d.open(1, &[1, 2, 1, 2, 1, 2]);
         assert_eq!(d.propose(1, 1), vec![2, 1]);
         d.absorb(1, &[1], &[]);
-        assert_eq!(d.propose(1, 2), vec![1, 2]);
+        assert_eq!(d.propose(1, 2), vec![1], "nothing accepted: one token next");
         d.absorb(1, &[2], &[]);
         // Rejected twice in a row: two rounds propose nothing, then it tries again.
         assert_eq!(d.propose(1, 1), Vec::<u32>::new());
         d.absorb(1, &[1], &[]);
         assert_eq!(d.propose(1, 2), Vec::<u32>::new());
         d.absorb(1, &[2], &[]);
-        assert_eq!(d.propose(1, 1), vec![2, 1]);
-        // An accepted draft resets the count.
+        assert_eq!(d.propose(1, 1), vec![2]);
+        // An accepted draft resets the count (and doubles the budget).
         d.absorb(1, &[1, 2], &[]);
         assert_eq!(d.propose(1, 1), vec![2, 1]);
         d.absorb(1, &[1], &[]);
-        assert_eq!(d.propose(1, 2), vec![1, 2], "one miss is not a streak");
+        assert_eq!(d.propose(1, 2), vec![1], "one miss is not a streak");
+    }
+
+    #[test]
+    fn the_budget_follows_acceptance() {
+        let mut d = PromptLookup::new(NgramConfig { min_n: 1, max_n: 1, max_tokens: 6, patience: 0 });
+        d.open(1, &[3; 20]);
+        assert_eq!(d.propose(1, 3).len(), 2, "a stream starts with 2");
+        d.absorb(1, &[3, 3, 3], &[]);
+        assert_eq!(d.propose(1, 3).len(), 4, "all accepted: doubled");
+        d.absorb(1, &[3; 5], &[]);
+        assert_eq!(d.propose(1, 3).len(), 6, "doubled up to max_tokens");
+        d.absorb(1, &[3, 3], &[]);
+        assert_eq!(d.propose(1, 3).len(), 2, "one accepted: two next");
     }
 }

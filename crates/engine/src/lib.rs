@@ -52,7 +52,7 @@ pub mod stop;
 
 pub use backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
 pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
-pub use drafter::Drafter;
+pub use drafter::{Drafter, Gate};
 pub use guide::{Constraint, Grammar, Guide, TokenMask};
 pub use lane::{Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, StreamControl, StreamHandle, SubmitError, Timing, Usage};
 pub use ngram::{NgramConfig, PromptLookup};

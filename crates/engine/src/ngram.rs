@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use crate::backend::StreamId;
-use crate::drafter::Drafter;
+use crate::drafter::{Drafter, Gate};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NgramConfig {
@@ -29,17 +29,9 @@ impl Default for NgramConfig {
     }
 }
 
-#[derive(Default)]
 struct Seq {
     tokens: Vec<u32>,
-    /// Tokens proposed last time (0: none), to see how many were accepted.
-    proposed: usize,
-    /// Most tokens the next proposal may hold: doubled when a whole
-    /// proposal is accepted, else one more than was accepted.
-    budget: usize,
-    /// Proposals in a row with nothing accepted, and rounds left to skip.
-    misses: usize,
-    skip: usize,
+    gate: Gate,
 }
 
 pub struct PromptLookup {
@@ -50,6 +42,11 @@ pub struct PromptLookup {
 impl PromptLookup {
     pub fn new(cfg: NgramConfig) -> PromptLookup {
         PromptLookup { cfg, streams: HashMap::new() }
+    }
+
+    fn seq(&mut self, stream: StreamId) -> &mut Seq {
+        let cfg = &self.cfg;
+        self.streams.entry(stream).or_insert_with(|| Seq { tokens: Vec::new(), gate: Gate::new(cfg.max_tokens, cfg.patience) })
     }
 }
 
@@ -74,41 +71,28 @@ pub fn lookup(seq: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
 
 impl Drafter for PromptLookup {
     fn open(&mut self, stream: StreamId, prefix: &[u32]) {
-        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), budget: 2, ..Seq::default() });
+        self.streams.remove(&stream);
+        self.seq(stream).tokens = prefix.to_vec();
     }
 
     fn absorb(&mut self, stream: StreamId, tokens: &[u32], _features: &[f32]) {
-        let s = self.streams.entry(stream).or_insert_with(|| Seq { budget: 2, ..Seq::default() });
-        // A decode round's kept rows: the fed token and the drafts accepted.
-        if s.proposed > 0 {
-            let accepted = tokens.len().saturating_sub(1);
-            s.budget = if accepted >= s.proposed { (2 * s.budget).min(self.cfg.max_tokens) } else { accepted + 1 };
-            if accepted > 0 {
-                s.misses = 0;
-            } else {
-                s.misses += 1;
-                if self.cfg.patience > 0 && s.misses >= self.cfg.patience {
-                    s.skip = self.cfg.patience;
-                    s.misses = 0;
-                }
-            }
-            s.proposed = 0;
-        }
+        let s = self.seq(stream);
+        s.gate.absorbed(tokens.len());
         s.tokens.extend_from_slice(tokens);
     }
 
     fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
-        let cfg = &self.cfg;
-        let s = self.streams.entry(stream).or_insert_with(|| Seq { budget: 2, ..Seq::default() });
-        if s.skip > 0 {
-            s.skip -= 1;
+        let (min_n, max_n) = (self.cfg.min_n, self.cfg.max_n);
+        let s = self.seq(stream);
+        let k = s.gate.allow();
+        if k == 0 {
             return Vec::new();
         }
         s.tokens.push(last);
-        let out = lookup(&s.tokens, cfg.min_n, cfg.max_n, s.budget.clamp(1, cfg.max_tokens));
+        let out = lookup(&s.tokens, min_n, max_n, k);
         // `last` is absorbed with the round that feeds it.
         s.tokens.pop();
-        s.proposed = out.len();
+        s.gate.proposed(out.len());
         out
     }
 
@@ -155,18 +139,5 @@ mod tests {
         assert_eq!(d.propose(1, 1), vec![2, 1]);
         d.absorb(1, &[1], &[]);
         assert_eq!(d.propose(1, 2), vec![1], "one miss is not a streak");
-    }
-
-    #[test]
-    fn the_budget_follows_acceptance() {
-        let mut d = PromptLookup::new(NgramConfig { min_n: 1, max_n: 1, max_tokens: 6, patience: 0 });
-        d.open(1, &[3; 20]);
-        assert_eq!(d.propose(1, 3).len(), 2, "a stream starts with 2");
-        d.absorb(1, &[3, 3, 3], &[]);
-        assert_eq!(d.propose(1, 3).len(), 4, "all accepted: doubled");
-        d.absorb(1, &[3; 5], &[]);
-        assert_eq!(d.propose(1, 3).len(), 6, "doubled up to max_tokens");
-        d.absorb(1, &[3, 3], &[]);
-        assert_eq!(d.propose(1, 3).len(), 2, "one accepted: two next");
     }
 }

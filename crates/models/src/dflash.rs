@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
-use braid_engine::{Drafter, StreamId};
+use braid_engine::{Drafter, Gate, StreamId};
 use braid_formats::safetensors::HfFolder;
 use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map, Rope};
 use serde_json::Value;
@@ -268,17 +268,21 @@ fn read_i64(folder: &HfFolder, name: &str) -> Result<Vec<i64>> {
 }
 
 /// One stream's drafter state: the context rows' keys and values (in
-/// `blocks`, KV rows `0..ctx` at positions `base..base + ctx`) and the
-/// feature rows absorbed since the last proposal.
+/// `blocks`, KV rows `0..ctx` at positions `base..base + ctx`), the
+/// feature rows absorbed since the last proposal, and how long its
+/// proposals should be.
 struct DraftStream {
     base: usize,
     ctx: usize,
     pending: Vec<f32>,
     blocks: Vec<u32>,
+    gate: Gate,
 }
 
 /// [`DFlash`] as the engine's [`Drafter`]: it keeps each stream's context
-/// keys and values in a paged pool of its own, and proposes greedily.
+/// keys and values in a paged pool of its own, and proposes greedily, as
+/// many tokens as the stream's [`Gate`] allows (the head runs on those
+/// rows only; the whole block runs through the layers, as trained).
 pub struct DFlashDrafter<D: Device> {
     dev: D,
     model: DFlash<D>,
@@ -292,6 +296,9 @@ pub struct DFlashDrafter<D: Device> {
     pub last_logits: Vec<f32>,
     /// Why the last proposal came back empty, if it failed.
     pub last_error: Option<String>,
+    /// Proposals in a row with nothing accepted before a stream skips as
+    /// many rounds (0: never).
+    pub patience: usize,
 }
 
 impl<D: Device> DFlashDrafter<D> {
@@ -314,6 +321,7 @@ impl<D: Device> DFlashDrafter<D> {
             s,
             last_logits: Vec::new(),
             last_error: None,
+            patience: 4,
         })
     }
 
@@ -322,13 +330,16 @@ impl<D: Device> DFlashDrafter<D> {
     }
 
     fn stream(&mut self, id: StreamId) -> &mut DraftStream {
-        self.streams.entry(id).or_insert_with(|| DraftStream { base: 0, ctx: 0, pending: Vec::new(), blocks: Vec::new() })
+        let gate = Gate::new(self.model.cfg.block_size - 1, self.patience);
+        self.streams.entry(id).or_insert_with(|| DraftStream { base: 0, ctx: 0, pending: Vec::new(), blocks: Vec::new(), gate })
     }
 
-    /// The block after `last` for `stream`: its logits (`block_size - 1`
-    /// rows of `logits_width`) into `last_logits`, and the greedy tokens.
-    pub fn propose_block(&mut self, stream: StreamId, last: u32) -> Result<Vec<u32>> {
+    /// The block after `last` for `stream`: the logits of its first `rows`
+    /// proposals (`rows` rows of `logits_width`, at most `block_size - 1`)
+    /// into `last_logits`, and the greedy tokens.
+    pub fn propose_block(&mut self, stream: StreamId, last: u32, rows: usize) -> Result<Vec<u32>> {
         let bs = self.model.cfg.block_size;
+        let rows = rows.clamp(1, bs - 1);
         let fdim = self.model.feature_dim();
         let bt = self.block_tokens;
         let st = self.streams.get(&stream).with_context(|| format!("stream {stream} is not open in the drafter"))?;
@@ -359,18 +370,19 @@ impl<D: Device> DFlashDrafter<D> {
         // sequence sees every key, so the block attends both ways.
         let seqs: Vec<AttnSeq<'_>> = (0..bs).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len, blocks: &blocks, window: None }).collect();
         let feats = if new > 0 { Some(self.dev.upload(&pending, new, fdim)?) } else { None };
-        self.forward(feats.as_ref(), &ctx_pos, &ctx_slots, &tokens, &block_pos, &block_slots, &seqs);
+        self.forward(feats.as_ref(), &ctx_pos, &ctx_slots, &tokens, &block_pos, &block_slots, &seqs, rows);
         let logits = self.dev.download(&self.s.logits)?;
         self.streams.get_mut(&stream).expect("present").ctx += new;
         let width = self.model.logits_width();
-        ensure!(logits.len() == (bs - 1) * width, "the drafter returned {} logits, expected {}", logits.len(), (bs - 1) * width);
+        ensure!(logits.len() == rows * width, "the drafter returned {} logits, expected {}", logits.len(), rows * width);
         let picks = logits.chunks_exact(width).map(|row| self.model.target_token(braid_ops::argmax_host(row) as usize)).collect();
         self.last_logits = logits;
         Ok(picks)
     }
 
     /// The drafter's forward: context keys and values into the pool, then
-    /// the block through every layer; block rows 1.. end in `s.logits`.
+    /// the block through every layer; the logits of block rows `1..=rows`
+    /// end in `s.logits`.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &mut self,
@@ -381,6 +393,7 @@ impl<D: Device> DFlashDrafter<D> {
         block_pos: &[u32],
         block_slots: &[u32],
         seqs: &[AttnSeq<'_>],
+        rows: usize,
     ) {
         let (dev, m, s, kv) = (&self.dev, &self.model, &mut self.s, &mut self.kv);
         let c = &m.cfg;
@@ -421,7 +434,7 @@ impl<D: Device> DFlashDrafter<D> {
             dev.add(&mut s.x, &s.out);
         }
         *s.extra(dev, 0) = ctx;
-        let rows: Vec<usize> = (1..tokens.len()).collect();
+        let rows: Vec<usize> = (1..=rows).collect();
         dev.gather_rows(&s.x, &rows, &mut s.last);
         dev.rms_norm(&s.last, &m.norm, c.eps, &mut s.h);
         dev.matmul(&s.h, &[&m.head], &mut [&mut s.logits]);
@@ -444,17 +457,25 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
 
     fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
         let rows = tokens.len();
+        let dim = self.model.feature_dim();
+        let st = self.stream(stream);
+        st.gate.absorbed(rows);
         // A backend tapping other rows than this drafter reads is refused
         // when the drafter is attached; anything else is not this drafter's.
-        if rows > 0 && features.len() == rows * self.model.feature_dim() {
-            self.stream(stream).pending.extend_from_slice(features);
+        if rows > 0 && features.len() == rows * dim {
+            st.pending.extend_from_slice(features);
         }
     }
 
     fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
-        match self.propose_block(stream, last) {
+        let rows = self.stream(stream).gate.allow();
+        if rows == 0 {
+            return Vec::new();
+        }
+        match self.propose_block(stream, last, rows) {
             Ok(t) => {
                 self.last_error = None;
+                self.stream(stream).gate.proposed(t.len());
                 t
             }
             // No proposal costs only speed: the stream decodes one token.

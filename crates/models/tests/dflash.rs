@@ -56,8 +56,7 @@ impl Case {
 
     /// Propose after token `n` and check the block logits against `logits_n`.
     fn check(&mut self, stream: u64, n: usize) -> Vec<u32> {
-        let picks = self.drafter.propose(stream, self.tokens[n]);
-        assert_eq!(self.drafter.last_error, None);
+        let picks = self.drafter.propose_block(stream, self.tokens[n], 3).unwrap();
         let want = &self.reference[&format!("logits_{n}")];
         assert_close(&format!("block logits after {n} rows"), &self.drafter.last_logits, &want.data, want.shape[1], TOL);
         assert_eq!(picks.len(), 3, "block_size 4 proposes 3 tokens");
@@ -82,6 +81,10 @@ fn native_layout_matches_the_reference() {
         // Greedy picks are the logits' argmax, in the target's ids.
         let rows: Vec<u32> = c.drafter.last_logits.chunks(256).map(braid_ops::argmax_host).collect();
         assert_eq!(picks, rows);
+        // Asked for the first proposal only, the head runs on that row alone.
+        let first = c.drafter.propose_block(stream, c.tokens[n], 1).unwrap();
+        assert_eq!(first, picks[..1]);
+        assert_close("the first row alone", &c.drafter.last_logits, &c.reference[&format!("logits_{n}")].data[..256], 256, TOL);
     }
 }
 

@@ -120,8 +120,9 @@ fn dflash_drafting_is_lossless_on_a_real_backend() {
         assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
         assert_eq!(together, alone, "seed {seed:?}");
         assert!(together.iter().all(|t| t.len() == 24));
-        // Every decode round verified a block: the drafter ran for real.
-        assert!(stats.draft_proposed >= 3 * stats.decode_streams / 2, "{stats:?}");
+        // The drafter ran, and (its random guesses never accepted) each
+        // stream's gate cut its proposals short of a block per round.
+        assert!(stats.draft_proposed > 0 && stats.draft_proposed < 3 * stats.decode_streams, "{stats:?}");
         eprintln!(
             "seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds for {} tokens",
             stats.draft_proposed,

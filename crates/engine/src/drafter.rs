@@ -38,7 +38,9 @@ pub trait Drafter: Send {
 /// How long a stream's next proposal should be, from how its recent ones
 /// fared: a proposal that was wholly accepted doubles the length (up to
 /// `max`), one that was not sets it to one more than was accepted, and
-/// `patience` proposals in a row with nothing accepted skip as many rounds.
+/// `patience` proposals in a row with nothing accepted skip as many rounds,
+/// twice as many after each further such streak (up to [`MAX_SKIP`]) until
+/// a draft is accepted again.
 /// A rejected token costs a verified row, and a drafter's forward costs as
 /// much per row, so a stream a drafter cannot predict stops paying for it.
 #[derive(Clone, Debug)]
@@ -49,13 +51,19 @@ pub struct Gate {
     proposed: usize,
     misses: usize,
     skip: usize,
+    /// Rounds the next streak of misses skips.
+    backoff: usize,
 }
+
+/// Most rounds a streak of misses skips: a stream whose text changes
+/// character is tried again within this many tokens.
+pub const MAX_SKIP: usize = 64;
 
 impl Gate {
     /// A stream's gate: its first proposal holds 2 tokens (at most `max`);
     /// `patience` 0 never skips.
     pub fn new(max: usize, patience: usize) -> Gate {
-        Gate { max, patience, budget: 2.min(max), proposed: 0, misses: 0, skip: 0 }
+        Gate { max, patience, budget: 2.min(max), proposed: 0, misses: 0, skip: 0, backoff: patience }
     }
 
     /// The stream absorbed `rows` rows; after a proposal, those are the fed
@@ -68,10 +76,12 @@ impl Gate {
         self.budget = if accepted >= self.proposed { (2 * self.budget).min(self.max) } else { accepted + 1 }.max(1);
         if accepted > 0 {
             self.misses = 0;
+            self.backoff = self.patience;
         } else {
             self.misses += 1;
             if self.patience > 0 && self.misses >= self.patience {
-                self.skip = self.patience;
+                self.skip = self.backoff;
+                self.backoff = (2 * self.backoff).min(MAX_SKIP);
                 self.misses = 0;
             }
         }
@@ -116,6 +126,22 @@ mod tests {
         g.proposed(1);
         g.absorbed(1);
         // Two misses in a row: two rounds skipped, then it tries again.
+        assert_eq!((g.allow(), g.allow(), g.allow()), (0, 0, 1));
+        // Two more: four rounds skipped.
+        g.proposed(1);
+        g.absorbed(1);
+        g.allow();
+        g.proposed(1);
+        g.absorbed(1);
+        assert_eq!((0..5).map(|_| g.allow()).collect::<Vec<_>>(), vec![0, 0, 0, 0, 1]);
+        // An accepted draft brings the skip back to `patience`.
+        g.proposed(1);
+        g.absorbed(2);
+        for _ in 0..2 {
+            let n = g.allow();
+            g.proposed(n);
+            g.absorbed(1);
+        }
         assert_eq!((g.allow(), g.allow(), g.allow()), (0, 0, 1));
         // Absorbs with no proposal out (prompt chunks, skipped rounds) change nothing.
         g.absorbed(7);

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use anyhow::bail;
 use anyhow::{Context, Result};
-use braid_engine::{Backend, DecodeRow};
+use braid_engine::{Backend, DecodeRow, Drafter, NgramConfig, PromptLookup};
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
+use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::{BackendConfig, ModelBackend, Source};
 use braid_ops::cpu::Cpu;
 use braid_ops::AllOps;
@@ -21,6 +22,8 @@ pub struct Loaded {
     pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
     pub backend: Box<dyn Backend>,
+    /// The speculative drafter `--drafter` named, ready for the lane.
+    pub drafter: Option<Box<dyn Drafter>>,
     /// The device, in words.
     pub device: String,
     pub vocab: usize,
@@ -94,17 +97,23 @@ pub fn tokenizer_only(args: &ModelArgs) -> Result<Tokenizer> {
 
 /// Load everything; `kv_tokens` sizes the KV pool (at least one full context).
 pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
+    load_drafted(args, cfg, None)
+}
+
+/// [`load_with`], and the drafter `drafter` names: `ngram` (prompt lookup)
+/// or a DFlash drafter's folder, whose target layers the backend then taps.
+pub fn load_drafted(args: &ModelArgs, cfg: BackendConfig, drafter: Option<&str>) -> Result<Loaded> {
     let path = fetch::resolve(&args.model)?;
     match device_choice(&args.device)? {
-        DeviceChoice::Cpu => load_on(Cpu::new(args.threads), args, path, cfg),
+        DeviceChoice::Cpu => load_on(Cpu::new(args.threads), args, path, cfg, drafter),
         #[cfg(feature = "cuda")]
-        DeviceChoice::Cuda(n) => load_on(braid_ops::cuda::Cuda::new(n)?, args, path, cfg),
+        DeviceChoice::Cuda(n) => load_on(braid_ops::cuda::Cuda::new(n)?, args, path, cfg, drafter),
         #[cfg(not(feature = "cuda"))]
         DeviceChoice::Cuda(_) => unreachable!("device_choice refuses cuda in this build"),
     }
 }
 
-fn load_on<D: AllOps>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig) -> Result<Loaded> {
+fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig, drafter: Option<&str>) -> Result<Loaded> {
     let src = Source::open(&path)?;
     let tokenizer = tokenizer_of(&src)?;
     let template = template_of(&src, &tokenizer)?;
@@ -125,8 +134,20 @@ fn load_on<D: AllOps>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfi
     cfg.kv_tokens = cfg.kv_tokens.max(cfg.context);
     let context = cfg.context;
     let device = dev.name();
-    let backend = Box::new(ModelBackend::new(dev, model, cfg)?);
-    Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend, device, vocab, context })
+    let (kv_tokens, block_tokens, kv_dtype) = (cfg.kv_tokens, cfg.block_tokens, cfg.kv_dtype);
+    let mut backend = ModelBackend::new(dev.clone(), model, cfg)?;
+    let drafter: Option<Box<dyn Drafter>> = match drafter {
+        None => None,
+        Some("ngram") => Some(Box::new(PromptLookup::new(NgramConfig::default()))),
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            let d = DFlash::load(&dev, &dir, &src).with_context(|| format!("loading the drafter in {}", dir.display()))?;
+            d.attach(&mut backend).with_context(|| format!("the drafter in {} does not fit {}", dir.display(), path.display()))?;
+            // The drafter's context rows need as much room as the target's.
+            Some(Box::new(DFlashDrafter::new(dev, d, kv_tokens, block_tokens, kv_dtype)?))
+        }
+    };
+    Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend: Box::new(backend), drafter, device, vocab, context })
 }
 
 /// `--itl-target MS` as a duration (a positive, finite number of milliseconds).

@@ -90,6 +90,9 @@ pub struct RunArgs {
     /// Print no timing line at the end.
     #[arg(long, short = 'q')]
     pub quiet: bool,
+    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
+    #[arg(long, value_name = "DIR|ngram")]
+    pub drafter: Option<String>,
     /// The prompt.
     pub prompt: String,
 }
@@ -120,7 +123,9 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let mut m = load::load(&a.model, 0)?;
+    let ctx = a.model.ctx.unwrap_or(8192);
+    let cfg = braid_models::BackendConfig { context: ctx, kv_tokens: ctx, max_batch: 512, ..Default::default() };
+    let mut m = load::load_drafted(&a.model, cfg, a.drafter.as_deref())?;
     crate::about::choose_template(&mut m, a.chat_template.as_deref())?;
     let defaults = crate::about::sampling_defaults(&m.path);
     let prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;
@@ -129,7 +134,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let config = lane_config(&m);
     let text = Arc::new(TokenizerText(m.tokenizer.clone()));
-    let lane = Lane::spawn(m.backend, text, config);
+    let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
     let req = Request {
         prompt,
         sampling: a.sampling.params(&defaults),
@@ -157,6 +162,15 @@ pub fn run(a: RunArgs) -> Result<()> {
                     let total = timing.total.as_secs_f64();
                     let first = timing.ttft.map(|d| d.as_secs_f64()).unwrap_or(total);
                     let gen = usage.completion_tokens.saturating_sub(1) as f64;
+                    let st = lane.stats();
+                    if st.draft_proposed > 0 {
+                        eprintln!(
+                            "[drafts: {} proposed, {} accepted, {:.2} tokens per decode round]",
+                            st.draft_proposed,
+                            st.draft_accepted,
+                            (gen + 1.0) / st.decode_rounds.max(1) as f64
+                        );
+                    }
                     eprintln!(
                         "[{} prompt tokens, {} generated, finish: {}; first token after {:.0} ms, then {:.1} tokens/s]",
                         usage.prompt_tokens,

@@ -88,6 +88,9 @@ pub struct ServeArgs {
     /// Serve /metrics without the API key (for a scraper on a trusted network).
     #[arg(long)]
     pub metrics_public: bool,
+    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
+    #[arg(long, value_name = "DIR|ngram")]
+    pub drafter: Option<String>,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -116,11 +119,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         let server = Server::bind(cfg).await?;
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
         let model_args = a.model.clone();
-        let (kv, streams) = (a.kv_tokens, a.max_running);
+        let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
         // A round holds every decoding stream's row and one prompt chunk.
         let max_batch = a.chunk.max(1) + streams.max(1);
         let mut m = tokio::task::spawn_blocking(move || {
-            load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() })
+            let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() };
+            load::load_drafted(&model_args, cfg, drafter.as_deref())
         })
         .await??;
         let template = about::choose_template(&mut m, a.chat_template.as_deref())?;
@@ -141,7 +145,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         config.queue_capacity = a.queue;
         let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
         let (device, context) = (m.device.clone(), m.context);
-        let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+        let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(m.tokenizer.clone())), config);
         let fill = lane.stats().fill;
         let (architecture, parameters) = about::architecture_and_parameters(&path);
         server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.to_string() });

@@ -10,17 +10,22 @@
 //! is the same as without a drafter (token for token under greedy, and
 //! under a seeded sampler too: one random draw per emitted token either
 //! way).
+//!
+//! Rows come with their token ids as well as their features: a block
+//! drafter reads the features, a prompt-lookup or draft-model drafter the
+//! tokens.
 
 use crate::backend::StreamId;
 
 pub trait Drafter: Send {
-    /// A stream begins; its state already holds `start` rows (a restored
-    /// prefix) whose features this drafter has not seen.
-    fn open(&mut self, _stream: StreamId, _start: usize) {}
+    /// A stream begins; its state already holds the rows of `prefix` (a
+    /// restored prefix) whose features this drafter has not seen.
+    fn open(&mut self, _stream: StreamId, _prefix: &[u32]) {}
 
-    /// Take in `rows` feature rows of `stream` (each `features.len() / rows`
-    /// wide; empty when the backend taps no features), in order.
-    fn absorb(&mut self, stream: StreamId, features: &[f32], rows: usize);
+    /// Take in the next rows of `stream`, in order: their token ids and
+    /// their feature rows (each `features.len() / tokens.len()` wide; empty
+    /// when the backend taps no features).
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]);
 
     /// Propose tokens to follow `last`, the newest token of `stream` (sampled
     /// but not yet fed). May be empty; the lane trims it to its budget.
@@ -28,4 +33,118 @@ pub trait Drafter: Send {
 
     /// The stream is gone; drop its state.
     fn forget(&mut self, stream: StreamId);
+}
+
+/// How long a stream's next proposal should be, from how its recent ones
+/// fared: a proposal that was wholly accepted doubles the length (up to
+/// `max`), one that was not sets it to one more than was accepted, and
+/// `patience` proposals in a row with nothing accepted skip as many rounds,
+/// twice as many after each further such streak (up to [`MAX_SKIP`]) until
+/// a draft is accepted again.
+/// A rejected token costs a verified row, and a drafter's forward costs as
+/// much per row, so a stream a drafter cannot predict stops paying for it.
+#[derive(Clone, Debug)]
+pub struct Gate {
+    max: usize,
+    patience: usize,
+    budget: usize,
+    proposed: usize,
+    misses: usize,
+    skip: usize,
+    /// Rounds the next streak of misses skips.
+    backoff: usize,
+}
+
+/// Most rounds a streak of misses skips: a stream whose text changes
+/// character is tried again within this many tokens.
+pub const MAX_SKIP: usize = 64;
+
+impl Gate {
+    /// A stream's gate: its first proposal holds 2 tokens (at most `max`);
+    /// `patience` 0 never skips.
+    pub fn new(max: usize, patience: usize) -> Gate {
+        Gate { max, patience, budget: 2.min(max), proposed: 0, misses: 0, skip: 0, backoff: patience }
+    }
+
+    /// The stream absorbed `rows` rows; after a proposal, those are the fed
+    /// token and the drafts accepted.
+    pub fn absorbed(&mut self, rows: usize) {
+        if self.proposed == 0 {
+            return;
+        }
+        let accepted = rows.saturating_sub(1);
+        self.budget = if accepted >= self.proposed { (2 * self.budget).min(self.max) } else { accepted + 1 }.max(1);
+        if accepted > 0 {
+            self.misses = 0;
+            self.backoff = self.patience;
+        } else {
+            self.misses += 1;
+            if self.patience > 0 && self.misses >= self.patience {
+                self.skip = self.backoff;
+                self.backoff = (2 * self.backoff).min(MAX_SKIP);
+                self.misses = 0;
+            }
+        }
+        self.proposed = 0;
+    }
+
+    /// Tokens the proposal about to be made may hold (0: make none).
+    pub fn allow(&mut self) -> usize {
+        if self.skip > 0 {
+            self.skip -= 1;
+            return 0;
+        }
+        self.budget
+    }
+
+    /// The proposal made holds `n` tokens.
+    pub fn proposed(&mut self, n: usize) {
+        self.proposed = n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Gate;
+
+    #[test]
+    fn the_gate_follows_acceptance() {
+        let mut g = Gate::new(6, 2);
+        assert_eq!(g.allow(), 2, "a stream starts with 2");
+        g.proposed(2);
+        g.absorbed(3);
+        assert_eq!(g.allow(), 4, "all accepted: doubled");
+        g.proposed(4);
+        g.absorbed(5);
+        assert_eq!(g.allow(), 6, "doubled up to max");
+        g.proposed(6);
+        g.absorbed(2);
+        assert_eq!(g.allow(), 2, "one accepted: two next");
+        g.proposed(2);
+        g.absorbed(1);
+        assert_eq!(g.allow(), 1, "none accepted: one next");
+        g.proposed(1);
+        g.absorbed(1);
+        // Two misses in a row: two rounds skipped, then it tries again.
+        assert_eq!((g.allow(), g.allow(), g.allow()), (0, 0, 1));
+        // Two more: four rounds skipped.
+        g.proposed(1);
+        g.absorbed(1);
+        g.allow();
+        g.proposed(1);
+        g.absorbed(1);
+        assert_eq!((0..5).map(|_| g.allow()).collect::<Vec<_>>(), vec![0, 0, 0, 0, 1]);
+        // An accepted draft brings the skip back to `patience`.
+        g.proposed(1);
+        g.absorbed(2);
+        for _ in 0..2 {
+            let n = g.allow();
+            g.proposed(n);
+            g.absorbed(1);
+        }
+        assert_eq!((g.allow(), g.allow(), g.allow()), (0, 0, 1));
+        // Absorbs with no proposal out (prompt chunks, skipped rounds) change nothing.
+        g.absorbed(7);
+        assert_eq!(g.allow(), 1);
+    }
 }

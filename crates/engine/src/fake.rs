@@ -463,11 +463,12 @@ impl FakeDrafter {
 }
 
 impl Drafter for FakeDrafter {
-    fn open(&mut self, stream: StreamId, start: usize) {
-        self.pos.insert(stream, start);
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
+        self.pos.insert(stream, prefix.len());
     }
 
-    fn absorb(&mut self, stream: StreamId, features: &[f32], rows: usize) {
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
+        let rows = tokens.len();
         self.log.push(Call::Absorb { stream, rows });
         let pos = self.pos.entry(stream).or_insert(0);
         for r in 0..rows {

@@ -171,7 +171,7 @@ impl Pass {
             let rows = end - start;
             let features = backend.features().unwrap_or(&[]);
             let width = features.len() / (rows_before + rows);
-            d.absorb(self.stream, features.get(rows_before * width..).unwrap_or(&[]), rows);
+            d.absorb(self.stream, &self.prompt[start..end], features.get(rows_before * width..).unwrap_or(&[]));
         }
         // A failed mark only costs a future cache hit; the pass goes on.
         let mark = if self.plan.marks.binary_search(&end).is_ok() { backend.keep_mark(self.stream).ok() } else { None };

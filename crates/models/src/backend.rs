@@ -106,6 +106,11 @@ pub struct ModelBackend<D: Device> {
     chunk_last: bool,
     /// One row of logits gathered from `scratch.logits` (a chunk's last row).
     row: D::Tensor,
+    /// Width of one tapped layer's rows (0: no taps; see `set_feature_layers`).
+    tap_width: usize,
+    /// The last forward's feature rows: every row's tapped layers side by
+    /// side, in `scratch.taps` order.
+    features: Vec<f32>,
 }
 
 impl<D: Device> ModelBackend<D> {
@@ -157,7 +162,54 @@ impl<D: Device> ModelBackend<D> {
             launched: None,
             chunk_last: false,
             row,
+            tap_width: 0,
+            features: Vec::new(),
         })
+    }
+
+    /// Tap the output rows of target layers `layers` (0-based, in the order a
+    /// drafter's config names them; any but the last), each `width` wide (the
+    /// model's hidden size), in every forward from now on: `features()` then
+    /// holds each row's taps side by side. An empty list stops tapping.
+    pub fn set_feature_layers(&mut self, layers: &[usize], width: usize) -> Result<()> {
+        let n = self.model.layer_states().len();
+        if let Some(&l) = layers.iter().find(|&&l| l >= n) {
+            bail!("feature layer {l} does not exist: the model has {n} layers (0..{})", n.saturating_sub(1));
+        }
+        // Drafters are trained on transformers' `hidden_states[l + 1]`, which
+        // for the last layer is the final norm's output, not the layer's.
+        if let Some(&l) = layers.iter().find(|&&l| l + 1 == n) {
+            bail!(
+                "feature layer {l} is the model's last: transformers hands drafters that row after the final norm, which braid does not tap (tap layers 0..{})",
+                n.saturating_sub(2)
+            );
+        }
+        ensure!(layers.is_empty() || width > 0, "feature taps need a positive width");
+        self.scratch.taps = layers.to_vec();
+        self.tap_width = if layers.is_empty() { 0 } else { width };
+        self.features.clear();
+        // A round launched ahead ran without the taps.
+        self.launched = None;
+        Ok(())
+    }
+
+    /// The tapped rows of the forward just run, side by side on the host.
+    fn collect_features(&mut self, rows: usize) -> Result<()> {
+        let taps = self.scratch.taps.len();
+        if taps == 0 {
+            return Ok(());
+        }
+        let w = self.tap_width;
+        self.features.resize(rows * taps * w, 0.0);
+        for (i, t) in self.scratch.tapped.iter().enumerate().take(taps) {
+            let shape = self.dev.shape(t);
+            ensure!(shape == (rows, w), "feature tap {i} holds {}x{} rows, expected {rows}x{w}", shape.0, shape.1);
+            let data = self.dev.download(t)?;
+            for r in 0..rows {
+                self.features[(r * taps + i) * w..(r * taps + i + 1) * w].copy_from_slice(&data[r * w..(r + 1) * w]);
+            }
+        }
+        Ok(())
     }
 
     pub fn device(&self) -> &D {
@@ -234,7 +286,9 @@ impl<D: Device> ModelBackend<D> {
         let key = parts.iter().all(|p| p.1.len() <= REPLAY_ROWS).then(|| batch.key());
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
         dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch))?;
+        let rows = batch.tokens.len();
         drop(batch);
+        self.collect_features(rows)?;
         for &(id, toks) in parts {
             self.streams.get_mut(&id).expect("checked by reserve_step").len += toks.len();
         }
@@ -249,6 +303,8 @@ impl<D: Device> ModelBackend<D> {
         let bt = self.cfg.block_tokens;
         self.dev.caps().ahead
             && self.rewindable
+            // A round launched ahead would leave its features, not the round's.
+            && self.tap_width == 0
             && !self.chunk_last
             && !rows.is_empty()
             && rows.iter().all(|r| r.tokens.len() == 1 && self.streams.get(&r.stream).is_some_and(|s| s.len < s.table.blocks.len() * bt))
@@ -446,7 +502,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             max_batch: self.cfg.max_batch,
             max_context: self.cfg.context,
             vocab_size: self.model.vocab(),
-            feature_dim: 0,
+            feature_dim: self.scratch.taps.len() * self.tap_width,
             picks: Picks { argmax: caps.argmax, top_k: caps.top_k },
         }
     }
@@ -481,6 +537,10 @@ impl<D: Device> Backend for ModelBackend<D> {
         let out = self.run_step(&step);
         self.record(&step, out.is_ok());
         out
+    }
+
+    fn features(&self) -> Option<&[f32]> {
+        (self.tap_width > 0).then_some(self.features.as_slice())
     }
 
     fn cancel_prefill(&mut self, _stream: StreamId) {

@@ -213,6 +213,7 @@ impl<D: Device> Model<D> for Gemma3<D> {
             dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
             dev.rms_norm(&s.out, &b.post_ffn_norm, c.eps, &mut s.post);
             dev.add(&mut s.x, &s.post);
+            s.tap(dev, l);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())

@@ -403,6 +403,7 @@ impl<D: MoeOps> Model<D> for Gemma4<D> {
                 dev.add(&mut s.x, &s.post);
             }
             dev.map(&mut s.x, Map::Scale(b.scalar));
+            crate::tap_rows(dev, &s.taps, &s.x, &mut s.tapped, l);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())

@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod blocks;
 pub mod config;
+pub mod dflash;
 pub mod gemma3;
 pub mod gemma4;
 #[cfg(feature = "cuda")]
@@ -120,6 +121,11 @@ pub struct Scratch<D: Device> {
     pub logits: D::Tensor,
     /// More buffers for models that need them (created on first use).
     pub extra: Vec<D::Tensor>,
+    /// Feature taps: the layers whose output rows a drafter reads, in the
+    /// drafter's order, and each one's copy of the residual stream after
+    /// that layer (every row of the forward). Empty: nothing is tapped.
+    pub taps: Vec<usize>,
+    pub tapped: Vec<D::Tensor>,
 }
 
 impl<D: Device> Scratch<D> {
@@ -142,7 +148,16 @@ impl<D: Device> Scratch<D> {
             last: t(),
             logits: t(),
             extra: Vec::new(),
+            taps: Vec::new(),
+            tapped: Vec::new(),
         }
+    }
+
+    /// Layer `layer` has written its output to `x`: copy it to the taps
+    /// that name it. Every family calls this after each layer, so a drafter
+    /// can read any of them; with no taps it costs nothing.
+    pub fn tap(&mut self, dev: &D, layer: usize) {
+        tap_rows(dev, &self.taps, &self.x, &mut self.tapped, layer);
     }
 
     /// The extra buffer `i`, made when first asked for.
@@ -151,6 +166,21 @@ impl<D: Device> Scratch<D> {
             self.extra.push(dev.tensor(0, 0));
         }
         &mut self.extra[i]
+    }
+}
+
+/// [`Scratch::tap`] over the fields it reads, for a forward that holds
+/// other parts of its scratch borrowed.
+pub fn tap_rows<D: Device>(dev: &D, taps: &[usize], x: &D::Tensor, tapped: &mut Vec<D::Tensor>, layer: usize) {
+    if !taps.contains(&layer) {
+        return;
+    }
+    let rows: Vec<usize> = (0..dev.shape(x).0).collect();
+    while tapped.len() < taps.len() {
+        tapped.push(dev.tensor(0, 0));
+    }
+    for (i, _) in taps.iter().enumerate().filter(|&(_, &t)| t == layer) {
+        dev.gather_rows(x, &rows, &mut tapped[i]);
     }
 }
 

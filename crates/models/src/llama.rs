@@ -193,6 +193,7 @@ impl<D: Device> Model<D> for Llama<D> {
             dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
             dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
             dev.add(&mut s.x, &s.out);
+            s.tap(dev, l);
         }
         // Head: only the rows whose logits are wanted.
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);

@@ -215,7 +215,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
         let seqs = state_seqs(batch)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
-        for b in &self.blocks {
+        for (l, b) in self.blocks.iter().enumerate() {
             // The residual of both branches is the normed stream h: x = α·h + β·f(h).
             dev.rms_norm(&s.x, &b.in_norm, c.eps, &mut s.h);
             let (alpha, beta) = match &b.mixer {
@@ -244,6 +244,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
             b.moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
             let (alpha, beta) = c.mlp_ab;
             residual(dev, s, alpha, beta);
+            s.tap(dev, l);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())

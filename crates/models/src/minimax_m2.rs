@@ -299,6 +299,7 @@ impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
                 }
             }
             dev.add(&mut s.x, &s.out);
+            s.tap(dev, l);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, self.head.as_ref().unwrap_or(&self.embed), None);
         Ok(())

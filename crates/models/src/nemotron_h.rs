@@ -306,7 +306,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
         let seqs = state_seqs(batch)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
-        for b in &self.blocks {
+        for (l, b) in self.blocks.iter().enumerate() {
             dev.rms_norm(&s.x, &b.norm, c.eps, &mut s.h);
             match &b.mixer {
                 Layer::Mamba(m) => {
@@ -342,6 +342,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
                 }
             }
             dev.add(&mut s.x, &s.out);
+            s.tap(dev, l);
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.head, None);
         Ok(())

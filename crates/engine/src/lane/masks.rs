@@ -56,9 +56,9 @@ impl Guided {
 pub(super) enum Held {
     /// The prompt's last-row logits (the first token).
     First(Vec<f32>),
-    /// A decode round's rows: the draft they verified, their logits rows
-    /// and their feature rows.
-    Round { draft: Vec<u32>, logits: Vec<f32>, features: Vec<f32> },
+    /// A decode round's rows: the tokens they fed (the last token, then
+    /// the draft verified), their logits rows and their feature rows.
+    Round { fed: Vec<u32>, logits: Vec<f32>, features: Vec<f32> },
 }
 
 struct Job {
@@ -227,7 +227,7 @@ impl Core {
             moved = true;
             match held {
                 Held::First(logits) => self.first_token(at, logits),
-                Held::Round { draft, logits, features } => self.verify(at, &draft, &mut Picked::Logits(logits), 0, &features),
+                Held::Round { fed, logits, features } => self.verify(at, &fed, &mut Picked::Logits(logits), 0, &features),
             }
         }
         moved

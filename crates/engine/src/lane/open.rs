@@ -59,7 +59,7 @@ impl Core {
             free_cuts: self.caps.free_cuts(),
         };
         if let Some(d) = self.drafter.as_mut() {
-            d.open(s.id, planned);
+            d.open(s.id, &s.prompt[..planned]);
         }
         s.len = planned;
         s.cached = planned;

@@ -268,20 +268,21 @@ impl Core {
                 // A guided stream's round always returns logits (see `masks`).
                 Picked::Logits(l) if !self.masks_ready(at) => {
                     let logits = l[offset * vocab..(offset + n) * vocab].to_vec();
-                    self.hold(at, Held::Round { draft: row.tokens[1..].to_vec(), logits, features: kept.to_vec() });
+                    self.hold(at, Held::Round { fed: row.tokens.clone(), logits, features: kept.to_vec() });
                 }
-                _ => self.verify(at, &row.tokens[1..], &mut picked, offset, kept),
+                _ => self.verify(at, &row.tokens, &mut picked, offset, kept),
             }
             offset += n;
         }
     }
 
-    /// One stream's token rows, from `offset` on: sample each in turn; a
-    /// row's result is kept while the token sampled before it matched the
-    /// draft it fed, so output is what it would be without the draft.
-    /// Then rewind the rejected rows, let the drafter absorb the kept
-    /// rows' features, and take its next proposal.
-    pub(super) fn verify(&mut self, at: usize, draft: &[u32], picked: &mut Picked, offset: usize, features: &[f32]) {
+    /// One stream's token rows (`fed`: its last token, then the draft),
+    /// from `offset` on: sample each in turn; a row's result is kept while
+    /// the token sampled before it matched the draft it fed, so output is
+    /// what it would be without the draft. Then rewind the rejected rows,
+    /// let the drafter absorb the kept rows, and take its next proposal.
+    pub(super) fn verify(&mut self, at: usize, fed: &[u32], picked: &mut Picked, offset: usize, features: &[f32]) {
+        let draft = &fed[1..];
         let vocab = self.caps.vocab_size;
         let mut kept = 0;
         let mut last = None;
@@ -316,7 +317,7 @@ impl Core {
         let dim = features.len() / (draft.len() + 1);
         let next = match self.drafter.as_mut() {
             Some(d) => {
-                d.absorb(s.id, &features[..kept * dim], kept);
+                d.absorb(s.id, &fed[..kept], features.get(..kept * dim).unwrap_or(&[]));
                 d.propose(s.id, last)
             }
             None => Vec::new(),

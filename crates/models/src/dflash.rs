@@ -1,0 +1,494 @@
+//! DFlash: a block drafter that reads the target's features (arXiv
+//! 2602.06036). A few Qwen3-style layers predict a whole block of tokens in
+//! one forward, from the newest token followed by mask tokens, while they
+//! attend to the target's hidden rows as injected context:
+//!
+//! * context: the rows tapped after the target layers the config names,
+//!   side by side, projected by `fc` and RMS-normed (`hidden_norm`). Every
+//!   layer projects the same context rows to its own keys and values, which
+//!   are kept per stream like a KV cache (they never change once written).
+//! * block: `[last, mask, mask, ...]` embedded with the target's embedding
+//!   table, at the positions after the context.
+//! * each layer: `x += o(attn(norm(x)))`, `x += mlp(norm(x))`; queries come
+//!   from the block, keys and values from context and block; q and k are
+//!   RMS-normed per head, then rotated at their own positions; attention is
+//!   not causal (every block row sees the whole context and the whole block).
+//! * head: the drafter's final norm, then the target's output head (or the
+//!   drafter's own over a reduced draft vocabulary mapped back by `d2t`), on
+//!   block rows 1.. (row 0 holds the known token).
+//!
+//! Two checkpoint layouts load: the authors' (`architectures:
+//! ["DFlashDraftModel"]`, `dflash_config: {target_layer_ids,
+//! mask_token_id}`, `block_size`) and vLLM speculators' (`speculators_model_type:
+//! "dflash"`, `transformer_layer_config`, `aux_hidden_state_layer_ids`,
+//! `draft_vocab_size` with `d2t` / `t2d`).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use braid_engine::{Drafter, Gate, StreamId};
+use braid_formats::safetensors::HfFolder;
+use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map, Rope};
+use serde_json::Value;
+
+use crate::blocks::Attention;
+use crate::config::HfConfig;
+use crate::llama::hf_rope;
+use crate::source::Source;
+use crate::{ModelBackend, Scratch};
+
+#[derive(Clone, Debug)]
+pub struct DFlashConfig {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub eps: f32,
+    pub rope: Rope,
+    /// Rows of one block: the known token and `block_size - 1` proposals.
+    pub block_size: usize,
+    /// Target layers whose output rows make the context, in `fc`'s order.
+    pub target_layers: Vec<usize>,
+    pub mask_token: u32,
+    /// The target's vocabulary (the embedding table's rows).
+    pub vocab: usize,
+    /// Rows of the drafter's own head over a reduced vocabulary (speculators'
+    /// `draft_vocab_size`), when it has one.
+    pub draft_vocab: Option<usize>,
+    /// The noise embedding's scale (`input_embedding_scale`, 1 when absent).
+    pub embed_scale: f32,
+    /// Logits are multiplied by this, then softcapped (`output_multiplier`,
+    /// `final_logit_softcapping`).
+    pub output_multiplier: f32,
+    pub softcap: Option<f32>,
+}
+
+/// A value the authors' layout keeps in `dflash_config` or at the top.
+fn draft_value<'a>(cfg: &'a Value, key: &str) -> Option<&'a Value> {
+    cfg.get("dflash_config").and_then(|d| d.get(key)).or_else(|| cfg.get(key)).filter(|v| !v.is_null())
+}
+
+fn usize_list(v: Option<&Value>, what: &str, path: &Path) -> Result<Vec<usize>> {
+    let list = v.and_then(Value::as_array).with_context(|| format!("{}: no {what} list", path.display()))?;
+    list.iter().map(|x| x.as_u64().map(|n| n as usize).with_context(|| format!("{}: {what} holds {x}, not a layer number", path.display()))).collect()
+}
+
+fn number(v: Option<&Value>, key: &str, path: &Path) -> Result<Option<f64>> {
+    match v {
+        None => Ok(None),
+        Some(x) => x.as_f64().map(Some).with_context(|| format!("{}: {key} is {x}, not a number", path.display())),
+    }
+}
+
+impl DFlashConfig {
+    /// Read `dir/config.json` in either layout.
+    pub fn from_folder(dir: &Path, raw: &Value) -> Result<DFlashConfig> {
+        let path = dir.join("config.json");
+        let archs: Vec<&str> = raw.get("architectures").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        let spec_type = raw.get("speculators_model_type").and_then(Value::as_str);
+        let (layer_cfg, target_layers, mask, block, draft_vocab) = match spec_type {
+            Some("dflash") => {
+                let layer = raw
+                    .get("transformer_layer_config")
+                    .filter(|v| v.is_object())
+                    .with_context(|| format!("{}: no transformer_layer_config object", path.display()))?;
+                let taps = usize_list(raw.get("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids", &path)?;
+                let draft_vocab = number(raw.get("draft_vocab_size"), "draft_vocab_size", &path)?.map(|n| n as usize);
+                (layer, taps, raw.get("mask_token_id"), raw.get("block_size"), draft_vocab)
+            }
+            Some(other) => bail!("{}: speculators_model_type '{other}' is not a drafter braid loads (supported: dflash)", path.display()),
+            None if archs.contains(&"DFlashDraftModel") => {
+                let taps = usize_list(draft_value(raw, "target_layer_ids"), "dflash_config.target_layer_ids", &path)?;
+                (raw, taps, draft_value(raw, "mask_token_id"), draft_value(raw, "block_size"), None)
+            }
+            None => bail!(
+                "{}: not a DFlash drafter (architectures {archs:?}; expected [\"DFlashDraftModel\"] or speculators_model_type \"dflash\")",
+                path.display()
+            ),
+        };
+        let c = HfConfig::new(layer_cfg, dir);
+        let hidden = c.usize("hidden_size")?;
+        let heads = c.usize("num_attention_heads")?;
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        let layers = c.usize("num_hidden_layers")?;
+        // Sliding or causal drafter layers (DFlash2) attend differently.
+        if let Some(types) = c.layer_types(layers)? {
+            if let Some(t) = types.iter().find(|t| t.as_str() != "full_attention") {
+                bail!("{}: drafter layers of type '{t}' are not supported (only full_attention)", path.display());
+            }
+        }
+        if c.opt_bool("is_causal")? == Some(true) {
+            bail!("{}: a causal DFlash drafter is not supported (its block attention is bidirectional)", path.display());
+        }
+        ensure!(!target_layers.is_empty(), "{}: the drafter names no target layers", path.display());
+        let mask = number(mask, "mask_token_id", &path)?.with_context(|| format!("{}: no mask_token_id", path.display()))? as u32;
+        let block_size = number(block, "block_size", &path)?.map_or(16, |b| b as usize);
+        ensure!(block_size >= 2, "{}: block_size {block_size} proposes nothing (it must be at least 2)", path.display());
+        let vocab = c.usize("vocab_size")?;
+        let f = |k: &str| number(draft_value(raw, k).or_else(|| c.get(k)), k, &path);
+        Ok(DFlashConfig {
+            hidden,
+            layers,
+            heads,
+            kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+            head_dim,
+            ffn: c.usize("intermediate_size")?,
+            eps: c.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            rope: hf_rope(&c, None, head_dim, dir)?,
+            block_size,
+            target_layers,
+            mask_token: mask,
+            vocab,
+            draft_vocab: draft_vocab.filter(|&d| d != vocab),
+            embed_scale: f("input_embedding_scale")?.unwrap_or(1.0) as f32,
+            output_multiplier: f("output_multiplier")?.unwrap_or(1.0) as f32,
+            softcap: f("final_logit_softcapping")?.filter(|&s| s > 0.0).map(|s| s as f32),
+        })
+    }
+}
+
+struct Layer<D: Device> {
+    attn_norm: D::Tensor,
+    attn: Attention<D>,
+    ffn_norm: D::Tensor,
+    w_gate: D::Weight,
+    w_up: D::Weight,
+    w_down: D::Weight,
+}
+
+/// The drafter's weights (and the target's embedding and head it borrows).
+pub struct DFlash<D: Device> {
+    pub cfg: DFlashConfig,
+    layers: Vec<Layer<D>>,
+    fc: D::Weight,
+    hidden_norm: D::Tensor,
+    norm: D::Tensor,
+    embed: D::Weight,
+    head: D::Weight,
+    /// Target id of each row of a reduced draft head (speculators' d2t).
+    draft_ids: Option<Vec<u32>>,
+    /// Width of one tapped target row (`fc`'s input over the taps).
+    target_hidden: usize,
+}
+
+impl<D: Device> DFlash<D> {
+    /// Load the drafter in `dir` for the target whose weights are `target`
+    /// (its embedding table, and its output head unless the drafter brings
+    /// its own).
+    pub fn load(dev: &D, dir: &Path, target: &Source) -> Result<DFlash<D>> {
+        let folder = HfFolder::open(dir)?;
+        let cfg = DFlashConfig::from_folder(dir, folder.config())?;
+        let w = |n: &str| dev.weight(&folder.tensor(n)?);
+        let v = |n: &str| dev.vector(&folder.tensor(n)?, 0.0);
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let p = |n: &str| format!("layers.{i}.{n}.weight");
+            layers.push(Layer {
+                attn_norm: v(&p("input_layernorm"))?,
+                attn: Attention::load_hf(&w, &v, &format!("layers.{i}.self_attn."), "o_proj", Some(("q_norm", "k_norm")))?,
+                ffn_norm: v(&p("post_attention_layernorm"))?,
+                w_gate: w(&p("mlp.gate_proj"))?,
+                w_up: w(&p("mlp.up_proj"))?,
+                w_down: w(&p("mlp.down_proj"))?,
+            });
+        }
+        let fc = w("fc.weight")?;
+        let (fc_out, fc_in) = dev.weight_shape(&fc);
+        let taps = cfg.target_layers.len();
+        ensure!(fc_out == cfg.hidden, "{}: fc maps to {fc_out} columns, the drafter is {} wide", dir.display(), cfg.hidden);
+        ensure!(fc_in % taps == 0, "{}: fc reads {fc_in} columns, not a multiple of its {taps} target layers", dir.display());
+        let embed = dev.weight(&target.tensor("token_embd.weight")?)?;
+        let (rows, width) = dev.weight_shape(&embed);
+        ensure!(width == cfg.hidden, "the target's embeddings are {width} wide, the drafter in {} is {}", dir.display(), cfg.hidden);
+        ensure!((cfg.mask_token as usize) < rows, "{}: mask token {} is past the target's {rows} embeddings", dir.display(), cfg.mask_token);
+        let (head, draft_ids) = match cfg.draft_vocab {
+            Some(n) => {
+                let head = w("lm_head.weight")?;
+                ensure!(dev.weight_shape(&head) == (n, cfg.hidden), "{}: lm_head.weight is not {n}x{}", dir.display(), cfg.hidden);
+                let d2t = read_i64(&folder, "d2t")?;
+                ensure!(d2t.len() == n, "{}: d2t holds {} entries for a draft vocabulary of {n}", dir.display(), d2t.len());
+                let ids = d2t.iter().enumerate().map(|(i, &off)| i as i64 + off).collect::<Vec<i64>>();
+                if let Some(bad) = ids.iter().find(|&&t| t < 0 || t as usize >= rows) {
+                    bail!("{}: d2t maps a draft token to {bad}, outside the target's {rows} tokens", dir.display());
+                }
+                (head, Some(ids.into_iter().map(|t| t as u32).collect()))
+            }
+            None => {
+                let name = if target.has_tensor("output.weight") { "output.weight" } else { "token_embd.weight" };
+                (dev.weight(&target.tensor(name)?)?, None)
+            }
+        };
+        Ok(DFlash { layers, fc, hidden_norm: v("hidden_norm.weight")?, norm: v("norm.weight")?, embed, head, draft_ids, target_hidden: fc_in / taps, cfg })
+    }
+
+    /// Width of one tapped target row.
+    pub fn target_hidden(&self) -> usize {
+        self.target_hidden
+    }
+
+    /// Width of one feature row (every tap side by side).
+    pub fn feature_dim(&self) -> usize {
+        self.target_hidden * self.cfg.target_layers.len()
+    }
+
+    /// Tap the target layers this drafter reads on `backend`.
+    pub fn attach(&self, backend: &mut ModelBackend<D>) -> Result<()> {
+        backend.set_feature_layers(&self.cfg.target_layers, self.target_hidden)
+    }
+
+    /// The width of one logits row (the draft vocabulary).
+    pub fn logits_width(&self) -> usize {
+        self.cfg.draft_vocab.unwrap_or(self.cfg.vocab)
+    }
+
+    /// The target token of draft-head column `i`.
+    pub fn target_token(&self, i: usize) -> u32 {
+        self.draft_ids.as_ref().map_or(i as u32, |ids| ids[i])
+    }
+}
+
+/// An int64 tensor of a safetensors folder (the viewer reads floats only).
+fn read_i64(folder: &HfFolder, name: &str) -> Result<Vec<i64>> {
+    ensure!(folder.tensor_dtype(name) == Some("I64"), "{}: tensor `{name}` is missing or not I64", folder.dir().display());
+    for path in folder.weight_files() {
+        let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let len = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).unwrap_or(usize::MAX);
+        let header = bytes.get(8..8usize.saturating_add(len)).with_context(|| format!("{}: truncated header", path.display()))?;
+        let header: Value = serde_json::from_slice(header).with_context(|| format!("{}: bad header", path.display()))?;
+        let Some(e) = header.get(name) else { continue };
+        let off: Vec<usize> = e["data_offsets"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as usize).collect()).unwrap_or_default();
+        let data = (off.len() == 2).then(|| bytes.get(8 + len + off[0]..8 + len + off[1])).flatten();
+        let data = data.with_context(|| format!("{}: tensor `{name}` lies outside the file", path.display()))?;
+        return Ok(data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect());
+    }
+    bail!("{}: no tensor named `{name}`", folder.dir().display())
+}
+
+/// One stream's drafter state: the context rows' keys and values (in
+/// `blocks`, KV rows `0..ctx` at positions `base..base + ctx`), the
+/// feature rows absorbed since the last proposal, and how long its
+/// proposals should be.
+struct DraftStream {
+    base: usize,
+    ctx: usize,
+    pending: Vec<f32>,
+    blocks: Vec<u32>,
+    gate: Gate,
+}
+
+/// [`DFlash`] as the engine's [`Drafter`]: it keeps each stream's context
+/// keys and values in a paged pool of its own, and proposes greedily, as
+/// many tokens as the stream's [`Gate`] allows (the head runs on those
+/// rows only; the whole block runs through the layers, as trained).
+pub struct DFlashDrafter<D: Device> {
+    dev: D,
+    model: DFlash<D>,
+    kv: D::Kv,
+    block_tokens: usize,
+    free: Vec<u32>,
+    streams: HashMap<StreamId, DraftStream>,
+    s: Scratch<D>,
+    /// The last proposal's block logits (`block_size - 1` rows of
+    /// `logits_width`), for tests and tools.
+    pub last_logits: Vec<f32>,
+    /// Why the last proposal came back empty, if it failed.
+    pub last_error: Option<String>,
+    /// Proposals in a row with nothing accepted before a stream skips as
+    /// many rounds (0: never).
+    pub patience: usize,
+}
+
+impl<D: Device> DFlashDrafter<D> {
+    /// A drafter over `model` whose pool holds `kv_tokens` context rows
+    /// over all streams (in blocks of `block_tokens`).
+    pub fn new(dev: D, model: DFlash<D>, kv_tokens: usize, block_tokens: usize, kv_dtype: KvDtype) -> Result<DFlashDrafter<D>> {
+        ensure!(block_tokens > 0, "block_tokens must be positive");
+        let blocks = kv_tokens.div_ceil(block_tokens).max(1);
+        let c = &model.cfg;
+        let spec = KvPoolSpec { blocks, block_tokens, layers: vec![KvShape { kv_heads: c.kv_heads, head_dim: c.head_dim }; c.layers] };
+        let kv = dev.kv_pool(&spec, kv_dtype)?;
+        let s = Scratch::new(&dev);
+        Ok(DFlashDrafter {
+            dev,
+            model,
+            kv,
+            block_tokens,
+            free: (0..blocks as u32).rev().collect(),
+            streams: HashMap::new(),
+            s,
+            last_logits: Vec::new(),
+            last_error: None,
+            patience: 4,
+        })
+    }
+
+    pub fn model(&self) -> &DFlash<D> {
+        &self.model
+    }
+
+    fn stream(&mut self, id: StreamId) -> &mut DraftStream {
+        let gate = Gate::new(self.model.cfg.block_size - 1, self.patience);
+        self.streams.entry(id).or_insert_with(|| DraftStream { base: 0, ctx: 0, pending: Vec::new(), blocks: Vec::new(), gate })
+    }
+
+    /// The block after `last` for `stream`: the logits of its first `rows`
+    /// proposals (`rows` rows of `logits_width`, at most `block_size - 1`)
+    /// into `last_logits`, and the greedy tokens.
+    pub fn propose_block(&mut self, stream: StreamId, last: u32, rows: usize) -> Result<Vec<u32>> {
+        let bs = self.model.cfg.block_size;
+        let rows = rows.clamp(1, bs - 1);
+        let fdim = self.model.feature_dim();
+        let bt = self.block_tokens;
+        let st = self.streams.get(&stream).with_context(|| format!("stream {stream} is not open in the drafter"))?;
+        let new = st.pending.len() / fdim;
+        let (base, ctx) = (st.base, st.ctx);
+        // Blocks for the context and the block rows (the block's own rows
+        // are written past the context and overwritten by later context).
+        let need = (ctx + new + bs).div_ceil(bt);
+        let have = st.blocks.len();
+        if need > have {
+            ensure!(self.free.len() >= need - have, "the drafter's KV pool is full");
+            let got: Vec<u32> = (0..need - have).filter_map(|_| self.free.pop()).collect();
+            self.stream(stream).blocks.extend(got);
+        }
+        let st = self.streams.get_mut(&stream).expect("present");
+        let pending = std::mem::take(&mut st.pending);
+        let blocks = st.blocks.clone();
+        let slot = |j: usize| blocks[j / bt] * bt as u32 + (j % bt) as u32;
+        let ctx_pos: Vec<u32> = (base + ctx..base + ctx + new).map(|p| p as u32).collect();
+        let ctx_slots: Vec<u32> = (ctx..ctx + new).map(slot).collect();
+        let block_pos: Vec<u32> = (base + ctx + new..base + ctx + new + bs).map(|p| p as u32).collect();
+        let block_slots: Vec<u32> = (ctx + new..ctx + new + bs).map(slot).collect();
+        let mut tokens = vec![self.model.cfg.mask_token; bs];
+        tokens[0] = last;
+        let kv_len = ctx + new + bs;
+        // Every block row is its own one-row sequence over all the keys:
+        // attention over the pool is causal, and one row at the end of its
+        // sequence sees every key, so the block attends both ways.
+        let seqs: Vec<AttnSeq<'_>> = (0..bs).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len, blocks: &blocks, window: None }).collect();
+        let feats = if new > 0 { Some(self.dev.upload(&pending, new, fdim)?) } else { None };
+        self.forward(feats.as_ref(), &ctx_pos, &ctx_slots, &tokens, &block_pos, &block_slots, &seqs, rows);
+        let logits = self.dev.download(&self.s.logits)?;
+        self.streams.get_mut(&stream).expect("present").ctx += new;
+        let width = self.model.logits_width();
+        ensure!(logits.len() == rows * width, "the drafter returned {} logits, expected {}", logits.len(), rows * width);
+        let picks = logits.chunks_exact(width).map(|row| self.model.target_token(braid_ops::argmax_host(row) as usize)).collect();
+        self.last_logits = logits;
+        Ok(picks)
+    }
+
+    /// The drafter's forward: context keys and values into the pool, then
+    /// the block through every layer; the logits of block rows `1..=rows`
+    /// end in `s.logits`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        feats: Option<&D::Tensor>,
+        ctx_pos: &[u32],
+        ctx_slots: &[u32],
+        tokens: &[u32],
+        block_pos: &[u32],
+        block_slots: &[u32],
+        seqs: &[AttnSeq<'_>],
+        rows: usize,
+    ) {
+        let (dev, m, s, kv) = (&self.dev, &self.model, &mut self.s, &mut self.kv);
+        let c = &m.cfg;
+        let hd = c.head_dim;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut ctx = std::mem::replace(s.extra(dev, 0), dev.tensor(0, 0));
+        if let Some(f) = feats {
+            dev.matmul(f, &[&m.fc], &mut [&mut s.out]);
+            dev.rms_norm(&s.out, &m.hidden_norm, c.eps, &mut ctx);
+        }
+        dev.embed(&m.embed, tokens, c.embed_scale, &mut s.x);
+        for (l, b) in m.layers.iter().enumerate() {
+            let Some((q_norm, k_norm)) = &b.attn.qk_norm else { unreachable!("DFlash layers load with q/k norms") };
+            // The context's keys and values: from the projected features, not
+            // normed by the layer's input norm.
+            if feats.is_some() {
+                dev.matmul(&ctx, &[&b.attn.wk, &b.attn.wv], &mut [&mut s.k_raw, &mut s.v]);
+                dev.rms_norm(&s.k_raw, k_norm, c.eps, &mut s.k);
+                dev.rope(&mut s.k, ctx_pos, hd, &c.rope);
+                dev.kv_write(kv, l, &s.k, &s.v, ctx_slots);
+            }
+            // The block's queries, keys and values.
+            dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
+            dev.matmul(&s.h, &[&b.attn.wq, &b.attn.wk, &b.attn.wv], &mut [&mut s.q_raw, &mut s.k_raw, &mut s.v]);
+            dev.rms_norm(&s.q_raw, q_norm, c.eps, &mut s.q);
+            dev.rms_norm(&s.k_raw, k_norm, c.eps, &mut s.k);
+            dev.rope(&mut s.q, block_pos, hd, &c.rope);
+            dev.rope(&mut s.k, block_pos, hd, &c.rope);
+            dev.kv_write(kv, l, &s.k, &s.v, block_slots);
+            dev.attention(&s.q, kv, l, seqs, scale, None, &mut s.att);
+            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            dev.add(&mut s.x, &s.out);
+            // SwiGLU MLP.
+            dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
+            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
+            dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
+            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
+            dev.add(&mut s.x, &s.out);
+        }
+        *s.extra(dev, 0) = ctx;
+        let rows: Vec<usize> = (1..=rows).collect();
+        dev.gather_rows(&s.x, &rows, &mut s.last);
+        dev.rms_norm(&s.last, &m.norm, c.eps, &mut s.h);
+        dev.matmul(&s.h, &[&m.head], &mut [&mut s.logits]);
+        if c.output_multiplier != 1.0 {
+            dev.map(&mut s.logits, Map::Scale(c.output_multiplier));
+        }
+        if let Some(cap) = c.softcap {
+            dev.map(&mut s.logits, Map::Softcap(cap));
+        }
+    }
+}
+
+impl<D: Device> Drafter for DFlashDrafter<D> {
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
+        self.forget(stream);
+        // Rows restored from a prefix were never seen: the context starts
+        // after them (positions stay the target's).
+        self.stream(stream).base = prefix.len();
+    }
+
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
+        let rows = tokens.len();
+        let dim = self.model.feature_dim();
+        let st = self.stream(stream);
+        st.gate.absorbed(rows);
+        // A backend tapping other rows than this drafter reads is refused
+        // when the drafter is attached; anything else is not this drafter's.
+        if rows > 0 && features.len() == rows * dim {
+            st.pending.extend_from_slice(features);
+        }
+    }
+
+    fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
+        let rows = self.stream(stream).gate.allow();
+        if rows == 0 {
+            return Vec::new();
+        }
+        match self.propose_block(stream, last, rows) {
+            Ok(t) => {
+                self.last_error = None;
+                self.stream(stream).gate.proposed(t.len());
+                t
+            }
+            // No proposal costs only speed: the stream decodes one token.
+            Err(e) => {
+                self.last_error = Some(format!("{e:#}"));
+                Vec::new()
+            }
+        }
+    }
+
+    fn forget(&mut self, stream: StreamId) {
+        if let Some(st) = self.streams.remove(&stream) {
+            self.free.extend(st.blocks);
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Drafters in a lane over a real backend (the gemma3_text fixture on the
+//! CPU): the DFlash drafter (its taps feeding the tiny random drafter of
+//! `scripts/fixtures/make_dflash.py`) and prompt lookup. Output with a
+//! drafter equals output without, token for token, alone and with streams
+//! arriving together; and the DFlash drafter is fed every prompt row's real
+//! features.
+
+mod fixtures_common;
+
+use std::sync::{Arc, Mutex};
+
+use braid_engine::{Drafter, Event, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId, TokenText};
+use braid_models::dflash::{DFlash, DFlashDrafter};
+use braid_models::Source;
+use braid_ops::cpu::Cpu;
+use braid_ops::KvDtype;
+use fixtures_common::*;
+
+struct NoText;
+impl TokenText for NoText {
+    fn token_bytes(&self, _id: u32) -> Vec<u8> {
+        Vec::new()
+    }
+}
+
+/// What the lane handed the drafter: each absorb's stream, tokens and features.
+type Log = Arc<Mutex<Vec<(StreamId, Vec<u32>, Vec<f32>)>>>;
+
+/// The DFlash drafter, recording what it absorbs.
+struct Recording {
+    inner: DFlashDrafter<Cpu>,
+    log: Log,
+}
+
+impl Drafter for Recording {
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
+        self.inner.open(stream, prefix)
+    }
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
+        self.log.lock().unwrap().push((stream, tokens.to_vec(), features.to_vec()));
+        self.inner.absorb(stream, tokens, features)
+    }
+    fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
+        let p = self.inner.propose(stream, last);
+        assert_eq!(self.inner.last_error, None, "the drafter failed");
+        p
+    }
+    fn forget(&mut self, stream: StreamId) {
+        self.inner.forget(stream)
+    }
+}
+
+fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
+    Request {
+        prompt,
+        sampling: match seed {
+            None => SamplingParams::greedy(),
+            Some(s) => SamplingParams { temperature: 0.9, seed: Some(s), ..Default::default() },
+        },
+        stop: StopRules { max_tokens: Some(24), ignore_eos: true, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+fn tokens(h: braid_engine::StreamHandle) -> Vec<u32> {
+    h.filter_map(|e| match e {
+        Event::Token { id, .. } => Some(id),
+        Event::Error(e) => panic!("{e}"),
+        _ => None,
+    })
+    .collect()
+}
+
+/// Which drafter a lane runs.
+#[derive(Clone)]
+enum Kind {
+    None,
+    DFlash(Log),
+    Ngram,
+}
+
+/// A lane over the gemma3_text fixture with the drafter `kind`.
+fn lane(fx: &Fixture, kind: &Kind) -> Lane {
+    // Small chunks and a row cap, so passes take many steps between rounds.
+    let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, ..LaneConfig::default() };
+    let mut backend = fx.backend();
+    let drafter: Option<Box<dyn Drafter>> = match kind {
+        Kind::None => None,
+        Kind::DFlash(log) => {
+            let target = Source::open(&fx.dir).unwrap();
+            let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join("dflash_gemma3"), &target).unwrap();
+            model.attach(&mut backend).unwrap();
+            Some(Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log: log.clone() }))
+        }
+        Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
+    };
+    Lane::spawn_with_drafter(Box::new(backend), drafter, Arc::new(NoText), config)
+}
+
+/// Every prompt alone, then all together; the replies and the stats of the run together.
+fn serve(fx: &Fixture, prompts: &[Vec<u32>], seed: Option<u64>, kind: Kind) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, LaneStats) {
+    let alone = {
+        let l = lane(fx, &kind);
+        prompts.iter().enumerate().map(|(i, p)| tokens(l.submit(request(p.clone(), seed.map(|s| s + i as u64))).unwrap())).collect()
+    };
+    let l = lane(fx, &kind);
+    let hs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| l.submit(request(p.clone(), seed.map(|s| s + i as u64))).unwrap()).collect();
+    let together = hs.into_iter().map(tokens).collect();
+    (alone, together, l.stats())
+}
+
+#[test]
+fn dflash_drafting_is_lossless_on_a_real_backend() {
+    let fx = Fixture::load("gemma3_text");
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
+    for seed in [None, Some(42)] {
+        let (plain_alone, plain_together, _) = serve(&fx, &prompts, seed, Kind::None);
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default()));
+        assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
+        assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
+        assert_eq!(together, alone, "seed {seed:?}");
+        assert!(together.iter().all(|t| t.len() == 24));
+        // The drafter ran, and (its random guesses never accepted) each
+        // stream's gate cut its proposals short of a block per round.
+        assert!(stats.draft_proposed > 0 && stats.draft_proposed < 3 * stats.decode_streams, "{stats:?}");
+        eprintln!(
+            "seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds for {} tokens",
+            stats.draft_proposed,
+            stats.draft_accepted,
+            100.0 * stats.draft_accepted as f64 / stats.draft_proposed.max(1) as f64,
+            stats.decode_rounds,
+            together.iter().map(Vec::len).sum::<usize>()
+        );
+    }
+}
+
+#[test]
+fn the_drafter_absorbs_every_prompt_rows_real_features() {
+    let fx = Fixture::load("gemma3_text");
+    let reference = read_safetensors(&fixtures_dir().join("dflash_gemma3/reference.safetensors"));
+    let width = reference["features"].shape[1];
+    let prompt = fx.tokens[..17].to_vec();
+    let log: Log = Arc::default();
+    let l = lane(&fx, &Kind::DFlash(log.clone()));
+    let out = tokens(l.submit(request(prompt.clone(), None)).unwrap());
+    assert_eq!(out.len(), 24);
+    let log = log.lock().unwrap();
+    // The prompt arrives in chunks of at most 3 rows (the row cap), each
+    // absorbed whole, in order; together they are transformers' rows.
+    let mut fed = Vec::new();
+    let mut rows = Vec::new();
+    for (_, t, f) in log.iter() {
+        if rows.len() >= prompt.len() {
+            break;
+        }
+        assert!(t.len() <= 3 && f.len() == t.len() * width, "a chunk of {} rows with {} features", t.len(), f.len());
+        fed.extend_from_slice(f);
+        rows.extend_from_slice(t);
+    }
+    assert_eq!(rows, prompt, "the chunks' tokens are the prompt's");
+    assert_close("absorbed prompt features", &fed, &reference["features"].data[..prompt.len() * width], width, 1e-4);
+    // After the prompt, each round's kept rows (the fed token and the
+    // accepted drafts): every generated token is fed but the last, and the
+    // round that ends the stream absorbs nothing (it holds 1 to 4 of them).
+    let after: Vec<u32> = log.iter().flat_map(|(_, t, _)| t.iter().copied()).skip(prompt.len()).collect();
+    assert_eq!(after, out[..after.len()], "the generated rows absorbed are the tokens generated");
+    let after = after.len();
+    assert!((out.len() - 5..=out.len() - 2).contains(&after), "{after} rows absorbed after the prompt for {} tokens", out.len());
+}
+
+#[test]
+fn prompt_lookup_is_lossless_on_a_real_backend() {
+    let fx = Fixture::load("gemma3_text");
+    // Prompts that repeat themselves, so lookups find matches (the tiny
+    // random model copies some of them and not others).
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 6 + i].repeat(3)).collect();
+    for seed in [None, Some(7)] {
+        let (plain_alone, plain_together, plain) = serve(&fx, &prompts, seed, Kind::None);
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::Ngram);
+        assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
+        assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
+        assert!(stats.draft_proposed > 0, "{stats:?}");
+        eprintln!(
+            "prompt lookup, seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds against {} without",
+            stats.draft_proposed,
+            stats.draft_accepted,
+            100.0 * stats.draft_accepted as f64 / stats.draft_proposed.max(1) as f64,
+            stats.decode_rounds,
+            plain.decode_rounds
+        );
+        if seed.is_none() {
+            // Greedy: accepted drafts save rounds.
+            assert!(stats.draft_accepted > 0, "{stats:?}");
+            assert!(stats.decode_rounds < plain.decode_rounds);
+        }
+    }
+}

@@ -21,6 +21,7 @@ mod api;
 mod error;
 mod guide;
 mod lane;
+mod logsafe;
 mod metrics;
 mod params;
 mod tokenize;
@@ -206,14 +207,29 @@ pub(crate) fn render_chat(info: &ModelInfo, messages: &[params::Message], tools:
         Some(t) => (t.messages(messages), t.template_vars()),
         None => (messages.iter().map(tools::message_value).collect(), serde_json::Map::new()),
     };
+    // Every string the client sent is quoted, so only the template's own
+    // markup becomes control tokens: no message can forge a turn.
+    let tok = &info.tokenizer;
+    let messages: Vec<serde_json::Value> = messages.into_iter().map(|m| quoted(tok, m)).collect();
+    let vars: serde_json::Map<String, serde_json::Value> = vars.into_iter().map(|(k, v)| (k, quoted(tok, v))).collect();
     let text = template
         .render_with(&messages, generation, &vars)
         .map_err(|e| ApiError::param("messages", format!("The chat template could not render these messages: {e:#}")))?;
     // Templates usually write the BOS token themselves; add it only when
     // the text does not already start with it.
-    let tok = &info.tokenizer;
     let has_bos = tok.bos().and_then(|b| tok.token_text(b)).is_some_and(|b| !b.is_empty() && text.starts_with(b));
-    tok.encode(&text, !has_bos).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
+    tok.encode_rendered(&text, !has_bos).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
+}
+
+/// `v` with every string in it (keys too) quoted by the tokenizer.
+fn quoted(tok: &Tokenizer, v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Value::String(tok.quote(&s).into_owned()),
+        Value::Array(a) => Value::Array(a.into_iter().map(|x| quoted(tok, x)).collect()),
+        Value::Object(o) => Value::Object(o.into_iter().map(|(k, x)| (tok.quote(&k).into_owned(), quoted(tok, x))).collect()),
+        other => other,
+    }
 }
 
 /// A bound, running server. Serves `/health` (503) and `/metrics` at once;

@@ -13,6 +13,9 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 /// The most stop strings a request may give.
 pub const MAX_STOP: usize = 16;
 
+/// The chat roles a message may have.
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
 /// Which endpoint a body was sent to; some fields differ between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -516,7 +519,15 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
         return Err(Fields::wrong_at(&param, "an object with `role` and `content`", m));
     };
     let role = match o.get("role") {
-        Some(Value::String(r)) if !r.is_empty() => r.clone(),
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+        // A role is template markup's business: only the known ones pass,
+        // so none can smuggle text into the turn header.
+        Some(Value::String(r)) => {
+            return Err(ApiError::param(
+                &format!("{param}.role"),
+                format!("`{param}.role` must be one of {}, got `{}`.", ROLES.join(", "), crate::logsafe::clip(r)),
+            ))
+        }
         None | Some(Value::Null) => return Err(ApiError::param(&format!("{param}.role"), format!("`{param}.role` is required."))),
         Some(other) => return Err(Fields::wrong_at(&format!("{param}.role"), "a non-empty string", other)),
     };

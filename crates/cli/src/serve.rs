@@ -76,6 +76,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// When the lane stops after a failure it cannot recover from, load
+    /// the model again and serve on (default: exit with an error, for a
+    /// supervisor to restart the process; /health says 503 meanwhile).
+    #[arg(long)]
+    pub restart_lane: bool,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -99,22 +104,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         // Listen first: /health says 503 until the model is loaded.
         let server = Server::bind(cfg).await?;
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
-        let model_args = a.model.clone();
-        let (kv, streams) = (a.kv_tokens, a.max_running);
-        let mut m = tokio::task::spawn_blocking(move || {
-            load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() })
-        })
-        .await??;
-        load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
-        let mut config = lane_config(&m);
-        config.chunk_tokens = a.chunk.max(1);
-        config.max_rows = a.max_rows;
-        config.prefill_share = (a.prefill_share > 0.0).then_some(a.prefill_share);
-        config.itl_target = load::itl_target(a.itl_target)?;
-        config.max_running = a.max_running.max(1);
-        config.queue_capacity = a.queue;
-        let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
-        let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+        let (lane, info) = start_lane(&a).await?;
         server.ready(lane, info);
         tracing::info!("ready: {} on {}", path.display(), server.local_addr());
         // Under per-key isolation each key has its own cache to warm.
@@ -130,11 +120,47 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 }
             }
         }
-        server.run_until(shutdown_signal()).await
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => return server.shutdown().await,
+                _ = server.lane_died() => {
+                    if !a.restart_lane {
+                        server.shutdown().await?;
+                        anyhow::bail!("the lane stopped after a failure (see the log above); pass --restart-lane to load the model again instead");
+                    }
+                    tracing::warn!("the lane stopped after a failure; loading the model again");
+                    let (lane, info) = start_lane(&a).await?;
+                    server.ready(lane, info);
+                }
+            }
+        }
     })?;
     // Give the runtime a moment to drop its connections.
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// Loads the model and starts its lane.
+async fn start_lane(a: &ServeArgs) -> Result<(Lane, ModelInfo)> {
+    let model_args = a.model.clone();
+    let (kv, streams) = (a.kv_tokens, a.max_running);
+    let mut m = tokio::task::spawn_blocking(move || {
+        load::load_with(&model_args, braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, ..Default::default() })
+    })
+    .await??;
+    load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
+    let mut config = lane_config(&m);
+    config.chunk_tokens = a.chunk.max(1);
+    config.max_rows = a.max_rows;
+    config.prefill_share = (a.prefill_share > 0.0).then_some(a.prefill_share);
+    config.itl_target = load::itl_target(a.itl_target)?;
+    config.max_running = a.max_running.max(1);
+    config.queue_capacity = a.queue;
+    let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
+    let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+    Ok((lane, info))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

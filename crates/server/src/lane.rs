@@ -20,6 +20,11 @@ pub trait Generator: Send + Sync + 'static {
     }
     /// The numbers `/metrics` reports.
     fn stats(&self) -> LaneStats;
+    /// False once the lane has stopped for good after a failure: `/health`
+    /// then answers 503, and `braid serve` exits (or restarts the lane).
+    fn alive(&self) -> bool {
+        true
+    }
 }
 
 /// Keeps a submitted stream alive; dropping it cancels the stream. A lane's
@@ -41,6 +46,10 @@ impl Generator for Lane {
 
     fn stats(&self) -> LaneStats {
         Lane::stats(self)
+    }
+
+    fn alive(&self) -> bool {
+        Lane::alive(self)
     }
 }
 

@@ -288,6 +288,18 @@ impl Server {
         tracing::info!(model = %self.app.cfg.model_name, "model ready");
     }
 
+    /// Resolves once the lane serving the model has stopped for good after
+    /// a failure (never while the model is loading or the lane lives).
+    pub async fn lane_died(&self) {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            if self.app.loaded().is_ok_and(|l| !l.gen.alive()) {
+                return;
+            }
+        }
+    }
+
     /// Feed a prefix into the prefix cache, as `POST /v1/warm` does with
     /// `body` (`prompt` or `messages`, optionally `cache_salt`) sent with
     /// `api_key` (whose cache it fills under per-key isolation), and wait
@@ -428,12 +440,15 @@ async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response 
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
-    if app.loaded().is_ok() {
-        Json(json!({"status": "ok"})).into_response()
-    } else {
-        let mut res = (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response();
-        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
-        res
+    match app.loaded() {
+        Ok(l) if l.gen.alive() => Json(json!({"status": "ok"})).into_response(),
+        // A dead lane serves nothing: say so, so that a supervisor restarts it.
+        Ok(_) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "error", "error": "The lane has stopped after a failure."}))).into_response(),
+        Err(_) => {
+            let mut res = (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response();
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
+            res
+        }
     }
 }
 

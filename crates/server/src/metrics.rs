@@ -137,6 +137,7 @@ impl Metrics {
                 l.itl_target_misses,
             );
             counter(&mut out, "braid_rounds_over_itl_target_total", "Decode rounds whose backend call took longer than --itl-target.", l.rounds_over_target);
+            counter(&mut out, "braid_lane_failures_total", "Panics the lane caught (each failed the streams running then).", l.lane_failures);
             counter(&mut out, "braid_cancelled_streams_total", "Streams cancelled before their end.", l.cancelled);
             counter(&mut out, "braid_rejected_streams_total", "Submissions the lane refused (queue full, too long, invalid).", l.rejected);
         }

@@ -560,3 +560,17 @@ async fn special_token_text_in_messages_stays_text() {
     assert_eq!(v["tokens"], json!([fake::EOS]));
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_dead_lane_makes_health_fail() {
+    let (server, lane) = start().await;
+    let addr = server.local_addr();
+    assert_eq!(get(addr, "/health").await.status, 200);
+    lane.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    let r = get(addr, "/health").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["status"], "error");
+    // `braid serve` waits on this to exit (or restart the lane).
+    tokio::time::timeout(Duration::from_secs(5), server.lane_died()).await.expect("lane_died resolves");
+    server.shutdown().await.unwrap();
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use braid_engine::Lane;
-use braid_server::{CacheIsolation, ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_server::{CacheIsolation, ConnLimits, ModelInfo, Server, ServerConfig, TokenizerText};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 
@@ -81,6 +81,17 @@ pub struct ServeArgs {
     /// supervisor to restart the process; /health says 503 meanwhile).
     #[arg(long)]
     pub restart_lane: bool,
+    /// Seconds a client may take to send a request's headers, and may keep
+    /// an idle connection open between requests.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    pub header_timeout: f64,
+    /// Seconds a request body may pause between two pieces (408 after).
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub body_timeout: f64,
+    /// Most connections open at once; past it /health still answers and
+    /// the rest get 503. Lowered to fit the open-file limit.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -99,6 +110,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             model_name: name.clone(),
             max_body_bytes: a.max_body,
             default_max_tokens: a.default_max_tokens,
+            conn: ConnLimits {
+                header_timeout: secs("--header-timeout", a.header_timeout)?,
+                body_timeout: secs("--body-timeout", a.body_timeout)?,
+                max_connections: fit_connections(a.max_connections)?,
+            },
             ..ServerConfig::default()
         };
         // Listen first: /health says 503 until the model is loaded.
@@ -140,6 +156,58 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // Give the runtime a moment to drop its connections.
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// A timeout flag's value.
+fn secs(flag: &str, v: f64) -> Result<Duration> {
+    if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+        anyhow::bail!("{flag} must be between 0 and 86400 seconds, got {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// File descriptors kept for the model files, the reserve connections
+/// that answer /health past the cap, and the rest of the process.
+const SPARE_FILES: usize = 64;
+
+/// `--max-connections`, after raising the open-file limit as far as the
+/// system allows: lowered to fit it, so that accepting never runs out of
+/// file descriptors (and /health stays reachable).
+fn fit_connections(want: usize) -> Result<usize> {
+    if want == 0 {
+        anyhow::bail!("--max-connections must be at least 1");
+    }
+    let Some(files) = raise_file_limit() else { return Ok(want) };
+    let fit = files.saturating_sub(SPARE_FILES).max(1);
+    if fit < want {
+        tracing::warn!("--max-connections lowered from {want} to {fit} to fit the open-file limit of {files}");
+    }
+    Ok(want.min(fit))
+}
+
+/// Raises this process's soft open-file limit to the hard one; the limit
+/// in effect.
+#[cfg(unix)]
+fn raise_file_limit() -> Option<usize> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit only read and write the struct given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim = raised;
+            }
+        }
+    }
+    usize::try_from(lim.rlim_cur).ok()
+}
+
+#[cfg(not(unix))]
+fn raise_file_limit() -> Option<usize> {
+    None
 }
 
 /// Loads the model and starts its lane.

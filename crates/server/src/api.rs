@@ -45,13 +45,28 @@ async fn answer(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Res
 }
 
 /// A body the extractor refused (too large, or unreadable).
-fn rejected(r: BytesRejection) -> ApiError {
+pub(crate) fn rejected(r: BytesRejection) -> ApiError {
     let status = r.status();
+    if timed_out(&r) {
+        return ApiError { status: StatusCode::REQUEST_TIMEOUT, ..ApiError::invalid("The request body stopped arriving.") }.with_code("request_timeout");
+    }
     if status == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError { status, ..ApiError::invalid("The request body is too large.") }.with_code("request_too_large")
     } else {
         ApiError { status, ..ApiError::invalid(format!("Could not read the request body: {}", r.body_text())) }
     }
+}
+
+/// Whether the body failed for tower-http's body timeout.
+fn timed_out(r: &BytesRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(x) = e {
+        if x.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        e = x.source();
+    }
+    false
 }
 
 async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {

@@ -21,6 +21,7 @@ mod api;
 mod error;
 mod guide;
 mod lane;
+mod listen;
 mod logsafe;
 mod metrics;
 mod params;
@@ -46,6 +47,7 @@ use tokio::sync::{oneshot, watch};
 
 pub use error::ApiError;
 pub use lane::{Generator, Ticket, TokenizerText};
+pub use listen::ConnLimits;
 
 /// How the server listens and what it accepts.
 #[derive(Clone, Debug)]
@@ -72,6 +74,8 @@ pub struct ServerConfig {
     /// At shutdown, how long running streams may take to finish before
     /// they are cancelled.
     pub shutdown_grace: Duration,
+    /// Timeouts and the connection cap.
+    pub conn: ConnLimits,
 }
 
 impl Default for ServerConfig {
@@ -86,6 +90,7 @@ impl Default for ServerConfig {
             max_n: 16,
             default_max_tokens: None,
             shutdown_grace: Duration::from_secs(10),
+            conn: ConnLimits::default(),
         }
     }
 }
@@ -256,13 +261,7 @@ impl Server {
         });
         let router = router(app.clone());
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(listen::serve(listener, router, app.cfg.conn, stopped));
         tracing::info!("listening on http://{addr}");
         Ok(Server { addr, app, stop: Some(stop), task })
     }
@@ -371,7 +370,13 @@ fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(|| async { ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("Method not allowed on this route.") } })
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
+        .layer(body_timeout(&app.cfg))
         .with_state(app)
+}
+
+/// A request body that stops arriving for `conn.body_timeout` fails (408).
+fn body_timeout(cfg: &ServerConfig) -> tower_http::timeout::RequestBodyTimeoutLayer {
+    tower_http::timeout::RequestBodyTimeoutLayer::new(cfg.conn.body_timeout)
 }
 
 /// Route label for metrics (bounded: unknown paths share one label).

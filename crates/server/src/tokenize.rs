@@ -34,7 +34,7 @@ async fn run(
     f: fn(&crate::ModelInfo, &serde_json::Map<String, Value>) -> Result<Value, ApiError>,
 ) -> Response {
     let answer = async {
-        let body = body.map_err(|r| ApiError::invalid(format!("Could not read the request body: {}", r.body_text())))?;
+        let body = body.map_err(crate::api::rejected)?;
         let map = params::parse_object(&body)?;
         let info = app.loaded()?.info;
         tokio::task::spawn_blocking(move || f(&info, &map)).await.map_err(|e| ApiError::internal(format!("Tokenizing failed: {e}")))?

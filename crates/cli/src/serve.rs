@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// supervisor to restart the process; /health says 503 meanwhile).
     #[arg(long)]
     pub restart_lane: bool,
+    /// Most choices (prompts × n) one request may ask for; more is a 400.
+    /// However many it asks for, a request runs at most half the running
+    /// slots at once (less while other requests share them).
+    #[arg(long, default_value_t = 16)]
+    pub max_choices: usize,
     /// Seconds a client may take to send a request's headers, and may keep
     /// an idle connection open between requests.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
@@ -110,6 +115,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             model_name: name.clone(),
             max_body_bytes: a.max_body,
             default_max_tokens: a.default_max_tokens,
+            max_n: a.max_choices.max(1),
+            max_choices: a.max_choices.max(1),
             conn: ConnLimits {
                 header_timeout: secs("--header-timeout", a.header_timeout)?,
                 body_timeout: secs("--body-timeout", a.body_timeout)?,

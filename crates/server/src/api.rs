@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::ApiError;
 use crate::guide::Spec;
-use crate::lane::Ticket;
+use crate::lane::{Generator, Ticket};
 use crate::params::{self, Common, Endpoint, Prompt};
 use crate::tools::{CallParser, Piece, Toolset};
 use crate::{App, ModelInfo};
@@ -89,6 +90,21 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
             return Err(ApiError::model_not_found(model, &app.cfg.model_name));
         }
     }
+    let prompt_count = match &prompts {
+        Input::Chat(_) => 1,
+        Input::Prompts(ps) => ps.len(),
+    };
+    let choices = prompt_count.saturating_mul(common.n);
+    if choices > app.cfg.max_choices {
+        // Never retryable, so a 400 rather than a 503.
+        return Err(ApiError::param(
+            "n",
+            format!(
+                "This request asks for {choices} choices ({prompt_count} prompts × n = {}); a request may ask for at most {}.",
+                common.n, app.cfg.max_choices
+            ),
+        ));
+    }
     let loaded = app.loaded()?;
     let (gen, info) = (loaded.gen.clone(), loaded.info.clone());
     let template = info.template.as_ref().map_or("", |t| t.source());
@@ -120,8 +136,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
     let n = common.n;
     // The model's end tokens, unless the request runs past them.
     let stop_ids = if common.stop.ignore_eos { Vec::new() } else { info.stop_ids.clone() };
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut tickets = Vec::with_capacity(prompts.len() * n);
+    let mut pending = VecDeque::with_capacity(prompts.len() * n);
     for (i, prompt) in prompts.iter().enumerate() {
         for j in 0..n {
             let req = Request {
@@ -134,12 +149,13 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
                 cache_salt,
                 prefix_hint: hints[i],
             };
-            let sink = ChoiceSink { index: i * n + j, tx: tx.clone() };
-            // On refusal, dropping the tickets cancels the choices already queued.
-            tickets.push(gen.submit(req, Box::new(sink)).map_err(refused)?);
+            pending.push_back((i * n + j, req));
         }
     }
-    drop(tx);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut feed = Feed::new(&app, gen, pending, tx);
+    // On refusal, dropping the feed cancels the choices already queued.
+    feed.fill().map_err(refused)?;
 
     let run = Run {
         app: app.clone(),
@@ -156,7 +172,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
         include_usage: common.include_usage,
         user: common.user.clone(),
         done: false,
-        _tickets: tickets,
+        feed,
     };
     let cancel = app.cancel.subscribe();
     if common.stream {
@@ -454,9 +470,76 @@ struct Run {
     include_usage: bool,
     user: Option<String>,
     done: bool,
-    /// The streams' lifelines: dropped with the run, they cancel whatever
-    /// is still running.
-    _tickets: Vec<Ticket>,
+    /// The choices not yet submitted, and the lifelines of those that
+    /// were: dropped with the run, they cancel whatever is still running.
+    feed: Feed,
+}
+
+/// Submits a request's choices to the lane a share at a time, the next
+/// as one ends: a request holds at most half the lane's running slots,
+/// and less as more requests share the lane, so one client's `n` cannot
+/// keep another's request waiting behind all of its choices.
+struct Feed {
+    app: Arc<App>,
+    gen: Arc<dyn Generator>,
+    pending: VecDeque<(usize, Request)>,
+    /// Kept while choices wait to be submitted (each needs a sink); then
+    /// dropped, so the channel closes when the lane lets go of the sinks.
+    tx: Option<mpsc::UnboundedSender<(usize, Event)>>,
+    in_flight: usize,
+    tickets: Vec<Ticket>,
+}
+
+impl Feed {
+    fn new(app: &Arc<App>, gen: Arc<dyn Generator>, pending: VecDeque<(usize, Request)>, tx: mpsc::UnboundedSender<(usize, Event)>) -> Feed {
+        app.active.fetch_add(1, Ordering::SeqCst);
+        let tickets = Vec::with_capacity(pending.len());
+        Feed { app: app.clone(), gen, pending, tx: Some(tx), in_flight: 0, tickets }
+    }
+
+    /// How many of this request's choices may be in the lane at once.
+    fn share(&self) -> usize {
+        let Some(running) = self.gen.max_running() else { return usize::MAX };
+        let active = self.app.active.load(Ordering::SeqCst).max(1);
+        (running / 2).min(running / active).max(1)
+    }
+
+    /// Submit choices up to the share.
+    fn fill(&mut self) -> Result<(), SubmitError> {
+        let share = self.share();
+        while self.in_flight < share {
+            let Some((index, req)) = self.pending.pop_front() else { break };
+            let Some(tx) = self.tx.clone() else { break };
+            match self.gen.submit(req.clone(), Box::new(ChoiceSink { index, tx })) {
+                Ok(t) => {
+                    self.tickets.push(t);
+                    self.in_flight += 1;
+                }
+                Err(e) => {
+                    self.pending.push_front((index, req));
+                    // Later choices wait for one of ours to end; with none
+                    // in the lane there is nothing to wait for.
+                    return if self.in_flight == 0 { Err(e) } else { Ok(()) };
+                }
+            }
+        }
+        if self.pending.is_empty() {
+            self.tx = None;
+        }
+        Ok(())
+    }
+
+    /// One choice ended: submit the next.
+    fn ended(&mut self) -> Result<(), SubmitError> {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.fill()
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.app.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Run {
@@ -508,6 +591,10 @@ impl Run {
                 Update::Deltas { index, deltas: choice.take(pieces), logprob: lp }
             }
             Event::Finished { reason, usage, tail, .. } => {
+                if let Err(e) = self.feed.ended() {
+                    return Update::Error(refused(e).message);
+                }
+                let Some(choice) = self.choices.get_mut(index) else { return Update::Nothing };
                 choice.text.push_str(&tail);
                 choice.tokens = usage.completion_tokens;
                 choice.cached = choice.cached.max(usage.cached_tokens);

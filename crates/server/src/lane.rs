@@ -25,6 +25,11 @@ pub trait Generator: Send + Sync + 'static {
     fn alive(&self) -> bool {
         true
     }
+    /// Most streams the lane runs at once (`None`: unknown); a request's
+    /// choices get a share of them.
+    fn max_running(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Keeps a submitted stream alive; dropping it cancels the stream. A lane's
@@ -50,6 +55,10 @@ impl Generator for Lane {
 
     fn alive(&self) -> bool {
         Lane::alive(self)
+    }
+
+    fn max_running(&self) -> Option<usize> {
+        Some(self.config().max_running)
     }
 }
 

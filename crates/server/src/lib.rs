@@ -68,6 +68,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Largest `n` (choices per prompt) a request may ask for.
     pub max_n: usize,
+    /// Most choices (prompts × `n`) one request may ask for.
+    pub max_choices: usize,
     /// Completion budget when a request gives no `max_tokens` (`None`: up
     /// to the end of the context).
     pub default_max_tokens: Option<usize>,
@@ -88,6 +90,7 @@ impl Default for ServerConfig {
             model_name: "braid".into(),
             max_body_bytes: 4 << 20,
             max_n: 16,
+            max_choices: 16,
             default_max_tokens: None,
             shutdown_grace: Duration::from_secs(10),
             conn: ConnLimits::default(),
@@ -168,6 +171,8 @@ pub(crate) struct App {
     pub(crate) metrics: metrics::Metrics,
     /// Set to true to end every running stream (shutdown after the grace).
     pub(crate) cancel: watch::Sender<bool>,
+    /// Generation requests in progress (their choices share the lane).
+    pub(crate) active: std::sync::atomic::AtomicUsize,
     started: u64,
 }
 
@@ -256,6 +261,7 @@ impl Server {
             loaded: RwLock::new(None),
             metrics: metrics::Metrics::default(),
             cancel: watch::Sender::new(false),
+            active: Default::default(),
             started: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             cfg,
         });

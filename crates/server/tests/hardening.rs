@@ -144,3 +144,38 @@ async fn past_the_connection_cap_health_still_answers() {
     assert_eq!(post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2})).await.status, 200);
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn more_choices_than_a_request_may_have_is_a_400() {
+    let lane = FakeLane::new(8, 8, Duration::ZERO);
+    let server = start_with(ServerConfig { max_n: 16, max_choices: 16, ..config() }, lane.clone()).await;
+    let addr = server.local_addr();
+    let e = post(addr, "/v1/completions", &json!({"prompt": ["a", "b", "c", "d", "e"], "n": 4, "max_tokens": 1})).await.expect_error(400);
+    assert_eq!(e["param"], "n");
+    assert!(e["message"].as_str().unwrap().contains("20 choices"), "{e}");
+    assert!(lane.seen.lock().unwrap().is_empty(), "nothing reached the lane");
+    let r = post(addr, "/v1/completions", &json!({"prompt": ["a", "b", "c", "d"], "n": 4, "max_tokens": 1})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"].as_array().unwrap().len(), 16);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn one_requests_choices_leave_room_for_another_request() {
+    // 4 running slots; a request with 16 slow choices runs at most 2 at a
+    // time, so another client's short request starts at once.
+    let lane = FakeLane::new(4, 64, Duration::from_millis(20));
+    let server = start_with(ServerConfig { max_n: 16, max_choices: 16, ..config() }, lane.clone()).await;
+    let addr = server.local_addr();
+    let big = tokio::spawn(async move { post(addr, "/v1/completions", &json!({"prompt": "x", "n": 16, "max_tokens": 10, "ignore_eos": true})).await });
+    assert!(eventually(Duration::from_secs(5), || lane.running() >= 2).await);
+    assert!(lane.running() + lane.queued() <= 2, "the big request holds {} running and {} queued", lane.running(), lane.queued());
+    let t = Instant::now();
+    let r = post(addr, "/v1/completions", &json!({"prompt": "y", "max_tokens": 2})).await;
+    assert_eq!(r.status, 200);
+    assert!(t.elapsed() < Duration::from_millis(300), "the small request waited {:?}", t.elapsed());
+    let v = big.await.unwrap().json();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 16);
+    assert!(v["choices"].as_array().unwrap().iter().all(|c| c["finish_reason"] == "length"), "{v}");
+    server.shutdown().await.unwrap();
+}

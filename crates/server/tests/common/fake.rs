@@ -168,6 +168,10 @@ impl Generator for FakeLane {
         !self.dead.load(Ordering::SeqCst)
     }
 
+    fn max_running(&self) -> Option<usize> {
+        Some(self.max_running)
+    }
+
     fn stats(&self) -> LaneStats {
         let s = self.state.0.lock().unwrap();
         LaneStats {

@@ -82,8 +82,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub restart_lane: bool,
     /// Most choices (prompts × n) one request may ask for; more is a 400.
-    /// However many it asks for, a request runs at most half the running
-    /// slots at once (less while other requests share them).
+    /// However many it asks for, a request runs in all but one running
+    /// slot at once (an even share while other requests run).
     #[arg(long, default_value_t = 16)]
     pub max_choices: usize,
     /// Seconds a client may take to send a request's headers, and may keep

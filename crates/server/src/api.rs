@@ -476,9 +476,9 @@ struct Run {
 }
 
 /// Submits a request's choices to the lane a share at a time, the next
-/// as one ends: a request holds at most half the lane's running slots,
-/// and less as more requests share the lane, so one client's `n` cannot
-/// keep another's request waiting behind all of its choices.
+/// as one ends: a request holds all but one of the lane's running slots,
+/// and an even share as more requests share the lane, so one client's `n`
+/// cannot keep another's request waiting behind all of its choices.
 struct Feed {
     app: Arc<App>,
     gen: Arc<dyn Generator>,
@@ -501,7 +501,8 @@ impl Feed {
     fn share(&self) -> usize {
         let Some(running) = self.gen.max_running() else { return usize::MAX };
         let active = self.app.active.load(Ordering::SeqCst).max(1);
-        (running / 2).min(running / active).max(1)
+        // One slot stays free for the next request, so it starts at once.
+        running.saturating_sub(1).min(running / active).max(1)
     }
 
     /// Submit choices up to the share.

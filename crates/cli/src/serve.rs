@@ -102,12 +102,17 @@ pub struct ServeArgs {
 pub fn serve(a: ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
+        // An empty key would turn authentication off without a word.
+        let empty_env = std::env::var_os("BRAID_API_KEY").is_some_and(|v| v.is_empty());
+        if empty_env || a.api_key.iter().any(|k| k.trim().is_empty()) {
+            anyhow::bail!("--api-key (or BRAID_API_KEY) holds an empty key: give a key, or unset it to serve without authentication");
+        }
         let path = crate::fetch::resolve(&a.model.model)?;
         let name = a.served_name.clone().unwrap_or_else(|| path.file_stem().and_then(|s| s.to_str()).unwrap_or("braid").to_string());
         let cfg = ServerConfig {
             host: a.host.clone(),
             port: a.port,
-            api_keys: a.api_key.iter().filter(|k| !k.is_empty()).cloned().collect(),
+            api_keys: a.api_key.iter().map(|k| k.trim().to_string()).collect(),
             cache_isolation: match a.cache_isolation {
                 Isolation::Shared => CacheIsolation::Shared,
                 Isolation::PerKey => CacheIsolation::PerKey,

@@ -39,7 +39,7 @@ async fn answer(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Res
         Ok(res) => res,
         Err(e) => {
             // Requests that never reached the lane get their line too.
-            tracing::info!(endpoint = endpoint.path(), status = e.status.as_u16(), error = %e.message, "request refused");
+            tracing::info!(endpoint = endpoint.path(), status = e.status.as_u16(), error = %crate::logsafe::clip_to(&e.message, 300), "request refused");
             e.into_response()
         }
     }
@@ -128,7 +128,7 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: 
         Ok((hinted, guide))
     })
     .await
-    .map_err(|e| ApiError::internal(format!("Preparing the request failed: {e}")))??;
+    .map_err(|e| ApiError::internal_logged(&format!("preparing the request failed: {e}")))??;
     let (prompts, hints): (Vec<Vec<u32>>, Vec<Option<usize>>) = hinted.into_iter().unzip();
     let cache_salt = crate::cache_salt(&app.cfg, headers, common.cache_salt.as_deref());
     let max_tokens = prompts.iter().map(|p| fit(&common, p.len(), info.context, endpoint, app.cfg.default_max_tokens)).collect::<Result<Vec<_>, _>>()?;
@@ -209,7 +209,7 @@ pub(crate) async fn warm(axum::extract::State(app): axum::extract::State<Arc<App
     match r {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => {
-            tracing::info!(endpoint = "/v1/warm", status = e.status.as_u16(), error = %e.message, "request refused");
+            tracing::info!(endpoint = "/v1/warm", status = e.status.as_u16(), error = %crate::logsafe::clip_to(&e.message, 300), "request refused");
             e.into_response()
         }
     }
@@ -235,7 +235,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
         params::WarmInput::Prompt(p) => Ok((tokenize(&tok_info, p)?, None)),
     })
     .await
-    .map_err(|e| ApiError::internal(format!("Tokenizing the prefix failed: {e}")))??;
+    .map_err(|e| ApiError::internal_logged(&format!("tokenizing the prefix failed: {e}")))??;
     let param = if map.contains_key("messages") { "messages" } else { "prompt" };
     if prompt.is_empty() {
         return Err(ApiError::param(param, "The prefix is empty."));
@@ -257,7 +257,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
                 Some((_, Event::Started { cached_tokens })) => cached = cached_tokens,
                 Some((_, Event::Finished { reason: FinishReason::Warmed, .. })) => break,
                 Some((_, Event::Finished { reason, .. })) => return Err(ApiError::unavailable(format!("The warm feed ended early ({}).", reason.as_str()))),
-                Some((_, Event::Error(m))) => return Err(ApiError::internal(format!("Warming failed: {m}"))),
+                Some((_, Event::Error(m))) => return Err(ApiError::internal_logged(&format!("warming failed: {m}"))),
                 Some(_) => {}
                 None => return Err(ApiError::unavailable("The lane stopped before the warm feed finished.")),
             },
@@ -727,7 +727,7 @@ impl Run {
         match update {
             Update::Nothing => {}
             Update::Error(m) => {
-                let e = ApiError::internal(format!("Generation failed: {m}"));
+                let e = ApiError::internal_logged(&format!("generation failed: {m}"));
                 out.push_back(sse(&e.body()));
             }
             Update::Token { index, text, logprob } => {
@@ -827,7 +827,7 @@ impl Drop for Run {
             ttft_ms = ttft_ms.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into()),
             total_ms = format!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
             finish = reasons.join(","),
-            user = self.user.as_deref().unwrap_or("-"),
+            user = %self.user.as_deref().map(crate::logsafe::clip).unwrap_or_else(|| "-".into()),
             "request done"
         );
     }
@@ -862,7 +862,7 @@ async fn whole_response(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, Ev
             ev = rx.recv() => match ev {
                 Some((i, ev)) => {
                     if let Update::Error(m) = run.apply(i, ev) {
-                        return Err(ApiError::internal(format!("Generation failed: {m}")));
+                        return Err(ApiError::internal_logged(&format!("generation failed: {m}")));
                     }
                 }
                 None => return Err(ApiError::unavailable("The lane stopped before the request finished.")),

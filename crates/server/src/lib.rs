@@ -377,7 +377,18 @@ fn router(app: Arc<App>) -> Router {
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
         .layer(body_timeout(&app.cfg))
+        .layer(catch_panic())
         .with_state(app)
+}
+
+/// A handler that panics answers a generic 500 (the panic goes to the log
+/// under the id the client sees), and the connection lives on.
+fn catch_panic() -> tower_http::catch_panic::CatchPanicLayer<fn(Box<dyn std::any::Any + Send + 'static>) -> Response> {
+    fn answer(p: Box<dyn std::any::Any + Send + 'static>) -> Response {
+        let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        ApiError::internal_logged(&format!("a handler panicked: {what}")).into_response()
+    }
+    tower_http::catch_panic::CatchPanicLayer::custom(answer as fn(_) -> _)
 }
 
 /// A request body that stops arriving for `conn.body_timeout` fails (408).
@@ -405,7 +416,13 @@ fn route_label(path: &str) -> &'static str {
 async fn gate(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let route = route_label(req.uri().path());
     let keys = &app.cfg.api_keys;
-    let res = if !keys.is_empty() && route != "/health" && !authorized(&req, keys) { ApiError::unauthorized().into_response() } else { next.run(req).await };
+    let res = if !keys.is_empty() && route != "/health" && !authorized(&req, keys) {
+        let mut res = ApiError::unauthorized().into_response();
+        res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        res
+    } else {
+        next.run(req).await
+    };
     app.metrics.request(route, res.status().as_u16());
     res
 }
@@ -423,9 +440,11 @@ fn authorized(req: &Request, keys: &[String]) -> bool {
     keys.iter().fold(false, |ok, k| ok | same(k))
 }
 
-/// The token of an `Authorization: Bearer <token>` header's value.
+/// The token of an `Authorization: Bearer <token>` header's value (the
+/// scheme in any case, as HTTP says).
 fn bearer(value: &str) -> Option<&str> {
-    value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 fn model_entry(app: &App) -> serde_json::Value {

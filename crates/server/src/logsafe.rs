@@ -5,17 +5,23 @@
 /// Most characters of a client value written out.
 pub const MAX_SHOWN: usize = 64;
 
-/// `s` with control characters (and the quote and backslash, so the result
-/// reads unambiguously) escaped, at most [`MAX_SHOWN`] characters of it,
+/// `s` with control characters (and the backslash, so the result reads
+/// unambiguously) escaped, at most [`MAX_SHOWN`] characters of it,
 /// `…` marking a cut.
 pub fn clip(s: &str) -> String {
-    let mut out = String::with_capacity(s.len().min(MAX_SHOWN * 2));
+    clip_to(s, MAX_SHOWN)
+}
+
+/// [`clip`] to `max` characters (an error message that quotes a value).
+pub fn clip_to(s: &str, max: usize) -> String {
+    let mut out = String::with_capacity(s.len().min(max * 2));
     for (i, c) in s.chars().enumerate() {
-        if i == MAX_SHOWN {
+        if i == max {
             out.push('…');
             break;
         }
-        if c.is_control() || c == '\\' || c == '`' {
+        // Line and paragraph separators break lines in some log viewers.
+        if c.is_control() || c == '\\' || c == '\u{2028}' || c == '\u{2029}' {
             out.extend(c.escape_default());
         } else {
             out.push(c);

@@ -37,7 +37,7 @@ async fn run(
         let body = body.map_err(crate::api::rejected)?;
         let map = params::parse_object(&body)?;
         let info = app.loaded()?.info;
-        tokio::task::spawn_blocking(move || f(&info, &map)).await.map_err(|e| ApiError::internal(format!("Tokenizing failed: {e}")))?
+        tokio::task::spawn_blocking(move || f(&info, &map)).await.map_err(|e| ApiError::internal_logged(&format!("tokenizing failed: {e}")))?
     };
     match answer.await {
         Ok(v) => Json(v).into_response(),

@@ -179,3 +179,77 @@ async fn one_requests_choices_leave_room_for_another_request() {
     assert!(v["choices"].as_array().unwrap().iter().all(|c| c["finish_reason"] == "length"), "{v}");
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn sampling_values_are_checked_as_the_sampler_sees_them() {
+    let (server, lane) = start().await;
+    let addr = server.local_addr();
+    for (field, v) in [("top_p", json!(1e-300)), ("repetition_penalty", json!(1e39))] {
+        let e = post(addr, "/v1/completions", &json!({"prompt": "x", field: v})).await.expect_error(400);
+        assert_eq!(e["param"], field, "{e}");
+    }
+    assert!(lane.seen.lock().unwrap().is_empty());
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn bearer_is_case_insensitive_and_401_says_how_to_authenticate() {
+    let lane = FakeLane::new(8, 8, Duration::ZERO);
+    let server = start_with(ServerConfig { api_keys: vec!["k1".into()], ..config() }, lane).await;
+    let addr = server.local_addr();
+    let r = send(addr, "GET", "/v1/models", &[], b"").await.body().await;
+    assert_eq!(r.status, 401);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let auth = format!("{scheme} k1");
+        let r = send(addr, "GET", "/v1/models", &[("Authorization", &auth)], b"").await.body().await;
+        assert_eq!(r.status, 200, "{scheme}: {}", r.text());
+    }
+    assert_eq!(send(addr, "GET", "/v1/models", &[("Authorization", "Basic k1")], b"").await.body().await.status, 401);
+    server.shutdown().await.unwrap();
+}
+
+/// A lane whose every stream fails with an internal message.
+struct Failing;
+
+impl braid_server::Generator for Failing {
+    fn submit(&self, _req: braid_engine::Request, mut sink: Box<dyn braid_engine::EventSink>) -> Result<braid_server::Ticket, braid_engine::SubmitError> {
+        sink.send(braid_engine::Event::Error("the lane failed: index out of bounds at /home/secret/src/kv.rs:30".into()));
+        Ok(braid_server::Ticket::default())
+    }
+    fn stats(&self) -> braid_engine::LaneStats {
+        braid_engine::LaneStats::default()
+    }
+}
+
+#[tokio::test]
+async fn a_500_tells_an_id_not_the_servers_internals() {
+    let server = Server::bind(config()).await.unwrap();
+    server.ready_with(Arc::new(Failing), fake::model_info(true, 256));
+    let addr = server.local_addr();
+    let e = post(addr, "/v1/completions", &json!({"prompt": "x"})).await.expect_error(500);
+    let msg = e["message"].as_str().unwrap();
+    assert!(!msg.contains("secret") && !msg.contains("out of bounds"), "{msg}");
+    assert!(msg.contains("id "), "{msg}");
+    let mut s = post_stream(addr, "/v1/completions", &json!({"prompt": "x", "stream": true})).await;
+    let ev = s.next_event().await.unwrap();
+    assert!(ev.contains("Internal error") && !ev.contains("secret"), "{ev}");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn client_values_are_escaped_and_cut_where_echoed() {
+    let (server, _) = start().await;
+    let addr = server.local_addr();
+    let model = format!("x\nINFO forged line\0{}", "y".repeat(40_000));
+    let r = post(addr, "/v1/completions", &json!({"model": model, "prompt": "x"})).await;
+    let e = r.expect_error(404);
+    let msg = e["message"].as_str().unwrap();
+    assert!(!msg.contains('\n') && !msg.contains('\0'), "{msg:?}");
+    assert!(msg.contains("x\\nINFO forged line\\u{0}"), "{msg:?}");
+    assert!(r.body.len() < 1024, "a {} byte answer echoes the name whole", r.body.len());
+    let r = get(addr, &format!("/v1/models/{}", "z".repeat(2_000))).await;
+    r.expect_error(404);
+    assert!(r.body.len() < 1024);
+    server.shutdown().await.unwrap();
+}

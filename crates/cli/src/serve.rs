@@ -97,6 +97,16 @@ pub struct ServeArgs {
     /// the rest get 503. Lowered to fit the open-file limit.
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
+    /// Host names clients may reach the server by, besides IP addresses,
+    /// localhost and --host (comma-separated; `*`: any). Others get 421,
+    /// against DNS rebinding.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    pub allowed_hosts: Vec<String>,
+    /// Web origins whose pages may call the API, with CORS headers
+    /// (comma-separated, e.g. https://app.example; `*`: any). Requests
+    /// from other origins get 403; the server's own pages always may.
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
+    pub allowed_origins: Vec<String>,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -120,6 +130,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             model_name: name.clone(),
             max_body_bytes: a.max_body,
             default_max_tokens: a.default_max_tokens,
+            allowed_hosts: a.allowed_hosts.clone(),
+            allowed_origins: a.allowed_origins.clone(),
             max_n: a.max_choices.max(1),
             max_choices: a.max_choices.max(1),
             conn: ConnLimits {

@@ -19,6 +19,7 @@
 
 mod api;
 mod error;
+mod guard;
 mod guide;
 mod lane;
 mod listen;
@@ -78,6 +79,12 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Timeouts and the connection cap.
     pub conn: ConnLimits,
+    /// `Host` names answered besides IP addresses, `localhost` and `host`
+    /// (`*`: any), against DNS rebinding.
+    pub allowed_hosts: Vec<String>,
+    /// Web origins (`https://app.example`) whose pages may call the API,
+    /// with CORS (`*`: any); others get 403. The server's own pages always may.
+    pub allowed_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -94,6 +101,8 @@ impl Default for ServerConfig {
             default_max_tokens: None,
             shutdown_grace: Duration::from_secs(10),
             conn: ConnLimits::default(),
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
         }
     }
 }
@@ -376,6 +385,8 @@ fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(|| async { ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("Method not allowed on this route.") } })
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), guard::check))
+        .layer(guard::cors(&app.cfg.allowed_origins))
         .layer(body_timeout(&app.cfg))
         .layer(catch_panic())
         .with_state(app)

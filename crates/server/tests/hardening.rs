@@ -253,3 +253,51 @@ async fn client_values_are_escaped_and_cut_where_echoed() {
     assert!(r.body.len() < 1024);
     server.shutdown().await.unwrap();
 }
+
+/// A request written by hand (its own `Host`); the status line and headers.
+async fn raw(addr: std::net::SocketAddr, head: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let req = format!("{head}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    s.write_all(req.as_bytes()).await.unwrap();
+    String::from_utf8_lossy(&read_to_close(&mut s, Duration::from_secs(10)).await.expect("an answer")).into_owned()
+}
+
+#[tokio::test]
+async fn a_web_page_cannot_drive_the_server() {
+    let lane = FakeLane::new(8, 8, Duration::ZERO);
+    let cfg = ServerConfig { allowed_origins: vec!["https://app.example".into()], allowed_hosts: vec!["box.lan".into()], ..config() };
+    let server = start_with(cfg, lane.clone()).await;
+    let addr = server.local_addr();
+    let body = r#"{"prompt": "x", "max_tokens": 1}"#;
+    let post = |host: String, extra: &'static str, ct: &'static str| {
+        let head = format!("POST /v1/completions HTTP/1.1\r\nHost: {host}{ct}{extra}");
+        async move { raw(addr, &head, body).await }
+    };
+    const JSON: &str = "\r\nContent-Type: application/json";
+    // A "simple" cross-origin POST: text/plain, or no type at all.
+    assert!(post(addr.to_string(), "", "\r\nContent-Type: text/plain").await.starts_with("HTTP/1.1 415"));
+    assert!(post(addr.to_string(), "", "").await.starts_with("HTTP/1.1 415"));
+    assert!(post(addr.to_string(), "", "\r\nContent-Type: Application/JSON; charset=utf-8").await.starts_with("HTTP/1.1 200"));
+    // DNS rebinding: a foreign name for 127.0.0.1.
+    let r = post(format!("evil.example:{}", addr.port()), "", JSON).await;
+    assert!(r.starts_with("HTTP/1.1 421"), "{r}");
+    assert!(post(format!("localhost:{}", addr.port()), "", JSON).await.starts_with("HTTP/1.1 200"));
+    assert!(post(format!("box.lan:{}", addr.port()), "", JSON).await.starts_with("HTTP/1.1 200"));
+    // Origins: foreign ones are refused; the server's own and allowed ones pass, with CORS.
+    let r = post(addr.to_string(), "\r\nOrigin: http://evil.example", JSON).await;
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    let head = format!("POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nOrigin: http://{addr}{JSON}");
+    assert!(raw(addr, &head, body).await.starts_with("HTTP/1.1 200"));
+    let r = post(addr.to_string(), "\r\nOrigin: https://app.example", JSON).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(r.to_ascii_lowercase().contains("access-control-allow-origin: https://app.example"), "{r}");
+    // The allowed origin's preflight.
+    let head = format!("OPTIONS /v1/completions HTTP/1.1\r\nHost: {addr}\r\nOrigin: https://app.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type");
+    let r = raw(addr, &head, "").await.to_ascii_lowercase();
+    assert!(r.starts_with("http/1.1 200") && r.contains("access-control-allow-methods"), "{r}");
+    let head = format!("OPTIONS /v1/completions HTTP/1.1\r\nHost: {addr}\r\nOrigin: http://evil.example\r\nAccess-Control-Request-Method: POST");
+    assert!(!raw(addr, &head, "").await.to_ascii_lowercase().contains("access-control-allow-origin"));
+    // Nothing refused reached the lane.
+    assert_eq!(lane.seen.lock().unwrap().len(), 5);
+    server.shutdown().await.unwrap();
+}

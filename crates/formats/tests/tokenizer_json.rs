@@ -186,3 +186,12 @@ fn bad_tokenizer_json_files_are_errors() {
     let err = Tokenizer::from_tokenizer_json(&p.0, Some(&config)).unwrap_err().to_string();
     assert!(err.contains("<nope>"), "{err}");
 }
+
+/// Found by fuzzing: a TemplateProcessing post-processor naming a special
+/// token its `special_tokens` lack made the tokenizers crate panic.
+#[test]
+fn a_post_processor_naming_a_missing_special_token_is_an_error() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/tokenizer_json/crash-template-missing-special.json");
+    let e = Tokenizer::from_tokenizer_json(&path, None).unwrap_err();
+    assert!(format!("{e:#}").contains("malformed"), "{e:#}");
+}

@@ -47,6 +47,23 @@ use serde_json::json;
 use tokio::sync::{oneshot, watch};
 
 pub use error::ApiError;
+
+/// Fuzz targets (see `braid_formats::fuzz`): arbitrary bytes in, never a panic.
+#[doc(hidden)]
+pub mod fuzz {
+    /// A request body through every endpoint's validation, and the
+    /// `Host` / `Origin` checks on its text.
+    pub fn request(data: &[u8]) {
+        let text = String::from_utf8_lossy(data);
+        let _ = crate::guard::host_allowed(&text, "127.0.0.1", &["box.lan".into()]);
+        let _ = crate::guard::origin_allowed(&text, Some("127.0.0.1:8080"), &["https://app.example".into()]);
+        let _ = crate::logsafe::clip(&text);
+        let Ok(map) = crate::params::parse_object(data) else { return };
+        let _ = crate::params::parse_chat(&map, 16);
+        let _ = crate::params::parse_completion(&map, 16);
+        let _ = crate::params::parse_warm(&map);
+    }
+}
 pub use lane::{Generator, Ticket, TokenizerText};
 pub use listen::ConnLimits;
 

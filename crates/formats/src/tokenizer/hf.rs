@@ -60,7 +60,11 @@ impl Hf {
     }
 
     fn encode_with(&self, tok: &tokenizers::Tokenizer, text: &str, add_special: bool, add_bos: Option<u32>, add_eos: bool) -> Result<Vec<u32>> {
-        let enc = tok.encode_fast(text, add_special).map_err(|e| anyhow!("tokenizer.json could not encode the text: {e}"))?;
+        // The tokenizers crate panics on some malformed files (a template
+        // naming a special token it lacks): an error here, not a crash.
+        let enc = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tok.encode_fast(text, add_special)))
+            .map_err(|_| anyhow!("tokenizer.json is malformed: the tokenizers crate failed while encoding"))?
+            .map_err(|e| anyhow!("tokenizer.json could not encode the text: {e}"))?;
         let mut ids = enc.get_ids().to_vec();
         if add_special {
             // tokenizer_config.json can ask for BOS/EOS that the
@@ -96,10 +100,17 @@ fn mentions_byte_level(v: &Value) -> bool {
 }
 
 pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    load_str(&text, path, config)
+}
+
+/// A `tokenizer.json` already read (`path` names it in messages).
+pub(crate) fn load_str(text: &str, path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     let file = path.display();
-    let text = std::fs::read_to_string(path).with_context(|| format!("{file}: cannot read"))?;
-    let raw: Value = serde_json::from_str(&text).with_context(|| format!("{file}: not valid JSON"))?;
-    let tok = tokenizers::Tokenizer::from_str(&text).map_err(|e| anyhow!("{file}: not a tokenizer.json the tokenizers crate can load: {e}"))?;
+    let raw: Value = serde_json::from_str(text).with_context(|| format!("{file}: not valid JSON"))?;
+    let tok = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_str(text))
+        .map_err(|_| anyhow!("{file}: malformed: the tokenizers crate failed while loading it"))?
+        .map_err(|e| anyhow!("{file}: not a tokenizer.json the tokenizers crate can load: {e}"))?;
     let byte_level = raw.get("decoder").is_some_and(mentions_byte_level) || raw.get("pre_tokenizer").is_some_and(mentions_byte_level);
 
     let vocab = tok.get_vocab(true);
@@ -133,6 +144,8 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     let mut plain = tok.clone();
     plain.set_encode_special_tokens(true);
     let hf = Hf { tok, plain, add_eos: if flag("add_eos_token") == Some(true) { eos } else { None } };
+    // A post-processor that cannot run is found now, not on the first request.
+    hf.encode("a", true, None).with_context(|| format!("{file}: its post-processor cannot run"))?;
     // Without a config flag, BOS is "added" when the post-processor puts it first.
     let add_bos = match (flag("add_bos_token"), bos) {
         (_, None) => false,

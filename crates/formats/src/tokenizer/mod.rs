@@ -319,6 +319,12 @@ impl Tokenizer {
         hf::load(path, tokenizer_config)
     }
 
+    /// [`from_tokenizer_json`](Self::from_tokenizer_json) of text already
+    /// read; `name` stands for the file in messages.
+    pub fn from_tokenizer_json_str(text: &str, name: &str, tokenizer_config: Option<&serde_json::Value>) -> Result<Tokenizer> {
+        hf::load_str(text, Path::new(name), tokenizer_config)
+    }
+
     /// Text to token ids. Special-token text in `text` (e.g. `<|im_start|>`)
     /// becomes that token. `add_special` adds BOS (and EOS) where the model
     /// adds them.

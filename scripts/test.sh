@@ -25,4 +25,9 @@ cargo fmt --all -- --check
 # its tests and examples, so it never rots; its GPU tests skip where no GPU
 # answers.
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
-cargo test --release --workspace --no-fail-fast
+# The seeded fuzz tests run 10 s per target here (2 s in a plain cargo test).
+BRAID_FUZZ_SECS=10 cargo test --release --workspace --no-fail-fast
+
+# A short soak: 40 requests with disconnects against `braid serve` on
+# SmolLM2; running, queued, slots and KV blocks must return to idle.
+python3 scripts/soak.py --requests 40 --concurrency 6

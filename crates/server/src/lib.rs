@@ -401,8 +401,9 @@ fn router(app: Arc<App>) -> Router {
         .fallback(|| async { ApiError::not_found("Unknown route.") })
         .method_not_allowed_fallback(|| async { ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("Method not allowed on this route.") } })
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
-        .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
+        // The guard runs inside the gate, so /metrics counts what it refuses.
         .layer(axum::middleware::from_fn_with_state(app.clone(), guard::check))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
         .layer(guard::cors(&app.cfg.allowed_origins))
         .layer(body_timeout(&app.cfg))
         .layer(catch_panic())

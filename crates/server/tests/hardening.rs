@@ -298,7 +298,11 @@ async fn a_web_page_cannot_drive_the_server() {
     assert!(r.starts_with("http/1.1 200") && r.contains("access-control-allow-methods"), "{r}");
     let head = format!("OPTIONS /v1/completions HTTP/1.1\r\nHost: {addr}\r\nOrigin: http://evil.example\r\nAccess-Control-Request-Method: POST");
     assert!(!raw(addr, &head, "").await.to_ascii_lowercase().contains("access-control-allow-origin"));
-    // Nothing refused reached the lane.
+    // Nothing refused reached the lane, and /metrics counted the refusals.
     assert_eq!(lane.seen.lock().unwrap().len(), 5);
+    let m = get(addr, "/metrics").await.text();
+    for status in ["415", "421", "403"] {
+        assert!(m.lines().any(|l| l.contains("/v1/completions") && l.contains(&format!("status=\"{status}\""))), "no {status} in\n{m}");
+    }
     server.shutdown().await.unwrap();
 }

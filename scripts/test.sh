@@ -25,7 +25,8 @@ cargo fmt --all -- --check
 # its tests and examples, so it never rots; its GPU tests skip where no GPU
 # answers.
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
-cargo test --release --workspace --no-fail-fast
+# The seeded fuzz tests run 10 s per target here (2 s in a plain cargo test).
+BRAID_FUZZ_SECS=10 cargo test --release --workspace --no-fail-fast
 
 # The chat page at `/` in a real headless browser (Debian's chromium),
 # where one is installed; it saves a screenshot to target/chat-page.png.
@@ -34,3 +35,7 @@ if command -v chromium >/dev/null 2>&1; then
 else
   echo "SKIP: the chat page's browser test (no chromium; apt-get install chromium)"
 fi
+
+# A short soak: 40 requests with disconnects against `braid serve` on
+# SmolLM2; running, queued, slots and KV blocks must return to idle.
+python3 scripts/soak.py --requests 40 --concurrency 6

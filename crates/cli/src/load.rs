@@ -135,6 +135,7 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
     let context = cfg.context;
     let device = dev.name();
     let (kv_tokens, block_tokens, kv_dtype) = (cfg.kv_tokens, cfg.block_tokens, cfg.kv_dtype);
+    check_sizes(&model.kv_layers(), &cfg, device.starts_with("cpu"))?;
     let mut backend = ModelBackend::new(dev.clone(), model, cfg)?;
     let drafter: Option<Box<dyn Drafter>> = match drafter {
         None => None,
@@ -148,6 +149,42 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
         }
     };
     Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend: Box::new(backend), drafter, device, vocab, context })
+}
+
+/// The shortest context served: a chat template's markup alone takes a
+/// dozen tokens, so less would refuse every request.
+const MIN_CONTEXT: usize = 16;
+
+/// Refuses a context or KV pool that cannot work: too short to answer
+/// anything, or too large to allocate (rather than abort on allocation).
+fn check_sizes(kv: &[braid_ops::KvShape], cfg: &BackendConfig, cpu: bool) -> Result<()> {
+    if cfg.context < MIN_CONTEXT {
+        bail!("--ctx {} is too short: at least {MIN_CONTEXT} tokens are needed to answer anything", cfg.context);
+    }
+    // At least 2 bytes per element (f16 KV), keys and values.
+    let per_token: usize = kv.iter().map(|l| 2 * 2 * l.kv_heads * l.head_dim).sum();
+    let Some(bytes) = per_token.checked_mul(cfg.kv_tokens) else {
+        bail!("--kv-tokens {} (or --ctx {}) is too large: its KV memory overflows", cfg.kv_tokens, cfg.context);
+    };
+    if let Some(total) = cpu.then(memory_total).flatten() {
+        if bytes > total {
+            bail!(
+                "--kv-tokens {} (or --ctx {}) needs at least {:.1} GiB of KV memory; this machine has {:.1} GiB",
+                cfg.kv_tokens,
+                cfg.context,
+                bytes as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
+    Ok(())
+}
+
+/// This machine's memory in bytes (`MemTotal`), where the system says.
+fn memory_total() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: usize = info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    kb.checked_mul(1024)
 }
 
 /// `--itl-target MS` as a duration (a positive, finite number of milliseconds).

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use braid_engine::Lane;
-use braid_server::{About, CacheIsolation, ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_server::{About, CacheIsolation, ConnLimits, ModelInfo, Server, ServerConfig, TokenizerText};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 
@@ -91,18 +91,54 @@ pub struct ServeArgs {
     /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
     #[arg(long, value_name = "DIR|ngram")]
     pub drafter: Option<String>,
+    /// When the lane stops after a failure it cannot recover from, load
+    /// the model again and serve on (default: exit with an error, for a
+    /// supervisor to restart the process; /health says 503 meanwhile).
+    #[arg(long)]
+    pub restart_lane: bool,
+    /// Most choices (prompts × n) one request may ask for; more is a 400.
+    /// However many it asks for, a request runs in all but one running
+    /// slot at once (an even share while other requests run).
+    #[arg(long, default_value_t = 16)]
+    pub max_choices: usize,
+    /// Seconds a client may take to send a request's headers, and may keep
+    /// an idle connection open between requests.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    pub header_timeout: f64,
+    /// Seconds a request body may pause between two pieces (408 after).
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    pub body_timeout: f64,
+    /// Most connections open at once; past it /health still answers and
+    /// the rest get 503. Lowered to fit the open-file limit.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Host names clients may reach the server by, besides IP addresses,
+    /// localhost and --host (comma-separated; `*`: any). Others get 421,
+    /// against DNS rebinding.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    pub allowed_hosts: Vec<String>,
+    /// Web origins whose pages may call the API, with CORS headers
+    /// (comma-separated, e.g. https://app.example; `*`: any). Requests
+    /// from other origins get 403; the server's own pages always may.
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
+    pub allowed_origins: Vec<String>,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
+        // An empty key would turn authentication off without a word.
+        let empty_env = std::env::var_os("BRAID_API_KEY").is_some_and(|v| v.is_empty());
+        if empty_env || a.api_key.iter().any(|k| k.trim().is_empty()) {
+            anyhow::bail!("--api-key (or BRAID_API_KEY) holds an empty key: give a key, or unset it to serve without authentication");
+        }
         let path = crate::fetch::resolve(&a.model.model)?;
         let name = a.served_name.clone().unwrap_or_else(|| path.file_stem().and_then(|s| s.to_str()).unwrap_or("braid").to_string());
         let sampling = about::sampling_defaults(&path);
         let cfg = ServerConfig {
             host: a.host.clone(),
             port: a.port,
-            api_keys: a.api_key.iter().filter(|k| !k.is_empty()).cloned().collect(),
+            api_keys: a.api_key.iter().map(|k| k.trim().to_string()).collect(),
             cache_isolation: match a.cache_isolation {
                 Isolation::Shared => CacheIsolation::Shared,
                 Isolation::PerKey => CacheIsolation::PerKey,
@@ -113,42 +149,23 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             sampling: sampling.clone(),
             strict: a.strict,
             metrics_public: a.metrics_public,
+            allowed_hosts: a.allowed_hosts.clone(),
+            allowed_origins: a.allowed_origins.clone(),
+            max_n: a.max_choices.max(1),
+            max_choices: a.max_choices.max(1),
+            conn: ConnLimits {
+                header_timeout: secs("--header-timeout", a.header_timeout)?,
+                body_timeout: secs("--body-timeout", a.body_timeout)?,
+                max_connections: fit_connections(a.max_connections)?,
+            },
             ..ServerConfig::default()
         };
         // Listen first: /health says 503 until the model is loaded.
         let server = Server::bind(cfg).await?;
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
-        let model_args = a.model.clone();
-        let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
-        // A round holds every decoding stream's row and one prompt chunk.
-        let max_batch = a.chunk.max(1) + streams.max(1);
-        let mut m = tokio::task::spawn_blocking(move || {
-            let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() };
-            load::load_drafted(&model_args, cfg, drafter.as_deref())
-        })
-        .await??;
-        let template = about::choose_template(&mut m, a.chat_template.as_deref())?;
-        if m.template.is_none() {
-            tracing::warn!(
-                "{} has no chat template (a base model?): /v1/chat/completions and /v1/responses answer 400; \
-                 /v1/completions works. Pass --chat-template FILE|NAME to chat with it.",
-                path.display()
-            );
-        }
-        load::warm_up(&mut *m.backend, &m.device, a.chunk.max(1) + a.max_running.max(1))?;
-        let mut config = lane_config(&m);
-        config.chunk_tokens = a.chunk.max(1);
-        config.max_rows = a.max_rows;
-        config.prefill_share = (a.prefill_share > 0.0).then_some(a.prefill_share);
-        config.itl_target = load::itl_target(a.itl_target)?;
-        config.max_running = a.max_running.max(1);
-        config.queue_capacity = a.queue;
-        let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
-        let (device, context) = (m.device.clone(), m.context);
-        let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(m.tokenizer.clone())), config);
-        let fill = lane.stats().fill;
-        let (architecture, parameters) = about::architecture_and_parameters(&path);
-        server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.to_string() });
+        let (lane, info, started) = start_lane(&a, &path).await?;
+        let Started { template, device, context, architecture, parameters, kv_pool_tokens } = started;
+        server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.clone() });
         // Ready before the line says so: a client that reads it may ask at once.
         server.ready(lane, info);
         tracing::info!(
@@ -156,7 +173,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             architecture = %architecture,
             parameters = %about::short_count(parameters),
             context,
-            kv_pool_tokens = fill.blocks_total * fill.block_tokens,
+            kv_pool_tokens,
             template = %template,
             sampling = format!("temperature {} top_k {} top_p {} min_p {} ({})", sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.source),
             device = %device,
@@ -176,11 +193,124 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 }
             }
         }
-        server.run_until(shutdown_signal()).await
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => return server.shutdown().await,
+                _ = server.lane_died() => {
+                    if !a.restart_lane {
+                        server.shutdown().await?;
+                        anyhow::bail!("the lane stopped after a failure (see the log above); pass --restart-lane to load the model again instead");
+                    }
+                    tracing::warn!("the lane stopped after a failure; loading the model again");
+                    let (lane, info, _) = start_lane(&a, &path).await?;
+                    server.ready(lane, info);
+                }
+            }
+        }
     })?;
     // Give the runtime a moment to drop its connections.
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// A timeout flag's value.
+fn secs(flag: &str, v: f64) -> Result<Duration> {
+    if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+        anyhow::bail!("{flag} must be between 0 and 86400 seconds, got {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// File descriptors kept for the model files, the reserve connections
+/// that answer /health past the cap, and the rest of the process.
+const SPARE_FILES: usize = 64;
+
+/// `--max-connections`, after raising the open-file limit as far as the
+/// system allows: lowered to fit it, so that accepting never runs out of
+/// file descriptors (and /health stays reachable).
+fn fit_connections(want: usize) -> Result<usize> {
+    if want == 0 {
+        anyhow::bail!("--max-connections must be at least 1");
+    }
+    let Some(files) = raise_file_limit() else { return Ok(want) };
+    let fit = files.saturating_sub(SPARE_FILES).max(1);
+    if fit < want {
+        tracing::warn!("--max-connections lowered from {want} to {fit} to fit the open-file limit of {files}");
+    }
+    Ok(want.min(fit))
+}
+
+/// Raises this process's soft open-file limit to the hard one; the limit
+/// in effect.
+#[cfg(unix)]
+fn raise_file_limit() -> Option<usize> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit only read and write the struct given.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim = raised;
+            }
+        }
+    }
+    usize::try_from(lim.rlim_cur).ok()
+}
+
+#[cfg(not(unix))]
+fn raise_file_limit() -> Option<usize> {
+    None
+}
+
+/// What the start-up summary and `/props` say of the model loaded.
+struct Started {
+    template: String,
+    device: String,
+    context: usize,
+    architecture: String,
+    parameters: u64,
+    kv_pool_tokens: usize,
+}
+
+/// Loads the model (and its drafter) and starts its lane.
+async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Started)> {
+    let model_args = a.model.clone();
+    let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
+    // A round holds every decoding stream's row and one prompt chunk.
+    let max_batch = a.chunk.max(1) + streams.max(1);
+    let mut m = tokio::task::spawn_blocking(move || {
+        let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() };
+        load::load_drafted(&model_args, cfg, drafter.as_deref())
+    })
+    .await??;
+    let template = about::choose_template(&mut m, a.chat_template.as_deref())?;
+    if m.template.is_none() {
+        tracing::warn!(
+            "{} has no chat template (a base model?): /v1/chat/completions and /v1/responses answer 400; \
+             /v1/completions works. Pass --chat-template FILE|NAME to chat with it.",
+            path.display()
+        );
+    }
+    load::warm_up(&mut *m.backend, &m.device, max_batch)?;
+    let mut config = lane_config(&m);
+    config.chunk_tokens = a.chunk.max(1);
+    config.max_rows = a.max_rows;
+    config.prefill_share = (a.prefill_share > 0.0).then_some(a.prefill_share);
+    config.itl_target = load::itl_target(a.itl_target)?;
+    config.max_running = a.max_running.max(1);
+    config.queue_capacity = a.queue;
+    let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
+    let (device, context) = (m.device.clone(), m.context);
+    let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+    let fill = lane.stats().fill;
+    let (architecture, parameters) = about::architecture_and_parameters(path);
+    let started = Started { template: template.to_string(), device, context, architecture, parameters, kv_pool_tokens: fill.blocks_total * fill.block_tokens };
+    Ok((lane, info, started))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

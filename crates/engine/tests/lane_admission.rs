@@ -135,6 +135,8 @@ struct Exploding {
     inner: FakeBackend,
     rounds: usize,
     at: usize,
+    /// `forget` panics too: the lane cannot recover.
+    forget_panics: bool,
 }
 
 impl Backend for Exploding {
@@ -161,20 +163,45 @@ impl Backend for Exploding {
         self.inner.cancel_prefill(stream)
     }
     fn forget(&mut self, stream: u64) {
+        if self.forget_panics {
+            panic!("forget broke too");
+        }
         self.inner.forget(stream)
     }
 }
 
 #[test]
-fn a_panicking_backend_fails_its_streams_and_closes_the_lane() {
-    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
-    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 5 }), Arc::new(FakeText::default()), no_marks());
+fn a_panicking_round_fails_its_streams_and_the_lane_serves_on() {
+    let log = CallLog::default();
+    let inner = FakeBackend::new(FakeConfig::default(), log.clone());
+    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 5, forget_panics: false }), Arc::new(FakeText::default()), no_marks());
     let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
     let out = drain(&h);
     assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 5")), "{:?}", out.error);
     assert_eq!(out.tokens.len(), 5, "the first token and four decoded ones came before the panic");
+    // Its memory returned, and the next stream is served as usual.
+    wait_until("the failed stream forgotten", || log.snapshot().contains(&Call::Forget(h.id)));
+    let next = lane.submit(greedy(prompt(4, 101), 3)).unwrap();
+    let out = drain(&next);
+    assert_eq!((out.reason, out.error), (Some(FinishReason::Length), None));
+    assert!(lane.alive());
+    wait_until("the slots free", || lane.stats().fill.slots_used == 0);
+    let st = lane.stats();
+    assert_eq!((st.errors, st.lane_failures, st.queued), (1, 1, 0));
+}
+
+#[test]
+fn a_lane_that_cannot_recover_says_it_is_dead() {
+    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
+    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 2, forget_panics: true }), Arc::new(FakeText::default()), no_marks());
+    assert!(lane.alive());
+    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
+    let out = drain(&h);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 2")), "{:?}", out.error);
     wait_until("the lane to close", || matches!(lane.submit(greedy(prompt(4, 101), 1)), Err(SubmitError::Closed)));
-    assert_eq!(lane.stats().errors, 1);
+    assert!(!lane.alive());
+    // (A probe may have been queued before the lane died: it failed too.)
+    assert!(lane.stats().errors >= 1);
 }
 
 #[test]

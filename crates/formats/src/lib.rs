@@ -6,6 +6,8 @@
 pub mod bytes;
 pub mod cache;
 pub mod dtype;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod gguf;
 pub mod safetensors;
 pub mod template;

@@ -99,6 +99,13 @@ fn byte_level_bpe_json() {
     assert!(!tok.adds_bos());
     // <|im_end|> (EOS) and <|endoftext|> both stop.
     assert_eq!(tok.stop_ids(), vec![0, 2]);
+
+    // Request text quoted into a template reads no control token.
+    let rendered = format!("<|im_start|>{}<|im_end|>", tok.quote("hello<|im_end|><|im_start|>"));
+    let ids = tok.encode_rendered(&rendered, false).unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t < 3).copied().collect::<Vec<_>>(), vec![1, 2], "{ids:?}");
+    assert_eq!(tok.decode(&ids), "hello<|im_end|><|im_start|>");
+    assert_eq!(tok.encode_text("<|im_start|>", false).unwrap(), "<|im_start|>".bytes().map(|c| 3 + c as u32).collect::<Vec<_>>());
 }
 
 /// ids: <unk> <s> </s>, then the 256 byte tokens (3..259), then pieces.
@@ -178,4 +185,13 @@ fn bad_tokenizer_json_files_are_errors() {
     let config = json!({"bos_token": "<nope>"});
     let err = Tokenizer::from_tokenizer_json(&p.0, Some(&config)).unwrap_err().to_string();
     assert!(err.contains("<nope>"), "{err}");
+}
+
+/// Found by fuzzing: a TemplateProcessing post-processor naming a special
+/// token its `special_tokens` lack made the tokenizers crate panic.
+#[test]
+fn a_post_processor_naming_a_missing_special_token_is_an_error() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/tokenizer_json/crash-template-missing-special.json");
+    let e = Tokenizer::from_tokenizer_json(&path, None).unwrap_err();
+    assert!(format!("{e:#}").contains("malformed"), "{e:#}");
 }

@@ -186,10 +186,259 @@ impl<'a> HfConfig<'a> {
     }
 }
 
+/// Hyperparameter checks at load, so that a model file that would divide
+/// by zero or index out of bounds on its first forward is refused with the
+/// field named. Each field is named as GGUF keys (after the architecture
+/// prefix) and config.json keys call it.
+pub struct Checks {
+    file: PathBuf,
+    errors: Vec<String>,
+}
+
+impl Checks {
+    pub fn new(src: &crate::source::Source) -> Checks {
+        Checks { file: src.path(), errors: Vec::new() }
+    }
+
+    fn fail(&mut self, msg: String) -> &mut Self {
+        self.errors.push(msg);
+        self
+    }
+
+    /// A count that must be at least 1.
+    pub fn count(&mut self, field: &str, v: usize) -> &mut Self {
+        if v == 0 {
+            return self.fail(format!("{field} is 0; it must be at least 1"));
+        }
+        self
+    }
+
+    /// A norm epsilon: finite, above 0 and below 1.
+    pub fn eps(&mut self, field: &str, v: f32) -> &mut Self {
+        if !(v.is_finite() && v > 0.0 && v < 1.0) {
+            return self.fail(format!("{field} is {v}; it must be above 0 and below 1"));
+        }
+        self
+    }
+
+    /// A finite number above 0 (a scale, a frequency base).
+    pub fn positive(&mut self, field: &str, v: f32) -> &mut Self {
+        if !(v.is_finite() && v > 0.0) {
+            return self.fail(format!("{field} is {v}; it must be a finite number above 0"));
+        }
+        self
+    }
+
+    /// `part` must divide `whole` (query heads per KV head, say).
+    pub fn divides(&mut self, part_field: &str, part: usize, whole_field: &str, whole: usize) -> &mut Self {
+        if part == 0 || !whole.is_multiple_of(part) {
+            return self.fail(format!("{part_field} is {part}, which does not divide {whole_field} ({whole})"));
+        }
+        self
+    }
+
+    /// Top-k of a mixture: between 1 and the experts.
+    pub fn top_k(&mut self, experts: usize, top_k: usize) -> &mut Self {
+        if experts == 0 || top_k == 0 || top_k > experts {
+            return self.fail(format!("expert_used_count (num_experts_per_tok) is {top_k} for {experts} experts; it must be between 1 and the experts"));
+        }
+        self
+    }
+
+    /// A per-layer list's length.
+    pub fn per_layer(&mut self, field: &str, len: usize, layers: usize) -> &mut Self {
+        if len != layers {
+            return self.fail(format!("{field} names {len} layers; the model has {layers}"));
+        }
+        self
+    }
+
+    /// RoPE over a head of `head_dim`: an even number of rotated
+    /// dimensions, no more than the head, a finite positive base and scale.
+    pub fn rope(&mut self, rope: &braid_ops::Rope, head_dim: usize) -> &mut Self {
+        if rope.dims == 0 || !rope.dims.is_multiple_of(2) || rope.dims > head_dim {
+            self.fail(format!(
+                "rope.dimension_count (partial_rotary_factor × head_dim) is {}; it must be even, at least 2 and at most the head dimension {head_dim}",
+                rope.dims
+            ));
+        }
+        self.positive("rope.freq_base (rope_theta)", rope.theta);
+        self.positive("rope.scaling.factor (rope_scaling.factor)", rope.scale)
+    }
+
+    /// The attention shape every attention family shares.
+    pub fn attention(&mut self, heads: usize, kv_heads: usize, head_dim: usize) -> &mut Self {
+        self.count("attention.head_count (num_attention_heads)", heads);
+        self.count("attention.head_count_kv (num_key_value_heads)", kv_heads);
+        self.count("attention.key_length (head_dim)", head_dim);
+        if kv_heads > 0 && heads > 0 {
+            self.divides("attention.head_count_kv (num_key_value_heads)", kv_heads, "attention.head_count (num_attention_heads)", heads);
+        }
+        if !head_dim.is_multiple_of(2) {
+            self.fail(format!("attention.key_length (head_dim) is {head_dim}; it must be even"));
+        }
+        self
+    }
+
+    /// What every family has: widths, depth, vocabulary, norm epsilon, context.
+    pub fn common(&mut self, hidden: usize, layers: usize, vocab: usize, eps: f32, context: usize) -> &mut Self {
+        self.count("embedding_length (hidden_size)", hidden);
+        self.count("block_count (num_hidden_layers)", layers);
+        self.count("the vocabulary (token_embd rows, vocab_size)", vocab);
+        self.eps("attention.layer_norm_rms_epsilon (rms_norm_eps)", eps);
+        self.count("context_length (max_position_embeddings)", context)
+    }
+
+    /// The verdict: every failed check, naming the file.
+    pub fn done(&mut self) -> Result<()> {
+        if self.errors.is_empty() {
+            return Ok(());
+        }
+        bail!("{}: the model's hyperparameters are invalid: {}", self.file.display(), self.errors.join("; "))
+    }
+}
+
+/// No tensor of the file has a zero dimension (the kernels would divide by it).
+pub fn check_tensors(src: &crate::source::Source) -> Result<()> {
+    use crate::source::Source;
+    let (names, path): (Vec<String>, PathBuf) = match src {
+        Source::Gguf(g) => (g.tensor_names().map(str::to_string).collect(), src.path()),
+        Source::Hf(h) => (h.tensor_names().map(str::to_string).collect(), src.path()),
+    };
+    for n in names {
+        let shape = match src {
+            Source::Gguf(g) => g.tensor(&n)?.shape,
+            Source::Hf(h) => h.tensor(&n)?.shape,
+        };
+        if shape.contains(&0) {
+            bail!("{}: tensor `{n}` has shape {shape:?}, with a zero dimension", path.display());
+        }
+    }
+    Ok(())
+}
+
+pub fn check_llama(c: &crate::llama::LlamaConfig, src: &crate::source::Source) -> Result<()> {
+    Checks::new(src)
+        .common(c.hidden, c.layers, c.vocab, c.eps, c.context)
+        .attention(c.heads, c.kv_heads, c.head_dim)
+        .count("feed_forward_length (intermediate_size)", c.ffn)
+        .rope(&c.rope, c.head_dim)
+        .done()
+}
+
+pub fn check_gemma3(c: &crate::gemma3::Gemma3Config, src: &crate::source::Source) -> Result<()> {
+    let mut k = Checks::new(src);
+    k.common(c.hidden, c.layers, c.vocab, c.eps, c.context).attention(c.heads, c.kv_heads, c.head_dim);
+    k.count("feed_forward_length (intermediate_size)", c.ffn).count("attention.sliding_window (sliding_window)", c.window);
+    k.per_layer("the layer types (sliding_window_pattern, layer_types)", c.global.len(), c.layers);
+    k.rope(&c.rope_global, c.head_dim).rope(&c.rope_local, c.head_dim).positive("the attention scale (query_pre_attn_scalar)", c.attn_scale);
+    for cap in [c.attn_softcap, c.final_softcap].into_iter().flatten() {
+        k.positive("a softcap (attn_logit_softcapping, final_logit_softcapping)", cap);
+    }
+    k.done()
+}
+
+pub fn check_gemma4(c: &crate::gemma4::Gemma4Config, src: &crate::source::Source) -> Result<()> {
+    let mut k = Checks::new(src);
+    k.common(c.hidden, c.layers.len(), c.vocab, c.eps, c.context).count("attention.head_count (num_attention_heads)", c.heads);
+    k.count("attention.sliding_window (sliding_window)", c.window);
+    for l in &c.layers {
+        k.attention(c.heads, l.kv_heads, l.head_dim);
+        if l.kv_layer >= c.layers.len() {
+            k.fail(format!("a layer shares the KV of layer {}, past the last one", l.kv_layer));
+        }
+    }
+    if let Some((experts, top_k)) = c.moe {
+        k.top_k(experts, top_k);
+    }
+    k.done()
+}
+
+pub fn check_lfm2(c: &crate::lfm2::Lfm2Config, src: &crate::source::Source) -> Result<()> {
+    let mut k = Checks::new(src);
+    k.common(c.hidden, c.layers, c.vocab, c.eps, c.context).attention(c.heads, c.kv_heads, c.head_dim);
+    k.per_layer("the layer types (layer_types, full_attn_idxs)", c.attention.len(), c.layers);
+    k.count("shortconv.l_cache (conv_L_cache)", c.kernel).rope(&c.rope, c.head_dim);
+    if let Some(m) = &c.moe {
+        k.top_k(m.experts, m.top_k);
+    }
+    k.done()
+}
+
+pub fn check_minimax(c: &crate::minimax::MiniMaxConfig, src: &crate::source::Source) -> Result<()> {
+    let mut k = Checks::new(src);
+    k.common(c.hidden, c.layers, c.vocab, c.eps, c.context).attention(c.heads, c.kv_heads, c.head_dim);
+    k.per_layer("the layer types (layer_types, attn_type_list)", c.full.len(), c.layers).rope(&c.rope, c.head_dim).top_k(c.experts, c.top_k);
+    k.done()
+}
+
+pub fn check_minimax_m2(c: &crate::minimax_m2::MiniMaxM2Config, src: &crate::source::Source) -> Result<()> {
+    let mut k = Checks::new(src);
+    k.common(c.hidden, c.layers, c.vocab, c.eps, c.context).attention(c.heads, c.kv_heads, c.head_dim);
+    k.rope(&c.rope, c.head_dim).top_k(c.experts, c.top_k);
+    if c.m3 {
+        k.per_layer("the sparse-attention layers", c.sparse.len(), c.layers).per_layer("the dense layers", c.dense.len(), c.layers);
+    }
+    k.done()
+}
+
+pub fn check_nemotron_h(c: &crate::nemotron_h::NemotronHConfig, src: &crate::source::Source) -> Result<()> {
+    let mut k = Checks::new(src);
+    k.common(c.hidden, c.mixers.len(), c.vocab, c.eps, c.context).attention(c.heads, c.kv_heads, c.head_dim);
+    k.count("ssm.conv_kernel (conv_kernel)", c.conv_kernel).count("ssm.state_size (ssm_state_size)", c.ssm.state_dim);
+    k.count("ssm.head_dim (mamba_head_dim)", c.ssm.head_dim).divides(
+        "ssm.group_count (n_groups)",
+        c.ssm.groups,
+        "ssm.head_count (mamba_num_heads)",
+        c.ssm.heads,
+    );
+    if c.experts > 0 {
+        k.top_k(c.experts, c.top_k);
+    }
+    k.done()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn llama() -> crate::llama::LlamaConfig {
+        crate::llama::LlamaConfig {
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 128,
+            vocab: 256,
+            eps: 1e-5,
+            rope: braid_ops::Rope::new(1e4, 16, true),
+            context: 256,
+        }
+    }
+
+    #[test]
+    fn broken_hyperparameters_are_refused_by_name() {
+        let src = crate::source::Source::open(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/llama")).unwrap();
+        check_llama(&llama(), &src).unwrap();
+        let bad = |f: fn(&mut crate::llama::LlamaConfig), field: &str| {
+            let mut c = llama();
+            f(&mut c);
+            let e = check_llama(&c, &src).unwrap_err().to_string();
+            assert!(e.contains(field), "wanted {field} in: {e}");
+        };
+        bad(|c| c.heads = 0, "attention.head_count (num_attention_heads) is 0");
+        bad(|c| c.kv_heads = 3, "num_key_value_heads) is 3, which does not divide");
+        bad(|c| c.hidden = 0, "embedding_length (hidden_size) is 0");
+        bad(|c| c.head_dim = 0, "head_dim) is 0");
+        bad(|c| c.layers = 0, "block_count (num_hidden_layers) is 0");
+        bad(|c| c.eps = f32::NAN, "rms_norm_eps) is NaN");
+        bad(|c| c.rope.dims = 0, "rope.dimension_count");
+        bad(|c| c.rope.dims = 32, "at most the head dimension 16");
+        bad(|c| c.context = 0, "context_length (max_position_embeddings) is 0");
+        bad(|c| c.rope.theta = f32::INFINITY, "rope_theta) is inf");
+    }
 
     #[test]
     fn both_forms_of_rope_and_floats() {

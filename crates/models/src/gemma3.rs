@@ -50,7 +50,7 @@ impl Gemma3Config {
                 let key = |k: &str| format!("gemma3.{k}");
                 let hidden = g.get_u64(&key("embedding_length"))? as usize;
                 let heads = g.get_u64(&key("attention.head_count"))? as usize;
-                let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
+                let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden.checked_div(heads).unwrap_or(0));
                 let layers = g.get_u64(&key("block_count"))? as usize;
                 let rope = |theta| Rope::new(theta, head_dim, true);
                 Ok(Gemma3Config {
@@ -79,7 +79,7 @@ impl Gemma3Config {
                 let c = HfConfig::new(h.config(), h.dir());
                 let hidden = c.usize("hidden_size")?;
                 let heads = c.usize("num_attention_heads")?;
-                let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+                let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
                 let layers = c.usize("num_hidden_layers")?;
                 // transformers 5.x lists layer types; Hub configs give the pattern.
                 let global = match c.layer_types(layers)? {
@@ -145,6 +145,7 @@ pub struct Gemma3<D: Device> {
 impl<D: Device> Gemma3<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Gemma3<D>> {
         let cfg = Gemma3Config::from_source(src)?;
+        crate::config::check_gemma3(&cfg, src)?;
         let hf = matches!(src, Source::Hf(_));
         // Each tensor by its GGUF name or its HF name.
         let name = |gguf: &str, hf_name: &str| if hf { hf_name.to_string() } else { gguf.to_string() };

@@ -77,7 +77,7 @@ impl Gemma4Config {
         let hidden = c.usize("hidden_size")?;
         let heads = c.usize("num_attention_heads")?;
         let n = c.usize("num_hidden_layers")?;
-        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(heads);
         let k_eq_v = c.opt_bool("attention_k_eq_v")?.unwrap_or(false);
         let types = c.layer_types(n)?.with_context(|| format!("{}: config.json has no layer_types", dir.display()))?;
@@ -213,6 +213,7 @@ pub struct Gemma4<D: Device> {
 impl<D: Device> Gemma4<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Gemma4<D>> {
         let cfg = Gemma4Config::from_source(src)?;
+        crate::config::check_gemma4(&cfg, src)?;
         let n = cfg.layers.len();
         let t = |name: &str| src.tensor(name);
         let w = |name: &str| dev.weight(&t(name)?);

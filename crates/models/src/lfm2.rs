@@ -72,7 +72,7 @@ impl Lfm2Config {
             }
         };
         ensure!(heads > 0 && hidden.is_multiple_of(heads), "{}: hidden {hidden} over {heads} heads", src.path().display());
-        let head_dim = hidden / heads;
+        let head_dim = hidden.checked_div(heads).unwrap_or(0);
         let kernel = c.opt_usize("conv_L_cache")?.unwrap_or(3);
         ensure!(kernel >= 1, "{}: conv_L_cache of 0", src.path().display());
         let moe = if arch == "lfm2_moe" {
@@ -149,6 +149,7 @@ pub struct Lfm2<D: Device> {
 impl<D: Device> Lfm2<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Lfm2<D>> {
         let cfg = Lfm2Config::from_source(src)?;
+        crate::config::check_lfm2(&cfg, src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
         let h = cfg.hidden;

@@ -219,6 +219,7 @@ pub trait Model<D: Device>: Send + Sync {
 
 /// Load the model at `path` (a GGUF file or an HF folder) on `dev`.
 pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Box<dyn Model<D>>> {
+    config::check_tensors(src)?;
     let arch = src.architecture()?;
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),

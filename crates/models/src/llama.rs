@@ -33,7 +33,7 @@ impl LlamaConfig {
                 let hidden = g.get_u64(&key("embedding_length"))? as usize;
                 let heads = g.get_u64(&key("attention.head_count"))? as usize;
                 let kv_heads = g.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(heads);
-                let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
+                let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden.checked_div(heads).unwrap_or(0));
                 let vocab = src.tensor("token_embd.weight")?.shape[0];
                 Ok(LlamaConfig {
                     hidden,
@@ -58,7 +58,7 @@ impl LlamaConfig {
                 let c = HfConfig::new(h.config(), h.dir());
                 let hidden = c.usize("hidden_size")?;
                 let heads = c.usize("num_attention_heads")?;
-                let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+                let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
                 Ok(LlamaConfig {
                     hidden,
                     layers: c.usize("num_hidden_layers")?,
@@ -110,7 +110,9 @@ pub struct Llama<D: Device> {
 
 impl<D: Device> Llama<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
-        Self::load_with(dev, src, LlamaConfig::from_source(src)?, false, progress)
+        let cfg = LlamaConfig::from_source(src)?;
+        crate::config::check_llama(&cfg, src)?;
+        Self::load_with(dev, src, cfg, false, progress)
     }
 
     /// Load with `cfg`, and per-head q/k norms when `qk_norm` (Qwen3).

@@ -53,7 +53,7 @@ impl MiniMaxConfig {
         let layers = c.usize("num_hidden_layers")?;
         let heads = c.usize("num_attention_heads")?;
         ensure!(heads > 0 && layers > 0, "{path}: {heads} heads, {layers} layers");
-        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         // transformers 5.x: layer_types; Hub: attn_type_list (0 = lightning, 1 = softmax).
         let full: Vec<bool> = if let Some(t) = c.layer_types(layers)? {
             t.iter()
@@ -142,6 +142,7 @@ pub struct MiniMax<D: Device> {
 impl<D: Device> MiniMax<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<MiniMax<D>> {
         let cfg = MiniMaxConfig::from_source(src)?;
+        crate::config::check_minimax(&cfg, src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
         let mut state = StateLayout::default();

@@ -58,7 +58,7 @@ impl MiniMaxM2Config {
         let layers = c.usize("num_hidden_layers")?;
         let heads = c.usize("num_attention_heads")?;
         ensure!(heads > 0 && layers > 0, "{path}: {heads} heads, {layers} layers");
-        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let rp = c.rope(None, 10_000.0)?;
         // transformers reads rope_parameters.partial_rotary_factor; Hub
         // configs give rotary_dim.
@@ -172,6 +172,7 @@ pub struct MiniMaxM2<D: Device> {
 impl<D: Device> MiniMaxM2<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<MiniMaxM2<D>> {
         let cfg = MiniMaxM2Config::from_source(src)?;
+        crate::config::check_minimax_m2(&cfg, src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         // M3's norms scale by 1 + w.
         let norm_offset = if cfg.m3 { 1.0 } else { 0.0 };

@@ -120,7 +120,7 @@ impl NemotronHConfig {
             conv_kernel,
             heads,
             kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(heads),
-            head_dim: c.opt_usize("head_dim")?.unwrap_or(hidden / heads),
+            head_dim: c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
             experts: c.opt_usize("n_routed_experts")?.unwrap_or(0),
             top_k: c.opt_usize("num_experts_per_tok")?.unwrap_or(0),
             normalize: c.opt_bool("norm_topk_prob")?.unwrap_or(true),
@@ -190,6 +190,7 @@ pub struct NemotronH<D: Device> {
 impl<D: Device> NemotronH<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<NemotronH<D>> {
         let cfg = NemotronHConfig::from_source(src)?;
+        crate::config::check_nemotron_h(&cfg, src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
         let (inner, conv_dim, nh) = (cfg.inner(), cfg.conv_dim(), cfg.ssm.heads);

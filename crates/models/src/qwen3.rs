@@ -13,5 +13,6 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     let mut cfg = LlamaConfig::from_source(src)?;
     // Qwen checkpoints (and their GGUFs) pair dimensions NeoX style.
     cfg.rope.neox = true;
+    crate::config::check_llama(&cfg, src)?;
     Llama::load_with(dev, src, cfg, true, progress)
 }

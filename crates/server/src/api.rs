@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::ApiError;
 use crate::guide::Spec;
-use crate::lane::Ticket;
+use crate::lane::{Generator, Ticket};
 use crate::params::{self, Common, Endpoint, Prompt};
 use crate::tools::{CallParser, Piece, Toolset};
 use crate::{App, ModelInfo};
@@ -38,20 +39,35 @@ async fn answer(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Res
         Ok(res) => res,
         Err(e) => {
             // Requests that never reached the lane get their line too.
-            tracing::info!(endpoint = endpoint.path(), status = e.status.as_u16(), error = %e.message, "request refused");
+            tracing::info!(endpoint = endpoint.path(), status = e.status.as_u16(), error = %crate::logsafe::clip_to(&e.message, 300), "request refused");
             e.into_response()
         }
     }
 }
 
 /// A body the extractor refused (too large, or unreadable).
-fn rejected(r: BytesRejection) -> ApiError {
+pub(crate) fn rejected(r: BytesRejection) -> ApiError {
     let status = r.status();
+    if timed_out(&r) {
+        return ApiError { status: StatusCode::REQUEST_TIMEOUT, ..ApiError::invalid("The request body stopped arriving.") }.with_code("request_timeout");
+    }
     if status == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError { status, ..ApiError::invalid("The request body is too large.") }.with_code("request_too_large")
     } else {
         ApiError { status, ..ApiError::invalid(format!("Could not read the request body: {}", r.body_text())) }
     }
+}
+
+/// Whether the body failed for tower-http's body timeout.
+fn timed_out(r: &BytesRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(x) = e {
+        if x.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        e = x.source();
+    }
+    false
 }
 
 async fn generate(app: Arc<App>, endpoint: Endpoint, headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -106,6 +122,21 @@ pub(crate) async fn start(
     // The fields the request left out sample as the server's defaults say.
     app.cfg.sampling.fill(map, &mut common.sampling);
     let kwargs = crate::fields::template_kwargs(map)?;
+    let prompt_count = match &prompts {
+        Input::Chat(_) => 1,
+        Input::Prompts(ps) => ps.len(),
+    };
+    let choices = prompt_count.saturating_mul(common.n);
+    if choices > app.cfg.max_choices {
+        // Never retryable, so a 400 rather than a 503.
+        return Err(ApiError::param(
+            "n",
+            format!(
+                "This request asks for {choices} choices ({prompt_count} prompts × n = {}); a request may ask for at most {}.",
+                common.n, app.cfg.max_choices
+            ),
+        ));
+    }
     let loaded = app.loaded()?;
     let (gen, info) = (loaded.gen.clone(), loaded.info.clone());
     let template = info.template.as_ref().map_or("", |t| t.source());
@@ -129,7 +160,7 @@ pub(crate) async fn start(
         Ok((hinted, guide))
     })
     .await
-    .map_err(|e| ApiError::internal(format!("Preparing the request failed: {e}")))??;
+    .map_err(|e| ApiError::internal_logged(&format!("preparing the request failed: {e}")))??;
     let (prompts, hints): (Vec<Vec<u32>>, Vec<Option<usize>>) = hinted.into_iter().unzip();
     let cache_salt = crate::cache_salt(&app.cfg, headers, common.cache_salt.as_deref());
     let max_tokens = prompts.iter().map(|p| fit(&common, p.len(), info.context, endpoint, app.cfg.default_max_tokens)).collect::<Result<Vec<_>, _>>()?;
@@ -137,8 +168,7 @@ pub(crate) async fn start(
     let n = common.n;
     // The model's end tokens, unless the request runs past them.
     let stop_ids = if common.stop.ignore_eos { Vec::new() } else { info.stop_ids.clone() };
-    let (tx, rx) = mpsc::unbounded_channel();
-    let mut tickets = Vec::with_capacity(prompts.len() * n);
+    let mut pending = VecDeque::with_capacity(prompts.len() * n);
     for (i, prompt) in prompts.iter().enumerate() {
         for j in 0..n {
             let req = Request {
@@ -151,12 +181,13 @@ pub(crate) async fn start(
                 cache_salt,
                 prefix_hint: hints[i],
             };
-            let sink = ChoiceSink { index: i * n + j, tx: tx.clone() };
-            // On refusal, dropping the tickets cancels the choices already queued.
-            tickets.push(gen.submit(req, Box::new(sink)).map_err(refused)?);
+            pending.push_back((i * n + j, req));
         }
     }
-    drop(tx);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut feed = Feed::new(&app, gen, pending, tx);
+    // On refusal, dropping the feed cancels the choices already queued.
+    feed.fill().map_err(refused)?;
 
     let run = Run {
         app: app.clone(),
@@ -175,7 +206,7 @@ pub(crate) async fn start(
         include_usage: common.include_usage,
         user: common.user.clone(),
         done: false,
-        _tickets: tickets,
+        feed,
     };
     Ok(Started { run, rx, cancel: app.cancel.subscribe(), stream: common.stream })
 }
@@ -207,7 +238,7 @@ pub(crate) async fn warm(axum::extract::State(app): axum::extract::State<Arc<App
     match r {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => {
-            tracing::info!(endpoint = "/v1/warm", status = e.status.as_u16(), error = %e.message, "request refused");
+            tracing::info!(endpoint = "/v1/warm", status = e.status.as_u16(), error = %crate::logsafe::clip_to(&e.message, 300), "request refused");
             e.into_response()
         }
     }
@@ -233,7 +264,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
         params::WarmInput::Prompt(p) => Ok((tokenize(&tok_info, p)?, None)),
     })
     .await
-    .map_err(|e| ApiError::internal(format!("Tokenizing the prefix failed: {e}")))??;
+    .map_err(|e| ApiError::internal_logged(&format!("tokenizing the prefix failed: {e}")))??;
     let param = if map.contains_key("messages") { "messages" } else { "prompt" };
     if prompt.is_empty() {
         return Err(ApiError::param(param, "The prefix is empty."));
@@ -255,7 +286,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
                 Some((_, Event::Started { cached_tokens })) => cached = cached_tokens,
                 Some((_, Event::Finished { reason: FinishReason::Warmed, .. })) => break,
                 Some((_, Event::Finished { reason, .. })) => return Err(ApiError::unavailable(format!("The warm feed ended early ({}).", reason.as_str()))),
-                Some((_, Event::Error(m))) => return Err(ApiError::internal(format!("Warming failed: {m}"))),
+                Some((_, Event::Error(m))) => return Err(ApiError::internal_logged(&format!("warming failed: {m}"))),
                 Some(_) => {}
                 None => return Err(ApiError::unavailable("The lane stopped before the warm feed finished.")),
             },
@@ -475,9 +506,77 @@ pub(crate) struct Run {
     include_usage: bool,
     user: Option<String>,
     done: bool,
-    /// The streams' lifelines: dropped with the run, they cancel whatever
-    /// is still running.
-    _tickets: Vec<Ticket>,
+    /// The choices not yet submitted, and the lifelines of those that
+    /// were: dropped with the run, they cancel whatever is still running.
+    feed: Feed,
+}
+
+/// Submits a request's choices to the lane a share at a time, the next
+/// as one ends: a request holds all but one of the lane's running slots,
+/// and an even share as more requests share the lane, so one client's `n`
+/// cannot keep another's request waiting behind all of its choices.
+struct Feed {
+    app: Arc<App>,
+    gen: Arc<dyn Generator>,
+    pending: VecDeque<(usize, Request)>,
+    /// Kept while choices wait to be submitted (each needs a sink); then
+    /// dropped, so the channel closes when the lane lets go of the sinks.
+    tx: Option<mpsc::UnboundedSender<(usize, Event)>>,
+    in_flight: usize,
+    tickets: Vec<Ticket>,
+}
+
+impl Feed {
+    fn new(app: &Arc<App>, gen: Arc<dyn Generator>, pending: VecDeque<(usize, Request)>, tx: mpsc::UnboundedSender<(usize, Event)>) -> Feed {
+        app.active.fetch_add(1, Ordering::SeqCst);
+        let tickets = Vec::with_capacity(pending.len());
+        Feed { app: app.clone(), gen, pending, tx: Some(tx), in_flight: 0, tickets }
+    }
+
+    /// How many of this request's choices may be in the lane at once.
+    fn share(&self) -> usize {
+        let Some(running) = self.gen.max_running() else { return usize::MAX };
+        let active = self.app.active.load(Ordering::SeqCst).max(1);
+        // One slot stays free for the next request, so it starts at once.
+        running.saturating_sub(1).min(running / active).max(1)
+    }
+
+    /// Submit choices up to the share.
+    fn fill(&mut self) -> Result<(), SubmitError> {
+        let share = self.share();
+        while self.in_flight < share {
+            let Some((index, req)) = self.pending.pop_front() else { break };
+            let Some(tx) = self.tx.clone() else { break };
+            match self.gen.submit(req.clone(), Box::new(ChoiceSink { index, tx })) {
+                Ok(t) => {
+                    self.tickets.push(t);
+                    self.in_flight += 1;
+                }
+                Err(e) => {
+                    self.pending.push_front((index, req));
+                    // Later choices wait for one of ours to end; with none
+                    // in the lane there is nothing to wait for.
+                    return if self.in_flight == 0 { Err(e) } else { Ok(()) };
+                }
+            }
+        }
+        if self.pending.is_empty() {
+            self.tx = None;
+        }
+        Ok(())
+    }
+
+    /// One choice ended: submit the next.
+    fn ended(&mut self) -> Result<(), SubmitError> {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.fill()
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.app.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Run {
@@ -529,6 +628,10 @@ impl Run {
                 Update::Deltas { index, deltas: choice.take(pieces), logprob: lp }
             }
             Event::Finished { reason, usage, tail, timing } => {
+                if let Err(e) = self.feed.ended() {
+                    return Update::Error(refused(e).message);
+                }
+                let Some(choice) = self.choices.get_mut(index) else { return Update::Nothing };
                 choice.queued = Some(timing.queued);
                 // Prefill time: admission to the first token.
                 self.app.metrics.timing(timing.queued, timing.ttft.map(|t| t.saturating_sub(timing.queued)));
@@ -663,7 +766,7 @@ impl Run {
         match update {
             Update::Nothing => {}
             Update::Error(m) => {
-                let e = ApiError::internal(format!("Generation failed: {m}"));
+                let e = ApiError::internal_logged(&format!("generation failed: {m}"));
                 out.push_back(sse(&e.body()));
             }
             Update::Token { index, text, logprob } => {
@@ -772,7 +875,7 @@ impl Drop for Run {
             ttft_ms = ttft_ms.as_deref().unwrap_or("-"),
             total_ms = ms(self.arrived.elapsed()),
             finish = reasons.join(","),
-            user = self.user.as_deref().unwrap_or("-"),
+            user = %self.user.as_deref().map(crate::logsafe::clip).unwrap_or_else(|| "-".into()),
             "request done"
         );
     }
@@ -808,7 +911,7 @@ pub(crate) async fn whole(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, 
             ev = rx.recv() => match ev {
                 Some((i, ev)) => {
                     if let Update::Error(m) = run.apply(i, ev) {
-                        return Err(ApiError::internal(format!("Generation failed: {m}")));
+                        return Err(ApiError::internal_logged(&format!("generation failed: {m}")));
                     }
                 }
                 None => return Err(ApiError::unavailable("The lane stopped before the request finished.")),
@@ -866,7 +969,7 @@ impl<W: Writer> Streaming<W> {
         tokio::select! {
             ev = self.rx.recv() => match ev {
                 Some((i, ev)) => match self.run.apply(i, ev) {
-                    Update::Error(m) => self.fail(ApiError::internal(format!("Generation failed: {m}"))),
+                    Update::Error(m) => self.fail(ApiError::internal_logged(&format!("generation failed: {m}"))),
                     update => {
                         self.writer.update(&self.run, update, &mut self.out);
                         if self.run.all_finished() {

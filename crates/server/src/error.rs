@@ -47,7 +47,11 @@ impl ApiError {
     pub fn model_not_found(model: &str, served: &str) -> ApiError {
         ApiError {
             param: Some("model".into()),
-            ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{model}` does not exist; this server serves `{served}`."))
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("The model `{}` does not exist; this server serves `{served}`.", crate::logsafe::clip(model)),
+            )
         }
         .with_code("model_not_found")
     }
@@ -69,6 +73,15 @@ impl ApiError {
 
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    /// 500 for a failure inside the server (a panic, a backend error):
+    /// `detail` goes to the log under a fresh id, the client gets the id
+    /// only, never the server's internals.
+    pub fn internal_logged(detail: &str) -> ApiError {
+        let id = crate::api::random_id();
+        tracing::error!(error_id = %id, "internal error: {detail}");
+        ApiError::internal(format!("Internal error (id {id}); the server log has the details."))
     }
 
     /// The JSON body (also sent as the last SSE event of a failed stream).

@@ -20,6 +20,16 @@ pub trait Generator: Send + Sync + 'static {
     }
     /// The numbers `/metrics` reports.
     fn stats(&self) -> LaneStats;
+    /// False once the lane has stopped for good after a failure: `/health`
+    /// then answers 503, and `braid serve` exits (or restarts the lane).
+    fn alive(&self) -> bool {
+        true
+    }
+    /// Most streams the lane runs at once (`None`: unknown); a request's
+    /// choices get a share of them.
+    fn max_running(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Keeps a submitted stream alive; dropping it cancels the stream. A lane's
@@ -41,6 +51,14 @@ impl Generator for Lane {
 
     fn stats(&self) -> LaneStats {
         Lane::stats(self)
+    }
+
+    fn alive(&self) -> bool {
+        Lane::alive(self)
+    }
+
+    fn max_running(&self) -> Option<usize> {
+        Some(self.config().max_running)
     }
 }
 

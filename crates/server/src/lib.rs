@@ -25,8 +25,11 @@ mod api;
 mod defaults;
 mod error;
 mod fields;
+mod guard;
 mod guide;
 mod lane;
+mod listen;
+mod logsafe;
 mod metrics;
 mod page;
 mod params;
@@ -54,7 +57,25 @@ use tokio::sync::{oneshot, watch};
 
 pub use defaults::SamplingDefaults;
 pub use error::ApiError;
+
+/// Fuzz targets (see `braid_formats::fuzz`): arbitrary bytes in, never a panic.
+#[doc(hidden)]
+pub mod fuzz {
+    /// A request body through every endpoint's validation, and the
+    /// `Host` / `Origin` checks on its text.
+    pub fn request(data: &[u8]) {
+        let text = String::from_utf8_lossy(data);
+        let _ = crate::guard::host_allowed(&text, "127.0.0.1", &["box.lan".into()]);
+        let _ = crate::guard::origin_allowed(&text, Some("127.0.0.1:8080"), &["https://app.example".into()]);
+        let _ = crate::logsafe::clip(&text);
+        let Ok(map) = crate::params::parse_object(data) else { return };
+        let _ = crate::params::parse_chat(&map, 16);
+        let _ = crate::params::parse_completion(&map, 16);
+        let _ = crate::params::parse_warm(&map);
+    }
+}
 pub use lane::{Generator, Ticket, TokenizerText};
+pub use listen::ConnLimits;
 pub use props::About;
 
 /// How the server listens and what it accepts.
@@ -76,6 +97,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Largest `n` (choices per prompt) a request may ask for.
     pub max_n: usize,
+    /// Most choices (prompts × `n`) one request may ask for.
+    pub max_choices: usize,
     /// Completion budget when a request gives no `max_tokens` (`None`: up
     /// to the end of the context).
     pub default_max_tokens: Option<usize>,
@@ -89,6 +112,14 @@ pub struct ServerConfig {
     pub strict: bool,
     /// Serve `/metrics` without the API key.
     pub metrics_public: bool,
+    /// Timeouts and the connection cap.
+    pub conn: ConnLimits,
+    /// `Host` names answered besides IP addresses, `localhost` and `host`
+    /// (`*`: any), against DNS rebinding.
+    pub allowed_hosts: Vec<String>,
+    /// Web origins (`https://app.example`) whose pages may call the API,
+    /// with CORS (`*`: any); others get 403. The server's own pages always may.
+    pub allowed_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -101,11 +132,15 @@ impl Default for ServerConfig {
             model_name: "braid".into(),
             max_body_bytes: 4 << 20,
             max_n: 16,
+            max_choices: 16,
             default_max_tokens: None,
             shutdown_grace: Duration::from_secs(10),
             sampling: SamplingDefaults::default(),
             strict: false,
             metrics_public: false,
+            conn: ConnLimits::default(),
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
         }
     }
 }
@@ -183,6 +218,8 @@ pub(crate) struct App {
     pub(crate) metrics: metrics::Metrics,
     /// Set to true to end every running stream (shutdown after the grace).
     pub(crate) cancel: watch::Sender<bool>,
+    /// Generation requests in progress (their choices share the lane).
+    pub(crate) active: std::sync::atomic::AtomicUsize,
     started: u64,
     /// What `/props` tells of the model beyond `ModelInfo`.
     about: RwLock<About>,
@@ -240,14 +277,29 @@ pub(crate) fn render_chat(
     for (k, v) in kwargs {
         vars.entry(k.clone()).or_insert_with(|| v.clone());
     }
+    // Every string the client sent is quoted, so only the template's own
+    // markup becomes control tokens: no message can forge a turn.
+    let tok = &info.tokenizer;
+    let messages: Vec<serde_json::Value> = messages.into_iter().map(|m| quoted(tok, m)).collect();
+    let vars: serde_json::Map<String, serde_json::Value> = vars.into_iter().map(|(k, v)| (k, quoted(tok, v))).collect();
     let text = template
         .render_with(&messages, generation, &vars)
         .map_err(|e| ApiError::param("messages", format!("The chat template could not render these messages: {e:#}")))?;
     // Templates usually write the BOS token themselves; add it only when
     // the text does not already start with it.
-    let tok = &info.tokenizer;
     let has_bos = tok.bos().and_then(|b| tok.token_text(b)).is_some_and(|b| !b.is_empty() && text.starts_with(b));
-    tok.encode(&text, !has_bos).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
+    tok.encode_rendered(&text, !has_bos).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
+}
+
+/// `v` with every string in it (keys too) quoted by the tokenizer.
+fn quoted(tok: &Tokenizer, v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Value::String(tok.quote(&s).into_owned()),
+        Value::Array(a) => Value::Array(a.into_iter().map(|x| quoted(tok, x)).collect()),
+        Value::Object(o) => Value::Object(o.into_iter().map(|(k, x)| (tok.quote(&k).into_owned(), quoted(tok, x))).collect()),
+        other => other,
+    }
 }
 
 /// A bound, running server. Serves `/health` (503) and `/metrics` at once;
@@ -269,19 +321,14 @@ impl Server {
             loaded: RwLock::new(None),
             metrics: metrics::Metrics::default(),
             cancel: watch::Sender::new(false),
+            active: Default::default(),
             started: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             about: RwLock::new(About::default()),
             cfg,
         });
         let router = router(app.clone());
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(listen::serve(listener, router, app.cfg.conn, stopped));
         tracing::info!("listening on http://{addr}");
         Ok(Server { addr, app, stop: Some(stop), task })
     }
@@ -311,6 +358,18 @@ impl Server {
     /// the template came from, ...).
     pub fn set_about(&self, about: About) {
         *self.app.about.write().unwrap_or_else(|e| e.into_inner()) = about;
+    }
+
+    /// Resolves once the lane serving the model has stopped for good after
+    /// a failure (never while the model is loading or the lane lives).
+    pub async fn lane_died(&self) {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            if self.app.loaded().is_ok_and(|l| !l.gen.alive()) {
+                return;
+            }
+        }
     }
 
     /// Feed a prefix into the prefix cache, as `POST /v1/warm` does with
@@ -384,7 +443,12 @@ fn router(app: Arc<App>) -> Router {
         .fallback(|| async { ApiError::not_found("Unknown route.") })
         .method_not_allowed_fallback(|| async { ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("Method not allowed on this route.") } })
         .layer(DefaultBodyLimit::max(app.cfg.max_body_bytes))
+        // The guard runs inside the gate, so /metrics counts what it refuses.
+        .layer(axum::middleware::from_fn_with_state(app.clone(), guard::check))
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
+        .layer(guard::cors(&app.cfg.allowed_origins))
+        .layer(body_timeout(&app.cfg))
+        .layer(catch_panic())
         // Outermost: a request without an `x-request-id` gets one, and the
         // answer carries it back.
         .layer(PropagateRequestIdLayer::x_request_id())
@@ -405,6 +469,21 @@ fn surface_routes(router: Router<Arc<App>>) -> Router<Arc<App>> {
 /// A request's `x-request-id` (the layer above sets one on every request).
 pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-").to_string()
+}
+
+/// A handler that panics answers a generic 500 (the panic goes to the log
+/// under the id the client sees), and the connection lives on.
+fn catch_panic() -> tower_http::catch_panic::CatchPanicLayer<fn(Box<dyn std::any::Any + Send + 'static>) -> Response> {
+    fn answer(p: Box<dyn std::any::Any + Send + 'static>) -> Response {
+        let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        ApiError::internal_logged(&format!("a handler panicked: {what}")).into_response()
+    }
+    tower_http::catch_panic::CatchPanicLayer::custom(answer as fn(_) -> _)
+}
+
+/// A request body that stops arriving for `conn.body_timeout` fails (408).
+fn body_timeout(cfg: &ServerConfig) -> tower_http::timeout::RequestBodyTimeoutLayer {
+    tower_http::timeout::RequestBodyTimeoutLayer::new(cfg.conn.body_timeout)
 }
 
 /// Route label for metrics (bounded: unknown paths share one label).
@@ -436,8 +515,13 @@ async fn gate(State(app): State<Arc<App>>, req: Request, next: Next) -> Response
     let span = tracing::info_span!("request", request_id = %request_id(req.headers()));
     // The page is static (no data in it), and asks for the key itself.
     let open = route == "/health" || route == "/" || (route == "/metrics" && app.cfg.metrics_public);
-    let res =
-        if !keys.is_empty() && !open && !authorized(&req, keys) { ApiError::unauthorized().into_response() } else { next.run(req).instrument(span).await };
+    let res = if !keys.is_empty() && !open && !authorized(&req, keys) {
+        let mut res = ApiError::unauthorized().into_response();
+        res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        res
+    } else {
+        next.run(req).instrument(span).await
+    };
     app.metrics.request(route, res.status().as_u16());
     res
 }
@@ -455,9 +539,11 @@ fn authorized(req: &Request, keys: &[String]) -> bool {
     keys.iter().fold(false, |ok, k| ok | same(k))
 }
 
-/// The token of an `Authorization: Bearer <token>` header's value.
+/// The token of an `Authorization: Bearer <token>` header's value (the
+/// scheme in any case, as HTTP says).
 fn bearer(value: &str) -> Option<&str> {
-    value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 fn model_entry(app: &App) -> serde_json::Value {
@@ -483,12 +569,15 @@ async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response 
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
-    if app.loaded().is_ok() {
-        Json(json!({"status": "ok"})).into_response()
-    } else {
-        let mut res = (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response();
-        res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
-        res
+    match app.loaded() {
+        Ok(l) if l.gen.alive() => Json(json!({"status": "ok"})).into_response(),
+        // A dead lane serves nothing: say so, so that a supervisor restarts it.
+        Ok(_) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "error", "error": "The lane has stopped after a failure."}))).into_response(),
+        Err(_) => {
+            let mut res = (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response();
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1));
+            res
+        }
     }
 }
 

@@ -150,6 +150,7 @@ impl Metrics {
             let fill = &l.fill;
             gauge(&mut out, "braid_fill_used", "State memory in use (KV blocks held by streams and marks; cached blocks give way).", fill.blocks_used as f64);
             gauge(&mut out, "braid_fill_total", "State memory available (KV blocks).", fill.blocks_total as f64);
+            gauge(&mut out, "braid_slots_used", "Stream state slots in use.", fill.slots_used as f64);
             let ratio = if fill.blocks_total > 0 { fill.blocks_used as f64 / fill.blocks_total as f64 } else { 0.0 };
             gauge(&mut out, "braid_fill_ratio", "Fraction of state memory in use.", ratio);
             counter(&mut out, "braid_prefill_chunks_total", "Prefill chunks run.", l.prefill_chunks);
@@ -180,6 +181,7 @@ impl Metrics {
                 l.itl_target_misses,
             );
             counter(&mut out, "braid_rounds_over_itl_target_total", "Decode rounds whose backend call took longer than --itl-target.", l.rounds_over_target);
+            counter(&mut out, "braid_lane_failures_total", "Panics the lane caught (each failed the streams running then).", l.lane_failures);
             counter(&mut out, "braid_cancelled_streams_total", "Streams cancelled before their end.", l.cancelled);
             counter(&mut out, "braid_rejected_streams_total", "Submissions the lane refused (queue full, too long, invalid).", l.rejected);
         }

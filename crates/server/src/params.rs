@@ -7,11 +7,15 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::guide::Spec;
+use crate::logsafe::clip;
 
 /// The most top-logprob entries a request may ask for per token.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// The most stop strings a request may give.
 pub const MAX_STOP: usize = 16;
+
+/// The chat roles a message may have.
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
 /// Which endpoint a body was sent to; some fields differ between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,7 +180,7 @@ fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
         let Value::Object(t) = item else { return Err(Fields::wrong_at(&at, "a tool object", item)) };
         match t.get("type").and_then(Value::as_str) {
             Some("function") => {}
-            Some(other) => return Err(ApiError::param(&at, format!("Tools of type `{other}` are not supported; only `function`."))),
+            Some(other) => return Err(ApiError::param(&at, format!("Tools of type `{}` are not supported; only `function`.", clip(other)))),
             None => return Err(ApiError::param(&at, format!("`{at}.type` is required (\"function\")."))),
         }
         let Some(Value::Object(func)) = t.get("function") else {
@@ -210,13 +214,13 @@ fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
             other => {
                 return Err(ApiError::param(
                     "tool_choice",
-                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or a named function, got \"{other}\"."),
+                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or a named function, got \"{}\".", clip(other)),
                 ))
             }
         },
         Some(Value::Object(o)) => match o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
             Some(name) if tools.iter().any(|t| t.name == name) => ToolChoice::Named(name.to_string()),
-            Some(name) => return Err(ApiError::param("tool_choice", format!("`tool_choice` names `{name}`, which is not among `tools`."))),
+            Some(name) => return Err(ApiError::param("tool_choice", format!("`tool_choice` names `{}`, which is not among `tools`.", clip(name)))),
             None => return Err(ApiError::param("tool_choice", "`tool_choice` as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}.")),
         },
         Some(other) => return Err(f.wrong("tool_choice", "a string or an object", other)),
@@ -249,7 +253,10 @@ fn format(f: &Fields) -> Result<Option<Spec>, ApiError> {
                 found.push(("response_format", Spec::JsonSchema { schema, strict }));
             }
             Some(other) => {
-                return Err(ApiError::param("response_format.type", format!("`response_format.type` must be text, json_object or json_schema, got `{other}`.")))
+                return Err(ApiError::param(
+                    "response_format.type",
+                    format!("`response_format.type` must be text, json_object or json_schema, got `{}`.", clip(other)),
+                ))
             }
             None => return Err(ApiError::param("response_format.type", "`response_format.type` is required.")),
         },
@@ -310,10 +317,11 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
         Some(v) => Some(usize::try_from(v).unwrap_or(usize::MAX)),
     };
     let temperature = f.range("temperature", 0.0, 2.0)?.unwrap_or(1.0);
-    let top_p = f.num("top_p")?;
+    // Checked as the f32 the sampler uses: 1e-300 is 0 there.
+    let top_p = f.num("top_p")?.map(|p| p as f32);
     if let Some(p) = top_p {
         if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::param("top_p", format!("`top_p` must be in (0, 1], got {p}.")));
+            return Err(ApiError::param("top_p", format!("`top_p` must be in (0, 1] (and at least {:e}), got {p}.", f32::MIN_POSITIVE)));
         }
     }
     let top_k = match f.int("top_k")? {
@@ -335,8 +343,8 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
     let frequency_penalty = f.range("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0);
     let repetition_penalty = match f.num("repetition_penalty")? {
         None => 1.0,
-        Some(r) if r > 0.0 && r.is_finite() => r,
-        Some(r) => return Err(ApiError::param("repetition_penalty", format!("`repetition_penalty` must be above 0, got {r}."))),
+        Some(r) if r as f32 > 0.0 && (r as f32).is_finite() => r,
+        Some(r) => return Err(ApiError::param("repetition_penalty", format!("`repetition_penalty` must be above 0 and below {:e}, got {r}.", f32::MAX))),
     };
     let n = match f.int("n")? {
         None => 1,
@@ -366,7 +374,7 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
         sampling: SamplingParams {
             temperature: temperature as f32,
             top_k,
-            top_p: top_p.unwrap_or(1.0) as f32,
+            top_p: top_p.unwrap_or(1.0),
             min_p: min_p as f32,
             repetition_penalty: repetition_penalty as f32,
             presence_penalty: presence_penalty as f32,
@@ -516,7 +524,12 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
         return Err(Fields::wrong_at(&param, "an object with `role` and `content`", m));
     };
     let role = match o.get("role") {
-        Some(Value::String(r)) if !r.is_empty() => r.clone(),
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+        // A role is template markup's business: only the known ones pass,
+        // so none can smuggle text into the turn header.
+        Some(Value::String(r)) => {
+            return Err(ApiError::param(&format!("{param}.role"), format!("`{param}.role` must be one of {}, got `{}`.", ROLES.join(", "), clip(r))))
+        }
         None | Some(Value::Null) => return Err(ApiError::param(&format!("{param}.role"), format!("`{param}.role` is required."))),
         Some(other) => return Err(Fields::wrong_at(&format!("{param}.role"), "a non-empty string", other)),
     };
@@ -536,7 +549,7 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
                     (Some("text"), _) => {
                         return Err(ApiError::param(&at, format!("`{at}.text` must be a string.")));
                     }
-                    (Some(other), _) => return Err(ApiError::param(&at, format!("Content parts of type `{other}` are not supported; only `text`."))),
+                    (Some(other), _) => return Err(ApiError::param(&at, format!("Content parts of type `{}` are not supported; only `text`.", clip(other)))),
                     (None, _) => return Err(ApiError::param(&at, format!("`{at}.type` is required."))),
                 }
             }

@@ -14,6 +14,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use braid_formats::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
@@ -33,10 +34,10 @@ async fn run(
     f: fn(&crate::ModelInfo, &serde_json::Map<String, Value>) -> Result<Value, ApiError>,
 ) -> Response {
     let answer = async {
-        let body = body.map_err(|r| ApiError::invalid(format!("Could not read the request body: {}", r.body_text())))?;
+        let body = body.map_err(crate::api::rejected)?;
         let map = params::parse_object(&body)?;
         let info = app.loaded()?.info;
-        tokio::task::spawn_blocking(move || f(&info, &map)).await.map_err(|e| ApiError::internal(format!("Tokenizing failed: {e}")))?
+        tokio::task::spawn_blocking(move || f(&info, &map)).await.map_err(|e| ApiError::internal_logged(&format!("tokenizing failed: {e}")))?
     };
     match answer.await {
         Ok(v) => Json(v).into_response(),
@@ -61,16 +62,8 @@ fn tokenize_body(info: &crate::ModelInfo, map: &serde_json::Map<String, Value>) 
     let parse_special = flag(map, "parse_special", true)?;
     let with_pieces = flag(map, "with_pieces", false)?;
     let tok = &info.tokenizer;
-    let ids = if parse_special {
-        tok.encode(content, add_special).map_err(|e| ApiError::param("content", format!("Could not tokenize: {e:#}")))?
-    } else {
-        let mut ids: Vec<u32> = if add_special && tok.adds_bos() { tok.bos().into_iter().collect() } else { Vec::new() };
-        let plain = tok.encode_piece(content).ok_or_else(|| {
-            ApiError::param("parse_special", "This model's tokenizer always reads special-token text; `parse_special: false` is not supported for it.")
-        })?;
-        ids.extend(plain);
-        ids
-    };
+    let encode = if parse_special { Tokenizer::encode } else { Tokenizer::encode_text };
+    let ids = encode(tok, content, add_special).map_err(|e| ApiError::param("content", format!("Could not tokenize: {e:#}")))?;
     let tokens: Vec<Value> = if with_pieces {
         ids.iter()
             .map(|&id| {

@@ -227,6 +227,8 @@ struct Pending {
 
 struct LaneShared {
     stats: Mutex<LaneStats>,
+    /// The lane thread gave up (see `Core::run`).
+    dead: AtomicBool,
     queued: AtomicUsize,
     submitted: AtomicU64,
     rejected: AtomicU64,
@@ -290,6 +292,7 @@ impl Lane {
         let limits = Limits { max_context, vocab: caps.vocab_size, queue_capacity: config.queue_capacity, caching: config.prefix_marks > 0 };
         let shared = Arc::new(LaneShared {
             stats: Mutex::new(LaneStats { fill, ..LaneStats::default() }),
+            dead: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
             submitted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
@@ -394,6 +397,12 @@ impl Lane {
         s.submitted = self.shared.submitted.load(Ordering::Relaxed);
         s.rejected = self.shared.rejected.load(Ordering::Relaxed);
         s
+    }
+
+    /// False once the lane thread has stopped for good after a failure
+    /// (or could not start): nothing submitted will run.
+    pub fn alive(&self) -> bool {
+        !self.shared.dead.load(Ordering::SeqCst) && self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 
     /// What the backend declared.

@@ -25,6 +25,11 @@ const IDLE_POLL: Duration = Duration::from_millis(20);
 /// tokens at 16 per block.
 const SEEN_PREFIXES: usize = 1 << 16;
 
+/// A panic payload's message.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into())
+}
+
 pub(super) struct Core {
     pub(super) backend: Box<dyn Backend>,
     pub(super) drafter: Option<Box<dyn Drafter>>,
@@ -92,23 +97,55 @@ impl Core {
     }
 
     pub(super) fn run(mut self) {
-        // A panic (in a backend, say) must not leave streams waiting
-        // forever: each gets an error, and the lane closes (later
-        // submissions see `SubmitError::Closed`).
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop()));
-        if let Err(p) = r {
-            let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
-            let msg = format!("the lane failed: {what}");
-            self.drain_submissions();
-            for s in self.queue.iter_mut().chain(self.running.iter_mut()) {
-                s.fail(msg.clone());
+        // A panic (in a backend, say) fails the streams it may have hit,
+        // the running ones, whose slots and memory return, and the lane
+        // serves on: one stream's failure never stops the others' service.
+        // Only when failing them panics too does the lane give up: every
+        // stream gets an error, the lane says it is dead (`Lane::alive`),
+        // and later submissions see `SubmitError::Closed`.
+        loop {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_loop()));
+            let Err(p) = r else { return };
+            let msg = format!("the lane failed: {}", panic_text(&*p));
+            tracing::error!("{msg}; failing the running streams");
+            self.stats.lane_failures += 1;
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.fail_running(&msg))).is_err() {
+                self.give_up(&msg);
+                return;
             }
-            self.shared.queued.fetch_sub(self.queue.len(), Ordering::SeqCst);
-            for s in self.queue.drain(..).chain(self.running.drain(..)) {
-                s.count_end(&mut self.stats);
-            }
-            *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats.clone();
         }
+    }
+
+    /// After a panic: the running streams end with `msg` and are forgotten
+    /// (or, when none ran, the stream being admitted, first in the queue).
+    fn fail_running(&mut self, msg: &str) {
+        if self.running.is_empty() {
+            if let Some(s) = self.queue.front_mut() {
+                s.fail(msg.to_string());
+            }
+        }
+        for s in self.running.iter_mut() {
+            s.fail(msg.to_string());
+        }
+        self.chunk_waited = false;
+        self.sweep();
+        self.publish();
+    }
+
+    /// The lane is dead: every stream, queued, running or in the channel,
+    /// ends with `msg`.
+    fn give_up(&mut self, msg: &str) {
+        tracing::error!("{msg}; the lane has stopped");
+        self.shared.dead.store(true, Ordering::SeqCst);
+        self.drain_submissions();
+        for s in self.queue.iter_mut().chain(self.running.iter_mut()) {
+            s.fail(msg.to_string());
+        }
+        self.shared.queued.fetch_sub(self.queue.len(), Ordering::SeqCst);
+        for s in self.queue.drain(..).chain(self.running.drain(..)) {
+            s.count_end(&mut self.stats);
+        }
+        *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats.clone();
     }
 
     fn run_loop(&mut self) {

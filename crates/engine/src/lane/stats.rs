@@ -24,6 +24,8 @@ pub struct LaneStats {
     pub cancelled: u64,
     /// Streams that ended with an error.
     pub errors: u64,
+    /// Panics the lane caught (each failed the streams running then).
+    pub lane_failures: u64,
     pub prefill_chunks: u64,
     pub prefill_tokens: u64,
     /// Prompt tokens looked up in the prefix cache (every prompt's whole

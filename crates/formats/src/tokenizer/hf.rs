@@ -18,12 +18,53 @@ use super::{bpe, build_pieces, special, spm, Model, TokenKind, Tokenizer, EOG_TE
 
 pub(crate) struct Hf {
     tok: tokenizers::Tokenizer,
+    /// The same tokenizer with special added tokens read as text
+    /// (transformers' `split_special_tokens`).
+    plain: tokenizers::Tokenizer,
     add_eos: Option<u32>,
 }
 
 impl Hf {
     pub(crate) fn encode(&self, text: &str, add_special: bool, add_bos: Option<u32>) -> Result<Vec<u32>> {
-        let enc = self.tok.encode_fast(text, add_special).map_err(|e| anyhow!("tokenizer.json could not encode the text: {e}"))?;
+        self.encode_with(&self.tok, text, add_special, add_bos, add_special)
+    }
+
+    /// `text` with no special token read from it.
+    pub(crate) fn encode_plain(&self, text: &str, add_special: bool, add_bos: Option<u32>) -> Result<Vec<u32>> {
+        self.encode_with(&self.plain, text, add_special, add_bos, add_special)
+    }
+
+    /// `text` where the bytes `guarded` marks read no special token: the
+    /// text is cut where guarded stretches begin and end, and each piece
+    /// encoded on its own (the cuts only ever fall beside quoted control
+    /// token text, so ordinary prompts encode whole).
+    pub(crate) fn encode_guarded(&self, text: &str, add_special: bool, add_bos: Option<u32>, guarded: &[bool]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut start = 0;
+        while start < text.len() {
+            let g = guarded[start];
+            let end = (start..text.len()).find(|&i| guarded[i] != g && text.is_char_boundary(i)).unwrap_or(text.len());
+            let first = start == 0;
+            let tok = if g { &self.plain } else { &self.tok };
+            ids.extend(self.encode_with(tok, &text[start..end], add_special && first, add_bos.filter(|_| first), false)?);
+            start = end;
+        }
+        if add_special {
+            if let Some(e) = self.add_eos {
+                if ids.last() != Some(&e) {
+                    ids.push(e);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    fn encode_with(&self, tok: &tokenizers::Tokenizer, text: &str, add_special: bool, add_bos: Option<u32>, add_eos: bool) -> Result<Vec<u32>> {
+        // The tokenizers crate panics on some malformed files (a template
+        // naming a special token it lacks): an error here, not a crash.
+        let enc = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tok.encode_fast(text, add_special)))
+            .map_err(|_| anyhow!("tokenizer.json is malformed: the tokenizers crate failed while encoding"))?
+            .map_err(|e| anyhow!("tokenizer.json could not encode the text: {e}"))?;
         let mut ids = enc.get_ids().to_vec();
         if add_special {
             // tokenizer_config.json can ask for BOS/EOS that the
@@ -33,7 +74,7 @@ impl Hf {
                     ids.insert(0, b);
                 }
             }
-            if let Some(e) = self.add_eos {
+            if let Some(e) = self.add_eos.filter(|_| add_eos) {
                 if ids.last() != Some(&e) {
                     ids.push(e);
                 }
@@ -59,10 +100,17 @@ fn mentions_byte_level(v: &Value) -> bool {
 }
 
 pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    load_str(&text, path, config)
+}
+
+/// A `tokenizer.json` already read (`path` names it in messages).
+pub(crate) fn load_str(text: &str, path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     let file = path.display();
-    let text = std::fs::read_to_string(path).with_context(|| format!("{file}: cannot read"))?;
-    let raw: Value = serde_json::from_str(&text).with_context(|| format!("{file}: not valid JSON"))?;
-    let tok = tokenizers::Tokenizer::from_str(&text).map_err(|e| anyhow!("{file}: not a tokenizer.json the tokenizers crate can load: {e}"))?;
+    let raw: Value = serde_json::from_str(text).with_context(|| format!("{file}: not valid JSON"))?;
+    let tok = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_str(text))
+        .map_err(|_| anyhow!("{file}: malformed: the tokenizers crate failed while loading it"))?
+        .map_err(|e| anyhow!("{file}: not a tokenizer.json the tokenizers crate can load: {e}"))?;
     let byte_level = raw.get("decoder").is_some_and(mentions_byte_level) || raw.get("pre_tokenizer").is_some_and(mentions_byte_level);
 
     let vocab = tok.get_vocab(true);
@@ -93,7 +141,11 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
     let bos = lookup("bos_token")?;
     let eos = lookup("eos_token")?;
     let flag = |key: &str| config.and_then(|c| c.get(key)).and_then(Value::as_bool);
-    let hf = Hf { tok, add_eos: if flag("add_eos_token") == Some(true) { eos } else { None } };
+    let mut plain = tok.clone();
+    plain.set_encode_special_tokens(true);
+    let hf = Hf { tok, plain, add_eos: if flag("add_eos_token") == Some(true) { eos } else { None } };
+    // A post-processor that cannot run is found now, not on the first request.
+    hf.encode("a", true, None).with_context(|| format!("{file}: its post-processor cannot run"))?;
     // Without a config flag, BOS is "added" when the post-processor puts it first.
     let add_bos = match (flag("add_bos_token"), bos) {
         (_, None) => false,
@@ -111,6 +163,7 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
 
     let (pieces, piece_offs) = build_pieces(&tokens, &kinds, |t, out| if byte_level { bpe::piece_bytes(t, out) } else { spm::piece_bytes(t, out) })
         .with_context(|| format!("{file}: bad vocabulary"))?;
+    let controls = super::controls_of(&tokens, &kinds);
     Ok(Tokenizer {
         tokens,
         kinds,
@@ -119,6 +172,7 @@ pub(crate) fn load(path: &Path, config: Option<&Value>) -> Result<Tokenizer> {
         piece_offs,
         // The tokenizers crate matches added tokens itself.
         specials: special::SpecialMatcher::new(std::iter::empty()),
+        controls,
         model: Model::Hf(Box::new(hf)),
         bos,
         eos,

@@ -5,7 +5,12 @@
 //!
 //! * special-token text in the input (control, user-defined and unknown
 //!   tokens, e.g. `<|im_start|>`) is cut out first and becomes that token
-//!   (llama.cpp's `parse_special = true`); see [`special`];
+//!   (llama.cpp's `parse_special = true`); see [`special`]. Text a client
+//!   sent goes into a chat template [`quote`](Tokenizer::quote)d, and the
+//!   rendered prompt is tokenized with
+//!   [`encode_rendered`](Tokenizer::encode_rendered): there only the
+//!   template's own markup becomes control tokens, so a message cannot
+//!   forge a turn (llama.cpp's `parse_special = false` for user text);
 //! * `gpt2` vocabularies (byte-level BPE, e.g. SmolLM2) split the remaining
 //!   text with the regexes of the `tokenizer.ggml.pre` type and merge by rank;
 //!   see [`bpe`];
@@ -163,6 +168,9 @@ pub struct Tokenizer {
     pieces: Vec<u8>,
     piece_offs: Vec<u32>,
     specials: special::SpecialMatcher,
+    /// The control and unknown tokens' texts: what [`Tokenizer::quote`]
+    /// guards in request text.
+    controls: special::SpecialMatcher,
     model: Model,
     bos: Option<u32>,
     eos: Option<u32>,
@@ -284,6 +292,7 @@ impl Tokenizer {
         let specials = special::SpecialMatcher::new(
             tokens.iter().zip(&kinds).enumerate().filter_map(|(i, (t, k))| k.is_matched_in_text().then_some((i as u32, t.as_str()))),
         );
+        let controls = controls_of(&tokens, &kinds);
         Ok(Tokenizer {
             tokens,
             kinds,
@@ -291,6 +300,7 @@ impl Tokenizer {
             pieces,
             piece_offs,
             specials,
+            controls,
             model,
             bos,
             eos,
@@ -309,16 +319,101 @@ impl Tokenizer {
         hf::load(path, tokenizer_config)
     }
 
+    /// [`from_tokenizer_json`](Self::from_tokenizer_json) of text already
+    /// read; `name` stands for the file in messages.
+    pub fn from_tokenizer_json_str(text: &str, name: &str, tokenizer_config: Option<&serde_json::Value>) -> Result<Tokenizer> {
+        hf::load_str(text, Path::new(name), tokenizer_config)
+    }
+
     /// Text to token ids. Special-token text in `text` (e.g. `<|im_start|>`)
     /// becomes that token. `add_special` adds BOS (and EOS) where the model
     /// adds them.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.encode_guarded(text, add_special, &Guard::None)
+    }
+
+    /// Text to token ids with no control token read from it (llama.cpp's
+    /// `parse_special = false`): `<|im_start|>` in `text` is those
+    /// characters. User-defined tokens still match, as in llama.cpp.
+    pub fn encode_text(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.encode_guarded(text, add_special, &Guard::All)
+    }
+
+    /// Request text (a message's content, a tool's description) made safe
+    /// to render into a chat template: each control token's text in it is
+    /// marked, so that [`encode_rendered`](Self::encode_rendered) reads it
+    /// as plain text. The marks are two Unicode noncharacters, so they are
+    /// taken out of `text` first; nothing else changes (a template's
+    /// `.strip()` or `startswith` sees the same text), and text without
+    /// control-token text comes back as it was.
+    pub fn quote<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        let has_marks = text.contains([QUOTE_OPEN, QUOTE_CLOSE]);
+        let frags = self.controls.partition(text);
+        if !has_marks && !frags.iter().any(|f| matches!(f, special::Fragment::Token(_))) {
+            return std::borrow::Cow::Borrowed(text);
+        }
+        let mut out = String::with_capacity(text.len() + 8);
+        for f in frags {
+            match f {
+                special::Fragment::Text(t) => out.extend(t.chars().filter(|c| *c != QUOTE_OPEN && *c != QUOTE_CLOSE)),
+                special::Fragment::Token(id) => {
+                    out.push(QUOTE_OPEN);
+                    out.push_str(&self.tokens[id as usize]);
+                    out.push(QUOTE_CLOSE);
+                }
+            }
+        }
+        std::borrow::Cow::Owned(out)
+    }
+
+    /// A rendered chat template to token ids: like [`encode`](Self::encode),
+    /// except that text [`quote`](Self::quote)d into it never becomes a
+    /// control token (its marks are dropped). A mark the template cut in
+    /// two guards everything up to the next closing mark: the safe way.
+    pub fn encode_rendered(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        if !text.contains([QUOTE_OPEN, QUOTE_CLOSE]) {
+            return self.encode(text, add_special);
+        }
+        let mut clean = String::with_capacity(text.len());
+        let mut guarded = Vec::with_capacity(text.len());
+        let mut inside = false;
+        for c in text.chars() {
+            match c {
+                QUOTE_OPEN => inside = true,
+                QUOTE_CLOSE => inside = false,
+                c => {
+                    clean.push(c);
+                    guarded.extend(std::iter::repeat_n(inside, c.len_utf8()));
+                }
+            }
+        }
+        self.encode_guarded(&clean, add_special, &Guard::Bytes(guarded))
+    }
+
+    /// Whether a control or unknown token may be read at `start..start+len`.
+    fn may_match(&self, guard: &Guard, start: usize, len: usize, id: u32) -> bool {
+        if !self.is_control(id) {
+            return true;
+        }
+        match guard {
+            Guard::None => true,
+            Guard::All => false,
+            Guard::Bytes(g) => !g[start..start + len].iter().any(|&b| b),
+        }
+    }
+
+    fn encode_guarded(&self, text: &str, add_special: bool, guard: &Guard) -> Result<Vec<u32>> {
         // Positions are kept in 32 bits inside; no prompt comes near this.
         if text.len() > i32::MAX as usize {
             bail!("text of {} bytes is too long to tokenize", text.len());
         }
         if let Model::Hf(h) = &self.model {
-            return h.encode(text, add_special, self.add_bos.then_some(self.bos).flatten());
+            let bos = self.add_bos.then_some(self.bos).flatten();
+            return match guard {
+                Guard::None => h.encode(text, add_special, bos),
+                Guard::All => h.encode_plain(text, add_special, bos),
+                Guard::Bytes(g) => h.encode_guarded(text, add_special, bos, g),
+            };
         }
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
@@ -327,7 +422,7 @@ impl Tokenizer {
         // A space prefix goes before the first text and after each special
         // token (llama.cpp's SentencePiece behavior; off for Gemma).
         let mut prev_special = true;
-        for frag in self.specials.partition(text) {
+        for frag in self.specials.partition_with(text, |start, len, id| self.may_match(guard, start, len, id)) {
             match frag {
                 special::Fragment::Token(id) => {
                     out.push(id);
@@ -458,6 +553,31 @@ impl Tokenizer {
     pub fn stream_decoder(&self) -> StreamDecoder<&Tokenizer> {
         StreamDecoder::new(self)
     }
+}
+
+/// Marks around control-token text quoted from a request: Unicode
+/// noncharacters, which no tokenizer or template gives a meaning.
+const QUOTE_OPEN: char = '\u{FDD0}';
+const QUOTE_CLOSE: char = '\u{FDD1}';
+
+/// Where control tokens may not be read from the text being encoded.
+enum Guard {
+    None,
+    All,
+    /// Per byte of the text: true where it came from a request.
+    Bytes(Vec<bool>),
+}
+
+/// A matcher over the control and unknown tokens' texts.
+fn controls_of(tokens: &[String], kinds: &[TokenKind]) -> special::SpecialMatcher {
+    special::SpecialMatcher::new(
+        tokens
+            .iter()
+            .zip(kinds)
+            .enumerate()
+            .filter(|(_, (_, k))| matches!(k, TokenKind::Control | TokenKind::Unknown))
+            .map(|(i, (t, _))| (i as u32, t.as_str())),
+    )
 }
 
 /// Lays out every token's decoded bytes end to end.

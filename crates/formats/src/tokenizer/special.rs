@@ -62,6 +62,12 @@ impl SpecialMatcher {
 
     /// Splits `text` into plain-text stretches and special tokens, in order.
     pub(crate) fn partition<'a>(&self, text: &'a str) -> Vec<Fragment<'a>> {
+        self.partition_with(text, |_, _, _| true)
+    }
+
+    /// Like [`partition`](Self::partition), taking only the occurrences
+    /// `accept(start, len, id)` allows (the rest stay plain text).
+    pub(crate) fn partition_with<'a>(&self, text: &'a str, accept: impl Fn(usize, usize, u32) -> bool) -> Vec<Fragment<'a>> {
         if text.is_empty() {
             return Vec::new();
         }
@@ -79,7 +85,7 @@ impl SpecialMatcher {
                     Ok(e) => cur = node.edges[e].1 as usize,
                     Err(_) => break,
                 }
-                if let Some(id) = self.nodes[cur].token {
+                if let Some(id) = self.nodes[cur].token.filter(|&id| accept(start, k + 1, id)) {
                     let len = k + 1;
                     if by_len.len() <= len {
                         by_len.resize_with(len + 1, Vec::new);

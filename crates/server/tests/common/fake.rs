@@ -3,7 +3,7 @@
 //! text one byte per tick, with a bounded queue and a running limit like
 //! the real lane's.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -71,11 +71,21 @@ pub struct FakeLane {
     pub cancelled: Arc<AtomicU64>,
     /// Every request submitted, in order.
     pub seen: Mutex<Vec<Request>>,
+    /// Set to play a lane that stopped for good.
+    pub dead: AtomicBool,
 }
 
 impl FakeLane {
     pub fn new(max_running: usize, queue: usize, tick: Duration) -> Arc<FakeLane> {
-        Arc::new(FakeLane { max_running, queue, tick, state: Arc::default(), cancelled: Arc::default(), seen: Mutex::new(Vec::new()) })
+        Arc::new(FakeLane {
+            max_running,
+            queue,
+            tick,
+            state: Arc::default(),
+            cancelled: Arc::default(),
+            seen: Mutex::new(Vec::new()),
+            dead: AtomicBool::new(false),
+        })
     }
 
     pub fn queued(&self) -> usize {
@@ -152,6 +162,14 @@ impl Generator for FakeLane {
             sink.send(Event::Finished { reason, usage, tail: String::new(), timing: Timing::default() });
         });
         Ok(Ticket::default())
+    }
+
+    fn alive(&self) -> bool {
+        !self.dead.load(Ordering::SeqCst)
+    }
+
+    fn max_running(&self) -> Option<usize> {
+        Some(self.max_running)
     }
 
     fn stats(&self) -> LaneStats {

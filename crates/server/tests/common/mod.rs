@@ -76,6 +76,10 @@ pub async fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, 
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
+    // The server takes JSON bodies only.
+    if method == "POST" && !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+        head.push_str("Content-Type: application/json\r\n");
+    }
     if !body.is_empty() || method == "POST" {
         head.push_str(&format!("Content-Length: {}\r\n", body.len()));
     }

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use braid_ops::Device;
 
-use crate::llama::{Llama, LlamaConfig};
+use crate::llama::{Llama, LlamaConfig, Variant};
 use crate::source::Source;
 
 /// Load a Qwen3 checkpoint as a [`Llama`] with per-head q/k norms.
@@ -13,5 +13,5 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     let mut cfg = LlamaConfig::from_source(src)?;
     // Qwen checkpoints (and their GGUFs) pair dimensions NeoX style.
     cfg.rope.neox = true;
-    Llama::load_with(dev, src, cfg, true, progress)
+    Llama::load_with(dev, src, cfg, Variant { qk_norm: true, qkv_bias: false }, progress)
 }

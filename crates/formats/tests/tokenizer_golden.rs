@@ -1,5 +1,5 @@
 //! GGUF tokenizers against llama.cpp: the `tokenize` and `greedy` entries of
-//! /work/shared/golden/{smollm2,gemma3}-public.json (text → ids, prompt ids
+//! /work/shared/golden/{smollm2,gemma3,qwen25coder05}-public.json (text → ids, prompt ids
 //! with BOS, ids → text), plus round trips and special-token parsing on the
 //! real vocabularies. Skipped, with a notice, when the model files are absent.
 
@@ -12,6 +12,7 @@ use serde_json::Value;
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
+const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
 fn model_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("BRAID_MODELS").filter(|d| !d.is_empty()) {
@@ -108,6 +109,37 @@ fn gemma3_matches_llama_cpp() {
 }
 
 #[test]
+fn qwen25_matches_llama_cpp() {
+    let (Some(tok), Some(g)) = (load(QWEN25), golden("qwen25coder05-public.json")) else {
+        return;
+    };
+    check_tokenize(&tok, &g);
+    check_greedy(&tok, &g);
+    // Qwen's pre-tokenizer (`qwen2`) adds no BOS.
+    assert!(!tok.adds_bos());
+}
+
+#[test]
+fn qwen25_specials_and_stops() {
+    let Some(tok) = load(QWEN25) else { return };
+    let im_start = tok.token_id("<|im_start|>").unwrap();
+    let im_end = tok.token_id("<|im_end|>").unwrap();
+    let got = tok.encode("<|im_start|>user\nHi<|im_end|>\n", false).unwrap();
+    let want: Vec<u32> = [vec![im_start], tok.encode("user\nHi", false).unwrap(), vec![im_end], tok.encode("\n", false).unwrap()].concat();
+    assert_eq!(got, want);
+    assert_eq!(tok.decode(&got), "user\nHi\n");
+    // Chat ends at <|im_end|>; raw completion at <|endoftext|>; the coder's
+    // fill-in-the-middle separators end a generation too (as in llama.cpp).
+    let stops = tok.stop_ids();
+    for t in ["<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"] {
+        assert!(stops.contains(&tok.token_id(t).unwrap()), "{t} is not a stop");
+    }
+    assert!(!stops.contains(&im_start));
+    // Digits are split one by one (the qwen2 pre-tokenizer), unlike llama3's runs of three.
+    assert_eq!(tok.encode("12345", false).unwrap().len(), 5);
+}
+
+#[test]
 fn smollm2_specials_and_stops() {
     let Some(tok) = load(SMOLLM2) else { return };
     let im_start = tok.token_id("<|im_start|>").unwrap();
@@ -158,9 +190,9 @@ fn gemma3_specials_and_stops() {
 }
 
 /// Text round-trips through encode/decode, including characters that need
-/// byte fallback, and long inputs tokenize in reasonable time.
+/// byte fallback, and long inputs tokenize in reasonable time (every model).
 #[test]
-fn round_trips_on_both_models() {
+fn round_trips_on_every_model() {
     let texts = [
         "Plain English text, with punctuation!",
         "  multiple   spaces\tand\ttabs\n\n\nnewlines  ",
@@ -169,7 +201,7 @@ fn round_trips_on_both_models() {
         "code: fn main() { println!(\"{}\", 1 + 2); } // done",
         "",
     ];
-    for file in [SMOLLM2, GEMMA3] {
+    for file in [SMOLLM2, GEMMA3, QWEN25] {
         let Some(tok) = load(file) else { continue };
         for t in texts {
             let ids = tok.encode(t, false).unwrap();

@@ -113,8 +113,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         config.itl_target = load::itl_target(a.itl_target)?;
         config.max_running = a.max_running.max(1);
         config.queue_capacity = a.queue;
-        let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
-        let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+        let tokenizer = m.tokenizer()?.clone();
+        let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids() };
+        let lane = Lane::spawn(m.backend, Arc::new(TokenizerText(tokenizer)), config);
         server.ready(lane, info);
         tracing::info!("ready: {} on {}", path.display(), server.local_addr());
         // Under per-key isolation each key has its own cache to warm.

@@ -59,7 +59,8 @@ pub fn sampling_defaults(path: &Path) -> SamplingDefaults {
 /// Puts the template `--chat-template` (or `chat_template.jinja` beside the
 /// model) asks for in `m`, and says where it came from.
 pub fn choose_template(m: &mut Loaded, flag: Option<&str>) -> Result<TemplateSource> {
-    let (t, source) = template::select(flag, &m.path, m.template.take(), &m.tokenizer)?;
+    let tok = m.tokenizer()?.clone();
+    let (t, source) = template::select(flag, &m.path, m.template.take(), &tok)?;
     m.template = t;
     Ok(source)
 }

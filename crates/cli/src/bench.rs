@@ -217,10 +217,23 @@ pub fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// The stall scenario on one lane.
+/// Token text for streams whose text nobody reads (random weights, or a
+/// model without a tokenizer): every token prints nothing.
+struct NoText;
+impl TokenText for NoText {
+    fn token_bytes(&self, _: u32) -> Vec<u8> {
+        Vec::new()
+    }
+}
+
+/// The stall scenario on one lane. It runs on token ids: a model without a
+/// tokenizer runs it too, with no text and no EOS.
 fn stall(a: BenchArgs, m: Loaded) -> Result<()> {
-    let text = Arc::new(TokenizerText(m.tokenizer.clone()));
-    stall_on(&a, &m.device, m.backend, m.vocab, m.context, text, m.tokenizer.stop_ids())
+    let (text, eos): (Arc<dyn TokenText>, Vec<u32>) = match m.tokenizer() {
+        Ok(t) => (Arc::new(TokenizerText(t.clone())), t.stop_ids()),
+        Err(_) => (Arc::new(NoText), Vec::new()),
+    };
+    stall_on(&a, &m.device, m.backend, m.vocab, m.context, text, eos)
 }
 
 /// The stall scenario over any backend (a loaded model, or random weights).
@@ -418,12 +431,6 @@ fn random_weights(a: &BenchArgs) -> Result<()> {
     }
     // The stall scenario on the device: random weights give arbitrary
     // tokens, so the streams ignore EOS and print no text.
-    struct NoText;
-    impl TokenText for NoText {
-        fn token_bytes(&self, _: u32) -> Vec<u8> {
-            Vec::new()
-        }
-    }
     let (vocab, context) = (cfg.vocab, 8192);
     let be = braid_models::ModelBackend::new(
         dev,

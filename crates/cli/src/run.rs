@@ -99,13 +99,13 @@ pub struct RunArgs {
 
 /// The lane settings every command uses for a loaded model.
 pub fn lane_config(m: &Loaded) -> LaneConfig {
-    LaneConfig { max_context: m.context, eos_ids: m.tokenizer.stop_ids(), ..LaneConfig::default() }
+    LaneConfig { max_context: m.context, eos_ids: m.stop_ids(), ..LaneConfig::default() }
 }
 
 /// Turn the prompt (plain or chat) into token ids.
 pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) -> Result<Vec<u32>> {
     if !chat {
-        return m.tokenizer.encode(prompt, true);
+        return m.tokenizer()?.encode(prompt, true);
     }
     let Some(t) = &m.template else {
         bail!("{} has no chat template (a base model?); run without --chat, or pass --chat-template FILE|NAME", m.path.display())
@@ -117,7 +117,7 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
     msgs.push(ChatMessage { role: "user".into(), content: prompt.into() });
     let text = t.render(&msgs, true)?;
     // Templates usually write BOS themselves; add it only where they did not.
-    let tok = &m.tokenizer;
+    let tok = m.tokenizer()?;
     let has_bos = tok.bos().and_then(|b| tok.token_text(b)).is_some_and(|b| !b.is_empty() && text.starts_with(b));
     tok.encode(&text, !has_bos)
 }
@@ -133,7 +133,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let config = lane_config(&m);
-    let text = Arc::new(TokenizerText(m.tokenizer.clone()));
+    let text = Arc::new(TokenizerText(m.tokenizer()?.clone()));
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
     let req = Request {
         prompt,

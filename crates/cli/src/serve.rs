@@ -304,9 +304,10 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Star
     config.itl_target = load::itl_target(a.itl_target)?;
     config.max_running = a.max_running.max(1);
     config.queue_capacity = a.queue;
-    let info = ModelInfo { tokenizer: m.tokenizer.clone(), template: m.template, context: m.context, stop_ids: m.tokenizer.stop_ids() };
+    let tokenizer = m.tokenizer()?.clone();
+    let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids() };
     let (device, context) = (m.device.clone(), m.context);
-    let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(m.tokenizer.clone())), config);
+    let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(tokenizer)), config);
     let fill = lane.stats().fill;
     let (architecture, parameters) = about::architecture_and_parameters(path);
     let started = Started { template: template.to_string(), device, context, architecture, parameters, kv_pool_tokens: fill.blocks_total * fill.block_tokens };

@@ -1,4 +1,4 @@
-//! Chat templates: SmolLM2's GGUF template against llama.cpp's rendering
+//! Chat templates: SmolLM2's and Qwen2.5's GGUF templates against llama.cpp's rendering
 //! (golden `template` entries), Jinja2 behaviors that model templates rely on
 //! (trim_blocks/lstrip_blocks, Python string methods, tojson), and errors.
 
@@ -64,6 +64,26 @@ fn smollm2_gguf_template_matches_llama_cpp() {
         let ids = tok.encode(want, true).unwrap();
         let im_start = tok.token_id("<|im_start|>").unwrap();
         assert_eq!(ids[0], im_start);
+        assert_eq!(tok.decode_with_special(&ids), want);
+    }
+}
+
+#[test]
+fn qwen25_gguf_template_matches_llama_cpp() {
+    let (Some(path), Some(g)) = (model_path("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), golden("qwen25coder05-public.json")) else {
+        return;
+    };
+    let gguf = Gguf::open(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&gguf).unwrap();
+    let tmpl = ChatTemplate::from_gguf(&gguf, &tok).unwrap().expect("Qwen2.5 ships a template");
+    let cases = g["template"].as_array().unwrap();
+    assert!(!cases.is_empty());
+    for c in cases {
+        let messages: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let want = c["prompt"].as_str().unwrap();
+        assert_eq!(tmpl.render(&messages, true).unwrap(), want);
+        let ids = tok.encode(want, true).unwrap();
+        assert_eq!(ids[0], tok.token_id("<|im_start|>").unwrap());
         assert_eq!(tok.decode_with_special(&ids), want);
     }
 }

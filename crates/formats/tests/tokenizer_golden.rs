@@ -1,5 +1,6 @@
 //! GGUF tokenizers against llama.cpp: the `tokenize` and `greedy` entries of
-//! /work/shared/golden/{smollm2,gemma3}-public.json (text → ids, prompt ids
+//! /work/shared/golden/{smollm2,gemma3}-public.json and of
+//! testdata/golden/qwen25coder{05,15}-public.json (text → ids, prompt ids
 //! with BOS, ids → text), plus round trips and special-token parsing on the
 //! real vocabularies. Skipped, with a notice, when the model files are absent.
 
@@ -12,6 +13,8 @@ use serde_json::Value;
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
+const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+const QWEN25_15B: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 
 fn model_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("BRAID_MODELS").filter(|d| !d.is_empty()) {
@@ -49,11 +52,19 @@ fn golden(name: &str) -> Option<Value> {
     }
 }
 
+/// A golden file committed under testdata/golden (the Qwen ones carry more
+/// tokenize texts than ../shared's).
+fn repo_golden(name: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/golden").join(name);
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).expect("golden json")
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
-/// Every `tokenize` entry: text → ids without BOS; and the ids decode back to the text.
+/// Every `tokenize` entry: text → ids without BOS; and the ids decode back to
+/// the text (special tokens written out, as some texts hold them).
 fn check_tokenize(tok: &Tokenizer, g: &Value) {
     let cases = g["tokenize"].as_array().unwrap();
     assert!(!cases.is_empty());
@@ -62,7 +73,7 @@ fn check_tokenize(tok: &Tokenizer, g: &Value) {
         let want = ids(&c["ids"]);
         let got = tok.encode(text, false).unwrap();
         assert_eq!(got, want, "encode({text:?})");
-        assert_eq!(tok.decode(&want), text, "decode of {text:?}");
+        assert_eq!(tok.decode_with_special(&want), text, "decode of {text:?}");
     }
 }
 
@@ -105,6 +116,38 @@ fn gemma3_matches_llama_cpp() {
     check_greedy(&tok, &g);
     assert!(tok.adds_bos());
     assert_eq!(tok.bos(), tok.token_id("<bos>"));
+}
+
+#[test]
+fn qwen25_matches_llama_cpp() {
+    // The 1.5B shares the 0.5B's tokenizer; each is checked on its own golden.
+    for (file, golden) in [(QWEN25, "qwen25coder05-public.json"), (QWEN25_15B, "qwen25coder15-public.json")] {
+        let Some(tok) = load(file) else { continue };
+        let g = repo_golden(golden);
+        check_tokenize(&tok, &g);
+        check_greedy(&tok, &g);
+        assert!(!tok.adds_bos());
+    }
+}
+
+#[test]
+fn qwen25_specials_and_stops() {
+    let Some(tok) = load(QWEN25) else { return };
+    let im_start = tok.token_id("<|im_start|>").unwrap();
+    let im_end = tok.token_id("<|im_end|>").unwrap();
+    let got = tok.encode("<|im_start|>user\nHi<|im_end|>\n", false).unwrap();
+    let want: Vec<u32> = [vec![im_start], tok.encode("user\nHi", false).unwrap(), vec![im_end], tok.encode("\n", false).unwrap()].concat();
+    assert_eq!(got, want);
+    assert_eq!(tok.decode(&got), "user\nHi\n");
+    // Chat ends at <|im_end|>; raw completion at <|endoftext|>; the coder's
+    // fill-in-the-middle separators end a generation too (as in llama.cpp).
+    let stops = tok.stop_ids();
+    for t in ["<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"] {
+        assert!(stops.contains(&tok.token_id(t).unwrap()), "{t} is not a stop");
+    }
+    assert!(!stops.contains(&im_start));
+    // Digits are split one by one (the qwen2 pre-tokenizer), unlike llama3's runs of three.
+    assert_eq!(tok.encode("12345", false).unwrap().len(), 5);
 }
 
 #[test]
@@ -158,9 +201,9 @@ fn gemma3_specials_and_stops() {
 }
 
 /// Text round-trips through encode/decode, including characters that need
-/// byte fallback, and long inputs tokenize in reasonable time.
+/// byte fallback, and long inputs tokenize in reasonable time (every model).
 #[test]
-fn round_trips_on_both_models() {
+fn round_trips_on_every_model() {
     let texts = [
         "Plain English text, with punctuation!",
         "  multiple   spaces\tand\ttabs\n\n\nnewlines  ",
@@ -169,7 +212,7 @@ fn round_trips_on_both_models() {
         "code: fn main() { println!(\"{}\", 1 + 2); } // done",
         "",
     ];
-    for file in [SMOLLM2, GEMMA3] {
+    for file in [SMOLLM2, GEMMA3, QWEN25] {
         let Some(tok) = load(file) else { continue };
         for t in texts {
             let ids = tok.encode(t, false).unwrap();

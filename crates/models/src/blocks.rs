@@ -14,6 +14,9 @@ pub struct Attention<D: Device> {
     /// RMSNorm weights of q and of k, applied before RoPE: one head wide
     /// (every head normed on its own) or the projection's whole width.
     pub qk_norm: Option<(D::Tensor, D::Tensor)>,
+    /// Biases of q, k and v (Qwen2), added to the projections before any
+    /// norm or RoPE.
+    pub qkv_bias: Option<[D::Tensor; 3]>,
     pub wo: D::Weight,
 }
 
@@ -36,6 +39,7 @@ impl<D: Device> Attention<D> {
             wk: w(&format!("{prefix}k_proj.weight"))?,
             wv: w(&format!("{prefix}v_proj.weight"))?,
             qk_norm,
+            qkv_bias: None,
             wo: w(&format!("{prefix}{o}.weight"))?,
         })
     }
@@ -47,20 +51,38 @@ impl<D: Device> Attention<D> {
     pub fn load_gguf(w: &dyn Fn(&str) -> Result<D::Weight>, v: &dyn Fn(&str) -> Result<D::Tensor>, i: usize, norms: bool) -> Result<Attention<D>> {
         let p = |n: &str| format!("blk.{i}.{n}.weight");
         let qk_norm = if norms { Some((v(&p("attn_q_norm"))?, v(&p("attn_k_norm"))?)) } else { None };
-        Ok(Attention { wq: w(&p("attn_q"))?, wk: w(&p("attn_k"))?, wv: w(&p("attn_v"))?, qk_norm, wo: w(&p("attn_output"))? })
+        Ok(Attention { wq: w(&p("attn_q"))?, wk: w(&p("attn_k"))?, wv: w(&p("attn_v"))?, qk_norm, qkv_bias: None, wo: w(&p("attn_output"))? })
     }
 
-    /// q, k and v of the normed rows in `s.h`, into `s.q`, `s.k` and `s.v`:
-    /// q and k normed per head when the layer has norms, then turned by
+    /// The q, k and v biases of block `i` (`blk.{i}.attn_{q,k,v}.bias`).
+    pub fn gguf_qkv_bias(v: &dyn Fn(&str) -> Result<D::Tensor>, i: usize) -> Result<[D::Tensor; 3]> {
+        let p = |n: &str| format!("blk.{i}.{n}.bias");
+        Ok([v(&p("attn_q"))?, v(&p("attn_k"))?, v(&p("attn_v"))?])
+    }
+
+    /// q, k and v of the normed rows in `s.h`, into `s.q`, `s.k` and `s.v`,
+    /// plus their biases where the layer has them; q and k normed per head
+    /// when the layer has norms, then turned by
     /// `rope` (none: no positional encoding); k and v are written to KV
     /// layer `layer`.
     #[allow(clippy::too_many_arguments)]
     pub fn qkv(&self, dev: &D, s: &mut Scratch<D>, kv: &mut D::Kv, layer: usize, batch: &Batch<'_>, head_dim: usize, rope: Option<&Rope>, eps: f32) {
         let ws = [&self.wq, &self.wk, &self.wv];
+        let bias = |dev: &D, q: &mut D::Tensor, k: &mut D::Tensor, v: &mut D::Tensor| {
+            if let Some([bq, bk, bv]) = &self.qkv_bias {
+                dev.add(q, bq);
+                dev.add(k, bk);
+                dev.add(v, bv);
+            }
+        };
         match &self.qk_norm {
-            None => dev.matmul(&s.h, &ws, &mut [&mut s.q, &mut s.k, &mut s.v]),
+            None => {
+                dev.matmul(&s.h, &ws, &mut [&mut s.q, &mut s.k, &mut s.v]);
+                bias(dev, &mut s.q, &mut s.k, &mut s.v);
+            }
             Some((q_norm, k_norm)) => {
                 dev.matmul(&s.h, &ws, &mut [&mut s.q_raw, &mut s.k_raw, &mut s.v]);
+                bias(dev, &mut s.q_raw, &mut s.k_raw, &mut s.v);
                 dev.rms_norm(&s.q_raw, q_norm, eps, &mut s.q);
                 dev.rms_norm(&s.k_raw, k_norm, eps, &mut s.k);
             }

@@ -15,6 +15,7 @@ pub mod minimax;
 pub mod minimax_m2;
 pub mod moe;
 pub mod nemotron_h;
+pub mod qwen2;
 pub mod qwen3;
 pub mod random;
 pub mod recurrent;
@@ -224,6 +225,7 @@ pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
         "gemma3" | "gemma3_text" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
+        "qwen2" => Ok(Box::new(qwen2::load(dev, src, progress)?)),
         "qwen3" => Ok(Box::new(qwen3::load(dev, src, progress)?)),
         "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
         "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
@@ -231,7 +233,7 @@ pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
         "minimax_m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
         other => bail!(
-            "{}: architecture '{other}' is not supported yet (supported: llama, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text)",
+            "{}: architecture '{other}' is not supported yet (supported: llama, qwen2, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text)",
             src.path().display()
         ),
     }

@@ -1,6 +1,7 @@
 //! Llama (and SmolLM2): token embeddings, pre-norm blocks of grouped-query
 //! attention with RoPE and a SwiGLU MLP, a final RMSNorm and a (possibly
-//! tied) output head. Qwen3 is this model with q/k norms (`qwen3.rs`).
+//! tied) output head. Qwen3 is this model with q/k norms (`qwen3.rs`), Qwen2
+//! with q/k/v biases (`qwen2.rs`).
 
 use anyhow::{bail, Result};
 use braid_ops::{Act, Device, KvShape, Rope};
@@ -90,6 +91,15 @@ pub fn hf_rope(c: &HfConfig<'_>, layer_type: Option<&str>, head_dim: usize, dir:
     Ok(Rope { scale, ..Rope::new(p.theta, (head_dim as f32 * p.partial_rotary_factor) as usize, true) })
 }
 
+/// The optional parts of the block that Llama's relatives add.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Variant {
+    /// An RMSNorm on each head of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Biases on the q, k and v projections (Qwen2).
+    pub qkv_bias: bool,
+}
+
 struct Block<D: Device> {
     attn_norm: D::Tensor,
     attn: Attention<D>,
@@ -112,14 +122,14 @@ impl<D: Device> Llama<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
         let cfg = LlamaConfig::from_source(src)?;
         crate::config::check_llama(&cfg, src)?;
-        Self::load_with(dev, src, cfg, false, progress)
+        Self::load_with(dev, src, cfg, Variant::default(), progress)
     }
 
-    /// Load with `cfg`, and per-head q/k norms when `qk_norm` (Qwen3).
-    pub(crate) fn load_with(dev: &D, src: &Source, cfg: LlamaConfig, qk_norm: bool, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
+    /// Load with `cfg` and the optional parts `variant` names.
+    pub(crate) fn load_with(dev: &D, src: &Source, cfg: LlamaConfig, variant: Variant, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
-        Self::build(cfg, &w, &v, src.has_tensor("output.weight"), qk_norm, progress)
+        Self::build(cfg, &w, &v, src.has_tensor("output.weight"), variant, progress)
     }
 
     /// Build from tensors named as in GGUF, wherever they come from (a file,
@@ -131,7 +141,7 @@ impl<D: Device> Llama<D> {
         has_head: bool,
         progress: &dyn Fn(usize, usize),
     ) -> Result<Llama<D>> {
-        Self::build(cfg, w, v, has_head, false, progress)
+        Self::build(cfg, w, v, has_head, Variant::default(), progress)
     }
 
     fn build(
@@ -139,15 +149,19 @@ impl<D: Device> Llama<D> {
         w: &dyn Fn(&str) -> Result<D::Weight>,
         v: &dyn Fn(&str) -> Result<D::Tensor>,
         has_head: bool,
-        qk_norm: bool,
+        variant: Variant,
         progress: &dyn Fn(usize, usize),
     ) -> Result<Llama<D>> {
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let p = |n: &str| format!("blk.{i}.{n}.weight");
+            let mut attn = Attention::load_gguf(w, v, i, variant.qk_norm)?;
+            if variant.qkv_bias {
+                attn.qkv_bias = Some(Attention::<D>::gguf_qkv_bias(v, i)?);
+            }
             blocks.push(Block {
                 attn_norm: v(&p("attn_norm"))?,
-                attn: Attention::load_gguf(w, v, i, qk_norm)?,
+                attn,
                 ffn_norm: v(&p("ffn_norm"))?,
                 w_gate: w(&p("ffn_gate"))?,
                 w_up: w(&p("ffn_up"))?,
@@ -183,7 +197,7 @@ impl<D: Device> Model<D> for Llama<D> {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
         for (l, b) in self.blocks.iter().enumerate() {
-            // Attention (Qwen3: q/k normalised per head before RoPE).
+            // Attention (Qwen3: q/k normalised per head before RoPE; Qwen2: q/k/v biased).
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
             b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
             dev.attention(&s.q, kv, l, &batch.seqs, scale, None, &mut s.att);

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use braid_ops::Device;
 
-use crate::llama::{Llama, LlamaConfig};
+use crate::llama::{Llama, LlamaConfig, Variant};
 use crate::source::Source;
 
 /// Load a Qwen3 checkpoint as a [`Llama`] with per-head q/k norms.
@@ -14,5 +14,5 @@ pub fn load<D: Device>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
     // Qwen checkpoints (and their GGUFs) pair dimensions NeoX style.
     cfg.rope.neox = true;
     crate::config::check_llama(&cfg, src)?;
-    Llama::load_with(dev, src, cfg, true, progress)
+    Llama::load_with(dev, src, cfg, Variant { qk_norm: true, qkv_bias: false }, progress)
 }

@@ -1,5 +1,6 @@
 //! The attention families on the tiny random fixtures, against transformers:
-//! Llama, Qwen3, Gemma 3 and Gemma 4 (dense and MoE) from HF folders.
+//! Llama, Qwen2 (untied and tied), Qwen3, Gemma 3 and Gemma 4 (dense and
+//! MoE) from HF folders.
 //!
 //! Every family: layer states as meta.json declares them; logits of one
 //! whole-sequence prefill and of incremental decode within `TOL` of the
@@ -51,6 +52,8 @@ macro_rules! family {
 }
 
 family!(llama, "llama");
+family!(qwen2, "qwen2");
+family!(qwen2_tied, "qwen2_tied");
 family!(qwen3, "qwen3");
 family!(gemma3, "gemma3_text");
 family!(gemma4, "gemma4_text");
@@ -151,7 +154,7 @@ fn remove(cfg: &mut Value, key: &str) -> Value {
 #[test]
 fn hub_form_configs_load_the_same_models() {
     // Llama / Qwen3: rope_theta at the top instead of rope_parameters.
-    for name in ["llama", "qwen3"] {
+    for name in ["llama", "qwen2", "qwen2_tied", "qwen3"] {
         check_hub_form(name, |c| {
             let p = remove(c, "rope_parameters");
             c["rope_theta"] = p["rope_theta"].clone();
@@ -183,4 +186,29 @@ fn unsupported_rope_types_are_refused() {
     let err = braid_models::open(&Cpu::new(None), &dir).err().expect("a yarn config must not load as plain RoPE");
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(format!("{err:#}").contains("rope_type 'yarn'"), "{err:#}");
+}
+
+/// Qwen2's q/k/v biases change the fixture's logits well past the
+/// tolerance: read as Llama (which has none), the same weights are far off.
+#[test]
+fn qwen2_biases_matter() {
+    for name in ["qwen2", "qwen2_tied"] {
+        let fx = Fixture::load(name);
+        let dir = with_config(&fx, "as-llama", |c| c["model_type"] = json!("llama"));
+        let (_src, model) = braid_models::open(&Cpu::new(None), &dir).unwrap();
+        let got = full_logits(&fx, model);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let d = diff(&got, fx.logits("logits_full"), fx.vocab);
+        assert!(d.max > 0.1, "{name}: leaving the biases out changed the logits by only {:.2e}", d.max);
+    }
+}
+
+/// An untied Qwen2 config whose weights hold no head is refused with the reason.
+#[test]
+fn qwen2_untied_without_a_head_is_refused() {
+    let fx = Fixture::load("qwen2_tied");
+    let dir = with_config(&fx, "untied", |c| c["tie_word_embeddings"] = json!(false));
+    let err = braid_models::open(&Cpu::new(None), &dir).err().expect("an untied config without lm_head.weight must not load");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(format!("{err:#}").contains("lm_head.weight"), "{err:#}");
 }

@@ -10,8 +10,21 @@ use std::sync::Arc;
 use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Pick, Picked, Request, SamplingParams, Step, StopRules, TokenText};
 use fixtures_common::Fixture;
 
-const FAMILIES: [&str; 11] =
-    ["llama", "qwen3", "gemma3_text", "gemma4_text", "gemma4_text_moe", "lfm2", "lfm2_moe", "nemotron_h", "minimax", "minimax_m2", "minimax_m3_vl_text"];
+const FAMILIES: [&str; 13] = [
+    "llama",
+    "qwen2",
+    "qwen2_tied",
+    "qwen3",
+    "gemma3_text",
+    "gemma4_text",
+    "gemma4_text_moe",
+    "lfm2",
+    "lfm2_moe",
+    "nemotron_h",
+    "minimax",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+];
 
 /// The fixtures have no tokenizer; stop strings are not exercised here.
 struct NoText;

@@ -132,3 +132,20 @@ fn gemma3_agrees_with_llamacpp() {
         assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
     }
 }
+
+#[test]
+fn qwen25_coder_05b_agrees_with_llamacpp() {
+    if let Some((n, agree, _)) = teacher_forced("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen25coder05-public.json") {
+        assert!(n > 100, "too few positions checked: {n}");
+        assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
+    }
+}
+
+/// The 1.5B is not fetched in CI (`braid fetch qwen2.5-coder-1.5b` to run it).
+#[test]
+fn qwen25_coder_15b_agrees_with_llamacpp() {
+    if let Some((n, agree, _)) = teacher_forced("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen25coder15-public.json") {
+        assert!(n > 100, "too few positions checked: {n}");
+        assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
+    }
+}

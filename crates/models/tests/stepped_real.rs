@@ -1,4 +1,5 @@
-//! Stepped prefill equals the whole pass on the real SmolLM2 model.
+//! Stepped prefill equals the whole pass on the real SmolLM2 model (and,
+//! for the chunked logits, on Qwen2.5-Coder-0.5B: K-quants, Q5_0, biases).
 //!
 //! The backend declares chunk invariance, so any chunking must give
 //! bit-identical logits; and through a lane, greedy output must be the same
@@ -15,6 +16,7 @@ use braid_models::{BackendConfig, ModelBackend};
 use braid_ops::cpu::Cpu;
 
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
 struct Text(Tokenizer);
 impl TokenText for Text {
@@ -24,8 +26,12 @@ impl TokenText for Text {
 }
 
 fn backend() -> Option<(ModelBackend<Cpu>, Tokenizer)> {
-    let Some(path) = cached_model(MODEL) else {
-        eprintln!("SKIP: {MODEL} not in the model cache");
+    backend_of(MODEL)
+}
+
+fn backend_of(file: &str) -> Option<(ModelBackend<Cpu>, Tokenizer)> {
+    let Some(path) = cached_model(file) else {
+        eprintln!("SKIP: {file} not in the model cache");
         return None;
     };
     let dev = Cpu::new(None);
@@ -43,7 +49,13 @@ const PROMPTS: [&str; 3] = [
 
 #[test]
 fn chunked_prefill_logits_are_bit_identical() {
-    let Some((mut be, tok)) = backend() else { return };
+    for file in [MODEL, QWEN] {
+        chunked_prefill_is_bit_identical(file);
+    }
+}
+
+fn chunked_prefill_is_bit_identical(file: &str) {
+    let Some((mut be, tok)) = backend_of(file) else { return };
     for p in PROMPTS {
         let ids = tok.encode(p, true).unwrap();
         let mut reference = None;
@@ -58,7 +70,7 @@ fn chunked_prefill_logits_are_bit_identical() {
             let last = last.expect("logits of the last chunk");
             match &reference {
                 None => reference = Some(last),
-                Some(r) => assert!(r == &last, "prompt {p:?}: chunk cap {cap} changed the logits"),
+                Some(r) => assert!(r == &last, "{file}, prompt {p:?}: chunk cap {cap} changed the logits"),
             }
         }
     }

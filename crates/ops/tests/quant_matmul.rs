@@ -149,7 +149,7 @@ fn shapes() -> Vec<(usize, usize, usize)> {
 
 #[test]
 fn simd_matches_scalar_for_every_type_and_shape() {
-    let isas: Vec<Isa> = [Isa::Avx2, Isa::AvxVnni].into_iter().filter(|i| i.available()).collect();
+    let isas: Vec<Isa> = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni].into_iter().filter(|i| i.available()).collect();
     if isas.is_empty() {
         eprintln!("no AVX2 on this CPU: SIMD kernels not tested");
         return;
@@ -182,7 +182,7 @@ fn simd_matches_scalar_for_every_type_and_shape() {
 #[test]
 fn matmul_matches_dequantized_reference_within_activation_error() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
-    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni] {
+    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
         if !isa.available() {
             continue;
         }
@@ -281,6 +281,30 @@ fn each_output_row_is_independent_of_the_batch() {
             let mut one = vec![0.0; c.rows];
             matmul(c.w(), x, 1, &mut one);
             assert_eq!(one, all[row * c.rows..(row + 1) * c.rows], "{dtype} row {row}");
+        }
+    }
+}
+
+/// A VNNI `dpbusd` forms the same exact integer sums as AVX2's
+/// `maddubs` + `madd`, so the VNNI kernels (either kind) give the AVX2
+/// kernels' results bit for bit, prefill shapes included.
+#[test]
+fn vnni_kernels_equal_avx2_bit_for_bit() {
+    let vnni: Vec<Isa> = [Isa::AvxVnni, Isa::Avx512Vnni].into_iter().filter(|i| i.available()).collect();
+    if !Isa::Avx2.available() || vnni.is_empty() {
+        eprintln!("no VNNI on this CPU: VNNI kernels not tested");
+        return;
+    }
+    let mut rng = Rng(0x0bad_cafe_f00d_1234);
+    for dtype in ALL {
+        for (rows, blocks, m) in shapes() {
+            let c = case(&mut rng, dtype, rows, blocks, m);
+            let want = c.run(Isa::Avx2);
+            for &isa in &vnni {
+                let got = c.run(isa);
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{isa:?} {dtype} {rows}x{} m={m}: differs from AVX2", c.cols);
+            }
         }
     }
 }

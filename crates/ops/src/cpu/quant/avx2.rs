@@ -63,9 +63,19 @@ tiles!(t_f32, tile_f::<F32W>, 2, 4, 4);
 tiles!(t_f16, tile_f::<F16W>, 2, 4, 4);
 tiles!(t_bf16, tile_f::<Bf16W>, 2, 4, 4);
 
-/// The AVX2 kernel for `dtype` (with AVX-VNNI dots when `vnni`), if there
-/// is one (else the scalar one runs).
-pub(crate) fn kernel(dtype: DType, vnni: bool) -> Option<Kernel> {
+/// Which `vpdpbusd` the integer tiles use, if any: AVX-VNNI's (VEX), or
+/// AVX512-VNNI's on 256-bit registers (EVEX; AMD Zen 4 has this one and not
+/// the other). Both compute the same sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Vnni {
+    None,
+    Vex,
+    Evex,
+}
+
+/// The AVX2 kernel for `dtype` (with `vnni`'s dots), if there is one (else
+/// the scalar one runs).
+pub(crate) fn kernel(dtype: DType, vnni: Vnni) -> Option<Kernel> {
     let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None, partial: false });
     match dtype {
         DType::Q4_0 => Some(r8_kernel::<Q40>(vnni)),
@@ -261,13 +271,15 @@ impl B32 for Q81 {
 }
 
 /// How a tile multiplies 32 unsigned bytes by 32 signed ones into 8 i32
-/// sums of 4: `maddubs` + `madd`, or one AVX-VNNI `dpbusd`.
+/// sums of 4: `maddubs` + `madd`, or one `dpbusd` (AVX-VNNI, or AVX512-VNNI
+/// on a 256-bit register).
 trait Dot {
     /// # Safety: the CPU has the instructions used.
     unsafe fn dot(q: __m256i, a: __m256i) -> __m256i;
 }
 struct MaddDot;
 struct VnniDot;
+struct Vnni512Dot;
 impl Dot for MaddDot {
     #[inline(always)]
     unsafe fn dot(q: __m256i, a: __m256i) -> __m256i {
@@ -278,6 +290,12 @@ impl Dot for VnniDot {
     #[inline(always)]
     unsafe fn dot(q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, a)
+    }
+}
+impl Dot for Vnni512Dot {
+    #[inline(always)]
+    unsafe fn dot(q: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, a)
     }
 }
 
@@ -412,6 +430,12 @@ impl DotAcc for VnniDot {
     #[inline(always)]
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(acc, q, a)
+    }
+}
+impl DotAcc for Vnni512Dot {
+    #[inline(always)]
+    unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, q, a)
     }
 }
 
@@ -625,14 +649,17 @@ macro_rules! r8_tiles {
 
 r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c");
 r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
+r8_tiles!(r8_packed_vnni512, r8_raw_vnni512, Vnni512Dot, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
 
 /// The eight-row kernel of a 32-element type.
-fn r8_kernel<K: B32>(vnni: bool) -> Kernel {
+fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
     let (raw, packed): (TileFn, TileFn) = match (vnni, K::SIGNED) {
-        (true, true) => (r8_raw_vnni::<K>, r8_packed_vnni::<true>),
-        (true, false) => (r8_raw_vnni::<K>, r8_packed_vnni::<false>),
-        (false, true) => (r8_raw::<K>, r8_packed::<true>),
-        (false, false) => (r8_raw::<K>, r8_packed::<false>),
+        (Vnni::Vex, true) => (r8_raw_vnni::<K>, r8_packed_vnni::<true>),
+        (Vnni::Vex, false) => (r8_raw_vnni::<K>, r8_packed_vnni::<false>),
+        (Vnni::Evex, true) => (r8_raw_vnni512::<K>, r8_packed_vnni512::<true>),
+        (Vnni::Evex, false) => (r8_raw_vnni512::<K>, r8_packed_vnni512::<false>),
+        (Vnni::None, true) => (r8_raw::<K>, r8_packed::<true>),
+        (Vnni::None, false) => (r8_raw::<K>, r8_packed::<false>),
     };
     let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true };
     Kernel { tile: raw, rw: 8, ra: 4, rw_gemv: 8, pack: Some(pack), partial: true }
@@ -893,6 +920,7 @@ macro_rules! r8k_tiles {
 
 r8k_tiles!(r8k_packed, MaddDot, "avx2,fma,f16c");
 r8k_tiles!(r8k_packed_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
+r8k_tiles!(r8k_packed_vnni512, Vnni512Dot, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn r8k_raw<const T: u8>(t: &Tile, rw: usize, ra: usize) {
@@ -904,12 +932,14 @@ unsafe fn r8k_raw<const T: u8>(t: &Tile, rw: usize, ra: usize) {
 }
 
 /// The eight-row kernel of a K-quant (T = 4, 5 or 6).
-fn r8k_kernel<const T: u8>(vnni: bool) -> Kernel {
+fn r8k_kernel<const T: u8>(vnni: Vnni) -> Kernel {
     let packed: TileFn = match (T == 6, vnni) {
-        (true, true) => r8k_packed_vnni::<true>,
-        (false, true) => r8k_packed_vnni::<false>,
-        (true, false) => r8k_packed::<true>,
-        (false, false) => r8k_packed::<false>,
+        (true, Vnni::Vex) => r8k_packed_vnni::<true>,
+        (false, Vnni::Vex) => r8k_packed_vnni::<false>,
+        (true, Vnni::Evex) => r8k_packed_vnni512::<true>,
+        (false, Vnni::Evex) => r8k_packed_vnni512::<false>,
+        (true, Vnni::None) => r8k_packed::<true>,
+        (false, Vnni::None) => r8k_packed::<false>,
     };
     let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: 3, partial: true };
     Kernel { tile: r8k_raw::<T>, rw: 8, ra: 3, rw_gemv: 8, pack: Some(pack), partial: true }

@@ -102,7 +102,13 @@ unsafe fn scalar_tile(t: &Tile, rw: usize, ra: usize) {
 fn kernel(isa: Isa, dtype: DType) -> Kernel {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
-        if let Some(k) = super::avx2::kernel(dtype, isa == Isa::AvxVnni) {
+        use super::avx2::Vnni;
+        let vnni = match isa {
+            Isa::AvxVnni => Vnni::Vex,
+            Isa::Avx512Vnni => Vnni::Evex,
+            _ => Vnni::None,
+        };
+        if let Some(k) = super::avx2::kernel(dtype, vnni) {
             return k;
         }
     }

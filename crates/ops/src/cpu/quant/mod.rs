@@ -6,8 +6,8 @@
 //! block, as llama.cpp does. Float weights (F32/F16/BF16) take f32
 //! activations directly.
 //!
-//! Kernels: scalar everywhere; AVX2+FMA+F16C tiles (and AVX-VNNI dots)
-//! picked at run time ([`Isa::best`]). Q2_K, Q3_K and
+//! Kernels: scalar everywhere; AVX2+FMA+F16C tiles (and VNNI dots, AVX-VNNI
+//! or AVX512-VNNI) picked at run time ([`Isa::best`]). Q2_K, Q3_K and
 //! Q8_K weights run the scalar kernels. The tests hold each ISA against
 //! the scalar one.
 //!
@@ -74,12 +74,15 @@ impl QMatRef<'_> {
 }
 
 /// Which kernels run: the portable scalar ones, AVX2+FMA+F16C, or those
-/// plus AVX-VNNI (one `vpdpbusd` for each u8 x i8 dot of 32 bytes).
+/// plus one `vpdpbusd` for each u8 x i8 dot of 32 bytes: AVX-VNNI's, or
+/// AVX512-VNNI's on 256-bit registers (CPUs with AVX-512 but no AVX-VNNI,
+/// such as AMD Zen 4). The two VNNI kinds give bit-identical results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     Avx2,
     AvxVnni,
+    Avx512Vnni,
 }
 
 impl Isa {
@@ -88,7 +91,7 @@ impl Isa {
     pub fn best() -> Isa {
         use std::sync::atomic::{AtomicU8, Ordering};
         static BEST: AtomicU8 = AtomicU8::new(0);
-        const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni];
+        const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
         match BEST.load(Ordering::Relaxed) {
             0 => {}
             i => return ALL[i as usize - 1],
@@ -96,9 +99,10 @@ impl Isa {
         let cap = match std::env::var("BRAID_CPU_ISA").as_deref() {
             Ok("scalar") => 0,
             Ok("avx2") => 1,
-            _ => 2,
+            _ => 3,
         };
-        let i = (0..=cap).rev().find(|&i| ALL[i].available()).unwrap_or(0);
+        // The VEX kind where both exist: it needs no AVX-512 state.
+        let i = [2, 3, 1, 0].into_iter().filter(|&i| i <= cap).find(|&i| ALL[i].available()).unwrap_or(0);
         BEST.store(i as u8 + 1, Ordering::Relaxed);
         ALL[i]
     }
@@ -111,8 +115,12 @@ impl Isa {
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"),
             #[cfg(target_arch = "x86_64")]
             Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx2.available() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::AvxVnni => false,
+            Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni => false,
         }
     }
 }

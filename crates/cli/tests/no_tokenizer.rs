@@ -68,14 +68,15 @@ fn bench_runs_without_a_tokenizer() {
     let dir = fixture();
     let out = braid(&["bench", "--model", dir.to_str().unwrap(), "--device", "cpu", "--threads", "1", "--pp", "16", "--tg", "4", "-r", "1", "--json"]);
     assert!(out.status.success(), "braid bench failed: {}", String::from_utf8_lossy(&out.stderr));
-    let tests: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            assert!(v["median"].as_f64().unwrap() > 0.0, "{l}");
-            v["test"].as_str().unwrap().to_string()
+    // One JSON object on stdout (`--json`), its results by test.
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bench --json prints one JSON object");
+    let tests: Vec<String> = v["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|r| {
+            assert!(r["tokens_per_s"]["median"].as_f64().unwrap() > 0.0, "{r}");
+            r["test"].as_str().unwrap().to_string()
         })
         .collect();
     assert_eq!(tests, ["pp16", "tg4"]);

@@ -3,50 +3,25 @@
 //! with BOS, ids → text), plus round trips and special-token parsing on the
 //! real vocabularies. Skipped, with a notice, when the model files are absent.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::time::Instant;
 
 use braid_formats::gguf::Gguf;
 use braid_formats::tokenizer::{TokenKind, Tokenizer};
+use common::{golden, model_path};
 use serde_json::Value;
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("BRAID_MODELS").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("braid");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-    home.join(".cache").join("braid")
-}
-
 fn load(file: &str) -> Option<Tokenizer> {
-    let path = model_dir().join(file);
-    if !path.exists() {
-        eprintln!("SKIP: {} not found (set BRAID_MODELS to the folder holding it)", path.display());
-        return None;
-    }
+    let path = model_path(file)?;
     let g = Gguf::open(&path).expect("open gguf");
     let t0 = Instant::now();
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer from gguf");
     eprintln!("{file}: tokenizer of {} tokens built in {:?}", tok.vocab_size(), t0.elapsed());
     Some(tok)
-}
-
-fn golden(name: &str) -> Option<Value> {
-    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
-    let path = dir.join(name);
-    match std::fs::read_to_string(&path) {
-        Ok(s) => Some(serde_json::from_str(&s).expect("golden json")),
-        Err(_) => {
-            eprintln!("SKIP: golden file {} not found (set BRAID_GOLDEN)", path.display());
-            None
-        }
-    }
 }
 
 fn ids(v: &Value) -> Vec<u32> {

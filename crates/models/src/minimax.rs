@@ -230,18 +230,14 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
                     c.linear_ab
                 }
                 Mixer::Attention(a, kv) => {
-                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
-                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
                     c.full_ab
                 }
             };
             residual(dev, s, alpha, beta);
 
             dev.rms_norm(&s.x, &b.post_norm, c.eps, &mut s.h);
-            let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
-            dev.matmul(&s.h, &[&b.gate], &mut [&mut *logits]);
-            b.moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+            b.moe.routed(dev, &b.gate, s)?;
             let (alpha, beta) = c.mlp_ab;
             residual(dev, s, alpha, beta);
             s.tap(dev, l);

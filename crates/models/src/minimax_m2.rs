@@ -14,7 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, BlockSparse, Device, KvShape, MoeOps, Rope, SparseAttentionOps};
 
-use crate::blocks::Attention;
+use crate::blocks::{gated_mlp, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config};
 use crate::source::Source;
@@ -293,9 +293,7 @@ impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
                         self.glu(dev, m, s);
                         dev.add(&mut s.x, &s.out);
                     }
-                    let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[router], &mut [&mut *logits]);
-                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+                    moe.routed(dev, router, s)?;
                 }
             }
             dev.add(&mut s.x, &s.out);
@@ -310,8 +308,6 @@ impl<D: Device> MiniMaxM2<D> {
     /// `s.out = down(swiglu_clamped(gate(s.h), up(s.h)))`.
     fn glu(&self, dev: &D, m: &GluMlp<D>, s: &mut Scratch<D>) {
         let (limit, alpha) = self.cfg.swiglu.unwrap_or((f32::INFINITY, 1.702));
-        dev.matmul(&s.h, &[&m.gate, &m.up], &mut [&mut s.gate, &mut s.up]);
-        dev.gated(Act::SwiGluClamped { limit, alpha }, &s.gate, &s.up, &mut s.act);
-        dev.matmul(&s.act, &[&m.down], &mut [&mut s.out]);
+        gated_mlp(dev, s, Act::SwiGluClamped { limit, alpha }, &m.gate, &m.up, &m.down);
     }
 }

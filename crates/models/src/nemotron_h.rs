@@ -321,9 +321,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
                 }
                 Layer::Attention(a, kv) => {
                     // No positional encoding.
-                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, None, c.eps);
-                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, None, c.eps, scale, None);
                 }
                 Layer::Mlp { up, down } => {
                     dev.matmul(&s.h, &[up], &mut [&mut s.up]);
@@ -331,9 +329,9 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
                     dev.matmul(&s.up, &[down], &mut [&mut s.out]);
                 }
                 Layer::Moe { gate, moe, shared_up, shared_down } => {
-                    let [logits, t0, t1, t2, t3, t4, shared] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[gate], &mut [&mut *logits]);
-                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+                    moe.routed(dev, gate, s)?;
+                    // The seventh scratch buffer, after the mixture's six.
+                    let [.., shared] = extras::<D, 7>(dev, &mut s.extra);
                     // The shared expert: down(relu(up(h))²), beside the routed ones.
                     dev.matmul(&s.h, &[shared_up], &mut [&mut s.up]);
                     dev.map(&mut s.up, Map::Relu2);

@@ -21,7 +21,7 @@ use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{Act, AttnSeq, BlockSparse, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SparseAttentionOps, SsmShape, StateSeq};
+use crate::{Act, AttnSeq, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -107,15 +107,21 @@ fn par_rows(n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
 }
 
 /// A raw pointer that may cross into pool tasks; each task writes disjoint rows.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
+struct SendPtr<T = f32>(*mut T);
+// Not derived: a derive would ask `T: Copy`, and a pointer copies whatever it points to.
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
     /// # Safety
     /// The range must be inside the allocation and written by one task only.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(start), len)
     }
 }
@@ -387,23 +393,6 @@ impl RecurrentOps for Cpu {
         out: &mut CpuTensor,
     ) -> Result<()> {
         linear_attention::linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
-    }
-}
-
-impl SparseAttentionOps for Cpu {
-    fn block_sparse_attention(
-        &self,
-        q: &CpuTensor,
-        iq: &CpuTensor,
-        kv: &CpuKv,
-        layer: usize,
-        index_layer: usize,
-        seqs: &[AttnSeq<'_>],
-        scale: f32,
-        sel: &BlockSparse,
-        out: &mut CpuTensor,
-    ) -> Result<()> {
-        sparse_attention::block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
 }
 

@@ -97,6 +97,29 @@ impl<D: Device> Attention<D> {
     }
 }
 
+/// `Model::vocab` and `Model::context` from the model's `cfg` (and, given
+/// `state`, `Model::state_size` from its `state` layout): the same bodies
+/// in every family, over each family's own config type.
+macro_rules! model_sizes {
+    () => {
+        fn vocab(&self) -> usize {
+            self.cfg.vocab
+        }
+
+        fn context(&self) -> usize {
+            self.cfg.context
+        }
+    };
+    (state) => {
+        fn state_size(&self) -> usize {
+            self.state.size()
+        }
+
+        $crate::blocks::model_sizes!();
+    };
+}
+pub(crate) use model_sizes;
+
 /// The gated MLP of the normed rows in `s.h`:
 /// `s.out = down(act(gate · h) ⊙ (up · h))`.
 pub fn gated_mlp<D: Device>(dev: &D, s: &mut Scratch<D>, act: Act, gate: &D::Weight, up: &D::Weight, down: &D::Weight) {

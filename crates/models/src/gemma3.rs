@@ -6,7 +6,7 @@ use anyhow::Result;
 use braid_formats::DType;
 use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
 
-use crate::blocks::{gated_mlp, Attention};
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
@@ -183,13 +183,7 @@ impl<D: Device> Model<D> for Gemma3<D> {
         self.cfg.global.iter().map(|&g| if g { LayerState::Kv } else { LayerState::SlidingKv { window: self.cfg.window } }).collect()
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let kv = &mut mem.kv;

@@ -10,7 +10,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, Device, KvShape, MoeOps, RecurrentOps, Rope};
 
-use crate::blocks::{gated_mlp, Attention};
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -214,17 +214,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
         self.cfg.attention.iter().map(|&a| if a { LayerState::Kv } else { LayerState::Conv }).collect()
     }
 
-    fn state_size(&self) -> usize {
-        self.state.size()
-    }
-
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!(state);
 
     /// Every op works row by row or, for the conv, tap by tap in time
     /// order, so any chunking gives the same bits.

@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use braid_ops::{Act, Device, KvShape, Rope};
 
-use crate::blocks::{gated_mlp, Attention};
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::config::HfConfig;
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -167,13 +167,7 @@ impl<D: Device> Model<D> for Llama<D> {
         vec![LayerState::Kv; self.cfg.layers]
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let kv = &mut mem.kv;

@@ -13,7 +13,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, Rope};
 
-use crate::blocks::Attention;
+use crate::blocks::{model_sizes, Attention};
 use crate::moe::{Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -192,17 +192,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
         self.cfg.full.iter().map(|&f| if f { LayerState::Kv } else { LayerState::LinearAttention }).collect()
     }
 
-    fn state_size(&self) -> usize {
-        self.state.size()
-    }
-
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!(state);
 
     /// Lightning attention runs its recurrence token by token (not in
     /// blocks), the rest is row-wise: any chunking gives the same bits.

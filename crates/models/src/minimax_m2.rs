@@ -14,7 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, BlockSparse, Device, KvShape, MoeOps, Rope, SparseAttentionOps};
 
-use crate::blocks::{gated_mlp, Attention};
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config};
 use crate::source::Source;
@@ -251,13 +251,7 @@ impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
         vec![LayerState::Kv; self.cfg.layers]
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let c = &self.cfg;

@@ -14,7 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
 
-use crate::blocks::Attention;
+use crate::blocks::{model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -283,17 +283,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
             .collect()
     }
 
-    fn state_size(&self) -> usize {
-        self.state.size()
-    }
-
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!(state);
 
     /// The conv and the scan step token by token, the rest is row-wise: any
     /// chunking gives the same bits.

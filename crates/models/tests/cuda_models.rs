@@ -508,6 +508,27 @@ enum Event {
     Pick(Pick),
 }
 
+/// A round's decode rows: each stream of `next` fed its next token
+/// (another one for `other`), `draft`'s stream with `n` draft tokens after
+/// it, in stream order or `reversed`.
+fn decode_rows(next: &HashMap<StreamId, u32>, draft: Option<(StreamId, usize)>, other: Option<StreamId>, reversed: bool, vocab: usize) -> Vec<DecodeRow> {
+    let mut ids: Vec<StreamId> = next.keys().copied().collect();
+    ids.sort();
+    if reversed {
+        ids.reverse();
+    }
+    ids.iter()
+        .map(|&s| {
+            let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
+            if let Some((_, n)) = draft.filter(|d| d.0 == s) {
+                let t0 = t[0];
+                t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
+            }
+            DecodeRow { stream: s, tokens: t }
+        })
+        .collect()
+}
+
 /// The rounds of the scenario: (round, what happens before it), a stream
 /// leaving last when `leave`.
 fn script(leave: bool) -> Vec<(usize, Event)> {
@@ -620,22 +641,7 @@ fn rounds_that_differ_from_the_one_launched_ahead() {
                 Event::Pick(p) => pick = p,
             }
         }
-        let mut ids: Vec<StreamId> = next.keys().copied().collect();
-        ids.sort();
-        if reversed {
-            ids.reverse();
-        }
-        let rows: Vec<DecodeRow> = ids
-            .iter()
-            .map(|&s| {
-                let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
-                if let Some((_, n)) = draft.filter(|d| d.0 == s) {
-                    let t0 = t[0];
-                    t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
-                }
-                DecodeRow { stream: s, tokens: t }
-            })
-            .collect();
+        let rows = decode_rows(&next, draft, other, reversed, vocab);
         let chunk = pending_chunk.take();
         let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
         let a = on.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();
@@ -1102,22 +1108,7 @@ mod ahead_on_cpu {
                     Event::Pick(p) => pick = p,
                 }
             }
-            let mut ids: Vec<StreamId> = next.keys().copied().collect();
-            ids.sort();
-            if reversed {
-                ids.reverse();
-            }
-            let rows: Vec<DecodeRow> = ids
-                .iter()
-                .map(|&s| {
-                    let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
-                    if let Some((_, n)) = draft.filter(|d| d.0 == s) {
-                        let t0 = t[0];
-                        t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
-                    }
-                    DecodeRow { stream: s, tokens: t }
-                })
-                .collect();
+            let rows = decode_rows(&next, draft, other, reversed, vocab);
             let chunk = pending.take();
             let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
             let out = be.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();

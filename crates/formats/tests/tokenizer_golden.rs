@@ -28,11 +28,16 @@ fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
+/// The golden file's `key` entries, of which there must be some.
+fn entries<'a>(g: &'a Value, key: &str) -> &'a [Value] {
+    let cases = g[key].as_array().unwrap();
+    assert!(!cases.is_empty(), "no {key} entries");
+    cases
+}
+
 /// Every `tokenize` entry: text → ids without BOS; and the ids decode back to the text.
 fn check_tokenize(tok: &Tokenizer, g: &Value) {
-    let cases = g["tokenize"].as_array().unwrap();
-    assert!(!cases.is_empty());
-    for c in cases {
+    for c in entries(g, "tokenize") {
         let text = c["text"].as_str().unwrap();
         let want = ids(&c["ids"]);
         let got = tok.encode(text, false).unwrap();
@@ -44,9 +49,7 @@ fn check_tokenize(tok: &Tokenizer, g: &Value) {
 /// Every `greedy` entry: the prompt with BOS (where the model adds one) gives
 /// `prompt_ids`, and the generated `tokens` decode to `text`, whole and streamed.
 fn check_greedy(tok: &Tokenizer, g: &Value) {
-    let cases = g["greedy"].as_array().unwrap();
-    assert!(!cases.is_empty());
-    for c in cases {
+    for c in entries(g, "greedy") {
         let prompt = c["prompt"].as_str().unwrap();
         let want = ids(&c["prompt_ids"]);
         assert_eq!(tok.encode(prompt, true).unwrap(), want, "encode({prompt:?}, add_special)");
@@ -60,24 +63,31 @@ fn check_greedy(tok: &Tokenizer, g: &Value) {
     }
 }
 
-#[test]
-fn smollm2_matches_llama_cpp() {
-    let (Some(tok), Some(g)) = (load(SMOLLM2), golden("smollm2-public.json")) else {
-        return;
+/// The model's tokenizer, checked against the golden file's `tokenize` and
+/// `greedy` entries; `None` (skipped) when either file is absent.
+fn matches_golden(file: &str, golden_file: &str) -> Option<Tokenizer> {
+    let (Some(tok), Some(g)) = (load(file), golden(golden_file)) else {
+        return None;
     };
     check_tokenize(&tok, &g);
     check_greedy(&tok, &g);
+    Some(tok)
+}
+
+#[test]
+fn smollm2_matches_llama_cpp() {
+    let Some(tok) = matches_golden(SMOLLM2, "smollm2-public.json") else {
+        return;
+    };
     // SmolLM2 adds no BOS: its greedy prompts start with the text itself.
     assert!(!tok.adds_bos());
 }
 
 #[test]
 fn gemma3_matches_llama_cpp() {
-    let (Some(tok), Some(g)) = (load(GEMMA3), golden("gemma3-public.json")) else {
+    let Some(tok) = matches_golden(GEMMA3, "gemma3-public.json") else {
         return;
     };
-    check_tokenize(&tok, &g);
-    check_greedy(&tok, &g);
     assert!(tok.adds_bos());
     assert_eq!(tok.bos(), tok.token_id("<bos>"));
 }

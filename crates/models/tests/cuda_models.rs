@@ -9,6 +9,8 @@
 
 #![cfg(feature = "cuda")]
 
+mod fixtures_common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -40,27 +42,8 @@ fn fixture_dir(name: &str) -> PathBuf {
 
 /// F32 / I64 tensors of a reference.safetensors file, as f32.
 fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
-    let p = fixture_dir(name).join("reference.safetensors");
-    let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let mut out = HashMap::new();
-    for (k, e) in header.as_object().unwrap() {
-        if k == "__metadata__" {
-            continue;
-        }
-        let shape: Vec<usize> = e["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-        let off: Vec<usize> = e["data_offsets"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-        let raw = &data[off[0]..off[1]];
-        let vals: Vec<f32> = match e["dtype"].as_str().unwrap() {
-            "F32" => raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            "I64" => raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f32).collect(),
-            _ => continue,
-        };
-        out.insert(k.clone(), (shape, vals));
-    }
-    out
+    let tensors = fixtures_common::read_safetensors(&fixture_dir(name).join("reference.safetensors"));
+    tensors.into_iter().map(|(k, t)| (k, (t.shape, t.data))).collect()
 }
 
 fn argmax(x: &[f32]) -> usize {

@@ -32,6 +32,12 @@ pub struct CpuTensor {
 }
 
 impl CpuTensor {
+    /// Make this `rows x cols`, new values zero (the kernels' outputs and
+    /// `Device::resize`).
+    pub fn resize(&mut self, rows: usize, cols: usize) {
+        self.data.resize(rows * cols, 0.0);
+        (self.rows, self.cols) = (rows, cols);
+    }
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
     }
@@ -144,9 +150,7 @@ impl Device for Cpu {
     }
 
     fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
-        t.data.resize(rows * cols, 0.0);
-        t.rows = rows;
-        t.cols = cols;
+        t.resize(rows, cols);
     }
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {

@@ -65,8 +65,7 @@ impl SparseAttentionOps for Cpu {
         let (hd, idim, ih) = (shape.head_dim, sel.index_dim, sel.index_heads);
         ensure!(hd <= MAX_HEAD_DIM && idim <= MAX_HEAD_DIM, "block_sparse_attention: head dims {hd} / {idim} over {MAX_HEAD_DIM}");
         let bt = kv.spec.block_tokens;
-        out.data.resize(q.rows * q.cols, 0.0);
-        (out.rows, out.cols) = (q.rows, q.cols);
+        out.resize(q.rows, q.cols);
 
         let mut row_seq = Vec::with_capacity(rows);
         for (si, s) in seqs.iter().enumerate() {

@@ -356,6 +356,14 @@ mod tests {
         pool.append(t, tokens);
     }
 
+    /// A new stream that attached `p` (under `salt`) and ran it all.
+    fn ran(pool: &mut BlockPool, p: &[u32], salt: u64) -> BlockTable {
+        let mut t = BlockTable::default();
+        pool.attach(&mut t, p, salt, p.len());
+        run(pool, &mut t, p);
+        t
+    }
+
     fn seq(n: usize, seed: u32) -> Vec<u32> {
         (0..n as u32).map(|i| i * 7 + seed).collect()
     }
@@ -390,9 +398,7 @@ mod tests {
     fn a_block_matches_only_behind_the_same_prefix_and_salt() {
         let mut pool = BlockPool::new(16, 4);
         let p = seq(8, 1);
-        let mut a = BlockTable::default();
-        pool.attach(&mut a, &p, 7, 8);
-        run(&mut pool, &mut a, &p);
+        let a = ran(&mut pool, &p, 7);
         pool.free_table(a);
         let mut other_salt = BlockTable::default();
         assert_eq!(pool.attach(&mut other_salt, &p, 8, 8).rows, 0);
@@ -415,9 +421,7 @@ mod tests {
         let mut pool = BlockPool::new(4, 2);
         let (p, q) = (seq(4, 1), seq(4, 2));
         for x in [&p, &q] {
-            let mut t = BlockTable::default();
-            pool.attach(&mut t, x, 0, 4);
-            run(&mut pool, &mut t, x);
+            let t = ran(&mut pool, x, 0);
             pool.free_table(t);
         }
         assert_eq!((pool.cached(), pool.available(), pool.evicted()), (4, 4, 0));
@@ -440,9 +444,7 @@ mod tests {
     fn rewinding_into_a_shared_block_copies_it_and_into_an_own_one_unseals_it() {
         let mut pool = BlockPool::new(8, 4);
         let p = seq(8, 3);
-        let mut a = BlockTable::default();
-        pool.attach(&mut a, &p, 0, 8);
-        run(&mut pool, &mut a, &p);
+        let mut a = ran(&mut pool, &p, 0);
         let mut b = BlockTable::default();
         assert_eq!(pool.attach(&mut b, &p, 0, 8).rows, 8);
         let shared = b.blocks[1];

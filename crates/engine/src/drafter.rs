@@ -111,18 +111,15 @@ mod tests {
     fn the_gate_follows_acceptance() {
         let mut g = Gate::new(6, 2);
         assert_eq!(g.allow(), 2, "a stream starts with 2");
-        g.proposed(2);
-        g.absorbed(3);
-        assert_eq!(g.allow(), 4, "all accepted: doubled");
-        g.proposed(4);
-        g.absorbed(5);
-        assert_eq!(g.allow(), 6, "doubled up to max");
-        g.proposed(6);
-        g.absorbed(2);
-        assert_eq!(g.allow(), 2, "one accepted: two next");
-        g.proposed(2);
-        g.absorbed(1);
-        assert_eq!(g.allow(), 1, "none accepted: one next");
+        // A round: `proposed` drafted, `absorbed` rows kept (the accepted
+        // ones and the next token), then the next round's allowance.
+        for (proposed, absorbed, allow, why) in
+            [(2, 3, 4, "all accepted: doubled"), (4, 5, 6, "doubled up to max"), (6, 2, 2, "one accepted: two next"), (2, 1, 1, "none accepted: one next")]
+        {
+            g.proposed(proposed);
+            g.absorbed(absorbed);
+            assert_eq!(g.allow(), allow, "{why}");
+        }
         g.proposed(1);
         g.absorbed(1);
         // Two misses in a row: two rounds skipped, then it tries again.

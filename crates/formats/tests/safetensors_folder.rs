@@ -145,32 +145,28 @@ fn sharded_folder() {
     assert_eq!((c.shape.clone(), c.to_f32().unwrap()), (vec![2, 1], vec![4., 5.]));
     assert!(f.tokenizer_json().is_none() && f.tokenizer_config().is_none());
 
+    // The index with `tensor` mapped to `shard`: the folder's error.
+    let with_entry = |tensor: &str, shard: &str| {
+        let mut bad = index.clone();
+        bad["weight_map"][tensor] = json!(shard);
+        d.write("model.safetensors.index.json", bad.to_string());
+        err(d.path())
+    };
+
     // The index names a tensor its shard lacks.
-    let mut bad = index.clone();
-    bad["weight_map"]["ghost.weight"] = json!("model-00002-of-00002.safetensors");
-    d.write("model.safetensors.index.json", bad.to_string());
-    let e = err(d.path());
+    let e = with_entry("ghost.weight", "model-00002-of-00002.safetensors");
     assert!(e.contains("ghost.weight") && e.contains("model.safetensors.index.json"), "{e}");
 
     // The index puts a tensor in the wrong shard.
-    let mut bad = index.clone();
-    bad["weight_map"]["a.weight"] = json!("model-00002-of-00002.safetensors");
-    d.write("model.safetensors.index.json", bad.to_string());
-    let e = err(d.path());
+    let e = with_entry("a.weight", "model-00002-of-00002.safetensors");
     assert!(e.contains("a.weight") && e.contains("model-00001-of-00002.safetensors"), "{e}");
 
     // A shard file that is not there.
-    let mut bad = index.clone();
-    bad["weight_map"]["a.weight"] = json!("model-00003-of-00002.safetensors");
-    d.write("model.safetensors.index.json", bad.to_string());
-    let e = err(d.path());
+    let e = with_entry("a.weight", "model-00003-of-00002.safetensors");
     assert!(e.contains("model-00003-of-00002.safetensors") && e.contains("missing"), "{e}");
 
     // A shard path that leaves the folder.
-    let mut bad = index.clone();
-    bad["weight_map"]["a.weight"] = json!("../elsewhere.safetensors");
-    d.write("model.safetensors.index.json", bad.to_string());
-    let e = err(d.path());
+    let e = with_entry("a.weight", "../elsewhere.safetensors");
     assert!(e.contains("../elsewhere.safetensors") && e.contains("plain file name"), "{e}");
 
     // The same tensor in two shards.

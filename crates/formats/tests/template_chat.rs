@@ -2,42 +2,13 @@
 //! (golden `template` entries), Jinja2 behaviors that model templates rely on
 //! (trim_blocks/lstrip_blocks, Python string methods, tojson), and errors.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 use braid_formats::gguf::Gguf;
 use braid_formats::template::{ChatMessage, ChatTemplate};
 use braid_formats::tokenizer::Tokenizer;
-use serde_json::{json, Value};
-
-fn model_path(file: &str) -> Option<PathBuf> {
-    let dir = if let Some(d) = std::env::var_os("BRAID_MODELS").filter(|d| !d.is_empty()) {
-        PathBuf::from(d)
-    } else if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        PathBuf::from(d).join("braid")
-    } else {
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-        home.join(".cache").join("braid")
-    };
-    let p = dir.join(file);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("SKIP: {} not found (set BRAID_MODELS to the folder holding it)", p.display());
-        None
-    }
-}
-
-fn golden(name: &str) -> Option<Value> {
-    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
-    let path = dir.join(name);
-    match std::fs::read_to_string(&path) {
-        Ok(s) => Some(serde_json::from_str(&s).expect("golden json")),
-        Err(_) => {
-            eprintln!("SKIP: golden file {} not found (set BRAID_GOLDEN)", path.display());
-            None
-        }
-    }
-}
+use common::{golden, model_path};
+use serde_json::json;
 
 fn msgs(v: &[(&str, &str)]) -> Vec<ChatMessage> {
     v.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()

@@ -4,11 +4,14 @@
 //! with BOS, ids → text), plus round trips and special-token parsing on the
 //! real vocabularies. Skipped, with a notice, when the model files are absent.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::Instant;
 
 use braid_formats::gguf::Gguf;
 use braid_formats::tokenizer::{TokenKind, Tokenizer};
+use common::{golden, model_path};
 use serde_json::Value;
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -16,40 +19,13 @@ const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 const QWEN25_15B: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("BRAID_MODELS").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("braid");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-    home.join(".cache").join("braid")
-}
-
 fn load(file: &str) -> Option<Tokenizer> {
-    let path = model_dir().join(file);
-    if !path.exists() {
-        eprintln!("SKIP: {} not found (set BRAID_MODELS to the folder holding it)", path.display());
-        return None;
-    }
+    let path = model_path(file)?;
     let g = Gguf::open(&path).expect("open gguf");
     let t0 = Instant::now();
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer from gguf");
     eprintln!("{file}: tokenizer of {} tokens built in {:?}", tok.vocab_size(), t0.elapsed());
     Some(tok)
-}
-
-fn golden(name: &str) -> Option<Value> {
-    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
-    let path = dir.join(name);
-    match std::fs::read_to_string(&path) {
-        Ok(s) => Some(serde_json::from_str(&s).expect("golden json")),
-        Err(_) => {
-            eprintln!("SKIP: golden file {} not found (set BRAID_GOLDEN)", path.display());
-            None
-        }
-    }
 }
 
 /// A golden file committed under testdata/golden (the Qwen ones carry more
@@ -63,12 +39,17 @@ fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
+/// The golden file's `key` entries, of which there must be some.
+fn entries<'a>(g: &'a Value, key: &str) -> &'a [Value] {
+    let cases = g[key].as_array().unwrap();
+    assert!(!cases.is_empty(), "no {key} entries");
+    cases
+}
+
 /// Every `tokenize` entry: text → ids without BOS; and the ids decode back to
 /// the text (special tokens written out, as some texts hold them).
 fn check_tokenize(tok: &Tokenizer, g: &Value) {
-    let cases = g["tokenize"].as_array().unwrap();
-    assert!(!cases.is_empty());
-    for c in cases {
+    for c in entries(g, "tokenize") {
         let text = c["text"].as_str().unwrap();
         let want = ids(&c["ids"]);
         let got = tok.encode(text, false).unwrap();
@@ -80,9 +61,7 @@ fn check_tokenize(tok: &Tokenizer, g: &Value) {
 /// Every `greedy` entry: the prompt with BOS (where the model adds one) gives
 /// `prompt_ids`, and the generated `tokens` decode to `text`, whole and streamed.
 fn check_greedy(tok: &Tokenizer, g: &Value) {
-    let cases = g["greedy"].as_array().unwrap();
-    assert!(!cases.is_empty());
-    for c in cases {
+    for c in entries(g, "greedy") {
         let prompt = c["prompt"].as_str().unwrap();
         let want = ids(&c["prompt_ids"]);
         assert_eq!(tok.encode(prompt, true).unwrap(), want, "encode({prompt:?}, add_special)");
@@ -96,24 +75,31 @@ fn check_greedy(tok: &Tokenizer, g: &Value) {
     }
 }
 
-#[test]
-fn smollm2_matches_llama_cpp() {
-    let (Some(tok), Some(g)) = (load(SMOLLM2), golden("smollm2-public.json")) else {
-        return;
+/// The model's tokenizer, checked against the golden file's `tokenize` and
+/// `greedy` entries; `None` (skipped) when either file is absent.
+fn matches_golden(file: &str, golden_file: &str) -> Option<Tokenizer> {
+    let (Some(tok), Some(g)) = (load(file), golden(golden_file)) else {
+        return None;
     };
     check_tokenize(&tok, &g);
     check_greedy(&tok, &g);
+    Some(tok)
+}
+
+#[test]
+fn smollm2_matches_llama_cpp() {
+    let Some(tok) = matches_golden(SMOLLM2, "smollm2-public.json") else {
+        return;
+    };
     // SmolLM2 adds no BOS: its greedy prompts start with the text itself.
     assert!(!tok.adds_bos());
 }
 
 #[test]
 fn gemma3_matches_llama_cpp() {
-    let (Some(tok), Some(g)) = (load(GEMMA3), golden("gemma3-public.json")) else {
+    let Some(tok) = matches_golden(GEMMA3, "gemma3-public.json") else {
         return;
     };
-    check_tokenize(&tok, &g);
-    check_greedy(&tok, &g);
     assert!(tok.adds_bos());
     assert_eq!(tok.bos(), tok.token_id("<bos>"));
 }

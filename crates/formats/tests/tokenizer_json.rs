@@ -2,9 +2,12 @@
 //! here: a byte-level BPE (GPT-2 / SmolLM style) and a SentencePiece-style BPE
 //! with byte fallback and a BOS-adding post-processor (Llama / Gemma style).
 
+mod common;
+
 use std::path::PathBuf;
 
 use braid_formats::tokenizer::{TokenKind, Tokenizer};
+use common::byte_char;
 use serde_json::{json, Value};
 
 /// A file in the temp folder, removed when dropped.
@@ -25,16 +28,6 @@ fn write_temp(name: &str, v: &Value) -> TempFile {
 fn added(id: u32, content: &str, special: bool) -> Value {
     json!({"id": id, "content": content, "single_word": false, "lstrip": false,
            "rstrip": false, "normalized": false, "special": special})
-}
-
-/// GPT-2's byte → character table, written out independently of the crate.
-fn byte_char(b: u8) -> char {
-    let printable = |b: u8| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
-    if printable(b) {
-        return b as char;
-    }
-    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(0x100 + n).unwrap()
 }
 
 /// ids 0..3: specials; 3..259: the 256 byte characters (byte b is id 3 + b);

@@ -2,23 +2,15 @@
 //! U+FFFD, and the chunks joined equal `decode` of all ids. Runs on small
 //! hand-made vocabularies (always) and on the real models (when present).
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::Arc;
 
 use braid_formats::gguf::Gguf;
 use braid_formats::tokenizer::{GgufTokenizerSpec, StreamDecoder, Tokenizer};
+use common::byte_char;
 
 const TEXT: &str = "Hi 👋🏽 你好，世界! ∑∫√ 🇯🇵 naïve — 𝔘𝔫𝔦 ok";
-
-/// GPT-2's byte → character table, written out independently of the crate.
-fn byte_char(b: u8) -> char {
-    let printable = |b: u8| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
-    if printable(b) {
-        return b as char;
-    }
-    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(0x100 + n).unwrap()
-}
 
 /// A byte-level vocabulary with no merges: every byte is its own token, so
 /// every multi-byte character is split over tokens.
@@ -144,13 +136,7 @@ fn control_tokens_stream_as_nothing() {
 
 #[test]
 fn real_models_stream_emoji_and_cjk() {
-    let dir = if let Some(d) = std::env::var_os("BRAID_MODELS").filter(|d| !d.is_empty()) {
-        PathBuf::from(d)
-    } else if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        PathBuf::from(d).join("braid")
-    } else {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/braid")
-    };
+    let dir = common::model_dir();
     for file in ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"] {
         let path = dir.join(file);
         if !path.exists() {

@@ -1,8 +1,9 @@
-//! The attention projections several families share: q, k, v from the
-//! normed rows, q and k optionally RMS-normed, RoPE, and the KV write.
+//! The blocks several families share: the attention projections (q, k, v
+//! from the normed rows, q and k optionally RMS-normed, RoPE, and the KV
+//! write), the whole attention branch built on them, and the gated MLP.
 
 use anyhow::Result;
-use braid_ops::{Device, Rope};
+use braid_ops::{Act, AttnSeq, Device, Rope};
 
 use crate::{Batch, Scratch};
 
@@ -93,4 +94,58 @@ impl<D: Device> Attention<D> {
         }
         dev.kv_write(kv, layer, &s.k, &s.v, batch.slots);
     }
+
+    /// The whole attention branch of the normed rows in `s.h`:
+    /// [`Self::qkv`], attention of `s.q` over KV layer `layer` for `seqs`,
+    /// and the output projection into `s.out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        dev: &D,
+        s: &mut Scratch<D>,
+        kv: &mut D::Kv,
+        layer: usize,
+        batch: &Batch<'_>,
+        seqs: &[AttnSeq<'_>],
+        head_dim: usize,
+        rope: Option<&Rope>,
+        eps: f32,
+        scale: f32,
+        softcap: Option<f32>,
+    ) {
+        self.qkv(dev, s, kv, layer, batch, head_dim, rope, eps);
+        dev.attention(&s.q, kv, layer, seqs, scale, softcap, &mut s.att);
+        dev.matmul(&s.att, &[&self.wo], &mut [&mut s.out]);
+    }
+}
+
+/// `Model::vocab` and `Model::context` from the model's `cfg` (and, given
+/// `state`, `Model::state_size` from its `state` layout): the same bodies
+/// in every family, over each family's own config type.
+macro_rules! model_sizes {
+    () => {
+        fn vocab(&self) -> usize {
+            self.cfg.vocab
+        }
+
+        fn context(&self) -> usize {
+            self.cfg.context
+        }
+    };
+    (state) => {
+        fn state_size(&self) -> usize {
+            self.state.size()
+        }
+
+        $crate::blocks::model_sizes!();
+    };
+}
+pub(crate) use model_sizes;
+
+/// The gated MLP of the normed rows in `s.h`:
+/// `s.out = down(act(gate · h) ⊙ (up · h))`.
+pub fn gated_mlp<D: Device>(dev: &D, s: &mut Scratch<D>, act: Act, gate: &D::Weight, up: &D::Weight, down: &D::Weight) {
+    dev.matmul(&s.h, &[gate, up], &mut [&mut s.gate, &mut s.up]);
+    dev.gated(act, &s.gate, &s.up, &mut s.act);
+    dev.matmul(&s.act, &[down], &mut [&mut s.out]);
 }

@@ -32,7 +32,7 @@ use braid_formats::safetensors::HfFolder;
 use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map, Rope};
 use serde_json::Value;
 
-use crate::blocks::Attention;
+use crate::blocks::{gated_mlp, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
@@ -428,9 +428,7 @@ impl<D: Device> DFlashDrafter<D> {
             dev.add(&mut s.x, &s.out);
             // SwiGLU MLP.
             dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
-            dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
-            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
+            gated_mlp(dev, s, Act::Silu, &b.w_gate, &b.w_up, &b.w_down);
             dev.add(&mut s.x, &s.out);
         }
         *s.extra(dev, 0) = ctx;

@@ -6,7 +6,7 @@ use anyhow::Result;
 use braid_formats::DType;
 use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
 
-use crate::blocks::Attention;
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
@@ -184,13 +184,7 @@ impl<D: Device> Model<D> for Gemma3<D> {
         self.cfg.global.iter().map(|&g| if g { LayerState::Kv } else { LayerState::SlidingKv { window: self.cfg.window } }).collect()
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let kv = &mut mem.kv;
@@ -202,16 +196,12 @@ impl<D: Device> Model<D> for Gemma3<D> {
             // Attention: q/k normalised per head before RoPE, the output normed
             // before it joins the residual stream.
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-            b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(rope), c.eps);
-            dev.attention(&s.q, kv, l, seqs, c.attn_scale, c.attn_softcap, &mut s.att);
-            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            b.attn.forward(dev, s, kv, l, batch, seqs, c.head_dim, Some(rope), c.eps, c.attn_scale, c.attn_softcap);
             dev.rms_norm(&s.out, &b.post_attn_norm, c.eps, &mut s.post);
             dev.add(&mut s.x, &s.post);
             // GELU-gated MLP, likewise normed before and after.
             dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
-            dev.gated(Act::GeluTanh, &s.gate, &s.up, &mut s.act);
-            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
+            gated_mlp(dev, s, Act::GeluTanh, &b.w_gate, &b.w_up, &b.w_down);
             dev.rms_norm(&s.out, &b.post_ffn_norm, c.eps, &mut s.post);
             dev.add(&mut s.x, &s.post);
             s.tap(dev, l);

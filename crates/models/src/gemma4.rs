@@ -16,6 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use braid_formats::TensorView;
 use braid_ops::{Act, AttnSeq, Device, KvShape, Map, MoeOps, Rope};
 
+use crate::blocks::model_sizes;
 use crate::config::HfConfig;
 use crate::gemma3::round_to;
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
@@ -317,13 +318,7 @@ impl<D: MoeOps> Model<D> for Gemma4<D> {
             .collect()
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let kv = &mut mem.kv;

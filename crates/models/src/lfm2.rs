@@ -10,7 +10,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, Device, KvShape, MoeOps, RecurrentOps, Rope};
 
-use crate::blocks::Attention;
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -215,17 +215,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
         self.cfg.attention.iter().map(|&a| if a { LayerState::Kv } else { LayerState::Conv }).collect()
     }
 
-    fn state_size(&self) -> usize {
-        self.state.size()
-    }
-
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!(state);
 
     /// Every op works row by row or, for the conv, tap by tap in time
     /// order, so any chunking gives the same bits.
@@ -251,23 +241,17 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
                     dev.matmul(bx, &[&cv.out], &mut [&mut s.out]);
                 }
                 Operator::Attention(a, kv) => {
-                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
-                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
                 }
             }
             dev.add(&mut s.x, &s.out);
             dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
             match &b.ffn {
                 FeedForward::Mlp { w1, w3, w2 } => {
-                    dev.matmul(&s.h, &[w1, w3], &mut [&mut s.gate, &mut s.up]);
-                    dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
-                    dev.matmul(&s.act, &[w2], &mut [&mut s.out]);
+                    gated_mlp(dev, s, Act::Silu, w1, w3, w2);
                 }
                 FeedForward::Moe { gate, moe } => {
-                    let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[gate], &mut [&mut *logits]);
-                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+                    moe.routed(dev, gate, s)?;
                 }
             }
             dev.add(&mut s.x, &s.out);

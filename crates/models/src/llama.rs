@@ -6,7 +6,7 @@
 use anyhow::{bail, Result};
 use braid_ops::{Act, Device, KvShape, Rope};
 
-use crate::blocks::Attention;
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::config::HfConfig;
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -183,13 +183,7 @@ impl<D: Device> Model<D> for Llama<D> {
         vec![LayerState::Kv; self.cfg.layers]
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let kv = &mut mem.kv;
@@ -199,15 +193,11 @@ impl<D: Device> Model<D> for Llama<D> {
         for (l, b) in self.blocks.iter().enumerate() {
             // Attention (Qwen3: q/k normalised per head before RoPE; Qwen2: q/k/v biased).
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-            b.attn.qkv(dev, s, kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
-            dev.attention(&s.q, kv, l, &batch.seqs, scale, None, &mut s.att);
-            dev.matmul(&s.att, &[&b.attn.wo], &mut [&mut s.out]);
+            b.attn.forward(dev, s, kv, l, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
             dev.add(&mut s.x, &s.out);
             // SwiGLU MLP.
             dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);
-            dev.matmul(&s.h, &[&b.w_gate, &b.w_up], &mut [&mut s.gate, &mut s.up]);
-            dev.gated(Act::Silu, &s.gate, &s.up, &mut s.act);
-            dev.matmul(&s.act, &[&b.w_down], &mut [&mut s.out]);
+            gated_mlp(dev, s, Act::Silu, &b.w_gate, &b.w_up, &b.w_down);
             dev.add(&mut s.x, &s.out);
             s.tap(dev, l);
         }

@@ -13,7 +13,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, Rope};
 
-use crate::blocks::Attention;
+use crate::blocks::{model_sizes, Attention};
 use crate::moe::{Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -193,17 +193,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
         self.cfg.full.iter().map(|&f| if f { LayerState::Kv } else { LayerState::LinearAttention }).collect()
     }
 
-    fn state_size(&self) -> usize {
-        self.state.size()
-    }
-
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!(state);
 
     /// Lightning attention runs its recurrence token by token (not in
     /// blocks), the rest is row-wise: any chunking gives the same bits.
@@ -231,18 +221,14 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
                     c.linear_ab
                 }
                 Mixer::Attention(a, kv) => {
-                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
-                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
                     c.full_ab
                 }
             };
             residual(dev, s, alpha, beta);
 
             dev.rms_norm(&s.x, &b.post_norm, c.eps, &mut s.h);
-            let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
-            dev.matmul(&s.h, &[&b.gate], &mut [&mut *logits]);
-            b.moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+            b.moe.routed(dev, &b.gate, s)?;
             let (alpha, beta) = c.mlp_ab;
             residual(dev, s, alpha, beta);
             s.tap(dev, l);

@@ -14,7 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, BlockSparse, Device, KvShape, MoeOps, Rope, SparseAttentionOps};
 
-use crate::blocks::Attention;
+use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config};
 use crate::source::Source;
@@ -252,13 +252,7 @@ impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
         vec![LayerState::Kv; self.cfg.layers]
     }
 
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!();
 
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let c = &self.cfg;
@@ -294,9 +288,7 @@ impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
                         self.glu(dev, m, s);
                         dev.add(&mut s.x, &s.out);
                     }
-                    let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[router], &mut [&mut *logits]);
-                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+                    moe.routed(dev, router, s)?;
                 }
             }
             dev.add(&mut s.x, &s.out);
@@ -311,8 +303,6 @@ impl<D: Device> MiniMaxM2<D> {
     /// `s.out = down(swiglu_clamped(gate(s.h), up(s.h)))`.
     fn glu(&self, dev: &D, m: &GluMlp<D>, s: &mut Scratch<D>) {
         let (limit, alpha) = self.cfg.swiglu.unwrap_or((f32::INFINITY, 1.702));
-        dev.matmul(&s.h, &[&m.gate, &m.up], &mut [&mut s.gate, &mut s.up]);
-        dev.gated(Act::SwiGluClamped { limit, alpha }, &s.gate, &s.up, &mut s.act);
-        dev.matmul(&s.act, &[&m.down], &mut [&mut s.out]);
+        gated_mlp(dev, s, Act::SwiGluClamped { limit, alpha }, &m.gate, &m.up, &m.down);
     }
 }

@@ -30,7 +30,9 @@ use anyhow::{bail, ensure, Context, Result};
 use braid_formats::TensorView;
 use braid_ops::{Act, Device, Map, MoeOps};
 
+use crate::recurrent::extras;
 use crate::source::Source;
+use crate::Scratch;
 
 /// How router logits become scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,6 +213,15 @@ pub struct Moe<D: Device> {
 }
 
 impl<D: MoeOps> Moe<D> {
+    /// The mixture over the normed rows `s.h` into `s.out`, routed by the
+    /// `gate` projection of those same rows (the families whose router
+    /// reads the block's input); scratch from `s.extra`.
+    pub fn routed(&self, dev: &D, gate: &D::Weight, s: &mut Scratch<D>) -> Result<()> {
+        let [logits, t0, t1, t2, t3, t4] = extras(dev, &mut s.extra);
+        dev.matmul(&s.h, &[gate], &mut [&mut *logits]);
+        self.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])
+    }
+
     /// `out = Σ_chosen w · expert(x)` per row of `x`, the experts chosen from
     /// `router_logits` (`[rows, experts]`). `out` is overwritten (resized to
     /// `[rows, hidden]`); `t` are scratch tensors.

@@ -14,7 +14,7 @@
 use anyhow::{bail, ensure, Result};
 use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
 
-use crate::blocks::Attention;
+use crate::blocks::{model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
@@ -284,17 +284,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
             .collect()
     }
 
-    fn state_size(&self) -> usize {
-        self.state.size()
-    }
-
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn context(&self) -> usize {
-        self.cfg.context
-    }
+    model_sizes!(state);
 
     /// The conv and the scan step token by token, the rest is row-wise: any
     /// chunking gives the same bits.
@@ -322,9 +312,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
                 }
                 Layer::Attention(a, kv) => {
                     // No positional encoding.
-                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, None, c.eps);
-                    dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);
-                    dev.matmul(&s.att, &[&a.wo], &mut [&mut s.out]);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, None, c.eps, scale, None);
                 }
                 Layer::Mlp { up, down } => {
                     dev.matmul(&s.h, &[up], &mut [&mut s.up]);
@@ -332,9 +320,9 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
                     dev.matmul(&s.up, &[down], &mut [&mut s.out]);
                 }
                 Layer::Moe { gate, moe, shared_up, shared_down } => {
-                    let [logits, t0, t1, t2, t3, t4, shared] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[gate], &mut [&mut *logits]);
-                    moe.forward(dev, &s.h, logits, &mut s.out, [t0, t1, t2, t3, t4])?;
+                    moe.routed(dev, gate, s)?;
+                    // The seventh scratch buffer, after the mixture's six.
+                    let [.., shared] = extras::<D, 7>(dev, &mut s.extra);
                     // The shared expert: down(relu(up(h))²), beside the routed ones.
                     dev.matmul(&s.h, &[shared_up], &mut [&mut s.up]);
                     dev.map(&mut s.up, Map::Relu2);

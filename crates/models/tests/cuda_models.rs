@@ -9,6 +9,8 @@
 
 #![cfg(feature = "cuda")]
 
+mod fixtures_common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -40,27 +42,8 @@ fn fixture_dir(name: &str) -> PathBuf {
 
 /// F32 / I64 tensors of a reference.safetensors file, as f32.
 fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
-    let p = fixture_dir(name).join("reference.safetensors");
-    let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let mut out = HashMap::new();
-    for (k, e) in header.as_object().unwrap() {
-        if k == "__metadata__" {
-            continue;
-        }
-        let shape: Vec<usize> = e["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-        let off: Vec<usize> = e["data_offsets"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-        let raw = &data[off[0]..off[1]];
-        let vals: Vec<f32> = match e["dtype"].as_str().unwrap() {
-            "F32" => raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            "I64" => raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f32).collect(),
-            _ => continue,
-        };
-        out.insert(k.clone(), (shape, vals));
-    }
-    out
+    let tensors = fixtures_common::read_safetensors(&fixture_dir(name).join("reference.safetensors"));
+    tensors.into_iter().map(|(k, t)| (k, (t.shape, t.data))).collect()
 }
 
 fn argmax(x: &[f32]) -> usize {
@@ -508,6 +491,27 @@ enum Event {
     Pick(Pick),
 }
 
+/// A round's decode rows: each stream of `next` fed its next token
+/// (another one for `other`), `draft`'s stream with `n` draft tokens after
+/// it, in stream order or `reversed`.
+fn decode_rows(next: &HashMap<StreamId, u32>, draft: Option<(StreamId, usize)>, other: Option<StreamId>, reversed: bool, vocab: usize) -> Vec<DecodeRow> {
+    let mut ids: Vec<StreamId> = next.keys().copied().collect();
+    ids.sort();
+    if reversed {
+        ids.reverse();
+    }
+    ids.iter()
+        .map(|&s| {
+            let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
+            if let Some((_, n)) = draft.filter(|d| d.0 == s) {
+                let t0 = t[0];
+                t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
+            }
+            DecodeRow { stream: s, tokens: t }
+        })
+        .collect()
+}
+
 /// The rounds of the scenario: (round, what happens before it), a stream
 /// leaving last when `leave`.
 fn script(leave: bool) -> Vec<(usize, Event)> {
@@ -620,22 +624,7 @@ fn rounds_that_differ_from_the_one_launched_ahead() {
                 Event::Pick(p) => pick = p,
             }
         }
-        let mut ids: Vec<StreamId> = next.keys().copied().collect();
-        ids.sort();
-        if reversed {
-            ids.reverse();
-        }
-        let rows: Vec<DecodeRow> = ids
-            .iter()
-            .map(|&s| {
-                let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
-                if let Some((_, n)) = draft.filter(|d| d.0 == s) {
-                    let t0 = t[0];
-                    t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
-                }
-                DecodeRow { stream: s, tokens: t }
-            })
-            .collect();
+        let rows = decode_rows(&next, draft, other, reversed, vocab);
         let chunk = pending_chunk.take();
         let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
         let a = on.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();
@@ -1102,22 +1091,7 @@ mod ahead_on_cpu {
                     Event::Pick(p) => pick = p,
                 }
             }
-            let mut ids: Vec<StreamId> = next.keys().copied().collect();
-            ids.sort();
-            if reversed {
-                ids.reverse();
-            }
-            let rows: Vec<DecodeRow> = ids
-                .iter()
-                .map(|&s| {
-                    let mut t = vec![if other == Some(s) { (next[&s] + 1) % vocab as u32 } else { next[&s] }];
-                    if let Some((_, n)) = draft.filter(|d| d.0 == s) {
-                        let t0 = t[0];
-                        t.extend((0..n as u32).map(|i| (t0 + 7 * i + 3) % vocab as u32));
-                    }
-                    DecodeRow { stream: s, tokens: t }
-                })
-                .collect();
+            let rows = decode_rows(&next, draft, other, reversed, vocab);
             let chunk = pending.take();
             let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
             let out = be.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();

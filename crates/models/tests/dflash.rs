@@ -55,6 +55,13 @@ impl Case {
     }
 
     /// Propose after token `n` and check the block logits against `logits_n`.
+    /// A new stream fed the first `n` rows in `pieces`, then checked.
+    fn fresh(&mut self, stream: u64, n: usize, pieces: usize) -> Vec<u32> {
+        self.drafter.open(stream, &[]);
+        self.absorb(stream, 0, n, pieces);
+        self.check(stream, n)
+    }
+
     fn check(&mut self, stream: u64, n: usize) -> Vec<u32> {
         let picks = self.drafter.propose_block(stream, self.tokens[n], 3).unwrap();
         let want = &self.reference[&format!("logits_{n}")];
@@ -75,9 +82,7 @@ fn native_layout_matches_the_reference() {
     assert_eq!(c.width, 128);
     for (i, n) in cases(&c).into_iter().enumerate() {
         let stream = i as u64;
-        c.drafter.open(stream, &[]);
-        c.absorb(stream, 0, n, 1);
-        let picks = c.check(stream, n);
+        let picks = c.fresh(stream, n, 1);
         // Greedy picks are the logits' argmax, in the target's ids.
         let rows: Vec<u32> = c.drafter.last_logits.chunks(256).map(braid_ops::argmax_host).collect();
         assert_eq!(picks, rows);
@@ -103,9 +108,7 @@ fn context_kept_across_proposals_matches_the_reference() {
     c.check(7, 31);
     // A forgotten stream starts over: its blocks are free again.
     c.drafter.forget(7);
-    c.drafter.open(7, &[]);
-    c.absorb(7, 0, 24, 1);
-    c.check(7, 24);
+    c.fresh(7, 24, 1);
 }
 
 #[test]
@@ -113,10 +116,7 @@ fn speculators_layout_matches_the_reference_and_maps_draft_ids() {
     let mut c = case("dflash_gemma3_speculators");
     assert_eq!(c.drafter.model().logits_width(), 128);
     for (i, n) in cases(&c).into_iter().enumerate() {
-        let stream = i as u64;
-        c.drafter.open(stream, &[]);
-        c.absorb(stream, 0, n, 2);
-        let picks = c.check(stream, n);
+        let picks = c.fresh(i as u64, n, 2);
         // The fixture's draft vocabulary is the odd tokens: d2t maps draft
         // column i to target token 2i + 1.
         let cols: Vec<u32> = c.drafter.last_logits.chunks(128).map(braid_ops::argmax_host).collect();

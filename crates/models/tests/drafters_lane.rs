@@ -9,19 +9,12 @@ mod fixtures_common;
 
 use std::sync::{Arc, Mutex};
 
-use braid_engine::{Drafter, Event, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId, TokenText};
+use braid_engine::{Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId};
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::Source;
 use braid_ops::cpu::Cpu;
 use braid_ops::KvDtype;
 use fixtures_common::*;
-
-struct NoText;
-impl TokenText for NoText {
-    fn token_bytes(&self, _id: u32) -> Vec<u8> {
-        Vec::new()
-    }
-}
 
 /// What the lane handed the drafter: each absorb's stream, tokens and features.
 type Log = Arc<Mutex<Vec<(StreamId, Vec<u32>, Vec<f32>)>>>;
@@ -60,15 +53,6 @@ fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
         stop: StopRules { max_tokens: Some(24), ignore_eos: true, ..Default::default() },
         ..Default::default()
     }
-}
-
-fn tokens(h: braid_engine::StreamHandle) -> Vec<u32> {
-    h.filter_map(|e| match e {
-        Event::Token { id, .. } => Some(id),
-        Event::Error(e) => panic!("{e}"),
-        _ => None,
-    })
-    .collect()
 }
 
 /// Which drafter a lane runs.

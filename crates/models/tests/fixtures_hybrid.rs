@@ -124,6 +124,13 @@ fn nemotron_h_clamps_dt_in_decode() {
 /// A change to a config.json.
 type ConfigEdit = dyn Fn(&mut serde_json::Map<String, Value>);
 
+/// The Hub's older form of the RoPE base: a top-level `rope_theta`, not
+/// `rope_parameters`.
+fn flat_rope_theta(c: &mut serde_json::Map<String, Value>) {
+    let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
+    c.insert("rope_theta".into(), theta);
+}
+
 /// A copy of a fixture folder with `edit` applied to its config.json (the
 /// Hub form of a config, say).
 fn edited_fixture(name: &str, tag: &str, edit: &ConfigEdit) -> PathBuf {
@@ -157,8 +164,7 @@ fn hub_config_forms() {
                     c["layer_types"].as_array().unwrap().iter().enumerate().filter(|(_, t)| t.as_str() != Some("conv")).map(|(i, _)| i).collect();
                 c.remove("layer_types");
                 c.insert("full_attn_idxs".into(), json!(idx));
-                let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
-                c.insert("rope_theta".into(), theta);
+                flat_rope_theta(c);
             }),
         ),
         (
@@ -184,16 +190,14 @@ fn hub_config_forms() {
                 let list: Vec<u32> = c["layer_types"].as_array().unwrap().iter().map(|t| (t.as_str() == Some("full_attention")) as u32).collect();
                 c.remove("layer_types");
                 c.insert("attn_type_list".into(), json!(list));
-                let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
-                c.insert("rope_theta".into(), theta);
+                flat_rope_theta(c);
             }),
         ),
         (
             "minimax_m2",
             Box::new(|c| {
                 // Hub: rotary_dim (kept) and rope_theta, no partial_rotary_factor.
-                let theta = c.remove("rope_parameters").unwrap()["rope_theta"].clone();
-                c.insert("rope_theta".into(), theta);
+                flat_rope_theta(c);
             }),
         ),
     ];

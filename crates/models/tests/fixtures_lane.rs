@@ -7,32 +7,8 @@ mod fixtures_common;
 
 use std::sync::Arc;
 
-use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Pick, Picked, Request, SamplingParams, Step, StopRules, TokenText};
-use fixtures_common::Fixture;
-
-const FAMILIES: [&str; 13] = [
-    "llama",
-    "qwen2",
-    "qwen2_tied",
-    "qwen3",
-    "gemma3_text",
-    "gemma4_text",
-    "gemma4_text_moe",
-    "lfm2",
-    "lfm2_moe",
-    "nemotron_h",
-    "minimax",
-    "minimax_m2",
-    "minimax_m3_vl_text",
-];
-
-/// The fixtures have no tokenizer; stop strings are not exercised here.
-struct NoText;
-impl TokenText for NoText {
-    fn token_bytes(&self, _id: u32) -> Vec<u8> {
-        Vec::new()
-    }
-}
+use braid_engine::{Backend, Chunk, DecodeRow, Lane, LaneConfig, Pick, Picked, Request, SamplingParams, Step, StopRules};
+use fixtures_common::{tokens, Fixture, NoText, FAMILIES};
 
 fn request(prompt: Vec<u32>) -> Request {
     Request {
@@ -42,15 +18,6 @@ fn request(prompt: Vec<u32>) -> Request {
         logprobs: None,
         ..Default::default()
     }
-}
-
-fn tokens(h: braid_engine::StreamHandle) -> Vec<u32> {
-    h.filter_map(|e| match e {
-        Event::Token { id, .. } => Some(id),
-        Event::Error(e) => panic!("{e}"),
-        _ => None,
-    })
-    .collect()
 }
 
 fn lane(f: &Fixture) -> Lane {

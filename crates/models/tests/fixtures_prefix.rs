@@ -8,19 +8,8 @@ mod fixtures_common;
 
 use std::sync::Arc;
 
-use braid_engine::{Event, Lane, LaneConfig, Request, SamplingParams, StopRules, TokenText};
-use fixtures_common::Fixture;
-
-const FAMILIES: [&str; 11] =
-    ["llama", "qwen3", "gemma3_text", "gemma4_text", "gemma4_text_moe", "lfm2", "lfm2_moe", "nemotron_h", "minimax", "minimax_m2", "minimax_m3_vl_text"];
-
-/// The fixtures have no tokenizer.
-struct NoText;
-impl TokenText for NoText {
-    fn token_bytes(&self, _id: u32) -> Vec<u8> {
-        Vec::new()
-    }
-}
+use braid_engine::{Event, Lane, LaneConfig, Request, SamplingParams, StopRules};
+use fixtures_common::{Fixture, NoText, FAMILIES};
 
 fn request(prompt: Vec<u32>) -> Request {
     Request {

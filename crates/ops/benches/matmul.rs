@@ -13,18 +13,9 @@ use braid_formats::DType;
 use braid_ops::cpu::pool;
 use braid_ops::cpu::quant::{f32_to_f16, matmul, Isa, QMatRef};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+#[path = "../tests/common/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// Random blocks with sane f16 scales (the values don't matter for speed,
 /// but NaN/inf scales could take slow paths).

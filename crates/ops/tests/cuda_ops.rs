@@ -31,24 +31,9 @@ fn gpu() -> Option<Cuda> {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * amp).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+#[path = "common/rng.rs"]
+mod rng;
+use rng::XorShift as Rng;
 
 fn seed() -> u64 {
     // Fresh inputs each run, printed so a failure can be replayed.

@@ -6,19 +6,9 @@
 use braid_ops::cpu::{Cpu, CpuTensor};
 use braid_ops::{Act, AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, KvShape, Map, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
 
-/// xorshift: reproducible values in [-1, 1).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
+#[path = "common/rng.rs"]
+mod rng;
+use rng::XorShift as Rng;
 
 fn t(data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor {
     assert_eq!(data.len(), rows * cols);
@@ -57,9 +47,9 @@ fn short_conv_matches_reference_and_is_chunk_and_batch_invariant() {
     let dev = Cpu::new(Some(2));
     let (c, k, n) = (5, 4, 11);
     let mut r = Rng(7);
-    let x = t(r.vec(n * c), n, c);
-    let w = t(r.vec(c * k), 1, c * k);
-    let b = t(r.vec(c), 1, c);
+    let x = t(r.vec(n * c, 1.0), n, c);
+    let w = t(r.vec(c * k, 1.0), 1, c * k);
+    let b = t(r.vec(c, 1.0), 1, c);
     let op = |x: &CpuTensor, st: &mut CpuTensor, seqs: &[StateSeq], out: &mut CpuTensor| dev.short_conv(x, &w, Some(&b), k, true, st, 3, seqs, out).unwrap();
     // State rows of 3 + c*(k-1) + 2 values: the op must use only its part.
     let cols = 3 + c * (k - 1) + 2;
@@ -87,7 +77,7 @@ fn short_conv_matches_reference_and_is_chunk_and_batch_invariant() {
         assert_eq!(st.data, end_state);
     }
     // Two sequences in one call: each as if alone.
-    let y = t(r.vec(4 * c), 4, c);
+    let y = t(r.vec(4 * c, 1.0), 4, c);
     let mut both = t(y.data.clone(), 4, c);
     both.data.extend_from_slice(&x.data);
     both.rows += n;
@@ -111,13 +101,13 @@ fn ssm_scan_matches_reference_and_is_chunk_invariant() {
     let w = inner + 2 * sh.groups * sh.state_dim;
     let n = 9;
     let mut r = Rng(11);
-    let xbc = t(r.vec(n * w), n, w);
-    let mut dtv = r.vec(n * sh.heads);
+    let xbc = t(r.vec(n * w, 1.0), n, w);
+    let mut dtv = r.vec(n * sh.heads, 1.0);
     dtv.iter_mut().for_each(|v| *v *= 6.0); // some dt fall under dt_min after the softplus
     let dt_all = t(dtv, n, sh.heads);
-    let dt_bias = t(r.vec(sh.heads), 1, sh.heads);
-    let a = t(r.vec(sh.heads).iter().map(|v| -v.abs() - 0.1).collect(), 1, sh.heads);
-    let d = t(r.vec(sh.heads), 1, sh.heads);
+    let dt_bias = t(r.vec(sh.heads, 1.0), 1, sh.heads);
+    let a = t(r.vec(sh.heads, 1.0).iter().map(|v| -v.abs() - 0.1).collect(), 1, sh.heads);
+    let d = t(r.vec(sh.heads, 1.0), 1, sh.heads);
     let per = sh.heads * sh.head_dim * sh.state_dim;
     let run = |cuts: &[usize]| {
         let mut st = t(vec![0.0; per], 1, per);
@@ -185,7 +175,7 @@ fn linear_attention_matches_reference_and_is_chunk_invariant() {
     let dev = Cpu::new(Some(2));
     let (heads, hd, n) = (3, 4, 10);
     let mut r = Rng(5);
-    let qkv = t(r.vec(n * heads * 3 * hd), n, heads * 3 * hd);
+    let qkv = t(r.vec(n * heads * 3 * hd, 1.0), n, heads * 3 * hd);
     let slopes = t(vec![0.1, 0.5, 1.3], 1, heads);
     let per = heads * hd * hd;
     let run = |cuts: &[usize]| {
@@ -271,13 +261,13 @@ fn block_sparse_case(dtype: KvDtype) {
     let blocks: Vec<u32> = vec![5, 2, 7, 0, 1, 3, 6, 4];
     let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();
     let mut r = Rng(3);
-    let k = t(r.vec(n * kvh * hd), n, kvh * hd);
-    let v = t(r.vec(n * kvh * hd), n, kvh * hd);
-    let ik = t(r.vec(n * idim).iter().map(|x| x * 3.0).collect(), n, idim);
+    let k = t(r.vec(n * kvh * hd, 1.0), n, kvh * hd);
+    let v = t(r.vec(n * kvh * hd, 1.0), n, kvh * hd);
+    let ik = t(r.vec(n * idim, 1.0).iter().map(|x| x * 3.0).collect(), n, idim);
     dev.kv_write(&mut kv, 0, &k, &v, &slots);
     dev.kv_write(&mut kv, 1, &ik, &ik, &slots);
-    let q = t(r.vec(n * heads * hd), n, heads * hd);
-    let iq = t(r.vec(n * ih * idim), n, ih * idim);
+    let q = t(r.vec(n * heads * hd, 1.0), n, heads * hd);
+    let iq = t(r.vec(n * ih * idim, 1.0), n, ih * idim);
     let seqs = [AttnSeq { q_start: 0, q_len: n, kv_len: n, blocks: &blocks, window: None }];
     let scale = 0.3;
 

@@ -5,20 +5,9 @@
 use braid_formats::DType;
 use braid_ops::cpu::quant::{dequantize, f32_to_f16, matmul, matmul_isa, matmul_rows, Isa, QMatRef};
 
-/// xorshift64*: deterministic, no dependencies.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+#[path = "common/rng.rs"]
+mod rng;
+use rng::Rng;
 
 const ALL: [DType; 15] = [
     DType::F32,

@@ -12,6 +12,24 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Two threads for one test, the file's lock held; back to the default
+/// (0) when dropped.
+struct TwoThreads {
+    _lock: std::sync::MutexGuard<'static, ()>,
+}
+
+fn two_threads() -> TwoThreads {
+    let g = serial();
+    set_threads(2);
+    TwoThreads { _lock: g }
+}
+
+impl Drop for TwoThreads {
+    fn drop(&mut self) {
+        set_threads(0);
+    }
+}
+
 #[test]
 fn every_task_runs_exactly_once() {
     let _g = serial();
@@ -31,8 +49,7 @@ fn every_task_runs_exactly_once() {
 
 #[test]
 fn work_is_spread_over_threads() {
-    let _g = serial();
-    set_threads(2);
+    let _g = two_threads();
     let ids = Mutex::new(std::collections::HashSet::new());
     // Tasks that take a while, so the worker surely picks some up.
     parallel_for(64, &|_| {
@@ -40,13 +57,11 @@ fn work_is_spread_over_threads() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     });
     assert_eq!(ids.lock().unwrap().len(), 2);
-    set_threads(0);
 }
 
 #[test]
 fn nested_and_concurrent_calls_complete() {
-    let _g = serial();
-    set_threads(2);
+    let _g = two_threads();
     let total = AtomicUsize::new(0);
     parallel_for(8, &|_| {
         parallel_for(10, &|_| {
@@ -68,13 +83,11 @@ fn nested_and_concurrent_calls_complete() {
         }
     });
     assert_eq!(total.load(Ordering::Relaxed), 3 * 200 * 7);
-    set_threads(0);
 }
 
 #[test]
 fn a_panicking_task_propagates_and_the_pool_survives() {
-    let _g = serial();
-    set_threads(2);
+    let _g = two_threads();
     for _ in 0..3 {
         let r = std::panic::catch_unwind(|| {
             parallel_for(16, &|i| {
@@ -90,13 +103,11 @@ fn a_panicking_task_propagates_and_the_pool_survives() {
         count.fetch_add(1, Ordering::Relaxed);
     });
     assert_eq!(count.load(Ordering::Relaxed), 100);
-    set_threads(0);
 }
 
 #[test]
 fn many_small_jobs_back_to_back() {
-    let _g = serial();
-    set_threads(2);
+    let _g = two_threads();
     // Exercises the spin / park hand-off many times, with pauses long
     // enough that workers park in between.
     let sum = AtomicUsize::new(0);
@@ -109,5 +120,4 @@ fn many_small_jobs_back_to_back() {
         }
     }
     assert_eq!(sum.load(Ordering::Relaxed), 2000 * 6);
-    set_threads(0);
 }

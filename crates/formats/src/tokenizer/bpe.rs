@@ -77,17 +77,26 @@ struct Bigram {
     merged: u32,
 }
 
-impl PartialEq for Bigram {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == Ordering::Equal
-    }
+/// `PartialEq`, `Eq` and `PartialOrd` of a type from its own `Ord`: the
+/// merge heaps order pairs by a key, not by every field (so no derive).
+macro_rules! ord_by_cmp {
+    ($t:ty) => {
+        impl PartialEq for $t {
+            fn eq(&self, o: &Self) -> bool {
+                self.cmp(o) == std::cmp::Ordering::Equal
+            }
+        }
+        impl Eq for $t {}
+        impl PartialOrd for $t {
+            fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(o))
+            }
+        }
+    };
 }
-impl Eq for Bigram {}
-impl PartialOrd for Bigram {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
+pub(super) use ord_by_cmp;
+
+ord_by_cmp!(Bigram);
 impl Ord for Bigram {
     /// Max-heap order: lowest rank first, then the leftmost pair.
     fn cmp(&self, o: &Self) -> Ordering {

@@ -14,6 +14,8 @@ use std::collections::{BinaryHeap, HashMap};
 
 use anyhow::{bail, Result};
 
+use super::bpe::ord_by_cmp;
+
 pub(crate) struct Spm {
     scores: Vec<f32>,
     /// The token for each byte value: `<0xXX>`, else the one-byte text, else UNK.
@@ -37,17 +39,7 @@ struct Bigram {
     size: u32,
 }
 
-impl PartialEq for Bigram {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == Ordering::Equal
-    }
-}
-impl Eq for Bigram {}
-impl PartialOrd for Bigram {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
+ord_by_cmp!(Bigram);
 impl Ord for Bigram {
     /// Max-heap order: higher score first, then the leftmost pair.
     fn cmp(&self, o: &Self) -> Ordering {

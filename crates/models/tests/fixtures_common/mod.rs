@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use braid_engine::{Backend, Chunk, DecodeRow, StreamId};
+use braid_engine::{Backend, Chunk, DecodeRow, Event, StreamHandle, StreamId, TokenText};
 use braid_models::{BackendConfig, LayerState, ModelBackend};
 use braid_ops::cpu::Cpu;
 use braid_ops::KvDtype;
@@ -377,4 +377,40 @@ pub fn incremental(be: &mut ModelBackend<Cpu>, stream: StreamId, tokens: &[u32],
         out.extend(run_rows(be, stream, std::slice::from_ref(t)));
     }
     out
+}
+
+/// Every family that has a fixture, for the tests that run them all.
+pub const FAMILIES: [&str; 13] = [
+    "llama",
+    "qwen2",
+    "qwen2_tied",
+    "qwen3",
+    "gemma3_text",
+    "gemma4_text",
+    "gemma4_text_moe",
+    "lfm2",
+    "lfm2_moe",
+    "nemotron_h",
+    "minimax",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+];
+
+/// The fixtures have no tokenizer; stop strings are not exercised through a lane.
+pub struct NoText;
+
+impl TokenText for NoText {
+    fn token_bytes(&self, _id: u32) -> Vec<u8> {
+        Vec::new()
+    }
+}
+
+/// The tokens a lane's stream sends, panicking on an error event.
+pub fn tokens(h: StreamHandle) -> Vec<u32> {
+    h.filter_map(|e| match e {
+        Event::Token { id, .. } => Some(id),
+        Event::Error(e) => panic!("{e}"),
+        _ => None,
+    })
+    .collect()
 }

@@ -641,28 +641,32 @@ mod tests {
         out.data
     }
 
+    /// Row `p`, head `h` of the attention by a direct softmax in f64, over
+    /// the keys and values as the f16 pool holds them.
+    fn direct(s: &Setup, p: usize, h: usize) -> Vec<f64> {
+        let (hd, heads) = (s.hd, s.heads);
+        let kvh = s.kv.spec.layers[0].kv_heads;
+        let kh = h / (heads / kvh);
+        let kf = |p: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + kh * hd + d, 1)).to_f64();
+        let vf = |p: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + kh * hd + d, 2)).to_f64();
+        let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+        let qv = |d: usize| s.q.data[p * heads * hd + h * hd + d] as f64;
+        let sc: Vec<f64> = (lo..=p).map(|j| (0..hd).map(|d| qv(d) * kf(j, d)).sum::<f64>() * 0.3).collect();
+        let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+        let z: f64 = e.iter().sum();
+        (0..hd).map(|d| (lo..=p).zip(&e).map(|(j, w)| w * vf(j, d)).sum::<f64>() / z).collect()
+    }
+
     #[test]
     fn matches_a_direct_softmax() {
         for case in CASES {
             let s = setup(case);
             let got = run(&s, 0, s.n);
             let (hd, heads) = (s.hd, s.heads);
-            let kvh = s.kv.spec.layers[0].kv_heads;
-            let group = heads / kvh;
-            // Keys and values as the f16 pool holds them.
-            let kf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 1)).to_f64();
-            let vf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 2)).to_f64();
             for p in 0..s.n {
-                let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
                 for h in 0..heads {
-                    let kh = h / group;
-                    let qv = |d: usize| s.q.data[p * heads * hd + h * hd + d] as f64;
-                    let sc: Vec<f64> = (lo..=p).map(|j| (0..hd).map(|d| qv(d) * kf(j, kh, d)).sum::<f64>() * 0.3).collect();
-                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for d in 0..hd {
-                        let want = (lo..=p).zip(&e).map(|(j, w)| w * vf(j, kh, d)).sum::<f64>() / z;
+                    for (d, want) in direct(&s, p, h).into_iter().enumerate() {
                         let g = got[p * heads * hd + h * hd + d] as f64;
                         assert!((g - want).abs() < 2e-5, "{case:?} pos {p} head {h} dim {d}: {g} vs {want}");
                     }
@@ -683,21 +687,9 @@ mod tests {
             for (a, b) in [(s.n - 1, s.n), (s.n - 3, s.n - 1), (1023, 1024), (1024, 1025), (511, 512), (512, 513), (600, 601)] {
                 assert_eq!(run(&s, a, b), whole[a * w..b * w], "{case:?} rows {a}..{b}");
             }
-            let kvh = s.kv.spec.layers[0].kv_heads;
-            let group = heads / kvh;
-            let kf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 1)).to_f64();
-            let vf = |p: usize, h: usize, d: usize| half::f16::from_f32(val(p * kvh * hd + h * hd + d, 2)).to_f64();
             for p in [511, 512, 1000, s.n - 1] {
-                let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
                 for h in [0, heads - 1] {
-                    let kh = h / group;
-                    let qv = |d: usize| s.q.data[p * w + h * hd + d] as f64;
-                    let sc: Vec<f64> = (lo..=p).map(|j| (0..hd).map(|d| qv(d) * kf(j, kh, d)).sum::<f64>() * 0.3).collect();
-                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for d in 0..hd {
-                        let want = (lo..=p).zip(&e).map(|(j, x)| x * vf(j, kh, d)).sum::<f64>() / z;
+                    for (d, want) in direct(&s, p, h).into_iter().enumerate() {
                         let g = whole[p * w + h * hd + d] as f64;
                         assert!((g - want).abs() < 2e-5, "{case:?} pos {p} head {h} dim {d}: {g} vs {want}");
                     }

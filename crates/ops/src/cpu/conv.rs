@@ -26,8 +26,7 @@ pub fn short_conv(
     checks::short_conv(c, kernel, weight.data.len(), bias.map(|b| b.data.len()), state.cols, state_offset)?;
     let tail = kernel - 1;
     checks::state_seqs(seqs, x.rows, state.rows)?;
-    out.data.resize(x.data.len(), 0.0);
-    (out.rows, out.cols) = (x.rows, c);
+    out.resize(x.rows, c);
 
     let optr = SendPtr(out.data.as_mut_ptr());
     let sptr = SendPtr(state.data.as_mut_ptr());

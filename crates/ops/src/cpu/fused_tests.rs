@@ -7,18 +7,9 @@ use super::quant::f32_to_f16;
 use super::{Cpu, CpuTensor, CpuWeight};
 use crate::Device;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+#[path = "../../tests/common/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// Random blocks with small f16 scales.
 fn weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> CpuWeight {

@@ -22,8 +22,7 @@ pub fn linear_attention(
     let per_head = hd * hd;
     checks::state_seqs(seqs, qkv.rows, state.rows)?;
     let width = heads * hd;
-    out.data.resize(qkv.rows * width, 0.0);
-    (out.rows, out.cols) = (qkv.rows, width);
+    out.resize(qkv.rows, width);
 
     let optr = SendPtr(out.data.as_mut_ptr());
     let sptr = SendPtr(state.data.as_mut_ptr());

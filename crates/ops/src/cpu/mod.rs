@@ -21,7 +21,7 @@ use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{Act, AttnSeq, BlockSparse, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SparseAttentionOps, SsmShape, StateSeq};
+use crate::{Act, AttnSeq, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -32,6 +32,12 @@ pub struct CpuTensor {
 }
 
 impl CpuTensor {
+    /// Make this `rows x cols`, new values zero (the kernels' outputs and
+    /// `Device::resize`).
+    pub fn resize(&mut self, rows: usize, cols: usize) {
+        self.data.resize(rows * cols, 0.0);
+        (self.rows, self.cols) = (rows, cols);
+    }
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
     }
@@ -107,15 +113,21 @@ fn par_rows(n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
 }
 
 /// A raw pointer that may cross into pool tasks; each task writes disjoint rows.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
+struct SendPtr<T = f32>(*mut T);
+// Not derived: a derive would ask `T: Copy`, and a pointer copies whatever it points to.
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
     /// # Safety
     /// The range must be inside the allocation and written by one task only.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(start), len)
     }
 }
@@ -138,9 +150,7 @@ impl Device for Cpu {
     }
 
     fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
-        t.data.resize(rows * cols, 0.0);
-        t.rows = rows;
-        t.cols = cols;
+        t.resize(rows, cols);
     }
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
@@ -387,23 +397,6 @@ impl RecurrentOps for Cpu {
         out: &mut CpuTensor,
     ) -> Result<()> {
         linear_attention::linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
-    }
-}
-
-impl SparseAttentionOps for Cpu {
-    fn block_sparse_attention(
-        &self,
-        q: &CpuTensor,
-        iq: &CpuTensor,
-        kv: &CpuKv,
-        layer: usize,
-        index_layer: usize,
-        seqs: &[AttnSeq<'_>],
-        scale: f32,
-        sel: &BlockSparse,
-        out: &mut CpuTensor,
-    ) -> Result<()> {
-        sparse_attention::block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
 }
 

@@ -28,8 +28,7 @@ pub fn sigmoid_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 pub fn group_rms_norm(x: &CpuTensor, w: &CpuTensor, group: usize, eps: f32, out: &mut CpuTensor) -> Result<()> {
     ensure!(w.cols == x.cols, "group_rms_norm: weight of {} for rows of {}", w.cols, x.cols);
     ensure!(group > 0 && x.cols.is_multiple_of(group), "group_rms_norm: groups of {group} do not divide rows of {}", x.cols);
-    out.data.resize(x.data.len(), 0.0);
-    (out.rows, out.cols) = (x.rows, x.cols);
+    out.resize(x.rows, x.cols);
     let optr = SendPtr(out.data.as_mut_ptr());
     let cols = x.cols;
     par_rows(x.rows, &|range| {

@@ -28,8 +28,7 @@ pub fn ssm_scan(
     checks::state_seqs(seqs, xbc.rows, state.rows)?;
     let inner = nh * hd;
     let per_head = hd * n;
-    out.data.resize(xbc.rows * inner, 0.0);
-    (out.rows, out.cols) = (xbc.rows, inner);
+    out.resize(xbc.rows, inner);
 
     let optr = SendPtr(out.data.as_mut_ptr());
     let sptr = SendPtr(state.data.as_mut_ptr());

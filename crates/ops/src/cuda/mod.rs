@@ -43,10 +43,7 @@ use anyhow::{anyhow, bail, ensure, Result};
 use braid_formats::TensorView;
 use cudarc::driver::{result as drv, sys, CudaContext};
 
-use crate::{
-    Act, AttnSeq, BlockSparse, Device, DeviceCaps, Forward, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, RowPick, RowPicked, SparseAttentionOps,
-    SsmShape, StateSeq,
-};
+use crate::{Act, AttnSeq, Device, DeviceCaps, Forward, KvDtype, KvPoolSpec, Map, MoeOps, Rope, RowPick, RowPicked};
 use rt::{cu, DevBuf};
 
 pub use rt::{check_libraries, kernel_cache_dir};
@@ -433,78 +430,8 @@ impl Device for Cuda {
     }
 }
 
-// The families' ops (recurrent.rs): they check their inputs, then run
-// through `Cuda::try_op`.
-impl RecurrentOps for Cuda {
-    fn group_rms_norm(&self, x: &CudaTensor, w: &CudaTensor, group: usize, eps: f32, out: &mut CudaTensor) -> Result<()> {
-        self.try_group_rms_norm(x, w, group, eps, out)
-    }
-
-    fn short_conv(
-        &self,
-        x: &CudaTensor,
-        weight: &CudaTensor,
-        bias: Option<&CudaTensor>,
-        kernel: usize,
-        silu: bool,
-        state: &mut CudaTensor,
-        state_offset: usize,
-        seqs: &[StateSeq],
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        self.try_short_conv(x, weight, bias, kernel, silu, state, state_offset, seqs, out)
-    }
-
-    fn ssm_scan(
-        &self,
-        xbc: &CudaTensor,
-        dt: &CudaTensor,
-        dt_bias: &CudaTensor,
-        a: &CudaTensor,
-        d: &CudaTensor,
-        shape: &SsmShape,
-        state: &mut CudaTensor,
-        state_offset: usize,
-        seqs: &[StateSeq],
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        self.try_ssm_scan(xbc, dt, dt_bias, a, d, shape, state, state_offset, seqs, out)
-    }
-
-    fn linear_attention(
-        &self,
-        qkv: &CudaTensor,
-        slopes: &CudaTensor,
-        heads: usize,
-        head_dim: usize,
-        state: &mut CudaTensor,
-        state_offset: usize,
-        seqs: &[StateSeq],
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        self.try_linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
-    }
-}
-
 impl MoeOps for Cuda {
     fn scatter_add_rows(&self, out: &mut CudaTensor, y: &CudaTensor, rows: &[u32], weights: &[f32]) -> Result<()> {
         self.try_scatter_add_rows(out, y, rows, weights)
-    }
-}
-
-impl SparseAttentionOps for Cuda {
-    fn block_sparse_attention(
-        &self,
-        q: &CudaTensor,
-        iq: &CudaTensor,
-        kv: &CudaKv,
-        layer: usize,
-        index_layer: usize,
-        seqs: &[AttnSeq<'_>],
-        scale: f32,
-        sel: &BlockSparse,
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        self.try_block_sparse_attention(q, iq, kv, layer, index_layer, seqs, scale, sel, out)
     }
 }

@@ -11,8 +11,10 @@
 //! token in the same order whatever the chunking, so, as on the CPU, a row's
 //! result does not depend on how its prompt was cut.
 //!
-//! Each `try_*` is the `Device` op of that name: it checks its inputs (an
-//! error there is returned, not kept), then runs through [`Cuda::try_op`].
+//! Each `try_*` is the `Device` op of that name, and the `RecurrentOps` and
+//! `SparseAttentionOps` methods are implemented here: each checks its inputs
+//! (an error there is returned, not kept), then runs through
+//! [`Cuda::try_op`].
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -23,7 +25,7 @@ use super::exec::Io;
 use super::kernels;
 use super::rt::{self, DevBuf};
 use super::{Cuda, CudaKv, CudaTensor};
-use crate::{checks, AttnSeq, BlockSparse, SsmShape, StateSeq};
+use crate::{checks, AttnSeq, BlockSparse, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
 
 /// SSM state size per lane × 32 lanes (`SSM_NPL` in the source).
 const MAX_SSM_STATE: usize = 256;
@@ -192,8 +194,10 @@ impl Cuda {
             Ok(())
         })
     }
+}
 
-    pub(super) fn try_group_rms_norm(&self, x: &CudaTensor, w: &CudaTensor, group: usize, eps: f32, out: &mut CudaTensor) -> Result<()> {
+impl RecurrentOps for Cuda {
+    fn group_rms_norm(&self, x: &CudaTensor, w: &CudaTensor, group: usize, eps: f32, out: &mut CudaTensor) -> Result<()> {
         ensure!(w.len() == x.cols, "group_rms_norm: weight of {} for rows of {}", w.len(), x.cols);
         ensure!(group > 0 && x.cols.is_multiple_of(group), "group_rms_norm: groups of {group} do not divide rows of {}", x.cols);
         self.grow(out, x.rows, x.cols)?;
@@ -218,8 +222,7 @@ impl Cuda {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn try_short_conv(
+    fn short_conv(
         &self,
         x: &CudaTensor,
         weight: &CudaTensor,
@@ -283,8 +286,7 @@ impl Cuda {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn try_ssm_scan(
+    fn ssm_scan(
         &self,
         xbc: &CudaTensor,
         dt: &CudaTensor,
@@ -334,8 +336,7 @@ impl Cuda {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn try_linear_attention(
+    fn linear_attention(
         &self,
         qkv: &CudaTensor,
         slopes: &CudaTensor,
@@ -372,9 +373,10 @@ impl Cuda {
                 .run()
         })
     }
+}
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn try_block_sparse_attention(
+impl SparseAttentionOps for Cuda {
+    fn block_sparse_attention(
         &self,
         q: &CudaTensor,
         iq: &CudaTensor,

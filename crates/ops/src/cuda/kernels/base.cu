@@ -20,6 +20,30 @@ extern "C" __global__ void embed(const bf16_t* __restrict__ table, const unsigne
     }
 }
 
+// The sum of every thread's `v` over the block, returned to every thread;
+// `red` is 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) red[0] = t;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// Element i of the norm's group at `base`: x · inv · w (no w: 1), and its bf16 copy.
+__device__ __forceinline__ void rms_store(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                          bf16_t* __restrict__ out_bf, long base, int i, float inv) {
+    float v = x[base + i] * inv * (w ? w[i] : 1.f);
+    out[base + i] = v;
+    out_bf[base + i] = f2bf(v);
+}
+
 // One block (256 threads) per group of g elements.
 extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
                                           bf16_t* __restrict__ out_bf, int g, float eps) {
@@ -28,21 +52,9 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
     long base = (long)blockIdx.x * g;
     float ss = 0.f;
     for (int i = threadIdx.x; i < g; i += blockDim.x) { float v = x[base + i]; ss += v * v; }
-    ss = warp_sum(ss);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-        t = warp_sum(t);
-        if (lane == 0) red[0] = t;
-    }
-    __syncthreads();
-    float inv = rsqrtf(red[0] / g + eps);
+    float inv = rsqrtf(block_sum(ss, red) / g + eps);
     for (int i = threadIdx.x; i < g; i += blockDim.x) {
-        float v = x[base + i] * inv * (w ? w[i] : 1.f);
-        out[base + i] = v;
-        out_bf[base + i] = f2bf(v);
+        rms_store(x, w, out, out_bf, base, i, inv);
     }
 }
 
@@ -59,9 +71,7 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
     ss = warp_sum(ss);
     float inv = rsqrtf(ss / g + eps);
     for (int i = lane; i < g; i += 32) {
-        float v = x[base + i] * inv * (w ? w[i] : 1.f);
-        out[base + i] = v;
-        out_bf[base + i] = f2bf(v);
+        rms_store(x, w, out, out_bf, base, i, inv);
     }
 }
 
@@ -73,21 +83,9 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     long base = (long)blockIdx.x * g;
     float ss = 0.f;
     for (int i = threadIdx.x; i < g; i += blockDim.x) { float v = x[base + i] + y[base + i]; x[base + i] = v; ss += v * v; }
-    ss = warp_sum(ss);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-        t = warp_sum(t);
-        if (lane == 0) red[0] = t;
-    }
-    __syncthreads();
-    float inv = rsqrtf(red[0] / g + eps);
+    float inv = rsqrtf(block_sum(ss, red) / g + eps);
     for (int i = threadIdx.x; i < g; i += blockDim.x) {
-        float v = x[base + i] * inv * (w ? w[i] : 1.f);
-        out[base + i] = v;
-        out_bf[base + i] = f2bf(v);
+        rms_store(x, w, out, out_bf, base, i, inv);
     }
 }
 

@@ -99,6 +99,8 @@ def metrics(host, port):
     for line in body.decode().splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
+            # Every series carries the model's name; key them without it.
+            name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
             try:
                 out[name] = float(value)
             except ValueError:

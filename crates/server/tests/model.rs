@@ -6,21 +6,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use braid_engine::{Lane, LaneConfig};
-use braid_formats::cache::cached_model;
-use braid_formats::gguf::Gguf;
-use braid_formats::template::ChatTemplate;
-use braid_formats::tokenizer::Tokenizer;
-use braid_models::{BackendConfig, ModelBackend};
-use braid_ops::cpu::Cpu;
-use braid_server::{ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_server::{ModelInfo, Server, ServerConfig};
 use common::*;
 use serde_json::{json, Value};
 
-const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const CONTEXT: usize = 1024;
 
 /// One model test at a time: they share two cores, and the timing checks
@@ -28,22 +20,9 @@ const CONTEXT: usize = 1024;
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn load(lane_cfg: LaneConfig) -> Option<(Lane, ModelInfo)> {
-    let Some(path) = cached_model(MODEL) else {
-        eprintln!("SKIP: {MODEL} not in the model cache (run `braid fetch smollm2`)");
-        return None;
-    };
-    let gguf = Gguf::open(&path).expect("open gguf");
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-    let template = ChatTemplate::from_gguf(&gguf, &tokenizer).expect("template");
-    assert!(template.is_some(), "SmolLM2 ships a chat template");
-    let dev = Cpu::new(None);
-    let (_src, model) = braid_models::open(&dev, &path).expect("load model");
-    let backend = ModelBackend::new(dev, model, BackendConfig { context: CONTEXT, kv_tokens: 4 * CONTEXT, max_streams: 16, ..BackendConfig::default() })
-        .expect("backend");
-    let lane_cfg = LaneConfig { eos_ids: tokenizer.stop_ids(), max_context: CONTEXT, ..lane_cfg };
-    let lane = Lane::spawn(Box::new(backend), Arc::new(TokenizerText(tokenizer.clone())), lane_cfg);
-    let stop_ids = tokenizer.stop_ids();
-    Some((lane, ModelInfo { tokenizer, template, context: CONTEXT, stop_ids }))
+    let (lane, info) = smollm2::lane(lane_cfg, CONTEXT, 4 * CONTEXT)?;
+    assert!(info.template.is_some(), "SmolLM2 ships a chat template");
+    Some((lane, info))
 }
 
 async fn start(lane_cfg: LaneConfig) -> Option<Server> {

@@ -10,18 +10,11 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use braid_engine::{Lane, LaneConfig};
-use braid_formats::cache::cached_model;
-use braid_formats::gguf::Gguf;
-use braid_formats::template::ChatTemplate;
+use braid_engine::LaneConfig;
 use braid_formats::tokenizer::Tokenizer;
-use braid_models::{BackendConfig, ModelBackend};
-use braid_ops::cpu::Cpu;
-use braid_server::{CacheIsolation, ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_server::{CacheIsolation, Server, ServerConfig};
 use common::*;
 use serde_json::{json, Value};
-
-const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// One test at a time: they share two cores, and the timing check should
 /// not race another test's prefill.
@@ -29,19 +22,8 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A server over SmolLM2 with `kv_tokens` of KV memory, and its tokenizer.
 async fn start(cfg: ServerConfig, context: usize, kv_tokens: usize) -> Option<(Server, Arc<Tokenizer>)> {
-    let Some(path) = cached_model(MODEL) else {
-        eprintln!("SKIP: {MODEL} not in the model cache (run `braid fetch smollm2`)");
-        return None;
-    };
-    let gguf = Gguf::open(&path).expect("open gguf");
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-    let template = ChatTemplate::from_gguf(&gguf, &tokenizer).expect("template");
-    let dev = Cpu::new(None);
-    let (_src, model) = braid_models::open(&dev, &path).expect("load model");
-    let backend = ModelBackend::new(dev, model, BackendConfig { context, kv_tokens, max_streams: 16, ..BackendConfig::default() }).expect("backend");
-    let lane_cfg = LaneConfig { eos_ids: tokenizer.stop_ids(), max_context: context, ..LaneConfig::default() };
-    let lane = Lane::spawn(Box::new(backend), Arc::new(TokenizerText(tokenizer.clone())), lane_cfg);
-    let info = ModelInfo { tokenizer: tokenizer.clone(), template, context, stop_ids: tokenizer.stop_ids() };
+    let (lane, info) = smollm2::lane(LaneConfig::default(), context, kv_tokens)?;
+    let tokenizer = info.tokenizer.clone();
     let server = Server::bind(ServerConfig { port: 0, model_name: "smollm2".into(), ..cfg }).await.expect("bind");
     server.ready(lane, info);
     Some((server, tokenizer))

@@ -4,37 +4,17 @@
 //! `x-request-id`, `/v1/embeddings`. Skipped (with a notice) when the
 //! model or Python's `openai` is missing.
 
-use std::sync::Arc;
+mod common;
 
-use braid_engine::{Lane, LaneConfig};
-use braid_formats::cache::cached_model;
-use braid_formats::gguf::Gguf;
-use braid_formats::template::ChatTemplate;
-use braid_formats::tokenizer::Tokenizer;
-use braid_models::{BackendConfig, ModelBackend};
-use braid_ops::cpu::Cpu;
-use braid_server::{ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_engine::LaneConfig;
+use braid_server::{Server, ServerConfig};
 
-const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const CONTEXT: usize = 1024;
 
 async fn start() -> Option<Server> {
-    let Some(path) = cached_model(MODEL) else {
-        eprintln!("SKIP: {MODEL} not in the model cache (run `braid fetch smollm2`)");
-        return None;
-    };
-    let gguf = Gguf::open(&path).expect("open gguf");
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).expect("tokenizer"));
-    let template = ChatTemplate::from_gguf(&gguf, &tokenizer).expect("template");
-    let dev = Cpu::new(None);
-    let (_src, model) = braid_models::open(&dev, &path).expect("load model");
-    let backend = ModelBackend::new(dev, model, BackendConfig { context: CONTEXT, kv_tokens: 4 * CONTEXT, max_streams: 16, ..BackendConfig::default() })
-        .expect("backend");
-    let lane_cfg = LaneConfig { eos_ids: tokenizer.stop_ids(), max_context: CONTEXT, ..LaneConfig::default() };
-    let lane = Lane::spawn(Box::new(backend), Arc::new(TokenizerText(tokenizer.clone())), lane_cfg);
-    let stop_ids = tokenizer.stop_ids();
+    let (lane, info) = common::smollm2::lane(LaneConfig::default(), CONTEXT, 4 * CONTEXT)?;
     let server = Server::bind(ServerConfig { port: 0, model_name: "smollm2".into(), ..ServerConfig::default() }).await.expect("bind");
-    server.ready(lane, ModelInfo { tokenizer, template, context: CONTEXT, stop_ids });
+    server.ready(lane, info);
     Some(server)
 }
 

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod fake;
+pub mod smollm2;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! Expected facts come from the models' published configs (SmolLM2-135M:
 //! hidden 576, 30 layers, 9 heads / 3 KV heads of 64, FFN 1536, vocab 49152;
 //! Gemma 3 270M: hidden 640, 18 layers, 4 heads / 1 KV head of 256, FFN 2048,
-//! vocab 262144) and from llama.cpp's tokenization in /work/shared/golden.
+//! vocab 262144) and from llama.cpp's tokenization in testdata/golden (copies of ../shared/golden).
 
 use std::path::PathBuf;
 

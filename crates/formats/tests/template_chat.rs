@@ -14,14 +14,15 @@ fn msgs(v: &[(&str, &str)]) -> Vec<ChatMessage> {
     v.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
 }
 
-#[test]
-fn smollm2_gguf_template_matches_llama_cpp() {
-    let (Some(path), Some(g)) = (model_path("SmolLM2-135M-Instruct.Q4_1.gguf"), golden("smollm2-public.json")) else {
+/// The GGUF's own ChatML template renders every golden case as llama.cpp
+/// did, and its special-token text tokenizes to the special tokens.
+fn chatml_template_matches_llama_cpp(file: &str, golden_file: &str) {
+    let (Some(path), Some(g)) = (model_path(file), golden(golden_file)) else {
         return;
     };
     let gguf = Gguf::open(&path).unwrap();
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
-    let tmpl = ChatTemplate::from_gguf(&gguf, &tok).unwrap().expect("SmolLM2 ships a template");
+    let tmpl = ChatTemplate::from_gguf(&gguf, &tok).unwrap().expect("the model ships a template");
     let cases = g["template"].as_array().unwrap();
     assert!(!cases.is_empty());
     for c in cases {
@@ -31,32 +32,20 @@ fn smollm2_gguf_template_matches_llama_cpp() {
         // Without the generation prompt the assistant header is not there.
         let bare = tmpl.render(&messages, false).unwrap();
         assert_eq!(want.strip_suffix("<|im_start|>assistant\n"), Some(bare.as_str()));
-        // The rendered prompt's special-token text tokenizes to the special tokens.
         let ids = tok.encode(want, true).unwrap();
-        let im_start = tok.token_id("<|im_start|>").unwrap();
-        assert_eq!(ids[0], im_start);
+        assert_eq!(ids[0], tok.token_id("<|im_start|>").unwrap());
         assert_eq!(tok.decode_with_special(&ids), want);
     }
 }
 
 #[test]
+fn smollm2_gguf_template_matches_llama_cpp() {
+    chatml_template_matches_llama_cpp("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-public.json");
+}
+
+#[test]
 fn qwen25_gguf_template_matches_llama_cpp() {
-    let (Some(path), Some(g)) = (model_path("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), golden("qwen25coder05-public.json")) else {
-        return;
-    };
-    let gguf = Gguf::open(&path).unwrap();
-    let tok = Tokenizer::from_gguf(&gguf).unwrap();
-    let tmpl = ChatTemplate::from_gguf(&gguf, &tok).unwrap().expect("Qwen2.5 ships a template");
-    let cases = g["template"].as_array().unwrap();
-    assert!(!cases.is_empty());
-    for c in cases {
-        let messages: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
-        let want = c["prompt"].as_str().unwrap();
-        assert_eq!(tmpl.render(&messages, true).unwrap(), want);
-        let ids = tok.encode(want, true).unwrap();
-        assert_eq!(ids[0], tok.token_id("<|im_start|>").unwrap());
-        assert_eq!(tok.decode_with_special(&ids), want);
-    }
+    chatml_template_matches_llama_cpp("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen25coder05-public.json");
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! GGUF tokenizers against llama.cpp: the `tokenize` and `greedy` entries of
-//! /work/shared/golden/{smollm2,gemma3}-public.json and of
+//! testdata/golden (copies of ../shared/golden)/{smollm2,gemma3}-public.json and of
 //! testdata/golden/qwen25coder{05,15}-public.json (text → ids, prompt ids
 //! with BOS, ids → text), plus round trips and special-token parsing on the
 //! real vocabularies. Skipped, with a notice, when the model files are absent.

@@ -31,10 +31,11 @@ pub fn model_path(file: &str) -> Option<PathBuf> {
     }
 }
 
-/// A golden file of `$BRAID_GOLDEN` (default /work/shared/golden), or
-/// `None` (with a notice) when it is absent.
+/// A golden file of `$BRAID_GOLDEN` (default the copies committed under
+/// testdata/golden, so a clean clone runs these tests), or `None` (with a
+/// notice) when it is absent.
 pub fn golden(name: &str) -> Option<Value> {
-    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
+    let dir = std::env::var_os("BRAID_GOLDEN").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/golden"));
     let path = dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(s) => Some(serde_json::from_str(&s).expect("golden json")),

@@ -40,11 +40,10 @@ const CHAT: &[&str] = &["messages", "max_completion_tokens", "top_logprobs", "to
 
 const COMPLETIONS: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 
-const RESPONSES: &[&str] = &[
+/// The Responses fields passed on unchanged to the chat request it becomes
+/// (`responses::chat_body`); one list, so the two cannot drift apart.
+pub(crate) const RESPONSES_AS_CHAT: &[&str] = &[
     "model",
-    "input",
-    "instructions",
-    "max_output_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -52,18 +51,15 @@ const RESPONSES: &[&str] = &[
     "repetition_penalty",
     "seed",
     "stream",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "text",
     "user",
-    "previous_response_id",
-    "reasoning",
-    "truncation",
-    "include",
+    "parallel_tool_calls",
     "chat_template_kwargs",
     "cache_salt",
 ];
+
+/// The Responses fields read on their own (besides `RESPONSES_AS_CHAT`).
+const RESPONSES: &[&str] =
+    &["input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "previous_response_id", "reasoning", "truncation", "include"];
 
 /// The fields of `map` that `route` does not read, in the body's order.
 pub(crate) fn unknown<'a>(route: &str, map: &'a Map<String, Value>) -> Vec<&'a str> {
@@ -72,7 +68,7 @@ pub(crate) fn unknown<'a>(route: &str, map: &'a Map<String, Value>) -> Vec<&'a s
             || match route {
                 "/v1/chat/completions" => SAMPLING.contains(&k) || CHAT.contains(&k),
                 "/v1/completions" => SAMPLING.contains(&k) || COMPLETIONS.contains(&k),
-                "/v1/responses" => RESPONSES.contains(&k),
+                "/v1/responses" => RESPONSES.contains(&k) || RESPONSES_AS_CHAT.contains(&k),
                 _ => true,
             }
     };

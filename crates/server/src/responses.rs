@@ -368,20 +368,7 @@ fn chat_body(map: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
     // Fields that mean the same in both APIs.
-    for k in [
-        "model",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "seed",
-        "stream",
-        "user",
-        "parallel_tool_calls",
-        "chat_template_kwargs",
-        "cache_salt",
-    ] {
+    for &k in crate::fields::RESPONSES_AS_CHAT {
         if let Some(v) = map.get(k) {
             chat.insert(k.into(), v.clone());
         }

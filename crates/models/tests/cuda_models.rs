@@ -20,15 +20,9 @@ use braid_ops::cuda::{Cuda, Tuning};
 use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec};
 use serde_json::Value;
 
-fn gpu() -> Option<Cuda> {
-    match Cuda::new(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e:#}");
-            None
-        }
-    }
-}
+#[path = "../../ops/tests/common/gpu.rs"]
+mod gpu;
+use gpu::gpu;
 
 /// `testdata/` (or `$BRAID_TESTDATA`: the test binary may run on another
 /// machine, from another checkout).

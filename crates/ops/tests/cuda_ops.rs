@@ -21,15 +21,9 @@ use half::bf16;
 type T = <Cuda as Device>::Tensor;
 type W = <Cuda as Device>::Weight;
 
-fn gpu() -> Option<Cuda> {
-    match Cuda::new(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("SKIP: no CUDA device: {e:#}");
-            None
-        }
-    }
-}
+#[path = "common/gpu.rs"]
+mod gpu;
+use gpu::gpu;
 
 #[path = "common/rng.rs"]
 mod rng;

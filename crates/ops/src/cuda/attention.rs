@@ -157,25 +157,12 @@ impl Cuda {
         let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
         let kv_w = (kvh * hd) as i32;
         let cap = softcap.unwrap_or(0.0);
+        // Both kernels open with the query and the paged cache (the grid and
+        // block are set apart from the arguments, so the order is free).
+        let paged = |f: usize| self.launch(f).ptr(q.fptr()).int(q.cols).ptr(kc).ptr(vc).i32(kv_w).int(bt).ptr(mp).int(off_list).int(off_bt);
         if prefill {
             let f = f_pre.unwrap_or(f_dec);
-            self.launch(f)
-                .grid((work as u32, heads as u32, 1))
-                .block(128)
-                .ptr(q.fptr())
-                .int(q.cols)
-                .ptr(kc)
-                .ptr(vc)
-                .i32(kv_w)
-                .int(bt)
-                .ptr(mp)
-                .int(off_list)
-                .int(off_bt)
-                .f32(scale)
-                .f32(cap)
-                .ptr(out.fptr())
-                .ptr(out.bptr())
-                .run()?;
+            paged(f).grid((work as u32, heads as u32, 1)).block(128).f32(scale).f32(cap).ptr(out.fptr()).ptr(out.bptr()).run()?;
         } else {
             // Split the keys so the launch fills the GPU; the split count
             // depends on the batch shape only, so graphs stay valid as
@@ -199,19 +186,10 @@ impl Cuda {
             } else {
                 0
             };
-            self.launch(cluster.unwrap_or(f_dec))
+            paged(cluster.unwrap_or(f_dec))
                 .grid((nsplit as u32, kvh as u32, work as u32))
                 .block(128)
                 .cluster(if cluster.is_some() { nsplit as u32 } else { 1 })
-                .ptr(q.fptr())
-                .int(q.cols)
-                .ptr(kc)
-                .ptr(vc)
-                .i32(kv_w)
-                .int(bt)
-                .ptr(mp)
-                .int(off_list)
-                .int(off_bt)
                 .int(nsplit)
                 .f32(scale)
                 .f32(cap)

@@ -23,27 +23,16 @@ fn go(name: &str, target: fn(&[u8])) {
     }
 }
 
-#[test]
-fn gguf() {
-    go("gguf", fuzz::gguf);
+/// One test per fuzz target, named as the target and its corpus folder.
+macro_rules! targets {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                go(stringify!($name), fuzz::$name);
+            }
+        )*
+    };
 }
 
-#[test]
-fn safetensors_header() {
-    go("safetensors_header", fuzz::safetensors_header);
-}
-
-#[test]
-fn tokenizer_json() {
-    go("tokenizer_json", fuzz::tokenizer_json);
-}
-
-#[test]
-fn gguf_tokenizer() {
-    go("gguf_tokenizer", fuzz::gguf_tokenizer);
-}
-
-#[test]
-fn chat_template() {
-    go("chat_template", fuzz::chat_template);
-}
+targets!(gguf, safetensors_header, tokenizer_json, gguf_tokenizer, chat_template);

@@ -28,6 +28,16 @@ fn model(file: &str) -> Option<PathBuf> {
     found
 }
 
+/// The architecture, the hyperparameters under its prefix
+/// (`<arch>.<key>`), and the tokenizer model a file declares.
+fn check_header(g: &Gguf, arch: &str, counts: &[(&str, u64)], tokenizer: &str) {
+    assert_eq!(g.architecture().unwrap(), arch);
+    for &(key, want) in counts {
+        assert_eq!(g.get_u64(&format!("{arch}.{key}")).unwrap(), want, "{arch}.{key}");
+    }
+    assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), tokenizer);
+}
+
 /// Checks that hold for any well-formed model file.
 fn check_layout(g: &Gguf) {
     let len = std::fs::metadata(g.path()).unwrap().len() as usize;
@@ -52,13 +62,12 @@ fn smollm2_135m_q4_1() {
     };
     let g = Gguf::open(&path).unwrap();
     assert!(matches!(g.version(), 2 | 3));
-    assert_eq!(g.architecture().unwrap(), "llama");
-    assert_eq!(g.get_u64("llama.block_count").unwrap(), 30);
-    assert_eq!(g.get_u64("llama.embedding_length").unwrap(), 576);
-    assert_eq!(g.get_u64("llama.feed_forward_length").unwrap(), 1536);
-    assert_eq!(g.get_u64("llama.attention.head_count").unwrap(), 9);
-    assert_eq!(g.get_u64("llama.attention.head_count_kv").unwrap(), 3);
-    assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), "gpt2");
+    check_header(
+        &g,
+        "llama",
+        &[("block_count", 30), ("embedding_length", 576), ("feed_forward_length", 1536), ("attention.head_count", 9), ("attention.head_count_kv", 3)],
+        "gpt2",
+    );
 
     let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap();
     assert_eq!(tokens.len(), 49152);
@@ -95,14 +104,19 @@ fn gemma3_270m_q4_k_m() {
         return;
     };
     let g = Gguf::open(&path).unwrap();
-    assert_eq!(g.architecture().unwrap(), "gemma3");
-    assert_eq!(g.get_u64("gemma3.block_count").unwrap(), 18);
-    assert_eq!(g.get_u64("gemma3.embedding_length").unwrap(), 640);
-    assert_eq!(g.get_u64("gemma3.feed_forward_length").unwrap(), 2048);
-    assert_eq!(g.get_u64("gemma3.attention.head_count").unwrap(), 4);
-    assert_eq!(g.get_u64("gemma3.attention.head_count_kv").unwrap(), 1);
-    assert_eq!(g.get_u64("gemma3.attention.key_length").unwrap(), 256);
-    assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), "llama");
+    check_header(
+        &g,
+        "gemma3",
+        &[
+            ("block_count", 18),
+            ("embedding_length", 640),
+            ("feed_forward_length", 2048),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 256),
+        ],
+        "llama",
+    );
 
     let tokens = g.get_str_array("tokenizer.ggml.tokens").unwrap();
     let scores = g.get_f32_array("tokenizer.ggml.scores").unwrap();

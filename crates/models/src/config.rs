@@ -62,14 +62,20 @@ impl<'a> HfConfig<'a> {
         bail!("{}: `{key}` is {}, expected {want}", self.path.display(), self.v[key])
     }
 
-    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    /// The value at `key` read by `read`; None when missing or null, an
+    /// error naming `want` when `read` does not take it.
+    fn opt<T>(&self, key: &str, read: impl Fn(&'a Value) -> Option<T>, want: &str) -> Result<Option<T>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => match v.as_u64() {
-                Some(x) => Ok(Some(x as usize)),
-                None => self.bad(key, "a non-negative integer"),
+            Some(v) => match read(v) {
+                Some(x) => Ok(Some(x)),
+                None => self.bad(key, want),
             },
         }
+    }
+
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        self.opt(key, |v| v.as_u64().map(|x| x as usize), "a non-negative integer")
     }
 
     pub fn usize(&self, key: &str) -> Result<usize> {
@@ -77,13 +83,7 @@ impl<'a> HfConfig<'a> {
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => match as_f64(v) {
-                Some(x) => Ok(Some(x as f32)),
-                None => self.bad(key, "a number"),
-            },
-        }
+        self.opt(key, |v| as_f64(v).map(|x| x as f32), "a number")
     }
 
     pub fn f32(&self, key: &str) -> Result<f32> {
@@ -91,23 +91,11 @@ impl<'a> HfConfig<'a> {
     }
 
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => match v.as_bool() {
-                Some(b) => Ok(Some(b)),
-                None => self.bad(key, "true or false"),
-            },
-        }
+        self.opt(key, Value::as_bool, "true or false")
     }
 
     pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => match v.as_str() {
-                Some(s) => Ok(Some(s)),
-                None => self.bad(key, "a string"),
-            },
-        }
+        self.opt(key, Value::as_str, "a string")
     }
 
     /// `layer_types` (or `None` when the config has none), checked to name

@@ -117,35 +117,32 @@ fn teacher_forced(model_file: &str, golden_file: &str) -> Option<(usize, usize, 
     Some((n, agree, max_diff))
 }
 
-#[test]
-fn smollm2_agrees_with_llamacpp() {
-    if let Some((n, agree, _)) = teacher_forced("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-public.json") {
+/// At least 95% of more than 100 teacher-forced positions agree with
+/// llama.cpp's pick (skips where the model file is absent).
+fn agrees_with_llamacpp(file: &str, golden: &str) {
+    if let Some((n, agree, _)) = teacher_forced(file, golden) {
         assert!(n > 100, "too few positions checked: {n}");
         assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
     }
+}
+
+#[test]
+fn smollm2_agrees_with_llamacpp() {
+    agrees_with_llamacpp("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-public.json");
 }
 
 #[test]
 fn gemma3_agrees_with_llamacpp() {
-    if let Some((n, agree, _)) = teacher_forced("gemma-3-270m-q4_k_m.gguf", "gemma3-public.json") {
-        assert!(n > 100, "too few positions checked: {n}");
-        assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
-    }
+    agrees_with_llamacpp("gemma-3-270m-q4_k_m.gguf", "gemma3-public.json");
 }
 
 #[test]
 fn qwen25_coder_05b_agrees_with_llamacpp() {
-    if let Some((n, agree, _)) = teacher_forced("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen25coder05-public.json") {
-        assert!(n > 100, "too few positions checked: {n}");
-        assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
-    }
+    agrees_with_llamacpp("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen25coder05-public.json");
 }
 
 /// The 1.5B is not fetched in CI (`braid fetch qwen2.5-coder-1.5b` to run it).
 #[test]
 fn qwen25_coder_15b_agrees_with_llamacpp() {
-    if let Some((n, agree, _)) = teacher_forced("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen25coder15-public.json") {
-        assert!(n > 100, "too few positions checked: {n}");
-        assert!(agree * 100 >= n * 95, "agreement {agree}/{n} under 95%");
-    }
+    agrees_with_llamacpp("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen25coder15-public.json");
 }

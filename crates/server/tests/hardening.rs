@@ -28,6 +28,13 @@ async fn start() -> (Server, Arc<FakeLane>) {
     (start_with(config(), lane.clone()).await, lane)
 }
 
+/// A connection that has sent `bytes` (a request, or the start of one).
+async fn connect_and_write(addr: std::net::SocketAddr, bytes: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s
+}
+
 /// Reads until the peer closes; the bytes it sent.
 async fn read_to_close(s: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
     let mut out = Vec::new();
@@ -38,8 +45,11 @@ async fn read_to_close(s: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
     }
 }
 
-fn limits(timeout_ms: u64, max_connections: usize) -> ConnLimits {
-    ConnLimits { header_timeout: Duration::from_millis(timeout_ms), body_timeout: Duration::from_millis(timeout_ms), max_connections }
+/// A server whose connections time out after `timeout_ms` (headers and
+/// body alike), at most `max_connections` at once, on an instant lane.
+async fn start_limited(timeout_ms: u64, max_connections: usize) -> Server {
+    let conn = ConnLimits { header_timeout: Duration::from_millis(timeout_ms), body_timeout: Duration::from_millis(timeout_ms), max_connections };
+    start_with(ServerConfig { conn, ..config() }, FakeLane::new(8, 8, Duration::ZERO)).await
 }
 
 #[tokio::test]
@@ -92,18 +102,15 @@ async fn a_dead_lane_makes_health_fail() {
 
 #[tokio::test]
 async fn slow_headers_and_idle_connections_are_cut() {
-    let lane = FakeLane::new(8, 8, Duration::ZERO);
-    let server = start_with(ServerConfig { conn: limits(300, 64), ..config() }, lane).await;
+    let server = start_limited(300, 64).await;
     let addr = server.local_addr();
     // Slowloris: headers that never end.
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.unwrap();
+    let mut s = connect_and_write(addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ").await;
     let t = Instant::now();
     assert!(read_to_close(&mut s, Duration::from_secs(5)).await.is_some(), "a connection that never finished its headers was kept");
     assert!(t.elapsed() < Duration::from_secs(3));
     // An idle kept-alive connection, after one answer.
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET /health HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes()).await.unwrap();
+    let mut s = connect_and_write(addr, format!("GET /health HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes()).await;
     let got = read_to_close(&mut s, Duration::from_secs(5)).await.expect("an idle connection was kept");
     assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
     server.shutdown().await.unwrap();
@@ -111,12 +118,10 @@ async fn slow_headers_and_idle_connections_are_cut() {
 
 #[tokio::test]
 async fn a_body_that_never_comes_times_out() {
-    let lane = FakeLane::new(8, 8, Duration::ZERO);
-    let server = start_with(ServerConfig { conn: limits(300, 64), ..config() }, lane).await;
+    let server = start_limited(300, 64).await;
     let addr = server.local_addr();
-    let mut s = TcpStream::connect(addr).await.unwrap();
     let head = format!("POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 60000\r\n\r\n{{\"prompt\"");
-    s.write_all(head.as_bytes()).await.unwrap();
+    let mut s = connect_and_write(addr, head.as_bytes()).await;
     let got = read_to_close(&mut s, Duration::from_secs(5)).await.expect("a body that never came held the connection");
     let text = String::from_utf8_lossy(&got);
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
@@ -125,8 +130,7 @@ async fn a_body_that_never_comes_times_out() {
 
 #[tokio::test]
 async fn past_the_connection_cap_health_still_answers() {
-    let lane = FakeLane::new(8, 8, Duration::ZERO);
-    let server = start_with(ServerConfig { conn: limits(30_000, 4), ..config() }, lane).await;
+    let server = start_limited(30_000, 4).await;
     let addr = server.local_addr();
     // Four idle connections fill the cap.
     let mut idle = Vec::new();
@@ -257,9 +261,8 @@ async fn client_values_are_escaped_and_cut_where_echoed() {
 
 /// A request written by hand (its own `Host`); the status line and headers.
 async fn raw(addr: std::net::SocketAddr, head: &str, body: &str) -> String {
-    let mut s = TcpStream::connect(addr).await.unwrap();
     let req = format!("{head}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
-    s.write_all(req.as_bytes()).await.unwrap();
+    let mut s = connect_and_write(addr, req.as_bytes()).await;
     String::from_utf8_lossy(&read_to_close(&mut s, Duration::from_secs(10)).await.expect("an answer")).into_owned()
 }
 

@@ -119,37 +119,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     say!(a.json, "| --- | ---: | ---: | ---: |");
     let mut results = Vec::new();
     if a.pp > 0 {
-        let mut rates = Vec::new();
-        for r in 0..a.reps.max(1) + 1 {
-            let id = 1000 + r as u64;
-            m.backend.open(id)?;
-            let t = Instant::now();
-            m.backend.prefill_step(id, Chunk { start: 0, tokens: &tokens, want_logits: true })?;
-            let dt = t.elapsed().as_secs_f64();
-            m.backend.forget(id);
-            if r > 0 {
-                rates.push(a.pp as f64 / dt); // the first run warms caches and the pool
-            }
-        }
+        let mut rates = timed_runs(&mut m, a.reps, 1000, a.pp, |be, id| {
+            be.prefill_step(id, Chunk { start: 0, tokens: &tokens, want_logits: true })?;
+            Ok(())
+        })?;
         results.push(report(&format!("pp{}", a.pp), &mut rates, a.json));
     }
     if a.tg > 0 {
-        let mut rates = Vec::new();
-        for r in 0..a.reps.max(1) + 1 {
-            let id = 2000 + r as u64;
-            m.backend.open(id)?;
-            let t = Instant::now();
+        let mut rates = timed_runs(&mut m, a.reps, 2000, a.tg, |be, id| {
             let mut tok = 1u32;
             for _ in 0..a.tg {
-                let logits = m.backend.decode_logits(&[DecodeRow { stream: id, tokens: vec![tok] }])?;
+                let logits = be.decode_logits(&[DecodeRow { stream: id, tokens: vec![tok] }])?;
                 tok = argmax(&logits) as u32;
             }
-            let dt = t.elapsed().as_secs_f64();
-            m.backend.forget(id);
-            if r > 0 {
-                rates.push(a.tg as f64 / dt);
-            }
-        }
+            Ok(())
+        })?;
         results.push(report(&format!("tg{}", a.tg), &mut rates, a.json));
     }
     for &n in &a.streams {
@@ -170,6 +154,25 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 
 /// Aggregate tokens/s of `n` streams decoding `tg` tokens each in shared
 /// rounds, each stream first holding a short distinct prompt.
+/// Tokens per second of `run` over `tokens` tokens, each run on a fresh
+/// stream (ids from `first_id`): `reps` (at least one) timed runs after one
+/// that warms caches and the pool.
+fn timed_runs(m: &mut Loaded, reps: usize, first_id: u64, tokens: usize, mut run: impl FnMut(&mut dyn Backend, u64) -> Result<()>) -> Result<Vec<f64>> {
+    let mut rates = Vec::new();
+    for r in 0..reps.max(1) + 1 {
+        let id = first_id + r as u64;
+        m.backend.open(id)?;
+        let t = Instant::now();
+        run(m.backend.as_mut(), id)?;
+        let dt = t.elapsed().as_secs_f64();
+        m.backend.forget(id);
+        if r > 0 {
+            rates.push(tokens as f64 / dt);
+        }
+    }
+    Ok(rates)
+}
+
 fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
     let ids: Vec<u64> = (0..n as u64).map(|i| base + i).collect();
     for (i, &id) in ids.iter().enumerate() {

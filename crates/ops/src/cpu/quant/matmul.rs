@@ -323,6 +323,19 @@ const PACK_MIN_ACT_ROWS: usize = 16;
 /// waking the pool would cost more than it saves.
 const MIN_PARALLEL_MACS: usize = 1 << 16;
 
+/// The next tile's extent with `left` rows or columns to go: the full
+/// shape while it fits, then all that is left where the tile takes any
+/// (`partial`), else one at a time.
+fn tile_step(left: usize, full: usize, partial: bool) -> usize {
+    if left >= full {
+        full
+    } else if partial {
+        left
+    } else {
+        1
+    }
+}
+
 /// One matmul split into tasks: task t owns weight rows (output columns)
 /// `r0..r1` and activation rows `c0..c1` (see [`Plan::block`]).
 struct Plan<'a> {
@@ -412,13 +425,7 @@ impl<'a> Plan<'a> {
         }
         let mut c = c0;
         while c < c1 {
-            let ra = if c1 - c >= ra_full {
-                ra_full
-            } else if partial {
-                c1 - c
-            } else {
-                1
-            };
+            let ra = tile_step(c1 - c, ra_full, partial);
             let full_rw = if self.ids.is_some() {
                 1
             } else if ra == 1 {
@@ -428,13 +435,7 @@ impl<'a> Plan<'a> {
             };
             let mut r = s0;
             while r < s1 {
-                let rw = if s1 - r >= full_rw {
-                    full_rw
-                } else if partial {
-                    s1 - r
-                } else {
-                    1
-                };
+                let rw = tile_step(s1 - r, full_rw, partial);
                 let tile = Tile {
                     dtype: self.w.dtype,
                     w: wrow(r),

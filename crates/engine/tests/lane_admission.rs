@@ -52,8 +52,7 @@ fn without_fill_max_running_gates_admission() {
     let mut fc = FakeConfig { blocks_total: 1, ..slow() };
     fc.caps.reports_fill = false;
     let (lane, log) = lane(fc, LaneConfig { max_running: 1, ..no_marks() });
-    let a = lane.submit(greedy(prompt(3, 14), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, prompt(3, 14), LONG);
     let b = lane.submit(greedy(prompt(3, 15), 1)).unwrap();
     wait_event(&b, |e| matches!(e, Event::Queued { .. }));
     assert!(!log.snapshot().contains(&Call::Open(b.id)));
@@ -119,8 +118,7 @@ fn an_idle_lane_sleeps() {
 #[test]
 fn shutdown_cancels_running_and_queued_streams() {
     let (lane, log) = lane(slow(), LaneConfig { max_running: 1, ..no_marks() });
-    let a = lane.submit(greedy(prompt(4, 81), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, prompt(4, 81), LONG);
     let b = lane.submit(greedy(prompt(4, 82), 10)).unwrap();
     wait_event(&b, |e| matches!(e, Event::Queued { .. }));
     lane.shutdown();

@@ -5,7 +5,7 @@
 mod common;
 
 use braid_engine::fake::{Call, FakeConfig};
-use braid_engine::{Event, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
+use braid_engine::{LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
 use common::*;
 
 // 5. The drafter absorbs every chunk (and every kept decode row), and a
@@ -137,13 +137,7 @@ fn drafting_is_lossless_under_every_pick() {
 fn a_drafter_rides_mixed_rounds() {
     let lc = LaneConfig { chunk_tokens: 4, mark_every: 8, ..LaneConfig::default() };
     let (lane, log, feature_errors) = lane_with_checked_drafter(slow(), lc, 3);
-    let pa = prompt(3, 40);
-    let a = lane.submit(greedy(pa.clone(), 60)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
-    let pb = prompt(22, 41);
-    let b = lane.submit(greedy(pb.clone(), 6)).unwrap();
-    assert_eq!(drain(&b).tokens, oracle(&pb, 6, 64));
-    assert_eq!(drain(&a).tokens, oracle(&pa, 60, 64)[1..]);
+    let (a, b) = beside_decoding(&lane, (prompt(3, 40), 60), (prompt(22, 41), 6));
     assert_eq!(*feature_errors.lock().unwrap(), 0, "the drafter was fed features out of place");
     let calls = log.snapshot();
     let mixed: Vec<usize> = chunk_calls(&calls, b.id).into_iter().filter(|&i| calls[i].rows().iter().any(|r| r.0 == a.id && r.1.len() > 1)).collect();

@@ -69,8 +69,7 @@ fn rounds_with_a_guided_stream_return_logits() {
     let (lane, log) = lane(fc, no_marks());
     let g = grammar();
     let (pa, pb) = (prompt(3, 53), prompt(6, 54));
-    let a = lane.submit(greedy(pa.clone(), 80)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, pa.clone(), 80);
     let top5 = SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), guide: Some(Guide::new(g.clone())), ..SamplingParams::default() };
     let b = lane.submit(Request { sampling: top5, ..greedy(pb.clone(), 20) }).unwrap();
     let out_b = drain(&b);
@@ -133,8 +132,7 @@ fn a_slow_mask_never_stalls_the_other_streams() {
     let (lane, _log) = lane(slow(), LaneConfig { mask_threads: 1, ..no_marks() });
     let g = FakeGrammar { delay: Some(Duration::from_millis(40)), ..grammar() };
     let pa = prompt(3, 56);
-    let a = lane.submit(greedy(pa.clone(), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, pa.clone(), LONG);
     let pb = prompt(5, 57);
     let b = lane.submit(guided(pb.clone(), 8, &g)).unwrap();
     let (mut gaps, mut last, mut b_done) = (Vec::new(), Instant::now(), false);

@@ -19,8 +19,7 @@ fn stepped_pass_runs_the_whole_pass_chunks() {
     let fc = slow();
     let lc = LaneConfig { chunk_tokens: 8, mark_every: 12, ..LaneConfig::default() };
     let (lane, log) = lane(fc.clone(), lc);
-    let a = lane.submit(greedy(prompt(5, 1), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, prompt(5, 1), LONG);
     let p = prompt(30, 2);
     let b = lane.submit(greedy(p.clone(), 3)).unwrap();
     let out = drain(&b);
@@ -133,8 +132,7 @@ fn a_pass_paused_for_memory_resumes_on_the_same_cuts() {
 #[test]
 fn decode_rounds_run_between_chunks() {
     let (lane, log) = lane(slow(), LaneConfig { chunk_tokens: 4, ..no_marks() });
-    let a = lane.submit(greedy(prompt(3, 6), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, prompt(3, 6), LONG);
     let b = lane.submit(greedy(prompt(20, 7), 2)).unwrap();
     let out = drain(&b);
     assert_eq!(out.reason, Some(FinishReason::Length));
@@ -155,14 +153,7 @@ fn decode_rounds_run_between_chunks() {
 #[test]
 fn a_chunk_shares_the_decode_rounds_forward() {
     let (lane, log) = lane(slow(), LaneConfig { chunk_tokens: 4, ..no_marks() });
-    let pa = prompt(3, 6);
-    let a = lane.submit(greedy(pa.clone(), 40)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
-    let pb = prompt(20, 7);
-    let b = lane.submit(greedy(pb.clone(), 3)).unwrap();
-    assert_eq!(drain(&b).tokens, oracle(&pb, 3, 64));
-    // (A's first token went to `wait_event`.)
-    assert_eq!(drain(&a).tokens, oracle(&pa, 40, 64)[1..]);
+    let (a, b) = beside_decoding(&lane, (prompt(3, 6), 40), (prompt(20, 7), 3));
     let calls = log.snapshot();
     let chunks = chunk_calls(&calls, b.id);
     assert_eq!(chunks.len(), 5);
@@ -269,13 +260,8 @@ fn a_chunk_too_big_to_share_alternates_with_the_decode_rounds() {
     fc.caps.max_batch = 8;
     let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 100, ..no_marks() });
     assert_eq!(lane.config().chunk_tokens, 8, "the chunk cap is held to the batch");
-    let pa = prompt(3, 12);
-    let a = lane.submit(greedy(pa.clone(), 30)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
     let pb = prompt(40, 13);
-    let b = lane.submit(greedy(pb.clone(), 2)).unwrap();
-    assert_eq!(drain(&b).tokens, oracle(&pb, 2, 64));
-    assert_eq!(drain(&a).tokens, oracle(&pa, 30, 64)[1..]);
+    let (a, b) = beside_decoding(&lane, (prompt(3, 12), 30), (pb.clone(), 2));
     let calls = log.snapshot();
     let chunks = chunk_calls(&calls, b.id);
     assert_eq!(log.chunks(b.id), (0..5).map(|i| (i * 8, 8)).collect::<Vec<_>>());
@@ -288,8 +274,7 @@ fn a_chunk_too_big_to_share_alternates_with_the_decode_rounds() {
     fc.caps.max_batch = 8;
     fc.caps.chunk_invariant = true;
     let (lane2, log) = common::lane(fc, LaneConfig { chunk_tokens: 8, ..no_marks() });
-    let a = lane2.submit(greedy(prompt(3, 12), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane2, prompt(3, 12), LONG);
     let b = lane2.submit(greedy(pb.clone(), 2)).unwrap();
     assert_eq!(drain(&b).tokens, oracle(&pb, 2, 64));
     a.cancel();
@@ -316,8 +301,7 @@ fn prefill_share_sizes_steps_only_while_others_decode() {
     assert_eq!(log.chunks(alone.id), vec![(0, 64), (64, 36)]);
     // With another stream decoding: a probe step, then steps that never
     // more than double, and still the same reply.
-    let a = lane.submit(greedy(prompt(3, 6), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, prompt(3, 6), LONG);
     let b = lane.submit(greedy(p.clone(), 1)).unwrap();
     assert_eq!(drain(&b).tokens, oracle(&p, 1, 64));
     a.cancel();

@@ -173,8 +173,7 @@ fn questions_sent_together_share_the_first_ones_document() {
         let hold = Arc::new(Mutex::new(()));
         let (lane, log) = lane(FakeConfig { hold: Some(hold.clone()), ..fc.clone() }, LaneConfig { chunk_tokens: 8, ..LaneConfig::default() });
         // A stream decoding, for the lane to be stopped in its round.
-        let bg = lane.submit(greedy(prompt(3, 5), LONG)).unwrap();
-        wait_event(&bg, |e| matches!(e, Event::Token { .. }));
+        let bg = decoding(&lane, prompt(3, 5), LONG);
         let doc = prompt(30, 81);
         let qs = questions(&doc, 90..93);
         let hs = burst(&lane, &hold, &qs);

@@ -65,8 +65,7 @@ fn a_rounds_pick_is_the_least_that_every_row_allows() {
     fc.caps.picks = Picks { argmax: true, top_k: 8 };
     let (lane, log) = lane_with_drafter(fc, LaneConfig { chunk_tokens: 4, ..no_marks() }, 3);
     let pa = prompt(3, 22);
-    let a = lane.submit(greedy(pa.clone(), LONG)).unwrap();
-    wait_event(&a, |e| matches!(e, Event::Token { .. }));
+    let a = decoding(&lane, pa.clone(), LONG);
     let top5 = SamplingParams { temperature: 1.0, top_k: 5, seed: Some(9), ..Default::default() };
     let b = lane.submit(Request { sampling: top5, ..greedy(prompt(20, 23), 10) }).unwrap();
     let c = lane.submit(Request { logprobs: Some(1), ..greedy(prompt(6, 24), 5) }).unwrap();

@@ -288,6 +288,12 @@ mod tests {
         }
     }
 
+    /// Three streams decoding and a prompt pass (stream 3) at its start,
+    /// in a batch of 8: room for 5 chunk rows beside the decode rows.
+    fn three_decoding_beside(c: &CutPlan) -> LaneView<'_> {
+        LaneView { max_batch: 8, ..view((0..3).map(|i| dec(i, 3, &[])).collect(), pass(3, c, 0)) }
+    }
+
     fn rows(p: &RoundPlan) -> Vec<(StreamId, Vec<u32>)> {
         p.rows.iter().map(|r| (r.stream, r.tokens.clone())).collect()
     }
@@ -350,9 +356,7 @@ mod tests {
     #[test]
     fn a_chunk_invariant_pass_is_cut_to_the_room_beside_the_decode_rows() {
         let c = cuts(40, 16, true);
-        let mut v = view((0..3).map(|i| dec(i, 3, &[])).collect(), pass(3, &c, 0));
-        v.max_batch = 8;
-        let p = plan(&v);
+        let p = plan(&three_decoding_beside(&c));
         assert_eq!(p.rows.len(), 3);
         assert_eq!(p.chunk.map(|c| (c.start, c.end, c.max_rows)), Some((0, 5, Some(5))));
     }
@@ -360,8 +364,7 @@ mod tests {
     #[test]
     fn a_chunk_that_does_not_fit_beside_the_decode_rows_goes_alone_next() {
         let c = cuts(40, 8, false);
-        let mut v = view((0..3).map(|i| dec(i, 3, &[])).collect(), pass(3, &c, 0));
-        v.max_batch = 8;
+        let mut v = three_decoding_beside(&c);
         let first = plan(&v);
         assert_eq!(first.rows.len(), 3);
         assert!(first.chunk.is_none() && first.chunk_left_out);
@@ -375,8 +378,7 @@ mod tests {
     #[test]
     fn a_chunk_that_must_go_alone_but_lacks_memory_keeps_the_decode_rows() {
         let c = cuts(40, 8, false);
-        let mut v = view((0..3).map(|i| dec(i, 3, &[])).collect(), pass(3, &c, 0));
-        v.max_batch = 8;
+        let mut v = three_decoding_beside(&c);
         v.chunk_waited = true;
         // The decode rows fit in their streams' blocks; the chunk needs two.
         v.memory = Some(Memory { free_blocks: 1, block_tokens: 4 });

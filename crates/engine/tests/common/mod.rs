@@ -116,6 +116,27 @@ pub fn wait_event(h: &StreamHandle, pred: impl Fn(&Event) -> bool) -> Event {
     }
 }
 
+/// A greedy stream submitted and past its first token (`wait_event` takes
+/// it), so it is decoding when the test goes on.
+pub fn decoding(lane: &Lane, prompt: Vec<u32>, max_tokens: usize) -> StreamHandle {
+    let h = lane.submit(greedy(prompt, max_tokens)).unwrap();
+    wait_event(&h, |e| matches!(e, Event::Token { .. }));
+    h
+}
+
+/// Greedy B (`b`: prompt and tokens) submitted while greedy A decodes
+/// (past its first token, see `decoding`); both get exactly the model's
+/// own continuation. Their handles, drained.
+pub fn beside_decoding(lane: &Lane, a: (Vec<u32>, usize), b: (Vec<u32>, usize)) -> (StreamHandle, StreamHandle) {
+    let ((pa, na), (pb, nb)) = (a, b);
+    let ha = decoding(lane, pa.clone(), na);
+    let hb = lane.submit(greedy(pb.clone(), nb)).unwrap();
+    assert_eq!(drain(&hb).tokens, oracle(&pb, nb, 64));
+    // (A's first token went to `wait_event`.)
+    assert_eq!(drain(&ha).tokens, oracle(&pa, na, 64)[1..]);
+    (ha, hb)
+}
+
 pub fn wait_log(log: &CallLog, what: &str, pred: impl Fn(&[Call]) -> bool) {
     let t = Instant::now();
     while !pred(&log.snapshot()) {

@@ -131,14 +131,7 @@ impl<D: Device> ModelBackend<D> {
         // weights and build kernels now, never later): one row at position
         // 0 of block 0 and state row 0, all free until a stream takes them.
         let blocks = [0u32];
-        let batch = Batch {
-            tokens: &[0],
-            positions: &[0],
-            slots: &[0],
-            seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks: &blocks, window: None }],
-            logit_rows: &[0],
-            state_slots: &[0],
-        };
+        let batch = Batch::warm_up(&blocks);
         if stream_rows > 0 || state_size == 0 {
             dev.prepare(&mut || model.forward(&dev, &batch, &mut mem, &mut scratch))?;
         }

@@ -76,7 +76,21 @@ pub struct Batch<'a> {
     pub state_slots: &'a [u32],
 }
 
-impl Batch<'_> {
+impl<'a> Batch<'a> {
+    /// One row, token 0 at position 0 in slot 0 and state row 0, over the
+    /// KV blocks `blocks`: the forward a device sees once before serving
+    /// (`Device::prepare`), on memory no stream holds yet.
+    pub fn warm_up(blocks: &'a [u32]) -> Batch<'a> {
+        Batch {
+            tokens: &[0],
+            positions: &[0],
+            slots: &[0],
+            seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks, window: None }],
+            logit_rows: &[0],
+            state_slots: &[0],
+        }
+    }
+
     /// A hash of everything a forward reads from the batch but its token
     /// ids' values: two batches with equal keys run the same ops on the
     /// same memory (`Forward::key`).

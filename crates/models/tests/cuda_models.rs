@@ -148,14 +148,7 @@ fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[
     let mut s = Scratch::new(dev);
     let table: Vec<u32> = (0..spec.blocks as u32).collect();
     if prepare {
-        let one = Batch {
-            tokens: &[0],
-            positions: &[0],
-            slots: &[0],
-            seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks: &table, window: None }],
-            logit_rows: &[0],
-            state_slots: &[0],
-        };
+        let one = Batch::warm_up(&table);
         dev.prepare(&mut || model.forward(dev, &one, &mut mem, &mut s)).unwrap();
     }
     let mut out = Vec::new();

@@ -18,35 +18,14 @@ macro_rules! family {
         mod $m {
             use super::*;
 
-            #[test]
-            fn layer_states_match_meta() {
-                Fixture::load($name).check_states();
-            }
-
-            #[test]
-            fn full_forward() {
-                Fixture::load($name).check_full(TOL);
-            }
-
-            #[test]
-            fn incremental_decode() {
-                Fixture::load($name).check_incremental(TOL);
-            }
-
-            #[test]
-            fn stepped_prefill() {
-                Fixture::load($name).check_stepped(TOL);
-            }
-
-            #[test]
-            fn marks() {
-                Fixture::load($name).check_marks(TOL);
-            }
-
-            #[test]
-            fn multi_stream() {
-                Fixture::load($name).check_multi_stream();
-            }
+            crate::fixture_checks!($name;
+                layer_states_match_meta => check_states(),
+                full_forward => check_full(TOL),
+                incremental_decode => check_incremental(TOL),
+                stepped_prefill => check_stepped(TOL),
+                marks => check_marks(TOL),
+                multi_stream => check_multi_stream(),
+            );
         }
     };
 }

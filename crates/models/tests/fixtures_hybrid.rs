@@ -72,11 +72,6 @@ macro_rules! family {
             }
 
             #[test]
-            fn full() {
-                Fixture::load($fixture).check_full(TOL);
-            }
-
-            #[test]
             fn incremental() {
                 let fx = Fixture::load($fixture);
                 let mut be = fx.backend();
@@ -84,20 +79,12 @@ macro_rules! family {
                 assert_close(&format!("{} incremental vs {}", $fixture, $inc), &got, fx.logits($inc), fx.vocab, TOL);
             }
 
-            #[test]
-            fn stepped() {
-                Fixture::load($fixture).check_stepped(TOL);
-            }
-
-            #[test]
-            fn marks() {
-                Fixture::load($fixture).check_marks(TOL);
-            }
-
-            #[test]
-            fn multi_stream() {
-                Fixture::load($fixture).check_multi_stream();
-            }
+            crate::fixture_checks!($fixture;
+                full => check_full(TOL),
+                stepped => check_stepped(TOL),
+                marks => check_marks(TOL),
+                multi_stream => check_multi_stream(),
+            );
         }
     };
 }

@@ -23,6 +23,20 @@
 
 #![allow(dead_code)]
 
+/// One `#[test]` per `name => check(args)`: `Fixture::load(fixture).check(args)`,
+/// so a failure names the family and the check.
+#[macro_export]
+macro_rules! fixture_checks {
+    ($fixture:expr; $($test:ident => $check:ident($($arg:expr),*)),* $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                Fixture::load($fixture).$check($($arg),*);
+            }
+        )*
+    };
+}
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

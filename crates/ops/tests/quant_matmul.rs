@@ -136,6 +136,17 @@ fn shapes() -> Vec<(usize, usize, usize)> {
     vec![(1, 1, 1), (3, 2, 1), (7, 3, 5), (9, 1, 4), (33, 2, 9), (64, 4, 3), (21, 2, 70), (130, 1, 2)]
 }
 
+/// A fresh case for every type and every shape of `shapes()`, in order,
+/// from a generator seeded with `seed`; `f` gets the type, rows and m.
+fn every_case(seed: u64, mut f: impl FnMut(DType, usize, usize, &Case)) {
+    let mut rng = Rng(seed);
+    for dtype in ALL {
+        for (rows, blocks, m) in shapes() {
+            f(dtype, rows, m, &case(&mut rng, dtype, rows, blocks, m));
+        }
+    }
+}
+
 #[test]
 fn simd_matches_scalar_for_every_type_and_shape() {
     let isas: Vec<Isa> = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni].into_iter().filter(|i| i.available()).collect();
@@ -143,29 +154,25 @@ fn simd_matches_scalar_for_every_type_and_shape() {
         eprintln!("no AVX2 on this CPU: SIMD kernels not tested");
         return;
     }
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for dtype in ALL {
-        for (rows, blocks, m) in shapes() {
-            let c = case(&mut rng, dtype, rows, blocks, m);
-            let scalar = c.run(Isa::Scalar);
-            let (_, abs, _) = c.reference();
-            for &isa in &isas {
-                let simd = c.run(isa);
-                for i in 0..simd.len() {
-                    // Identical activation blocks and exact integer block
-                    // sums: only the float summation order differs.
-                    let tol = 2e-6 * abs[i] + 1e-6;
-                    assert!(
-                        (simd[i] - scalar[i]).abs() as f64 <= tol,
-                        "{isa:?} {dtype} {rows}x{} m={m} out {i}: simd {} scalar {} (tol {tol:e})",
-                        c.cols,
-                        simd[i],
-                        scalar[i]
-                    );
-                }
+    every_case(0x9e37_79b9_7f4a_7c15, |dtype, rows, m, c| {
+        let scalar = c.run(Isa::Scalar);
+        let (_, abs, _) = c.reference();
+        for &isa in &isas {
+            let simd = c.run(isa);
+            for i in 0..simd.len() {
+                // Identical activation blocks and exact integer block
+                // sums: only the float summation order differs.
+                let tol = 2e-6 * abs[i] + 1e-6;
+                assert!(
+                    (simd[i] - scalar[i]).abs() as f64 <= tol,
+                    "{isa:?} {dtype} {rows}x{} m={m} out {i}: simd {} scalar {} (tol {tol:e})",
+                    c.cols,
+                    simd[i],
+                    scalar[i]
+                );
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -284,16 +291,12 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
         eprintln!("no VNNI on this CPU: VNNI kernels not tested");
         return;
     }
-    let mut rng = Rng(0x0bad_cafe_f00d_1234);
-    for dtype in ALL {
-        for (rows, blocks, m) in shapes() {
-            let c = case(&mut rng, dtype, rows, blocks, m);
-            let want = c.run(Isa::Avx2);
-            for &isa in &vnni {
-                let got = c.run(isa);
-                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa:?} {dtype} {rows}x{} m={m}: differs from AVX2", c.cols);
-            }
+    every_case(0x0bad_cafe_f00d_1234, |dtype, rows, m, c| {
+        let want = c.run(Isa::Avx2);
+        for &isa in &vnni {
+            let got = c.run(isa);
+            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{isa:?} {dtype} {rows}x{} m={m}: differs from AVX2", c.cols);
         }
-    }
+    });
 }

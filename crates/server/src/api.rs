@@ -2,14 +2,13 @@
 //! streamed (SSE) or not; and `/v1/warm`, which only fills the prefix cache.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use braid_engine::{Event, EventSink, FinishReason, Guide, Request, SamplingParams, StopRules, SubmitError};
 use serde_json::{json, Value};
@@ -19,6 +18,7 @@ use crate::error::ApiError;
 use crate::guide::Spec;
 use crate::lane::{Generator, Ticket};
 use crate::params::{self, Common, Endpoint, Prompt};
+pub(crate) use crate::sse::{sse, stream_response, ChatWriter, Writer};
 use crate::tools::{CallParser, Piece, Toolset};
 use crate::{App, ModelInfo};
 
@@ -505,7 +505,7 @@ pub(crate) struct Run {
     logprobs: Option<usize>,
     include_usage: bool,
     user: Option<String>,
-    done: bool,
+    pub(crate) done: bool,
     /// The choices not yet submitted, and the lifelines of those that
     /// were: dropped with the run, they cancel whatever is still running.
     feed: Feed,
@@ -762,7 +762,7 @@ impl Run {
     }
 
     /// The SSE frames one update produces.
-    fn frames(&self, update: Update, out: &mut VecDeque<Bytes>) {
+    pub(crate) fn frames(&self, update: Update, out: &mut VecDeque<Bytes>) {
         match update {
             Update::Nothing => {}
             Update::Error(m) => {
@@ -828,7 +828,7 @@ impl Run {
     }
 
     /// The first frames of a stream: chat announces the assistant role.
-    fn opening(&self, out: &mut VecDeque<Bytes>) {
+    pub(crate) fn opening(&self, out: &mut VecDeque<Bytes>) {
         if self.endpoint == Endpoint::Chat {
             for i in 0..self.choices.len() {
                 let choice = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
@@ -837,7 +837,7 @@ impl Run {
         }
     }
 
-    fn closing(&self, out: &mut VecDeque<Bytes>) {
+    pub(crate) fn closing(&self, out: &mut VecDeque<Bytes>) {
         if self.include_usage {
             let mut v = self.envelope(json!([]), true);
             v["usage"] = self.usage();
@@ -898,7 +898,7 @@ fn message(c: &Choice) -> Value {
 
 /// Resolves when the server decides to cancel every stream (shutdown);
 /// never if that signal is gone.
-async fn cancelled(cancel: &mut watch::Receiver<bool>) {
+pub(crate) async fn cancelled(cancel: &mut watch::Receiver<bool>) {
     if cancel.wait_for(|c| *c).await.is_err() {
         std::future::pending::<()>().await;
     }
@@ -920,103 +920,6 @@ pub(crate) async fn whole(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, 
         }
     }
     Ok(run)
-}
-
-/// How a stream's updates become SSE frames: chat and completions chunks
-/// here, `/v1/responses` events in `responses`.
-pub(crate) trait Writer: Send + 'static {
-    fn opening(&mut self, run: &Run, out: &mut VecDeque<Bytes>);
-    fn update(&mut self, run: &Run, update: Update, out: &mut VecDeque<Bytes>);
-    /// Every choice finished.
-    fn closing(&mut self, run: &Run, out: &mut VecDeque<Bytes>);
-    /// The stream failed midway; nothing follows.
-    fn failed(&mut self, run: &Run, error: ApiError, out: &mut VecDeque<Bytes>);
-}
-
-/// Chat and completions chunks, ending with `data: [DONE]`.
-pub(crate) struct ChatWriter;
-
-impl Writer for ChatWriter {
-    fn opening(&mut self, run: &Run, out: &mut VecDeque<Bytes>) {
-        run.opening(out);
-    }
-
-    fn update(&mut self, run: &Run, update: Update, out: &mut VecDeque<Bytes>) {
-        run.frames(update, out);
-    }
-
-    fn closing(&mut self, run: &Run, out: &mut VecDeque<Bytes>) {
-        run.closing(out);
-    }
-
-    fn failed(&mut self, _run: &Run, error: ApiError, out: &mut VecDeque<Bytes>) {
-        out.push_back(sse(&error.body()));
-        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-    }
-}
-
-struct Streaming<W> {
-    run: Run,
-    rx: mpsc::UnboundedReceiver<(usize, Event)>,
-    cancel: watch::Receiver<bool>,
-    out: VecDeque<Bytes>,
-    writer: W,
-}
-
-impl<W: Writer> Streaming<W> {
-    /// Wait for the next event and turn it into frames.
-    async fn step(&mut self) {
-        tokio::select! {
-            ev = self.rx.recv() => match ev {
-                Some((i, ev)) => match self.run.apply(i, ev) {
-                    Update::Error(m) => self.fail(ApiError::internal_logged(&format!("generation failed: {m}"))),
-                    update => {
-                        self.writer.update(&self.run, update, &mut self.out);
-                        if self.run.all_finished() {
-                            self.writer.closing(&self.run, &mut self.out);
-                            self.run.done = true;
-                        }
-                    }
-                },
-                None => self.fail(ApiError::unavailable("The lane stopped before the request finished.")),
-            },
-            _ = cancelled(&mut self.cancel) => self.fail(ApiError::unavailable("The server is shutting down.")),
-        }
-    }
-
-    fn fail(&mut self, e: ApiError) {
-        self.writer.failed(&self.run, e, &mut self.out);
-        self.run.done = true;
-    }
-}
-
-pub(crate) fn stream_response<W: Writer>(run: Run, rx: mpsc::UnboundedReceiver<(usize, Event)>, cancel: watch::Receiver<bool>, mut writer: W) -> Response {
-    let mut out = VecDeque::new();
-    writer.opening(&run, &mut out);
-    let state = Streaming { run, rx, cancel, out, writer };
-    // When the client leaves, hyper drops this stream: `rx` goes with it,
-    // and the lane side sees its sinks closed and cancels.
-    let body = futures::stream::unfold(state, |mut st| async move {
-        loop {
-            if let Some(b) = st.out.pop_front() {
-                return Some((Ok::<_, Infallible>(b), st));
-            }
-            if st.run.done {
-                return None;
-            }
-            st.step().await;
-        }
-    });
-    let mut res = Response::new(Body::from_stream(body));
-    let h = res.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    res
-}
-
-fn sse(v: &Value) -> Bytes {
-    Bytes::from(format!("data: {v}\n\n"))
 }
 
 fn unix_now() -> u64 {

@@ -35,6 +35,7 @@ mod page;
 mod params;
 mod props;
 mod responses;
+mod sse;
 mod tokenize;
 mod tools;
 

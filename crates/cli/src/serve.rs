@@ -163,8 +163,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         // Listen first: /health says 503 until the model is loaded.
         let server = Server::bind(cfg).await?;
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
-        let (lane, info, started) = start_lane(&a, &path).await?;
-        let Started { template, device, context, architecture, parameters, kv_pool_tokens } = started;
+        let (lane, info, summary) = start_lane(&a, &path).await?;
+        let Summary { template, device, context, architecture, parameters, kv_pool_tokens } = summary;
         server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.clone() });
         // Ready before the line says so: a client that reads it may ask at once.
         server.ready(lane, info);
@@ -268,7 +268,7 @@ fn raise_file_limit() -> Option<usize> {
 }
 
 /// What the start-up summary and `/props` say of the model loaded.
-struct Started {
+struct Summary {
     template: String,
     device: String,
     context: usize,
@@ -278,7 +278,7 @@ struct Started {
 }
 
 /// Loads the model (and its drafter) and starts its lane.
-async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Started)> {
+async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summary)> {
     let model_args = a.model.clone();
     let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
     // A round holds every decoding stream's row and one prompt chunk.
@@ -310,8 +310,8 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Star
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(tokenizer)), config);
     let fill = lane.stats().fill;
     let (architecture, parameters) = about::architecture_and_parameters(path);
-    let started = Started { template: template.to_string(), device, context, architecture, parameters, kv_pool_tokens: fill.blocks_total * fill.block_tokens };
-    Ok((lane, info, started))
+    let summary = Summary { template: template.to_string(), device, context, architecture, parameters, kv_pool_tokens: fill.blocks_total * fill.block_tokens };
+    Ok((lane, info, summary))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

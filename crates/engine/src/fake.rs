@@ -441,6 +441,57 @@ impl Backend for FakeBackend {
     }
 }
 
+/// Any backend, stopped at its next `open` while a test holds the lock, so
+/// the test can submit a burst that the lane admits together (a real
+/// model's rounds are too quick to race against).
+pub struct Held<B> {
+    pub inner: B,
+    pub hold: Arc<Mutex<()>>,
+}
+
+impl<B: Backend> Backend for Held<B> {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn fill(&self) -> Fill {
+        self.inner.fill()
+    }
+    fn open(&mut self, stream: StreamId) -> Result<()> {
+        drop(self.hold.lock().unwrap_or_else(|e| e.into_inner()));
+        self.inner.open(stream)
+    }
+    fn round(&mut self, step: Step<'_>) -> Result<RoundOut> {
+        self.inner.round(step)
+    }
+    fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
+        self.inner.prefill_step(stream, chunk)
+    }
+    fn cancel_prefill(&mut self, stream: StreamId) {
+        self.inner.cancel_prefill(stream)
+    }
+    fn features(&self) -> Option<&[f32]> {
+        self.inner.features()
+    }
+    fn attach_prefix(&mut self, stream: StreamId, prompt: &[u32], salt: u64, max_len: usize) -> Result<usize> {
+        self.inner.attach_prefix(stream, prompt, salt, max_len)
+    }
+    fn keep_mark(&mut self, stream: StreamId) -> Result<MarkId> {
+        self.inner.keep_mark(stream)
+    }
+    fn restore_mark(&mut self, stream: StreamId, mark: MarkId) -> Result<usize> {
+        self.inner.restore_mark(stream, mark)
+    }
+    fn drop_mark(&mut self, mark: MarkId) {
+        self.inner.drop_mark(mark)
+    }
+    fn rewind(&mut self, stream: StreamId, len: usize) -> Result<()> {
+        self.inner.rewind(stream, len)
+    }
+    fn forget(&mut self, stream: StreamId) {
+        self.inner.forget(stream)
+    }
+}
+
 /// A drafter that knows the fake model and is right except where told to
 /// be wrong: in each proposal, draft `i` is corrupted when
 /// `(position + i) % wrong_every == 0`. It logs every absorb and checks the

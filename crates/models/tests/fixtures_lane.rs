@@ -5,8 +5,9 @@
 
 mod fixtures_common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use braid_engine::fake::Held;
 use braid_engine::{Backend, Chunk, DecodeRow, Lane, LaneConfig, Pick, Picked, Request, SamplingParams, Step, StopRules};
 use fixtures_common::{tokens, Fixture, NoText, FAMILIES};
 
@@ -20,10 +21,11 @@ fn request(prompt: Vec<u32>) -> Request {
     }
 }
 
-fn lane(f: &Fixture) -> Lane {
+/// A lane on `f` that stops at its first `open` while `hold` is held.
+fn lane(f: &Fixture, hold: &Arc<Mutex<()>>) -> Lane {
     // Small chunks and a row cap, so passes take many steps between rounds.
     let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, ..LaneConfig::default() };
-    Lane::spawn(Box::new(f.backend()), Arc::new(NoText), config)
+    Lane::spawn(Box::new(Held { inner: f.backend(), hold: hold.clone() }), Arc::new(NoText), config)
 }
 
 #[test]
@@ -31,12 +33,17 @@ fn every_family_serves_streams_together_as_alone() {
     for name in FAMILIES {
         let f = Fixture::load(name);
         let prompts: Vec<Vec<u32>> = (0..4).map(|i| f.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
+        let hold = Arc::new(Mutex::new(()));
         let alone: Vec<Vec<u32>> = {
-            let l = lane(&f);
+            let l = lane(&f, &hold);
             prompts.iter().map(|p| tokens(l.submit(request(p.clone())).unwrap())).collect()
         };
-        let l = lane(&f);
+        // All four are queued before the lane opens the first, so they
+        // overlap however busy the machine is.
+        let l = lane(&f, &hold);
+        let guard = hold.lock().unwrap();
         let handles: Vec<_> = prompts.iter().map(|p| l.submit(request(p.clone())).unwrap()).collect();
+        drop(guard);
         let together: Vec<Vec<u32>> = handles.into_iter().map(tokens).collect();
         assert_eq!(together, alone, "{name}: streams served together differ from alone");
         assert!(together.iter().all(|t| t.len() == 10), "{name}: {together:?}");

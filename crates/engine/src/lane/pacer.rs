@@ -313,7 +313,7 @@ impl Pacer {
 
     /// Take in what a round ran.
     pub fn ran(&mut self, r: Ran) {
-        if self.target.is_some() && r.shape.chunk_rows > 0 {
+        if r.shape.chunk_rows > 0 {
             tracing::debug!(
                 decode_rows = r.shape.decode_rows,
                 chunk_rows = r.shape.chunk_rows,
@@ -321,7 +321,7 @@ impl Pacer {
                 predicted_ms = self.model.predict(&r.shape) * 1e3,
                 took_ms = r.secs * 1e3,
                 overhead_ms = r.overhead * 1e3,
-                "paced round"
+                "round with a prompt chunk"
             );
         }
         if r.shape.chunk_rows > 0 && self.model.chunk_rounds >= TRUSTED_AFTER {

@@ -299,7 +299,12 @@ impl Cuda {
         let out = r.and_then(|_| self.check_error()).and_then(|_| {
             let cmds = self.lower(&rec, Tail::End)?;
             let graph = fw.key.is_some() && self.graphs_on() && !rec.read_back && !self.st().exec.host_reads;
-            self.submit(&cmds, graph.then(|| signature(&cmds)))
+            let t = std::time::Instant::now();
+            let r = self.submit(&cmds, graph.then(|| signature(&cmds)));
+            if !graph {
+                tracing::trace!(rows = fw.tokens.len(), commands = cmds.len(), host_ms = t.elapsed().as_secs_f64() * 1e3, "eager forward");
+            }
+            r
         });
         rt::free_deferred();
         out
@@ -408,6 +413,7 @@ impl Cuda {
                 return Ok(g);
             }
         }
+        let t = std::time::Instant::now();
         let stream = self.stream() as sys::CUstream;
         unsafe { cu(drv::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")? };
         self.st().exec.capturing = true;
@@ -451,6 +457,7 @@ impl Cuda {
         let tick = st.exec.tick;
         st.exec.graphs.insert(sig, (exec, tick));
         st.exec.captures += 1;
+        tracing::debug!(commands = cmds.len(), cached = st.exec.graphs.len(), ms = t.elapsed().as_secs_f64() * 1e3, "recorded a CUDA graph");
         Ok(exec)
     }
 

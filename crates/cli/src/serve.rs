@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use braid_engine::Lane;
-use braid_server::{About, CacheIsolation, ConnLimits, ModelInfo, Server, ServerConfig, TokenizerText};
+use braid_server::{About, CacheIsolation, ConnLimits, ModelInfo, SamplingDefaults, Server, ServerConfig, TokenizerText};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 
@@ -163,36 +163,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         // Listen first: /health says 503 until the model is loaded.
         let server = Server::bind(cfg).await?;
         tracing::info!("listening on http://{} (model {name}, loading)", server.local_addr());
-        let (lane, info, summary) = start_lane(&a, &path).await?;
-        let Summary { template, device, context, architecture, parameters, kv_pool_tokens } = summary;
-        server.set_about(About { path: path.display().to_string(), architecture: architecture.clone(), parameters, device: device.clone(), template: template.clone() });
-        // Ready before the line says so: a client that reads it may ask at once.
-        server.ready(lane, info);
-        tracing::info!(
-            model = %name,
-            architecture = %architecture,
-            parameters = %about::short_count(parameters),
-            context,
-            kv_pool_tokens,
-            template = %template,
-            sampling = format!("temperature {} top_k {} top_p {} min_p {} ({})", sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.source),
-            device = %device,
-            "ready on http://{}",
-            server.local_addr()
-        );
-        // Under per-key isolation each key has its own cache to warm.
-        let keys: Vec<Option<&str>> = match a.cache_isolation {
-            Isolation::PerKey if !a.api_key.is_empty() => a.api_key.iter().map(|k| Some(k.as_str())).collect(),
-            _ => vec![None],
-        };
-        for file in &a.warm {
-            for body in warm_bodies(file)? {
-                for &key in &keys {
-                    let out = server.warm(&body, key).await.map_err(|e| anyhow::anyhow!("{}: {}", file.display(), e.message))?;
-                    tracing::info!("warmed {} tokens from {} ({} were cached)", out["prompt_tokens"], file.display(), out["cached_tokens"]);
-                }
-            }
-        }
+        go_live(&server, &a, &path, &name, &sampling).await?;
         let stop = shutdown_signal();
         tokio::pin!(stop);
         loop {
@@ -204,14 +175,56 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                         anyhow::bail!("the lane stopped after a failure (see the log above); pass --restart-lane to load the model again instead");
                     }
                     tracing::warn!("the lane stopped after a failure; loading the model again");
-                    let (lane, info, _) = start_lane(&a, &path).await?;
-                    server.ready(lane, info);
+                    go_live(&server, &a, &path, &name, &sampling).await?;
                 }
             }
         }
     })?;
     // Give the runtime a moment to drop its connections.
     rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+/// Load the model, start its lane and serve it: `/props` tells what was
+/// loaded, the log says it is ready, and the `--warm` files are fed (again,
+/// after a restart: the cache went with the lane).
+async fn go_live(server: &Server, a: &ServeArgs, path: &Path, name: &str, sampling: &SamplingDefaults) -> Result<()> {
+    let (lane, info, summary) = start_lane(a, path).await?;
+    let Summary { template, device, context, architecture, parameters, kv_pool_tokens } = summary;
+    server.set_about(About {
+        path: path.display().to_string(),
+        architecture: architecture.clone(),
+        parameters,
+        device: device.clone(),
+        template: template.clone(),
+    });
+    // Ready before the line says so: a client that reads it may ask at once.
+    server.ready(lane, info);
+    tracing::info!(
+        model = %name,
+        architecture = %architecture,
+        parameters = %about::short_count(parameters),
+        context,
+        kv_pool_tokens,
+        template = %template,
+        sampling = format!("temperature {} top_k {} top_p {} min_p {} ({})", sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.source),
+        device = %device,
+        "ready on http://{}",
+        server.local_addr()
+    );
+    // Under per-key isolation each key has its own cache to warm.
+    let keys: Vec<Option<&str>> = match a.cache_isolation {
+        Isolation::PerKey if !a.api_key.is_empty() => a.api_key.iter().map(|k| Some(k.as_str())).collect(),
+        _ => vec![None],
+    };
+    for file in &a.warm {
+        for body in warm_bodies(file)? {
+            for &key in &keys {
+                let out = server.warm(&body, key).await.map_err(|e| anyhow::anyhow!("{}: {}", file.display(), e.message))?;
+                tracing::info!("warmed {} tokens from {} ({} were cached)", out["prompt_tokens"], file.display(), out["cached_tokens"]);
+            }
+        }
+    }
     Ok(())
 }
 

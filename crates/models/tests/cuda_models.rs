@@ -120,6 +120,13 @@ fn qwen3_fixture_bf16() {
     check_fixture("qwen3");
 }
 
+/// Qwen2's q/k/v biases and untied (or tied) head on the GPU.
+#[test]
+fn qwen2_fixtures_bf16() {
+    check_fixture("qwen2");
+    check_fixture("qwen2_tied");
+}
+
 /// How a model's forwards run in [`direct`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum How {
@@ -891,6 +898,7 @@ fn gemma4_fixtures_bf16() {
 #[test]
 fn other_fixtures_graphs_eager_and_unfused_agree() {
     for (name, key) in [
+        ("qwen2", "logits_incremental"),
         ("gemma3_text", "logits_incremental"),
         ("gemma4_text", "logits_incremental"),
         ("lfm2", "logits_incremental"),

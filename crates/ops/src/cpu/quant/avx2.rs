@@ -183,6 +183,12 @@ trait B32 {
     const OFFSET: bool;
     /// # Safety: AVX2+FMA+F16C available; `p` points at a whole block.
     unsafe fn unpack(p: *const u8) -> W32;
+    /// As `unpack`, where AVX-512 BW's byte masks are at hand (the 512-bit
+    /// matvec tile). # Safety: as `unpack`, and AVX-512 BW + VL available.
+    #[inline(always)]
+    unsafe fn unpack_bw(p: *const u8) -> W32 {
+        Self::unpack(p)
+    }
 }
 
 struct Q40;
@@ -232,6 +238,14 @@ impl B32 for Q50 {
         let d = h2f(p);
         W32 { q, abs: q, d, m: -16.0 * d }
     }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn unpack_bw(p: *const u8) -> W32 {
+        let qh = (p.add(2) as *const u32).read_unaligned();
+        let q = _mm256_or_si256(nibbles32(p.add(6)), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
+        let d = h2f(p);
+        W32 { q, abs: q, d, m: -16.0 * d }
+    }
 }
 
 impl B32 for Q51 {
@@ -243,6 +257,16 @@ impl B32 for Q51 {
     unsafe fn unpack(p: *const u8) -> W32 {
         let qh = (p.add(4) as *const u32).read_unaligned();
         let q = _mm256_or_si256(nibbles32(p.add(8)), bits_to_0x10(qh));
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+        let d = _mm_cvtss_f32(dm);
+        let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        W32 { q, abs: q, d, m }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn unpack_bw(p: *const u8) -> W32 {
+        let qh = (p.add(4) as *const u32).read_unaligned();
+        let q = _mm256_or_si256(nibbles32(p.add(8)), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
         let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
         let d = _mm_cvtss_f32(dm);
         let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
@@ -672,7 +696,7 @@ fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
 
 /// With AVX-512 VNNI: matvec tiles of more than eight rows on 512-bit
 /// registers, the rest as the eight-row tile.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn raw_vnni512<K: B32>(t: &Tile, rw: usize, ra: usize) {
     if ra == 1 && rw > 8 {
         gemv512::tile16::<K>(t, rw)

@@ -117,7 +117,12 @@ impl Isa {
             Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => {
-                Isa::Avx2.available() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")
+                // Every CPU with AVX-512 VNNI has BW too; the matvec tiles use its byte masks.
+                Isa::Avx2.available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni => false,

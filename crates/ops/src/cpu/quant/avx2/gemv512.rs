@@ -29,7 +29,7 @@ const fn rows_of(j: usize) -> (usize, usize) {
 /// Lane r of the result: the sum of the 256-bit half of `v[j]` that holds
 /// row r (see [`rows_of`]).
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn reduce16(v: &[__m512i; 8]) -> __m512i {
     // Within each 128-bit lane, pairs then quads of registers: after these,
     // lane k of u0 holds [v0, v1, v2, v3]'s sums of their lane k.
@@ -45,7 +45,7 @@ unsafe fn reduce16(v: &[__m512i; 8]) -> __m512i {
 
 /// Up to sixteen rows of the file's blocks (`t.w`, `t.w_stride`) x one
 /// activation row. Rows past `rw` repeat the last one; they are not stored.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
     let mut wr = [t.w; ROWS];
     for (r, p) in wr.iter_mut().enumerate() {
@@ -69,7 +69,7 @@ pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
             // The block two tiles on, as the eight-row tile does.
             prefetch(pl.wrapping_add(2 * ROWS * t.w_stride));
             prefetch(ph.wrapping_add(2 * ROWS * t.w_stride));
-            let (ul, uh) = (K::unpack(pl), K::unpack(ph));
+            let (ul, uh) = (K::unpack_bw(pl), K::unpack_bw(ph));
             let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ul.q), uh.q);
             let w = if K::SIGNED { _mm512_xor_si512(w, bias) } else { w };
             v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, av);

@@ -181,6 +181,10 @@ trait B32 {
     const SIGNED: bool;
     /// Has an offset term.
     const OFFSET: bool;
+    /// The offset factor is stored (f16, after d, as Q4_1 and Q5_1 keep
+    /// it); else it is `M_OF_D * d`.
+    const M_STORED: bool = false;
+    const M_OF_D: f32 = 0.0;
     /// # Safety: AVX2+FMA+F16C available; `p` points at a whole block.
     unsafe fn unpack(p: *const u8) -> W32;
     /// As `unpack`, where AVX-512 BW's byte masks are at hand (the 512-bit
@@ -202,6 +206,7 @@ impl B32 for Q40 {
     const BYTES: usize = 18;
     const SIGNED: bool = false;
     const OFFSET: bool = true;
+    const M_OF_D: f32 = -8.0;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W32 {
@@ -215,6 +220,7 @@ impl B32 for Q41 {
     const BYTES: usize = 20;
     const SIGNED: bool = false;
     const OFFSET: bool = true;
+    const M_STORED: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W32 {
@@ -230,6 +236,7 @@ impl B32 for Q50 {
     const BYTES: usize = 22;
     const SIGNED: bool = false;
     const OFFSET: bool = true;
+    const M_OF_D: f32 = -16.0;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W32 {
@@ -252,6 +259,7 @@ impl B32 for Q51 {
     const BYTES: usize = 24;
     const SIGNED: bool = false;
     const OFFSET: bool = true;
+    const M_STORED: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> W32 {

@@ -48,9 +48,14 @@ unsafe fn reduce16(v: &[__m512i; 8]) -> __m512i {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
     let mut wr = [t.w; ROWS];
+    let mut at = [0i32; ROWS];
     for (r, p) in wr.iter_mut().enumerate() {
         *p = t.w.add(r.min(rw - 1) * t.w_stride);
+        at[r] = (r.min(rw - 1) * t.w_stride) as i32;
     }
+    // Each row's block header (d, and Q4_1's / Q5_1's m), gathered in row
+    // order: one conversion for all sixteen scales.
+    let at = _mm512_loadu_si512(at.as_ptr() as *const _);
     let mut acc = _mm512_setzero_ps();
     let mut off = _mm512_setzero_ps();
     let bias = _mm512_set1_epi8(-128);
@@ -61,8 +66,6 @@ pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
         let a = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
         let av = _mm512_broadcast_i64x4(a);
         let mut v = [_mm512_setzero_si512(); 8];
-        let mut d = [0f32; ROWS];
-        let mut m = [0f32; ROWS];
         for j in 0..8 {
             let (lo, hi) = rows_of(j);
             let (pl, ph) = (wr[lo].add(b * K::BYTES), wr[hi].add(b * K::BYTES));
@@ -73,7 +76,6 @@ pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
             let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ul.q), uh.q);
             let w = if K::SIGNED { _mm512_xor_si512(w, bias) } else { w };
             v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, av);
-            (d[lo], d[hi], m[lo], m[hi]) = (ul.d, uh.d, ul.m, uh.m);
         }
         let mut isum = reduce16(&v);
         if K::SIGNED {
@@ -83,10 +85,14 @@ pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
             let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
             isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * _mm_cvtsi128_si32(s)));
         }
-        let s = _mm512_mul_ps(_mm512_loadu_ps(d.as_ptr()), _mm512_set1_ps(ab.d));
+        let head = _mm512_i32gather_epi32::<1>(at, t.w.add(b * K::BYTES) as *const _);
+        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        let s = _mm512_mul_ps(d, _mm512_set1_ps(ab.d));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc);
         if K::OFFSET {
-            off = _mm512_fmadd_ps(_mm512_loadu_ps(m.as_ptr()), _mm512_set1_ps(ab.s), off);
+            let m =
+                if K::M_STORED { _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(head))) } else { _mm512_mul_ps(d, _mm512_set1_ps(K::M_OF_D)) };
+            off = _mm512_fmadd_ps(m, _mm512_set1_ps(ab.s), off);
         }
     }
     let mask = if rw >= ROWS { u16::MAX } else { (1u16 << rw) - 1 };

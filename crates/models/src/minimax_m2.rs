@@ -49,6 +49,57 @@ pub struct MiniMaxM2Config {
 
 impl MiniMaxM2Config {
     pub fn from_source(src: &Source) -> Result<MiniMaxM2Config> {
+        match src {
+            Source::Gguf(g) => Self::from_gguf(g),
+            Source::Hf(_) => Self::from_hf(src),
+        }
+    }
+
+    /// llama.cpp's `minimax-m2.*` keys (MiniMax-M2 only: the converter's
+    /// MiniMax-M3 reads the Hub's checkpoint layout, not transformers').
+    fn from_gguf(g: &braid_formats::gguf::Gguf) -> Result<MiniMaxM2Config> {
+        let arch = g.architecture()?.to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let path = g.path().display();
+        ensure!(arch == "minimax-m2", "{path}: architecture {arch} is not MiniMax-M2");
+        let hidden = g.get_usize(&key("embedding_length"))?;
+        let heads = g.get_usize(&key("attention.head_count"))?;
+        let head_dim = match g.opt_u64(&key("attention.key_length"))? {
+            Some(d) => d as usize,
+            None => hidden.checked_div(heads).unwrap_or(0),
+        };
+        let rotary = g.opt_u64(&key("rope.dimension_count"))?.map_or(head_dim, |d| d as usize);
+        ensure!(rotary > 0 && rotary <= head_dim && rotary.is_multiple_of(2), "{path}: {rotary} rotary dims of a head of {head_dim}");
+        // llama.cpp's gating kinds: 1 softmax, 2 sigmoid (M2's, when absent).
+        let scoring = match g.opt_u64(&key("expert_gating_func"))? {
+            None | Some(2) => Scoring::Sigmoid,
+            Some(1) => Scoring::Softmax,
+            Some(f) => bail!("{path}: {} is {f} (expected 1, softmax, or 2, sigmoid)", key("expert_gating_func")),
+        };
+        let layers = g.get_usize(&key("block_count"))?;
+        Ok(MiniMaxM2Config {
+            m3: false,
+            hidden,
+            layers,
+            heads,
+            kv_heads: g.opt_u64(&key("attention.head_count_kv"))?.map_or(heads, |k| k as usize),
+            head_dim,
+            vocab: g.tensor("token_embd.weight")?.shape[0],
+            eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            rope: Rope::new(g.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0), rotary, true),
+            context: g.opt_u64(&key("context_length"))?.unwrap_or(4096) as usize,
+            experts: g.get_usize(&key("expert_count"))?,
+            top_k: g.get_usize(&key("expert_used_count"))?,
+            scoring,
+            routed_scale: g.opt_f32(&key("expert_weights_scale"))?.filter(|&s| s != 0.0).unwrap_or(1.0),
+            sparse: vec![false; layers],
+            dense: vec![false; layers],
+            index: None,
+            swiglu: None,
+        })
+    }
+
+    fn from_hf(src: &Source) -> Result<MiniMaxM2Config> {
         let arch = src.architecture()?;
         let m3 = arch != "minimax_m2";
         let c = hf_config(src, &arch)?;
@@ -186,6 +237,7 @@ impl<D: Device> MiniMaxM2<D> {
         let mut index_kv = cfg.layers;
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
+            // M3's own tensors by their HF names (it loads from HF folders only).
             let p = |n: &str| format!("model.layers.{l}.{n}");
             let indexer = if cfg.sparse[l] {
                 index_kv += 1;
@@ -209,24 +261,31 @@ impl<D: Device> MiniMaxM2<D> {
                 let shared = if src.has_tensor(&shared_name) { Some(glu(&shared_name, &p("mlp.shared_experts.down_proj.weight"))?) } else { None };
                 Ffn::Moe { router: w(&p("mlp.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared }
             } else {
-                let e = |n: String| p(&format!("block_sparse_moe.experts.{n}"));
-                let experts = Experts::load_split(dev, src, cfg.experts, Activation::Gated(Act::Silu), |x| {
-                    (Some(e(format!("{x}.w1.weight"))), e(format!("{x}.w3.weight")), e(format!("{x}.w2.weight")))
-                })?;
-                let bias = src.tensor(&p("block_sparse_moe.e_score_correction_bias"))?.to_f32()?;
-                Ffn::Moe { router: w(&p("block_sparse_moe.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared: None }
+                // M2 (from a GGUF too): by GGUF names.
+                let b = |n: &str| format!("blk.{l}.{n}");
+                let experts = Experts::load_stacked(
+                    dev,
+                    src,
+                    cfg.experts,
+                    Activation::Gated(Act::Silu),
+                    Some(&b("ffn_gate_exps.weight")),
+                    &b("ffn_up_exps.weight"),
+                    &b("ffn_down_exps.weight"),
+                )?;
+                let bias = src.tensor(&b("exp_probs_b.bias"))?.to_f32()?;
+                Ffn::Moe { router: w(&b("ffn_gate_inp.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared: None }
             };
             blocks.push(Block {
-                in_norm: v(&p("input_layernorm.weight"))?,
-                attn: Attention::load_hf(&w, &v, &p("self_attn."), "o_proj", Some(("q_norm", "k_norm")))?,
+                in_norm: v(&format!("blk.{l}.attn_norm.weight"))?,
+                attn: Attention::load_gguf(&w, &v, l, true)?,
                 indexer,
-                post_norm: v(&p("post_attention_layernorm.weight"))?,
+                post_norm: v(&format!("blk.{l}.ffn_norm.weight"))?,
                 ffn,
             });
             progress(l + 1, cfg.layers);
         }
-        let head = if src.has_tensor("lm_head.weight") { Some(w("lm_head.weight")?) } else { None };
-        Ok(MiniMaxM2 { embed: w("model.embed_tokens.weight")?, blocks, out_norm: v("model.norm.weight")?, head, cfg })
+        let head = if src.has_tensor("output.weight") { Some(w("output.weight")?) } else { None };
+        Ok(MiniMaxM2 { embed: w("token_embd.weight")?, blocks, out_norm: v("output_norm.weight")?, head, cfg })
     }
 }
 

@@ -49,8 +49,84 @@ pub struct NemotronHConfig {
     pub routed_scale: f32,
 }
 
+/// transformers' `time_step_min` when a config leaves it out (and a GGUF,
+/// which has no field for it).
+const TIME_STEP_MIN: f32 = 0.001;
+
 impl NemotronHConfig {
     pub fn from_source(src: &Source) -> Result<NemotronHConfig> {
+        match src {
+            Source::Gguf(g) => Self::from_gguf(g),
+            Source::Hf(_) => Self::from_hf(src),
+        }
+    }
+
+    /// llama.cpp's keys (`nemotron_h.*`, `nemotron_h_moe.*`); each block's
+    /// mixer is told by the tensors it holds. The GGUF keeps no dt limits:
+    /// dt is clamped to transformers' default `time_step_min`, as from an
+    /// HF folder that leaves it out.
+    fn from_gguf(g: &braid_formats::gguf::Gguf) -> Result<NemotronHConfig> {
+        let arch = g.architecture()?.to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let path = g.path().display();
+        let layers = g.get_usize(&key("block_count"))?;
+        let mixers: Vec<Mixer> = (0..layers)
+            .map(|l| {
+                let has = |n: &str| g.has_tensor(&format!("blk.{l}.{n}.weight"));
+                if has("ssm_in") {
+                    Ok(Mixer::Mamba)
+                } else if has("attn_q") {
+                    Ok(Mixer::Attention)
+                } else if has("ffn_gate_inp") {
+                    Ok(Mixer::Moe)
+                } else if has("ffn_up") {
+                    Ok(Mixer::Mlp)
+                } else {
+                    bail!("{path}: block {l} has none of ssm_in, attn_q, ffn_gate_inp, ffn_up (which mixer is it?)")
+                }
+            })
+            .collect::<Result<_>>()?;
+        let per_layer_max = |k: &str| -> Result<usize> {
+            let k = key(k);
+            Ok(match g.get(&k).and_then(|v| v.as_array()) {
+                Some(_) => g.get_u64_array(&k)?.into_iter().max().unwrap_or(0) as usize,
+                None => g.get_usize(&k)?,
+            })
+        };
+        let heads = per_layer_max("attention.head_count")?;
+        let ssm_heads = g.get_usize(&key("ssm.time_step_rank"))?;
+        let inner = g.get_usize(&key("ssm.inner_size"))?;
+        ensure!(ssm_heads > 0 && inner.is_multiple_of(ssm_heads), "{path}: ssm.inner_size {inner} over {ssm_heads} heads (ssm.time_step_rank)");
+        let hidden = g.get_usize(&key("embedding_length"))?;
+        Ok(NemotronHConfig {
+            hidden,
+            mixers,
+            vocab: g.tensor("token_embd.weight")?.shape[0],
+            eps: g.get_f32(&key("attention.layer_norm_epsilon"))?,
+            context: g.opt_u64(&key("context_length"))?.unwrap_or(4096) as usize,
+            ssm: SsmShape {
+                heads: ssm_heads,
+                head_dim: inner / ssm_heads,
+                state_dim: g.get_usize(&key("ssm.state_size"))?,
+                groups: g.get_usize(&key("ssm.group_count"))?,
+                dt_min: TIME_STEP_MIN,
+                dt_max: f32::INFINITY,
+            },
+            conv_kernel: g.get_usize(&key("ssm.conv_kernel"))?,
+            heads,
+            kv_heads: per_layer_max("attention.head_count_kv")?,
+            head_dim: match g.opt_u64(&key("attention.key_length"))? {
+                Some(d) => d as usize,
+                None => hidden.checked_div(heads).unwrap_or(0),
+            },
+            experts: g.opt_u64(&key("expert_count"))?.unwrap_or(0) as usize,
+            top_k: g.opt_u64(&key("expert_used_count"))?.unwrap_or(0) as usize,
+            normalize: g.opt_bool(&key("expert_weights_norm"))?.unwrap_or(true),
+            routed_scale: g.opt_f32(&key("expert_weights_scale"))?.filter(|&s| s != 0.0).unwrap_or(1.0),
+        })
+    }
+
+    fn from_hf(src: &Source) -> Result<NemotronHConfig> {
         let c = hf_config(src, "nemotron_h")?;
         let path = src.path();
         let path = path.display();
@@ -96,7 +172,7 @@ impl NemotronHConfig {
         // transformers clamps dt to [time_step_min, inf) and ignores
         // time_step_limit; a limit tighter than that is kept too.
         let limit = |i: usize| -> Option<f32> { c.get("time_step_limit")?.as_array()?.get(i).and_then(json_f32) };
-        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(0.0).max(limit(0).unwrap_or(0.0));
+        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(TIME_STEP_MIN).max(limit(0).unwrap_or(0.0));
         let dt_max = limit(1).unwrap_or(f32::INFINITY);
         ensure!(dt_min <= dt_max, "{path}: dt limits {dt_min} > {dt_max}");
         let ssm = SsmShape {
@@ -198,10 +274,10 @@ impl<D: Device> NemotronH<D> {
         let mut kv = 0;
         let mut blocks = Vec::with_capacity(cfg.mixers.len());
         for (l, &kind) in cfg.mixers.iter().enumerate() {
-            let p = |n: &str| format!("backbone.layers.{l}.mixer.{n}");
+            let p = |n: &str| format!("blk.{l}.{n}");
             let mixer = match kind {
                 Mixer::Mamba => {
-                    let in_proj = src.tensor(&p("in_proj.weight"))?;
+                    let in_proj = src.tensor(&p("ssm_in.weight"))?;
                     ensure!(
                         in_proj.shape == [inner + conv_dim + nh, cfg.hidden],
                         "{}: {:?}, expected [{}, {}]",
@@ -210,12 +286,15 @@ impl<D: Device> NemotronH<D> {
                         inner + conv_dim + nh,
                         cfg.hidden
                     );
-                    let conv = src.tensor(&p("conv1d.weight"))?;
+                    let conv = src.tensor(&p("ssm_conv1d.weight"))?;
                     ensure!(conv.elements() == conv_dim * cfg.conv_kernel, "{}: {:?}, expected [{conv_dim}, 1, {}]", conv.name, conv.shape, cfg.conv_kernel);
-                    let a_log = src.tensor(&p("A_log"))?.to_f32()?;
-                    ensure!(a_log.len() == nh, "{}: {} values for {nh} heads", p("A_log"), a_log.len());
-                    let a: Vec<f32> = a_log.iter().map(|x| -x.exp()).collect();
-                    let bias = p("conv1d.bias");
+                    // A = -exp(A_log): an HF folder holds A_log, a GGUF A itself.
+                    let a: Vec<f32> = match src {
+                        Source::Gguf(_) => src.tensor(&p("ssm_a"))?.to_f32()?,
+                        Source::Hf(_) => src.tensor(&format!("backbone.layers.{l}.mixer.A_log"))?.to_f32()?.iter().map(|x| -x.exp()).collect(),
+                    };
+                    ensure!(a.len() == nh, "block {l}: A has {} values for {nh} heads", a.len());
+                    let bias = p("ssm_conv1d.bias");
                     Layer::Mamba(Mamba {
                         // in_proj's rows are z, then xBC, then dt.
                         in_z: dev.weight(&slice_rows(&in_proj, 0, inner)?)?,
@@ -223,45 +302,51 @@ impl<D: Device> NemotronH<D> {
                         in_dt: dev.weight(&slice_rows(&in_proj, inner + conv_dim, nh)?)?,
                         conv: dev.vector(&conv, 0.0)?,
                         conv_bias: if src.has_tensor(&bias) { Some(v(&bias)?) } else { None },
-                        dt_bias: v(&p("dt_bias"))?,
+                        dt_bias: v(&p("ssm_dt.bias"))?,
                         a: dev.upload(&a, 1, nh)?,
-                        d: v(&p("D"))?,
-                        norm: v(&p("norm.weight"))?,
-                        out: w(&p("out_proj.weight"))?,
+                        d: v(&p("ssm_d"))?,
+                        norm: v(&p("ssm_norm.weight"))?,
+                        out: w(&p("ssm_out.weight"))?,
                         conv_at: state.take(conv_dim * (cfg.conv_kernel - 1)),
                         ssm_at: state.take(nh * cfg.ssm.head_dim * cfg.ssm.state_dim),
                     })
                 }
                 Mixer::Attention => {
                     kv += 1;
-                    Layer::Attention(Attention::load_hf(&w, &v, &p(""), "o_proj", None)?, kv - 1)
+                    Layer::Attention(Attention::load_gguf(&w, &v, l, false)?, kv - 1)
                 }
-                Mixer::Mlp => Layer::Mlp { up: w(&p("up_proj.weight"))?, down: w(&p("down_proj.weight"))? },
+                Mixer::Mlp => Layer::Mlp { up: w(&p("ffn_up.weight"))?, down: w(&p("ffn_down.weight"))? },
                 Mixer::Moe => {
                     let router = Router {
                         scoring: Scoring::Sigmoid,
                         top_k: cfg.top_k,
-                        choice_bias: Some(src.tensor(&p("gate.e_score_correction_bias"))?.to_f32()?),
+                        choice_bias: Some(src.tensor(&p("exp_probs_b.bias"))?.to_f32()?),
                         normalize: cfg.normalize,
                         norm_eps: 1e-20,
                         scale: cfg.routed_scale,
                         per_expert_scale: None,
                     };
-                    let experts = Experts::load_split(dev, src, cfg.experts, Activation::Plain(Map::Relu2), |e| {
-                        (None, p(&format!("experts.{e}.up_proj.weight")), p(&format!("experts.{e}.down_proj.weight")))
-                    })?;
+                    let experts = Experts::load_stacked(
+                        dev,
+                        src,
+                        cfg.experts,
+                        Activation::Plain(Map::Relu2),
+                        None,
+                        &p("ffn_up_exps.weight"),
+                        &p("ffn_down_exps.weight"),
+                    )?;
                     Layer::Moe {
-                        gate: w(&p("gate.weight"))?,
+                        gate: w(&p("ffn_gate_inp.weight"))?,
                         moe: Moe { router, experts },
-                        shared_up: w(&p("shared_experts.up_proj.weight"))?,
-                        shared_down: w(&p("shared_experts.down_proj.weight"))?,
+                        shared_up: w(&p("ffn_up_shexp.weight"))?,
+                        shared_down: w(&p("ffn_down_shexp.weight"))?,
                     }
                 }
             };
-            blocks.push(Block { norm: v(&format!("backbone.layers.{l}.norm.weight"))?, mixer });
+            blocks.push(Block { norm: v(&p("attn_norm.weight"))?, mixer });
             progress(l + 1, cfg.mixers.len());
         }
-        Ok(NemotronH { embed: w("backbone.embeddings.weight")?, blocks, out_norm: v("backbone.norm_f.weight")?, head: w("lm_head.weight")?, state, cfg })
+        Ok(NemotronH { embed: w("token_embd.weight")?, blocks, out_norm: v("output_norm.weight")?, head: w("output.weight")?, state, cfg })
     }
 }
 

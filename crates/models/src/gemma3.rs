@@ -104,7 +104,10 @@ impl Gemma3Config {
                     rope_global: hf_rope(&c, Some("full_attention"), head_dim, h.dir())?,
                     rope_local: hf_rope(&c, Some("sliding_attention"), head_dim, h.dir())?,
                     attn_scale: c.opt_f32("query_pre_attn_scalar")?.unwrap_or(head_dim as f32).powf(-0.5),
-                    attn_softcap: cap(c.opt_f32("attn_logit_softcapping")?),
+                    // transformers' Gemma 3 keeps `attn_logit_softcapping` in
+                    // its config but never applies it (Gemma 2 did); llama.cpp's
+                    // converter refuses a config that sets it. Run as transformers.
+                    attn_softcap: None,
                     final_softcap: cap(c.opt_f32("final_logit_softcapping")?),
                     embed_scale: round_to(embed.dtype, (hidden as f32).sqrt()),
                     norm_offset: 1.0,

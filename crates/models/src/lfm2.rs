@@ -165,7 +165,10 @@ struct ShortConv<D: Device> {
     /// `[hidden × kernel]`, channel-major.
     filter: D::Tensor,
     bias: Option<D::Tensor>,
+    /// `conv_bias` also biases both projections: in_proj's (B, C, x thirds) and out_proj's.
+    in_bias: Option<[D::Tensor; 3]>,
     out: D::Weight,
+    out_bias: Option<D::Tensor>,
     /// Where this layer's tail of inputs sits in the state row.
     state_at: usize,
 }
@@ -220,6 +223,15 @@ impl<D: Device> Lfm2<D> {
                 let filter = src.tensor(&p("shortconv.conv.weight"))?;
                 ensure!(filter.elements() == h * cfg.kernel, "{}: {:?}, expected [{h}, 1, {}]", filter.name, filter.shape, cfg.kernel);
                 let bias_name = p("shortconv.conv.bias");
+                let in_bias = match src.has_tensor(&p("shortconv.in_proj.bias")) {
+                    true => {
+                        let b = src.tensor(&p("shortconv.in_proj.bias"))?.to_f32()?;
+                        ensure!(b.len() == 3 * h, "{}: {} values, expected {}", p("shortconv.in_proj.bias"), b.len(), 3 * h);
+                        Some([dev.upload(&b[..h], 1, h)?, dev.upload(&b[h..2 * h], 1, h)?, dev.upload(&b[2 * h..], 1, h)?])
+                    }
+                    false => None,
+                };
+                let out_bias_name = p("shortconv.out_proj.bias");
                 Operator::Conv(ShortConv {
                     // in_proj's rows are B, C, x in that order.
                     in_b: dev.weight(&slice_rows(&in_proj, 0, h)?)?,
@@ -227,7 +239,9 @@ impl<D: Device> Lfm2<D> {
                     in_x: dev.weight(&slice_rows(&in_proj, 2 * h, h)?)?,
                     filter: dev.vector(&filter, 0.0)?,
                     bias: if src.has_tensor(&bias_name) { Some(v(&bias_name)?) } else { None },
+                    in_bias,
                     out: w(&p("shortconv.out_proj.weight"))?,
+                    out_bias: if src.has_tensor(&out_bias_name) { Some(v(&out_bias_name)?) } else { None },
                     state_at: state.take(h * (cfg.kernel - 1)),
                 })
             };
@@ -293,10 +307,18 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
                     // y = C · conv(B · x), the three from one input.
                     let [bb, cc, xx, bx, y] = extras(dev, &mut s.extra);
                     dev.matmul(&s.h, &[&cv.in_b, &cv.in_c, &cv.in_x], &mut [&mut *bb, &mut *cc, &mut *xx]);
+                    if let Some([b0, b1, b2]) = &cv.in_bias {
+                        dev.add(bb, b0);
+                        dev.add(cc, b1);
+                        dev.add(xx, b2);
+                    }
                     dev.gated(Act::Identity, bb, xx, bx);
                     dev.short_conv(bx, &cv.filter, cv.bias.as_ref(), c.kernel, false, &mut mem.state, cv.state_at, &seqs, y)?;
                     dev.gated(Act::Identity, cc, y, bx);
                     dev.matmul(bx, &[&cv.out], &mut [&mut s.out]);
+                    if let Some(b) = &cv.out_bias {
+                        dev.add(&mut s.out, b);
+                    }
                 }
                 Operator::Attention(a, kv) => {
                     a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);

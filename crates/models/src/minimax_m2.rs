@@ -111,12 +111,14 @@ impl MiniMaxM2Config {
         ensure!(heads > 0 && layers > 0, "{path}: {heads} heads, {layers} layers");
         let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let rp = c.rope(None, 10_000.0)?;
-        // transformers reads rope_parameters.partial_rotary_factor; Hub
-        // configs give rotary_dim.
-        let rotary = if rp.partial_rotary_factor != 1.0 {
-            (head_dim as f32 * rp.partial_rotary_factor) as usize
-        } else {
-            c.opt_usize("rotary_dim")?.unwrap_or(head_dim)
+        // The rotated part of each head, as transformers reads it: M2's
+        // config turns the Hub's legacy `rotary_dim` into a partial-rotary
+        // factor when none is given; M3's does not, and its RoPE covers
+        // head_dim × partial_rotary_factor whatever `rotary_dim` says.
+        let explicit = c.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).is_some() || c.get("partial_rotary_factor").is_some();
+        let rotary = match c.opt_usize("rotary_dim")? {
+            Some(r) if !m3 && !explicit => r,
+            _ => (head_dim as f32 * rp.partial_rotary_factor) as usize,
         };
         ensure!(rotary > 0 && rotary <= head_dim && rotary.is_multiple_of(2), "{path}: {rotary} rotary dims of a head of {head_dim}");
         let flags = |key: &str, yes: &str, no: &str| -> Result<Vec<bool>> {

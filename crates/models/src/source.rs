@@ -149,6 +149,8 @@ const LFM2: Names = Names {
     per_layer: &[
         ("attn_norm.weight", "operator_norm.weight"),
         ("shortconv.in_proj.weight", "conv.in_proj.weight"),
+        ("shortconv.in_proj.bias", "conv.in_proj.bias"),
+        ("shortconv.out_proj.bias", "conv.out_proj.bias"),
         ("shortconv.conv.weight", "conv.conv.weight"),
         ("shortconv.conv.bias", "conv.conv.bias"),
         ("shortconv.out_proj.weight", "conv.out_proj.weight"),

@@ -38,6 +38,12 @@ family!(gemma3, "gemma3_text");
 family!(gemma4, "gemma4_text");
 family!(gemma4_moe, "gemma4_text_moe");
 
+// Other points of each family's configuration space (`VARIANTS` in
+// make_fixtures.py; each meta.json's notes.variant says what differs).
+family!(llama_linear_rope, "llama_linear_rope");
+family!(qwen3_tied, "qwen3_tied");
+family!(gemma3_softcap, "gemma3_softcap");
+
 use braid_models::gemma3::Gemma3;
 use braid_models::gemma4::Gemma4;
 use braid_models::{Model, ModelBackend, Source};

@@ -96,6 +96,15 @@ family!(minimax, "minimax", incremental = "logits_incremental");
 family!(minimax_m2, "minimax_m2", incremental = "logits_incremental");
 family!(minimax_m3, "minimax_m3_vl_text", incremental = "logits_incremental");
 
+// Other points of each family's configuration space (`VARIANTS` in
+// make_fixtures.py; each meta.json's notes.variant says what differs).
+family!(lfm2_conv4, "lfm2_conv4", incremental = "logits_incremental");
+family!(lfm2_moe_scaled, "lfm2_moe_scaled", incremental = "logits_incremental");
+family!(nemotron_h_grouped, "nemotron_h_grouped", incremental = "logits_incremental_clamped");
+family!(minimax_plain, "minimax_plain", incremental = "logits_incremental");
+family!(minimax_m2_quarter_rope, "minimax_m2_quarter_rope", incremental = "logits_incremental");
+family!(minimax_m3_wide_index, "minimax_m3_vl_text_wide_index", incremental = "logits_incremental");
+
 /// transformers' own decode does not clamp dt (`logits_incremental` drifts
 /// by 2e-2 from `logits_full`); braid clamps in decode too, so it must be far
 /// from that table while matching the clamped one (checked above).

@@ -11,6 +11,7 @@ pub mod gemma4;
 pub mod gpubench;
 pub mod lfm2;
 pub mod llama;
+pub mod mamba2;
 pub mod minimax;
 pub mod minimax_m2;
 pub mod moe;

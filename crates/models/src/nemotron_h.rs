@@ -3,19 +3,16 @@
 //! MLP, or a sigmoid-routed mixture of squared-ReLU experts with a shared
 //! expert; a final norm and an untied head.
 //!
-//! Mamba2: `z, xBC, dt = in_proj(h)`; `xBC = silu(conv(xBC))` (a causal
-//! depthwise filter over time); the selective scan over heads, with B and C
-//! shared by groups of heads; `y ⊙ silu(z)` normalised per channel group;
-//! `out_proj`. Its state: the conv's last inputs and the scan's matrix per
-//! head. `dt` is clamped to `time_step_min` in every pass: transformers does
+//! Mamba2 is `mamba2.rs`'s. `dt` is clamped to `time_step_min` in every pass: transformers does
 //! so in prefill only, which makes its own decode drift (see the fixtures'
 //! README); clamping in both keeps prefill and decode one computation.
 
 use anyhow::{bail, ensure, Result};
-use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
+use braid_ops::{Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
 
 use crate::blocks::{model_sizes, Attention};
-use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::mamba2::{Mamba2, Mamba2Shape};
+use crate::moe::{Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -204,12 +201,8 @@ impl NemotronHConfig {
         })
     }
 
-    fn inner(&self) -> usize {
-        self.ssm.heads * self.ssm.head_dim
-    }
-
-    fn conv_dim(&self) -> usize {
-        self.inner() + 2 * self.ssm.groups * self.ssm.state_dim
+    fn mamba(&self) -> Mamba2Shape {
+        Mamba2Shape { hidden: self.hidden, ssm: self.ssm, conv_kernel: self.conv_kernel, eps: self.eps }
     }
 }
 
@@ -225,25 +218,9 @@ fn json_f32(v: &serde_json::Value) -> Option<f32> {
     }
 }
 
-struct Mamba<D: Device> {
-    in_z: D::Weight,
-    in_xbc: D::Weight,
-    in_dt: D::Weight,
-    conv: D::Tensor,
-    conv_bias: Option<D::Tensor>,
-    dt_bias: D::Tensor,
-    /// `-exp(A_log)`.
-    a: D::Tensor,
-    d: D::Tensor,
-    norm: D::Tensor,
-    out: D::Weight,
-    conv_at: usize,
-    ssm_at: usize,
-}
-
 /// An attention layer holds its index in the KV pool.
 enum Layer<D: Device> {
-    Mamba(Mamba<D>),
+    Mamba(Mamba2<D>),
     Attention(Attention<D>, usize),
     Mlp { up: D::Weight, down: D::Weight },
     Moe { gate: D::Weight, moe: Moe<D>, shared_up: D::Weight, shared_down: D::Weight },
@@ -269,48 +246,13 @@ impl<D: Device> NemotronH<D> {
         crate::config::check_nemotron_h(&cfg, src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
-        let (inner, conv_dim, nh) = (cfg.inner(), cfg.conv_dim(), cfg.ssm.heads);
         let mut state = StateLayout::default();
         let mut kv = 0;
         let mut blocks = Vec::with_capacity(cfg.mixers.len());
         for (l, &kind) in cfg.mixers.iter().enumerate() {
             let p = |n: &str| format!("blk.{l}.{n}");
             let mixer = match kind {
-                Mixer::Mamba => {
-                    let in_proj = src.tensor(&p("ssm_in.weight"))?;
-                    ensure!(
-                        in_proj.shape == [inner + conv_dim + nh, cfg.hidden],
-                        "{}: {:?}, expected [{}, {}]",
-                        in_proj.name,
-                        in_proj.shape,
-                        inner + conv_dim + nh,
-                        cfg.hidden
-                    );
-                    let conv = src.tensor(&p("ssm_conv1d.weight"))?;
-                    ensure!(conv.elements() == conv_dim * cfg.conv_kernel, "{}: {:?}, expected [{conv_dim}, 1, {}]", conv.name, conv.shape, cfg.conv_kernel);
-                    // A = -exp(A_log): an HF folder holds A_log, a GGUF A itself.
-                    let a: Vec<f32> = match src {
-                        Source::Gguf(_) => src.tensor(&p("ssm_a"))?.to_f32()?,
-                        Source::Hf(_) => src.tensor(&format!("backbone.layers.{l}.mixer.A_log"))?.to_f32()?.iter().map(|x| -x.exp()).collect(),
-                    };
-                    ensure!(a.len() == nh, "block {l}: A has {} values for {nh} heads", a.len());
-                    let bias = p("ssm_conv1d.bias");
-                    Layer::Mamba(Mamba {
-                        // in_proj's rows are z, then xBC, then dt.
-                        in_z: dev.weight(&slice_rows(&in_proj, 0, inner)?)?,
-                        in_xbc: dev.weight(&slice_rows(&in_proj, inner, conv_dim)?)?,
-                        in_dt: dev.weight(&slice_rows(&in_proj, inner + conv_dim, nh)?)?,
-                        conv: dev.vector(&conv, 0.0)?,
-                        conv_bias: if src.has_tensor(&bias) { Some(v(&bias)?) } else { None },
-                        dt_bias: v(&p("ssm_dt.bias"))?,
-                        a: dev.upload(&a, 1, nh)?,
-                        d: v(&p("ssm_d"))?,
-                        norm: v(&p("ssm_norm.weight"))?,
-                        out: w(&p("ssm_out.weight"))?,
-                        conv_at: state.take(conv_dim * (cfg.conv_kernel - 1)),
-                        ssm_at: state.take(nh * cfg.ssm.head_dim * cfg.ssm.state_dim),
-                    })
-                }
+                Mixer::Mamba => Layer::Mamba(Mamba2::load(dev, src, l, &cfg.mamba(), &format!("backbone.layers.{l}.mixer.A_log"), &mut state)?),
                 Mixer::Attention => {
                     kv += 1;
                     Layer::Attention(Attention::load_gguf(&w, &v, l, false)?, kv - 1)
@@ -380,21 +322,13 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let c = &self.cfg;
         let seqs = state_seqs(batch)?;
+        let mamba = c.mamba();
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
         for (l, b) in self.blocks.iter().enumerate() {
             dev.rms_norm(&s.x, &b.norm, c.eps, &mut s.h);
             match &b.mixer {
-                Layer::Mamba(m) => {
-                    let [z, xbc, dt, conv, y, gated, normed] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[&m.in_z, &m.in_xbc, &m.in_dt], &mut [&mut *z, &mut *xbc, &mut *dt]);
-                    dev.short_conv(xbc, &m.conv, m.conv_bias.as_ref(), c.conv_kernel, true, &mut mem.state, m.conv_at, &seqs, conv)?;
-                    dev.ssm_scan(conv, dt, &m.dt_bias, &m.a, &m.d, &c.ssm, &mut mem.state, m.ssm_at, &seqs, y)?;
-                    // Gated norm: (y ⊙ silu(z)), normalised per group of channels.
-                    dev.gated(Act::Silu, z, y, gated);
-                    dev.group_rms_norm(gated, &m.norm, c.inner() / c.ssm.groups, c.eps, normed)?;
-                    dev.matmul(normed, &[&m.out], &mut [&mut s.out]);
-                }
+                Layer::Mamba(m) => m.forward(dev, &mamba, s, &mut mem.state, &seqs)?,
                 Layer::Attention(a, kv) => {
                     // No positional encoding.
                     a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, None, c.eps, scale, None);

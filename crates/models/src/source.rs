@@ -200,8 +200,31 @@ const NEMOTRON_H: Names = Names {
     experts: &[("ffn_up_exps.weight", "mixer.experts.", "up_proj.weight"), ("ffn_down_exps.weight", "mixer.experts.", "down_proj.weight")],
 };
 
+const GRANITE_HYBRID: Names = Names {
+    block: "model.layers.",
+    top: LLAMA.top,
+    per_layer: &[
+        ("attn_norm.weight", "input_layernorm.weight"),
+        ("ffn_norm.weight", "post_attention_layernorm.weight"),
+        ("attn_q.weight", "self_attn.q_proj.weight"),
+        ("attn_k.weight", "self_attn.k_proj.weight"),
+        ("attn_v.weight", "self_attn.v_proj.weight"),
+        ("attn_output.weight", "self_attn.o_proj.weight"),
+        ("ssm_in.weight", "mamba.in_proj.weight"),
+        ("ssm_conv1d.weight", "mamba.conv1d.weight"),
+        ("ssm_conv1d.bias", "mamba.conv1d.bias"),
+        ("ssm_dt.bias", "mamba.dt_bias"),
+        ("ssm_d", "mamba.D"),
+        ("ssm_norm.weight", "mamba.norm.weight"),
+        ("ssm_out.weight", "mamba.out_proj.weight"),
+        ("ffn_gate_inp.weight", "block_sparse_moe.router.layer.weight"),
+    ],
+    experts: &[],
+};
+
 fn names(arch: &str) -> &'static Names {
     match arch {
+        "granitemoehybrid" => &GRANITE_HYBRID,
         "lfm2" | "lfm2_moe" => &LFM2,
         "nemotron_h" => &NEMOTRON_H,
         _ => &LLAMA,

@@ -13,8 +13,8 @@
 //!   takes every sixth layer as global and 1/√head_dim as the attention
 //!   scale; the converter writes neither `layer_types` nor
 //!   `query_pre_attn_scalar` (the fixture: global layer 2 of 4, scalar 24).
-//! * gemma4_text, gemma4_text_moe: the converter writes them, braid reads
-//!   Gemma 4 from HF folders only so far.
+//! * gemma4_text, gemma4_text_moe, granitemoehybrid: the converter writes
+//!   them, braid reads them from HF folders only so far.
 //! * minimax (MiniMax-Text-01): the converter registers the Hub's
 //!   `MiniMaxText01ForCausalLM`, whose config keys differ from
 //!   transformers' `MiniMaxConfig` (`layernorm_*_alpha/beta`, all betas 1),

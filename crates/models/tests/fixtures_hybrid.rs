@@ -1,6 +1,7 @@
 //! The hybrid families on the tiny random fixtures, against transformers:
-//! LFM2, LFM2-MoE, Nemotron-H, MiniMax (linear attention), MiniMax-M2 and
-//! the MiniMax-M3 text tower (block-sparse attention), from HF folders.
+//! LFM2, LFM2-MoE, Nemotron-H, MiniMax (linear attention), MiniMax-M2,
+//! the MiniMax-M3 text tower (block-sparse attention) and Granite 4
+//! (Mamba2 + attention + MoE), from HF folders.
 //!
 //! Every family: declared state kinds; logits of one full forward and of
 //! incremental decode within 1e-4 of transformers; chunk caps 1, 3, 7 and
@@ -95,6 +96,8 @@ family!(nemotron_h, "nemotron_h", incremental = "logits_incremental_clamped");
 family!(minimax, "minimax", incremental = "logits_incremental");
 family!(minimax_m2, "minimax_m2", incremental = "logits_incremental");
 family!(minimax_m3, "minimax_m3_vl_text", incremental = "logits_incremental");
+family!(granite_hybrid, "granitemoehybrid", incremental = "logits_incremental");
+family!(granite_nope_dense, "granitemoehybrid_nope_dense", incremental = "logits_incremental");
 
 // Other points of each family's configuration space (`VARIANTS` in
 // make_fixtures.py; each meta.json's notes.variant says what differs).

@@ -50,6 +50,72 @@ pub struct GraniteHybridConfig {
 
 impl GraniteHybridConfig {
     pub fn from_source(src: &Source) -> Result<GraniteHybridConfig> {
+        match src {
+            Source::Gguf(g) => Self::from_gguf(g),
+            Source::Hf(_) => Self::from_hf(src),
+        }
+    }
+
+    /// llama.cpp's `granitehybrid.*` keys: attention layers are those with
+    /// KV heads in the per-layer `attention.head_count_kv`; RoPE only where
+    /// `rope.scaling.finetuned` says so (the converter writes false for
+    /// Granite 4's hybrids, which have none), over rows the converter
+    /// permuted as llama's (adjacent pairs). The GGUF keeps no dt limits:
+    /// transformers' default `(0, inf)`.
+    fn from_gguf(g: &braid_formats::gguf::Gguf) -> Result<GraniteHybridConfig> {
+        let arch = g.architecture()?.to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let path = g.path().display();
+        let layers = g.get_usize(&key("block_count"))?;
+        let kv = match g.get(&key("attention.head_count_kv")).and_then(|v| v.as_array()) {
+            Some(_) => g.get_u64_array(&key("attention.head_count_kv"))?,
+            None => bail!("{path}: {} is not a per-layer list (which layers attend?)", key("attention.head_count_kv")),
+        };
+        ensure!(kv.len() == layers, "{path}: {} names {} layers, the model has {layers}", key("attention.head_count_kv"), kv.len());
+        let hidden = g.get_usize(&key("embedding_length"))?;
+        let heads = g.get_usize(&key("attention.head_count"))?;
+        let head_dim = g.opt_u64(&key("attention.key_length"))?.map_or(hidden.checked_div(heads).unwrap_or(0), |d| d as usize);
+        let rope = match g.opt_bool(&key("rope.scaling.finetuned"))?.unwrap_or(true) {
+            true => Some(Rope::new(
+                g.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+                g.opt_u64(&key("rope.dimension_count"))?.map_or(head_dim, |d| d as usize),
+                false,
+            )),
+            false => None,
+        };
+        let ssm_heads = g.get_usize(&key("ssm.time_step_rank"))?;
+        let inner = g.get_usize(&key("ssm.inner_size"))?;
+        ensure!(ssm_heads > 0 && inner.is_multiple_of(ssm_heads), "{path}: ssm.inner_size {inner} over {ssm_heads} heads (ssm.time_step_rank)");
+        let one = |k: &str| -> Result<f32> { Ok(g.opt_f32(&key(k))?.unwrap_or(1.0)) };
+        Ok(GraniteHybridConfig {
+            hidden,
+            mamba: kv.iter().map(|&k| k == 0).collect(),
+            heads,
+            kv_heads: kv.iter().copied().max().unwrap_or(0) as usize,
+            head_dim,
+            vocab: g.tensor("token_embd.weight")?.shape[0],
+            eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            context: g.opt_u64(&key("context_length"))?.unwrap_or(2048) as usize,
+            rope,
+            embedding_multiplier: one("embedding_scale")?,
+            residual_multiplier: one("residual_scale")?,
+            attention_multiplier: one("attention.scale")?,
+            logits_scaling: one("logit_scale")?,
+            experts: g.opt_u64(&key("expert_count"))?.unwrap_or(0) as usize,
+            top_k: g.opt_u64(&key("expert_used_count"))?.unwrap_or(0) as usize,
+            ssm: SsmShape {
+                heads: ssm_heads,
+                head_dim: inner / ssm_heads,
+                state_dim: g.get_usize(&key("ssm.state_size"))?,
+                groups: g.get_usize(&key("ssm.group_count"))?,
+                dt_min: 0.0,
+                dt_max: f32::INFINITY,
+            },
+            conv_kernel: g.get_usize(&key("ssm.conv_kernel"))?,
+        })
+    }
+
+    fn from_hf(src: &Source) -> Result<GraniteHybridConfig> {
         let c = hf_config(src, "granitemoehybrid")?;
         let path = src.path();
         let path = path.display();
@@ -205,7 +271,7 @@ impl<D: Device> GraniteHybrid<D> {
         let mut blocks = Vec::with_capacity(layers);
         for l in 0..layers {
             let p = |n: &str| format!("blk.{l}.{n}");
-            // The fused tensors by their HF names.
+            // The tensors an HF folder fuses, by their HF names.
             let hf = |n: &str| format!("model.layers.{l}.{n}");
             let mixer = if cfg.mamba[l] {
                 Mixer::Mamba(Mamba2::load(dev, src, l, &shape, &hf("mamba.A_log"), &mut state)?)
@@ -213,13 +279,26 @@ impl<D: Device> GraniteHybrid<D> {
                 kv += 1;
                 Mixer::Attention(Attention::load_gguf(&w, &v, l, false)?, kv - 1)
             };
+            let act = Activation::Gated(Act::Silu);
             let moe = if cfg.experts > 0 {
-                let experts = Experts::load_fused(
-                    dev,
-                    &src.tensor(&hf("block_sparse_moe.input_linear.weight"))?,
-                    &src.tensor(&hf("block_sparse_moe.output_linear.weight"))?,
-                    Activation::Gated(Act::Silu),
-                )?;
+                // A GGUF stacks gate, up and down apart; an HF folder fuses gate and up.
+                let experts = match src {
+                    Source::Gguf(_) => Experts::load_stacked(
+                        dev,
+                        src,
+                        cfg.experts,
+                        act,
+                        Some(&p("ffn_gate_exps.weight")),
+                        &p("ffn_up_exps.weight"),
+                        &p("ffn_down_exps.weight"),
+                    )?,
+                    Source::Hf(_) => Experts::load_fused(
+                        dev,
+                        &src.tensor(&hf("block_sparse_moe.input_linear.weight"))?,
+                        &src.tensor(&hf("block_sparse_moe.output_linear.weight"))?,
+                        act,
+                    )?,
+                };
                 ensure!(experts.experts.len() == cfg.experts, "block {l}: {} experts, num_local_experts is {}", experts.experts.len(), cfg.experts);
                 // Softmax over the chosen logits = softmax over all, renormalised.
                 let router = Router { scoring: Scoring::Softmax, top_k: cfg.top_k, normalize: true, ..Router::default() };
@@ -227,18 +306,25 @@ impl<D: Device> GraniteHybrid<D> {
             } else {
                 None
             };
-            let input = src.tensor(&hf("shared_mlp.input_linear.weight"))?;
-            ensure!(
-                input.shape.len() == 2 && input.shape[0].is_multiple_of(2),
-                "{}: {:?}, expected [2 × shared_intermediate_size, hidden]",
-                input.name,
-                input.shape
-            );
-            let i = input.shape[0] / 2;
-            let shared = SharedMlp {
-                gate: dev.weight(&slice_rows(&input, 0, i)?)?,
-                up: dev.weight(&slice_rows(&input, i, i)?)?,
-                down: w(&hf("shared_mlp.output_linear.weight"))?,
+            let shared = match src {
+                Source::Gguf(_) => {
+                    SharedMlp { gate: w(&p("ffn_gate_shexp.weight"))?, up: w(&p("ffn_up_shexp.weight"))?, down: w(&p("ffn_down_shexp.weight"))? }
+                }
+                Source::Hf(_) => {
+                    let input = src.tensor(&hf("shared_mlp.input_linear.weight"))?;
+                    ensure!(
+                        input.shape.len() == 2 && input.shape[0].is_multiple_of(2),
+                        "{}: {:?}, expected [2 × shared_intermediate_size, hidden]",
+                        input.name,
+                        input.shape
+                    );
+                    let i = input.shape[0] / 2;
+                    SharedMlp {
+                        gate: dev.weight(&slice_rows(&input, 0, i)?)?,
+                        up: dev.weight(&slice_rows(&input, i, i)?)?,
+                        down: w(&hf("shared_mlp.output_linear.weight"))?,
+                    }
+                }
             };
             blocks.push(Block { in_norm: v(&p("attn_norm.weight"))?, mixer, post_norm: v(&p("ffn_norm.weight"))?, moe, shared });
             progress(l + 1, layers);

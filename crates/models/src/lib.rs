@@ -248,7 +248,7 @@ pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "nemotron_h" | "nemotron_h_moe" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
         "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
         "minimax_m2" | "minimax-m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
-        "granitemoehybrid" => Ok(Box::new(granite::GraniteHybrid::load(dev, src, progress)?)),
+        "granitemoehybrid" | "granitehybrid" => Ok(Box::new(granite::GraniteHybrid::load(dev, src, progress)?)),
         other => bail!(
             "{}: architecture '{other}' is not supported yet (supported: llama, qwen2, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text, granitemoehybrid)",
             src.path().display()

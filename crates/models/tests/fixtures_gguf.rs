@@ -1,20 +1,22 @@
 //! GGUF files made from the tiny HF fixtures by llama.cpp b11434's own
 //! converter (`scripts/fixtures/make_ggufs.py`): braid reads the metadata
-//! keys and tensor names real GGUFs carry (and, for llama, the converter's
-//! q/k row permutation; for the MoE families its stacked experts; for
-//! Nemotron-H its `A = -exp(A_log)`), so its GGUF logits equal its HF-folder
+//! keys and tensor names real GGUFs carry (and, for llama and Granite, the
+//! converter's q/k row permutation; for the MoE families its stacked
+//! experts; for the Mamba2 hybrids its `A = -exp(A_log)`), so its GGUF logits equal its HF-folder
 //! logits — F32 within 1e-5, Q8_0 within the 8-bit quantization's error of
 //! transformers' reference, and incremental decode as the whole pass.
 //!
 //! Families the converter writes and braid reads from GGUF: llama, qwen2
 //! (untied and tied), qwen3, lfm2, lfm2_moe, nemotron_h (as
-//! `nemotron_h_moe`), minimax_m2. Not here:
+//! `nemotron_h_moe`), minimax_m2, granitemoehybrid (as `granitehybrid`,
+//! converted from the Hub's layer-type names, which the converter reads).
+//! Not here:
 //! * gemma3_text: the GGUF cannot hold this fixture's model. llama.cpp
 //!   takes every sixth layer as global and 1/√head_dim as the attention
 //!   scale; the converter writes neither `layer_types` nor
 //!   `query_pre_attn_scalar` (the fixture: global layer 2 of 4, scalar 24).
-//! * gemma4_text, gemma4_text_moe, granitemoehybrid: the converter writes
-//!   them, braid reads them from HF folders only so far.
+//! * gemma4_text, gemma4_text_moe: the converter writes them, braid reads
+//!   Gemma 4 from HF folders only so far.
 //! * minimax (MiniMax-Text-01): the converter registers the Hub's
 //!   `MiniMaxText01ForCausalLM`, whose config keys differ from
 //!   transformers' `MiniMaxConfig` (`layernorm_*_alpha/beta`, all betas 1),
@@ -30,7 +32,7 @@ use fixtures_common::*;
 use braid_models::ModelBackend;
 use braid_ops::cpu::Cpu;
 
-const FAMILIES: [&str; 8] = ["llama", "qwen2", "qwen2_tied", "qwen3", "lfm2", "lfm2_moe", "nemotron_h", "minimax_m2"];
+const FAMILIES: [&str; 9] = ["llama", "qwen2", "qwen2_tied", "qwen3", "lfm2", "lfm2_moe", "nemotron_h", "minimax_m2", "granitemoehybrid"];
 
 fn backend(path: &std::path::Path) -> ModelBackend<Cpu> {
     let dev = Cpu::new(None);

@@ -97,7 +97,7 @@ family!(minimax, "minimax", incremental = "logits_incremental");
 family!(minimax_m2, "minimax_m2", incremental = "logits_incremental");
 family!(minimax_m3, "minimax_m3_vl_text", incremental = "logits_incremental");
 family!(granite_hybrid, "granitemoehybrid", incremental = "logits_incremental");
-family!(granite_nope_dense, "granitemoehybrid_nope_dense", incremental = "logits_incremental");
+family!(granite_rope_dense, "granitemoehybrid_rope_dense", incremental = "logits_incremental");
 
 // Other points of each family's configuration space (`VARIANTS` in
 // make_fixtures.py; each meta.json's notes.variant says what differs).

@@ -11,7 +11,7 @@
 //! clamped SwiGLUs — a dense one on some layers, and on the others the
 //! experts, scaled, plus a shared expert.
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use braid_ops::{Act, BlockSparse, Device, KvShape, MoeOps, Rope, SparseAttentionOps};
 
 use crate::blocks::{gated_mlp, model_sizes, Attention};
@@ -138,21 +138,53 @@ impl MiniMaxM2Config {
             }
         };
         let (sparse, dense, index, swiglu) = if m3 {
-            let sparse = flags("layer_types", "minimax_m3_sparse", "full_attention")?;
+            // As transformers' M3 config reads them: the flat keys, or the Hub's
+            // `sparse_attention_config` (its `sparse_*` keys win), and per-layer
+            // lists from `layer_types` / `mlp_layer_types` or the Hub's
+            // `sparse_attention_freq` / `moe_layer_freq` (1: sparse, MoE); the
+            // defaults are transformers'.
+            let sac = c.get("sparse_attention_config").filter(|v| v.is_object());
+            let index_key = |flat: &str, legacy: &str, default: usize| -> Result<usize> {
+                match sac.and_then(|s| s.get(legacy)) {
+                    Some(v) => v
+                        .as_u64()
+                        .map(|x| x as usize)
+                        .with_context(|| format!("{path}: sparse_attention_config.{legacy} is {v}, expected a non-negative integer")),
+                    None => Ok(c.opt_usize(flat)?.unwrap_or(default)),
+                }
+            };
+            let freq = |v: Option<&serde_json::Value>, key: &str| -> Result<Option<Vec<bool>>> {
+                let Some(v) = v else { return Ok(None) };
+                let Some(list) = v.as_array() else { bail!("{path}: {key} is not a list") };
+                ensure!(list.len() == layers, "{path}: {key} names {} layers, the model has {layers}", list.len());
+                list.iter()
+                    .map(|f| f.as_u64().map(|f| f != 0).with_context(|| format!("{path}: {key} holds {f} (expected 0 or 1)")))
+                    .collect::<Result<_>>()
+                    .map(Some)
+            };
+            let sparse = match (c.get("layer_types"), freq(sac.and_then(|s| s.get("sparse_attention_freq")), "sparse_attention_config.sparse_attention_freq")?)
+            {
+                (None, Some(f)) => f,
+                _ => flags("layer_types", "minimax_m3_sparse", "full_attention")?,
+            };
+            let dense = match (c.get("mlp_layer_types"), freq(c.get("moe_layer_freq"), "moe_layer_freq")?) {
+                (None, Some(f)) => f.iter().map(|&moe| !moe).collect(),
+                _ => flags("mlp_layer_types", "dense", "sparse")?,
+            };
             let index = BlockSparse {
-                block: c.usize("index_block_size")?,
-                local: c.opt_usize("index_local_blocks")?.unwrap_or(1),
-                topk: c.usize("index_topk_blocks")?,
-                index_heads: c.usize("index_n_heads")?,
-                index_dim: c.usize("index_head_dim")?,
+                block: index_key("index_block_size", "sparse_block_size", 128)?,
+                local: index_key("index_local_blocks", "sparse_local_block", 1)?,
+                topk: index_key("index_topk_blocks", "sparse_topk_blocks", 16)?,
+                index_heads: index_key("index_n_heads", "sparse_num_index_heads", 4)?,
+                index_dim: index_key("index_head_dim", "sparse_index_dim", 128)?,
             };
             ensure!(index.block > 0 && index.topk > 0, "{path}: index blocks of {} positions, {} kept", index.block, index.topk);
             ensure!(index.index_heads > 0 && heads.is_multiple_of(index.index_heads), "{path}: {heads} heads over {} indexer heads", index.index_heads);
             // The indexer takes the attention's RoPE table cut to its width,
             // which is the same partial RoPE only when it covers the rotated part.
             ensure!(index.index_dim >= rotary, "{path}: index_head_dim {} under the {rotary} rotary dims", index.index_dim);
-            let swiglu = (c.opt_f32("swiglu_limit")?.unwrap_or(f32::INFINITY), c.opt_f32("swiglu_alpha")?.unwrap_or(1.702));
-            (sparse, flags("mlp_layer_types", "dense", "sparse")?, Some(index), Some(swiglu))
+            let swiglu = (c.opt_f32("swiglu_limit")?.unwrap_or(7.0), c.opt_f32("swiglu_alpha")?.unwrap_or(1.702));
+            (sparse, dense, Some(index), Some(swiglu))
         } else {
             (vec![false; layers], vec![false; layers], None, None)
         };

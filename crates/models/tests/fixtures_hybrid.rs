@@ -199,6 +199,30 @@ fn hub_config_forms() {
                 flat_rope_theta(c);
             }),
         ),
+        (
+            "minimax_m3_vl_text",
+            Box::new(|c| {
+                // Hub: the indexer's settings in sparse_attention_config, per-layer 0/1 lists.
+                let ones = |key: &str, yes: &str, c: &mut serde_json::Map<String, Value>| -> Vec<u32> {
+                    c.remove(key).unwrap().as_array().unwrap().iter().map(|t| (t.as_str() == Some(yes)) as u32).collect()
+                };
+                let sparse = ones("layer_types", "minimax_m3_sparse", c);
+                let moe = ones("mlp_layer_types", "sparse", c);
+                let mut sac = serde_json::Map::new();
+                for (flat, legacy) in [
+                    ("index_n_heads", "sparse_num_index_heads"),
+                    ("index_head_dim", "sparse_index_dim"),
+                    ("index_block_size", "sparse_block_size"),
+                    ("index_topk_blocks", "sparse_topk_blocks"),
+                    ("index_local_blocks", "sparse_local_block"),
+                ] {
+                    sac.insert(legacy.into(), c.remove(flat).unwrap());
+                }
+                sac.insert("sparse_attention_freq".into(), json!(sparse));
+                c.insert("sparse_attention_config".into(), Value::Object(sac));
+                c.insert("moe_layer_freq".into(), json!(moe));
+            }),
+        ),
     ];
     for (name, edit) in cases {
         let fx = Fixture::load(name);

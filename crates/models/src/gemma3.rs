@@ -66,7 +66,7 @@ impl Gemma3Config {
                     // Gemma 3 interleaves five local layers with one global.
                     global: (0..layers).map(|l| (l + 1).is_multiple_of(6)).collect(),
                     rope_global: rope(g.get_f32(&key("rope.freq_base")).unwrap_or(1_000_000.0)),
-                    rope_local: rope(10_000.0),
+                    rope_local: rope(g.opt_f32(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0)),
                     attn_scale: 1.0 / (head_dim as f32).sqrt(),
                     attn_softcap: None,
                     final_softcap: None,

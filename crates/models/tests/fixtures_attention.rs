@@ -43,6 +43,7 @@ family!(gemma4_moe, "gemma4_text_moe");
 family!(llama_linear_rope, "llama_linear_rope");
 family!(qwen3_tied, "qwen3_tied");
 family!(gemma3_softcap, "gemma3_softcap");
+family!(gemma3_six, "gemma3_text_six");
 family!(gemma4_k_eq_v, "gemma4_text_k_eq_v");
 
 use braid_models::gemma3::Gemma3;

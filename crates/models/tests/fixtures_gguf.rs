@@ -7,7 +7,7 @@
 //! transformers' reference, and incremental decode as the whole pass.
 //!
 //! Families the converter writes and braid reads from GGUF: llama, qwen2
-//! (untied and tied), qwen3, lfm2, lfm2_moe, nemotron_h (as
+//! (untied and tied), qwen3, gemma3 (`gemma3_text_six`), lfm2, lfm2_moe, nemotron_h (as
 //! `nemotron_h_moe`), minimax_m2, granitemoehybrid (as `granitehybrid`,
 //! converted from the Hub's layer-type names, which the converter reads).
 //! Not here:
@@ -15,6 +15,9 @@
 //!   takes every sixth layer as global and 1/√head_dim as the attention
 //!   scale; the converter writes neither `layer_types` nor
 //!   `query_pre_attn_scalar` (the fixture: global layer 2 of 4, scalar 24).
+//!   Its variant `gemma3_text_six` is in the released pattern and is here
+//!   (converted with a stand-in tokenizer.json: the converter counts the
+//!   vocabulary in it).
 //! * gemma4_text, gemma4_text_moe: the converter writes them, braid reads
 //!   Gemma 4 from HF folders only so far.
 //! * minimax (MiniMax-Text-01): the converter registers the Hub's
@@ -32,7 +35,7 @@ use fixtures_common::*;
 use braid_models::ModelBackend;
 use braid_ops::cpu::Cpu;
 
-const FAMILIES: [&str; 9] = ["llama", "qwen2", "qwen2_tied", "qwen3", "lfm2", "lfm2_moe", "nemotron_h", "minimax_m2", "granitemoehybrid"];
+const FAMILIES: [&str; 10] = ["llama", "qwen2", "qwen2_tied", "qwen3", "gemma3_text_six", "lfm2", "lfm2_moe", "nemotron_h", "minimax_m2", "granitemoehybrid"];
 
 fn backend(path: &std::path::Path) -> ModelBackend<Cpu> {
     let dev = Cpu::new(None);

@@ -157,7 +157,7 @@ impl GraniteHybridConfig {
             _ => c.opt_usize("mamba_d_head")?.unwrap_or(inner.checked_div(ssm_heads).unwrap_or(0)),
         };
         ensure!(ssm_head_dim * ssm_heads == inner, "{path}: {ssm_heads} Mamba heads of {ssm_head_dim} are not mamba_expand × hidden ({inner})");
-        let limit = |i: usize| c.get("time_step_limit").and_then(|v| v.as_array()).and_then(|a| a.get(i)).and_then(json_f32);
+        let limit = |i: usize| c.get("time_step_limit").and_then(|v| v.as_array()).and_then(|a| a.get(i)).and_then(crate::config::json_f32);
         let (dt_min, dt_max) = (limit(0).unwrap_or(0.0), limit(1).unwrap_or(f32::INFINITY));
         ensure!(dt_min <= dt_max, "{path}: time_step_limit [{dt_min}, {dt_max}]");
         let one = |k: &str| -> Result<f32> { Ok(c.opt_f32(k)?.unwrap_or(1.0)) };
@@ -211,18 +211,6 @@ impl GraniteHybridConfig {
             k.top_k(self.experts, self.top_k);
         }
         k.done()
-    }
-}
-
-/// A number, or transformers 5.x's `{"__float__": "Infinity"}`.
-fn json_f32(v: &serde_json::Value) -> Option<f32> {
-    if let Some(x) = v.as_f64() {
-        return Some(x as f32);
-    }
-    match v.get("__float__")?.as_str()? {
-        "Infinity" | "inf" => Some(f32::INFINITY),
-        "-Infinity" | "-inf" => Some(f32::NEG_INFINITY),
-        s => s.parse().ok(),
     }
 }
 

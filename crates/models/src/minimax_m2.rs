@@ -188,11 +188,11 @@ impl MiniMaxM2Config {
         } else {
             (vec![false; layers], vec![false; layers], None, None)
         };
-        let scoring = match c.opt_str("scoring_func")? {
-            None | Some("sigmoid") => Scoring::Sigmoid,
-            Some("softmax") => Scoring::Softmax,
-            Some(f) => bail!("{path}: scoring_func {f} (expected sigmoid or softmax)"),
-        };
+        // transformers' M2 and M3 routers score by sigmoid whatever a Hub
+        // config's `scoring_func` says, and only M3 scales the routed sum
+        // (M2 has no `routed_scaling_factor` and ignores one in config.json).
+        let scoring = Scoring::Sigmoid;
+        let routed_scale = if m3 { c.opt_f32("routed_scaling_factor")?.unwrap_or(2.0) } else { 1.0 };
         Ok(MiniMaxM2Config {
             m3,
             hidden,
@@ -207,7 +207,7 @@ impl MiniMaxM2Config {
             experts: c.usize("num_local_experts")?,
             top_k: c.usize("num_experts_per_tok")?,
             scoring,
-            routed_scale: c.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+            routed_scale,
             sparse,
             dense,
             index,

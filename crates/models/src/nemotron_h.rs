@@ -167,11 +167,9 @@ impl NemotronHConfig {
         let heads = c.usize("num_attention_heads")?;
         ensure!(heads > 0, "{path}: no attention heads");
         // transformers clamps dt to [time_step_min, inf) and ignores
-        // time_step_limit; a limit tighter than that is kept too.
-        let limit = |i: usize| -> Option<f32> { c.get("time_step_limit")?.as_array()?.get(i).and_then(json_f32) };
-        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(TIME_STEP_MIN).max(limit(0).unwrap_or(0.0));
-        let dt_max = limit(1).unwrap_or(f32::INFINITY);
-        ensure!(dt_min <= dt_max, "{path}: dt limits {dt_min} > {dt_max}");
+        // time_step_limit (its mixer sets the limit itself).
+        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(TIME_STEP_MIN);
+        let dt_max = f32::INFINITY;
         let ssm = SsmShape {
             heads: c.usize("mamba_num_heads")?,
             head_dim: c.usize("mamba_head_dim")?,
@@ -203,18 +201,6 @@ impl NemotronHConfig {
 
     fn mamba(&self) -> Mamba2Shape {
         Mamba2Shape { hidden: self.hidden, ssm: self.ssm, conv_kernel: self.conv_kernel, eps: self.eps }
-    }
-}
-
-/// A number, or transformers 5.x's `{"__float__": "Infinity"}`.
-fn json_f32(v: &serde_json::Value) -> Option<f32> {
-    if let Some(x) = v.as_f64() {
-        return Some(x as f32);
-    }
-    match v.get("__float__")?.as_str()? {
-        "Infinity" | "inf" => Some(f32::INFINITY),
-        "-Infinity" | "-inf" => Some(f32::NEG_INFINITY),
-        s => s.parse().ok(),
     }
 }
 

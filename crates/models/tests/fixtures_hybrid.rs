@@ -234,6 +234,33 @@ fn hub_config_forms() {
     }
 }
 
+/// Config fields transformers' modeling files do not read change nothing
+/// (checked once against transformers itself on fixtures made with them):
+/// MiniMax-M2 routes by sigmoid, unscaled, whatever `scoring_func` and
+/// `routed_scaling_factor` say; Nemotron-H clamps dt to `time_step_min`
+/// whatever `time_step_limit` says. Each edit would move the logits if
+/// braid read it.
+#[test]
+fn config_fields_transformers_ignores() {
+    let cases: [(&str, Box<ConfigEdit>); 2] = [
+        (
+            "minimax_m2",
+            Box::new(|c| {
+                c.insert("scoring_func".into(), json!("softmax"));
+                c.insert("routed_scaling_factor".into(), json!(1.5));
+            }),
+        ),
+        ("nemotron_h", Box::new(|c| drop(c.insert("time_step_limit".into(), json!([0.0, 0.01]))))),
+    ];
+    for (name, edit) in cases {
+        let fx = Fixture::load(name);
+        let dir = edited_fixture(name, "ignored", edit.as_ref());
+        let got = full_logits(&dir, &fx.tokens);
+        std::fs::remove_dir_all(&dir).ok();
+        assert_bit_identical(&format!("{name} with fields transformers ignores"), &got, &full_logits(&fx.dir, &fx.tokens), fx.vocab);
+    }
+}
+
 /// MiniMax-M3's block selection and its SwiGLU clamp both shape the
 /// fixture's logits: attending to every block, or not clamping, moves them
 /// far past the tolerance the model meets.

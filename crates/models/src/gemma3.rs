@@ -6,7 +6,7 @@ use anyhow::Result;
 use braid_formats::DType;
 use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
 
-use crate::blocks::{gated_mlp, model_sizes, Attention};
+use crate::blocks::{gated_mlp, model_sizes, refuse_unread, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
@@ -161,9 +161,13 @@ impl<D: Device> Gemma3<D> {
         for i in 0..cfg.layers {
             let g = |n: &str| format!("blk.{i}.{n}.weight");
             let h = |n: &str| format!("model.layers.{i}.{n}.weight");
+            // Projection biases where the file has them (attention_bias); MLP biases are refused.
+            let mut attn = Attention::load_gguf(&w_gguf, &v_gguf, i, true)?;
+            attn.load_biases(dev, src, i)?;
+            refuse_unread(src, i, &["ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"], "MLP biases")?;
             blocks.push(Block {
                 attn_norm: v(&g("attn_norm"), &h("input_layernorm"))?,
-                attn: Attention::load_gguf(&w_gguf, &v_gguf, i, true)?,
+                attn,
                 post_attn_norm: v(&g("post_attention_norm"), &h("post_attention_layernorm"))?,
                 ffn_norm: v(&g("ffn_norm"), &h("pre_feedforward_layernorm"))?,
                 w_gate: w(&g("ffn_gate"), &h("mlp.gate_proj"))?,

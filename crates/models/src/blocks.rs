@@ -2,9 +2,10 @@
 //! from the normed rows, q and k optionally RMS-normed, RoPE, and the KV
 //! write), the whole attention branch built on them, and the gated MLP.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use braid_ops::{Act, AttnSeq, Device, Rope};
 
+use crate::source::Source;
 use crate::{Batch, Scratch};
 
 /// A grouped-query attention layer's weights.
@@ -19,6 +20,8 @@ pub struct Attention<D: Device> {
     /// norm or RoPE.
     pub qkv_bias: Option<[D::Tensor; 3]>,
     pub wo: D::Weight,
+    /// The output projection's bias (Llama's `attention_bias`), added in [`Self::forward`].
+    pub o_bias: Option<D::Tensor>,
 }
 
 impl<D: Device> Attention<D> {
@@ -42,6 +45,7 @@ impl<D: Device> Attention<D> {
             qk_norm,
             qkv_bias: None,
             wo: w(&format!("{prefix}{o}.weight"))?,
+            o_bias: None,
         })
     }
 
@@ -52,7 +56,25 @@ impl<D: Device> Attention<D> {
     pub fn load_gguf(w: &dyn Fn(&str) -> Result<D::Weight>, v: &dyn Fn(&str) -> Result<D::Tensor>, i: usize, norms: bool) -> Result<Attention<D>> {
         let p = |n: &str| format!("blk.{i}.{n}.weight");
         let qk_norm = if norms { Some((v(&p("attn_q_norm"))?, v(&p("attn_k_norm"))?)) } else { None };
-        Ok(Attention { wq: w(&p("attn_q"))?, wk: w(&p("attn_k"))?, wv: w(&p("attn_v"))?, qk_norm, qkv_bias: None, wo: w(&p("attn_output"))? })
+        Ok(Attention { wq: w(&p("attn_q"))?, wk: w(&p("attn_k"))?, wv: w(&p("attn_v"))?, qk_norm, qkv_bias: None, wo: w(&p("attn_output"))?, o_bias: None })
+    }
+
+    /// Block `i`'s projection biases where the file has them
+    /// (`blk.{i}.attn_{q,k,v,output}.bias`; an HF folder's
+    /// `self_attn.{q,k,v,o}_proj.bias`): q, k and v all or none, o apart.
+    pub fn load_biases(&mut self, dev: &D, src: &Source, i: usize) -> Result<()> {
+        let name = |n: &str| format!("blk.{i}.{n}.bias");
+        let b = |n: &str| dev.vector(&src.tensor(&name(n))?, 0.0);
+        let qkv = ["attn_q", "attn_k", "attn_v"].map(|n| src.has_tensor(&name(n)));
+        if self.qkv_bias.is_none() && qkv.iter().all(|&h| h) {
+            self.qkv_bias = Some([b("attn_q")?, b("attn_k")?, b("attn_v")?]);
+        } else if self.qkv_bias.is_none() && qkv.iter().any(|&h| h) {
+            bail!("{}: block {i} has biases on some of q, k and v, not all", src.path().display());
+        }
+        if src.has_tensor(&name("attn_output")) {
+            self.o_bias = Some(b("attn_output")?);
+        }
+        Ok(())
     }
 
     /// The q, k and v biases of block `i` (`blk.{i}.attn_{q,k,v}.bias`).
@@ -116,6 +138,9 @@ impl<D: Device> Attention<D> {
         self.qkv(dev, s, kv, layer, batch, head_dim, rope, eps);
         dev.attention(&s.q, kv, layer, seqs, scale, softcap, &mut s.att);
         dev.matmul(&s.att, &[&self.wo], &mut [&mut s.out]);
+        if let Some(b) = &self.o_bias {
+            dev.add(&mut s.out, b);
+        }
     }
 }
 
@@ -141,6 +166,19 @@ macro_rules! model_sizes {
     };
 }
 pub(crate) use model_sizes;
+
+/// Refuse a file holding any of block `i`'s `tensors` (GGUF names): the
+/// family does not read them, and running without them would be another
+/// model (an MLP's biases, say).
+pub fn refuse_unread(src: &Source, i: usize, tensors: &[&str], what: &str) -> Result<()> {
+    for t in tensors {
+        let n = format!("blk.{i}.{t}");
+        if src.has_tensor(&n) {
+            bail!("{}: block {i} has {n} ({}); {what} are not supported", src.path().display(), crate::source::hf_name(&src.architecture()?, &n));
+        }
+    }
+    Ok(())
+}
 
 /// The gated MLP of the normed rows in `s.h`:
 /// `s.out = down(act(gate · h) ⊙ (up · h))`.

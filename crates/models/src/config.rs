@@ -41,6 +41,11 @@ fn as_f64(v: &Value) -> Option<f64> {
     }
 }
 
+/// [`as_f64`] narrowed to f32, for numbers inside lists (`time_step_limit`).
+pub fn json_f32(v: &Value) -> Option<f32> {
+    as_f64(v).map(|x| x as f32)
+}
+
 impl<'a> HfConfig<'a> {
     /// The config `v` read from `dir/config.json`; a multimodal config's
     /// `text_config` is used when present.

@@ -6,7 +6,7 @@ use anyhow::Result;
 use braid_formats::DType;
 use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
 
-use crate::blocks::{gated_mlp, model_sizes, Attention};
+use crate::blocks::{gated_mlp, model_sizes, refuse_unread, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
 use crate::source::Source;
@@ -66,7 +66,7 @@ impl Gemma3Config {
                     // Gemma 3 interleaves five local layers with one global.
                     global: (0..layers).map(|l| (l + 1).is_multiple_of(6)).collect(),
                     rope_global: rope(g.get_f32(&key("rope.freq_base")).unwrap_or(1_000_000.0)),
-                    rope_local: rope(10_000.0),
+                    rope_local: rope(g.opt_f32(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0)),
                     attn_scale: 1.0 / (head_dim as f32).sqrt(),
                     attn_softcap: None,
                     final_softcap: None,
@@ -104,7 +104,10 @@ impl Gemma3Config {
                     rope_global: hf_rope(&c, Some("full_attention"), head_dim, h.dir())?,
                     rope_local: hf_rope(&c, Some("sliding_attention"), head_dim, h.dir())?,
                     attn_scale: c.opt_f32("query_pre_attn_scalar")?.unwrap_or(head_dim as f32).powf(-0.5),
-                    attn_softcap: cap(c.opt_f32("attn_logit_softcapping")?),
+                    // transformers' Gemma 3 keeps `attn_logit_softcapping` in
+                    // its config but never applies it (Gemma 2 did); llama.cpp's
+                    // converter refuses a config that sets it. Run as transformers.
+                    attn_softcap: None,
                     final_softcap: cap(c.opt_f32("final_logit_softcapping")?),
                     embed_scale: round_to(embed.dtype, (hidden as f32).sqrt()),
                     norm_offset: 1.0,
@@ -158,9 +161,13 @@ impl<D: Device> Gemma3<D> {
         for i in 0..cfg.layers {
             let g = |n: &str| format!("blk.{i}.{n}.weight");
             let h = |n: &str| format!("model.layers.{i}.{n}.weight");
+            // Projection biases where the file has them (attention_bias); MLP biases are refused.
+            let mut attn = Attention::load_gguf(&w_gguf, &v_gguf, i, true)?;
+            attn.load_biases(dev, src, i)?;
+            refuse_unread(src, i, &["ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"], "MLP biases")?;
             blocks.push(Block {
                 attn_norm: v(&g("attn_norm"), &h("input_layernorm"))?,
-                attn: Attention::load_gguf(&w_gguf, &v_gguf, i, true)?,
+                attn,
                 post_attn_norm: v(&g("post_attention_norm"), &h("post_attention_layernorm"))?,
                 ffn_norm: v(&g("ffn_norm"), &h("pre_feedforward_layernorm"))?,
                 w_gate: w(&g("ffn_gate"), &h("mlp.gate_proj"))?,

@@ -47,6 +47,59 @@ pub struct Lfm2Moe {
 
 impl Lfm2Config {
     pub fn from_source(src: &Source) -> Result<Lfm2Config> {
+        match src {
+            Source::Gguf(g) => Self::from_gguf(g),
+            Source::Hf(_) => Self::from_hf(src),
+        }
+    }
+
+    /// llama.cpp's keys (`lfm2.*`, `lfm2moe.*`): attention layers are those
+    /// with KV heads in the per-layer `attention.head_count_kv`.
+    fn from_gguf(g: &braid_formats::gguf::Gguf) -> Result<Lfm2Config> {
+        let arch = g.architecture()?.to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let hidden = g.get_usize(&key("embedding_length"))?;
+        let layers = g.get_usize(&key("block_count"))?;
+        let heads = g.get_usize(&key("attention.head_count"))?;
+        let kv = match g.get(&key("attention.head_count_kv")).and_then(|v| v.as_array()) {
+            Some(_) => g.get_u64_array(&key("attention.head_count_kv"))?,
+            None => bail!("{}: {} is not a per-layer list (which layers attend?)", g.path().display(), key("attention.head_count_kv")),
+        };
+        ensure!(kv.len() == layers, "{}: {} names {} layers, the model has {layers}", g.path().display(), key("attention.head_count_kv"), kv.len());
+        let head_dim = hidden.checked_div(heads).unwrap_or(0);
+        let moe = if arch == "lfm2moe" {
+            if let Some(f) = g.opt_u64(&key("expert_gating_func"))? {
+                ensure!(f == 2, "{}: {} is {f}; LFM2-MoE routes by sigmoid (2)", g.path().display(), key("expert_gating_func"));
+            }
+            Some(Lfm2Moe {
+                dense_layers: g.opt_u64(&key("leading_dense_block_count"))?.unwrap_or(0) as usize,
+                experts: g.get_usize(&key("expert_count"))?,
+                top_k: g.get_usize(&key("expert_used_count"))?,
+                // llama.cpp always renormalises LFM2-MoE's weights; the converter writes no scale.
+                normalize: g.opt_bool(&key("expert_weights_norm"))?.unwrap_or(true),
+                scale: g.opt_f32(&key("expert_weights_scale"))?.filter(|&s| s != 0.0).unwrap_or(1.0),
+                expert_bias: (0..layers).any(|l| g.has_tensor(&format!("blk.{l}.exp_probs_b.bias"))),
+            })
+        } else {
+            None
+        };
+        Ok(Lfm2Config {
+            hidden,
+            layers,
+            attention: kv.iter().map(|&k| k > 0).collect(),
+            heads,
+            kv_heads: kv.iter().copied().max().unwrap_or(0) as usize,
+            head_dim,
+            vocab: g.tensor("token_embd.weight")?.shape[0],
+            eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            kernel: g.get_usize(&key("shortconv.l_cache"))?,
+            rope: Rope::new(g.opt_f32(&key("rope.freq_base"))?.unwrap_or(1_000_000.0), head_dim, true),
+            context: g.opt_u64(&key("context_length"))?.unwrap_or(128_000) as usize,
+            moe,
+        })
+    }
+
+    fn from_hf(src: &Source) -> Result<Lfm2Config> {
         let arch = src.architecture()?;
         let c = hf_config(src, &arch)?;
         let hidden = c.usize("hidden_size")?;
@@ -112,7 +165,10 @@ struct ShortConv<D: Device> {
     /// `[hidden × kernel]`, channel-major.
     filter: D::Tensor,
     bias: Option<D::Tensor>,
+    /// `conv_bias` also biases both projections: in_proj's (B, C, x thirds) and out_proj's.
+    in_bias: Option<[D::Tensor; 3]>,
     out: D::Weight,
+    out_bias: Option<D::Tensor>,
     /// Where this layer's tail of inputs sits in the state row.
     state_at: usize,
 }
@@ -157,16 +213,25 @@ impl<D: Device> Lfm2<D> {
         let mut kv = 0;
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
-            let p = |n: &str| format!("model.layers.{l}.{n}");
+            let p = |n: &str| format!("blk.{l}.{n}");
             let op = if cfg.attention[l] {
                 kv += 1;
-                Operator::Attention(Attention::load_hf(&w, &v, &p("self_attn."), "out_proj", Some(("q_layernorm", "k_layernorm")))?, kv - 1)
+                Operator::Attention(Attention::load_gguf(&w, &v, l, true)?, kv - 1)
             } else {
-                let in_proj = src.tensor(&p("conv.in_proj.weight"))?;
+                let in_proj = src.tensor(&p("shortconv.in_proj.weight"))?;
                 ensure!(in_proj.shape == [3 * h, h], "{}: {:?}, expected [{}, {h}]", in_proj.name, in_proj.shape, 3 * h);
-                let filter = src.tensor(&p("conv.conv.weight"))?;
+                let filter = src.tensor(&p("shortconv.conv.weight"))?;
                 ensure!(filter.elements() == h * cfg.kernel, "{}: {:?}, expected [{h}, 1, {}]", filter.name, filter.shape, cfg.kernel);
-                let bias_name = p("conv.conv.bias");
+                let bias_name = p("shortconv.conv.bias");
+                let in_bias = match src.has_tensor(&p("shortconv.in_proj.bias")) {
+                    true => {
+                        let b = src.tensor(&p("shortconv.in_proj.bias"))?.to_f32()?;
+                        ensure!(b.len() == 3 * h, "{}: {} values, expected {}", p("shortconv.in_proj.bias"), b.len(), 3 * h);
+                        Some([dev.upload(&b[..h], 1, h)?, dev.upload(&b[h..2 * h], 1, h)?, dev.upload(&b[2 * h..], 1, h)?])
+                    }
+                    false => None,
+                };
+                let out_bias_name = p("shortconv.out_proj.bias");
                 Operator::Conv(ShortConv {
                     // in_proj's rows are B, C, x in that order.
                     in_b: dev.weight(&slice_rows(&in_proj, 0, h)?)?,
@@ -174,34 +239,41 @@ impl<D: Device> Lfm2<D> {
                     in_x: dev.weight(&slice_rows(&in_proj, 2 * h, h)?)?,
                     filter: dev.vector(&filter, 0.0)?,
                     bias: if src.has_tensor(&bias_name) { Some(v(&bias_name)?) } else { None },
-                    out: w(&p("conv.out_proj.weight"))?,
+                    in_bias,
+                    out: w(&p("shortconv.out_proj.weight"))?,
+                    out_bias: if src.has_tensor(&out_bias_name) { Some(v(&out_bias_name)?) } else { None },
                     state_at: state.take(h * (cfg.kernel - 1)),
                 })
             };
-            let f = |n: &str| p(&format!("feed_forward.{n}"));
             let ffn = match &cfg.moe {
                 Some(m) if l >= m.dense_layers => {
                     let router = Router {
                         scoring: Scoring::Sigmoid,
                         top_k: m.top_k,
-                        choice_bias: if m.expert_bias { Some(src.tensor(&f("expert_bias"))?.to_f32()?) } else { None },
+                        choice_bias: if m.expert_bias { Some(src.tensor(&p("exp_probs_b.bias"))?.to_f32()?) } else { None },
                         normalize: m.normalize,
                         norm_eps: 1e-6,
                         scale: m.scale,
                         per_expert_scale: None,
                     };
-                    let experts = Experts::load_split(dev, src, m.experts, Activation::Gated(Act::Silu), |e| {
-                        (Some(f(&format!("experts.{e}.w1.weight"))), f(&format!("experts.{e}.w3.weight")), f(&format!("experts.{e}.w2.weight")))
-                    })?;
-                    FeedForward::Moe { gate: w(&f("gate.weight"))?, moe: Moe { router, experts } }
+                    let experts = Experts::load_stacked(
+                        dev,
+                        src,
+                        m.experts,
+                        Activation::Gated(Act::Silu),
+                        Some(&p("ffn_gate_exps.weight")),
+                        &p("ffn_up_exps.weight"),
+                        &p("ffn_down_exps.weight"),
+                    )?;
+                    FeedForward::Moe { gate: w(&p("ffn_gate_inp.weight"))?, moe: Moe { router, experts } }
                 }
-                _ => FeedForward::Mlp { w1: w(&f("w1.weight"))?, w3: w(&f("w3.weight"))?, w2: w(&f("w2.weight"))? },
+                _ => FeedForward::Mlp { w1: w(&p("ffn_gate.weight"))?, w3: w(&p("ffn_up.weight"))?, w2: w(&p("ffn_down.weight"))? },
             };
-            blocks.push(Block { operator_norm: v(&p("operator_norm.weight"))?, op, ffn_norm: v(&p("ffn_norm.weight"))?, ffn });
+            blocks.push(Block { operator_norm: v(&p("attn_norm.weight"))?, op, ffn_norm: v(&p("ffn_norm.weight"))?, ffn });
             progress(l + 1, cfg.layers);
         }
-        let head = if src.has_tensor("lm_head.weight") { Some(w("lm_head.weight")?) } else { None };
-        Ok(Lfm2 { embed: w("model.embed_tokens.weight")?, blocks, out_norm: v("model.embedding_norm.weight")?, head, state, cfg })
+        let head = if src.has_tensor("output.weight") { Some(w("output.weight")?) } else { None };
+        Ok(Lfm2 { embed: w("token_embd.weight")?, blocks, out_norm: v("token_embd_norm.weight")?, head, state, cfg })
     }
 }
 
@@ -235,10 +307,18 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
                     // y = C · conv(B · x), the three from one input.
                     let [bb, cc, xx, bx, y] = extras(dev, &mut s.extra);
                     dev.matmul(&s.h, &[&cv.in_b, &cv.in_c, &cv.in_x], &mut [&mut *bb, &mut *cc, &mut *xx]);
+                    if let Some([b0, b1, b2]) = &cv.in_bias {
+                        dev.add(bb, b0);
+                        dev.add(cc, b1);
+                        dev.add(xx, b2);
+                    }
                     dev.gated(Act::Identity, bb, xx, bx);
                     dev.short_conv(bx, &cv.filter, cv.bias.as_ref(), c.kernel, false, &mut mem.state, cv.state_at, &seqs, y)?;
                     dev.gated(Act::Identity, cc, y, bx);
                     dev.matmul(bx, &[&cv.out], &mut [&mut s.out]);
+                    if let Some(b) = &cv.out_bias {
+                        dev.add(&mut s.out, b);
+                    }
                 }
                 Operator::Attention(a, kv) => {
                     a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);

@@ -9,8 +9,10 @@ pub mod gemma3;
 pub mod gemma4;
 #[cfg(feature = "cuda")]
 pub mod gpubench;
+pub mod granite;
 pub mod lfm2;
 pub mod llama;
+pub mod mamba2;
 pub mod minimax;
 pub mod minimax_m2;
 pub mod moe;
@@ -242,12 +244,13 @@ pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "qwen2" => Ok(Box::new(qwen2::load(dev, src, progress)?)),
         "qwen3" => Ok(Box::new(qwen3::load(dev, src, progress)?)),
         "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
-        "lfm2" | "lfm2_moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
-        "nemotron_h" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
+        "lfm2" | "lfm2_moe" | "lfm2moe" => Ok(Box::new(lfm2::Lfm2::load(dev, src, progress)?)),
+        "nemotron_h" | "nemotron_h_moe" => Ok(Box::new(nemotron_h::NemotronH::load(dev, src, progress)?)),
         "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
-        "minimax_m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
+        "minimax_m2" | "minimax-m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
+        "granitemoehybrid" | "granitehybrid" => Ok(Box::new(granite::GraniteHybrid::load(dev, src, progress)?)),
         other => bail!(
-            "{}: architecture '{other}' is not supported yet (supported: llama, qwen2, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text)",
+            "{}: architecture '{other}' is not supported yet (supported: llama, qwen2, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text, granitemoehybrid)",
             src.path().display()
         ),
     }

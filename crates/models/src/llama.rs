@@ -6,7 +6,7 @@
 use anyhow::{bail, Result};
 use braid_ops::{Act, Device, KvShape, Rope};
 
-use crate::blocks::{gated_mlp, model_sizes, Attention};
+use crate::blocks::{gated_mlp, model_sizes, refuse_unread, Attention};
 use crate::config::HfConfig;
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -129,7 +129,14 @@ impl<D: Device> Llama<D> {
     pub(crate) fn load_with(dev: &D, src: &Source, cfg: LlamaConfig, variant: Variant, progress: &dyn Fn(usize, usize)) -> Result<Llama<D>> {
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
-        Self::build(cfg, &w, &v, src.has_tensor("output.weight"), variant, progress)
+        let mut m = Self::build(cfg, &w, &v, src.has_tensor("output.weight"), variant, progress)?;
+        // Projection biases where the file has them (Llama's attention_bias);
+        // MLP biases (mlp_bias) are refused rather than dropped.
+        for (i, b) in m.blocks.iter_mut().enumerate() {
+            b.attn.load_biases(dev, src, i)?;
+            refuse_unread(src, i, &["ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"], "MLP biases (mlp_bias)")?;
+        }
+        Ok(m)
     }
 
     /// Build from tensors named as in GGUF, wherever they come from (a file,

@@ -11,7 +11,7 @@
 //! clamped SwiGLUs — a dense one on some layers, and on the others the
 //! experts, scaled, plus a shared expert.
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use braid_ops::{Act, BlockSparse, Device, KvShape, MoeOps, Rope, SparseAttentionOps};
 
 use crate::blocks::{gated_mlp, model_sizes, Attention};
@@ -49,6 +49,57 @@ pub struct MiniMaxM2Config {
 
 impl MiniMaxM2Config {
     pub fn from_source(src: &Source) -> Result<MiniMaxM2Config> {
+        match src {
+            Source::Gguf(g) => Self::from_gguf(g),
+            Source::Hf(_) => Self::from_hf(src),
+        }
+    }
+
+    /// llama.cpp's `minimax-m2.*` keys (MiniMax-M2 only: the converter's
+    /// MiniMax-M3 reads the Hub's checkpoint layout, not transformers').
+    fn from_gguf(g: &braid_formats::gguf::Gguf) -> Result<MiniMaxM2Config> {
+        let arch = g.architecture()?.to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let path = g.path().display();
+        ensure!(arch == "minimax-m2", "{path}: architecture {arch} is not MiniMax-M2");
+        let hidden = g.get_usize(&key("embedding_length"))?;
+        let heads = g.get_usize(&key("attention.head_count"))?;
+        let head_dim = match g.opt_u64(&key("attention.key_length"))? {
+            Some(d) => d as usize,
+            None => hidden.checked_div(heads).unwrap_or(0),
+        };
+        let rotary = g.opt_u64(&key("rope.dimension_count"))?.map_or(head_dim, |d| d as usize);
+        ensure!(rotary > 0 && rotary <= head_dim && rotary.is_multiple_of(2), "{path}: {rotary} rotary dims of a head of {head_dim}");
+        // llama.cpp's gating kinds: 1 softmax, 2 sigmoid (M2's, when absent).
+        let scoring = match g.opt_u64(&key("expert_gating_func"))? {
+            None | Some(2) => Scoring::Sigmoid,
+            Some(1) => Scoring::Softmax,
+            Some(f) => bail!("{path}: {} is {f} (expected 1, softmax, or 2, sigmoid)", key("expert_gating_func")),
+        };
+        let layers = g.get_usize(&key("block_count"))?;
+        Ok(MiniMaxM2Config {
+            m3: false,
+            hidden,
+            layers,
+            heads,
+            kv_heads: g.opt_u64(&key("attention.head_count_kv"))?.map_or(heads, |k| k as usize),
+            head_dim,
+            vocab: g.tensor("token_embd.weight")?.shape[0],
+            eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            rope: Rope::new(g.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0), rotary, true),
+            context: g.opt_u64(&key("context_length"))?.unwrap_or(4096) as usize,
+            experts: g.get_usize(&key("expert_count"))?,
+            top_k: g.get_usize(&key("expert_used_count"))?,
+            scoring,
+            routed_scale: g.opt_f32(&key("expert_weights_scale"))?.filter(|&s| s != 0.0).unwrap_or(1.0),
+            sparse: vec![false; layers],
+            dense: vec![false; layers],
+            index: None,
+            swiglu: None,
+        })
+    }
+
+    fn from_hf(src: &Source) -> Result<MiniMaxM2Config> {
         let arch = src.architecture()?;
         let m3 = arch != "minimax_m2";
         let c = hf_config(src, &arch)?;
@@ -60,12 +111,14 @@ impl MiniMaxM2Config {
         ensure!(heads > 0 && layers > 0, "{path}: {heads} heads, {layers} layers");
         let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let rp = c.rope(None, 10_000.0)?;
-        // transformers reads rope_parameters.partial_rotary_factor; Hub
-        // configs give rotary_dim.
-        let rotary = if rp.partial_rotary_factor != 1.0 {
-            (head_dim as f32 * rp.partial_rotary_factor) as usize
-        } else {
-            c.opt_usize("rotary_dim")?.unwrap_or(head_dim)
+        // The rotated part of each head, as transformers reads it: M2's
+        // config turns the Hub's legacy `rotary_dim` into a partial-rotary
+        // factor when none is given; M3's does not, and its RoPE covers
+        // head_dim × partial_rotary_factor whatever `rotary_dim` says.
+        let explicit = c.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")).is_some() || c.get("partial_rotary_factor").is_some();
+        let rotary = match c.opt_usize("rotary_dim")? {
+            Some(r) if !m3 && !explicit => r,
+            _ => (head_dim as f32 * rp.partial_rotary_factor) as usize,
         };
         ensure!(rotary > 0 && rotary <= head_dim && rotary.is_multiple_of(2), "{path}: {rotary} rotary dims of a head of {head_dim}");
         let flags = |key: &str, yes: &str, no: &str| -> Result<Vec<bool>> {
@@ -85,29 +138,61 @@ impl MiniMaxM2Config {
             }
         };
         let (sparse, dense, index, swiglu) = if m3 {
-            let sparse = flags("layer_types", "minimax_m3_sparse", "full_attention")?;
+            // As transformers' M3 config reads them: the flat keys, or the Hub's
+            // `sparse_attention_config` (its `sparse_*` keys win), and per-layer
+            // lists from `layer_types` / `mlp_layer_types` or the Hub's
+            // `sparse_attention_freq` / `moe_layer_freq` (1: sparse, MoE); the
+            // defaults are transformers'.
+            let sac = c.get("sparse_attention_config").filter(|v| v.is_object());
+            let index_key = |flat: &str, legacy: &str, default: usize| -> Result<usize> {
+                match sac.and_then(|s| s.get(legacy)) {
+                    Some(v) => v
+                        .as_u64()
+                        .map(|x| x as usize)
+                        .with_context(|| format!("{path}: sparse_attention_config.{legacy} is {v}, expected a non-negative integer")),
+                    None => Ok(c.opt_usize(flat)?.unwrap_or(default)),
+                }
+            };
+            let freq = |v: Option<&serde_json::Value>, key: &str| -> Result<Option<Vec<bool>>> {
+                let Some(v) = v else { return Ok(None) };
+                let Some(list) = v.as_array() else { bail!("{path}: {key} is not a list") };
+                ensure!(list.len() == layers, "{path}: {key} names {} layers, the model has {layers}", list.len());
+                list.iter()
+                    .map(|f| f.as_u64().map(|f| f != 0).with_context(|| format!("{path}: {key} holds {f} (expected 0 or 1)")))
+                    .collect::<Result<_>>()
+                    .map(Some)
+            };
+            let sparse = match (c.get("layer_types"), freq(sac.and_then(|s| s.get("sparse_attention_freq")), "sparse_attention_config.sparse_attention_freq")?)
+            {
+                (None, Some(f)) => f,
+                _ => flags("layer_types", "minimax_m3_sparse", "full_attention")?,
+            };
+            let dense = match (c.get("mlp_layer_types"), freq(c.get("moe_layer_freq"), "moe_layer_freq")?) {
+                (None, Some(f)) => f.iter().map(|&moe| !moe).collect(),
+                _ => flags("mlp_layer_types", "dense", "sparse")?,
+            };
             let index = BlockSparse {
-                block: c.usize("index_block_size")?,
-                local: c.opt_usize("index_local_blocks")?.unwrap_or(1),
-                topk: c.usize("index_topk_blocks")?,
-                index_heads: c.usize("index_n_heads")?,
-                index_dim: c.usize("index_head_dim")?,
+                block: index_key("index_block_size", "sparse_block_size", 128)?,
+                local: index_key("index_local_blocks", "sparse_local_block", 1)?,
+                topk: index_key("index_topk_blocks", "sparse_topk_blocks", 16)?,
+                index_heads: index_key("index_n_heads", "sparse_num_index_heads", 4)?,
+                index_dim: index_key("index_head_dim", "sparse_index_dim", 128)?,
             };
             ensure!(index.block > 0 && index.topk > 0, "{path}: index blocks of {} positions, {} kept", index.block, index.topk);
             ensure!(index.index_heads > 0 && heads.is_multiple_of(index.index_heads), "{path}: {heads} heads over {} indexer heads", index.index_heads);
             // The indexer takes the attention's RoPE table cut to its width,
             // which is the same partial RoPE only when it covers the rotated part.
             ensure!(index.index_dim >= rotary, "{path}: index_head_dim {} under the {rotary} rotary dims", index.index_dim);
-            let swiglu = (c.opt_f32("swiglu_limit")?.unwrap_or(f32::INFINITY), c.opt_f32("swiglu_alpha")?.unwrap_or(1.702));
-            (sparse, flags("mlp_layer_types", "dense", "sparse")?, Some(index), Some(swiglu))
+            let swiglu = (c.opt_f32("swiglu_limit")?.unwrap_or(7.0), c.opt_f32("swiglu_alpha")?.unwrap_or(1.702));
+            (sparse, dense, Some(index), Some(swiglu))
         } else {
             (vec![false; layers], vec![false; layers], None, None)
         };
-        let scoring = match c.opt_str("scoring_func")? {
-            None | Some("sigmoid") => Scoring::Sigmoid,
-            Some("softmax") => Scoring::Softmax,
-            Some(f) => bail!("{path}: scoring_func {f} (expected sigmoid or softmax)"),
-        };
+        // transformers' M2 and M3 routers score by sigmoid whatever a Hub
+        // config's `scoring_func` says, and only M3 scales the routed sum
+        // (M2 has no `routed_scaling_factor` and ignores one in config.json).
+        let scoring = Scoring::Sigmoid;
+        let routed_scale = if m3 { c.opt_f32("routed_scaling_factor")?.unwrap_or(2.0) } else { 1.0 };
         Ok(MiniMaxM2Config {
             m3,
             hidden,
@@ -122,7 +207,7 @@ impl MiniMaxM2Config {
             experts: c.usize("num_local_experts")?,
             top_k: c.usize("num_experts_per_tok")?,
             scoring,
-            routed_scale: c.opt_f32("routed_scaling_factor")?.unwrap_or(1.0),
+            routed_scale,
             sparse,
             dense,
             index,
@@ -186,6 +271,7 @@ impl<D: Device> MiniMaxM2<D> {
         let mut index_kv = cfg.layers;
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
+            // M3's own tensors by their HF names (it loads from HF folders only).
             let p = |n: &str| format!("model.layers.{l}.{n}");
             let indexer = if cfg.sparse[l] {
                 index_kv += 1;
@@ -209,24 +295,31 @@ impl<D: Device> MiniMaxM2<D> {
                 let shared = if src.has_tensor(&shared_name) { Some(glu(&shared_name, &p("mlp.shared_experts.down_proj.weight"))?) } else { None };
                 Ffn::Moe { router: w(&p("mlp.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared }
             } else {
-                let e = |n: String| p(&format!("block_sparse_moe.experts.{n}"));
-                let experts = Experts::load_split(dev, src, cfg.experts, Activation::Gated(Act::Silu), |x| {
-                    (Some(e(format!("{x}.w1.weight"))), e(format!("{x}.w3.weight")), e(format!("{x}.w2.weight")))
-                })?;
-                let bias = src.tensor(&p("block_sparse_moe.e_score_correction_bias"))?.to_f32()?;
-                Ffn::Moe { router: w(&p("block_sparse_moe.gate.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared: None }
+                // M2 (from a GGUF too): by GGUF names.
+                let b = |n: &str| format!("blk.{l}.{n}");
+                let experts = Experts::load_stacked(
+                    dev,
+                    src,
+                    cfg.experts,
+                    Activation::Gated(Act::Silu),
+                    Some(&b("ffn_gate_exps.weight")),
+                    &b("ffn_up_exps.weight"),
+                    &b("ffn_down_exps.weight"),
+                )?;
+                let bias = src.tensor(&b("exp_probs_b.bias"))?.to_f32()?;
+                Ffn::Moe { router: w(&b("ffn_gate_inp.weight"))?, moe: Moe { router: router(&cfg, bias), experts }, shared: None }
             };
             blocks.push(Block {
-                in_norm: v(&p("input_layernorm.weight"))?,
-                attn: Attention::load_hf(&w, &v, &p("self_attn."), "o_proj", Some(("q_norm", "k_norm")))?,
+                in_norm: v(&format!("blk.{l}.attn_norm.weight"))?,
+                attn: Attention::load_gguf(&w, &v, l, true)?,
                 indexer,
-                post_norm: v(&p("post_attention_layernorm.weight"))?,
+                post_norm: v(&format!("blk.{l}.ffn_norm.weight"))?,
                 ffn,
             });
             progress(l + 1, cfg.layers);
         }
-        let head = if src.has_tensor("lm_head.weight") { Some(w("lm_head.weight")?) } else { None };
-        Ok(MiniMaxM2 { embed: w("model.embed_tokens.weight")?, blocks, out_norm: v("model.norm.weight")?, head, cfg })
+        let head = if src.has_tensor("output.weight") { Some(w("output.weight")?) } else { None };
+        Ok(MiniMaxM2 { embed: w("token_embd.weight")?, blocks, out_norm: v("output_norm.weight")?, head, cfg })
     }
 }
 

@@ -167,6 +167,19 @@ impl<D: Device> Experts<D> {
         Ok(Experts { experts, act })
     }
 
+    /// By the GGUF names of the stacked tensors (`blk.{i}.ffn_{gate,up,down}_exps.weight`;
+    /// gate None for non-gated experts): a GGUF's are sliced per expert, an
+    /// HF folder's per-expert tensors are read by their own names
+    /// ([`Source::expert`]).
+    pub fn load_stacked(dev: &D, src: &Source, n: usize, act: Activation, gate: Option<&str>, up: &str, down: &str) -> Result<Experts<D>> {
+        let w = |name: &str, e: usize| dev.weight(&src.expert(name, e, n)?);
+        let mut experts = Vec::with_capacity(n);
+        for e in 0..n {
+            experts.push(Expert { gate: gate.map(|g| w(g, e)).transpose()?, up: w(up, e)?, down: w(down, e)? });
+        }
+        Ok(Experts { experts, act })
+    }
+
     /// Fused tensors: `gate_up` `[E, 2I, H]` (gate rows first, then up rows,
     /// not interleaved) and `down` `[E, H, I]`.
     pub fn load_fused(dev: &D, gate_up: &TensorView, down: &TensorView, act: Activation) -> Result<Experts<D>> {

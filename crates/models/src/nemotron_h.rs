@@ -3,19 +3,16 @@
 //! MLP, or a sigmoid-routed mixture of squared-ReLU experts with a shared
 //! expert; a final norm and an untied head.
 //!
-//! Mamba2: `z, xBC, dt = in_proj(h)`; `xBC = silu(conv(xBC))` (a causal
-//! depthwise filter over time); the selective scan over heads, with B and C
-//! shared by groups of heads; `y ⊙ silu(z)` normalised per channel group;
-//! `out_proj`. Its state: the conv's last inputs and the scan's matrix per
-//! head. `dt` is clamped to `time_step_min` in every pass: transformers does
+//! Mamba2 is `mamba2.rs`'s. `dt` is clamped to `time_step_min` in every pass: transformers does
 //! so in prefill only, which makes its own decode drift (see the fixtures'
 //! README); clamping in both keeps prefill and decode one computation.
 
 use anyhow::{bail, ensure, Result};
-use braid_ops::{Act, Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
+use braid_ops::{Device, KvShape, Map, MoeOps, RecurrentOps, SsmShape};
 
 use crate::blocks::{model_sizes, Attention};
-use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::mamba2::{Mamba2, Mamba2Shape};
+use crate::moe::{Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -49,8 +46,84 @@ pub struct NemotronHConfig {
     pub routed_scale: f32,
 }
 
+/// transformers' `time_step_min` when a config leaves it out (and a GGUF,
+/// which has no field for it).
+const TIME_STEP_MIN: f32 = 0.001;
+
 impl NemotronHConfig {
     pub fn from_source(src: &Source) -> Result<NemotronHConfig> {
+        match src {
+            Source::Gguf(g) => Self::from_gguf(g),
+            Source::Hf(_) => Self::from_hf(src),
+        }
+    }
+
+    /// llama.cpp's keys (`nemotron_h.*`, `nemotron_h_moe.*`); each block's
+    /// mixer is told by the tensors it holds. The GGUF keeps no dt limits:
+    /// dt is clamped to transformers' default `time_step_min`, as from an
+    /// HF folder that leaves it out.
+    fn from_gguf(g: &braid_formats::gguf::Gguf) -> Result<NemotronHConfig> {
+        let arch = g.architecture()?.to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let path = g.path().display();
+        let layers = g.get_usize(&key("block_count"))?;
+        let mixers: Vec<Mixer> = (0..layers)
+            .map(|l| {
+                let has = |n: &str| g.has_tensor(&format!("blk.{l}.{n}.weight"));
+                if has("ssm_in") {
+                    Ok(Mixer::Mamba)
+                } else if has("attn_q") {
+                    Ok(Mixer::Attention)
+                } else if has("ffn_gate_inp") {
+                    Ok(Mixer::Moe)
+                } else if has("ffn_up") {
+                    Ok(Mixer::Mlp)
+                } else {
+                    bail!("{path}: block {l} has none of ssm_in, attn_q, ffn_gate_inp, ffn_up (which mixer is it?)")
+                }
+            })
+            .collect::<Result<_>>()?;
+        let per_layer_max = |k: &str| -> Result<usize> {
+            let k = key(k);
+            Ok(match g.get(&k).and_then(|v| v.as_array()) {
+                Some(_) => g.get_u64_array(&k)?.into_iter().max().unwrap_or(0) as usize,
+                None => g.get_usize(&k)?,
+            })
+        };
+        let heads = per_layer_max("attention.head_count")?;
+        let ssm_heads = g.get_usize(&key("ssm.time_step_rank"))?;
+        let inner = g.get_usize(&key("ssm.inner_size"))?;
+        ensure!(ssm_heads > 0 && inner.is_multiple_of(ssm_heads), "{path}: ssm.inner_size {inner} over {ssm_heads} heads (ssm.time_step_rank)");
+        let hidden = g.get_usize(&key("embedding_length"))?;
+        Ok(NemotronHConfig {
+            hidden,
+            mixers,
+            vocab: g.tensor("token_embd.weight")?.shape[0],
+            eps: g.get_f32(&key("attention.layer_norm_epsilon"))?,
+            context: g.opt_u64(&key("context_length"))?.unwrap_or(4096) as usize,
+            ssm: SsmShape {
+                heads: ssm_heads,
+                head_dim: inner / ssm_heads,
+                state_dim: g.get_usize(&key("ssm.state_size"))?,
+                groups: g.get_usize(&key("ssm.group_count"))?,
+                dt_min: TIME_STEP_MIN,
+                dt_max: f32::INFINITY,
+            },
+            conv_kernel: g.get_usize(&key("ssm.conv_kernel"))?,
+            heads,
+            kv_heads: per_layer_max("attention.head_count_kv")?,
+            head_dim: match g.opt_u64(&key("attention.key_length"))? {
+                Some(d) => d as usize,
+                None => hidden.checked_div(heads).unwrap_or(0),
+            },
+            experts: g.opt_u64(&key("expert_count"))?.unwrap_or(0) as usize,
+            top_k: g.opt_u64(&key("expert_used_count"))?.unwrap_or(0) as usize,
+            normalize: g.opt_bool(&key("expert_weights_norm"))?.unwrap_or(true),
+            routed_scale: g.opt_f32(&key("expert_weights_scale"))?.filter(|&s| s != 0.0).unwrap_or(1.0),
+        })
+    }
+
+    fn from_hf(src: &Source) -> Result<NemotronHConfig> {
         let c = hf_config(src, "nemotron_h")?;
         let path = src.path();
         let path = path.display();
@@ -94,11 +167,9 @@ impl NemotronHConfig {
         let heads = c.usize("num_attention_heads")?;
         ensure!(heads > 0, "{path}: no attention heads");
         // transformers clamps dt to [time_step_min, inf) and ignores
-        // time_step_limit; a limit tighter than that is kept too.
-        let limit = |i: usize| -> Option<f32> { c.get("time_step_limit")?.as_array()?.get(i).and_then(json_f32) };
-        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(0.0).max(limit(0).unwrap_or(0.0));
-        let dt_max = limit(1).unwrap_or(f32::INFINITY);
-        ensure!(dt_min <= dt_max, "{path}: dt limits {dt_min} > {dt_max}");
+        // time_step_limit (its mixer sets the limit itself).
+        let dt_min = c.opt_f32("time_step_min")?.unwrap_or(TIME_STEP_MIN);
+        let dt_max = f32::INFINITY;
         let ssm = SsmShape {
             heads: c.usize("mamba_num_heads")?,
             head_dim: c.usize("mamba_head_dim")?,
@@ -128,46 +199,14 @@ impl NemotronHConfig {
         })
     }
 
-    fn inner(&self) -> usize {
-        self.ssm.heads * self.ssm.head_dim
+    fn mamba(&self) -> Mamba2Shape {
+        Mamba2Shape { hidden: self.hidden, ssm: self.ssm, conv_kernel: self.conv_kernel, eps: self.eps }
     }
-
-    fn conv_dim(&self) -> usize {
-        self.inner() + 2 * self.ssm.groups * self.ssm.state_dim
-    }
-}
-
-/// A number, or transformers 5.x's `{"__float__": "Infinity"}`.
-fn json_f32(v: &serde_json::Value) -> Option<f32> {
-    if let Some(x) = v.as_f64() {
-        return Some(x as f32);
-    }
-    match v.get("__float__")?.as_str()? {
-        "Infinity" | "inf" => Some(f32::INFINITY),
-        "-Infinity" | "-inf" => Some(f32::NEG_INFINITY),
-        s => s.parse().ok(),
-    }
-}
-
-struct Mamba<D: Device> {
-    in_z: D::Weight,
-    in_xbc: D::Weight,
-    in_dt: D::Weight,
-    conv: D::Tensor,
-    conv_bias: Option<D::Tensor>,
-    dt_bias: D::Tensor,
-    /// `-exp(A_log)`.
-    a: D::Tensor,
-    d: D::Tensor,
-    norm: D::Tensor,
-    out: D::Weight,
-    conv_at: usize,
-    ssm_at: usize,
 }
 
 /// An attention layer holds its index in the KV pool.
 enum Layer<D: Device> {
-    Mamba(Mamba<D>),
+    Mamba(Mamba2<D>),
     Attention(Attention<D>, usize),
     Mlp { up: D::Weight, down: D::Weight },
     Moe { gate: D::Weight, moe: Moe<D>, shared_up: D::Weight, shared_down: D::Weight },
@@ -193,75 +232,49 @@ impl<D: Device> NemotronH<D> {
         crate::config::check_nemotron_h(&cfg, src)?;
         let w = |n: &str| dev.weight(&src.tensor(n)?);
         let v = |n: &str| dev.vector(&src.tensor(n)?, 0.0);
-        let (inner, conv_dim, nh) = (cfg.inner(), cfg.conv_dim(), cfg.ssm.heads);
         let mut state = StateLayout::default();
         let mut kv = 0;
         let mut blocks = Vec::with_capacity(cfg.mixers.len());
         for (l, &kind) in cfg.mixers.iter().enumerate() {
-            let p = |n: &str| format!("backbone.layers.{l}.mixer.{n}");
+            let p = |n: &str| format!("blk.{l}.{n}");
             let mixer = match kind {
-                Mixer::Mamba => {
-                    let in_proj = src.tensor(&p("in_proj.weight"))?;
-                    ensure!(
-                        in_proj.shape == [inner + conv_dim + nh, cfg.hidden],
-                        "{}: {:?}, expected [{}, {}]",
-                        in_proj.name,
-                        in_proj.shape,
-                        inner + conv_dim + nh,
-                        cfg.hidden
-                    );
-                    let conv = src.tensor(&p("conv1d.weight"))?;
-                    ensure!(conv.elements() == conv_dim * cfg.conv_kernel, "{}: {:?}, expected [{conv_dim}, 1, {}]", conv.name, conv.shape, cfg.conv_kernel);
-                    let a_log = src.tensor(&p("A_log"))?.to_f32()?;
-                    ensure!(a_log.len() == nh, "{}: {} values for {nh} heads", p("A_log"), a_log.len());
-                    let a: Vec<f32> = a_log.iter().map(|x| -x.exp()).collect();
-                    let bias = p("conv1d.bias");
-                    Layer::Mamba(Mamba {
-                        // in_proj's rows are z, then xBC, then dt.
-                        in_z: dev.weight(&slice_rows(&in_proj, 0, inner)?)?,
-                        in_xbc: dev.weight(&slice_rows(&in_proj, inner, conv_dim)?)?,
-                        in_dt: dev.weight(&slice_rows(&in_proj, inner + conv_dim, nh)?)?,
-                        conv: dev.vector(&conv, 0.0)?,
-                        conv_bias: if src.has_tensor(&bias) { Some(v(&bias)?) } else { None },
-                        dt_bias: v(&p("dt_bias"))?,
-                        a: dev.upload(&a, 1, nh)?,
-                        d: v(&p("D"))?,
-                        norm: v(&p("norm.weight"))?,
-                        out: w(&p("out_proj.weight"))?,
-                        conv_at: state.take(conv_dim * (cfg.conv_kernel - 1)),
-                        ssm_at: state.take(nh * cfg.ssm.head_dim * cfg.ssm.state_dim),
-                    })
-                }
+                Mixer::Mamba => Layer::Mamba(Mamba2::load(dev, src, l, &cfg.mamba(), &format!("backbone.layers.{l}.mixer.A_log"), &mut state)?),
                 Mixer::Attention => {
                     kv += 1;
-                    Layer::Attention(Attention::load_hf(&w, &v, &p(""), "o_proj", None)?, kv - 1)
+                    Layer::Attention(Attention::load_gguf(&w, &v, l, false)?, kv - 1)
                 }
-                Mixer::Mlp => Layer::Mlp { up: w(&p("up_proj.weight"))?, down: w(&p("down_proj.weight"))? },
+                Mixer::Mlp => Layer::Mlp { up: w(&p("ffn_up.weight"))?, down: w(&p("ffn_down.weight"))? },
                 Mixer::Moe => {
                     let router = Router {
                         scoring: Scoring::Sigmoid,
                         top_k: cfg.top_k,
-                        choice_bias: Some(src.tensor(&p("gate.e_score_correction_bias"))?.to_f32()?),
+                        choice_bias: Some(src.tensor(&p("exp_probs_b.bias"))?.to_f32()?),
                         normalize: cfg.normalize,
                         norm_eps: 1e-20,
                         scale: cfg.routed_scale,
                         per_expert_scale: None,
                     };
-                    let experts = Experts::load_split(dev, src, cfg.experts, Activation::Plain(Map::Relu2), |e| {
-                        (None, p(&format!("experts.{e}.up_proj.weight")), p(&format!("experts.{e}.down_proj.weight")))
-                    })?;
+                    let experts = Experts::load_stacked(
+                        dev,
+                        src,
+                        cfg.experts,
+                        Activation::Plain(Map::Relu2),
+                        None,
+                        &p("ffn_up_exps.weight"),
+                        &p("ffn_down_exps.weight"),
+                    )?;
                     Layer::Moe {
-                        gate: w(&p("gate.weight"))?,
+                        gate: w(&p("ffn_gate_inp.weight"))?,
                         moe: Moe { router, experts },
-                        shared_up: w(&p("shared_experts.up_proj.weight"))?,
-                        shared_down: w(&p("shared_experts.down_proj.weight"))?,
+                        shared_up: w(&p("ffn_up_shexp.weight"))?,
+                        shared_down: w(&p("ffn_down_shexp.weight"))?,
                     }
                 }
             };
-            blocks.push(Block { norm: v(&format!("backbone.layers.{l}.norm.weight"))?, mixer });
+            blocks.push(Block { norm: v(&p("attn_norm.weight"))?, mixer });
             progress(l + 1, cfg.mixers.len());
         }
-        Ok(NemotronH { embed: w("backbone.embeddings.weight")?, blocks, out_norm: v("backbone.norm_f.weight")?, head: w("lm_head.weight")?, state, cfg })
+        Ok(NemotronH { embed: w("token_embd.weight")?, blocks, out_norm: v("output_norm.weight")?, head: w("output.weight")?, state, cfg })
     }
 }
 
@@ -295,21 +308,13 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
     fn forward(&self, dev: &D, batch: &Batch<'_>, mem: &mut Memory<D>, s: &mut Scratch<D>) -> Result<()> {
         let c = &self.cfg;
         let seqs = state_seqs(batch)?;
+        let mamba = c.mamba();
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         dev.embed(&self.embed, batch.tokens, 1.0, &mut s.x);
         for (l, b) in self.blocks.iter().enumerate() {
             dev.rms_norm(&s.x, &b.norm, c.eps, &mut s.h);
             match &b.mixer {
-                Layer::Mamba(m) => {
-                    let [z, xbc, dt, conv, y, gated, normed] = extras(dev, &mut s.extra);
-                    dev.matmul(&s.h, &[&m.in_z, &m.in_xbc, &m.in_dt], &mut [&mut *z, &mut *xbc, &mut *dt]);
-                    dev.short_conv(xbc, &m.conv, m.conv_bias.as_ref(), c.conv_kernel, true, &mut mem.state, m.conv_at, &seqs, conv)?;
-                    dev.ssm_scan(conv, dt, &m.dt_bias, &m.a, &m.d, &c.ssm, &mut mem.state, m.ssm_at, &seqs, y)?;
-                    // Gated norm: (y ⊙ silu(z)), normalised per group of channels.
-                    dev.gated(Act::Silu, z, y, gated);
-                    dev.group_rms_norm(gated, &m.norm, c.inner() / c.ssm.groups, c.eps, normed)?;
-                    dev.matmul(normed, &[&m.out], &mut [&mut s.out]);
-                }
+                Layer::Mamba(m) => m.forward(dev, &mamba, s, &mut mem.state, &seqs)?,
                 Layer::Attention(a, kv) => {
                     // No positional encoding.
                     a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, None, c.eps, scale, None);

@@ -38,6 +38,15 @@ family!(gemma3, "gemma3_text");
 family!(gemma4, "gemma4_text");
 family!(gemma4_moe, "gemma4_text_moe");
 
+// Other points of each family's configuration space (`VARIANTS` in
+// make_fixtures.py; each meta.json's notes.variant says what differs).
+family!(llama_linear_rope, "llama_linear_rope");
+family!(llama_attention_bias, "llama_attention_bias");
+family!(qwen3_tied, "qwen3_tied");
+family!(gemma3_softcap, "gemma3_softcap");
+family!(gemma3_six, "gemma3_text_six");
+family!(gemma4_k_eq_v, "gemma4_text_k_eq_v");
+
 use braid_models::gemma3::Gemma3;
 use braid_models::gemma4::Gemma4;
 use braid_models::{Model, ModelBackend, Source};
@@ -168,12 +177,20 @@ fn unsupported_rope_types_are_refused() {
 }
 
 /// Qwen2's q/k/v biases change the fixture's logits well past the
-/// tolerance: read as Llama (which has none), the same weights are far off.
+/// tolerance: the same weights without them are far off.
 #[test]
 fn qwen2_biases_matter() {
     for name in ["qwen2", "qwen2_tied"] {
         let fx = Fixture::load(name);
-        let dir = with_config(&fx, "as-llama", |c| c["model_type"] = json!("llama"));
+        // The biases renamed out of the model's reach; qwen2 requires them, llama reads them where present.
+        let dir = with_weights(&fx, "no-bias", |h, _| {
+            let biases: Vec<String> = h.keys().filter(|k| k.ends_with("_proj.bias")).cloned().collect();
+            for (i, b) in biases.iter().enumerate() {
+                let v = h.remove(b).unwrap();
+                h.insert(format!("unused.{i}"), v);
+            }
+        });
+        std::fs::write(dir.join("config.json"), std::fs::read_to_string(fx.dir.join("config.json")).unwrap().replace("\"qwen2\"", "\"llama\"")).unwrap();
         let (_src, model) = braid_models::open(&Cpu::new(None), &dir).unwrap();
         let got = full_logits(&fx, model);
         std::fs::remove_dir_all(&dir).unwrap();
@@ -190,4 +207,42 @@ fn qwen2_untied_without_a_head_is_refused() {
     let err = braid_models::open(&Cpu::new(None), &dir).err().expect("an untied config without lm_head.weight must not load");
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(format!("{err:#}").contains("lm_head.weight"), "{err:#}");
+}
+
+/// A copy of fixture `fx`'s folder whose model.safetensors header (and
+/// data, which `edit` may extend) `edit` changes.
+fn with_weights(fx: &Fixture, tag: &str, edit: impl FnOnce(&mut serde_json::Map<String, Value>, &mut Vec<u8>)) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("braid-{}-{tag}-{}", fx.name, std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fx.dir.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(fx.dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    edit(header.as_object_mut().unwrap(), &mut data);
+    let mut h = serde_json::to_vec(&header).unwrap();
+    h.resize(h.len().div_ceil(8) * 8, b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    dir
+}
+
+/// A tensor braid does not read is refused, naming it, rather than dropped:
+/// the llama fixture with an MLP bias added (`mlp_bias`) does not load.
+#[test]
+fn unread_mlp_bias_is_refused() {
+    let fx = Fixture::load("llama");
+    let dir = with_weights(&fx, "mlp-bias", |h, data| {
+        let at = data.len();
+        data.resize(at + 128 * 4, 0);
+        h.insert("model.layers.0.mlp.gate_proj.bias".into(), json!({"dtype": "F32", "shape": [128], "data_offsets": [at, data.len()]}));
+    });
+    let err = match braid_models::open(&Cpu::new(None), &dir) {
+        Ok(_) => panic!("a llama with an MLP bias loaded"),
+        Err(e) => format!("{e:#}"),
+    };
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(err.contains("model.layers.0.mlp.gate_proj.bias") && err.contains("not supported"), "{err}");
 }

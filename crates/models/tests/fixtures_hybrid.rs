@@ -1,6 +1,7 @@
 //! The hybrid families on the tiny random fixtures, against transformers:
-//! LFM2, LFM2-MoE, Nemotron-H, MiniMax (linear attention), MiniMax-M2 and
-//! the MiniMax-M3 text tower (block-sparse attention), from HF folders.
+//! LFM2, LFM2-MoE, Nemotron-H, MiniMax (linear attention), MiniMax-M2,
+//! the MiniMax-M3 text tower (block-sparse attention) and Granite 4
+//! (Mamba2 + attention + MoE), from HF folders.
 //!
 //! Every family: declared state kinds; logits of one full forward and of
 //! incremental decode within 1e-4 of transformers; chunk caps 1, 3, 7 and
@@ -95,6 +96,17 @@ family!(nemotron_h, "nemotron_h", incremental = "logits_incremental_clamped");
 family!(minimax, "minimax", incremental = "logits_incremental");
 family!(minimax_m2, "minimax_m2", incremental = "logits_incremental");
 family!(minimax_m3, "minimax_m3_vl_text", incremental = "logits_incremental");
+family!(granite_hybrid, "granitemoehybrid", incremental = "logits_incremental");
+family!(granite_rope_dense, "granitemoehybrid_rope_dense", incremental = "logits_incremental");
+
+// Other points of each family's configuration space (`VARIANTS` in
+// make_fixtures.py; each meta.json's notes.variant says what differs).
+family!(lfm2_conv4, "lfm2_conv4", incremental = "logits_incremental");
+family!(lfm2_moe_scaled, "lfm2_moe_scaled", incremental = "logits_incremental");
+family!(nemotron_h_grouped, "nemotron_h_grouped", incremental = "logits_incremental_clamped");
+family!(minimax_plain, "minimax_plain", incremental = "logits_incremental");
+family!(minimax_m2_quarter_rope, "minimax_m2_quarter_rope", incremental = "logits_incremental");
+family!(minimax_m3_wide_index, "minimax_m3_vl_text_wide_index", incremental = "logits_incremental");
 
 /// transformers' own decode does not clamp dt (`logits_incremental` drifts
 /// by 2e-2 from `logits_full`); braid clamps in decode too, so it must be far
@@ -187,6 +199,30 @@ fn hub_config_forms() {
                 flat_rope_theta(c);
             }),
         ),
+        (
+            "minimax_m3_vl_text",
+            Box::new(|c| {
+                // Hub: the indexer's settings in sparse_attention_config, per-layer 0/1 lists.
+                let ones = |key: &str, yes: &str, c: &mut serde_json::Map<String, Value>| -> Vec<u32> {
+                    c.remove(key).unwrap().as_array().unwrap().iter().map(|t| (t.as_str() == Some(yes)) as u32).collect()
+                };
+                let sparse = ones("layer_types", "minimax_m3_sparse", c);
+                let moe = ones("mlp_layer_types", "sparse", c);
+                let mut sac = serde_json::Map::new();
+                for (flat, legacy) in [
+                    ("index_n_heads", "sparse_num_index_heads"),
+                    ("index_head_dim", "sparse_index_dim"),
+                    ("index_block_size", "sparse_block_size"),
+                    ("index_topk_blocks", "sparse_topk_blocks"),
+                    ("index_local_blocks", "sparse_local_block"),
+                ] {
+                    sac.insert(legacy.into(), c.remove(flat).unwrap());
+                }
+                sac.insert("sparse_attention_freq".into(), json!(sparse));
+                c.insert("sparse_attention_config".into(), Value::Object(sac));
+                c.insert("moe_layer_freq".into(), json!(moe));
+            }),
+        ),
     ];
     for (name, edit) in cases {
         let fx = Fixture::load(name);
@@ -195,6 +231,33 @@ fn hub_config_forms() {
         let got = full_logits(&dir, &fx.tokens);
         std::fs::remove_dir_all(&dir).ok();
         assert_bit_identical(&format!("{name} from a Hub-style config"), &got, &want, fx.vocab);
+    }
+}
+
+/// Config fields transformers' modeling files do not read change nothing
+/// (checked once against transformers itself on fixtures made with them):
+/// MiniMax-M2 routes by sigmoid, unscaled, whatever `scoring_func` and
+/// `routed_scaling_factor` say; Nemotron-H clamps dt to `time_step_min`
+/// whatever `time_step_limit` says. Each edit would move the logits if
+/// braid read it.
+#[test]
+fn config_fields_transformers_ignores() {
+    let cases: [(&str, Box<ConfigEdit>); 2] = [
+        (
+            "minimax_m2",
+            Box::new(|c| {
+                c.insert("scoring_func".into(), json!("softmax"));
+                c.insert("routed_scaling_factor".into(), json!(1.5));
+            }),
+        ),
+        ("nemotron_h", Box::new(|c| drop(c.insert("time_step_limit".into(), json!([0.0, 0.01]))))),
+    ];
+    for (name, edit) in cases {
+        let fx = Fixture::load(name);
+        let dir = edited_fixture(name, "ignored", edit.as_ref());
+        let got = full_logits(&dir, &fx.tokens);
+        std::fs::remove_dir_all(&dir).ok();
+        assert_bit_identical(&format!("{name} with fields transformers ignores"), &got, &full_logits(&fx.dir, &fx.tokens), fx.vocab);
     }
 }
 

@@ -180,6 +180,7 @@ pub(crate) async fn start(
                 logprobs: common.logprobs,
                 cache_salt,
                 prefix_hint: hints[i],
+                images: Vec::new(),
             };
             pending.push_back((i * n + j, req));
         }

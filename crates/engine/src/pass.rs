@@ -105,6 +105,9 @@ pub struct StepOutcome {
     pub mark: Option<MarkId>,
     /// The pass is complete.
     pub done: bool,
+    /// Images whose rows this chunk made first (the pass's first chunk),
+    /// and how long that took.
+    pub images: Option<(usize, std::time::Duration)>,
 }
 
 /// One stream's prompt pass in progress.
@@ -193,10 +196,13 @@ impl Pass {
         let last = end == self.prompt.len();
         // Image rows are made once per pass, at its first chunk: only for the
         // images it has still to run (a cached prefix may hold some).
+        let mut images = None;
         if !self.encoded && self.images.iter().any(|i| i.end() > start) {
             let wanted: Vec<PromptImage> = self.images.iter().filter(|i| i.end() > start).cloned().collect();
+            let t = std::time::Instant::now();
             backend.encode_images(self.stream, &wanted)?;
             self.encoded = true;
+            images = Some((wanted.len(), t.elapsed()));
         }
         let chunk = Chunk { start, tokens: &self.prompt[start..end], want_logits: last && self.want_logits };
         let logits = run(&mut *backend, self.stream, chunk)?;
@@ -214,7 +220,7 @@ impl Pass {
         }
         // A failed mark only costs a future cache hit; the pass goes on.
         let mark = if self.plan.marks.binary_search(&end).is_ok() { backend.keep_mark(self.stream).ok() } else { None };
-        Ok(StepOutcome { start, end, logits, mark, done: last })
+        Ok(StepOutcome { start, end, logits, mark, done: last, images })
     }
 
     /// Stop between chunks: the backend keeps the state at the last chunk's

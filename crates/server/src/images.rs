@@ -100,6 +100,17 @@ fn fetch(url: &str, limits: &ImageLimits) -> Result<Vec<u8>, String> {
     Ok(data)
 }
 
+/// The prompt rows of an image placed at row `at`: begin-of-image, a row
+/// per soft token named by the image's content, end-of-image; and the
+/// image as the lane takes it.
+pub fn image_block(v: &VisionInfo, at: usize, hash: u64, pixels: Arc<[f32]>) -> (Vec<u32>, PromptImage) {
+    let mut ids: Vec<u32> = v.boi.into_iter().collect();
+    let image = PromptImage { start: at + ids.len(), len: v.tokens, hash, pixels };
+    ids.extend(image_token_ids(hash, v.tokens));
+    ids.extend(v.eoi);
+    (ids, image)
+}
+
 /// Tokenizes a piece of rendered prompt (`true`: with the special tokens it starts with).
 pub(crate) type Encode<'a> = dyn Fn(&str, bool) -> Result<Vec<u32>, ApiError> + 'a;
 
@@ -132,10 +143,9 @@ pub(crate) fn place(
         let Some(img) = images.get(i).filter(|_| i + 1 < pieces.len()) else { continue };
         let v = info.vision.as_ref().expect("decode_all found the vision info");
         ids.extend(encode("\n\n", false)?);
-        ids.extend(v.boi);
-        placed.push(PromptImage { start: ids.len(), len: v.tokens, hash: img.hash, pixels: img.pixels.clone() });
-        ids.extend(image_token_ids(img.hash, v.tokens));
-        ids.extend(v.eoi);
+        let (block, image) = image_block(v, ids.len(), img.hash, img.pixels.clone());
+        ids.extend(block);
+        placed.push(image);
         ids.extend(encode("\n\n", false)?);
     }
     Ok((ids, placed))

@@ -59,7 +59,7 @@ use tokio::sync::{oneshot, watch};
 
 pub use defaults::SamplingDefaults;
 pub use error::ApiError;
-pub use images::{ImageRules, VisionInfo};
+pub use images::{image_block, ImageRules, VisionInfo};
 
 /// Fuzz targets (see `braid_formats::fuzz`): arbitrary bytes in, never a panic.
 #[doc(hidden)]

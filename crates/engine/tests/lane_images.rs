@@ -176,6 +176,9 @@ fn images_are_checked_at_submission() {
     // Past the prompt's end.
     let past = PromptImage { start: 16, ..img.clone() };
     assert!(matches!(lane.submit(request(&p, &past, 1)), Err(SubmitError::Invalid(e)) if e.contains("inside the prompt")));
+    // An image wider than a round (its rows run in one chunk).
+    let (q, wide) = with_image(90, 1, 4, 80, 5);
+    assert!(matches!(lane.submit(request(&q, &wide, 1)), Err(SubmitError::Invalid(e)) if e.contains("more than the 64")));
     // Image ids without an image are out of the vocabulary.
     assert!(matches!(lane.submit(greedy(p.clone(), 1)), Err(SubmitError::Invalid(e)) if e.contains("outside the vocabulary")));
     // A backend that makes no image rows takes none.

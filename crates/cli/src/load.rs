@@ -33,6 +33,8 @@ pub struct Loaded {
     pub context: usize,
     /// Why there is no tokenizer, for the error of a command that needs one.
     missing: Option<String>,
+    /// How the model takes images (`None`: it takes none).
+    pub vision: Option<braid_server::VisionInfo>,
 }
 
 /// Which device `--device` names.
@@ -146,6 +148,15 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
         bar.set_position(i as u64);
     })?;
     bar.finish_and_clear();
+    let vision = match model.vision() {
+        Some(v) => Some(braid_server::VisionInfo {
+            prep: braid_formats::images::ImagePrep::load(&path, v.image_size as u32)?,
+            tokens: v.tokens,
+            boi: v.boi_token,
+            eoi: v.eoi_token,
+        }),
+        None => None,
+    };
     let vocab = model.vocab();
     let model_ctx = model.context();
     let mut cfg = cfg;
@@ -169,7 +180,7 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
             Some(Box::new(DFlashDrafter::new(dev, d, kv_tokens, block_tokens, kv_dtype)?))
         }
     };
-    Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context })
+    Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context, vision })
 }
 
 /// The shortest context served: a chat template's markup alone takes a

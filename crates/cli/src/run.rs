@@ -93,6 +93,10 @@ pub struct RunArgs {
     /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
     #[arg(long, value_name = "DIR|ngram")]
     pub drafter: Option<String>,
+    /// An image (PNG, JPEG or WebP) to put before the prompt's text, for a
+    /// model that takes images (repeatable).
+    #[arg(long, value_name = "FILE")]
+    pub image: Vec<std::path::PathBuf>,
     /// The prompt.
     pub prompt: String,
 }
@@ -122,16 +126,45 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
     tok.encode(&text, !has_bos)
 }
 
+/// Put the images in `files` at the start of `prompt` (after its BOS
+/// token, each as the model's processor writes an image: `\n\n`, its
+/// rows, `\n\n`); the images as the lane takes them.
+fn with_images(m: &Loaded, files: &[std::path::PathBuf], prompt: &mut Vec<u32>) -> Result<Vec<braid_engine::PromptImage>> {
+    use braid_formats::images::{decode_image, pixels_hash, ImageLimits};
+    if files.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(v) = &m.vision else { bail!("{} takes no images (it has no vision tower)", m.path.display()) };
+    let tok = m.tokenizer()?;
+    let gap = tok.encode("\n\n", false)?;
+    let at = usize::from(tok.bos().is_some_and(|b| prompt.first() == Some(&b)));
+    let mut head = Vec::new();
+    let mut images = Vec::new();
+    for f in files {
+        let bytes = std::fs::read(f).with_context(|| format!("could not read the image {}", f.display()))?;
+        let img = decode_image(&bytes, &ImageLimits::default()).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
+        let pixels = v.prep.pixels(&img).with_context(|| f.display().to_string())?;
+        head.extend_from_slice(&gap);
+        let (block, image) = braid_server::image_block(v, at + head.len(), pixels_hash(&pixels), pixels.into());
+        head.extend(block);
+        head.extend_from_slice(&gap);
+        images.push(image);
+    }
+    prompt.splice(at..at, head);
+    Ok(images)
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     let ctx = a.model.ctx.unwrap_or(8192);
     let cfg = braid_models::BackendConfig { context: ctx, kv_tokens: ctx, max_batch: 512, ..Default::default() };
     let mut m = load::load_drafted(&a.model, cfg, a.drafter.as_deref())?;
     crate::about::choose_template(&mut m, a.chat_template.as_deref())?;
     let defaults = crate::about::sampling_defaults(&m.path);
-    let prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;
+    let mut prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
+    let images = with_images(&m, &a.image, &mut prompt)?;
     let config = lane_config(&m);
     let text = Arc::new(TokenizerText(m.tokenizer()?.clone()));
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
@@ -139,6 +172,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         prompt,
         sampling: a.sampling.params(&defaults),
         stop: StopRules { max_tokens: Some(a.max_tokens), stop_ids: Vec::new(), stop_strings: a.stop.clone(), ignore_eos: a.ignore_eos },
+        images,
         ..Request::default()
     };
     let t0 = Instant::now();

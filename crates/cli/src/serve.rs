@@ -122,6 +122,10 @@ pub struct ServeArgs {
     /// from other origins get 403; the server's own pages always may.
     #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
     pub allowed_origins: Vec<String>,
+    /// Fetch http:// image URLs in chat messages (off: only base64 data:
+    /// URLs are taken, and the server reaches nothing on a client's behalf).
+    #[arg(long)]
+    pub allow_image_urls: bool,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -151,6 +155,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             metrics_public: a.metrics_public,
             allowed_hosts: a.allowed_hosts.clone(),
             allowed_origins: a.allowed_origins.clone(),
+            images: braid_server::ImageRules { allow_urls: a.allow_image_urls, ..Default::default() },
             max_n: a.max_choices.max(1),
             max_choices: a.max_choices.max(1),
             conn: ConnLimits {
@@ -318,7 +323,7 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
     config.max_running = a.max_running.max(1);
     config.queue_capacity = a.queue;
     let tokenizer = m.tokenizer()?.clone();
-    let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids() };
+    let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids(), vision: m.vision };
     let (device, context) = (m.device.clone(), m.context);
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, Arc::new(TokenizerText(tokenizer)), config);
     let fill = lane.stats().fill;

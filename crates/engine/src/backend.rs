@@ -8,6 +8,8 @@
 //! of time (preparing the next round, recorded graphs) it decides from the
 //! steps it was given, never from hints.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 
 /// Names one stream for the backend. Chosen by the engine, unique per lane.
@@ -54,6 +56,8 @@ pub struct Capabilities {
     pub max_context: usize,
     /// Width of one logits row.
     pub vocab_size: usize,
+    /// The backend makes image rows ([`Backend::encode_images`]).
+    pub images: bool,
     /// Width of one feature row (0 when the backend taps no features).
     pub feature_dim: usize,
     /// What the backend picks where the logits are.
@@ -105,6 +109,43 @@ impl Fill {
         self.blocks_total.saturating_sub(self.blocks_used)
     }
 }
+
+/// An image in a prompt: its rows take the prompt's rows `start .. start +
+/// len`, whose token ids stand for the image's content (see
+/// [`image_token_ids`]), so the prefix cache keys them by it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptImage {
+    pub start: usize,
+    pub len: usize,
+    /// A hash of the image's content (its decoded pixels).
+    pub hash: u64,
+    /// The model's input for it: pixels as the model's preprocessor
+    /// makes them (for Gemma 3: `[3, side, side]`, normalised).
+    pub pixels: Arc<[f32]>,
+}
+
+impl PromptImage {
+    pub fn end(&self) -> usize {
+        self.start + self.len
+    }
+}
+
+/// The prompt token ids that stand for an image's `len` rows: ids from its
+/// content hash, each row its own, all at or above `IMAGE_IDS` (above any
+/// vocabulary), so two prompts share cached rows only where they hold the
+/// same image at the same place. The backend runs them as image rows.
+pub fn image_token_ids(hash: u64, len: usize) -> impl Iterator<Item = u32> {
+    (0..len as u64).map(move |i| {
+        let mut x = hash ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // splitmix64's finaliser: neighbouring rows get unrelated ids.
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        IMAGE_IDS | (x ^ (x >> 31)) as u32 & !IMAGE_IDS
+    })
+}
+
+/// The lowest id [`image_token_ids`] gives (the top bit set).
+pub const IMAGE_IDS: u32 = 1 << 31;
 
 /// One chunk of a prompt pass: rows `start .. start + tokens.len()` of the
 /// stream's prompt. The engine plans it; the backend runs exactly it.
@@ -204,6 +245,17 @@ pub trait Backend: Send {
             other => anyhow::bail!("a round asked for logits returned {} other rows", other.rows(self.capabilities().vocab_size)),
         }
     }
+
+    /// Make the image rows of a pass (the images its chunks will reach),
+    /// once, at the pass's first chunk; the backend keeps them until
+    /// [`Backend::drop_images`] and runs each chunk's image rows from them
+    /// (a chunk never ends inside an image).
+    fn encode_images(&mut self, _stream: StreamId, _images: &[PromptImage]) -> Result<()> {
+        anyhow::bail!("this model takes no images")
+    }
+
+    /// The pass is done: its image rows are no longer needed.
+    fn drop_images(&mut self, _stream: StreamId) {}
 
     /// Stop a prompt pass between chunks; the state stays at the last
     /// chunk's end, so a later chunk resumes there.

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
+use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId};
 use crate::blocks::{BlockPool, BlockTable};
 use crate::drafter::Drafter;
 use crate::guide::{Constraint, Grammar, TokenMask};
@@ -79,6 +79,12 @@ pub enum Call {
         len: usize,
     },
     Forget(StreamId),
+    /// `encode_images`: each image's `(start, len, hash)`.
+    EncodeImages {
+        stream: StreamId,
+        images: Vec<(usize, usize, u64)>,
+    },
+    DropImages(StreamId),
     /// Logged by [`FakeDrafter`].
     Absorb {
         stream: StreamId,
@@ -178,6 +184,7 @@ impl Default for FakeConfig {
                 max_batch: 64,
                 max_context: 4096,
                 vocab_size: 64,
+                images: true,
                 feature_dim: 2,
                 picks: Picks::default(),
             },
@@ -207,12 +214,24 @@ pub struct FakeBackend {
     marks: HashMap<MarkId, Vec<u32>>,
     next_mark: MarkId,
     features: Vec<f32>,
+    /// Each stream's image rows, as `encode_images` made them.
+    images: HashMap<StreamId, Vec<PromptImage>>,
 }
 
 impl FakeBackend {
     pub fn new(cfg: FakeConfig, log: CallLog) -> FakeBackend {
         let pool = BlockPool::new(cfg.blocks_total, cfg.block_tokens);
-        FakeBackend { cfg, log, streams: HashMap::new(), pool, tables: HashMap::new(), marks: HashMap::new(), next_mark: 1, features: Vec::new() }
+        FakeBackend {
+            cfg,
+            log,
+            streams: HashMap::new(),
+            pool,
+            tables: HashMap::new(),
+            marks: HashMap::new(),
+            next_mark: 1,
+            features: Vec::new(),
+            images: HashMap::new(),
+        }
     }
 
     fn logits_after(&self, seq: &[u32]) -> Vec<f32> {
@@ -249,6 +268,7 @@ impl FakeBackend {
         let mut parts: Vec<(StreamId, &[u32], Option<usize>)> = step.rows.iter().map(|r| (r.stream, &r.tokens[..], None)).collect();
         if let Some((stream, c)) = &step.chunk {
             ensure!(!c.tokens.is_empty(), "empty chunk");
+            self.check_images(*stream, c)?;
             parts.push((*stream, c.tokens, Some(c.start)));
         }
         let total: usize = parts.iter().map(|p| p.1.len()).sum();
@@ -257,7 +277,12 @@ impl FakeBackend {
         let mut need = 0;
         for (i, &(stream, tokens, start)) in parts.iter().enumerate() {
             ensure!(parts[..i].iter().all(|p| p.0 != stream), "stream {stream} appears twice in one round");
-            ensure!(tokens.iter().all(|&t| (t as usize) < caps.vocab_size), "token id out of range (vocab {})", caps.vocab_size);
+            let image_row = |i: usize| start.is_some_and(|s| self.images.get(&stream).is_some_and(|m| m.iter().any(|m| (m.start..m.end()).contains(&(s + i)))));
+            ensure!(
+                tokens.iter().enumerate().all(|(i, &t)| (t as usize) < caps.vocab_size || image_row(i)),
+                "token id out of range (vocab {})",
+                caps.vocab_size
+            );
             let Some(seq) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
             if let Some(start) = start {
                 ensure!(seq.len() == start, "stream {stream} holds {} rows, the chunk starts at {start}", seq.len());
@@ -267,6 +292,23 @@ impl FakeBackend {
             need += len.div_ceil(b) - seq.len().div_ceil(b);
         }
         ensure!(need <= self.cfg.blocks_total.saturating_sub(self.used_blocks()), "KV pool full");
+        Ok(())
+    }
+
+    /// A chunk's image rows are made (by `encode_images`), and the chunk
+    /// ends no image early.
+    fn check_images(&self, stream: StreamId, c: &Chunk<'_>) -> Result<()> {
+        let (start, end) = (c.start, c.start + c.tokens.len());
+        for (i, &t) in c.tokens.iter().enumerate() {
+            if t >= crate::backend::IMAGE_IDS {
+                let at = start + i;
+                let m = self.images.get(&stream).and_then(|m| m.iter().find(|m| (m.start..m.end()).contains(&at)));
+                ensure!(m.is_some(), "stream {stream}: row {at} is an image row, but no image rows were made for it");
+            }
+        }
+        for m in self.images.get(&stream).into_iter().flatten() {
+            ensure!(!(m.start < end && end < m.end()), "stream {stream}: the chunk {start}..{end} splits the image at {}..{}", m.start, m.end());
+        }
         Ok(())
     }
 
@@ -432,8 +474,23 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
+    fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
+        self.log.push(Call::EncodeImages { stream, images: images.iter().map(|m| (m.start, m.len, m.hash)).collect() });
+        ensure!(self.streams.contains_key(&stream), "stream {stream} is not open");
+        let held = self.images.entry(stream).or_default();
+        ensure!(held.is_empty(), "stream {stream}: image rows made again before drop_images");
+        held.extend_from_slice(images);
+        Ok(())
+    }
+
+    fn drop_images(&mut self, stream: StreamId) {
+        self.log.push(Call::DropImages(stream));
+        self.images.remove(&stream);
+    }
+
     fn forget(&mut self, stream: StreamId) {
         self.log.push(Call::Forget(stream));
+        self.images.remove(&stream);
         self.streams.remove(&stream);
         if let Some(t) = self.tables.remove(&stream) {
             self.pool.free_table(t);
@@ -486,6 +543,12 @@ impl<B: Backend> Backend for Held<B> {
     }
     fn rewind(&mut self, stream: StreamId, len: usize) -> Result<()> {
         self.inner.rewind(stream, len)
+    }
+    fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
+        self.inner.encode_images(stream, images)
+    }
+    fn drop_images(&mut self, stream: StreamId) {
+        self.inner.drop_images(stream)
     }
     fn forget(&mut self, stream: StreamId) {
         self.inner.forget(stream)

@@ -50,13 +50,15 @@ pub mod rng;
 pub mod sampling;
 pub mod stop;
 
-pub use backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
+pub use backend::{
+    image_token_ids, Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId, IMAGE_IDS,
+};
 pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
 pub use drafter::{Drafter, Gate};
 pub use guide::{Constraint, Grammar, Guide, TokenMask};
 pub use lane::{Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, StreamControl, StreamHandle, SubmitError, Timing, Usage};
 pub use ngram::{NgramConfig, PromptLookup};
-pub use pass::{chunk_end, prefill_whole, CutPlan, Pass, StepOutcome, WholePass};
+pub use pass::{chunk_end, prefill_whole, whole_images, CutPlan, Pass, StepOutcome, WholePass};
 pub use prefix::{PrefixIndex, SeenPrefixes};
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use stop::{StopRules, TextStops, TokenText};

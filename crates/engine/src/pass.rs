@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 
-use crate::backend::{Backend, Chunk, MarkId, StreamId};
+use crate::backend::{Backend, Chunk, MarkId, PromptImage, StreamId};
 use crate::drafter::Drafter;
 
 /// The fixed inputs that decide a pass's cuts.
@@ -30,12 +30,16 @@ pub struct CutPlan {
     /// The engine may choose cut sizes (`Capabilities::free_cuts`); only
     /// then does `max_rows` apply.
     pub free_cuts: bool,
+    /// The prompt's images as row spans `(start, end)`, ascending: no cut
+    /// falls inside one (an image's rows attend to each other both ways,
+    /// so they run in one chunk).
+    pub images: Vec<(usize, usize)>,
 }
 
 impl CutPlan {
     /// Where the chunk starting at `pos` ends. See [`chunk_end`].
     pub fn chunk_end(&self, pos: usize) -> usize {
-        chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, self.max_rows, self.free_cuts)
+        whole_images(pos, chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, self.max_rows, self.free_cuts), &self.images)
     }
 
     /// Every cut of the pass from `from` on, in order (for tests and tools).
@@ -79,6 +83,17 @@ pub fn chunk_end(pos: usize, prompt_len: usize, chunk_tokens: usize, planned_sta
     end
 }
 
+/// `end`, the end of the chunk from `pos`, moved out of any image it falls
+/// inside: back to the image's start, or, when the chunk begins at or in
+/// the image, on to its end. A mark or cap inside an image gives way.
+pub fn whole_images(pos: usize, end: usize, images: &[(usize, usize)]) -> usize {
+    match images.iter().find(|&&(s, e)| s < end && end < e) {
+        Some(&(s, _)) if s > pos => s,
+        Some(&(_, e)) => e,
+        None => end,
+    }
+}
+
 /// What one chunk did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepOutcome {
@@ -90,6 +105,9 @@ pub struct StepOutcome {
     pub mark: Option<MarkId>,
     /// The pass is complete.
     pub done: bool,
+    /// Images whose rows this chunk made first (the pass's first chunk),
+    /// and how long that took.
+    pub images: Option<(usize, std::time::Duration)>,
 }
 
 /// One stream's prompt pass in progress.
@@ -100,6 +118,9 @@ pub struct Pass {
     plan: CutPlan,
     pos: usize,
     want_logits: bool,
+    images: Arc<[PromptImage]>,
+    /// The backend holds this pass's image rows (made at its first chunk).
+    encoded: bool,
 }
 
 impl Pass {
@@ -107,7 +128,17 @@ impl Pass {
     /// rows. `want_logits`: return the last row's logits at the end.
     pub fn new(stream: StreamId, prompt: Arc<[u32]>, plan: CutPlan, want_logits: bool) -> Pass {
         let pos = plan.planned_start.min(prompt.len());
-        Pass { stream, prompt, plan, pos, want_logits }
+        Pass { stream, prompt, plan, pos, want_logits, images: Arc::from([]), encoded: false }
+    }
+
+    /// The pass with the prompt's images (which `plan.images` must span).
+    pub fn with_images(mut self, images: Arc<[PromptImage]>) -> Pass {
+        self.images = images;
+        self
+    }
+
+    pub fn images(&self) -> &[PromptImage] {
+        &self.images
     }
 
     pub fn stream(&self) -> StreamId {
@@ -163,8 +194,22 @@ impl Pass {
         ensure!(!self.done(), "the prompt pass of stream {} is already complete", self.stream);
         let (start, end) = self.next_chunk();
         let last = end == self.prompt.len();
+        // Image rows are made once per pass, at its first chunk: only for the
+        // images it has still to run (a cached prefix may hold some).
+        let mut images = None;
+        if !self.encoded && self.images.iter().any(|i| i.end() > start) {
+            let wanted: Vec<PromptImage> = self.images.iter().filter(|i| i.end() > start).cloned().collect();
+            let t = std::time::Instant::now();
+            backend.encode_images(self.stream, &wanted)?;
+            self.encoded = true;
+            images = Some((wanted.len(), t.elapsed()));
+        }
         let chunk = Chunk { start, tokens: &self.prompt[start..end], want_logits: last && self.want_logits };
         let logits = run(&mut *backend, self.stream, chunk)?;
+        if last && self.encoded {
+            backend.drop_images(self.stream);
+            self.encoded = false;
+        }
         ensure!(!chunk.want_logits || logits.is_some(), "the backend returned no logits for the last chunk of stream {}", self.stream);
         self.pos = end;
         if let Some(d) = drafter {
@@ -175,7 +220,7 @@ impl Pass {
         }
         // A failed mark only costs a future cache hit; the pass goes on.
         let mark = if self.plan.marks.binary_search(&end).is_ok() { backend.keep_mark(self.stream).ok() } else { None };
-        Ok(StepOutcome { start, end, logits, mark, done: last })
+        Ok(StepOutcome { start, end, logits, mark, done: last, images })
     }
 
     /// Stop between chunks: the backend keeps the state at the last chunk's
@@ -219,7 +264,21 @@ mod tests {
     use super::*;
 
     fn plan(len: usize, chunk: usize, start: usize, marks: &[usize], max_rows: Option<usize>, inv: bool) -> CutPlan {
-        CutPlan { prompt_len: len, chunk_tokens: chunk, planned_start: start, marks: marks.to_vec(), max_rows, free_cuts: inv }
+        CutPlan { prompt_len: len, chunk_tokens: chunk, planned_start: start, marks: marks.to_vec(), max_rows, free_cuts: inv, images: Vec::new() }
+    }
+
+    #[test]
+    fn no_cut_falls_inside_an_image() {
+        let mut p = plan(40, 8, 0, &[10], Some(3), true);
+        p.images = vec![(6, 14), (20, 36)];
+        // Before an image the cut moves back to its start; at it, on to its end,
+        // whatever the cap, the grid or a mark inside it say.
+        assert_eq!(p.cuts_from(0), vec![3, 6, 14, 16, 19, 20, 36, 39, 40]);
+        p.free_cuts = false;
+        assert_eq!(p.cuts_from(0), vec![6, 14, 16, 20, 36, 40]);
+        // A pass that starts inside an image (its first rows cached) runs the rest of it first.
+        p.planned_start = 25;
+        assert_eq!(p.cuts_from(25), vec![36, 40]);
     }
 
     #[test]

@@ -32,7 +32,7 @@ fn stepped_pass_runs_the_whole_pass_chunks() {
     let whole_log = CallLog::default();
     let mut backend = FakeBackend::new(fc, whole_log.clone());
     backend.open(b.id).unwrap();
-    let plan = CutPlan { prompt_len: 30, chunk_tokens: 8, planned_start: 0, marks: vec![12, 24, 30], max_rows: None, free_cuts: false };
+    let plan = CutPlan { prompt_len: 30, chunk_tokens: 8, planned_start: 0, marks: vec![12, 24, 30], max_rows: None, free_cuts: false, images: Vec::new() };
     let mut pass = Pass::new(b.id, p.clone().into(), plan, true);
     let whole = prefill_whole(&mut backend, None, &mut pass).unwrap();
     let whole_calls = prefills(&whole_log.snapshot(), b.id);
@@ -54,7 +54,7 @@ fn stepped_pass_runs_the_whole_pass_chunks() {
 fn cancel_keeps_the_chunk_end_and_resume_cuts_the_same() {
     for (inv, max_rows) in [(false, None), (true, Some(3))] {
         let p: Vec<u32> = prompt(23, 3);
-        let plan = CutPlan { prompt_len: 23, chunk_tokens: 8, planned_start: 0, marks: vec![10], max_rows, free_cuts: inv };
+        let plan = CutPlan { prompt_len: 23, chunk_tokens: 8, planned_start: 0, marks: vec![10], max_rows, free_cuts: inv, images: Vec::new() };
         let caps = FakeConfig::default().caps;
         let fc = FakeConfig { caps: braid_engine::Capabilities { chunk_invariant: inv, ..caps }, ..FakeConfig::default() };
 

@@ -9,6 +9,7 @@ pub mod dtype;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod gguf;
+pub mod images;
 pub mod safetensors;
 pub mod template;
 pub mod tensor;

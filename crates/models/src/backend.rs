@@ -24,11 +24,13 @@
 
 use std::collections::HashMap;
 
-use anyhow::{bail, ensure, Result};
-use braid_engine::{Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
+use anyhow::{bail, ensure, Context, Result};
+use braid_engine::{
+    Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId, IMAGE_IDS,
+};
 use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicked};
 
-use crate::{Batch, Memory, Model, Scratch};
+use crate::{Batch, ImageAt, Memory, Model, Scratch};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
 /// are keyed for replay; longer prompt chunks, whose shapes rarely recur,
@@ -64,6 +66,13 @@ struct StreamState {
     len: usize,
     /// Row in `Memory::state`.
     slot: u32,
+}
+
+/// A pass's image rows: each image's prompt rows `(start, end)` and its
+/// rows on the device, in the same order.
+struct Images<T> {
+    spans: Vec<(usize, usize)>,
+    rows: Vec<T>,
 }
 
 struct Mark {
@@ -111,6 +120,8 @@ pub struct ModelBackend<D: Device> {
     /// The last forward's feature rows: every row's tapped layers side by
     /// side, in `scratch.taps` order.
     features: Vec<f32>,
+    /// The image rows of the passes under way (`encode_images`).
+    images: HashMap<StreamId, Images<D::Tensor>>,
 }
 
 impl<D: Device> ModelBackend<D> {
@@ -157,6 +168,7 @@ impl<D: Device> ModelBackend<D> {
             row,
             tap_width: 0,
             features: Vec::new(),
+            images: HashMap::new(),
         })
     }
 
@@ -261,7 +273,16 @@ impl<D: Device> ModelBackend<D> {
             let Some(st) = self.streams.get(stream) else { bail!("stream {stream} is not open") };
             ensure!(st.len == chunk.start, "stream {stream} holds {} rows, the chunk starts at {}", st.len, chunk.start);
             ensure!(!chunk.tokens.is_empty(), "empty chunk");
-            ensure!(chunk.tokens.iter().all(|&t| (t as usize) < vocab), "token id out of range (vocab {vocab})");
+            let (start, end) = (chunk.start, chunk.start + chunk.tokens.len());
+            let spans = self.images.get(stream).map_or(&[][..], |m| &m.spans[..]);
+            let in_image = |r: usize| spans.iter().any(|&(a, b)| (a..b).contains(&r));
+            ensure!(
+                chunk.tokens.iter().enumerate().all(|(i, &t)| (t as usize) < vocab || (t >= IMAGE_IDS && in_image(start + i))),
+                "token id out of range (vocab {vocab}), or an image row whose image rows were not made"
+            );
+            if let Some(&(a, b)) = spans.iter().find(|&&(a, b)| a < end && end < b) {
+                bail!("the chunk {start}..{end} of stream {stream} ends inside the image at rows {a}..{b}");
+            }
             total += chunk.tokens.len();
             self.reserve(*stream, chunk.start + chunk.tokens.len())?;
         }
@@ -275,10 +296,25 @@ impl<D: Device> ModelBackend<D> {
     fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<()> {
         let bt = self.cfg.block_tokens;
         let rows = RowArrays::new(&self.streams, bt, parts);
-        let batch = rows.batch(&self.streams, parts, logit_rows);
-        let key = parts.iter().all(|p| p.1.len() <= REPLAY_ROWS).then(|| batch.key());
+        let mut batch = rows.batch(&self.streams, parts, logit_rows);
+        // Only the last part can be a prompt chunk, and only it holds image rows.
+        let lent = match parts.last() {
+            Some(&(id, toks)) => self.images.get_mut(&id).map(|m| {
+                let start = self.streams[&id].len;
+                let first = batch.tokens.len() - toks.len();
+                batch.images = image_rows(&m.spans, start, start + toks.len(), first);
+                self.scratch.images = std::mem::take(&mut m.rows);
+                id
+            }),
+            None => None,
+        };
+        let key = (batch.images.is_empty() && parts.iter().all(|p| p.1.len() <= REPLAY_ROWS)).then(|| batch.key());
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
-        dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch))?;
+        let ran = dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch));
+        if let Some(id) = lent {
+            self.images.get_mut(&id).expect("lent above").rows = std::mem::take(&mut self.scratch.images);
+        }
+        ran?;
         let rows = batch.tokens.len();
         drop(batch);
         self.collect_features(rows)?;
@@ -433,6 +469,20 @@ impl<D: Device> ModelBackend<D> {
     }
 }
 
+/// The image rows of a chunk of prompt rows `start .. end` that begins at
+/// batch row `first`, from the pass's image spans (index = image rows).
+fn image_rows(spans: &[(usize, usize)], start: usize, end: usize, first: usize) -> Vec<ImageAt> {
+    spans
+        .iter()
+        .enumerate()
+        .filter(|(_, &(a, b))| a < end && b > start)
+        .map(|(tensor, &(a, b))| {
+            let from = a.max(start);
+            ImageAt { row: first + from - start, len: b.min(end) - from, offset: from - a, tensor }
+        })
+        .collect()
+}
+
 /// No rows, in the shape `pick` asks for.
 fn empty(pick: Pick) -> Picked {
     match pick {
@@ -464,7 +514,9 @@ impl RowArrays {
             r.ranges.push((r.tokens.len(), toks.len(), start + toks.len()));
             for (i, &t) in toks.iter().enumerate() {
                 let pos = start + i;
-                r.tokens.push(t);
+                // An image row's id names its image for the prefix cache; the
+                // model embeds it as any token and puts the image's row there.
+                r.tokens.push(if t >= IMAGE_IDS { 0 } else { t });
                 r.positions.push(pos as u32);
                 r.slots.push(st.table.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
             }
@@ -478,7 +530,7 @@ impl RowArrays {
             .zip(&self.ranges)
             .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &streams[&id].table.blocks, window: None })
             .collect();
-        Batch { tokens: &self.tokens, positions: &self.positions, slots: &self.slots, seqs, logit_rows, state_slots: &self.state_slots }
+        Batch { tokens: &self.tokens, positions: &self.positions, slots: &self.slots, seqs, logit_rows, state_slots: &self.state_slots, images: Vec::new() }
     }
 }
 
@@ -495,6 +547,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             max_batch: self.cfg.max_batch,
             max_context: self.cfg.context,
             vocab_size: self.model.vocab(),
+            images: self.model.vision().is_some(),
             feature_dim: self.scratch.taps.len() * self.tap_width,
             picks: Picks { argmax: caps.argmax, top_k: caps.top_k },
         }
@@ -628,7 +681,25 @@ impl<D: Device> Backend for ModelBackend<D> {
         Ok(())
     }
 
+    fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
+        ensure!(self.streams.contains_key(&stream), "stream {stream} is not open");
+        let Some(tokens) = self.model.vision().map(|v| v.tokens) else { bail!("this model takes no images") };
+        let mut made = Images { spans: Vec::new(), rows: Vec::new() };
+        for (n, m) in images.iter().enumerate() {
+            ensure!(m.len == tokens, "image {n} of stream {stream} takes {} prompt rows; the model makes {tokens} per image", m.len);
+            made.rows.push(self.model.encode_image(&self.dev, &m.pixels).with_context(|| format!("image {n} of stream {stream}"))?);
+            made.spans.push((m.start, m.end()));
+        }
+        self.images.insert(stream, made);
+        Ok(())
+    }
+
+    fn drop_images(&mut self, stream: StreamId) {
+        self.images.remove(&stream);
+    }
+
     fn forget(&mut self, stream: StreamId) {
+        self.images.remove(&stream);
         if let Some(st) = self.streams.remove(&stream) {
             self.pool.free_table(st.table);
             self.free_slots.push(st.slot);

@@ -54,6 +54,12 @@ impl<'a> HfConfig<'a> {
         HfConfig { v, path: dir.join("config.json") }
     }
 
+    /// The config `v` as it is (a sub-config of `dir/config.json`, or its
+    /// top level), without looking into `text_config`.
+    pub fn top(v: &'a Value, dir: &Path) -> HfConfig<'a> {
+        HfConfig { v, path: dir.join("config.json") }
+    }
+
     pub fn raw(&self) -> &'a Value {
         self.v
     }

@@ -9,8 +9,9 @@ use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
 use crate::blocks::{gated_mlp, model_sizes, refuse_unread, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
+use crate::siglip::{Gemma3Vision, VisionConfig};
 use crate::source::Source;
-use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
+use crate::{image_seqs, lm_head, place_images, Batch, LayerState, Memory, Model, Scratch};
 
 #[derive(Clone, Debug)]
 pub struct Gemma3Config {
@@ -89,7 +90,7 @@ impl Gemma3Config {
                         (0..layers).map(|l| (l + 1).is_multiple_of(every)).collect()
                     }
                 };
-                let embed = h.tensor("model.embed_tokens.weight")?;
+                let embed = src.tensor("token_embd.weight")?;
                 Ok(Gemma3Config {
                     hidden,
                     layers,
@@ -143,6 +144,8 @@ pub struct Gemma3<D: Device> {
     embed: D::Weight,
     blocks: Vec<Block<D>>,
     out_norm: D::Tensor,
+    /// The vision tower and projector (`Gemma3ForConditionalGeneration`).
+    vision: Option<Gemma3Vision<D>>,
 }
 
 impl<D: Device> Gemma3<D> {
@@ -178,7 +181,17 @@ impl<D: Device> Gemma3<D> {
             progress(i + 1, cfg.layers);
         }
         let embed = w("token_embd.weight", "model.embed_tokens.weight")?;
-        Ok(Gemma3 { embed, blocks, out_norm: v("output_norm.weight", "model.norm.weight")?, cfg })
+        let vision = Gemma3Vision::load(dev, src)?;
+        if let Some(vc) = vision.as_ref().map(|v| &v.cfg) {
+            anyhow::ensure!(
+                vc.text_hidden == cfg.hidden,
+                "{}: the projector's width {} is not the text model's {}",
+                src.path().display(),
+                vc.text_hidden,
+                cfg.hidden
+            );
+        }
+        Ok(Gemma3 { embed, blocks, out_norm: v("output_norm.weight", "model.norm.weight")?, cfg, vision })
     }
 }
 
@@ -197,9 +210,14 @@ impl<D: Device> Model<D> for Gemma3<D> {
         let kv = &mut mem.kv;
         let c = &self.cfg;
         dev.embed(&self.embed, batch.tokens, c.embed_scale, &mut s.x);
+        // Image rows replace their rows' embeddings (unscaled), and see
+        // their whole image in every layer.
+        place_images(dev, s, &batch.images);
+        let global_seqs = image_seqs(&batch.seqs, &batch.images);
         let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();
+        let local_seqs = image_seqs(&local_seqs, &batch.images);
         for (l, b) in self.blocks.iter().enumerate() {
-            let (rope, seqs) = if c.global[l] { (&c.rope_global, &batch.seqs) } else { (&c.rope_local, &local_seqs) };
+            let (rope, seqs) = if c.global[l] { (&c.rope_global, &global_seqs) } else { (&c.rope_local, &local_seqs) };
             // Attention: q/k normalised per head before RoPE, the output normed
             // before it joins the residual stream.
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
@@ -215,5 +233,16 @@ impl<D: Device> Model<D> for Gemma3<D> {
         }
         lm_head(dev, s, batch.logit_rows, &self.out_norm, c.eps, &self.embed, c.final_softcap);
         Ok(())
+    }
+
+    fn vision(&self) -> Option<&VisionConfig> {
+        self.vision.as_ref().map(|v| &v.cfg)
+    }
+
+    fn encode_image(&self, dev: &D, pixels: &[f32]) -> Result<D::Tensor> {
+        match &self.vision {
+            Some(v) => v.encode(dev, pixels),
+            None => anyhow::bail!("this Gemma 3 has no vision tower"),
+        }
     }
 }

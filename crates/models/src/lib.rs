@@ -21,6 +21,7 @@ pub mod qwen2;
 pub mod qwen3;
 pub mod random;
 pub mod recurrent;
+pub mod siglip;
 pub mod source;
 
 use std::path::Path;
@@ -76,6 +77,20 @@ pub struct Batch<'a> {
     pub logit_rows: &'a [usize],
     /// Each sequence's row in `Memory::state`.
     pub state_slots: &'a [u32],
+    /// Rows that are an image's rows, not token embeddings.
+    pub images: Vec<ImageAt>,
+}
+
+/// Image rows in a forward: batch rows `row .. row + len` are rows
+/// `offset ..` of the image rows `Scratch::images[tensor]`. The image ends
+/// in this forward (a chunk never ends inside an image): its last row is
+/// batch row `row + len - 1`; `offset > 0` when its first rows are cached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ImageAt {
+    pub row: usize,
+    pub len: usize,
+    pub offset: usize,
+    pub tensor: usize,
 }
 
 impl<'a> Batch<'a> {
@@ -90,6 +105,7 @@ impl<'a> Batch<'a> {
             seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks, window: None }],
             logit_rows: &[0],
             state_slots: &[0],
+            images: Vec::new(),
         }
     }
 
@@ -103,6 +119,7 @@ impl<'a> Batch<'a> {
         for s in &self.seqs {
             (s.q_start, s.q_len, s.kv_len, s.blocks, s.window).hash(&mut h);
         }
+        self.images.hash(&mut h);
         h.finish()
     }
 }
@@ -143,6 +160,10 @@ pub struct Scratch<D: Device> {
     /// that layer (every row of the forward). Empty: nothing is tapped.
     pub taps: Vec<usize>,
     pub tapped: Vec<D::Tensor>,
+    /// The image rows a forward's `Batch::images` name (each an image's
+    /// rows and a zero row last, as `Model::encode_image` makes them),
+    /// lent by the backend for the forward.
+    pub images: Vec<D::Tensor>,
 }
 
 impl<D: Device> Scratch<D> {
@@ -167,6 +188,7 @@ impl<D: Device> Scratch<D> {
             extra: Vec::new(),
             taps: Vec::new(),
             tapped: Vec::new(),
+            images: Vec::new(),
         }
     }
 
@@ -213,6 +235,53 @@ pub fn lm_head<D: Device>(dev: &D, s: &mut Scratch<D>, logit_rows: &[usize], nor
     }
 }
 
+/// Put the batch's image rows in place of those rows' embeddings in `s.x`
+/// (the rows zeroed, then each image's rows added, gathered with its zero
+/// row everywhere else).
+pub fn place_images<D: Device>(dev: &D, s: &mut Scratch<D>, images: &[ImageAt]) {
+    if images.is_empty() {
+        return;
+    }
+    let rows = dev.shape(&s.x).0;
+    let image_rows: Vec<u32> = images.iter().flat_map(|m| (m.row..m.row + m.len).map(|r| r as u32)).collect();
+    dev.zero_rows(&mut s.x, &image_rows);
+    for m in images {
+        let zero = dev.shape(&s.images[m.tensor]).0 - 1;
+        let from: Vec<usize> = (0..rows).map(|r| if (m.row..m.row + m.len).contains(&r) { m.offset + r - m.row } else { zero }).collect();
+        dev.gather_rows(&s.images[m.tensor], &from, &mut s.post);
+        dev.add(&mut s.x, &s.post);
+    }
+}
+
+/// The attention sequences of a batch whose images attend to themselves
+/// both ways (Gemma 3): an image's every row becomes a query of its own
+/// that sees the whole image, and a sliding window is widened by the rows
+/// to the image's end, so it still starts `window` keys before the row.
+/// Text rows stay causal. Without images: `seqs` as they are.
+pub fn image_seqs<'a>(seqs: &[AttnSeq<'a>], images: &[ImageAt]) -> Vec<AttnSeq<'a>> {
+    if images.is_empty() {
+        return seqs.to_vec();
+    }
+    let mut out = Vec::new();
+    for q in seqs {
+        let pos = |r: usize| q.kv_len - q.q_len + (r - q.q_start);
+        let end = q.q_start + q.q_len;
+        let mut r = q.q_start;
+        while r < end {
+            if let Some(m) = images.iter().find(|m| (m.row..m.row + m.len).contains(&r)) {
+                let last = pos(m.row + m.len - 1);
+                out.push(AttnSeq { q_start: r, q_len: 1, kv_len: last + 1, window: q.window.map(|w| w + (last - pos(r))), ..*q });
+                r += 1;
+            } else {
+                let text_end = images.iter().filter(|m| m.row > r).map(|m| m.row).min().unwrap_or(end).min(end);
+                out.push(AttnSeq { q_start: r, q_len: text_end - r, kv_len: pos(text_end - 1) + 1, ..*q });
+                r = text_end;
+            }
+        }
+    }
+    out
+}
+
 /// What every architecture offers the backend.
 pub trait Model<D: Device>: Send + Sync {
     /// One entry per attention layer: the shape its KV needs.
@@ -231,6 +300,15 @@ pub trait Model<D: Device>: Send + Sync {
     /// Bit-identical results under any chunking of a prompt.
     fn chunk_invariant(&self) -> bool {
         true
+    }
+    /// The images the model takes, if it takes any.
+    fn vision(&self) -> Option<&siglip::VisionConfig> {
+        None
+    }
+    /// One image's rows from its preprocessed pixels: `vision().tokens`
+    /// rows, `hidden` wide, and a zero row last (see [`place_images`]).
+    fn encode_image(&self, _dev: &D, _pixels: &[f32]) -> Result<D::Tensor> {
+        bail!("this model takes no images")
     }
 }
 

@@ -53,7 +53,7 @@ impl Source {
     pub fn tensor(&self, gguf_name: &str) -> Result<TensorView> {
         match self {
             Source::Gguf(g) => g.tensor(gguf_name),
-            Source::Hf(h) => h.tensor(&hf_name(model_type(h), gguf_name)),
+            Source::Hf(h) => h.tensor(&text_name(h, gguf_name)),
         }
     }
 
@@ -89,10 +89,7 @@ impl Source {
     pub fn has_tensor(&self, gguf_name: &str) -> bool {
         match self {
             Source::Gguf(g) => g.tensor_names().any(|n| n == gguf_name),
-            Source::Hf(h) => {
-                let n = hf_name(model_type(h), gguf_name);
-                h.tensor_names().any(|x| x == n)
-            }
+            Source::Hf(h) => h.has_tensor(&text_name(h, gguf_name)),
         }
     }
 }
@@ -233,6 +230,18 @@ fn names(arch: &str) -> &'static Names {
         "nemotron_h" => &NEMOTRON_H,
         _ => &LLAMA,
     }
+}
+
+/// The HF name of a text model's tensor: a multimodal checkpoint
+/// (`Gemma3ForConditionalGeneration`) keeps its text model under
+/// `language_model.`.
+fn text_name(h: &HfFolder, gguf: &str) -> String {
+    let n = hf_name(model_type(h), gguf);
+    let nested = format!("language_model.{n}");
+    if !h.has_tensor(&n) && h.has_tensor(&nested) {
+        return nested;
+    }
+    n
 }
 
 /// Map a GGUF tensor name to the HF (transformers) name in a folder of

@@ -173,6 +173,7 @@ fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[
             seqs: vec![AttnSeq { q_start: 0, q_len: n, kv_len: start + n, blocks: &table, window: None }],
             logit_rows: &rows,
             state_slots: &[0],
+            images: Vec::new(),
         };
         match how {
             How::Unfused => model.forward(dev, &batch, &mut mem, &mut s).unwrap(),

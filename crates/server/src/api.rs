@@ -147,11 +147,14 @@ pub(crate) async fn start(
     // Rendering and tokenizing a large prompt, and compiling a grammar,
     // take a while: keep them off the async workers. Each prompt comes
     // with where a mark would pay (a chat's system turn's end).
-    let (tok_info, tok_tools) = (info.clone(), toolset.clone());
+    let (tok_info, tok_tools, rules) = (info.clone(), toolset.clone(), app.cfg.images.clone());
     let (hinted, guide) = tokio::task::spawn_blocking(move || -> Result<(Vec<Hinted>, Option<Guide>), ApiError> {
         let hinted = match prompts {
-            Input::Chat(messages) => vec![crate::chat_prompt(&tok_info, &messages, tok_tools.as_deref(), &kwargs, true)?],
-            Input::Prompts(ps) => ps.into_iter().map(|p| Ok((tokenize(&tok_info, p)?, None))).collect::<Result<Vec<_>, ApiError>>()?,
+            Input::Chat(messages) => {
+                let c = crate::chat_prompt(&tok_info, &messages, tok_tools.as_deref(), &kwargs, true, &rules)?;
+                vec![(c.tokens, c.hint, c.images)]
+            }
+            Input::Prompts(ps) => ps.into_iter().map(|p| Ok((tokenize(&tok_info, p)?, None, Vec::new()))).collect::<Result<Vec<_>, ApiError>>()?,
         };
         let guide = match &spec {
             None => None,
@@ -161,7 +164,14 @@ pub(crate) async fn start(
     })
     .await
     .map_err(|e| ApiError::internal_logged(&format!("preparing the request failed: {e}")))??;
-    let (prompts, hints): (Vec<Vec<u32>>, Vec<Option<usize>>) = hinted.into_iter().unzip();
+    let mut prompts = Vec::with_capacity(hinted.len());
+    let mut hints = Vec::with_capacity(hinted.len());
+    let mut images = Vec::with_capacity(hinted.len());
+    for (p, h, i) in hinted {
+        prompts.push(p);
+        hints.push(h);
+        images.push(i);
+    }
     let cache_salt = crate::cache_salt(&app.cfg, headers, common.cache_salt.as_deref());
     let max_tokens = prompts.iter().map(|p| fit(&common, p.len(), info.context, endpoint, app.cfg.default_max_tokens)).collect::<Result<Vec<_>, _>>()?;
 
@@ -180,6 +190,7 @@ pub(crate) async fn start(
                 logprobs: common.logprobs,
                 cache_salt,
                 prefix_hint: hints[i],
+                images: images[i].clone(),
             };
             pending.push_back((i * n + j, req));
         }
@@ -211,8 +222,8 @@ pub(crate) async fn start(
     Ok(Started { run, rx, cancel: app.cancel.subscribe(), stream: common.stream })
 }
 
-/// A tokenized prompt and where a mark would pay in it.
-type Hinted = (Vec<u32>, Option<usize>);
+/// A tokenized prompt, where a mark would pay in it, and its images.
+type Hinted = (Vec<u32>, Option<usize>, Vec<braid_engine::PromptImage>);
 
 enum Input {
     Chat(Vec<params::Message>),
@@ -258,10 +269,13 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
     let (gen, info) = (loaded.gen.clone(), loaded.info.clone());
     let tok_info = info.clone();
     let input = req.input;
-    let (prompt, hint) = tokio::task::spawn_blocking(move || match input {
+    let rules = app.cfg.images.clone();
+    let (prompt, hint, images) = tokio::task::spawn_blocking(move || match input {
         // The start of a later chat: no assistant turn opened.
-        params::WarmInput::Chat(messages) => crate::chat_prompt(&tok_info, &messages, None, &serde_json::Map::new(), false),
-        params::WarmInput::Prompt(p) => Ok((tokenize(&tok_info, p)?, None)),
+        params::WarmInput::Chat(messages) => {
+            crate::chat_prompt(&tok_info, &messages, None, &serde_json::Map::new(), false, &rules).map(|c| (c.tokens, c.hint, c.images))
+        }
+        params::WarmInput::Prompt(p) => Ok((tokenize(&tok_info, p)?, None, Vec::new())),
     })
     .await
     .map_err(|e| ApiError::internal_logged(&format!("tokenizing the prefix failed: {e}")))??;
@@ -276,7 +290,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
     let n = prompt.len();
     let salt = crate::cache_salt(&app.cfg, headers, req.cache_salt.as_deref());
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let lane_req = Request { prompt, cache_salt: salt, prefix_hint: hint, ..Request::default() };
+    let lane_req = Request { prompt, cache_salt: salt, prefix_hint: hint, images, ..Request::default() };
     let _ticket = gen.warm(lane_req, Box::new(ChoiceSink { index: 0, tx })).map_err(refused)?;
     let mut cached = 0;
     let mut cancel = app.cancel.subscribe();

@@ -27,6 +27,7 @@ mod error;
 mod fields;
 mod guard;
 mod guide;
+mod images;
 mod lane;
 mod listen;
 mod logsafe;
@@ -58,6 +59,7 @@ use tokio::sync::{oneshot, watch};
 
 pub use defaults::SamplingDefaults;
 pub use error::ApiError;
+pub use images::{image_block, ImageRules, VisionInfo};
 
 /// Fuzz targets (see `braid_formats::fuzz`): arbitrary bytes in, never a panic.
 #[doc(hidden)]
@@ -121,6 +123,8 @@ pub struct ServerConfig {
     /// Web origins (`https://app.example`) whose pages may call the API,
     /// with CORS (`*`: any); others get 403. The server's own pages always may.
     pub allowed_origins: Vec<String>,
+    /// How images in chat messages may arrive, and how large.
+    pub images: images::ImageRules,
 }
 
 impl Default for ServerConfig {
@@ -142,6 +146,7 @@ impl Default for ServerConfig {
             conn: ConnLimits::default(),
             allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
+            images: images::ImageRules::default(),
         }
     }
 }
@@ -188,6 +193,8 @@ pub struct ModelInfo {
     /// `LaneConfig::eos_ids` normally do this, so [`Server::ready`] sends
     /// these only to a lane spawned without any.
     pub stop_ids: Vec<u32>,
+    /// How the model takes images (`None`: it takes none).
+    pub vision: Option<images::VisionInfo>,
 }
 
 /// The loaded model: its lane and what the server needs to know of it.
@@ -232,38 +239,49 @@ impl App {
     }
 }
 
-/// Renders a chat (with its tools, if any) with the model's template
-/// (`generation`: opening the assistant's turn) and tokenizes it; with
-/// where its leading system turns end, when the rendered chat starts with
-/// them as rendered alone: a boundary that later chats with the same system
-/// prompt share (a place for a mark).
+/// A chat's prompt: its tokens with its images placed, and where its
+/// leading system turns end, when the rendered chat starts with them as
+/// rendered alone: a boundary that later chats with the same system prompt
+/// share (a place for a mark).
+pub(crate) struct ChatPrompt {
+    pub tokens: Vec<u32>,
+    pub hint: Option<usize>,
+    pub images: Vec<braid_engine::PromptImage>,
+}
+
+/// Renders and tokenizes `messages` (see [`render_chat`]), decoding their
+/// images as `rules` allow.
 pub(crate) fn chat_prompt(
     info: &ModelInfo,
     messages: &[params::Message],
     tools: Option<&tools::Toolset>,
     kwargs: &serde_json::Map<String, serde_json::Value>,
     generation: bool,
-) -> Result<(Vec<u32>, Option<usize>), ApiError> {
-    let prompt = render_chat(info, messages, tools, kwargs, generation)?;
+    rules: &images::ImageRules,
+) -> Result<ChatPrompt, ApiError> {
+    let decoded = images::decode_all(info, messages, rules)?;
+    let (tokens, placed) = render_chat(info, messages, tools, kwargs, generation, &decoded)?;
     let system = messages.iter().take_while(|m| m.role == "system").count();
     if system == 0 || system == messages.len() {
-        return Ok((prompt, None));
+        return Ok(ChatPrompt { tokens, hint: None, images: placed });
     }
-    let head = render_chat(info, &messages[..system], tools, kwargs, false)?;
-    let hint = (!head.is_empty() && prompt.starts_with(&head)).then_some(head.len());
-    Ok((prompt, hint))
+    let (head, _) = render_chat(info, &messages[..system], tools, kwargs, false, &decoded)?;
+    let hint = (!head.is_empty() && tokens.starts_with(&head)).then_some(head.len());
+    Ok(ChatPrompt { tokens, hint, images: placed })
 }
 
 /// Renders `messages` (with `tools`) with the model's template and
 /// tokenizes them, with `kwargs` (`chat_template_kwargs`) as extra
 /// template variables; `generation`: open the assistant's turn after them.
+/// The messages' images (`decoded`, in order) are placed where they stood.
 pub(crate) fn render_chat(
     info: &ModelInfo,
     messages: &[params::Message],
     tools: Option<&tools::Toolset>,
     kwargs: &serde_json::Map<String, serde_json::Value>,
     generation: bool,
-) -> Result<Vec<u32>, ApiError> {
+    decoded: &[images::Decoded],
+) -> Result<(Vec<u32>, Vec<braid_engine::PromptImage>), ApiError> {
     let Some(template) = &info.template else {
         return Err(ApiError::invalid(
             "This model has no chat template (a base model?), so it cannot format chat messages; \
@@ -289,7 +307,10 @@ pub(crate) fn render_chat(
     // Templates usually write the BOS token themselves; add it only when
     // the text does not already start with it.
     let has_bos = tok.bos().and_then(|b| tok.token_text(b)).is_some_and(|b| !b.is_empty() && text.starts_with(b));
-    tok.encode_rendered(&text, !has_bos).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
+    let encode = |piece: &str, special: bool| {
+        tok.encode_rendered(piece, special).map_err(|e| ApiError::param("messages", format!("Could not tokenize the rendered chat: {e:#}")))
+    };
+    images::place(info, &text, decoded, &encode, !has_bos)
 }
 
 /// `v` with every string in it (keys too) quoted by the tokenizer.

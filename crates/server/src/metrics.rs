@@ -154,6 +154,9 @@ impl Metrics {
             let ratio = if fill.blocks_total > 0 { fill.blocks_used as f64 / fill.blocks_total as f64 } else { 0.0 };
             gauge(&mut out, "braid_fill_ratio", "Fraction of state memory in use.", ratio);
             counter(&mut out, "braid_prefill_chunks_total", "Prefill chunks run.", l.prefill_chunks);
+            counter(&mut out, "braid_images_encoded_total", "Images whose rows the vision tower made.", l.images_encoded);
+            let (name, help) = ("braid_image_encode_seconds_total", "Time the vision tower took, over every image.");
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name}{one} {}", l.image_encode_secs);
             counter(&mut out, "braid_prefill_tokens_total", "Prompt tokens prefilled.", l.prefill_tokens);
             counter(&mut out, "braid_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", l.cached_tokens);
             counter(&mut out, "braid_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", l.prefix_query_tokens);

@@ -68,6 +68,16 @@ pub struct Message {
     /// A `tool` turn: the call it answers.
     pub tool_call_id: Option<String>,
     pub name: Option<String>,
+    /// The message's `image_url` parts, in order; each stood in `content`
+    /// where it holds `images::PLACE`.
+    pub images: Vec<ImagePart>,
+}
+
+/// An `image_url` content part: where it was (for errors) and its URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImagePart {
+    pub at: String,
+    pub url: String,
 }
 
 /// A tool call in the history.
@@ -533,6 +543,7 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
         None | Some(Value::Null) => return Err(ApiError::param(&format!("{param}.role"), format!("`{param}.role` is required."))),
         Some(other) => return Err(Fields::wrong_at(&format!("{param}.role"), "a non-empty string", other)),
     };
+    let mut images = Vec::new();
     let content = match o.get("content") {
         // Assistant turns that only carried tool calls have no content.
         None | Some(Value::Null) => String::new(),
@@ -549,7 +560,22 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
                     (Some("text"), _) => {
                         return Err(ApiError::param(&at, format!("`{at}.text` must be a string.")));
                     }
-                    (Some(other), _) => return Err(ApiError::param(&at, format!("Content parts of type `{}` are not supported; only `text`.", clip(other)))),
+                    (Some("image_url"), _) => {
+                        // `{"url": ..., "detail": ...}`, or (some clients) the URL itself.
+                        let url = match p.get("image_url") {
+                            Some(Value::String(u)) => u.clone(),
+                            Some(Value::Object(u)) => match u.get("url") {
+                                Some(Value::String(u)) => u.clone(),
+                                _ => return Err(ApiError::param(&format!("{at}.image_url.url"), format!("`{at}.image_url.url` must be a string."))),
+                            },
+                            _ => return Err(ApiError::param(&format!("{at}.image_url"), format!("`{at}.image_url` must be an object with a `url`."))),
+                        };
+                        text.push(crate::images::PLACE);
+                        images.push(ImagePart { at: format!("{at}.image_url"), url });
+                    }
+                    (Some(other), _) => {
+                        return Err(ApiError::param(&at, format!("Content parts of type `{}` are not supported; only `text` and `image_url`.", clip(other))))
+                    }
                     (None, _) => return Err(ApiError::param(&at, format!("`{at}.type` is required."))),
                 }
             }
@@ -573,7 +599,7 @@ fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
     if role == "tool" && tool_call_id.is_none() {
         return Err(ApiError::param(&format!("{param}.tool_call_id"), format!("`{param}` has role `tool` but no `tool_call_id`.")));
     }
-    Ok(Message { role, content, tool_calls, tool_call_id, name })
+    Ok(Message { role, content, tool_calls, tool_call_id, name, images })
 }
 
 fn call_in(at: &str, c: &Value) -> Result<CallIn, ApiError> {

@@ -4,6 +4,7 @@
 use std::sync::mpsc::Sender;
 use std::time::Duration;
 
+use crate::backend::PromptImage;
 use crate::sampling::SamplingParams;
 use crate::stop::StopRules;
 
@@ -24,6 +25,9 @@ pub struct Request {
     /// the rows before it: the end of the rendered system turn, say. Used
     /// by backends whose state cannot be rebuilt from cached blocks.
     pub prefix_hint: Option<usize>,
+    /// The prompt's images, ascending and apart, each over prompt rows that
+    /// hold its [`image_token_ids`](crate::backend::image_token_ids).
+    pub images: Vec<PromptImage>,
 }
 
 impl Request {

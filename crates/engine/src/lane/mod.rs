@@ -243,6 +243,10 @@ struct Limits {
     queue_capacity: usize,
     /// The prefix cache is on (marks, or the backend's blocks).
     caching: bool,
+    /// The backend makes image rows.
+    images: bool,
+    /// Most rows a round carries (an image's rows run in one chunk).
+    max_batch: usize,
 }
 
 /// One device with one model, and the thread that owns it.
@@ -289,7 +293,14 @@ impl Lane {
             max_context = max_context.min(fill.blocks_total * fill.block_tokens.max(1));
         }
         config.max_context = max_context;
-        let limits = Limits { max_context, vocab: caps.vocab_size, queue_capacity: config.queue_capacity, caching: config.prefix_marks > 0 };
+        let limits = Limits {
+            max_context,
+            vocab: caps.vocab_size,
+            queue_capacity: config.queue_capacity,
+            caching: config.prefix_marks > 0,
+            images: caps.images,
+            max_batch: caps.max_batch,
+        };
         let shared = Arc::new(LaneShared {
             stats: Mutex::new(LaneStats { fill, ..LaneStats::default() }),
             dead: AtomicBool::new(false),
@@ -355,8 +366,10 @@ impl Lane {
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
+        validate_images(req, l.images, l.max_batch)?;
         if l.vocab > 0 {
-            if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= l.vocab) {
+            let in_image = |i: usize| req.images.iter().any(|m| (m.start..m.end()).contains(&i));
+            if let Some((_, &t)) = req.prompt.iter().enumerate().find(|&(i, &t)| t as usize >= l.vocab && !in_image(i)) {
                 return Err(SubmitError::Invalid(format!("token id {t} is outside the vocabulary of {} tokens", l.vocab)));
             }
         }
@@ -431,6 +444,36 @@ impl Lane {
             let _ = t.join();
         }
     }
+}
+
+/// A request's images lie in its prompt, ascending and apart, over the rows
+/// that name them; only a backend that makes image rows takes any.
+fn validate_images(req: &Request, supported: bool, max_batch: usize) -> Result<(), SubmitError> {
+    if req.images.is_empty() {
+        return Ok(());
+    }
+    if !supported {
+        return Err(SubmitError::Unsupported("this model takes no images".into()));
+    }
+    let mut next = 0;
+    for (n, m) in req.images.iter().enumerate() {
+        if m.len == 0 || m.start < next || m.end() > req.prompt.len() {
+            return Err(SubmitError::Invalid(format!(
+                "image {n} takes prompt rows {}..{} of {}: images must be non-empty, ascending, apart and inside the prompt",
+                m.start,
+                m.end(),
+                req.prompt.len()
+            )));
+        }
+        if m.len > max_batch {
+            return Err(SubmitError::Invalid(format!("image {n} takes {} rows, more than the {max_batch} a round of this backend carries", m.len)));
+        }
+        if !crate::backend::image_token_ids(m.hash, m.len).eq(req.prompt[m.start..m.end()].iter().copied()) {
+            return Err(SubmitError::Invalid(format!("image {n}: the prompt rows {}..{} do not hold its ids (image_token_ids)", m.start, m.end())));
+        }
+        next = m.end();
+    }
+    Ok(())
 }
 
 impl Drop for Lane {

@@ -57,6 +57,7 @@ impl Core {
             marks: self.marks_to_keep(s, planned),
             max_rows: self.cfg.max_rows,
             free_cuts: self.caps.free_cuts(),
+            images: s.images.iter().map(|m| (m.start, m.end())).collect(),
         };
         if let Some(d) = self.drafter.as_mut() {
             d.open(s.id, &s.prompt[..planned]);
@@ -64,7 +65,7 @@ impl Core {
         s.len = planned;
         s.cached = planned;
         self.stats.cached_tokens += planned as u64;
-        s.phase = Phase::Prefilling { pass: Pass::new(s.id, s.prompt.clone(), plan, !s.warm), paused: false };
+        s.phase = Phase::Prefilling { pass: Pass::new(s.id, s.prompt.clone(), plan, !s.warm).with_images(s.images.clone()), paused: false };
         s.send(Event::Started { cached_tokens: planned });
         if s.warm && planned == n {
             s.finish(FinishReason::Warmed, String::new());

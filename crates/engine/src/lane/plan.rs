@@ -12,7 +12,7 @@
 
 use super::pacer::Budget;
 use crate::backend::{DecodeRow, Pick, Picks, StreamId};
-use crate::pass::{chunk_end, CutPlan};
+use crate::pass::{chunk_end, whole_images, CutPlan};
 use crate::sampling::Sampler;
 
 /// What sampling a stream's token rows need from a round.
@@ -225,7 +225,7 @@ fn sized(p: &Prefill<'_>, rows: Option<usize>, room: usize) -> Option<PlannedChu
     }
     let c = p.cuts;
     let max_rows = if c.free_cuts { Some(rows.map_or(room, |r| r.min(room))) } else { rows };
-    let end = chunk_end(p.pos, c.prompt_len, c.chunk_tokens, c.planned_start, &c.marks, max_rows, c.free_cuts);
+    let end = whole_images(p.pos, chunk_end(p.pos, c.prompt_len, c.chunk_tokens, c.planned_start, &c.marks, max_rows, c.free_cuts), &c.images);
     (end - p.pos <= room).then_some(PlannedChunk { at: p.at, stream: p.id, start: p.pos, end, max_rows })
 }
 
@@ -261,7 +261,7 @@ mod tests {
     use super::*;
 
     fn cuts(prompt_len: usize, chunk_tokens: usize, free_cuts: bool) -> CutPlan {
-        CutPlan { prompt_len, chunk_tokens, planned_start: 0, marks: Vec::new(), max_rows: None, free_cuts }
+        CutPlan { prompt_len, chunk_tokens, planned_start: 0, marks: Vec::new(), max_rows: None, free_cuts, images: Vec::new() }
     }
 
     /// Stream `at` (id `10 + at`), feeding token `at`, `len` rows in.

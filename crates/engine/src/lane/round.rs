@@ -172,6 +172,10 @@ impl Core {
         };
         self.stats.prefill_chunks += 1;
         self.stats.prefill_tokens += (out.end - out.start) as u64;
+        if let Some((n, took)) = out.images {
+            self.stats.images_encoded += n as u64;
+            self.stats.image_encode_secs += took.as_secs_f64();
+        }
         s.len = out.end;
         let planned = matches!(&s.phase, Phase::Prefilling { pass, .. } if pass.plan().marks.binary_search(&out.end).is_ok());
         match out.mark {

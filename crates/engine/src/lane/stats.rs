@@ -35,6 +35,9 @@ pub struct LaneStats {
     pub cached_tokens: u64,
     /// Passes stopped between chunks for lack of memory.
     pub prefill_pauses: u64,
+    /// Images whose rows were made, and the time that took.
+    pub images_encoded: u64,
+    pub image_encode_secs: f64,
     /// Rounds with decode rows (with or without a prompt chunk).
     pub decode_rounds: u64,
     /// Decode rounds that carried a prompt chunk in the same forward.

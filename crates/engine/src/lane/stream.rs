@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::masks::{Guided, Held};
 use super::plan::Need;
 use super::{Event, EventSink, FinishReason, LaneStats, Pending, StreamShared, Timing, Usage};
-use crate::backend::StreamId;
+use crate::backend::{PromptImage, StreamId};
 use crate::pass::Pass;
 use crate::sampling::{Sampled, Sampler};
 use crate::stop::{StopRules, TextStops, TokenText};
@@ -53,6 +53,7 @@ pub(super) struct Stream {
     pub stop: StopRules,
     pub cache_salt: u64,
     pub prefix_hint: Option<usize>,
+    pub images: Arc<[PromptImage]>,
     pub sink: Box<dyn EventSink>,
     pub shared: Arc<StreamShared>,
     pub phase: Phase,
@@ -100,6 +101,7 @@ impl Stream {
             stop: p.req.stop,
             cache_salt: p.req.cache_salt,
             prefix_hint: p.req.prefix_hint,
+            images: p.req.images.into(),
             sink: p.sink,
             shared: p.shared,
             phase: Phase::Queued,

@@ -370,7 +370,7 @@ mod tests {
     }
 
     fn msg(role: &str, content: &str) -> Message {
-        Message { role: role.into(), content: content.into(), tool_calls: Vec::new(), tool_call_id: None, name: None }
+        Message { role: role.into(), content: content.into(), tool_calls: Vec::new(), tool_call_id: None, name: None, images: Vec::new() }
     }
 
     #[test]

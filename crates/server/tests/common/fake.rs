@@ -54,7 +54,7 @@ pub fn model_info(with_template: bool, context: usize) -> ModelInfo {
         )
         .expect("template")
     });
-    ModelInfo { tokenizer: Arc::new(tokenizer()), template, context, stop_ids: vec![EOS] }
+    ModelInfo { tokenizer: Arc::new(tokenizer()), template, context, stop_ids: vec![EOS], vision: None }
 }
 
 #[derive(Default)]

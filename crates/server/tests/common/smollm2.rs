@@ -31,5 +31,5 @@ pub fn lane(lane_cfg: LaneConfig, context: usize, kv_tokens: usize) -> Option<(L
     let lane_cfg = LaneConfig { eos_ids: tokenizer.stop_ids(), max_context: context, ..lane_cfg };
     let lane = Lane::spawn(Box::new(backend), Arc::new(TokenizerText(tokenizer.clone())), lane_cfg);
     let stop_ids = tokenizer.stop_ids();
-    Some((lane, ModelInfo { tokenizer, template, context, stop_ids }))
+    Some((lane, ModelInfo { tokenizer, template, context, stop_ids, vision: None }))
 }

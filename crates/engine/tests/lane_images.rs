@@ -1,0 +1,188 @@
+//! Image rows in a lane, against the recording fake: a pass makes its
+//! image rows once, at its first chunk (also when it is stopped and
+//! resumed), never cuts inside an image, runs stepped as it runs whole,
+//! lets other streams decode between its chunks, and the prefix cache
+//! tells images apart by their content.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use braid_engine::fake::{Call, CallLog, FakeBackend, FakeConfig};
+use braid_engine::{image_token_ids, prefill_whole, Backend, CutPlan, Event, LaneConfig, Pass, PromptImage, Request, SubmitError};
+use common::*;
+
+/// `prompt(n, seed)` with an image of `len` rows at `at`, named by `hash`.
+fn with_image(n: usize, seed: u32, at: usize, len: usize, hash: u64) -> (Vec<u32>, PromptImage) {
+    let mut p = prompt(n, seed);
+    p.splice(at..at + len, image_token_ids(hash, len));
+    (p, PromptImage { start: at, len, hash, pixels: vec![hash as f32; 3].into() })
+}
+
+fn request(p: &[u32], image: &PromptImage, max_tokens: usize) -> Request {
+    Request { images: vec![image.clone()], ..greedy(p.to_vec(), max_tokens) }
+}
+
+/// An `encode_images` call: its index in the log and each image's `(start, len, hash)`.
+type Encode = (usize, Vec<(usize, usize, u64)>);
+
+/// The `encode_images` calls of `stream`.
+fn encodes(log: &[Call], stream: u64) -> Vec<Encode> {
+    log.iter()
+        .enumerate()
+        .filter_map(|(i, c)| match c {
+            Call::EncodeImages { stream: s, images } if *s == stream => Some((i, images.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn started(h: &braid_engine::StreamHandle) -> usize {
+    match wait_event(h, |e| matches!(e, Event::Started { .. })) {
+        Event::Started { cached_tokens } => cached_tokens,
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn a_pass_makes_its_image_rows_once_also_when_stopped_and_resumed() {
+    let (p, img) = with_image(30, 2, 9, 8, 77);
+    let plan = CutPlan { prompt_len: 30, chunk_tokens: 4, planned_start: 0, marks: vec![], max_rows: None, free_cuts: false, images: vec![(9, 17)] };
+    let log = CallLog::default();
+    let mut be = FakeBackend::new(FakeConfig::default(), log.clone());
+    be.open(1).unwrap();
+    let mut pass = Pass::new(1, p.clone().into(), plan, true).with_images(vec![img].into());
+    pass.step(&mut be, None).unwrap();
+    pass.step(&mut be, None).unwrap();
+    pass.cancel(&mut be);
+    pass.step(&mut be, None).unwrap();
+    pass.cancel(&mut be);
+    prefill_whole(&mut be, None, &mut pass).unwrap();
+    let calls = log.snapshot();
+    let made = encodes(&calls, 1);
+    assert_eq!(made.len(), 1, "image rows made once: {calls:?}");
+    // Before the first chunk, and dropped after the last.
+    assert!(made[0].0 < chunk_calls(&calls, 1)[0]);
+    assert_eq!(made[0].1, vec![(9, 8, 77)]);
+    let dropped = calls.iter().position(|c| *c == Call::DropImages(1)).expect("the image rows are dropped when the pass is done");
+    assert_eq!(dropped, calls.len() - 1);
+    // The image ran in one chunk of its own: 0..4, 4..8, 8..9, 9..17, ...
+    let starts: Vec<usize> = prefills(&calls, 1).iter().map(|c| c.0).collect();
+    assert_eq!(starts, vec![0, 4, 8, 9, 17, 20, 24, 28]);
+}
+
+#[test]
+fn a_pass_paused_for_memory_keeps_its_image_rows() {
+    let hold = Arc::new(Mutex::new(()));
+    let fc = FakeConfig { blocks_total: 8, block_tokens: 4, hold: Some(hold.clone()), ..FakeConfig::default() };
+    let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 4, decode_reserve: 0, ..no_marks() });
+    let pa = prompt(4, 4);
+    let (pb, img) = with_image(24, 5, 6, 8, 9);
+    let guard = hold.lock().unwrap();
+    let a = lane.submit(greedy(pa, 27)).unwrap();
+    wait_log(&log, "A's open", |l| l.contains(&Call::Open(a.id)));
+    let b = lane.submit(request(&pb, &img, 1)).unwrap();
+    drop(guard);
+    let out_b = drain(&b);
+    drain(&a);
+    let calls = log.snapshot();
+    let cancel = calls.iter().position(|c| *c == Call::CancelPrefill(b.id)).expect("the pass should have been stopped");
+    let made = encodes(&calls, b.id);
+    assert_eq!(made.len(), 1, "made once, not again on resume");
+    assert!(made[0].0 < cancel && made[0].0 < chunk_calls(&calls, b.id)[0]);
+    let starts: Vec<usize> = prefills(&calls, b.id).iter().map(|c| c.0).collect();
+    assert_eq!(starts, vec![0, 4, 6, 14, 16, 20]);
+    assert_eq!(out_b.error, None);
+    assert_eq!(out_b.tokens, oracle(&pb, 1, 64));
+}
+
+#[test]
+fn stepped_equals_whole_with_an_image() {
+    let fc = slow();
+    let lc = LaneConfig { chunk_tokens: 8, mark_every: 12, ..LaneConfig::default() };
+    let (lane, log) = lane(fc.clone(), lc);
+    let a = decoding(&lane, prompt(5, 1), LONG);
+    let (p, img) = with_image(30, 2, 10, 8, 5);
+    let b = lane.submit(request(&p, &img, 3)).unwrap();
+    let out = drain(&b);
+    a.cancel();
+    drain(&a);
+    let stepped = prefills(&log.snapshot(), b.id);
+
+    let whole_log = CallLog::default();
+    let mut backend = FakeBackend::new(fc, whole_log.clone());
+    backend.open(b.id).unwrap();
+    let plan = CutPlan { prompt_len: 30, chunk_tokens: 8, planned_start: 0, marks: vec![12, 24, 30], max_rows: None, free_cuts: false, images: vec![(10, 18)] };
+    let mut pass = Pass::new(b.id, p.clone().into(), plan, true).with_images(vec![img].into());
+    let whole = prefill_whole(&mut backend, None, &mut pass).unwrap();
+    assert_eq!(stepped, prefills(&whole_log.snapshot(), b.id));
+    // The mark inside the image (12) gives way; the image is one chunk.
+    assert_eq!(stepped.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 8, 10, 18, 24]);
+    assert_eq!(whole.marks.iter().map(|m| m.0).collect::<Vec<_>>(), vec![24, 30]);
+    assert_eq!(out.tokens, oracle(&p, 3, 64));
+}
+
+#[test]
+fn another_stream_decodes_between_the_chunks_of_an_image_prompt() {
+    let (lane, log) = lane(slow(), LaneConfig { chunk_tokens: 4, ..no_marks() });
+    let a = decoding(&lane, prompt(3, 6), LONG);
+    let (p, img) = with_image(20, 7, 5, 8, 3);
+    let b = lane.submit(request(&p, &img, 2)).unwrap();
+    let out = drain(&b);
+    a.cancel();
+    drain(&a);
+    assert_eq!(out.tokens, oracle(&p, 2, 64));
+    let calls = log.snapshot();
+    assert_eq!(prefills(&calls, b.id).iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 4, 5, 13, 16]);
+    let idx = chunk_calls(&calls, b.id);
+    for w in idx.windows(2) {
+        assert!(calls[w[0] + 1..=w[1]].iter().any(|c| c.decodes(a.id)), "no decode round of A between B's chunks");
+    }
+}
+
+#[test]
+fn the_prefix_cache_tells_images_apart_by_content() {
+    for blocks in [false, true] {
+        let caps = braid_engine::Capabilities { prefix_blocks: blocks, ..FakeConfig::default().caps };
+        let (lane, log) = lane(FakeConfig { caps, ..FakeConfig::default() }, LaneConfig { chunk_tokens: 8, ..LaneConfig::default() });
+        let (p, img) = with_image(30, 3, 6, 8, 41);
+        let first = lane.submit(request(&p, &img, 2)).unwrap();
+        assert_eq!(started(&first), 0);
+        drain(&first);
+        // The same image again: its rows come from the cache, and are not made again.
+        let again = lane.submit(request(&p, &img, 2)).unwrap();
+        let cached = started(&again);
+        assert!(cached >= img.end(), "prefix_blocks {blocks}: {cached} cached rows");
+        let out = drain(&again);
+        assert_eq!(out.tokens, oracle(&p, 2, 64));
+        assert!(encodes(&log.snapshot(), again.id).is_empty());
+        // Another image at the same place: nothing past its start is reused.
+        let (q, other) = with_image(30, 3, 6, 8, 42);
+        let third = lane.submit(request(&q, &other, 2)).unwrap();
+        let cached = started(&third);
+        assert!(cached <= other.start, "prefix_blocks {blocks}: {cached} rows cached past the image's start");
+        drain(&third);
+        assert_eq!(encodes(&log.snapshot(), third.id).len(), 1);
+    }
+}
+
+#[test]
+fn images_are_checked_at_submission() {
+    let (lane, _log) = lane(FakeConfig::default(), no_marks());
+    let (p, img) = with_image(20, 1, 4, 8, 5);
+    // Rows that do not hold the image's ids.
+    let wrong = PromptImage { hash: 6, ..img.clone() };
+    assert!(matches!(lane.submit(request(&p, &wrong, 1)), Err(SubmitError::Invalid(e)) if e.contains("do not hold its ids")));
+    // Past the prompt's end.
+    let past = PromptImage { start: 16, ..img.clone() };
+    assert!(matches!(lane.submit(request(&p, &past, 1)), Err(SubmitError::Invalid(e)) if e.contains("inside the prompt")));
+    // An image wider than a round (its rows run in one chunk).
+    let (q, wide) = with_image(90, 1, 4, 80, 5);
+    assert!(matches!(lane.submit(request(&q, &wide, 1)), Err(SubmitError::Invalid(e)) if e.contains("more than the 64")));
+    // Image ids without an image are out of the vocabulary.
+    assert!(matches!(lane.submit(greedy(p.clone(), 1)), Err(SubmitError::Invalid(e)) if e.contains("outside the vocabulary")));
+    // A backend that makes no image rows takes none.
+    let caps = braid_engine::Capabilities { images: false, ..FakeConfig::default().caps };
+    let (plain, _) = common::lane(FakeConfig { caps, ..FakeConfig::default() }, no_marks());
+    assert!(matches!(plain.submit(request(&p, &img, 1)), Err(SubmitError::Unsupported(e)) if e.contains("no images")));
+}

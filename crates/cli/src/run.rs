@@ -90,9 +90,8 @@ pub struct RunArgs {
     /// Print no timing line at the end.
     #[arg(long, short = 'q')]
     pub quiet: bool,
-    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
-    #[arg(long, value_name = "DIR|ngram")]
-    pub drafter: Option<String>,
+    #[command(flatten)]
+    pub draft: load::DraftArgs,
     /// The prompt.
     pub prompt: String,
 }
@@ -125,7 +124,7 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
 pub fn run(a: RunArgs) -> Result<()> {
     let ctx = a.model.ctx.unwrap_or(8192);
     let cfg = braid_models::BackendConfig { context: ctx, kv_tokens: ctx, max_batch: 512, ..Default::default() };
-    let mut m = load::load_drafted(&a.model, cfg, a.drafter.as_deref())?;
+    let mut m = load::load_drafted(&a.model, cfg, &a.draft)?;
     crate::about::choose_template(&mut m, a.chat_template.as_deref())?;
     let defaults = crate::about::sampling_defaults(&m.path);
     let prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;

@@ -88,9 +88,8 @@ pub struct ServeArgs {
     /// Serve /metrics without the API key (for a scraper on a trusted network).
     #[arg(long)]
     pub metrics_public: bool,
-    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
-    #[arg(long, value_name = "DIR|ngram")]
-    pub drafter: Option<String>,
+    #[command(flatten)]
+    pub draft: load::DraftArgs,
     /// When the lane stops after a failure it cannot recover from, load
     /// the model again and serve on (default: exit with an error, for a
     /// supervisor to restart the process; /health says 503 meanwhile).
@@ -280,12 +279,12 @@ struct Summary {
 /// Loads the model (and its drafter) and starts its lane.
 async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summary)> {
     let model_args = a.model.clone();
-    let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
+    let (kv, streams, draft) = (a.kv_tokens, a.max_running, a.draft.clone());
     // A round holds every decoding stream's row and one prompt chunk.
     let max_batch = a.chunk.max(1) + streams.max(1);
     let mut m = tokio::task::spawn_blocking(move || {
         let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() };
-        load::load_drafted(&model_args, cfg, drafter.as_deref())
+        load::load_drafted(&model_args, cfg, &draft)
     })
     .await??;
     let template = about::choose_template(&mut m, a.chat_template.as_deref())?;

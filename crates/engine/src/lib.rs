@@ -39,6 +39,7 @@
 
 pub mod backend;
 pub mod blocks;
+pub mod draft_model;
 pub mod drafter;
 pub mod fake;
 pub mod guide;
@@ -52,6 +53,7 @@ pub mod stop;
 
 pub use backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, RoundOut, Step, StreamId};
 pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
+pub use draft_model::{DraftModel, DraftModelConfig};
 pub use drafter::{Drafter, Gate};
 pub use guide::{Constraint, Grammar, Guide, TokenMask};
 pub use lane::{Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, StreamControl, StreamHandle, SubmitError, Timing, Usage};

@@ -1,15 +1,18 @@
-//! Drafters in a lane over a real backend (the gemma3_text fixture on the
-//! CPU): the DFlash drafter (its taps feeding the tiny random drafter of
-//! `scripts/fixtures/make_dflash.py`) and prompt lookup. Output with a
-//! drafter equals output without, token for token, alone and with streams
-//! arriving together; and the DFlash drafter is fed every prompt row's real
-//! features.
+//! Drafters in a lane over a real backend (fixtures on the CPU): the
+//! DFlash drafter (the gemma3_text fixture's taps feeding the tiny random
+//! drafter of `scripts/fixtures/make_dflash.py`), prompt lookup, and a
+//! draft model (a qwen2 fixture drafting for the qwen2 fixture). Output
+//! with a drafter equals output without, token for token, alone, with
+//! streams arriving together and with a prompt arriving while others
+//! decode; and the DFlash drafter is fed every prompt row's real features.
 
 mod fixtures_common;
 
 use std::sync::{Arc, Mutex};
 
-use braid_engine::{Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId};
+use braid_engine::{
+    DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId,
+};
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::Source;
 use braid_ops::cpu::Cpu;
@@ -61,6 +64,8 @@ enum Kind {
     None,
     DFlash(Log),
     Ngram,
+    /// A draft model: the fixture of this name, on a backend of its own.
+    Model(&'static str),
 }
 
 /// A lane over the gemma3_text fixture with the drafter `kind`.
@@ -77,6 +82,10 @@ fn lane(fx: &Fixture, kind: &Kind) -> Lane {
             Some(Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log: log.clone() }))
         }
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
+        Kind::Model(name) => {
+            let draft = Fixture::load(name).backend();
+            Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4 }).unwrap()))
+        }
     };
     Lane::spawn_with_drafter(Box::new(backend), drafter, Arc::new(NoText), config)
 }
@@ -177,5 +186,71 @@ fn prompt_lookup_is_lossless_on_a_real_backend() {
             assert!(stats.draft_accepted > 0, "{stats:?}");
             assert!(stats.decode_rounds < plain.decode_rounds);
         }
+    }
+}
+
+/// The qwen2 fixture's prompts for the draft-model runs.
+fn qwen2_prompts(fx: &Fixture) -> Vec<Vec<u32>> {
+    (0..4).map(|i| fx.tokens[i * 2..i * 2 + 7 + 3 * i].to_vec()).collect()
+}
+
+#[test]
+fn a_draft_model_is_lossless_on_a_real_backend() {
+    let fx = Fixture::load("qwen2");
+    let prompts = qwen2_prompts(&fx);
+    // The target drafting for itself (its drafts are its own greedy
+    // tokens) and another random model of the same vocabulary (mostly wrong).
+    for draft in ["qwen2", "qwen2_tied"] {
+        for seed in [None, Some(11)] {
+            let (plain_alone, plain_together, plain) = serve(&fx, &prompts, seed, Kind::None);
+            let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::Model(draft));
+            assert_eq!(alone, plain_alone, "{draft}, seed {seed:?}: drafted streams alone differ from plain ones");
+            assert_eq!(together, plain_together, "{draft}, seed {seed:?}: drafted streams together differ from plain ones");
+            assert!(together.iter().all(|t| t.len() == 24));
+            assert!(stats.draft_proposed > 0, "{stats:?}");
+            eprintln!(
+                "draft model {draft}, seed {seed:?}: {} drafts proposed, {} accepted, {} decode rounds against {} without",
+                stats.draft_proposed, stats.draft_accepted, stats.decode_rounds, plain.decode_rounds
+            );
+            if draft == "qwen2" && seed.is_none() {
+                // Greedy drafts of the target itself: (nearly) all accepted,
+                // so far fewer rounds.
+                assert!(stats.draft_accepted * 10 >= stats.draft_proposed * 9, "{stats:?}");
+                assert!(stats.decode_rounds * 2 < plain.decode_rounds, "{stats:?} against {plain:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_draft_model_is_lossless_with_a_prompt_arriving() {
+    let fx = Fixture::load("qwen2");
+    let prompts = qwen2_prompts(&fx);
+    let run = |kind: Kind| {
+        let l = lane(&fx, &kind);
+        let first: Vec<_> = prompts[..3].iter().map(|p| l.submit(request(p.clone(), None)).unwrap()).collect();
+        // The last prompt arrives once the first stream decodes.
+        let mut head = Vec::new();
+        while let Some(e) = first[0].recv() {
+            if let braid_engine::Event::Token { id, .. } = e {
+                head.push(id);
+                break;
+            }
+        }
+        let late = l.submit(request(prompts[3].clone(), None)).unwrap();
+        let mut outs: Vec<Vec<u32>> = Vec::new();
+        let mut it = first.into_iter();
+        let h0 = it.next().unwrap();
+        head.extend(tokens(h0));
+        outs.push(head);
+        outs.extend(it.map(tokens));
+        outs.push(tokens(late));
+        (outs, l.stats())
+    };
+    let (plain, _) = run(Kind::None);
+    for draft in ["qwen2", "qwen2_tied"] {
+        let (drafted, stats) = run(Kind::Model(draft));
+        assert_eq!(drafted, plain, "{draft}: a prompt arriving changed the drafted output");
+        assert!(stats.draft_proposed > 0 && stats.fused_rounds > 0, "{stats:?}");
     }
 }

@@ -39,7 +39,7 @@ pub struct Loaded {
 /// The speculative drafter options of `run` and `serve`.
 #[derive(Args, Clone, Debug, Default)]
 pub struct DraftArgs {
-    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
+    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash or DSpark drafter's folder.
     #[arg(long, value_name = "DIR|ngram", conflicts_with = "draft_model")]
     pub drafter: Option<String>,
     /// Speculative draft model: a smaller model of the same tokenizer (a
@@ -136,7 +136,7 @@ pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
 }
 
 /// [`load_with`], and the drafter `draft` names: `ngram` (prompt lookup),
-/// a DFlash drafter's folder (whose target layers the backend then taps),
+/// a DFlash or DSpark drafter's folder (whose target layers the backend then taps),
 /// or a draft model.
 pub fn load_drafted(args: &ModelArgs, cfg: BackendConfig, draft: &DraftArgs) -> Result<Loaded> {
     let path = fetch::resolve(&args.model)?;

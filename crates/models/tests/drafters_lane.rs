@@ -1,6 +1,6 @@
 //! Drafters in a lane over a real backend (fixtures on the CPU): the
-//! DFlash drafter (the gemma3_text fixture's taps feeding the tiny random
-//! drafter of `scripts/fixtures/make_dflash.py`), prompt lookup, and a
+//! DFlash and DSpark drafters (the gemma3_text fixture's taps feeding the tiny random
+//! drafters of `scripts/fixtures/make_dflash.py` and `make_dspark.py`), prompt lookup, and a
 //! draft model (a qwen2 fixture drafting for the qwen2 fixture). Output
 //! with a drafter equals output without, token for token, alone, with
 //! streams arriving together and with a prompt arriving while others
@@ -62,7 +62,8 @@ fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
 #[derive(Clone)]
 enum Kind {
     None,
-    DFlash(Log),
+    /// A block drafter (DFlash or DSpark) from the fixture folder of this name.
+    DFlash(Log, &'static str),
     Ngram,
     /// A draft model: the fixture of this name, on a backend of its own.
     Model(&'static str),
@@ -75,9 +76,9 @@ fn lane(fx: &Fixture, kind: &Kind) -> Lane {
     let mut backend = fx.backend();
     let drafter: Option<Box<dyn Drafter>> = match kind {
         Kind::None => None,
-        Kind::DFlash(log) => {
+        Kind::DFlash(log, name) => {
             let target = Source::open(&fx.dir).unwrap();
-            let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join("dflash_gemma3"), &target).unwrap();
+            let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join(name), &target).unwrap();
             model.attach(&mut backend).unwrap();
             Some(Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log: log.clone() }))
         }
@@ -104,11 +105,20 @@ fn serve(fx: &Fixture, prompts: &[Vec<u32>], seed: Option<u64>, kind: Kind) -> (
 
 #[test]
 fn dflash_drafting_is_lossless_on_a_real_backend() {
+    block_drafting_is_lossless("dflash_gemma3");
+}
+
+#[test]
+fn dspark_drafting_is_lossless_on_a_real_backend() {
+    block_drafting_is_lossless("dspark_gemma3");
+}
+
+fn block_drafting_is_lossless(drafter: &'static str) {
     let fx = Fixture::load("gemma3_text");
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
     for seed in [None, Some(42)] {
         let (plain_alone, plain_together, _) = serve(&fx, &prompts, seed, Kind::None);
-        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default()));
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default(), drafter));
         assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
         assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
         assert_eq!(together, alone, "seed {seed:?}");
@@ -117,7 +127,7 @@ fn dflash_drafting_is_lossless_on_a_real_backend() {
         // stream's gate cut its proposals short of a block per round.
         assert!(stats.draft_proposed > 0 && stats.draft_proposed < 3 * stats.decode_streams, "{stats:?}");
         eprintln!(
-            "seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds for {} tokens",
+            "{drafter}, seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds for {} tokens",
             stats.draft_proposed,
             stats.draft_accepted,
             100.0 * stats.draft_accepted as f64 / stats.draft_proposed.max(1) as f64,
@@ -134,7 +144,7 @@ fn the_drafter_absorbs_every_prompt_rows_real_features() {
     let width = reference["features"].shape[1];
     let prompt = fx.tokens[..17].to_vec();
     let log: Log = Arc::default();
-    let l = lane(&fx, &Kind::DFlash(log.clone()));
+    let l = lane(&fx, &Kind::DFlash(log.clone(), "dflash_gemma3"));
     let out = tokens(l.submit(request(prompt.clone(), None)).unwrap());
     assert_eq!(out.len(), 24);
     let log = log.lock().unwrap();

@@ -51,6 +51,31 @@ pub struct DraftArgs {
     /// forward; fewer are proposed while a stream's drafts are rejected).
     #[arg(long, default_value_t = 6, value_name = "N")]
     pub draft_tokens: usize,
+    /// Rounds with more decoding streams than this draft nothing (a full
+    /// batch gains little from drafts and pays for rejected ones).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub draft_max_streams: usize,
+}
+
+impl DraftArgs {
+    /// The method these options draft with, as requests name it
+    /// (`"speculative": {"method": ...}`): `ngram`, `draft`, `dflash` or
+    /// `dspark`; `None` without a drafter.
+    pub fn method(&self) -> Option<String> {
+        if self.draft_model.is_some() {
+            return Some("draft".into());
+        }
+        let d = self.drafter.as_deref()?;
+        if d == "ngram" {
+            return Some("ngram".into());
+        }
+        // A folder: DSpark's configs name it (its architecture or speculators' type).
+        let cfg = std::fs::read_to_string(std::path::Path::new(d).join("config.json")).unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(&cfg).unwrap_or_default();
+        let spec = v.get("speculators_model_type").and_then(|t| t.as_str());
+        let arch = v.get("architectures").and_then(|a| a.as_array()).into_iter().flatten().filter_map(|a| a.as_str()).any(|a| a.starts_with("DSpark"));
+        Some(if spec == Some("dspark") || arch { "dspark" } else { "dflash" }.into())
+    }
 }
 
 /// Which device `--device` names.

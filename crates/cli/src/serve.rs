@@ -90,6 +90,10 @@ pub struct ServeArgs {
     pub metrics_public: bool,
     #[command(flatten)]
     pub draft: load::DraftArgs,
+    /// Draft only for requests that ask (`"speculative": {"method": ...}`);
+    /// by default every request drafts unless it asks for `"method": "none"`.
+    #[arg(long)]
+    pub speculative_opt_in: bool,
     /// When the lane stops after a failure it cannot recover from, load
     /// the model again and serve on (default: exit with an error, for a
     /// supervisor to restart the process; /health says 503 meanwhile).
@@ -150,6 +154,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             metrics_public: a.metrics_public,
             allowed_hosts: a.allowed_hosts.clone(),
             allowed_origins: a.allowed_origins.clone(),
+            speculative: braid_server::Speculation { method: a.draft.method(), opt_in: a.speculative_opt_in },
             max_n: a.max_choices.max(1),
             max_choices: a.max_choices.max(1),
             conn: ConnLimits {
@@ -303,6 +308,7 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
     config.itl_target = load::itl_target(a.itl_target)?;
     config.max_running = a.max_running.max(1);
     config.queue_capacity = a.queue;
+    config.draft_max_streams = a.draft.draft_max_streams;
     let tokenizer = m.tokenizer()?.clone();
     let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids() };
     let (device, context) = (m.device.clone(), m.context);

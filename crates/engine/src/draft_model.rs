@@ -25,11 +25,17 @@ pub struct DraftModelConfig {
     /// After this many proposals in a row with nothing accepted, the stream
     /// proposes nothing for as many rounds (0: never back off).
     pub patience: usize,
+    /// Absorbed rows not yet fed are fed at once when this many wait (a
+    /// prompt chunk, paced with the target's); fewer wait for the next
+    /// proposal's forward, so a stream that proposes nothing for a while
+    /// (a large batch, see `LaneConfig::draft_max_streams`) costs the
+    /// draft model one forward per this many rows, not one per row.
+    pub feed_ahead: usize,
 }
 
 impl Default for DraftModelConfig {
     fn default() -> Self {
-        DraftModelConfig { max_tokens: 6, patience: 4 }
+        DraftModelConfig { max_tokens: 6, patience: 4, feed_ahead: 16 }
     }
 }
 
@@ -153,7 +159,7 @@ impl Drafter for DraftModel {
         // verified round what is left (one accepted token at most) goes
         // with the next proposal's forward.
         let behind = s.tokens.len().saturating_sub(s.held.len());
-        if !s.broken && behind > 1 {
+        if !s.broken && behind >= self.cfg.feed_ahead.max(2) {
             if let Err(e) = self.feed(stream, None) {
                 self.last_error = Some(format!("{e:#}"));
                 self.streams.get_mut(&stream).expect("present").broken = true;
@@ -190,6 +196,12 @@ impl Drafter for DraftModel {
             self.backend.forget(stream);
         }
     }
+
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        if let Some(s) = self.streams.get_mut(&stream) {
+            s.gate.cap(max);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -210,12 +222,15 @@ mod tests {
     fn it_drafts_the_draft_models_greedy_tokens_and_rewinds_what_was_rejected() {
         let log = CallLog::default();
         let fake = FakeBackend::new(FakeConfig::default(), log.clone());
-        let mut d = DraftModel::new(Box::new(fake), DraftModelConfig { max_tokens: 4, patience: 0 }).unwrap();
+        let mut d = DraftModel::new(Box::new(fake), DraftModelConfig { max_tokens: 4, patience: 0, feed_ahead: 4 }).unwrap();
         let prompt: Vec<u32> = (1..=9).collect();
         d.open(7, &[]);
         d.absorb(7, &prompt[..5], &[]);
-        d.absorb(7, &prompt[5..], &[]);
-        // Both prompt chunks (start, rows) were fed as they came.
+        d.absorb(7, &prompt[5..8], &[]);
+        // A chunk of at least `feed_ahead` rows (start, rows) is fed as it
+        // comes; fewer wait for the next forward.
+        assert_eq!(log.chunks(7), vec![(0, 5)]);
+        d.absorb(7, &prompt[8..], &[]);
         assert_eq!(log.chunks(7), vec![(0, 5), (5, 4)]);
         let last = 40;
         let mut seq = prompt.clone();

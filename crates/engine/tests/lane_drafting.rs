@@ -172,3 +172,58 @@ fn no_drafting_without_rewind() {
     assert!(log.snapshot().iter().all(|c| !matches!(c, Call::Propose { .. } | Call::Absorb { .. } | Call::Rewind { .. })));
     assert!(log.snapshot().iter().all(|c| !c.rows().iter().any(|r| r.1.len() > 1)));
 }
+
+// A request's own cap: `Some(0)` keeps the drafter off the stream (never
+// opened, absorbed or asked), `Some(1)` verifies one draft a round; the
+// output is the same either way.
+#[test]
+fn a_request_caps_or_turns_off_its_drafts() {
+    let (lane, log) = lane_with_drafter(FakeConfig::default(), no_marks(), 0);
+    let reqs: Vec<Request> =
+        [None, Some(0), Some(1)].into_iter().enumerate().map(|(i, cap)| Request { draft_tokens: cap, ..greedy(prompt(7 + i, 40 + i as u32), 20) }).collect();
+    let hs: Vec<StreamHandle> = reqs.iter().map(|r| lane.submit(r.clone()).unwrap()).collect();
+    for (h, r) in hs.iter().zip(&reqs) {
+        assert_eq!(drain(h).tokens, oracle(&r.prompt, 20, 64));
+    }
+    let calls = log.snapshot();
+    let (free, off, one) = (hs[0].id, hs[1].id, hs[2].id);
+    let most = |id: u64| calls.iter().flat_map(|c| c.rows().iter().filter(|r| r.0 == id).map(|r| r.1.len() - 1)).max().unwrap_or(0);
+    assert!(most(free) > 1, "the uncapped stream drafts more than one token a round");
+    assert_eq!(most(one), 1, "the capped stream verifies one draft a round");
+    assert_eq!(most(off), 0);
+    let touched = |id: u64| calls.iter().any(|c| matches!(c, Call::Absorb { stream, .. } | Call::Propose { stream, .. } if *stream == id));
+    assert!(!touched(off), "the drafter saw the stream that turned it off");
+    assert!(touched(one) && touched(free));
+}
+
+// Past `draft_max_streams` decoding streams, rounds carry no drafts and
+// the drafter is not asked; as streams finish, drafting resumes. Output is
+// the same as without a drafter.
+#[test]
+fn a_large_batch_turns_drafting_down() {
+    let lc = LaneConfig { draft_max_streams: 2, ..no_marks() };
+    let (lane, log) = lane_with_drafter(FakeConfig::default(), lc, 0);
+    // Four streams of different lengths: four, then three, then two decode.
+    let reqs: Vec<Request> = (0..4).map(|i| greedy(prompt(6, 50 + i), 40 + 20 * i as usize)).collect();
+    let hs: Vec<StreamHandle> = reqs.iter().map(|r| lane.submit(r.clone()).unwrap()).collect();
+    for (h, r) in hs.iter().zip(&reqs) {
+        assert_eq!(drain(h).tokens, oracle(&r.prompt, r.stop.max_tokens.unwrap(), 64));
+    }
+    let calls = log.snapshot();
+    let rounds: Vec<&[(u64, Vec<u32>)]> = calls.iter().map(|c| c.rows()).filter(|r| !r.is_empty()).collect();
+    let drafted = |r: &[(u64, Vec<u32>)]| r.iter().any(|row| row.1.len() > 1);
+    assert!(rounds.iter().filter(|r| r.len() > 2).all(|r| !drafted(r)), "a round of more than 2 streams carried drafts");
+    assert!(rounds.iter().filter(|r| r.len() == 4).count() > 3, "the four streams decoded together");
+    assert!(rounds.iter().any(|r| r.len() <= 2 && drafted(r)), "drafting never resumed");
+    // Nor was the drafter asked after a round of four (three at least decode on).
+    let mut last = 0;
+    for c in &calls {
+        match c {
+            Call::Round { rows, .. } if !rows.is_empty() => last = rows.len(),
+            Call::Propose { .. } => assert!(last < 4, "a proposal after a round of {last} streams"),
+            _ => {}
+        }
+    }
+    let stats = lane.stats();
+    assert!(stats.draft_accepted > 0 && stats.draft_accept_lengths.iter().sum::<u64>() > 0, "{stats:?}");
+}

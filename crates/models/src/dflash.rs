@@ -614,4 +614,8 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
             self.free.extend(st.blocks);
         }
     }
+
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        self.stream(stream).gate.cap(max);
+    }
 }

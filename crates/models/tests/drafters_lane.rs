@@ -44,6 +44,9 @@ impl Drafter for Recording {
     fn forget(&mut self, stream: StreamId) {
         self.inner.forget(stream)
     }
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        self.inner.cap(stream, max)
+    }
 }
 
 fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
@@ -85,7 +88,7 @@ fn lane(fx: &Fixture, kind: &Kind) -> Lane {
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
         Kind::Model(name) => {
             let draft = Fixture::load(name).backend();
-            Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4 }).unwrap()))
+            Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4, ..DraftModelConfig::default() }).unwrap()))
         }
     };
     Lane::spawn_with_drafter(Box::new(backend), drafter, Arc::new(NoText), config)

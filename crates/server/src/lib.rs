@@ -121,6 +121,19 @@ pub struct ServerConfig {
     /// Web origins (`https://app.example`) whose pages may call the API,
     /// with CORS (`*`: any); others get 403. The server's own pages always may.
     pub allowed_origins: Vec<String>,
+    /// The lane's speculative drafter and who uses it.
+    pub speculative: Speculation,
+}
+
+/// What `"speculative"` in a request may ask for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Speculation {
+    /// The lane's drafter: `ngram`, `draft` (a draft model), `dflash` or
+    /// `dspark`; `None`: there is none.
+    pub method: Option<String>,
+    /// Only requests that ask (`"speculative": {"method": ...}`) draft;
+    /// otherwise every request does unless it says `"method": "none"`.
+    pub opt_in: bool,
 }
 
 impl Default for ServerConfig {
@@ -142,6 +155,7 @@ impl Default for ServerConfig {
             conn: ConnLimits::default(),
             allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
+            speculative: Speculation::default(),
         }
     }
 }
@@ -584,6 +598,6 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let stats = app.loaded().ok().map(|l| l.gen.stats());
-    let text = app.metrics.render(&app.cfg.model_name, stats.as_ref());
+    let text = app.metrics.render(&app.cfg.model_name, app.cfg.speculative.method.as_deref(), stats.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

@@ -24,6 +24,10 @@ pub struct Request {
     /// the rows before it: the end of the rendered system turn, say. Used
     /// by backends whose state cannot be rebuilt from cached blocks.
     pub prefix_hint: Option<usize>,
+    /// Most draft tokens verified per round for this stream: `None` takes
+    /// the lane's `max_draft`, `Some(0)` keeps the drafter off it (it never
+    /// sees the stream), more than `max_draft` is `max_draft`.
+    pub draft_tokens: Option<usize>,
 }
 
 impl Request {

@@ -58,8 +58,9 @@ impl Core {
             max_rows: self.cfg.max_rows,
             free_cuts: self.caps.free_cuts(),
         };
-        if let Some(d) = self.drafter.as_mut() {
+        if let Some(d) = self.drafter.as_mut().filter(|_| s.draft_tokens > 0) {
             d.open(s.id, &s.prompt[..planned]);
+            d.cap(s.id, s.draft_tokens);
         }
         s.len = planned;
         s.cached = planned;

@@ -25,17 +25,11 @@ pub struct DraftModelConfig {
     /// After this many proposals in a row with nothing accepted, the stream
     /// proposes nothing for as many rounds (0: never back off).
     pub patience: usize,
-    /// Absorbed rows not yet fed are fed at once when this many wait (a
-    /// prompt chunk, paced with the target's); fewer wait for the next
-    /// proposal's forward, so a stream that proposes nothing for a while
-    /// (a large batch, see `LaneConfig::draft_max_streams`) costs the
-    /// draft model one forward per this many rows, not one per row.
-    pub feed_ahead: usize,
 }
 
 impl Default for DraftModelConfig {
     fn default() -> Self {
-        DraftModelConfig { max_tokens: 6, patience: 4, feed_ahead: 16 }
+        DraftModelConfig { max_tokens: 6, patience: 4 }
     }
 }
 
@@ -48,6 +42,8 @@ struct Seq {
     /// The backend refused this stream (no slot, past its context): it
     /// proposes nothing until it is opened again.
     broken: bool,
+    /// It has proposed: its prompt is behind it.
+    proposed: bool,
 }
 
 pub struct DraftModel {
@@ -148,18 +144,20 @@ impl Drafter for DraftModel {
             }
         };
         let gate = Gate::new(self.cfg.max_tokens, self.cfg.patience);
-        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), held: Vec::new(), gate, broken });
+        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), held: Vec::new(), gate, broken, proposed: false });
     }
 
     fn absorb(&mut self, stream: StreamId, tokens: &[u32], _features: &[f32]) {
         let Some(s) = self.streams.get_mut(&stream) else { return };
         s.gate.absorbed(tokens.len());
         s.tokens.extend_from_slice(tokens);
-        // A prompt chunk is fed now, in the round that ran it; after a
-        // verified round what is left (one accepted token at most) goes
-        // with the next proposal's forward.
-        let behind = s.tokens.len().saturating_sub(s.held.len());
-        if !s.broken && behind >= self.cfg.feed_ahead.max(2) {
+        // A prompt chunk is fed now, in the round that ran it. Later rows
+        // wait for the next proposal's forward: after a verified round
+        // that is one accepted token at most, and a stream that proposes
+        // nothing for a while (a large batch, see
+        // `LaneConfig::draft_max_streams`) costs the draft model nothing
+        // until it proposes again.
+        if !s.broken && !s.proposed {
             if let Err(e) = self.feed(stream, None) {
                 self.last_error = Some(format!("{e:#}"));
                 self.streams.get_mut(&stream).expect("present").broken = true;
@@ -172,6 +170,7 @@ impl Drafter for DraftModel {
         if s.broken {
             return Vec::new();
         }
+        s.proposed = true;
         let k = s.gate.allow();
         if k == 0 {
             return Vec::new();
@@ -222,15 +221,12 @@ mod tests {
     fn it_drafts_the_draft_models_greedy_tokens_and_rewinds_what_was_rejected() {
         let log = CallLog::default();
         let fake = FakeBackend::new(FakeConfig::default(), log.clone());
-        let mut d = DraftModel::new(Box::new(fake), DraftModelConfig { max_tokens: 4, patience: 0, feed_ahead: 4 }).unwrap();
+        let mut d = DraftModel::new(Box::new(fake), DraftModelConfig { max_tokens: 4, patience: 0 }).unwrap();
         let prompt: Vec<u32> = (1..=9).collect();
         d.open(7, &[]);
         d.absorb(7, &prompt[..5], &[]);
-        d.absorb(7, &prompt[5..8], &[]);
-        // A chunk of at least `feed_ahead` rows (start, rows) is fed as it
-        // comes; fewer wait for the next forward.
-        assert_eq!(log.chunks(7), vec![(0, 5)]);
-        d.absorb(7, &prompt[8..], &[]);
+        d.absorb(7, &prompt[5..], &[]);
+        // Both prompt chunks (start, rows) were fed as they came.
         assert_eq!(log.chunks(7), vec![(0, 5), (5, 4)]);
         let last = 40;
         let mut seq = prompt.clone();
@@ -264,6 +260,25 @@ mod tests {
         assert_eq!(calls.iter().filter(|c| c.decodes(7)).count(), 1);
         d.forget(7);
         assert!(log.snapshot().contains(&Call::Forget(7)));
+    }
+
+    #[test]
+    fn rows_absorbed_after_the_prompt_wait_for_a_proposal() {
+        let log = CallLog::default();
+        let mut d = DraftModel::new(Box::new(FakeBackend::new(FakeConfig::default(), log.clone())), DraftModelConfig::default()).unwrap();
+        d.open(3, &[]);
+        d.absorb(3, &[1, 2, 3, 4], &[]);
+        d.propose(3, 5);
+        // Rounds that ask for no proposal (a large batch): nothing runs.
+        log.clear();
+        for t in 5..30 {
+            d.absorb(3, &[t], &[]);
+        }
+        assert!(log.snapshot().is_empty(), "{:?}", log.snapshot());
+        // The next proposal catches up in one forward: back to the five
+        // rows that agree, then rows 6..=29 and the new token.
+        d.propose(3, 30);
+        assert_eq!(log.chunks(3)[0], (5, 25));
     }
 
     #[test]

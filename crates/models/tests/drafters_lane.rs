@@ -90,7 +90,7 @@ fn lane(fx: &Fixture, kind: &Kind) -> Lane {
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
         Kind::Model(name) => {
             let draft = Fixture::load(name).backend();
-            Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4, ..DraftModelConfig::default() }).unwrap()))
+            Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4 }).unwrap()))
         }
     };
     Lane::spawn_with_drafter(Box::new(backend), drafter, Arc::new(NoText), config)

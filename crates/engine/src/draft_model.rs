@@ -42,8 +42,6 @@ struct Seq {
     /// The backend refused this stream (no slot, past its context): it
     /// proposes nothing until it is opened again.
     broken: bool,
-    /// It has proposed: its prompt is behind it.
-    proposed: bool,
 }
 
 pub struct DraftModel {
@@ -144,20 +142,22 @@ impl Drafter for DraftModel {
             }
         };
         let gate = Gate::new(self.cfg.max_tokens, self.cfg.patience);
-        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), held: Vec::new(), gate, broken, proposed: false });
+        self.streams.insert(stream, Seq { tokens: prefix.to_vec(), held: Vec::new(), gate, broken });
     }
 
     fn absorb(&mut self, stream: StreamId, tokens: &[u32], _features: &[f32]) {
         let Some(s) = self.streams.get_mut(&stream) else { return };
         s.gate.absorbed(tokens.len());
         s.tokens.extend_from_slice(tokens);
-        // A prompt chunk is fed now, in the round that ran it. Later rows
-        // wait for the next proposal's forward: after a verified round
-        // that is one accepted token at most, and a stream that proposes
-        // nothing for a while (a large batch, see
-        // `LaneConfig::draft_max_streams`) costs the draft model nothing
-        // until it proposes again.
-        if !s.broken && !s.proposed {
+        // A prompt chunk is fed now, in the round that ran it. A decode
+        // round's rows wait for the next proposal's forward: after a
+        // verified proposal that is one accepted token at most, and a
+        // stream that proposes nothing for a while (one row a round: a
+        // large batch, see `LaneConfig::draft_max_streams`) costs the draft
+        // model nothing until it proposes again. (A one-row prompt chunk
+        // waits too; it is caught up with the rest.)
+        let behind = s.tokens.len().saturating_sub(s.held.len());
+        if !s.broken && tokens.len() >= 2 && behind >= 2 {
             if let Err(e) = self.feed(stream, None) {
                 self.last_error = Some(format!("{e:#}"));
                 self.streams.get_mut(&stream).expect("present").broken = true;
@@ -170,7 +170,6 @@ impl Drafter for DraftModel {
         if s.broken {
             return Vec::new();
         }
-        s.proposed = true;
         let k = s.gate.allow();
         if k == 0 {
             return Vec::new();
@@ -266,6 +265,15 @@ mod tests {
     fn rows_absorbed_after_the_prompt_wait_for_a_proposal() {
         let log = CallLog::default();
         let mut d = DraftModel::new(Box::new(FakeBackend::new(FakeConfig::default(), log.clone())), DraftModelConfig::default()).unwrap();
+        // A stream that decodes before it ever proposes (it started in a
+        // large batch): its one-row rounds feed nothing.
+        d.open(4, &[]);
+        d.absorb(4, &[1, 2, 3, 4], &[]);
+        log.clear();
+        for t in 5..9 {
+            d.absorb(4, &[t], &[]);
+        }
+        assert!(log.snapshot().is_empty(), "{:?}", log.snapshot());
         d.open(3, &[]);
         d.absorb(3, &[1, 2, 3, 4], &[]);
         d.propose(3, 5);

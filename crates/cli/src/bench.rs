@@ -221,30 +221,34 @@ fn spec_streams(a: &BenchArgs, ctx: usize) -> Result<()> {
     let tg = a.tg.max(8);
     let most = a.spec_streams.iter().copied().max().unwrap_or(1).max(1);
     let cfg = BackendConfig { context: ctx, kv_tokens: ctx * (most + 1), max_streams: most * 2, max_batch: 512.max(most * 16), ..Default::default() };
-    say!(a.json, "| streams | plain tokens/s | drafted tokens/s | ratio | drafts accepted | tokens per stream round |");
-    say!(a.json, "| ---: | ---: | ---: | ---: | ---: | ---: |");
+    say!(a.json, "| streams | plain tokens/s | drafted tokens/s | ratio | end to end: plain | drafted | ratio | drafts accepted | tokens per stream round |");
+    say!(a.json, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut results = Vec::new();
     for &n in &a.spec_streams {
         let (mut plain, mut drafted, mut acc, mut prop, mut per_round) = (Vec::new(), Vec::new(), 0, 0, Vec::new());
+        let (mut plain_all, mut drafted_all) = (Vec::new(), Vec::new());
         for _ in 0..a.reps.max(1) {
             for with in [false, true] {
                 let none = load::DraftArgs::default();
                 let m = load::load_drafted(&a.model, cfg.clone(), if with { &a.draft } else { &none })?;
-                let (rate, st) = lane_run(m, n, tg, a.draft.draft_max_streams)?;
+                let (rate, all, st) = lane_run(m, n, tg, a.draft.draft_max_streams)?;
                 if with {
                     drafted.push(rate);
+                    drafted_all.push(all);
                     acc += st.draft_accepted;
                     prop += st.draft_proposed;
                     per_round.push(st.generated_tokens as f64 / st.decode_streams.max(1) as f64);
                 } else {
                     plain.push(rate);
+                    plain_all.push(all);
                 }
             }
         }
         let (p, d, r) = (median(&mut plain), median(&mut drafted), median(&mut per_round));
-        say!(a.json, "| {n} | {p:.1} | {d:.1} | {:.2}x | {acc}/{prop} | {r:.2} |", d / p);
-        results
-            .push(serde_json::json!({"streams": n, "plain": p, "drafted": d, "ratio": d / p, "accepted": acc, "proposed": prop, "tokens_per_stream_round": r}));
+        let (pa, da) = (median(&mut plain_all), median(&mut drafted_all));
+        say!(a.json, "| {n} | {p:.1} | {d:.1} | {:.2}x | {pa:.1} | {da:.1} | {:.2}x | {acc}/{prop} | {r:.2} |", d / p, da / pa);
+        results.push(serde_json::json!({"streams": n, "plain": p, "drafted": d, "ratio": d / p, "plain_end_to_end": pa, "drafted_end_to_end": da,
+            "accepted": acc, "proposed": prop, "tokens_per_stream_round": r}));
     }
     if a.json {
         println!("{}", serde_json::json!({"model": a.model.model, "spec_streams": results}));
@@ -253,9 +257,10 @@ fn spec_streams(a: &BenchArgs, ctx: usize) -> Result<()> {
 }
 
 /// Aggregate tokens/s of `n` greedy streams of `tg` tokens through a lane
-/// over `m` (from the first token of the last stream to start to the end
-/// of all), and the lane's counters.
-fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<(f64, braid_engine::LaneStats)> {
+/// over `m`: from the first token of the last stream to start to the end
+/// of all (decode alone), and from the submissions to the end (end to
+/// end: prompt passes, the draft model's included); and the lane's counters.
+fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<(f64, f64, braid_engine::LaneStats)> {
     let tasks = ["checks whether a number is prime", "reverses a linked list", "parses a CSV line", "merges two sorted lists"];
     let prompts: Vec<Vec<u32>> = match m.tokenizer() {
         Ok(tok) => (0..n)
@@ -270,6 +275,7 @@ fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<
         Err(_) => Arc::new(braid_engine::fake::FakeText::default()),
     };
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
+    let submitted = Instant::now();
     let hs: Vec<_> = prompts
         .into_iter()
         .map(|p| {
@@ -309,9 +315,10 @@ fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<
         std::thread::sleep(Duration::from_millis(1));
     }
     let secs = start.elapsed().as_secs_f64();
+    let all = submitted.elapsed().as_secs_f64();
     let stats = lane.stats();
     lane.shutdown();
-    Ok(((counted.saturating_sub(1)) as f64 / secs, stats))
+    Ok(((counted.saturating_sub(1)) as f64 / secs, (n * tg) as f64 / all, stats))
 }
 
 fn argmax(x: &[f32]) -> usize {

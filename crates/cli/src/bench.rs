@@ -231,7 +231,8 @@ fn spec_streams(a: &BenchArgs, ctx: usize) -> Result<()> {
             for with in [false, true] {
                 let none = load::DraftArgs::default();
                 let m = load::load_drafted(&a.model, cfg.clone(), if with { &a.draft } else { &none })?;
-                let (rate, all, st) = lane_run(m, n, tg, a.draft.draft_max_streams)?;
+                let most = a.draft.max_streams(&m.device);
+                let (rate, all, st) = lane_run(m, n, tg, most)?;
                 if with {
                     drafted.push(rate);
                     drafted_all.push(all);

@@ -131,7 +131,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let config = lane_config(&m);
+    let config = LaneConfig { draft_max_streams: a.draft.max_streams(&m.device), ..lane_config(&m) };
     let text = Arc::new(TokenizerText(m.tokenizer()?.clone()));
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
     let req = Request {

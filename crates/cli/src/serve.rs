@@ -308,7 +308,7 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
     config.itl_target = load::itl_target(a.itl_target)?;
     config.max_running = a.max_running.max(1);
     config.queue_capacity = a.queue;
-    config.draft_max_streams = a.draft.draft_max_streams;
+    config.draft_max_streams = a.draft.max_streams(&m.device);
     let tokenizer = m.tokenizer()?.clone();
     let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids() };
     let (device, context) = (m.device.clone(), m.context);

@@ -291,7 +291,7 @@ fn sampling_with_drafts_follows_the_targets_distribution() {
     }
     let stats = lane.stats();
     assert!(stats.draft_accepted > DRAWS / 4 && stats.draft_accepted < stats.draft_proposed, "drafts were both accepted and rejected: {stats:?}");
-    let mut check = |what: &str, given: &[u32], pick: &dyn Fn(&[u32]) -> Option<u32>| {
+    let check = |what: &str, given: &[u32], pick: &dyn Fn(&[u32]) -> Option<u32>| {
         let counts = outs.iter().filter_map(|o| pick(o)).fold(HashMap::new(), |mut m, t| {
             *m.entry(t).or_insert(0u64) += 1;
             m

@@ -5,6 +5,10 @@
 //!   tg128), min / median / max over `--reps`, plus peak RSS.
 //! * `--streams 1,4,8`: aggregate decode tokens/s with N streams decoding
 //!   together in shared rounds.
+//! * `--spec-streams 1,8,32` with a drafter (`--drafter`, `--draft-model`):
+//!   aggregate decode tokens/s of N greedy streams through a lane, with and
+//!   without the drafter, alternating runs, on a code-writing prompt (each
+//!   stream its own instruction), with the drafts' acceptance.
 //! * `--stall`: the scenario braid exists for, in-process: background
 //!   streams decode, a long prompt arrives; their usual and largest
 //!   inter-token gaps, and the newcomer's time to first token against a
@@ -79,6 +83,13 @@ pub struct BenchArgs {
     /// Shape for --random-weights.
     #[arg(long, default_value = "llama-3.2-1b")]
     pub preset: String,
+    /// With a drafter: aggregate decode tokens/s at these stream counts
+    /// through a lane, with and without it, side by side (`--tg` tokens
+    /// per stream, `--reps` pairs of runs).
+    #[arg(long, value_delimiter = ',')]
+    pub spec_streams: Vec<usize>,
+    #[command(flatten)]
+    pub draft: load::DraftArgs,
 }
 
 /// A table line: on stdout, or on stderr under `--json` (stdout then holds
@@ -105,6 +116,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         None => (a.pp + a.tg + 16).max(a.arrival + 512).max(2048),
     };
+    if !a.spec_streams.is_empty() {
+        return spec_streams(&a, ctx);
+    }
     let kv = if a.stall { ctx * (a.bg + 2) } else { ctx * a.streams.iter().copied().max().unwrap_or(1).max(1) };
     let m = load::load_with(&a.model, BackendConfig { context: ctx, kv_tokens: kv, max_streams: 64, max_batch: ctx.max(64), ..Default::default() })?;
     say!(a.json, "model: {}  device: {}", m.path.display(), m.device);
@@ -194,6 +208,118 @@ fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
         m.backend.forget(id);
     }
     Ok((n * tg) as f64 / dt)
+}
+
+/// `--spec-streams`: for each stream count, `--reps` pairs of lane runs
+/// (without the drafter, then with it; a fresh load each, so neither
+/// inherits the other's caches), reporting the median aggregate decode
+/// tokens/s of each, their ratio and the drafts' acceptance.
+fn spec_streams(a: &BenchArgs, ctx: usize) -> Result<()> {
+    if a.draft.drafter.is_none() && a.draft.draft_model.is_none() {
+        bail!("--spec-streams compares runs with and without a drafter: give --drafter or --draft-model");
+    }
+    let tg = a.tg.max(8);
+    let most = a.spec_streams.iter().copied().max().unwrap_or(1).max(1);
+    let cfg = BackendConfig { context: ctx, kv_tokens: ctx * (most + 1), max_streams: most * 2, max_batch: 512.max(most * 16), ..Default::default() };
+    say!(a.json, "| streams | plain tokens/s | drafted tokens/s | ratio | end to end: plain | drafted | ratio | drafts accepted | tokens per stream round |");
+    say!(a.json, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let mut results = Vec::new();
+    for &n in &a.spec_streams {
+        let (mut plain, mut drafted, mut acc, mut prop, mut per_round) = (Vec::new(), Vec::new(), 0, 0, Vec::new());
+        let (mut plain_all, mut drafted_all) = (Vec::new(), Vec::new());
+        for _ in 0..a.reps.max(1) {
+            for with in [false, true] {
+                let none = load::DraftArgs::default();
+                let m = load::load_drafted(&a.model, cfg.clone(), if with { &a.draft } else { &none })?;
+                let most = a.draft.max_streams(&m.device);
+                let (rate, all, st) = lane_run(m, n, tg, most)?;
+                if with {
+                    drafted.push(rate);
+                    drafted_all.push(all);
+                    acc += st.draft_accepted;
+                    prop += st.draft_proposed;
+                    per_round.push(st.generated_tokens as f64 / st.decode_streams.max(1) as f64);
+                } else {
+                    plain.push(rate);
+                    plain_all.push(all);
+                }
+            }
+        }
+        let (p, d, r) = (median(&mut plain), median(&mut drafted), median(&mut per_round));
+        let (pa, da) = (median(&mut plain_all), median(&mut drafted_all));
+        say!(a.json, "| {n} | {p:.1} | {d:.1} | {:.2}x | {pa:.1} | {da:.1} | {:.2}x | {acc}/{prop} | {r:.2} |", d / p, da / pa);
+        results.push(serde_json::json!({"streams": n, "plain": p, "drafted": d, "ratio": d / p, "plain_end_to_end": pa, "drafted_end_to_end": da,
+            "accepted": acc, "proposed": prop, "tokens_per_stream_round": r}));
+    }
+    if a.json {
+        println!("{}", serde_json::json!({"model": a.model.model, "spec_streams": results}));
+    }
+    Ok(())
+}
+
+/// Aggregate tokens/s of `n` greedy streams of `tg` tokens through a lane
+/// over `m`: from the first token of the last stream to start to the end
+/// of all (decode alone), and from the submissions to the end (end to
+/// end: prompt passes, the draft model's included); and the lane's counters.
+fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<(f64, f64, braid_engine::LaneStats)> {
+    let tasks = ["checks whether a number is prime", "reverses a linked list", "parses a CSV line", "merges two sorted lists"];
+    let prompts: Vec<Vec<u32>> = match m.tokenizer() {
+        Ok(tok) => (0..n)
+            .map(|i| tok.encode(&format!("# Python\n# Write a function that {} (version {i}).\ndef ", tasks[i % tasks.len()]), true))
+            .collect::<Result<_>>()?,
+        // No tokenizer: distinct token ids.
+        Err(_) => (0..n).map(|i| (0..24u32).map(|t| 100 + t * 7 + i as u32).collect()).collect(),
+    };
+    let config = LaneConfig { max_context: m.context, max_running: n.max(1), draft_max_streams, ..LaneConfig::default() };
+    let text: Arc<dyn TokenText> = match m.tokenizer() {
+        Ok(t) => Arc::new(TokenizerText(t.clone())),
+        Err(_) => Arc::new(braid_engine::fake::FakeText::default()),
+    };
+    let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
+    let submitted = Instant::now();
+    let hs: Vec<_> = prompts
+        .into_iter()
+        .map(|p| {
+            let stop = StopRules { max_tokens: Some(tg), ignore_eos: true, ..StopRules::default() };
+            lane.submit(Request { prompt: p, sampling: SamplingParams::greedy(), stop, ..Request::default() })
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("a bench stream was refused: {e}"))?;
+    // Time from when every stream has its first token, so prompt passes
+    // (which drafting does not change) stay out of the decode figure.
+    let mut firsts = 0;
+    let mut start = Instant::now();
+    let mut counted = 0usize;
+    let mut open: Vec<bool> = vec![true; hs.len()];
+    while open.iter().any(|&o| o) {
+        for (i, h) in hs.iter().enumerate() {
+            if !open[i] {
+                continue;
+            }
+            while let Ok(ev) = h.try_recv() {
+                match ev {
+                    Event::Token { .. } if firsts < hs.len() && counted == 0 => {
+                        firsts += 1;
+                        if firsts == hs.len() {
+                            start = Instant::now();
+                            counted = 1;
+                        }
+                    }
+                    Event::Token { .. } if counted > 0 => counted += 1,
+                    Event::Token { .. } => {}
+                    Event::Finished { .. } => open[i] = false,
+                    Event::Error(e) => bail!("a bench stream failed: {e}"),
+                    _ => {}
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let all = submitted.elapsed().as_secs_f64();
+    let stats = lane.stats();
+    lane.shutdown();
+    Ok(((counted.saturating_sub(1)) as f64 / secs, (n * tg) as f64 / all, stats))
 }
 
 fn argmax(x: &[f32]) -> usize {

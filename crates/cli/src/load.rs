@@ -5,13 +5,14 @@ use std::sync::Arc;
 
 use anyhow::bail;
 use anyhow::{Context, Result};
-use braid_engine::{Backend, DecodeRow, Drafter, NgramConfig, PromptLookup};
+use braid_engine::{Backend, DecodeRow, DraftModel, DraftModelConfig, Drafter, NgramConfig, PromptLookup};
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::{BackendConfig, ModelBackend, Source};
 use braid_ops::cpu::Cpu;
 use braid_ops::AllOps;
+use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::fetch;
@@ -35,6 +36,55 @@ pub struct Loaded {
     missing: Option<String>,
     /// How the model takes images (`None`: it takes none).
     pub vision: Option<braid_server::VisionInfo>,
+}
+
+/// The speculative drafter options of `run` and `serve`.
+#[derive(Args, Clone, Debug, Default)]
+pub struct DraftArgs {
+    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash or DSpark drafter's folder.
+    #[arg(long, value_name = "DIR|ngram", conflicts_with = "draft_model")]
+    pub drafter: Option<String>,
+    /// Speculative draft model: a smaller model of the same tokenizer (a
+    /// GGUF file, HF folder or known name) that proposes tokens for the
+    /// model to verify, on the same device.
+    #[arg(long, value_name = "PATH|NAME")]
+    pub draft_model: Option<String>,
+    /// Most tokens the draft model proposes per round (each costs it one
+    /// forward; fewer are proposed while a stream's drafts are rejected).
+    #[arg(long, default_value_t = 6, value_name = "N")]
+    pub draft_tokens: usize,
+    /// Rounds with more decoding streams than this draft nothing (a full
+    /// batch gains little from drafts and pays for rejected ones). Default:
+    /// 1 on the CPU, where a verified row costs nearly what a decoded one
+    /// does (7 rows took 4.5x one row on a 2-core machine), 4 on a GPU.
+    #[arg(long, value_name = "N")]
+    pub draft_max_streams: Option<usize>,
+}
+
+impl DraftArgs {
+    /// `--draft-max-streams`, or its default for `device` (in words).
+    pub fn max_streams(&self, device: &str) -> usize {
+        self.draft_max_streams.unwrap_or(if device.starts_with("cpu") { 1 } else { 4 })
+    }
+
+    /// The method these options draft with, as requests name it
+    /// (`"speculative": {"method": ...}`): `ngram`, `draft`, `dflash` or
+    /// `dspark`; `None` without a drafter.
+    pub fn method(&self) -> Option<String> {
+        if self.draft_model.is_some() {
+            return Some("draft".into());
+        }
+        let d = self.drafter.as_deref()?;
+        if d == "ngram" {
+            return Some("ngram".into());
+        }
+        // A folder: DSpark's configs name it (its architecture or speculators' type).
+        let cfg = std::fs::read_to_string(std::path::Path::new(d).join("config.json")).unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(&cfg).unwrap_or_default();
+        let spec = v.get("speculators_model_type").and_then(|t| t.as_str());
+        let arch = v.get("architectures").and_then(|a| a.as_array()).into_iter().flatten().filter_map(|a| a.as_str()).any(|a| a.starts_with("DSpark"));
+        Some(if spec == Some("dspark") || arch { "dspark" } else { "dflash" }.into())
+    }
 }
 
 /// Which device `--device` names.
@@ -116,23 +166,24 @@ pub fn tokenizer_only(args: &ModelArgs) -> Result<Tokenizer> {
 
 /// Load everything; `kv_tokens` sizes the KV pool (at least one full context).
 pub fn load_with(args: &ModelArgs, cfg: BackendConfig) -> Result<Loaded> {
-    load_drafted(args, cfg, None)
+    load_drafted(args, cfg, &DraftArgs::default())
 }
 
-/// [`load_with`], and the drafter `drafter` names: `ngram` (prompt lookup)
-/// or a DFlash drafter's folder, whose target layers the backend then taps.
-pub fn load_drafted(args: &ModelArgs, cfg: BackendConfig, drafter: Option<&str>) -> Result<Loaded> {
+/// [`load_with`], and the drafter `draft` names: `ngram` (prompt lookup),
+/// a DFlash or DSpark drafter's folder (whose target layers the backend then taps),
+/// or a draft model.
+pub fn load_drafted(args: &ModelArgs, cfg: BackendConfig, draft: &DraftArgs) -> Result<Loaded> {
     let path = fetch::resolve(&args.model)?;
     match device_choice(&args.device)? {
-        DeviceChoice::Cpu => load_on(Cpu::new(args.threads), args, path, cfg, drafter),
+        DeviceChoice::Cpu => load_on(Cpu::new(args.threads), args, path, cfg, draft),
         #[cfg(feature = "cuda")]
-        DeviceChoice::Cuda(n) => load_on(braid_ops::cuda::Cuda::new(n)?, args, path, cfg, drafter),
+        DeviceChoice::Cuda(n) => load_on(braid_ops::cuda::Cuda::new(n)?, args, path, cfg, draft),
         #[cfg(not(feature = "cuda"))]
         DeviceChoice::Cuda(_) => unreachable!("device_choice refuses cuda in this build"),
     }
 }
 
-fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig, drafter: Option<&str>) -> Result<Loaded> {
+fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig, draft: &DraftArgs) -> Result<Loaded> {
     let src = Source::open(&path)?;
     let tokenizer = tokenizer_of(&src)?;
     let template = match &tokenizer {
@@ -168,8 +219,14 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
     let device = dev.name();
     let (kv_tokens, block_tokens, kv_dtype) = (cfg.kv_tokens, cfg.block_tokens, cfg.kv_dtype);
     check_sizes(&model.kv_layers(), &cfg, device.starts_with("cpu"))?;
+    let draft_cfg = cfg.clone();
     let mut backend = ModelBackend::new(dev.clone(), model, cfg)?;
-    let drafter: Option<Box<dyn Drafter>> = match drafter {
+    if let Some(name) = &draft.draft_model {
+        let d = load_draft_model(&dev, name, draft_cfg, vocab, tokenizer.as_ref(), draft.draft_tokens)?;
+        let drafter = Some(Box::new(d) as Box<dyn Drafter>);
+        return Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context, vision });
+    }
+    let drafter: Option<Box<dyn Drafter>> = match draft.drafter.as_deref() {
         None => None,
         Some("ngram") => Some(Box::new(PromptLookup::new(NgramConfig::default()))),
         Some(dir) => {
@@ -181,6 +238,39 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
         }
     };
     Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context, vision })
+}
+
+/// The draft model `name` on `dev`, with room for as many streams and
+/// rows as the target (`cfg`, the target's settings). Its vocabulary must
+/// be the target's, token for token where both ship a tokenizer: its
+/// proposals are token ids.
+fn load_draft_model<D: AllOps + Clone>(dev: &D, name: &str, cfg: BackendConfig, vocab: usize, target: Option<&Tokenizer>, tokens: usize) -> Result<DraftModel> {
+    let path = fetch::resolve(name).with_context(|| format!("the draft model {name}"))?;
+    let src = Source::open(&path)?;
+    let model = braid_models::load(dev, &src, &|_, _| {}).with_context(|| format!("loading the draft model {}", path.display()))?;
+    if model.vocab() != vocab {
+        bail!(
+            "the draft model {} has a vocabulary of {} tokens, the model's is {vocab}: a draft model must share the tokenizer",
+            path.display(),
+            model.vocab()
+        );
+    }
+    if let (Some(t), Some(d)) = (target, tokenizer_of(&src)?) {
+        if let Some(i) = (0..vocab as u32).find(|&i| t.token_text(i) != d.token_text(i)) {
+            bail!(
+                "the draft model {} has another tokenizer: its token {i} is {:?}, the model's is {:?}",
+                path.display(),
+                d.token_text(i).unwrap_or(""),
+                t.token_text(i).unwrap_or("")
+            );
+        }
+    }
+    // Marks and a block cache would only hold what the target's cache holds.
+    let cfg = BackendConfig { max_marks: 0, ..cfg };
+    check_sizes(&model.kv_layers(), &cfg, dev.name().starts_with("cpu"))?;
+    let backend = ModelBackend::new(dev.clone(), model, cfg)?;
+    DraftModel::new(Box::new(backend), DraftModelConfig { max_tokens: tokens, ..DraftModelConfig::default() })
+        .with_context(|| format!("the draft model {}", path.display()))
 }
 
 /// The shortest context served: a chat template's markup alone takes a

@@ -90,13 +90,12 @@ pub struct RunArgs {
     /// Print no timing line at the end.
     #[arg(long, short = 'q')]
     pub quiet: bool,
-    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
-    #[arg(long, value_name = "DIR|ngram")]
-    pub drafter: Option<String>,
     /// An image (PNG, JPEG or WebP) to put before the prompt's text, for a
     /// model that takes images (repeatable).
     #[arg(long, value_name = "FILE")]
     pub image: Vec<std::path::PathBuf>,
+    #[command(flatten)]
+    pub draft: load::DraftArgs,
     /// The prompt.
     pub prompt: String,
 }
@@ -157,7 +156,7 @@ fn with_images(m: &Loaded, files: &[std::path::PathBuf], prompt: &mut Vec<u32>) 
 pub fn run(a: RunArgs) -> Result<()> {
     let ctx = a.model.ctx.unwrap_or(8192);
     let cfg = braid_models::BackendConfig { context: ctx, kv_tokens: ctx, max_batch: 512, ..Default::default() };
-    let mut m = load::load_drafted(&a.model, cfg, a.drafter.as_deref())?;
+    let mut m = load::load_drafted(&a.model, cfg, &a.draft)?;
     crate::about::choose_template(&mut m, a.chat_template.as_deref())?;
     let defaults = crate::about::sampling_defaults(&m.path);
     let mut prompt = prompt_ids(&m, &a.prompt, a.chat, a.system.as_deref())?;
@@ -165,7 +164,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let images = with_images(&m, &a.image, &mut prompt)?;
-    let config = lane_config(&m);
+    let config = LaneConfig { draft_max_streams: a.draft.max_streams(&m.device), ..lane_config(&m) };
     let text = Arc::new(TokenizerText(m.tokenizer()?.clone()));
     let lane = Lane::spawn_with_drafter(m.backend, m.drafter, text, config);
     let req = Request {

@@ -88,9 +88,12 @@ pub struct ServeArgs {
     /// Serve /metrics without the API key (for a scraper on a trusted network).
     #[arg(long)]
     pub metrics_public: bool,
-    /// Speculative drafter: `ngram` (prompt lookup) or a DFlash drafter's folder.
-    #[arg(long, value_name = "DIR|ngram")]
-    pub drafter: Option<String>,
+    #[command(flatten)]
+    pub draft: load::DraftArgs,
+    /// Draft only for requests that ask (`"speculative": {"method": ...}`);
+    /// by default every request drafts unless it asks for `"method": "none"`.
+    #[arg(long)]
+    pub speculative_opt_in: bool,
     /// When the lane stops after a failure it cannot recover from, load
     /// the model again and serve on (default: exit with an error, for a
     /// supervisor to restart the process; /health says 503 meanwhile).
@@ -156,6 +159,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             allowed_hosts: a.allowed_hosts.clone(),
             allowed_origins: a.allowed_origins.clone(),
             images: braid_server::ImageRules { allow_urls: a.allow_image_urls, ..Default::default() },
+            speculative: braid_server::Speculation { method: a.draft.method(), opt_in: a.speculative_opt_in },
             max_n: a.max_choices.max(1),
             max_choices: a.max_choices.max(1),
             conn: ConnLimits {
@@ -298,12 +302,12 @@ struct Summary {
 /// Loads the model (and its drafter) and starts its lane.
 async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summary)> {
     let model_args = a.model.clone();
-    let (kv, streams, drafter) = (a.kv_tokens, a.max_running, a.drafter.clone());
+    let (kv, streams, draft) = (a.kv_tokens, a.max_running, a.draft.clone());
     // A round holds every decoding stream's row and one prompt chunk.
     let max_batch = a.chunk.max(1) + streams.max(1);
     let mut m = tokio::task::spawn_blocking(move || {
         let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() };
-        load::load_drafted(&model_args, cfg, drafter.as_deref())
+        load::load_drafted(&model_args, cfg, &draft)
     })
     .await??;
     let template = about::choose_template(&mut m, a.chat_template.as_deref())?;
@@ -322,6 +326,7 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
     config.itl_target = load::itl_target(a.itl_target)?;
     config.max_running = a.max_running.max(1);
     config.queue_capacity = a.queue;
+    config.draft_max_streams = a.draft.max_streams(&m.device);
     let tokenizer = m.tokenizer()?.clone();
     let info = ModelInfo { tokenizer: tokenizer.clone(), template: m.template, context: m.context, stop_ids: tokenizer.stop_ids(), vision: m.vision };
     let (device, context) = (m.device.clone(), m.context);

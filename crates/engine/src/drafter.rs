@@ -33,6 +33,11 @@ pub trait Drafter: Send {
 
     /// The stream is gone; drop its state.
     fn forget(&mut self, stream: StreamId);
+
+    /// Propose at most `max` tokens at once for `stream` (its request's
+    /// cap; called after `open`), so no forward is spent on tokens the
+    /// round would trim.
+    fn cap(&mut self, _stream: StreamId, _max: usize) {}
 }
 
 /// How long a stream's next proposal should be, from how its recent ones
@@ -100,6 +105,12 @@ impl Gate {
     /// The proposal made holds `n` tokens.
     pub fn proposed(&mut self, n: usize) {
         self.proposed = n;
+    }
+
+    /// Allow at most `max` tokens from now on (at least 1).
+    pub fn cap(&mut self, max: usize) {
+        self.max = self.max.min(max.max(1));
+        self.budget = self.budget.min(self.max);
     }
 }
 

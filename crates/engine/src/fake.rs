@@ -33,6 +33,13 @@ pub fn fake_next(last: u32, len: usize, vocab: usize) -> u32 {
     ((last as u64 * 31 + len as u64 * 17 + 7) % vocab.max(1) as u64) as u32
 }
 
+/// The fake model's logits after `seq`: [`fake_next`] is the most likely
+/// token, and the others fall off with their distance from it (mod `vocab`).
+pub fn fake_logits(seq: &[u32], vocab: usize) -> Vec<f32> {
+    let target = fake_next(seq.last().copied().unwrap_or(0), seq.len(), vocab) as usize;
+    (0..vocab).map(|j| -(((j + vocab - target) % vocab) as f32) * 0.5).collect()
+}
+
 /// One prompt chunk as the backend was handed it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkCall {
@@ -235,10 +242,7 @@ impl FakeBackend {
     }
 
     fn logits_after(&self, seq: &[u32]) -> Vec<f32> {
-        let v = self.cfg.caps.vocab_size;
-        let target = fake_next(seq.last().copied().unwrap_or(0), seq.len(), v) as usize;
-        // The target is the most likely; the rest fall off with distance.
-        (0..v).map(|j| -(((j + v - target) % v) as f32) * 0.5).collect()
+        fake_logits(seq, self.cfg.caps.vocab_size)
     }
 
     /// Wait while a test holds the lane (see [`FakeConfig::hold`]).

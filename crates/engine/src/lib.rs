@@ -39,6 +39,7 @@
 
 pub mod backend;
 pub mod blocks;
+pub mod draft_model;
 pub mod drafter;
 pub mod fake;
 pub mod guide;
@@ -54,6 +55,7 @@ pub use backend::{
     image_token_ids, Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
+pub use draft_model::{DraftModel, DraftModelConfig};
 pub use drafter::{Drafter, Gate};
 pub use guide::{Constraint, Grammar, Guide, TokenMask};
 pub use lane::{Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, StreamControl, StreamHandle, SubmitError, Timing, Usage};

@@ -99,6 +99,10 @@ impl Drafter for PromptLookup {
     fn forget(&mut self, stream: StreamId) {
         self.streams.remove(&stream);
     }
+
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        self.seq(stream).gate.cap(max);
+    }
 }
 
 #[cfg(test)]

@@ -172,3 +172,149 @@ fn no_drafting_without_rewind() {
     assert!(log.snapshot().iter().all(|c| !matches!(c, Call::Propose { .. } | Call::Absorb { .. } | Call::Rewind { .. })));
     assert!(log.snapshot().iter().all(|c| !c.rows().iter().any(|r| r.1.len() > 1)));
 }
+
+// A request's own cap: `Some(0)` keeps the drafter off the stream (never
+// opened, absorbed or asked), `Some(1)` verifies one draft a round; the
+// output is the same either way.
+#[test]
+fn a_request_caps_or_turns_off_its_drafts() {
+    let (lane, log) = lane_with_drafter(FakeConfig::default(), no_marks(), 0);
+    let reqs: Vec<Request> =
+        [None, Some(0), Some(1)].into_iter().enumerate().map(|(i, cap)| Request { draft_tokens: cap, ..greedy(prompt(7 + i, 40 + i as u32), 20) }).collect();
+    let hs: Vec<StreamHandle> = reqs.iter().map(|r| lane.submit(r.clone()).unwrap()).collect();
+    for (h, r) in hs.iter().zip(&reqs) {
+        assert_eq!(drain(h).tokens, oracle(&r.prompt, 20, 64));
+    }
+    let calls = log.snapshot();
+    let (free, off, one) = (hs[0].id, hs[1].id, hs[2].id);
+    let most = |id: u64| calls.iter().flat_map(|c| c.rows().iter().filter(|r| r.0 == id).map(|r| r.1.len() - 1)).max().unwrap_or(0);
+    assert!(most(free) > 1, "the uncapped stream drafts more than one token a round");
+    assert_eq!(most(one), 1, "the capped stream verifies one draft a round");
+    assert_eq!(most(off), 0);
+    let touched = |id: u64| calls.iter().any(|c| matches!(c, Call::Absorb { stream, .. } | Call::Propose { stream, .. } if *stream == id));
+    assert!(!touched(off), "the drafter saw the stream that turned it off");
+    assert!(touched(one) && touched(free));
+}
+
+// Past `draft_max_streams` decoding streams, rounds carry no drafts and
+// the drafter is not asked; as streams finish, drafting resumes. Output is
+// the same as without a drafter.
+#[test]
+fn a_large_batch_turns_drafting_down() {
+    let lc = LaneConfig { draft_max_streams: 2, ..no_marks() };
+    let (lane, log) = lane_with_drafter(FakeConfig::default(), lc, 0);
+    // Four streams of different lengths: four, then three, then two decode.
+    let reqs: Vec<Request> = (0..4).map(|i| greedy(prompt(6, 50 + i), 40 + 20 * i as usize)).collect();
+    let hs: Vec<StreamHandle> = reqs.iter().map(|r| lane.submit(r.clone()).unwrap()).collect();
+    for (h, r) in hs.iter().zip(&reqs) {
+        assert_eq!(drain(h).tokens, oracle(&r.prompt, r.stop.max_tokens.unwrap(), 64));
+    }
+    let calls = log.snapshot();
+    let rounds: Vec<&[(u64, Vec<u32>)]> = calls.iter().map(|c| c.rows()).filter(|r| !r.is_empty()).collect();
+    let drafted = |r: &[(u64, Vec<u32>)]| r.iter().any(|row| row.1.len() > 1);
+    assert!(rounds.iter().filter(|r| r.len() > 2).all(|r| !drafted(r)), "a round of more than 2 streams carried drafts");
+    assert!(rounds.iter().filter(|r| r.len() == 4).count() > 3, "the four streams decoded together");
+    assert!(rounds.iter().any(|r| r.len() <= 2 && drafted(r)), "drafting never resumed");
+    // Nor was the drafter asked after a round of four (three at least decode on).
+    let mut last = 0;
+    for c in &calls {
+        match c {
+            Call::Round { rows, .. } if !rows.is_empty() => last = rows.len(),
+            Call::Propose { .. } => assert!(last < 4, "a proposal after a round of {last} streams"),
+            _ => {}
+        }
+    }
+    let stats = lane.stats();
+    assert!(stats.draft_accepted > 0 && stats.draft_accept_lengths.iter().sum::<u64>() > 0, "{stats:?}");
+}
+
+/// Pearson's chi-square of `counts` (token -> draws) against `probs` (the
+/// model's own), tokens expected fewer than 5 times pooled into one cell;
+/// and the degrees of freedom.
+fn chi_square(counts: &std::collections::HashMap<u32, u64>, probs: &[f64]) -> (f64, usize) {
+    let n: u64 = counts.values().sum();
+    let (mut chi, mut cells, mut rest_seen, mut rest_want) = (0.0, 0, 0.0, 0.0);
+    for (t, &p) in probs.iter().enumerate() {
+        let seen = counts.get(&(t as u32)).copied().unwrap_or(0) as f64;
+        let want = p * n as f64;
+        if want < 5.0 {
+            rest_seen += seen;
+            rest_want += want;
+        } else {
+            chi += (seen - want).powi(2) / want;
+            cells += 1;
+        }
+    }
+    if rest_want > 0.0 {
+        chi += (rest_seen - rest_want).powi(2) / rest_want;
+        cells += 1;
+    }
+    (chi, cells - 1)
+}
+
+/// The chi-square value a true fit exceeds with probability 1e-4 at `df`
+/// degrees of freedom (Wilson-Hilferty; z = 3.72).
+fn chi_critical(df: usize) -> f64 {
+    let k = df as f64;
+    k * (1.0 - 2.0 / (9.0 * k) + 3.72 * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+fn softmax(logits: &[f32]) -> Vec<f64> {
+    let m = logits.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
+    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - m).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / s).collect()
+}
+
+// Seeded sampling with a drafter draws from the target's own distribution:
+// over many seeds, the first token, the second given the first and the
+// third given both (each verified against a draft in some rounds and
+// rejected in others) follow the fake model's softmax, by a chi-square test.
+#[test]
+fn sampling_with_drafts_follows_the_targets_distribution() {
+    use braid_engine::fake::fake_logits;
+    use std::collections::HashMap;
+    const DRAWS: u64 = 3000;
+    let lc = LaneConfig { draft_max_streams: 64, ..no_marks() };
+    // Drafts right (the fake's argmax) except every third position.
+    let (lane, _) = lane_with_drafter(FakeConfig::default(), lc, 3);
+    let p = prompt(5, 9);
+    let mut outs = Vec::new();
+    for chunk in (0..DRAWS).collect::<Vec<_>>().chunks(32) {
+        let hs: Vec<StreamHandle> = chunk
+            .iter()
+            .map(|&s| {
+                lane.submit(Request { sampling: SamplingParams { temperature: 1.0, seed: Some(s), ..Default::default() }, ..greedy(p.clone(), 3) }).unwrap()
+            })
+            .collect();
+        outs.extend(hs.iter().map(|h| drain(h).tokens));
+    }
+    let stats = lane.stats();
+    assert!(stats.draft_accepted > DRAWS / 4 && stats.draft_accepted < stats.draft_proposed, "drafts were both accepted and rejected: {stats:?}");
+    let check = |what: &str, given: &[u32], pick: &dyn Fn(&[u32]) -> Option<u32>| {
+        let counts = outs.iter().filter_map(|o| pick(o)).fold(HashMap::new(), |mut m, t| {
+            *m.entry(t).or_insert(0u64) += 1;
+            m
+        });
+        let seq: Vec<u32> = p.iter().chain(given).copied().collect();
+        let (chi, df) = chi_square(&counts, &softmax(&fake_logits(&seq, 64)));
+        eprintln!("{what}: {} draws, chi-square {chi:.1} on {df} df (critical {:.1})", counts.values().sum::<u64>(), chi_critical(df));
+        assert!(df >= 3 && chi < chi_critical(df), "{what}: chi-square {chi:.1} on {df} df");
+    };
+    check("first token", &[], &|o| o.first().copied());
+    // The most common first token (the argmax: its draft was right) and
+    // second token after it.
+    let top = |i: usize, prefix: &[u32]| {
+        let mut c: HashMap<u32, usize> = HashMap::new();
+        for o in outs.iter().filter(|o| o.starts_with(prefix)) {
+            *c.entry(o[i]).or_default() += 1;
+        }
+        c.into_iter().max_by_key(|&(t, n)| (n, std::cmp::Reverse(t))).unwrap().0
+    };
+    let t1 = top(0, &[]);
+    check("second token after the likeliest first", &[t1], &|o| (o[0] == t1).then_some(o[1]));
+    let t1b = (t1 + 1) % 64;
+    check("second token after the second likeliest first", &[t1b], &|o| (o[0] == t1b).then_some(o[1]));
+    let t2 = top(1, &[t1]);
+    check("third token after the likeliest two", &[t1, t2], &|o| (o[..2] == [t1, t2]).then_some(o[2]));
+}

@@ -22,6 +22,16 @@
 //! mask_token_id}`, `block_size`) and vLLM speculators' (`speculators_model_type:
 //! "dflash"`, `transformer_layer_config`, `aux_hidden_state_layer_ids`,
 //! `draft_vocab_size` with `d2t` / `t2d`).
+//!
+//! DSpark is DFlash with a low-rank sequential ("Markov") head over the
+//! block: proposal row k's logits gain `W2 · W1[prev_k]`, where `prev_1` is
+//! the known token and `prev_{k+1}` the token row k picked, so each
+//! proposal hears the one before it for two thin products. A confidence
+//! head scores each row, `sigmoid(w · [h_k; W1[prev_k]] + b)`. Its layouts:
+//! DeepSeek's (`architectures: ["DSparkDraftModel"]`, `dspark_config:
+//! {target_layer_ids, mask_token_id, markov_rank, markov_head_type}`,
+//! `markov_head.*`, `confidence_head.*`, and its own `embed_tokens` and
+//! `lm_head`) and speculators' (`speculators_model_type: "dspark"`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -64,11 +74,26 @@ pub struct DFlashConfig {
     /// `final_logit_softcapping`).
     pub output_multiplier: f32,
     pub softcap: Option<f32>,
+    /// DSpark: the rank of the Markov head (`markov_rank`).
+    pub markov_rank: Option<usize>,
 }
 
-/// A value the authors' layout keeps in `dflash_config` or at the top.
+/// A value the authors' layouts keep in `dflash_config` (`dspark_config`)
+/// or at the top.
 fn draft_value<'a>(cfg: &'a Value, key: &str) -> Option<&'a Value> {
-    cfg.get("dflash_config").and_then(|d| d.get(key)).or_else(|| cfg.get(key)).filter(|v| !v.is_null())
+    ["dflash_config", "dspark_config"].iter().find_map(|section| cfg.get(*section).and_then(|d| d.get(key))).or_else(|| cfg.get(key)).filter(|v| !v.is_null())
+}
+
+/// DSpark's Markov head: its rank, and a clear refusal of the head types
+/// braid does not run.
+fn markov_rank(raw: &Value, path: &Path) -> Result<usize> {
+    let rank =
+        number(draft_value(raw, "markov_rank"), "markov_rank", path)?.with_context(|| format!("{}: a DSpark drafter with no markov_rank", path.display()))?;
+    ensure!(rank >= 1.0 && rank.fract() == 0.0, "{}: markov_rank {rank} is not a positive whole number", path.display());
+    match draft_value(raw, "markov_head_type").map(|v| v.as_str().unwrap_or("")) {
+        None | Some("vanilla") => Ok(rank as usize),
+        Some(other) => bail!("{}: markov_head_type '{other}' is not supported (only vanilla)", path.display()),
+    }
 }
 
 fn usize_list(v: Option<&Value>, what: &str, path: &Path) -> Result<Vec<usize>> {
@@ -89,8 +114,9 @@ impl DFlashConfig {
         let path = dir.join("config.json");
         let archs: Vec<&str> = raw.get("architectures").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
         let spec_type = raw.get("speculators_model_type").and_then(Value::as_str);
+        let dspark = spec_type == Some("dspark") || (spec_type.is_none() && archs.iter().any(|a| a.starts_with("DSpark")));
         let (layer_cfg, target_layers, mask, block, draft_vocab) = match spec_type {
-            Some("dflash") => {
+            Some("dflash" | "dspark") => {
                 let layer = raw
                     .get("transformer_layer_config")
                     .filter(|v| v.is_object())
@@ -99,16 +125,18 @@ impl DFlashConfig {
                 let draft_vocab = number(raw.get("draft_vocab_size"), "draft_vocab_size", &path)?.map(|n| n as usize);
                 (layer, taps, raw.get("mask_token_id"), raw.get("block_size"), draft_vocab)
             }
-            Some(other) => bail!("{}: speculators_model_type '{other}' is not a drafter braid loads (supported: dflash)", path.display()),
-            None if archs.contains(&"DFlashDraftModel") => {
-                let taps = usize_list(draft_value(raw, "target_layer_ids"), "dflash_config.target_layer_ids", &path)?;
+            Some(other) => bail!("{}: speculators_model_type '{other}' is not a drafter braid loads (supported: dflash, dspark)", path.display()),
+            None if archs.contains(&"DFlashDraftModel") || dspark => {
+                let section = if dspark { "dspark_config" } else { "dflash_config" };
+                let taps = usize_list(draft_value(raw, "target_layer_ids"), &format!("{section}.target_layer_ids"), &path)?;
                 (raw, taps, draft_value(raw, "mask_token_id"), draft_value(raw, "block_size"), None)
             }
             None => bail!(
-                "{}: not a DFlash drafter (architectures {archs:?}; expected [\"DFlashDraftModel\"] or speculators_model_type \"dflash\")",
+                "{}: not a DFlash or DSpark drafter (architectures {archs:?}; expected [\"DFlashDraftModel\"], [\"DSparkDraftModel\"] or speculators_model_type \"dflash\" or \"dspark\")",
                 path.display()
             ),
         };
+        let markov_rank = if dspark { Some(markov_rank(raw, &path)?) } else { None };
         let c = HfConfig::new(layer_cfg, dir);
         let hidden = c.usize("hidden_size")?;
         let heads = c.usize("num_attention_heads")?;
@@ -146,6 +174,7 @@ impl DFlashConfig {
             embed_scale: f("input_embedding_scale")?.unwrap_or(1.0) as f32,
             output_multiplier: f("output_multiplier")?.unwrap_or(1.0) as f32,
             softcap: f("final_logit_softcapping")?.filter(|&s| s > 0.0).map(|s| s as f32),
+            markov_rank,
         })
     }
 }
@@ -157,6 +186,15 @@ struct Layer<D: Device> {
     w_gate: D::Weight,
     w_up: D::Weight,
     w_down: D::Weight,
+}
+
+/// DSpark's sequential head: `W1` (an embedding of the previous token,
+/// `vocab x rank`), `W2` (`vocab x rank`, the bias it adds), and the
+/// confidence head's weights on the host (`hidden + rank` and a bias).
+struct Markov<D: Device> {
+    w1: D::Weight,
+    w2: D::Weight,
+    confidence: Option<(Vec<f32>, f32)>,
 }
 
 /// The drafter's weights (and the target's embedding and head it borrows).
@@ -172,6 +210,7 @@ pub struct DFlash<D: Device> {
     draft_ids: Option<Vec<u32>>,
     /// Width of one tapped target row (`fc`'s input over the taps).
     target_hidden: usize,
+    markov: Option<Markov<D>>,
 }
 
 impl<D: Device> DFlash<D> {
@@ -200,7 +239,8 @@ impl<D: Device> DFlash<D> {
         let taps = cfg.target_layers.len();
         ensure!(fc_out == cfg.hidden, "{}: fc maps to {fc_out} columns, the drafter is {} wide", dir.display(), cfg.hidden);
         ensure!(fc_in % taps == 0, "{}: fc reads {fc_in} columns, not a multiple of its {taps} target layers", dir.display());
-        let embed = dev.weight(&target.tensor("token_embd.weight")?)?;
+        // DeepSeek's DSpark ships its own embedding and head; others borrow the target's.
+        let embed = if folder.has_tensor("embed_tokens.weight") { w("embed_tokens.weight")? } else { dev.weight(&target.tensor("token_embd.weight")?)? };
         let (rows, width) = dev.weight_shape(&embed);
         ensure!(width == cfg.hidden, "the target's embeddings are {width} wide, the drafter in {} is {}", dir.display(), cfg.hidden);
         ensure!((cfg.mask_token as usize) < rows, "{}: mask token {} is past the target's {rows} embeddings", dir.display(), cfg.mask_token);
@@ -216,12 +256,54 @@ impl<D: Device> DFlash<D> {
                 }
                 (head, Some(ids.into_iter().map(|t| t as u32).collect()))
             }
+            None if folder.has_tensor("lm_head.weight") => {
+                let head = w("lm_head.weight")?;
+                ensure!(dev.weight_shape(&head) == (rows, cfg.hidden), "{}: lm_head.weight is not {rows}x{}", dir.display(), cfg.hidden);
+                (head, None)
+            }
             None => {
                 let name = if target.has_tensor("output.weight") { "output.weight" } else { "token_embd.weight" };
                 (dev.weight(&target.tensor(name)?)?, None)
             }
         };
-        Ok(DFlash { layers, fc, hidden_norm: v("hidden_norm.weight")?, norm: v("norm.weight")?, embed, head, draft_ids, target_hidden: fc_in / taps, cfg })
+        let markov = match cfg.markov_rank {
+            None => None,
+            Some(rank) => {
+                ensure!(cfg.draft_vocab.is_none(), "{}: a DSpark drafter over a reduced draft vocabulary is not supported", dir.display());
+                let (w1, w2) = (w("markov_head.markov_w1.weight")?, w("markov_head.markov_w2.weight")?);
+                for (name, m) in [("markov_w1", &w1), ("markov_w2", &w2)] {
+                    ensure!(dev.weight_shape(m) == (rows, rank), "{}: markov_head.{name}.weight is not {rows}x{rank}", dir.display());
+                }
+                let confidence = if folder.has_tensor("confidence_head.proj.weight") {
+                    let weight = folder.tensor("confidence_head.proj.weight")?.to_f32()?;
+                    ensure!(
+                        weight.len() == cfg.hidden + rank,
+                        "{}: confidence_head.proj.weight holds {} values, not {}",
+                        dir.display(),
+                        weight.len(),
+                        cfg.hidden + rank
+                    );
+                    let bias = if folder.has_tensor("confidence_head.proj.bias") { folder.tensor("confidence_head.proj.bias")?.to_f32()? } else { vec![0.0] };
+                    ensure!(bias.len() == 1, "{}: confidence_head.proj.bias holds {} values, not 1", dir.display(), bias.len());
+                    Some((weight, bias[0]))
+                } else {
+                    None
+                };
+                Some(Markov { w1, w2, confidence })
+            }
+        };
+        Ok(DFlash {
+            layers,
+            fc,
+            hidden_norm: v("hidden_norm.weight")?,
+            norm: v("norm.weight")?,
+            embed,
+            head,
+            draft_ids,
+            target_hidden: fc_in / taps,
+            cfg,
+            markov,
+        })
     }
 
     /// Width of one tapped target row.
@@ -292,8 +374,11 @@ pub struct DFlashDrafter<D: Device> {
     streams: HashMap<StreamId, DraftStream>,
     s: Scratch<D>,
     /// The last proposal's block logits (`block_size - 1` rows of
-    /// `logits_width`), for tests and tools.
+    /// `logits_width`; DSpark's with the Markov bias), for tests and tools.
     pub last_logits: Vec<f32>,
+    /// DSpark's confidence in each row of the last proposal (empty without
+    /// a confidence head).
+    pub last_confidence: Vec<f32>,
     /// Why the last proposal came back empty, if it failed.
     pub last_error: Option<String>,
     /// Proposals in a row with nothing accepted before a stream skips as
@@ -320,6 +405,7 @@ impl<D: Device> DFlashDrafter<D> {
             streams: HashMap::new(),
             s,
             last_logits: Vec::new(),
+            last_confidence: Vec::new(),
             last_error: None,
             patience: 4,
         })
@@ -371,12 +457,51 @@ impl<D: Device> DFlashDrafter<D> {
         let seqs: Vec<AttnSeq<'_>> = (0..bs).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len, blocks: &blocks, window: None }).collect();
         let feats = if new > 0 { Some(self.dev.upload(&pending, new, fdim)?) } else { None };
         self.forward(feats.as_ref(), &ctx_pos, &ctx_slots, &tokens, &block_pos, &block_slots, &seqs, rows);
-        let logits = self.dev.download(&self.s.logits)?;
+        let mut logits = self.dev.download(&self.s.logits)?;
         self.streams.get_mut(&stream).expect("present").ctx += new;
         let width = self.model.logits_width();
         ensure!(logits.len() == rows * width, "the drafter returned {} logits, expected {}", logits.len(), rows * width);
-        let picks = logits.chunks_exact(width).map(|row| self.model.target_token(braid_ops::argmax_host(row) as usize)).collect();
+        let picks = if self.model.markov.is_some() {
+            self.markov_picks(last, &mut logits)?
+        } else {
+            logits.chunks_exact(width).map(|row| self.model.target_token(braid_ops::argmax_host(row) as usize)).collect()
+        };
         self.last_logits = logits;
+        Ok(picks)
+    }
+
+    /// DSpark's sequential pass over the block's base logits (in place):
+    /// each row gains the Markov bias of the token before it (`last`, then
+    /// each row's pick), and is picked greedily; the rows' confidences go
+    /// to `last_confidence`.
+    fn markov_picks(&mut self, last: u32, logits: &mut [f32]) -> Result<Vec<u32>> {
+        let (dev, s) = (&self.dev, &mut self.s);
+        let m = self.model.markov.as_ref().expect("checked by the caller");
+        let width = self.model.logits_width();
+        // `s.h` holds the proposal rows' final-normed hidden rows.
+        let hidden = if m.confidence.is_some() { dev.download(&s.h)? } else { Vec::new() };
+        let h = self.model.cfg.hidden;
+        self.last_confidence.clear();
+        let mut prev = last;
+        let mut picks = Vec::with_capacity(logits.len() / width);
+        for (k, row) in logits.chunks_exact_mut(width).enumerate() {
+            let mut e = std::mem::replace(s.extra(dev, 1), dev.tensor(0, 0));
+            let mut bias = std::mem::replace(s.extra(dev, 2), dev.tensor(0, 0));
+            dev.embed(&m.w1, &[prev], 1.0, &mut e);
+            dev.matmul(&e, &[&m.w2], &mut [&mut bias]);
+            let (e_host, b) = (dev.download(&e)?, dev.download(&bias)?);
+            *s.extra(dev, 1) = e;
+            *s.extra(dev, 2) = bias;
+            ensure!(b.len() == width, "the Markov head gave {} biases for {width} logits", b.len());
+            row.iter_mut().zip(&b).for_each(|(l, b)| *l += b);
+            if let Some((w, bias)) = &m.confidence {
+                let x = hidden.get(k * h..(k + 1) * h).context("fewer hidden rows than logits rows")?;
+                let z = bias + x.iter().chain(&e_host).zip(w).map(|(a, b)| a * b).sum::<f32>();
+                self.last_confidence.push(1.0 / (1.0 + (-z).exp()));
+            }
+            prev = braid_ops::argmax_host(row);
+            picks.push(prev);
+        }
         Ok(picks)
     }
 
@@ -488,5 +613,9 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
         if let Some(st) = self.streams.remove(&stream) {
             self.free.extend(st.blocks);
         }
+    }
+
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        self.stream(stream).gate.cap(max);
     }
 }

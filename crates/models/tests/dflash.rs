@@ -1,7 +1,7 @@
-//! The DFlash drafter against its PyTorch reference
-//! (`scripts/fixtures/make_dflash.py`): a tiny random drafter for the
-//! gemma3_text fixture, in the authors' layout and in speculators', fed the
-//! target's hidden rows as transformers computes them.
+//! The DFlash and DSpark drafters against their PyTorch references
+//! (`scripts/fixtures/make_dflash.py`, `make_dspark.py`): tiny random
+//! drafters for the gemma3_text fixture, in the authors' layouts and in
+//! speculators', fed the target's hidden rows as transformers computes them.
 
 mod fixtures_common;
 
@@ -135,9 +135,55 @@ fn layouts_braid_cannot_run_are_refused_by_name() {
         edit(&mut v);
         format!("{:#}", DFlashConfig::from_folder(dir, &v).unwrap_err())
     };
-    assert!(err(&|v| v["architectures"] = json!(["LlamaForCausalLM"])).contains("not a DFlash drafter"));
+    assert!(err(&|v| v["architectures"] = json!(["LlamaForCausalLM"])).contains("not a DFlash or DSpark drafter"));
     assert!(err(&|v| v["layer_types"] = json!(["sliding_attention"])).contains("sliding_attention"));
     assert!(err(&|v| v["dflash_config"]["mask_token_id"] = json!(null)).contains("mask_token_id"));
     assert!(err(&|v| v["block_size"] = json!(1)).contains("block_size"));
     assert!(err(&|v| v["speculators_model_type"] = json!("eagle3")).contains("eagle3"));
+}
+
+/// DSpark's block: the logits with the Markov bias, the sequential greedy
+/// picks and the confidences, against `make_dspark.py`.
+fn check_dspark(name: &str) {
+    let mut c = case(name);
+    assert_eq!(c.drafter.model().cfg.markov_rank, Some(8));
+    for (i, n) in cases(&c).into_iter().enumerate() {
+        let picks = c.fresh(i as u64, n, 2);
+        let want: Vec<u32> = c.reference[&format!("draft_{n}")].data.iter().map(|&t| t as u32).collect();
+        assert_eq!(picks, want, "{name}: the greedy proposal after {n} rows");
+        let conf = &c.reference[&format!("confidence_{n}")];
+        assert_close(&format!("{name}: confidence after {n} rows"), &c.drafter.last_confidence, &conf.data, conf.data.len(), TOL);
+        // Asked for fewer rows, the first ones are the same.
+        let first = c.drafter.propose_block(i as u64, c.tokens[n], 2).unwrap();
+        assert_eq!(first, want[..2]);
+    }
+}
+
+#[test]
+fn dspark_deepseek_layout_matches_the_reference() {
+    // Its own embedding and head, a Markov head and a confidence head.
+    check_dspark("dspark_gemma3");
+}
+
+#[test]
+fn dspark_speculators_layout_matches_the_reference() {
+    // The target's embedding and head, with the Markov and confidence heads.
+    check_dspark("dspark_gemma3_speculators");
+}
+
+#[test]
+fn dspark_heads_braid_cannot_run_are_refused_by_name() {
+    let dir = Path::new("/nonexistent");
+    let base = json!({"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256,
+        "architectures": ["DSparkDraftModel"], "block_size": 4,
+        "dspark_config": {"target_layer_ids": [0], "mask_token_id": 3, "markov_rank": 8, "markov_head_type": "vanilla"}});
+    assert_eq!(DFlashConfig::from_folder(dir, &base).unwrap().markov_rank, Some(8));
+    let err = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = base.clone();
+        edit(&mut v);
+        format!("{:#}", DFlashConfig::from_folder(dir, &v).unwrap_err())
+    };
+    assert!(err(&|v| v["dspark_config"]["markov_head_type"] = json!("rnn")).contains("'rnn' is not supported"));
+    assert!(err(&|v| v["dspark_config"]["markov_rank"] = json!(null)).contains("no markov_rank"));
+    assert!(err(&|v| v["dspark_config"]["markov_rank"] = json!(0)).contains("markov_rank 0"));
 }

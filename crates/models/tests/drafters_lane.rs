@@ -1,15 +1,20 @@
-//! Drafters in a lane over a real backend (the gemma3_text fixture on the
-//! CPU): the DFlash drafter (its taps feeding the tiny random drafter of
-//! `scripts/fixtures/make_dflash.py`) and prompt lookup. Output with a
-//! drafter equals output without, token for token, alone and with streams
-//! arriving together; and the DFlash drafter is fed every prompt row's real
-//! features.
+//! Drafters in a lane over a real backend (fixtures on the CPU): the
+//! DFlash and DSpark drafters (the gemma3_text fixture's taps feeding the tiny random
+//! drafters of `scripts/fixtures/make_dflash.py` and `make_dspark.py`), prompt lookup, and a
+//! draft model (a qwen2 fixture drafting for the qwen2 fixture). Output
+//! with a drafter equals output without, token for token, alone, with
+//! streams arriving together and with a prompt arriving while others
+//! decode; seeded sampling with a draft model follows the target's own
+//! probabilities (a chi-square test); and the DFlash drafter is fed every
+//! prompt row's real features.
 
 mod fixtures_common;
 
 use std::sync::{Arc, Mutex};
 
-use braid_engine::{Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId};
+use braid_engine::{
+    Backend, DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId,
+};
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::Source;
 use braid_ops::cpu::Cpu;
@@ -41,6 +46,9 @@ impl Drafter for Recording {
     fn forget(&mut self, stream: StreamId) {
         self.inner.forget(stream)
     }
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        self.inner.cap(stream, max)
+    }
 }
 
 fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
@@ -59,24 +67,31 @@ fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
 #[derive(Clone)]
 enum Kind {
     None,
-    DFlash(Log),
+    /// A block drafter (DFlash or DSpark) from the fixture folder of this name.
+    DFlash(Log, &'static str),
     Ngram,
+    /// A draft model: the fixture of this name, on a backend of its own.
+    Model(&'static str),
 }
 
 /// A lane over the gemma3_text fixture with the drafter `kind`.
 fn lane(fx: &Fixture, kind: &Kind) -> Lane {
     // Small chunks and a row cap, so passes take many steps between rounds.
-    let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, ..LaneConfig::default() };
+    let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, draft_max_streams: 8, ..LaneConfig::default() };
     let mut backend = fx.backend();
     let drafter: Option<Box<dyn Drafter>> = match kind {
         Kind::None => None,
-        Kind::DFlash(log) => {
+        Kind::DFlash(log, name) => {
             let target = Source::open(&fx.dir).unwrap();
-            let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join("dflash_gemma3"), &target).unwrap();
+            let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join(name), &target).unwrap();
             model.attach(&mut backend).unwrap();
             Some(Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log: log.clone() }))
         }
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
+        Kind::Model(name) => {
+            let draft = Fixture::load(name).backend();
+            Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4 }).unwrap()))
+        }
     };
     Lane::spawn_with_drafter(Box::new(backend), drafter, Arc::new(NoText), config)
 }
@@ -95,11 +110,20 @@ fn serve(fx: &Fixture, prompts: &[Vec<u32>], seed: Option<u64>, kind: Kind) -> (
 
 #[test]
 fn dflash_drafting_is_lossless_on_a_real_backend() {
+    block_drafting_is_lossless("dflash_gemma3");
+}
+
+#[test]
+fn dspark_drafting_is_lossless_on_a_real_backend() {
+    block_drafting_is_lossless("dspark_gemma3");
+}
+
+fn block_drafting_is_lossless(drafter: &'static str) {
     let fx = Fixture::load("gemma3_text");
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
     for seed in [None, Some(42)] {
         let (plain_alone, plain_together, _) = serve(&fx, &prompts, seed, Kind::None);
-        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default()));
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default(), drafter));
         assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
         assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
         assert_eq!(together, alone, "seed {seed:?}");
@@ -108,7 +132,7 @@ fn dflash_drafting_is_lossless_on_a_real_backend() {
         // stream's gate cut its proposals short of a block per round.
         assert!(stats.draft_proposed > 0 && stats.draft_proposed < 3 * stats.decode_streams, "{stats:?}");
         eprintln!(
-            "seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds for {} tokens",
+            "{drafter}, seed {seed:?}: {} drafts proposed, {} accepted ({:.1}%), {} decode rounds for {} tokens",
             stats.draft_proposed,
             stats.draft_accepted,
             100.0 * stats.draft_accepted as f64 / stats.draft_proposed.max(1) as f64,
@@ -125,7 +149,7 @@ fn the_drafter_absorbs_every_prompt_rows_real_features() {
     let width = reference["features"].shape[1];
     let prompt = fx.tokens[..17].to_vec();
     let log: Log = Arc::default();
-    let l = lane(&fx, &Kind::DFlash(log.clone()));
+    let l = lane(&fx, &Kind::DFlash(log.clone(), "dflash_gemma3"));
     let out = tokens(l.submit(request(prompt.clone(), None)).unwrap());
     assert_eq!(out.len(), 24);
     let log = log.lock().unwrap();
@@ -177,5 +201,147 @@ fn prompt_lookup_is_lossless_on_a_real_backend() {
             assert!(stats.draft_accepted > 0, "{stats:?}");
             assert!(stats.decode_rounds < plain.decode_rounds);
         }
+    }
+}
+
+/// The qwen2 fixture's prompts for the draft-model runs.
+fn qwen2_prompts(fx: &Fixture) -> Vec<Vec<u32>> {
+    (0..4).map(|i| fx.tokens[i * 2..i * 2 + 7 + 3 * i].to_vec()).collect()
+}
+
+#[test]
+fn a_draft_model_is_lossless_on_a_real_backend() {
+    let fx = Fixture::load("qwen2");
+    let prompts = qwen2_prompts(&fx);
+    // The target drafting for itself (its drafts are its own greedy
+    // tokens) and another random model of the same vocabulary (mostly wrong).
+    for draft in ["qwen2", "qwen2_tied"] {
+        for seed in [None, Some(11)] {
+            let (plain_alone, plain_together, plain) = serve(&fx, &prompts, seed, Kind::None);
+            let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::Model(draft));
+            assert_eq!(alone, plain_alone, "{draft}, seed {seed:?}: drafted streams alone differ from plain ones");
+            assert_eq!(together, plain_together, "{draft}, seed {seed:?}: drafted streams together differ from plain ones");
+            assert!(together.iter().all(|t| t.len() == 24));
+            assert!(stats.draft_proposed > 0, "{stats:?}");
+            eprintln!(
+                "draft model {draft}, seed {seed:?}: {} drafts proposed, {} accepted, {} decode rounds against {} without",
+                stats.draft_proposed, stats.draft_accepted, stats.decode_rounds, plain.decode_rounds
+            );
+            if draft == "qwen2" && seed.is_none() {
+                // Greedy drafts of the target itself: (nearly) all accepted,
+                // so far fewer rounds (about half; the streams' overlap,
+                // and so the rounds, vary with timing).
+                assert!(stats.draft_accepted * 10 >= stats.draft_proposed * 9, "{stats:?}");
+                assert!(stats.decode_rounds * 3 < plain.decode_rounds * 2, "{stats:?} against {plain:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_draft_model_is_lossless_with_a_prompt_arriving() {
+    let fx = Fixture::load("qwen2");
+    let prompts = qwen2_prompts(&fx);
+    let run = |kind: Kind| {
+        let l = lane(&fx, &kind);
+        let first: Vec<_> = prompts[..3].iter().map(|p| l.submit(request(p.clone(), None)).unwrap()).collect();
+        // The last prompt arrives once the first stream decodes.
+        let mut head = Vec::new();
+        while let Some(e) = first[0].recv() {
+            if let braid_engine::Event::Token { id, .. } = e {
+                head.push(id);
+                break;
+            }
+        }
+        let late = l.submit(request(prompts[3].clone(), None)).unwrap();
+        let mut outs: Vec<Vec<u32>> = Vec::new();
+        let mut it = first.into_iter();
+        let h0 = it.next().unwrap();
+        head.extend(tokens(h0));
+        outs.push(head);
+        outs.extend(it.map(tokens));
+        outs.push(tokens(late));
+        (outs, l.stats())
+    };
+    let (plain, _) = run(Kind::None);
+    for draft in ["qwen2", "qwen2_tied"] {
+        let (drafted, stats) = run(Kind::Model(draft));
+        assert_eq!(drafted, plain, "{draft}: a prompt arriving changed the drafted output");
+        assert!(stats.draft_proposed > 0 && stats.fused_rounds > 0, "{stats:?}");
+    }
+}
+
+/// Pearson's chi-square of `seen` (token -> draws) against `probs`, cells
+/// expected fewer than 5 times pooled; and its degrees of freedom.
+fn chi_square(seen: &std::collections::HashMap<u32, u64>, probs: &[f64]) -> (f64, usize) {
+    let n: u64 = seen.values().sum();
+    let (mut chi, mut cells, mut rest) = (0.0, 0usize, (0.0, 0.0));
+    for (t, &p) in probs.iter().enumerate() {
+        let (got, want) = (seen.get(&(t as u32)).copied().unwrap_or(0) as f64, p * n as f64);
+        if want < 5.0 {
+            rest = (rest.0 + got, rest.1 + want);
+        } else {
+            chi += (got - want).powi(2) / want;
+            cells += 1;
+        }
+    }
+    if rest.1 > 0.0 {
+        chi += (rest.0 - rest.1).powi(2) / rest.1;
+        cells += 1;
+    }
+    (chi, cells.saturating_sub(1))
+}
+
+#[test]
+fn sampling_with_a_draft_model_follows_the_targets_distribution() {
+    use std::collections::HashMap;
+    const DRAWS: u64 = 3000;
+    const TEMP: f32 = 0.6;
+    let fx = Fixture::load("qwen2");
+    let prompt = fx.tokens[..7].to_vec();
+    let l = lane(&fx, &Kind::Model("qwen2"));
+    let mut outs: Vec<Vec<u32>> = Vec::new();
+    for seeds in (0..DRAWS).collect::<Vec<_>>().chunks(8) {
+        let req = |s: u64| Request {
+            prompt: prompt.clone(),
+            sampling: SamplingParams { temperature: TEMP, seed: Some(s), ..Default::default() },
+            stop: StopRules { max_tokens: Some(3), ignore_eos: true, ..Default::default() },
+            ..Default::default()
+        };
+        let hs: Vec<_> = seeds.iter().map(|&s| l.submit(req(s)).unwrap()).collect();
+        outs.extend(hs.into_iter().map(tokens));
+    }
+    let stats = l.stats();
+    assert!(stats.draft_accepted > 50 && stats.draft_accepted < stats.draft_proposed, "drafts both accepted and rejected: {stats:?}");
+    // The target's own probabilities, from a forward of its own.
+    let mut be = fx.backend();
+    let mut probs = |stream: u64, seq: &[u32]| -> Vec<f64> {
+        be.open(stream).unwrap();
+        let all = run_rows(&mut be, stream, seq);
+        let row = &all[all.len() - fx.vocab..];
+        let m = row.iter().fold(f32::MIN, |a, &b| a.max(b));
+        let e: Vec<f64> = row.iter().map(|&x| (((x - m) / TEMP) as f64).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        e.into_iter().map(|x| x / sum).collect()
+    };
+    let first = probs(1, &prompt);
+    // The likeliest first token: its draft (the argmax) is accepted when drawn.
+    let t1 = braid_ops::argmax_host(&first.iter().map(|&p| p as f32).collect::<Vec<_>>());
+    let second = probs(2, &[prompt.clone(), vec![t1]].concat());
+    let count = |pick: &dyn Fn(&[u32]) -> Option<u32>| {
+        outs.iter().filter_map(|o| pick(o)).fold(HashMap::new(), |mut m, t| {
+            *m.entry(t).or_insert(0u64) += 1;
+            m
+        })
+    };
+    for (what, seen, p) in
+        [("first token", count(&|o| Some(o[0])), &first), ("second after the likeliest first", count(&|o| (o[0] == t1).then_some(o[1])), &second)]
+    {
+        let (chi, df) = chi_square(&seen, p);
+        // The value a true fit passes with probability 1e-4 (Wilson-Hilferty, z = 3.72).
+        let k = df as f64;
+        let critical = k * (1.0 - 2.0 / (9.0 * k) + 3.72 * (2.0 / (9.0 * k)).sqrt()).powi(3);
+        eprintln!("{what}: {} draws, chi-square {chi:.1} on {df} df (critical {critical:.1})", seen.values().sum::<u64>());
+        assert!(df >= 3 && chi < critical, "{what}: chi-square {chi:.1} on {df} df");
     }
 }

@@ -175,6 +175,7 @@ pub(crate) async fn start(
     let cache_salt = crate::cache_salt(&app.cfg, headers, common.cache_salt.as_deref());
     let max_tokens = prompts.iter().map(|p| fit(&common, p.len(), info.context, endpoint, app.cfg.default_max_tokens)).collect::<Result<Vec<_>, _>>()?;
 
+    let draft_tokens = crate::params::draft_tokens(&app.cfg.speculative, common.speculative.as_ref())?;
     let n = common.n;
     // The model's end tokens, unless the request runs past them.
     let stop_ids = if common.stop.ignore_eos { Vec::new() } else { info.stop_ids.clone() };
@@ -191,6 +192,7 @@ pub(crate) async fn start(
                 cache_salt,
                 prefix_hint: hints[i],
                 images: images[i].clone(),
+                draft_tokens,
             };
             pending.push_back((i * n + j, req));
         }

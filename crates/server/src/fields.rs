@@ -30,6 +30,7 @@ const SAMPLING: &[&str] = &[
     "seed",
     "ignore_eos",
     "cache_salt",
+    "speculative",
     "grammar",
     "regex",
     "json_schema",
@@ -55,6 +56,7 @@ pub(crate) const RESPONSES_AS_CHAT: &[&str] = &[
     "parallel_tool_calls",
     "chat_template_kwargs",
     "cache_salt",
+    "speculative",
 ];
 
 /// The Responses fields read on their own (besides `RESPONSES_AS_CHAT`).

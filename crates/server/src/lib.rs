@@ -125,6 +125,19 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// How images in chat messages may arrive, and how large.
     pub images: images::ImageRules,
+    /// The lane's speculative drafter and who uses it.
+    pub speculative: Speculation,
+}
+
+/// What `"speculative"` in a request may ask for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Speculation {
+    /// The lane's drafter: `ngram`, `draft` (a draft model), `dflash` or
+    /// `dspark`; `None`: there is none.
+    pub method: Option<String>,
+    /// Only requests that ask (`"speculative": {"method": ...}`) draft;
+    /// otherwise every request does unless it says `"method": "none"`.
+    pub opt_in: bool,
 }
 
 impl Default for ServerConfig {
@@ -147,6 +160,7 @@ impl Default for ServerConfig {
             allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
             images: images::ImageRules::default(),
+            speculative: Speculation::default(),
         }
     }
 }
@@ -605,6 +619,6 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let stats = app.loaded().ok().map(|l| l.gen.stats());
-    let text = app.metrics.render(&app.cfg.model_name, stats.as_ref());
+    let text = app.metrics.render(&app.cfg.model_name, app.cfg.speculative.method.as_deref(), stats.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

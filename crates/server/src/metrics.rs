@@ -115,8 +115,8 @@ impl Metrics {
     }
 
     /// The whole exposition, every series labelled with `model`; `lane`
-    /// is `None` while the model loads.
-    pub fn render(&self, model: &str, lane: Option<&LaneStats>) -> String {
+    /// is `None` while the model loads; `method` names the lane's drafter.
+    pub fn render(&self, model: &str, method: Option<&str>, lane: Option<&LaneStats>) -> String {
         let mut out = String::new();
         // Label values escape `\`, `"` and newlines.
         let model = model.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
@@ -187,9 +187,32 @@ impl Metrics {
             counter(&mut out, "braid_lane_failures_total", "Panics the lane caught (each failed the streams running then).", l.lane_failures);
             counter(&mut out, "braid_cancelled_streams_total", "Streams cancelled before their end.", l.cancelled);
             counter(&mut out, "braid_rejected_streams_total", "Submissions the lane refused (queue full, too long, invalid).", l.rejected);
+            if let Some(m) = method {
+                draft_series(&mut out, &format!("model_name=\"{model}\",method=\"{m}\","), l);
+            }
         }
         out
     }
+}
+
+/// The drafter's counters under `labels` (model and method): tokens
+/// proposed and accepted, and each verified proposal's acceptance length
+/// as a histogram (buckets 0, 1, 2, ...: tokens accepted).
+fn draft_series(out: &mut String, labels: &str, l: &LaneStats) {
+    let one = format!("{{{}}}", labels.trim_end_matches(','));
+    counter(out, &one, "braid_draft_proposed_tokens_total", "Draft tokens verified.", l.draft_proposed);
+    counter(out, &one, "braid_draft_accepted_tokens_total", "Draft tokens accepted (acceptance rate = this / proposed).", l.draft_accepted);
+    let name = "braid_draft_acceptance_length";
+    let _ = writeln!(out, "# HELP {name} Draft tokens accepted per verified proposal.\n# TYPE {name} histogram");
+    let hist = &l.draft_accept_lengths;
+    let (mut cum, mut sum) = (0u64, 0u64);
+    for (i, c) in hist.iter().enumerate() {
+        cum += c;
+        sum += i as u64 * c;
+        let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{i}\"}} {cum}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels}le=\"+Inf\"}} {cum}");
+    let _ = writeln!(out, "{name}_sum{one} {sum}\n{name}_count{one} {cum}");
 }
 
 fn counter(out: &mut String, labels: &str, name: &str, help: &str, v: u64) {
@@ -228,10 +251,27 @@ mod tests {
         m.finish("stop");
         m.finish("tool_calls");
         m.finish("stop");
-        let s = m.render("my \"model\"", None);
+        let s = m.render("my \"model\"", None, None);
         assert!(s.contains("braid_requests_total{model_name=\"my \\\"model\\\"\",route=\"/v1/completions\",status=\"200\"} 2\n"), "{s}");
         assert!(s.contains("braid_requests_total{model_name=\"my \\\"model\\\"\",route=\"/v1/completions\",status=\"400\"} 1\n"), "{s}");
         assert!(s.contains("braid_finished_streams_total{model_name=\"my \\\"model\\\"\",finish_reason=\"stop\"} 2\n"), "{s}");
         assert!(s.contains("braid_model_loaded{model_name=\"my \\\"model\\\"\"} 0\n"), "{s}");
+    }
+
+    #[test]
+    fn draft_counters_and_acceptance_lengths_carry_the_method() {
+        let m = Metrics::default();
+        let lane = LaneStats { draft_proposed: 9, draft_accepted: 5, draft_accept_lengths: vec![1, 0, 2, 1], ..LaneStats::default() };
+        let s = m.render("m", Some("ngram"), Some(&lane));
+        let l = "model_name=\"m\",method=\"ngram\"";
+        assert!(s.contains(&format!("braid_draft_proposed_tokens_total{{{l}}} 9\n")), "{s}");
+        assert!(s.contains(&format!("braid_draft_accepted_tokens_total{{{l}}} 5\n")), "{s}");
+        for (le, n) in [("0", 1), ("1", 1), ("2", 3), ("3", 4), ("+Inf", 4)] {
+            assert!(s.contains(&format!("braid_draft_acceptance_length_bucket{{{l},le=\"{le}\"}} {n}\n")), "{le}: {s}");
+        }
+        assert!(s.contains(&format!("braid_draft_acceptance_length_sum{{{l}}} 7\n")), "{s}");
+        assert!(s.contains(&format!("braid_draft_acceptance_length_count{{{l}}} 4\n")), "{s}");
+        // No drafter, no draft series.
+        assert!(!m.render("m", None, Some(&lane)).contains("braid_draft"));
     }
 }

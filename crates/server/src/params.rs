@@ -56,6 +56,41 @@ pub struct Common {
     /// The prefix cache to use (vLLM's `cache_salt`): only requests with
     /// the same salt share cached prompts.
     pub cache_salt: Option<String>,
+    /// `"speculative": {"method", "num_speculative_tokens"}` as asked.
+    pub speculative: Option<SpecAsk>,
+}
+
+/// A request's speculative decoding: `method` (`ngram`, `draft`, `dflash`,
+/// `dspark`, or `none` to decode without), and at most `tokens` drafts
+/// verified per round.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecAsk {
+    pub method: String,
+    pub tokens: Option<usize>,
+}
+
+/// Methods `speculative.method` may name.
+pub const SPEC_METHODS: &[&str] = &["ngram", "draft", "dflash", "dspark", "none"];
+
+fn speculative(f: &Fields) -> Result<Option<SpecAsk>, ApiError> {
+    let o = match f.0.get("speculative") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => Fields(o),
+        Some(other) => return Err(f.wrong("speculative", "an object", other)),
+    };
+    let method = match o.str("method")? {
+        Some(m) if SPEC_METHODS.contains(&m) => m.to_string(),
+        Some(m) => return Err(ApiError::param("speculative.method", format!("`speculative.method` must be one of {}, got {m:?}.", SPEC_METHODS.join(", ")))),
+        None => return Err(ApiError::param("speculative.method", "`speculative` needs a `method`.")),
+    };
+    let tokens = match o.int("num_speculative_tokens")? {
+        None => None,
+        Some(k) if k < 0 => {
+            return Err(ApiError::param("speculative.num_speculative_tokens", format!("`num_speculative_tokens` must be at least 0, got {k}.")))
+        }
+        Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+    };
+    Ok(Some(SpecAsk { method, tokens }))
 }
 
 /// One chat message, content flattened to text.
@@ -400,6 +435,7 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
         logprobs,
         format: format(f)?,
         cache_salt,
+        speculative: speculative(f)?,
     })
 }
 
@@ -687,5 +723,63 @@ fn type_name(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
+    }
+}
+
+/// The lane's `Request::draft_tokens` for a request that asked `ask`:
+/// the lane's default, none (`Some(0)`), or a cap; a method this server
+/// does not draft with is a 400 naming the one it does.
+pub(crate) fn draft_tokens(spec: &crate::Speculation, ask: Option<&SpecAsk>) -> Result<Option<usize>, ApiError> {
+    let Some(ask) = ask else { return Ok(spec.opt_in.then_some(0)) };
+    if ask.method == "none" || ask.tokens == Some(0) {
+        return Ok(Some(0));
+    }
+    match spec.method.as_deref() {
+        Some(m) if m == ask.method => Ok(ask.tokens),
+        Some(m) => Err(ApiError::param("speculative.method", format!("This server drafts with `{m}`, not `{}` (or ask for `none`).", ask.method))),
+        None => Err(ApiError::param(
+            "speculative.method",
+            format!("This server has no drafter, so `{}` is not available (it starts with one by --drafter or --draft-model).", ask.method),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Speculation;
+
+    fn ask(body: Value) -> Result<Option<SpecAsk>, ApiError> {
+        let Value::Object(o) = body else { unreachable!() };
+        speculative(&Fields(&o))
+    }
+
+    #[test]
+    fn speculative_is_parsed_and_checked_against_the_servers_drafter() {
+        let ngram = ask(serde_json::json!({"speculative": {"method": "ngram", "num_speculative_tokens": 3}})).unwrap().unwrap();
+        assert_eq!(ngram, SpecAsk { method: "ngram".into(), tokens: Some(3) });
+        assert_eq!(ask(serde_json::json!({})).unwrap(), None);
+        for bad in [
+            serde_json::json!({"speculative": "ngram"}),
+            serde_json::json!({"speculative": {"method": "eagle"}}),
+            serde_json::json!({"speculative": {}}),
+            serde_json::json!({"speculative": {"method": "draft", "num_speculative_tokens": -1}}),
+        ] {
+            assert!(ask(bad.clone()).is_err(), "{bad} was accepted");
+        }
+        let served = Speculation { method: Some("ngram".into()), opt_in: false };
+        assert_eq!(draft_tokens(&served, None).unwrap(), None, "every request drafts by default");
+        assert_eq!(draft_tokens(&served, Some(&ngram)).unwrap(), Some(3));
+        let none = SpecAsk { method: "none".into(), tokens: None };
+        assert_eq!(draft_tokens(&served, Some(&none)).unwrap(), Some(0));
+        let draft = SpecAsk { method: "draft".into(), tokens: None };
+        let e = draft_tokens(&served, Some(&draft)).unwrap_err();
+        assert!(format!("{e:?}").contains("drafts with `ngram`"), "{e:?}");
+        let opt_in = Speculation { opt_in: true, ..served };
+        assert_eq!(draft_tokens(&opt_in, None).unwrap(), Some(0), "opt-in: a request that does not ask drafts nothing");
+        assert_eq!(draft_tokens(&opt_in, Some(&ngram)).unwrap(), Some(3));
+        let e = draft_tokens(&Speculation::default(), Some(&ngram)).unwrap_err();
+        assert!(format!("{e:?}").contains("no drafter"), "{e:?}");
+        assert_eq!(draft_tokens(&Speculation::default(), Some(&none)).unwrap(), Some(0));
     }
 }

@@ -28,6 +28,10 @@ pub struct Request {
     /// The prompt's images, ascending and apart, each over prompt rows that
     /// hold its [`image_token_ids`](crate::backend::image_token_ids).
     pub images: Vec<PromptImage>,
+    /// Most draft tokens verified per round for this stream: `None` takes
+    /// the lane's `max_draft`, `Some(0)` keeps the drafter off it (it never
+    /// sees the stream), more than `max_draft` is `max_draft`.
+    pub draft_tokens: Option<usize>,
 }
 
 impl Request {

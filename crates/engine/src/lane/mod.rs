@@ -83,6 +83,12 @@ pub struct LaneConfig {
     pub mark_prompt_end: bool,
     /// Most draft tokens verified per stream and round (0 turns drafting off).
     pub max_draft: usize,
+    /// Rounds with more decoding streams than this carry no drafts, and
+    /// no stream asks the drafter for one while there are: a large batch
+    /// already fills the device, so a verified row costs about what a
+    /// decoded one does, and rejected rows and the drafter's own forwards
+    /// would cost aggregate throughput. Drafting resumes as the batch shrinks.
+    pub draft_max_streams: usize,
     /// While other streams decode, size each prompt chunk (which runs in
     /// their round's forward) so it adds about this fraction to the round
     /// (where cut sizes are free: `Capabilities::free_cuts`). The lane
@@ -120,6 +126,7 @@ impl Default for LaneConfig {
             mark_every: 1024,
             mark_prompt_end: true,
             max_draft: 8,
+            draft_max_streams: 4,
             prefill_share: None,
             itl_target: None,
             mask_threads: 2,

@@ -59,8 +59,9 @@ impl Core {
             free_cuts: self.caps.free_cuts(),
             images: s.images.iter().map(|m| (m.start, m.end())).collect(),
         };
-        if let Some(d) = self.drafter.as_mut() {
+        if let Some(d) = self.drafter.as_mut().filter(|_| s.draft_tokens > 0) {
             d.open(s.id, &s.prompt[..planned]);
+            d.cap(s.id, s.draft_tokens);
         }
         s.len = planned;
         s.cached = planned;

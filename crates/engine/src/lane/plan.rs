@@ -52,6 +52,8 @@ pub(super) struct Decoder<'a> {
     pub room: usize,
     /// The drafter's proposal to follow `last`.
     pub draft: &'a [u32],
+    /// Most draft tokens its rows may carry (its request's cap).
+    pub max_draft: usize,
     pub need: Need,
 }
 
@@ -92,6 +94,8 @@ pub(super) struct LaneView<'a> {
     pub max_batch: usize,
     /// Most draft tokens per stream and round.
     pub max_draft: usize,
+    /// Rounds of more decoding streams than this carry no drafts.
+    pub draft_max_streams: usize,
     pub vocab: usize,
     pub picks: Picks,
     /// `None`: the backend reports no fill, so memory is not planned.
@@ -198,9 +202,11 @@ pub(super) fn plan(v: &LaneView<'_>) -> RoundPlan {
     }
 
     let mut room = cap - batch.len() - out.chunk.map_or(0, |c| c.end - c.start);
+    // A large batch drafts nothing (see `LaneConfig::draft_max_streams`).
+    let max_draft = if v.decoding.len() > v.draft_max_streams { 0 } else { v.max_draft };
     for d in &batch {
         let usable = d.draft.iter().position(|&t| t as usize >= v.vocab).unwrap_or(d.draft.len());
-        let mut n = usable.min(v.max_draft).min(d.room.saturating_sub(1)).min(room);
+        let mut n = usable.min(max_draft).min(d.max_draft).min(d.room.saturating_sub(1)).min(room);
         while n > 0 && blocks(d.len + 1, n) > free {
             n -= 1;
         }
@@ -266,7 +272,7 @@ mod tests {
 
     /// Stream `at` (id `10 + at`), feeding token `at`, `len` rows in.
     fn dec(at: usize, len: usize, draft: &[u32]) -> Decoder<'_> {
-        Decoder { at, id: 10 + at as u64, last: at as u32, len, room: 100, draft, need: Need::Logits }
+        Decoder { at, id: 10 + at as u64, last: at as u32, len, room: 100, draft, max_draft: 8, need: Need::Logits }
     }
 
     fn pass(at: usize, cuts: &CutPlan, pos: usize) -> Option<Prefill<'_>> {
@@ -280,6 +286,7 @@ mod tests {
             budget: Budget::Chunk(None),
             max_batch: 64,
             max_draft: 8,
+            draft_max_streams: 64,
             vocab: 64,
             picks: Picks::default(),
             memory: None,
@@ -411,6 +418,15 @@ mod tests {
         // No drafter, no drafts.
         v.max_draft = 0;
         assert!(plan(&v).rows.iter().all(|r| r.tokens.len() == 1));
+        // A stream's own cap (its request's), and a batch too large to draft.
+        v.max_draft = 8;
+        v.decoding[0].max_draft = 2;
+        // (The room stream 10 leaves goes to stream 11.)
+        assert_eq!(rows(&plan(&v)), vec![(10, vec![0, 1, 2]), (11, vec![1, 1])]);
+        v.draft_max_streams = 1;
+        assert!(plan(&v).rows.iter().all(|r| r.tokens.len() == 1), "two streams decode: past draft_max_streams");
+        v.draft_max_streams = 2;
+        assert_eq!(rows(&plan(&v))[0], (10, vec![0, 1, 2]));
     }
 
     #[test]

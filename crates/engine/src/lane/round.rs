@@ -51,7 +51,9 @@ impl Core {
     fn view(&self) -> LaneView<'_> {
         let decoding: Vec<Decoder<'_>> = (self.running.iter().enumerate())
             .filter_map(|(at, s)| match &s.phase {
-                Phase::Decoding { last, draft } => Some(Decoder { at, id: s.id, last: *last, len: s.len, room: s.room(), draft, need: s.need() }),
+                Phase::Decoding { last, draft } => {
+                    Some(Decoder { at, id: s.id, last: *last, len: s.len, room: s.room(), draft, max_draft: s.draft_tokens, need: s.need() })
+                }
                 _ => None,
             })
             .collect();
@@ -71,7 +73,8 @@ impl Core {
             prefill,
             budget,
             max_batch: if self.caps.max_batch == 0 { usize::MAX } else { self.caps.max_batch },
-            max_draft: if self.drafter.is_some() { self.cfg.max_draft } else { 0 },
+            max_draft: self.max_draft(),
+            draft_max_streams: self.cfg.draft_max_streams,
             vocab: self.caps.vocab_size,
             picks: self.caps.picks,
             memory,
@@ -97,8 +100,8 @@ impl Core {
                 None
             }
             Some(c) => {
-                let drafter = self.drafter.as_deref_mut();
                 let s = &mut self.running[c.at];
+                let drafter = self.drafter.as_deref_mut().filter(|_| s.draft_tokens > 0);
                 let Phase::Prefilling { pass, paused } = &mut s.phase else { unreachable!("a planned chunk's stream is prefilling") };
                 *paused = false;
                 pass.set_max_rows(c.max_rows);
@@ -220,8 +223,9 @@ impl Core {
         let sampled = s.sampler.sample_masked(&mut logits, s.logprobs, mask);
         let last = sampled.token;
         if !self.emit(at, sampled) {
+            let propose = self.proposing(1);
             let s = &mut self.running[at];
-            let draft = self.drafter.as_mut().map(|d| d.propose(s.id, last)).unwrap_or_default();
+            let draft = self.drafter.as_mut().filter(|_| propose && s.draft_tokens > 0).map(|d| d.propose(s.id, last)).unwrap_or_default();
             s.phase = Phase::Decoding { last, draft };
             self.send_guide(at);
         }
@@ -311,6 +315,15 @@ impl Core {
             self.stats.draft_accepted += 1;
         }
         self.stats.draft_proposed += draft.len() as u64;
+        if !draft.is_empty() {
+            let accepted = kept.saturating_sub(1).min(draft.len());
+            let hist = &mut self.stats.draft_accept_lengths;
+            let i = accepted.min(ACCEPT_LENGTHS - 1);
+            if hist.len() <= i {
+                hist.resize(i + 1, 0);
+            }
+            hist[i] += 1;
+        }
         let Some(last) = last.filter(|_| !ended) else { return };
         let s = &mut self.running[at];
         s.len += kept;
@@ -320,15 +333,42 @@ impl Core {
             }
         }
         let dim = features.len() / (draft.len() + 1);
-        let next = match self.drafter.as_mut() {
+        let propose = self.proposing(0);
+        let s = &mut self.running[at];
+        let next = match self.drafter.as_mut().filter(|_| s.draft_tokens > 0) {
             Some(d) => {
                 d.absorb(s.id, &fed[..kept], features.get(..kept * dim).unwrap_or(&[]));
-                d.propose(s.id, last)
+                if propose {
+                    d.propose(s.id, last)
+                } else {
+                    Vec::new()
+                }
             }
             None => Vec::new(),
         };
         s.phase = Phase::Decoding { last, draft: next };
         self.send_guide(at);
+    }
+}
+
+/// Buckets of `LaneStats::draft_accept_lengths` (the last holds longer ones).
+pub const ACCEPT_LENGTHS: usize = 17;
+
+impl Core {
+    /// Most draft tokens a round may verify per stream (0 without a drafter).
+    pub(super) fn max_draft(&self) -> usize {
+        if self.drafter.is_some() {
+            self.cfg.max_draft
+        } else {
+            0
+        }
+    }
+
+    /// Whether streams ask the drafter for proposals now: not while more
+    /// streams decode (and `joining` more are about to) than
+    /// `draft_max_streams`, since their drafts would not run.
+    fn proposing(&self, joining: usize) -> bool {
+        joining + self.running.iter().filter(|s| matches!(s.phase, Phase::Decoding { .. })).count() <= self.cfg.draft_max_streams
     }
 }
 

@@ -199,7 +199,7 @@ impl Core {
     fn command(&mut self, c: Command) {
         match c {
             Command::Submit(p) => {
-                let mut s = Stream::new(*p, self.cfg.max_context, self.cfg.decode_reserve, self.caps.vocab_size);
+                let mut s = Stream::new(*p, self.cfg.max_context, self.cfg.decode_reserve, self.caps.vocab_size, self.max_draft());
                 self.start_guide(&mut s);
                 if self.keeps_marks() {
                     // Counted on arrival, so prompts sent together find

@@ -68,6 +68,9 @@ pub struct LaneStats {
     pub generated_tokens: u64,
     pub draft_proposed: u64,
     pub draft_accepted: u64,
+    /// Verified proposals by how many of their tokens were accepted
+    /// (index 0: none; the last index counts that many or more).
+    pub draft_accept_lengths: Vec<u64>,
     /// Masks computed for guided streams (drafted rows' included).
     pub guided_masks: u64,
     /// Times a guided stream's rows waited for their masks (it sat out

@@ -54,6 +54,8 @@ pub(super) struct Stream {
     pub cache_salt: u64,
     pub prefix_hint: Option<usize>,
     pub images: Arc<[PromptImage]>,
+    /// Most draft tokens a round verifies for it (0: it does not draft).
+    pub draft_tokens: usize,
     pub sink: Box<dyn EventSink>,
     pub shared: Arc<StreamShared>,
     pub phase: Phase,
@@ -81,7 +83,7 @@ pub(super) struct Stream {
 impl Stream {
     /// A queued stream for a submission; `decode_reserve` tokens of memory
     /// are claimed for its completion (at most what it may generate).
-    pub fn new(p: Pending, max_context: usize, decode_reserve: usize, vocab: usize) -> Stream {
+    pub fn new(p: Pending, max_context: usize, decode_reserve: usize, vocab: usize, max_draft: usize) -> Stream {
         let prompt: Arc<[u32]> = p.req.prompt.into();
         let max_total = match (p.warm, p.req.stop.max_tokens) {
             (true, _) => prompt.len(),
@@ -102,6 +104,7 @@ impl Stream {
             cache_salt: p.req.cache_salt,
             prefix_hint: p.req.prefix_hint,
             images: p.req.images.into(),
+            draft_tokens: p.req.draft_tokens.unwrap_or(max_draft).min(max_draft),
             sink: p.sink,
             shared: p.shared,
             phase: Phase::Queued,

@@ -85,7 +85,9 @@ fn fetch(url: &str, limits: &ImageLimits) -> Result<Vec<u8>, String> {
     let sock = addr.to_socket_addrs().map_err(|e| format!("cannot resolve {host}: {e}"))?.next().ok_or(format!("cannot resolve {host}"))?;
     let mut s = TcpStream::connect_timeout(&sock, Duration::from_secs(10)).map_err(|e| format!("cannot reach {host}: {e}"))?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\nAccept: image/*\r\n\r\n").map_err(|e| e.to_string())?;
+    // One write: `write!` on the socket would send the request in pieces.
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nAccept: image/*\r\n\r\n");
+    s.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
     let mut body = Vec::new();
     s.take(limits.max_bytes as u64 + 65536).read_to_end(&mut body).map_err(|e| format!("reading {url}: {e}"))?;
     let split = body.windows(4).position(|w| w == b"\r\n\r\n").ok_or("the reply has no HTTP header")?;
@@ -163,9 +165,18 @@ mod tests {
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
-            let mut buf = [0u8; 1024];
-            let _ = s.read(&mut buf);
+            // The whole request first: closing with unread bytes would
+            // reset the connection before the client reads the reply.
+            let (mut got, mut buf) = (Vec::new(), [0u8; 1024]);
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
             let _ = s.write_all(&reply);
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            let _ = s.read_to_end(&mut got);
         });
         format!("http://{addr}/cat.png")
     }

@@ -152,6 +152,45 @@ unsafe fn nibbles32(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
 
+/// Q6_K's values (0..63) of half `h` of the super-block at `p`: four
+/// vectors of 32, groups `4h .. 4h + 4` of 32 values in order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_half(p: *const u8, h: usize) -> [__m256i; 4] {
+    let (m4, m2) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x03));
+    let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
+    let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
+    let hb = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+    let hi = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m2), 4);
+    [
+        _mm256_or_si256(_mm256_and_si256(l0, m4), hi(hb)),
+        _mm256_or_si256(_mm256_and_si256(l1, m4), hi(_mm256_srli_epi16(hb, 2))),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(_mm256_srli_epi16(hb, 4))),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(_mm256_srli_epi16(hb, 6))),
+    ]
+}
+
+/// Q4_K's (`T` 4) or Q5_K's (5) values of groups `2j` and `2j + 1` of the
+/// super-block at `p`: 32 values each, unsigned.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k45_groups<const T: u8>(p: *const u8, j: usize) -> (__m256i, __m256i) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let qs = p.add(if T == 4 { 16 } else { 48 });
+    let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+    let lo = _mm256_and_si256(raw, m4);
+    let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if T != 5 {
+        return (lo, hi);
+    }
+    let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+    let x10 = _mm256_set1_epi8(0x10);
+    let bit = |b: __m256i| _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b), b), x10);
+    let b0 = _mm256_set1_epi8(1 << (2 * j));
+    let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
+    (_mm256_or_si256(lo, bit(b0)), _mm256_or_si256(hi, bit(b1)))
+}
+
 /// Matvecs stream weights from memory; the hardware prefetcher follows
 /// the few rows of a tile, but starts late on each new tile. Fetching the
 /// bytes two tiles on (same offset) keeps DRAM busy. Into L2, not L1: on
@@ -366,8 +405,6 @@ unsafe fn pack_k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: us
         5 => 176,
         _ => 210,
     };
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m2 = _mm256_set1_epi8(0x03);
     for r in 0..rows {
         for b in 0..nb {
             let p = src.add(r * stride + b * bytes);
@@ -375,20 +412,7 @@ unsafe fn pack_k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: us
             let qo = o.q.as_mut_ptr();
             if T == 6 {
                 for h in 0..2 {
-                    let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
-                    let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
-                    let hb = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
-                    let hi0 = _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4);
-                    let hi1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4);
-                    let hi2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4);
-                    let hi3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4);
-                    let q = [
-                        _mm256_or_si256(_mm256_and_si256(l0, m4), hi0),
-                        _mm256_or_si256(_mm256_and_si256(l1, m4), hi1),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi3),
-                    ];
-                    for (g, v) in q.iter().enumerate() {
+                    for (g, v) in q6k_half(p, h).iter().enumerate() {
                         _mm256_storeu_si256(qo.add(128 * h + 32 * g) as *mut __m256i, *v);
                     }
                 }
@@ -401,19 +425,8 @@ unsafe fn pack_k<const T: u8>(src: *const u8, stride: usize, rows: usize, nb: us
                 o.d = h2f(p.add(208));
                 o.dm = o.d;
             } else {
-                let qs = p.add(if T == 4 { 16 } else { 48 });
-                let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
-                let x10 = _mm256_set1_epi8(0x10);
                 for j in 0..4 {
-                    let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
-                    let mut lo = _mm256_and_si256(raw, m4);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                    if T == 5 {
-                        let b0 = _mm256_set1_epi8(1 << (2 * j));
-                        let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
-                    }
+                    let (lo, hi) = k45_groups::<T>(p, j);
                     _mm256_storeu_si256(qo.add(64 * j) as *mut __m256i, lo);
                     _mm256_storeu_si256(qo.add(64 * j + 32) as *mut __m256i, hi);
                 }

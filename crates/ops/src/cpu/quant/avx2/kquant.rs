@@ -128,21 +128,10 @@ unsafe fn tile_r8k_packed_body<D: DotAcc, const G16: bool, const RA: usize>(t: &
 /// activation blocks (eight partial lanes each), its mins, d and dm.
 #[inline(always)]
 unsafe fn row_k<const T: u8, const RA: usize>(p: *const u8, ab: &[*const Q8KA; RA], iv: &mut [__m256i; RA], mins: &mut [i16; 16]) -> (f32, f32) {
-    let m4 = _mm256_set1_epi8(0x0f);
     if T == 6 {
-        let m2 = _mm256_set1_epi8(0x03);
         let sc = p.add(192) as *const i8;
         for h in 0..2 {
-            let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
-            let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
-            let hb = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
-            let hi = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m2), 4);
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(l0, m4), hi(hb)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), hi(_mm256_srli_epi16(hb, 2))),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(_mm256_srli_epi16(hb, 4))),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(_mm256_srli_epi16(hb, 6))),
-            ];
+            let q = q6k_half(p, h);
             for g in 0..4 {
                 let gi = 8 * h + 2 * g;
                 let scv = _mm256_setr_m128i(_mm_set1_epi16(*sc.add(gi) as i16), _mm_set1_epi16(*sc.add(gi + 1) as i16));
@@ -158,20 +147,9 @@ unsafe fn row_k<const T: u8, const RA: usize>(p: *const u8, ab: &[*const Q8KA; R
         let d = h2f(p.add(208));
         (d, d)
     } else {
-        let qs = p.add(if T == 4 { 16 } else { 48 });
         let s = std::slice::from_raw_parts(p.add(4), 12);
-        let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
-        let x10 = _mm256_set1_epi8(0x10);
         for j in 0..4 {
-            let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
-            let mut lo = _mm256_and_si256(raw, m4);
-            let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if T == 5 {
-                let b0 = _mm256_set1_epi8(1 << (2 * j));
-                let b1 = _mm256_set1_epi8((2 << (2 * j)) as u8 as i8);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), x10));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), x10));
-            }
+            let (lo, hi) = k45_groups::<T>(p, j);
             let (s0, m0) = k4_scale_min(s, 2 * j);
             let (s1, m1) = k4_scale_min(s, 2 * j + 1);
             let (sv0, sv1) = (_mm256_set1_epi16(s0 as i16), _mm256_set1_epi16(s1 as i16));

@@ -254,7 +254,7 @@ impl B32 for Q40 {
     unsafe fn unpack(p: *const u8) -> W32 {
         let q = nibbles32(p.add(2));
         let d = h2f(p);
-        W32 { q, abs: q, d, m: -8.0 * d }
+        W32 { q, abs: q, d, m: Self::M_OF_D * d }
     }
 }
 
@@ -285,7 +285,7 @@ impl B32 for Q50 {
         let qh = (p.add(2) as *const u32).read_unaligned();
         let q = _mm256_or_si256(nibbles32(p.add(6)), bits_to_0x10(qh));
         let d = h2f(p);
-        W32 { q, abs: q, d, m: -16.0 * d }
+        W32 { q, abs: q, d, m: Self::M_OF_D * d }
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
@@ -293,7 +293,7 @@ impl B32 for Q50 {
         let qh = (p.add(2) as *const u32).read_unaligned();
         let q = _mm256_or_si256(nibbles32(p.add(6)), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)));
         let d = h2f(p);
-        W32 { q, abs: q, d, m: -16.0 * d }
+        W32 { q, abs: q, d, m: Self::M_OF_D * d }
     }
 }
 

@@ -47,15 +47,15 @@ unsafe fn reduce16(v: &[__m512i; 8]) -> __m512i {
 /// activation row. Rows past `rw` repeat the last one; they are not stored.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
-    let mut wr = [t.w; ROWS];
+    // Each row's offset from `t.w`.
     let mut at = [0i32; ROWS];
-    for (r, p) in wr.iter_mut().enumerate() {
-        *p = t.w.add(r.min(rw - 1) * t.w_stride);
-        at[r] = (r.min(rw - 1) * t.w_stride) as i32;
+    for (r, o) in at.iter_mut().enumerate() {
+        *o = (r.min(rw - 1) * t.w_stride) as i32;
     }
+    let block = |r: usize, b: usize| t.w.add(at[r] as usize + b * K::BYTES);
     // Each row's block header (d, and Q4_1's / Q5_1's m), gathered in row
     // order: one conversion for all sixteen scales.
-    let at = _mm512_loadu_si512(at.as_ptr() as *const _);
+    let heads = _mm512_loadu_si512(at.as_ptr() as *const _);
     let mut acc = _mm512_setzero_ps();
     let mut off = _mm512_setzero_ps();
     let bias = _mm512_set1_epi8(-128);
@@ -68,7 +68,7 @@ pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
         let mut v = [_mm512_setzero_si512(); 8];
         for j in 0..8 {
             let (lo, hi) = rows_of(j);
-            let (pl, ph) = (wr[lo].add(b * K::BYTES), wr[hi].add(b * K::BYTES));
+            let (pl, ph) = (block(lo, b), block(hi, b));
             // The block two tiles on, as the eight-row tile does.
             prefetch(pl.wrapping_add(2 * ROWS * t.w_stride));
             prefetch(ph.wrapping_add(2 * ROWS * t.w_stride));
@@ -85,7 +85,7 @@ pub(super) unsafe fn tile16<K: B32>(t: &Tile, rw: usize) {
             let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
             isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * _mm_cvtsi128_si32(s)));
         }
-        let head = _mm512_i32gather_epi32::<1>(at, t.w.add(b * K::BYTES) as *const _);
+        let head = _mm512_i32gather_epi32::<1>(heads, t.w.add(b * K::BYTES) as *const _);
         let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
         let s = _mm512_mul_ps(d, _mm512_set1_ps(ab.d));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc);

@@ -98,24 +98,9 @@ fn a_pass_paused_for_memory_keeps_its_image_rows() {
 
 #[test]
 fn stepped_equals_whole_with_an_image() {
-    let fc = slow();
-    let lc = LaneConfig { chunk_tokens: 8, mark_every: 12, ..LaneConfig::default() };
-    let (lane, log) = lane(fc.clone(), lc);
-    let a = decoding(&lane, prompt(5, 1), LONG);
     let (p, img) = with_image(30, 2, 10, 8, 5);
-    let b = lane.submit(request(&p, &img, 3)).unwrap();
-    let out = drain(&b);
-    a.cancel();
-    drain(&a);
-    let stepped = prefills(&log.snapshot(), b.id);
-
-    let whole_log = CallLog::default();
-    let mut backend = FakeBackend::new(fc, whole_log.clone());
-    backend.open(b.id).unwrap();
-    let plan = CutPlan { prompt_len: 30, chunk_tokens: 8, planned_start: 0, marks: vec![12, 24, 30], max_rows: None, free_cuts: false, images: vec![(10, 18)] };
-    let mut pass = Pass::new(b.id, p.clone().into(), plan, true).with_images(vec![img].into());
-    let whole = prefill_whole(&mut backend, None, &mut pass).unwrap();
-    assert_eq!(stepped, prefills(&whole_log.snapshot(), b.id));
+    let (stepped, whole_calls, whole, out) = stepped_and_whole(slow(), request(&p, &img, 3));
+    assert_eq!(stepped, whole_calls);
     // The mark inside the image (12) gives way; the image is one chunk.
     assert_eq!(stepped.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 8, 10, 18, 24]);
     assert_eq!(whole.marks.iter().map(|m| m.0).collect::<Vec<_>>(), vec![24, 30]);

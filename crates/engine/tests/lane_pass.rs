@@ -16,26 +16,10 @@ use common::*;
 //    while another stream decodes between them; and the replies agree.
 #[test]
 fn stepped_pass_runs_the_whole_pass_chunks() {
-    let fc = slow();
-    let lc = LaneConfig { chunk_tokens: 8, mark_every: 12, ..LaneConfig::default() };
-    let (lane, log) = lane(fc.clone(), lc);
-    let a = decoding(&lane, prompt(5, 1), LONG);
+    // The whole pass from the same rules: marks every 12 tokens and at the
+    // prompt end.
     let p = prompt(30, 2);
-    let b = lane.submit(greedy(p.clone(), 3)).unwrap();
-    let out = drain(&b);
-    a.cancel();
-    drain(&a);
-    let stepped = prefills(&log.snapshot(), b.id);
-
-    // The whole pass over a fresh backend, from the same rules: marks every
-    // 12 tokens and at the prompt end.
-    let whole_log = CallLog::default();
-    let mut backend = FakeBackend::new(fc, whole_log.clone());
-    backend.open(b.id).unwrap();
-    let plan = CutPlan { prompt_len: 30, chunk_tokens: 8, planned_start: 0, marks: vec![12, 24, 30], max_rows: None, free_cuts: false, images: Vec::new() };
-    let mut pass = Pass::new(b.id, p.clone().into(), plan, true);
-    let whole = prefill_whole(&mut backend, None, &mut pass).unwrap();
-    let whole_calls = prefills(&whole_log.snapshot(), b.id);
+    let (stepped, whole_calls, whole, out) = stepped_and_whole(slow(), greedy(p.clone(), 3));
 
     assert_eq!(stepped, whole_calls);
     let starts: Vec<usize> = stepped.iter().map(|c| c.0).collect();

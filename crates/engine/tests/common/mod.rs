@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use braid_engine::fake::{fake_next, Call, CallLog, FakeBackend, FakeConfig, FakeDrafter, FakeText};
-use braid_engine::{Event, FinishReason, Lane, LaneConfig, Request, SamplingParams, StopRules, StreamHandle, Usage};
+use braid_engine::{
+    prefill_whole, Backend, CutPlan, Event, FinishReason, Lane, LaneConfig, Pass, Request, SamplingParams, StopRules, StreamHandle, Usage, WholePass,
+};
 
 pub const WAIT: Duration = Duration::from_secs(20);
 
@@ -162,4 +164,33 @@ pub fn prefills(log: &[Call], stream: u64) -> Vec<(usize, Vec<u32>, bool)> {
 /// Indices of the calls that ran a chunk of `stream`.
 pub fn chunk_calls(log: &[Call], stream: u64) -> Vec<usize> {
     log.iter().enumerate().filter(|(_, c)| c.chunk().is_some_and(|c| c.stream == stream)).map(|(i, _)| i).collect()
+}
+
+/// Prefill chunk calls as [`prefills`] reads them.
+pub type Prefills = Vec<(usize, Vec<u32>, bool)>;
+
+/// `req` served stepped (chunks of 8, marks every 12 tokens) while another
+/// stream decodes, then the whole pass of the same prompt, under the same
+/// rules, over a fresh backend: the stepped chunk calls, the whole pass's
+/// chunk calls, the whole pass, and the stepped reply.
+pub fn stepped_and_whole(fc: FakeConfig, req: Request) -> (Prefills, Prefills, WholePass, Outcome) {
+    let lc = LaneConfig { chunk_tokens: 8, mark_every: 12, ..LaneConfig::default() };
+    let (lane, log) = lane(fc.clone(), lc);
+    let a = decoding(&lane, prompt(5, 1), LONG);
+    let (p, images) = (req.prompt.clone(), req.images.clone());
+    let b = lane.submit(req).unwrap();
+    let out = drain(&b);
+    a.cancel();
+    drain(&a);
+    let stepped = prefills(&log.snapshot(), b.id);
+
+    let whole_log = CallLog::default();
+    let mut backend = FakeBackend::new(fc, whole_log.clone());
+    backend.open(b.id).unwrap();
+    let marks = (12..p.len()).step_by(12).chain([p.len()]).collect();
+    let spans = images.iter().map(|i| (i.start, i.end())).collect();
+    let plan = CutPlan { prompt_len: p.len(), chunk_tokens: 8, planned_start: 0, marks, max_rows: None, free_cuts: false, images: spans };
+    let mut pass = Pass::new(b.id, p.into(), plan, true).with_images(images.into());
+    let whole = prefill_whole(&mut backend, None, &mut pass).unwrap();
+    (stepped, prefills(&whole_log.snapshot(), b.id), whole, out)
 }

@@ -483,7 +483,8 @@ fn run_attention_case(d: &Cuda, r: &mut Rng, c: &Case, tol: f64) {
 fn decode_attention_against_f64() {
     let Some(d) = gpu() else { return };
     let mut r = Rng(seed());
-    // q_len <= 4: the split-KV decode kernel (with and without splits).
+    // Few rows a sequence (below `Tuning::attn_prefill_from`): the
+    // split-KV decode kernel (with and without splits).
     let cases = [
         Case { heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(1, 1), (1, 37), (1, 300), (1, 1029)] },
         Case { heads: 8, kv_heads: 8, hd: 128, window: None, softcap: None, seqs: vec![(1, 5000)] },
@@ -499,10 +500,15 @@ fn decode_attention_against_f64() {
 fn prefill_attention_against_f64() {
     let Some(d) = gpu() else { return };
     let mut r = Rng(seed());
-    // q_len > 4: the tensor-core kernel (q and P rounded to bf16); decode
-    // rows beside a chunk keep the split-KV kernel.
+    // More rows: the tensor-core kernel (q and P rounded to bf16), its keys
+    // split when few tiles walk many keys; the short sequences beside a
+    // chunk keep the split-KV kernel.
     let cases = [
         Case { heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(200, 200)] },
+        // One or two tiles at a long context: key splits, merged.
+        Case { heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(1, 1500), (40, 2000)] },
+        Case { heads: 8, kv_heads: 2, hd: 128, window: None, softcap: None, seqs: vec![(100, 3000)] },
+        Case { heads: 4, kv_heads: 1, hd: 256, window: Some(700), softcap: Some(30.0), seqs: vec![(70, 2500)] },
         Case { heads: 8, kv_heads: 4, hd: 64, window: None, softcap: None, seqs: vec![(77, 500), (1, 20), (64, 64), (5, 9)] },
         Case { heads: 4, kv_heads: 2, hd: 128, window: None, softcap: None, seqs: vec![(130, 1000)] },
         Case { heads: 4, kv_heads: 1, hd: 256, window: Some(48), softcap: Some(30.0), seqs: vec![(150, 170)] },

@@ -26,6 +26,7 @@ pub(super) struct AttnFns {
     decode_cl: Option<usize>,
     combine: usize,
     prefill: Option<usize>,
+    prefill_combine: usize,
 }
 
 /// The modules compiled so far, and the split-KV scratch.
@@ -58,6 +59,7 @@ impl Cuda {
             decode_cl: if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster { Some(m.func("attn_decode_cl")?) } else { None },
             combine: m.func("attn_combine")?,
             prefill: if self.inner.cc.0 >= 8 { Some(m.func("attn_prefill")?) } else { None },
+            prefill_combine: if self.inner.cc.0 >= 8 { m.func("attn_prefill_combine")? } else { 0 },
         };
         let mut st = self.st();
         st.prof.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
@@ -67,9 +69,21 @@ impl Cuda {
         st.prof.names.insert(f.combine, format!("attn_combine hd{hd}"));
         if let Some(p) = f.prefill {
             st.prof.names.insert(p, format!("attn_prefill hd{hd} g{g}"));
+            st.prof.names.insert(f.prefill_combine, format!("attn_prefill_combine hd{hd}"));
         }
         st.attn.fns.insert((hd, g), f);
         Ok(f)
+    }
+
+    /// The split-KV scratch, at least `need` bytes (the launches that use
+    /// it run one after another on the stream).
+    fn attn_part(&self, need: usize) -> Result<u64> {
+        let mut st = self.st();
+        let part = &mut st.attn.part;
+        if part.bytes < need {
+            *part = DevBuf::new(self.ctx(), need.max(4 << 20))?;
+        }
+        Ok(part.ptr)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -115,12 +129,16 @@ impl Cuda {
         }
         let fns = self.attn_fns(hd, g)?;
         let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
-        let prefill = f_pre.is_some() && max_q > 4;
-        if prefill && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= 4) {
+        // Sequences of fewer rows take the split-KV decode kernel, a row
+        // per work item: a short prompt chunk at a long context, in the
+        // prefill kernel, is a few blocks walking every key.
+        let few = self.inner.tuning.attn_prefill_from.max(2) - 1;
+        let prefill = f_pre.is_some() && max_q > few;
+        if prefill && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= few) {
             // A decode round sharing its forward with a prompt chunk: the
             // decode rows keep the split-KV kernel (one prefill block
             // walking a long context alone would stall them).
-            let (short, long): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().partition(|s| s.q_len <= 4);
+            let (short, long): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().partition(|s| s.q_len <= few);
             self.attention_cmds(q, kv, layer, &short, scale, softcap, out)?;
             return self.attention_cmds(q, kv, layer, &long, scale, softcap, out);
         }
@@ -162,7 +180,36 @@ impl Cuda {
         let paged = |f: usize| self.launch(f).ptr(q.fptr()).int(q.cols).ptr(kc).ptr(vc).i32(kv_w).int(bt).ptr(mp).int(off_list).int(off_bt);
         if prefill {
             let f = f_pre.unwrap_or(f_dec);
-            paged(f).grid((work as u32, heads as u32, 1)).block(128).f32(scale).f32(cap).ptr(out.fptr()).ptr(out.bptr()).run()?;
+            // Split the keys when the tiles alone leave the GPU mostly idle.
+            // The count depends on the shape only (a split past the keys
+            // walks none), so a recorded chunk's graph serves every position.
+            let ctas = work * heads;
+            let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, self.inner.tuning.attn_prefill_splits.max(1));
+            let part = if nsplit > 1 { self.attn_part(work * PREFILL_ROWS * heads * nsplit * (hd + 2) * 4)? } else { 0 };
+            paged(f)
+                .grid((work as u32, heads as u32, nsplit as u32))
+                .block(128)
+                .f32(scale)
+                .f32(cap)
+                .ptr(out.fptr())
+                .ptr(out.bptr())
+                .int(nsplit)
+                .ptr(part)
+                .run()?;
+            if nsplit > 1 {
+                self.launch(fns.prefill_combine)
+                    .grid(((work * PREFILL_ROWS) as u32, heads as u32, 1))
+                    .block(hd as u32)
+                    .ptr(part)
+                    .ptr(mp)
+                    .int(off_list)
+                    .int(nsplit)
+                    .int(heads)
+                    .int(q.cols)
+                    .ptr(out.fptr())
+                    .ptr(out.bptr())
+                    .run()?;
+            }
         } else {
             // Split the keys so the launch fills the GPU; the split count
             // depends on the batch shape only, so graphs stay valid as
@@ -175,17 +222,7 @@ impl Cuda {
             let max = if fns.decode_cl.is_some() { self.inner.tuning.attn_max_splits.min(8) } else { self.inner.tuning.attn_max_splits };
             let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
             let cluster = fns.decode_cl.filter(|_| nsplit > 1);
-            let part = if nsplit > 1 && cluster.is_none() {
-                let need = work * heads * nsplit * (hd + 2) * 4;
-                let mut st = self.st();
-                let part = &mut st.attn.part;
-                if part.bytes < need {
-                    *part = DevBuf::new(self.ctx(), need.max(4 << 20))?;
-                }
-                part.ptr
-            } else {
-                0
-            };
+            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(work * heads * nsplit * (hd + 2) * 4)? } else { 0 };
             paged(cluster.unwrap_or(f_dec))
                 .grid((nsplit as u32, kvh as u32, work as u32))
                 .block(128)

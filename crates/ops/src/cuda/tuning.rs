@@ -27,6 +27,15 @@ pub struct Tuning {
     /// Most key splits of the decode attention (1–64): enough to fill the
     /// GPU at one stream.
     pub attn_max_splits: usize,
+    /// From how many query rows a sequence runs the tensor-core prefill
+    /// attention (at least 2); fewer take the split-KV decode kernel, a
+    /// row per work item: on the H200 a 5-row chunk at ~1000 keys cost
+    /// 1.3 ms more a round in the prefill kernel (32 blocks, each walking
+    /// every key alone).
+    pub attn_prefill_from: usize,
+    /// Most key splits of the prefill attention (1: none), used when its
+    /// tiles alone leave most SMs idle (a short chunk at a long context).
+    pub attn_prefill_splits: usize,
     /// The decode attention merges its key splits inside a thread-block
     /// cluster (Hopper on): no combine launch.
     pub attn_cluster: bool,
@@ -66,6 +75,8 @@ impl Default for Tuning {
             gemv_blocks_per_sm: 1,
             gemv_max_rows: 4,
             attn_max_splits: 16,
+            attn_prefill_from: 17,
+            attn_prefill_splits: 8,
             attn_cluster: true,
             pdl: true,
             pdl_early: true,
@@ -101,6 +112,8 @@ impl Tuning {
             gemv_blocks_per_sm: self.gemv_blocks_per_sm.clamp(1, 64),
             gemv_max_rows: self.gemv_max_rows.min(8),
             attn_max_splits: self.attn_max_splits.clamp(1, 64),
+            attn_prefill_from: self.attn_prefill_from.max(2),
+            attn_prefill_splits: self.attn_prefill_splits.clamp(1, 64),
             ..self
         }
     }
@@ -108,6 +121,7 @@ impl Tuning {
     /// The defaults, each overridden by its `BRAID_CUDA_*` variable: a
     /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
     /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_ATTN_SPLITS`,
+    /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`,
     /// `_ATTN_CLUSTER`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
     /// `_GRAPHS`).
@@ -122,6 +136,8 @@ impl Tuning {
             gemv_blocks_per_sm: num("GEMV_BLOCKS", d.gemv_blocks_per_sm),
             gemv_max_rows: num("GEMV_ROWS", d.gemv_max_rows),
             attn_max_splits: num("ATTN_SPLITS", d.attn_max_splits),
+            attn_prefill_from: num("ATTN_PREFILL_FROM", d.attn_prefill_from),
+            attn_prefill_splits: num("ATTN_PREFILL_SPLITS", d.attn_prefill_splits),
             attn_cluster: on("ATTN_CLUSTER", d.attn_cluster),
             pdl: on("PDL", d.pdl),
             pdl_early: on("PDL_EARLY", d.pdl_early),

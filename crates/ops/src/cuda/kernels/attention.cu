@@ -290,6 +290,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 // padded by 8 values so the fragment loads are free of bank conflicts. A
 // warp skips tiles wholly outside its rows' causal (and window) range and
 // masks only the tiles that cross an edge. Scores are kept in log2 units.
+// With nsplit > 1 the tile's keys are split over blockIdx.z (a short chunk
+// at a long context is otherwise a few blocks walking every key alone);
+// each split leaves its rows' (o, m, l) in `part` for attn_prefill_combine.
 #define PF_KT (HD > 128 ? 32 : 64)
 #define PF_KP (HD + 8)
 #define PF_VP (PF_KT + 8)
@@ -305,7 +308,7 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
 extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
     const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap,
-    float* __restrict__ out, bf16_t* __restrict__ out_bf)
+    float* __restrict__ out, bf16_t* __restrict__ out_bf, int nsplit, float* __restrict__ part)
 {
     PDL_ENTRY();
     __shared__ __align__(16) bf16_t Ks[PF_KT * PF_KP];
@@ -353,7 +356,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f; }
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
 
-    for (int kb = key_lo; kb <= key_hi; kb += PF_KT) {
+    // This split's key tiles (all of them when nsplit is 1).
+    const int ktiles = (key_hi - key_lo) / PF_KT + 1, per = (ktiles + nsplit - 1) / nsplit;
+    const int kb_a = key_lo + blockIdx.z * per * PF_KT, kb_b = min(key_hi + 1, kb_a + per * PF_KT);
+    for (int kb = kb_a; kb < kb_b; kb += PF_KT) {
         __syncthreads();
         // K and V rows: consecutive threads take consecutive 16-byte parts
         // of a row (coalesced); V is stored transposed.
@@ -452,6 +458,29 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (nsplit > 1) {
+        // Partials by (tile row, head, split): o unnormalised, m in natural
+        // units (as attn_decode leaves them), l.
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = half ? r1 : r0;
+            if (r >= q_len) continue;
+            const long z = (long)blockIdx.x * PF_BQ + (r - i0);
+            float* pp = part + ((z * gridDim.y + h) * nsplit + blockIdx.z) * (HD + 2);
+            #pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) {
+                const int d = nt * 8 + tig * 2;
+                pp[d] = o[nt][2 * half];
+                pp[d + 1] = o[nt][2 * half + 1];
+            }
+            if (tig == 0) {
+                const float m = half ? m1 : m0;
+                pp[HD] = m == NEG_INF ? NEG_INF : m * 0.6931471805599453f;
+                pp[HD + 1] = half ? l1 : l0;
+            }
+        }
+        return;
+    }
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     #pragma unroll
     for (int nt = 0; nt < HD / 8; nt++) {
@@ -467,5 +496,32 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
             out_bf[off] = f2bf(o[nt][2] * inv1); out_bf[off + 1] = f2bf(o[nt][3] * inv1);
         }
     }
+}
+
+// Merge attn_prefill's key splits: one block of HD threads per (tile row,
+// head); rows past their sequence's end have no partials.
+extern "C" __global__ void attn_prefill_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_tiles,
+                                                int nsplit, int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    PDL_ENTRY();
+    const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const unsigned s = meta[off_tiles + 2 * (z / PF_BQ)];
+    const int i = meta[off_tiles + 2 * (z / PF_BQ) + 1] + z % PF_BQ;
+    if (i >= (int)meta[5 * s + 1]) return;
+    const int row = meta[5 * s] + i;
+    const float* pp = part + ((long)z * heads + h) * nsplit * (HD + 2);
+    float M = NEG_INF;
+    for (int k = 0; k < nsplit; k++) M = fmaxf(M, pp[k * (HD + 2) + HD]);
+    float L = 0.f, acc = 0.f;
+    for (int k = 0; k < nsplit; k++) {
+        const float m = pp[k * (HD + 2) + HD];
+        if (m == NEG_INF) continue;
+        const float w = __expf(m - M);
+        L += w * pp[k * (HD + 2) + HD + 1];
+        acc += w * pp[k * (HD + 2) + d];
+    }
+    const float v = L > 0.f ? acc / L : 0.f;
+    const long off = (long)row * q_cols + h * HD + d;
+    out[off] = v;
+    out_bf[off] = f2bf(v);
 }
 #endif

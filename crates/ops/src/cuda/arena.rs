@@ -14,6 +14,9 @@ use super::Cuda;
 /// The arena's size in u32 words.
 pub(super) const ARENA_WORDS: usize = 4 << 20;
 
+/// The smallest slot an upload takes, in u32 words.
+const UPLOAD_SLOT_WORDS: usize = 16 << 10;
+
 #[derive(Default)]
 pub(super) struct Arena {
     /// Next free word, and this pass's recent uploads (identical arrays,
@@ -105,8 +108,12 @@ impl Cuda {
             return Ok(self.inner.arena.ptr + 4 * *off as u64);
         }
         // Room to grow (block tables lengthen as sequences do), so the
-        // offsets of later uploads, which graphs bake in, rarely move.
-        let n = data.len().max(64).next_power_of_two();
+        // offsets of later uploads, which graphs bake in, stay put: a
+        // forward's dozen uploads in slots of at least 64 KiB. (Slots of a
+        // power of two from 256 bytes moved whenever a decode round's block
+        // tables crossed one, and each move re-recorded its graph: 2–3 ms
+        // gaps, ten times in a 4000-token run on the H200.)
+        let n = data.len().max(UPLOAD_SLOT_WORDS).next_power_of_two();
         ensure!(n <= ARENA_WORDS, "upload of {} indices exceeds the {}-word arena", data.len(), ARENA_WORDS);
         if a.off + n > ARENA_WORDS {
             if recording {

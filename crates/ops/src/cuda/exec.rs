@@ -80,6 +80,9 @@ impl Cmd {
     }
 }
 
+/// Recorded graphs kept at most.
+const MAX_GRAPHS: usize = 1024;
+
 /// A graph's signature: the hash of its commands.
 fn signature(cmds: &[Cmd]) -> u64 {
     cmds.iter().fold(0xcbf2_9ce4_8422_2325, |h, c| c.hash(h))
@@ -445,8 +448,10 @@ impl Cuda {
         // dropped the hot decode graphs, to be recorded again, in one
         // round: the likely cause of the 10 ms gaps the H200's stall probe
         // saw mid-prefill, when every small mixed round was a new graph.
-        // (A graph still running is freed when it completes.)
-        if st.exec.graphs.len() >= 256 {
+        // (A graph still running is freed when it completes.) Room for the
+        // warm-up's: decode rounds of 1–16 streams, each alone and beside
+        // every replayed chunk size.
+        if st.exec.graphs.len() >= MAX_GRAPHS {
             if let Some((&old, &(g, _))) = st.exec.graphs.iter().min_by_key(|e| e.1 .1) {
                 st.exec.graphs.remove(&old);
                 unsafe {

@@ -62,6 +62,11 @@ pub struct Capabilities {
     pub feature_dim: usize,
     /// What the backend picks where the logits are.
     pub picks: Picks,
+    /// Beside decode rows, a prompt chunk of a power of two rows up to
+    /// this many runs as a recorded forward replayed (a CUDA graph), far
+    /// cheaper than one run afresh; the pacer keeps shared chunks to those
+    /// sizes (0: any size costs the same).
+    pub replayed_chunk_rows: usize,
 }
 
 /// How full the backend's state memory is.

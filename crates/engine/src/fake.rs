@@ -194,6 +194,7 @@ impl Default for FakeConfig {
                 images: true,
                 feature_dim: 2,
                 picks: Picks::default(),
+                replayed_chunk_rows: 0,
             },
             block_tokens: 4,
             blocks_total: 4096,

@@ -33,9 +33,16 @@ use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicke
 use crate::{Batch, ImageAt, Memory, Model, Scratch};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
-/// are keyed for replay; longer prompt chunks, whose shapes rarely recur,
-/// are not.
+/// are keyed for replay, and so are those that add a prompt chunk of a
+/// power of two rows up to [`REPLAY_CHUNK_ROWS`] (the sizes the lane's
+/// pacer keeps to where the device replays: see
+/// `Capabilities::replayed_chunk_rows`). Other chunks run eagerly: their
+/// sizes rarely recur, and on the H200 a recording (3–5 ms) cost more than
+/// the round it was for.
 const REPLAY_ROWS: usize = 16;
+
+/// The largest prompt chunk keyed beside decode rows.
+pub const REPLAY_CHUNK_ROWS: usize = 64;
 
 #[derive(Clone, Debug)]
 pub struct BackendConfig {
@@ -293,7 +300,7 @@ impl<D: Device> ModelBackend<D> {
     /// One forward over `parts`, each stream's rows from its current
     /// length; leaves the logits of `logit_rows` in `scratch.logits` and
     /// advances every part's stream.
-    fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize]) -> Result<()> {
+    fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize], chunk: bool) -> Result<()> {
         let bt = self.cfg.block_tokens;
         let rows = RowArrays::new(&self.streams, bt, parts);
         let mut batch = rows.batch(&self.streams, parts, logit_rows);
@@ -308,7 +315,8 @@ impl<D: Device> ModelBackend<D> {
             }),
             None => None,
         };
-        let key = (batch.images.is_empty() && parts.iter().all(|p| p.1.len() <= REPLAY_ROWS)).then(|| batch.key());
+        let replayed = |p: &(StreamId, &[u32])| p.1.len() <= REPLAY_ROWS || (chunk && p.1.len() <= REPLAY_CHUNK_ROWS && p.1.len().is_power_of_two());
+        let key = (batch.images.is_empty() && parts.iter().all(replayed)).then(|| batch.key());
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
         let ran = dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch));
         if let Some(id) = lent {
@@ -393,7 +401,7 @@ impl<D: Device> ModelBackend<D> {
                 logit_rows.push(total + c.tokens.len() - 1);
             }
         }
-        self.forward(&parts, &logit_rows)?;
+        self.forward(&parts, &logit_rows, chunk.is_some())?;
         let chunk_logits = match chunk {
             Some((_, c)) if c.want_logits => {
                 self.dev.gather_rows(&self.scratch.logits, &[total], &mut self.row);
@@ -435,7 +443,7 @@ impl<D: Device> ModelBackend<D> {
         let parts: Vec<(StreamId, &[u32])> = l.rows.iter().zip(&toks).map(|(&(s, _), t)| (s, &t[..])).collect();
         let logit_rows: Vec<usize> = (0..parts.len()).collect();
         let lens: Vec<usize> = l.rows.iter().map(|(s, _)| self.streams[s].len).collect();
-        self.forward(&parts, &logit_rows)?;
+        self.forward(&parts, &logit_rows, false)?;
         for (j, &(s, _)) in l.rows.iter().enumerate() {
             if !served.iter().any(|&(_, k)| k == j) {
                 self.streams.get_mut(&s).expect("a launched stream is open").len = lens[j];
@@ -550,6 +558,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             images: self.model.vision().is_some(),
             feature_dim: self.scratch.taps.len() * self.tap_width,
             picks: Picks { argmax: caps.argmax, top_k: caps.top_k },
+            replayed_chunk_rows: if caps.replays { REPLAY_CHUNK_ROWS } else { 0 },
         }
     }
 

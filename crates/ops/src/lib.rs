@@ -217,6 +217,9 @@ pub struct DeviceCaps {
     pub top_k: usize,
     /// [`Device::forward_ahead`] does something here.
     pub ahead: bool,
+    /// Keyed forwards replay a recording (CUDA graphs): a shape that recurs
+    /// costs less than one run afresh.
+    pub replays: bool,
 }
 
 /// A forward as the device sees it: the rows' token ids and, when its

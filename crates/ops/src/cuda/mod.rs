@@ -317,7 +317,8 @@ impl Device for Cuda {
 
     fn caps(&self) -> DeviceCaps {
         // cuBLAS chooses kernels (and reduction orders) by shape: not batch-invariant.
-        DeviceCaps { batch_invariant: false, argmax: true, top_k: sampling::TOPK_MAX, ahead: self.inner.tuning.ahead && self.inner.tuning.graphs }
+        let graphs = self.inner.tuning.graphs;
+        DeviceCaps { batch_invariant: false, argmax: true, top_k: sampling::TOPK_MAX, ahead: self.inner.tuning.ahead && graphs, replays: graphs }
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {

@@ -43,6 +43,33 @@ const REMEASURE_EVERY: usize = 8;
 /// until then chunks probe, doubling while rounds stay within the target.
 const TRUSTED_AFTER: usize = 6;
 
+/// `budget` kept to the chunk sizes a backend replays (a power of two up
+/// to `replayed`; see `Capabilities::replayed_chunk_rows`) where the chunk
+/// shares its round with decode rows and would fit one: the power of two
+/// nearest the budget (in ratio), within the `left` rows of the prompt,
+/// so its last chunks too (a remainder of 37 rows runs as 32, 4 and 1). A
+/// larger chunk keeps its size: it runs afresh whatever its size.
+///
+/// Nearest, not the largest within: the pacer grows a chunk by half at
+/// most, and rounded down, half again of 4 rows stayed 4 (on the H200 an
+/// 1800-token prompt took 441 rounds of 4 rows).
+pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize) -> Budget {
+    match budget {
+        Budget::Chunk(rows) if decoding && replayed > 0 => {
+            let r = rows.unwrap_or(usize::MAX).min(left);
+            if r > replayed || r == 0 {
+                return budget;
+            }
+            let down = 1usize << r.ilog2();
+            // Up when r ≥ down·√2 (r² ≥ 2·down²), where the prompt and the sizes allow.
+            let up = down * 2;
+            let nearer_up = r * r >= 2 * down * down && up <= left && up <= replayed;
+            Budget::Chunk(Some(if nearer_up { up } else { down }))
+        }
+        b => b,
+    }
+}
+
 /// How many prompt rows the next round may take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Budget {

@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 
 use super::masks::Held;
-use super::pacer::{Budget, Ran, Shape};
+use super::pacer::{to_replayed, Budget, Ran, Shape};
 use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
 use super::stream::{Phase, Stream};
@@ -63,7 +63,10 @@ impl Core {
         });
         let next =
             Shape { decode_rows: decoding.iter().map(|d| 1 + d.draft.len()).sum(), decode_ctx: decoding.iter().map(|d| d.len).sum(), ..Shape::default() };
-        let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| self.pacer.budget(p.id, p.pos, next));
+        let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| {
+            let b = self.pacer.budget(p.id, p.pos, next);
+            to_replayed(b, p.cuts.prompt_len - p.pos, next.decode_rows > 0, self.caps.replayed_chunk_rows)
+        });
         let memory = self.caps.reports_fill.then(|| {
             let fill = self.backend.fill();
             Memory { free_blocks: fill.blocks_free(), block_tokens: fill.block_tokens }

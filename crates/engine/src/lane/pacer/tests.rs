@@ -208,14 +208,22 @@ fn a_target_the_decode_rows_alone_exceed_still_moves_the_newcomer() {
 /// graph) plus 7 µs a prompt row. Returns the chunk sizes of an
 /// 1800-row pass and each shared round's seconds.
 fn shared_pass_with_a_fixed_cost(share: f32) -> (Vec<usize>, Vec<f64>) {
+    shared_pass(share, 1.4e-3, 0.5e-3, 7e-6, 0)
+}
+
+/// An 1800-row pass under `prefill_share` beside 4 streams whose plain
+/// round takes `plain_s`; a round with a chunk adds `fixed_s` and `row_s` a
+/// prompt row; budgets kept to the sizes replayed up to `replayed` (0:
+/// any size). Returns the chunk sizes and each shared round's seconds.
+fn shared_pass(share: f32, plain_s: f64, fixed_s: f64, row_s: f64, replayed: usize) -> (Vec<usize>, Vec<f64>) {
     let mut p = Pacer::new(None, Some(share), None, true);
     let (mut pos, mut rows, mut secs) = (0, Vec::new(), Vec::new());
     while pos < 1800 && rows.len() < 5000 {
-        match p.budget(3, pos, four()) {
-            Budget::Measure => p.ran(plain(1.4e-3)),
+        match to_replayed(p.budget(3, pos, four()), 1800 - pos, true, replayed) {
+            Budget::Measure => p.ran(plain(plain_s)),
             Budget::Chunk(Some(r)) => {
                 let r = r.min(1800 - pos);
-                let s = 1.4e-3 + 0.5e-3 + 7e-6 * r as f64;
+                let s = plain_s + fixed_s + row_s * r as f64;
                 p.ran(shared(3, r, s));
                 rows.push(r);
                 secs.push(s);
@@ -237,4 +245,46 @@ fn a_fixed_cost_of_sharing_a_round_does_not_hold_chunks_to_one_row() {
     // The rows' part of each round stays near the share.
     let worst = secs.iter().fold(0.0f64, |a, &b| a.max(b));
     assert!(worst <= 1.9e-3 + 0.21e-3 * 1.6, "a shared round took {:.3} ms", worst * 1e3);
+}
+
+#[test]
+fn shared_chunks_keep_to_the_replayed_sizes() {
+    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64);
+    // Within the replayed sizes: the power of two nearest the budget, within the prompt.
+    assert_eq!(r(Some(40), 1000, true), Budget::Chunk(Some(32)));
+    assert_eq!(r(Some(50), 1000, true), Budget::Chunk(Some(64)));
+    assert_eq!(r(Some(64), 1000, true), Budget::Chunk(Some(64)));
+    assert_eq!(r(Some(1), 1000, true), Budget::Chunk(Some(1)));
+    // Growing by half from a power of two reaches the next one (4 -> 7 -> 8).
+    assert_eq!(r(Some(4 + 4 / 2 + 1), 1000, true), Budget::Chunk(Some(8)));
+    // A remainder runs as powers of two: 37 = 32 + 4 + 1.
+    let mut left = 37;
+    let mut sizes = Vec::new();
+    while left > 0 {
+        let Budget::Chunk(Some(n)) = r(Some(40), left, true) else { panic!("no chunk") };
+        sizes.push(n);
+        left -= n;
+    }
+    assert_eq!(sizes, [32, 4, 1]);
+    // Larger chunks, chunks alone, and backends that replay nothing keep the budget.
+    assert_eq!(r(Some(100), 1000, true), Budget::Chunk(Some(100)));
+    assert_eq!(r(None, 1000, true), Budget::Chunk(None));
+    assert_eq!(r(Some(50), 1000, false), Budget::Chunk(Some(50)));
+    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0), Budget::Chunk(Some(50)));
+    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64), Budget::Measure);
+}
+
+#[test]
+fn replayed_sizes_still_grow_past_a_fixed_cost() {
+    // The H200's measured shape (6 streams of the Llama-1B shape): a plain
+    // round 1.47 ms, a chunk adds 0.34 ms and ~18 µs a row, and chunks of
+    // a power of two up to 64 rows replay. Rounded down, growth by half
+    // held every chunk at 4 rows (441 rounds).
+    let (rows, secs) = shared_pass(0.15, 1.47e-3, 0.34e-3, 18e-6, 64);
+    assert!(rows.iter().all(|r| r.is_power_of_two()), "sizes {rows:?}");
+    assert!(rows.len() < 200, "an 1800-row pass took {} chunks: {:?}", rows.len(), &rows[..30.min(rows.len())]);
+    let late = &rows[rows.len() / 2..rows.len() - 4];
+    assert!(late.iter().all(|&r| (8..=32).contains(&r)), "chunk sizes once steered: {late:?}");
+    let worst = secs.iter().fold(0.0f64, |a, &b| a.max(b));
+    assert!(worst <= 1.47e-3 + 0.34e-3 + 0.22e-3 * 2.5, "a shared round took {:.3} ms", worst * 1e3);
 }

@@ -381,7 +381,7 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
     }
     let bgs: Vec<u64> = (0..4).map(|i| bg - i).collect();
     backend.open(id)?;
-    let r = (|| {
+    let r = (|| -> Result<()> {
         for &b in &bgs {
             backend.open(b)?;
             backend.prefill_step(b, braid_engine::Chunk { start: 0, tokens: &tokens[..8], want_logits: false })?;
@@ -396,6 +396,61 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
             backend.round(braid_engine::Step { rows: &round, chunk: Some((id, chunk)), pick: braid_engine::Pick::Logits })?;
             start += n;
             step = (step * 3).div_ceil(2);
+        }
+        Ok(())
+    })();
+    backend.forget(id);
+    for &b in &bgs {
+        backend.forget(b);
+    }
+    r?;
+    record_rounds(backend, &tokens)
+}
+
+/// Most decoding streams whose rounds [`record_rounds`] records.
+const RECORDED_STREAMS: usize = 16;
+
+/// On a backend that replays recorded forwards: the rounds a served
+/// arrival takes, recorded now — 1 to 16 streams decoding, alone and beside
+/// a prompt chunk of every replayed size (with and without the chunk's
+/// logits). Recorded on first use instead, each cost a decoding stream a
+/// 3–5 ms gap on the H200. Largest first, so no later buffer growth moves
+/// what the recordings read.
+fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
+    let caps = backend.capabilities();
+    let most = caps.replayed_chunk_rows;
+    let slots = backend.fill().slots_total;
+    let streams = RECORDED_STREAMS.min(slots.saturating_sub(1));
+    if most == 0 || streams == 0 || tokens.len() < 4 * most {
+        return Ok(());
+    }
+    let id = u64::MAX;
+    // Every stream a round may hold decodes once first, so the logits
+    // rows are as large as they will grow.
+    let widest = slots.saturating_sub(1).min(caps.max_batch.saturating_sub(1)).max(streams);
+    let bgs: Vec<u64> = (1..=widest as u64).map(|i| id - i).collect();
+    let r = (|| -> Result<()> {
+        for &b in &bgs {
+            backend.open(b)?;
+            backend.prefill_step(b, braid_engine::Chunk { start: 0, tokens: &tokens[..8], want_logits: false })?;
+        }
+        let all: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[0]] }).collect();
+        backend.round(braid_engine::Step { rows: &all, chunk: None, pick: braid_engine::Pick::Logits })?;
+        for n in (1..=streams).rev() {
+            let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
+            backend.round(braid_engine::Step { rows: &rows, chunk: None, pick: braid_engine::Pick::Argmax })?;
+            backend.open(id)?;
+            let mut start = 0;
+            let mut size = most;
+            while size > 0 {
+                for want_logits in [false, true] {
+                    let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
+                    backend.round(braid_engine::Step { rows: &rows, chunk: Some((id, chunk)), pick: braid_engine::Pick::Argmax })?;
+                    start += size;
+                }
+                size /= 2;
+            }
+            backend.forget(id);
         }
         Ok(())
     })();

@@ -305,3 +305,67 @@ pub fn bench_llama(be: &mut ModelBackend<Cuda>, cfg: &LlamaConfig, o: &GpuBenchO
     log(&format!("graphs: {replays} replays, {captures} captures; rounds prepared ahead {ahead}, of which launched ahead {launched}"));
     Ok(rep)
 }
+
+/// What a round costs with a prompt chunk beside decode rows (the stall's
+/// arithmetic): `streams` streams decoding at `ctx` tokens each, and a
+/// prompt chunk of each of `chunks` rows starting at `start` in a stream
+/// of its own (its first `start` rows run first, untimed). Returns (rows,
+/// median milliseconds) per chunk size over `rounds` rounds (0 rows: the
+/// decode rows alone), and with `profile` the GPU time per kernel of the
+/// last size's rounds. The first round of each size (its recording, where
+/// it is keyed) is not counted.
+pub fn mixed_run(
+    be: &mut ModelBackend<Cuda>,
+    streams: usize,
+    ctx: usize,
+    start: usize,
+    chunks: &[usize],
+    rounds: usize,
+    mut profile: Option<&mut String>,
+) -> Result<Vec<(usize, f64)>> {
+    ensure!(streams > 0 && ctx > 0 && rounds > 0, "mixed_run: streams, ctx and rounds must be positive");
+    let dev = be.device().clone();
+    let mut last = prompts(be, streams, ctx)?;
+    let vocab = be.capabilities().vocab_size;
+    let mut rng = Rng(0x51ab);
+    let newcomer = FIRST_ID + streams as u64;
+    let mut out = Vec::new();
+    for (ci, &c) in chunks.iter().enumerate() {
+        let profiling = profile.is_some() && ci + 1 == chunks.len();
+        let mut times = Vec::new();
+        for r in 0..rounds + 1 {
+            let toks: Vec<u32> = (0..start + c).map(|_| rng.below(vocab)).collect();
+            be.open(newcomer)?;
+            if start > 0 {
+                be.prefill_step(newcomer, Chunk { start: 0, tokens: &toks[..start], want_logits: false })?;
+            }
+            dev.sync()?;
+            if profiling && r == 1 {
+                dev.profile_start();
+            }
+            let rows: Vec<DecodeRow> = last.iter().enumerate().map(|(i, &t)| DecodeRow { stream: FIRST_ID + i as u64, tokens: vec![t] }).collect();
+            let chunk = (c > 0).then(|| (newcomer, Chunk { start, tokens: &toks[start..], want_logits: true }));
+            let t = Instant::now();
+            match be.round(Step { rows: &rows, chunk, pick: Pick::Argmax })?.picked {
+                Picked::Tokens(t) => last = t,
+                other => bail!("an argmax round returned {other:?}"),
+            }
+            dev.sync()?;
+            if r > 0 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            be.forget(newcomer);
+        }
+        times.sort_by(f64::total_cmp);
+        out.push((c, times[times.len() / 2]));
+        if profiling {
+            if let Some(p) = profile.as_deref_mut() {
+                *p = dev.profile_report()?;
+            }
+        }
+    }
+    for i in 0..streams {
+        be.forget(FIRST_ID + i as u64);
+    }
+    Ok(out)
+}

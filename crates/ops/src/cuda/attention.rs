@@ -178,6 +178,22 @@ impl Cuda {
         // Both kernels open with the query and the paged cache (the grid and
         // block are set apart from the arguments, so the order is free).
         let paged = |f: usize| self.launch(f).ptr(q.fptr()).int(q.cols).ptr(kc).ptr(vc).i32(kv_w).int(bt).ptr(mp).int(off_list).int(off_bt);
+        // A split launch's merge: one block of hd threads per (item, head).
+        let combine = |f: usize, items: usize, nsplit: usize, part: u64| {
+            let out_ptrs = (out.fptr(), out.bptr());
+            self.launch(f)
+                .grid((items as u32, heads as u32, 1))
+                .block(hd as u32)
+                .ptr(part)
+                .ptr(mp)
+                .int(off_list)
+                .int(nsplit)
+                .int(heads)
+                .int(q.cols)
+                .ptr(out_ptrs.0)
+                .ptr(out_ptrs.1)
+                .run()
+        };
         if prefill {
             let f = f_pre.unwrap_or(f_dec);
             // Split the keys when the tiles alone leave the GPU mostly idle.
@@ -197,18 +213,7 @@ impl Cuda {
                 .ptr(part)
                 .run()?;
             if nsplit > 1 {
-                self.launch(fns.prefill_combine)
-                    .grid(((work * PREFILL_ROWS) as u32, heads as u32, 1))
-                    .block(hd as u32)
-                    .ptr(part)
-                    .ptr(mp)
-                    .int(off_list)
-                    .int(nsplit)
-                    .int(heads)
-                    .int(q.cols)
-                    .ptr(out.fptr())
-                    .ptr(out.bptr())
-                    .run()?;
+                combine(fns.prefill_combine, work * PREFILL_ROWS, nsplit, part)?;
             }
         } else {
             // Split the keys so the launch fills the GPU; the split count
@@ -236,18 +241,7 @@ impl Cuda {
                 .ptr(part)
                 .run()?;
             if nsplit > 1 && cluster.is_none() {
-                self.launch(f_comb)
-                    .grid((work as u32, heads as u32, 1))
-                    .block(hd as u32)
-                    .ptr(part)
-                    .ptr(mp)
-                    .int(off_list)
-                    .int(nsplit)
-                    .int(heads)
-                    .int(q.cols)
-                    .ptr(out.fptr())
-                    .ptr(out.bptr())
-                    .run()?;
+                combine(f_comb, work, nsplit, part)?;
             }
         }
         Ok(())

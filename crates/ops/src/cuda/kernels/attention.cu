@@ -258,14 +258,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(DEC_ARGS) 
 // Launched with clusters of nsplit blocks along x (Hopper on): no attn_combine.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_cl(DEC_ARGS) { attn_decode_body<true>(DEC_PASS); }
 
-// Merge the splits of attn_decode: one block of HD threads per (row, head).
-extern "C" __global__ void attn_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_rows, int nsplit,
-                                        int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
-    PDL_ENTRY();
-    const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
-    const int row = meta[5 * s] + i;
-    const float* pp = part + ((long)z * heads + h) * nsplit * (HD + 2);
+// One output value from nsplit partials (o unnormalised, m, l) at pp:
+// what attn_combine and attn_prefill_combine share.
+__device__ __forceinline__ void merge_splits(const float* __restrict__ pp, int nsplit, int d, float* __restrict__ out,
+                                             bf16_t* __restrict__ out_bf, long off) {
     float M = NEG_INF;
     for (int k = 0; k < nsplit; k++) M = fmaxf(M, pp[k * (HD + 2) + HD]);
     float L = 0.f, acc = 0.f;
@@ -277,9 +273,18 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
         acc += w * pp[k * (HD + 2) + d];
     }
     const float v = L > 0.f ? acc / L : 0.f;
-    const long off = (long)row * q_cols + h * HD + d;
     out[off] = v;
     out_bf[off] = f2bf(v);
+}
+
+// Merge the splits of attn_decode: one block of HD threads per (row, head).
+extern "C" __global__ void attn_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_rows, int nsplit,
+                                        int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+    PDL_ENTRY();
+    const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
+    const int row = meta[5 * s] + i;
+    merge_splits(part + ((long)z * heads + h) * nsplit * (HD + 2), nsplit, d, out, out_bf, (long)row * q_cols + h * HD + d);
 }
 
 #if __CUDA_ARCH__ >= 800
@@ -508,20 +513,6 @@ extern "C" __global__ void attn_prefill_combine(const float* __restrict__ part, 
     const int i = meta[off_tiles + 2 * (z / PF_BQ) + 1] + z % PF_BQ;
     if (i >= (int)meta[5 * s + 1]) return;
     const int row = meta[5 * s] + i;
-    const float* pp = part + ((long)z * heads + h) * nsplit * (HD + 2);
-    float M = NEG_INF;
-    for (int k = 0; k < nsplit; k++) M = fmaxf(M, pp[k * (HD + 2) + HD]);
-    float L = 0.f, acc = 0.f;
-    for (int k = 0; k < nsplit; k++) {
-        const float m = pp[k * (HD + 2) + HD];
-        if (m == NEG_INF) continue;
-        const float w = __expf(m - M);
-        L += w * pp[k * (HD + 2) + HD + 1];
-        acc += w * pp[k * (HD + 2) + d];
-    }
-    const float v = L > 0.f ? acc / L : 0.f;
-    const long off = (long)row * q_cols + h * HD + d;
-    out[off] = v;
-    out_bf[off] = f2bf(v);
+    merge_splits(part + ((long)z * heads + h) * nsplit * (HD + 2), nsplit, d, out, out_bf, (long)row * q_cols + h * HD + d);
 }
 #endif

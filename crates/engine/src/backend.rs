@@ -259,7 +259,17 @@ pub trait Backend: Send {
         anyhow::bail!("this model takes no images")
     }
 
-    /// The pass is done: its image rows are no longer needed.
+    /// Make part of what [`Backend::encode_images`] makes (about one vision
+    /// layer of one image, resuming where the last call stopped); `true`
+    /// once all of `images` are made and kept. The lane calls it between
+    /// rounds, so a large vision tower holds the decoding streams up a step
+    /// at a time, not for its whole run. The same `images` each call.
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
+        self.encode_images(stream, images).map(|()| true)
+    }
+
+    /// The pass is done (or its images failed): its image rows, made or
+    /// in the making, are no longer needed.
     fn drop_images(&mut self, _stream: StreamId) {}
 
     /// Stop a prompt pass between chunks; the state stays at the last

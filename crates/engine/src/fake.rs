@@ -92,6 +92,11 @@ pub enum Call {
         images: Vec<(usize, usize, u64)>,
     },
     DropImages(StreamId),
+    /// `encode_images_step`, the `n`th for its pass (from 1).
+    EncodeStep {
+        stream: StreamId,
+        n: usize,
+    },
     /// Logged by [`FakeDrafter`].
     Absorb {
         stream: StreamId,
@@ -176,6 +181,9 @@ pub struct FakeConfig {
     /// `prefill_step` or `round` (after logging the call), so the test can
     /// line up arrivals deterministically.
     pub hold: Option<Arc<Mutex<()>>>,
+    /// Calls of `encode_images_step` a pass's images take (each logged as
+    /// `Call::EncodeStep`); the last makes them as `encode_images` does.
+    pub encode_steps: usize,
 }
 
 impl Default for FakeConfig {
@@ -204,6 +212,7 @@ impl Default for FakeConfig {
             round_cost: None,
             prefill_delay: None,
             hold: None,
+            encode_steps: 1,
         }
     }
 }
@@ -224,6 +233,8 @@ pub struct FakeBackend {
     features: Vec<f32>,
     /// Each stream's image rows, as `encode_images` made them.
     images: HashMap<StreamId, Vec<PromptImage>>,
+    /// `encode_images_step` calls so far, per stream being encoded.
+    encoding: HashMap<StreamId, usize>,
 }
 
 impl FakeBackend {
@@ -238,6 +249,7 @@ impl FakeBackend {
             marks: HashMap::new(),
             next_mark: 1,
             features: Vec::new(),
+            encoding: HashMap::new(),
             images: HashMap::new(),
         }
     }
@@ -488,14 +500,28 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
+        let n = self.encoding.get(&stream).copied().unwrap_or(0) + 1;
+        self.log.push(Call::EncodeStep { stream, n });
+        ensure!(self.streams.contains_key(&stream), "stream {stream} is not open");
+        if n < self.cfg.encode_steps.max(1) {
+            self.encoding.insert(stream, n);
+            return Ok(false);
+        }
+        self.encoding.remove(&stream);
+        self.encode_images(stream, images).map(|()| true)
+    }
+
     fn drop_images(&mut self, stream: StreamId) {
         self.log.push(Call::DropImages(stream));
         self.images.remove(&stream);
+        self.encoding.remove(&stream);
     }
 
     fn forget(&mut self, stream: StreamId) {
         self.log.push(Call::Forget(stream));
         self.images.remove(&stream);
+        self.encoding.remove(&stream);
         self.streams.remove(&stream);
         if let Some(t) = self.tables.remove(&stream) {
             self.pool.free_table(t);
@@ -551,6 +577,9 @@ impl<B: Backend> Backend for Held<B> {
     }
     fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
         self.inner.encode_images(stream, images)
+    }
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
+        self.inner.encode_images_step(stream, images)
     }
     fn drop_images(&mut self, stream: StreamId) {
         self.inner.drop_images(stream)

@@ -173,6 +173,28 @@ impl Pass {
         (self.pos, self.plan.chunk_end(self.pos))
     }
 
+    /// Image rows the pass has still to run are not made yet.
+    pub fn images_pending(&self) -> bool {
+        !self.encoded && self.images.iter().any(|i| i.end() > self.pos)
+    }
+
+    /// The images the pass has still to run.
+    fn wanted_images(&self) -> Vec<PromptImage> {
+        self.images.iter().filter(|i| i.end() > self.pos).cloned().collect()
+    }
+
+    /// Make part of the image rows the pass has still to run
+    /// ([`Backend::encode_images_step`]): `Some(images)` once they are all
+    /// made (the next chunk then runs without making them).
+    pub fn encode_step(&mut self, backend: &mut dyn Backend) -> Result<Option<usize>> {
+        let wanted = self.wanted_images();
+        if !backend.encode_images_step(self.stream, &wanted)? {
+            return Ok(None);
+        }
+        self.encoded = true;
+        Ok(Some(wanted.len()))
+    }
+
     /// The chunk body: run the next chunk, let the drafter absorb its
     /// features, then keep a mark if the chunk ends on one (only after
     /// every consumer has absorbed the chunk). On error the position stays
@@ -194,11 +216,12 @@ impl Pass {
         ensure!(!self.done(), "the prompt pass of stream {} is already complete", self.stream);
         let (start, end) = self.next_chunk();
         let last = end == self.prompt.len();
-        // Image rows are made once per pass, at its first chunk: only for the
+        // Image rows are made once per pass, by its first chunk (the lane
+        // makes them ahead, a step a round: `encode_step`): only for the
         // images it has still to run (a cached prefix may hold some).
         let mut images = None;
-        if !self.encoded && self.images.iter().any(|i| i.end() > start) {
-            let wanted: Vec<PromptImage> = self.images.iter().filter(|i| i.end() > start).cloned().collect();
+        if self.images_pending() {
+            let wanted = self.wanted_images();
             let t = std::time::Instant::now();
             backend.encode_images(self.stream, &wanted)?;
             self.encoded = true;

@@ -1,8 +1,9 @@
 //! Image rows in a lane, against the recording fake: a pass makes its
-//! image rows once, at its first chunk (also when it is stopped and
+//! image rows once, by its first chunk (also when it is stopped and
 //! resumed), never cuts inside an image, runs stepped as it runs whole,
-//! lets other streams decode between its chunks, and the prefix cache
-//! tells images apart by their content.
+//! lets other streams decode between its chunks and between the steps
+//! that make its image rows, and the prefix cache tells images apart by
+//! their content.
 
 mod common;
 
@@ -123,6 +124,29 @@ fn another_stream_decodes_between_the_chunks_of_an_image_prompt() {
     for w in idx.windows(2) {
         assert!(calls[w[0] + 1..=w[1]].iter().any(|c| c.decodes(a.id)), "no decode round of A between B's chunks");
     }
+}
+
+#[test]
+fn another_stream_decodes_between_the_steps_of_an_image_encoding() {
+    // Six steps of the vision tower (its layers, on a real model).
+    let (lane, log) = lane(FakeConfig { encode_steps: 6, ..slow() }, LaneConfig { chunk_tokens: 4, ..no_marks() });
+    let a = decoding(&lane, prompt(3, 8), LONG);
+    let (p, img) = with_image(20, 9, 5, 8, 4);
+    let b = lane.submit(request(&p, &img, 2)).unwrap();
+    let out = drain(&b);
+    a.cancel();
+    drain(&a);
+    assert_eq!(out.tokens, oracle(&p, 2, 64));
+    let calls = log.snapshot();
+    let steps: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| matches!(c, Call::EncodeStep { stream, .. } if *stream == b.id)).map(|(i, _)| i).collect();
+    assert_eq!(steps.len(), 6, "{calls:?}");
+    for w in steps.windows(2) {
+        assert!(calls[w[0] + 1..w[1]].iter().any(|c| c.decodes(a.id)), "no decode round of A between two encoding steps of B");
+    }
+    // The rows are made once, after the last step and before B's first chunk.
+    let made = encodes(&calls, b.id);
+    assert_eq!(made.len(), 1);
+    assert!(made[0].0 > steps[5] && made[0].0 < chunk_calls(&calls, b.id)[0]);
 }
 
 #[test]

@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use braid_engine::{
     Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId, IMAGE_IDS,
 };
@@ -82,6 +82,14 @@ struct Images<T> {
     rows: Vec<T>,
 }
 
+/// A pass's image rows being made, a step at a time
+/// (`encode_images_step`): the image and step next, the rows made so far.
+struct Encoding<T> {
+    image: usize,
+    step: usize,
+    rows: Vec<T>,
+}
+
 struct Mark {
     blocks: Vec<u32>,
     len: usize,
@@ -129,6 +137,8 @@ pub struct ModelBackend<D: Device> {
     features: Vec<f32>,
     /// The image rows of the passes under way (`encode_images`).
     images: HashMap<StreamId, Images<D::Tensor>>,
+    /// The image rows being made.
+    encoding: HashMap<StreamId, Encoding<D::Tensor>>,
 }
 
 impl<D: Device> ModelBackend<D> {
@@ -176,6 +186,7 @@ impl<D: Device> ModelBackend<D> {
             tap_width: 0,
             features: Vec::new(),
             images: HashMap::new(),
+            encoding: HashMap::new(),
         })
     }
 
@@ -693,24 +704,49 @@ impl<D: Device> Backend for ModelBackend<D> {
     }
 
     fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
+        while !self.encode_images_step(stream, images)? {}
+        Ok(())
+    }
+
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
         ensure!(self.streams.contains_key(&stream), "stream {stream} is not open");
         let Some(tokens) = self.model.vision().map(|v| v.tokens) else { bail!("this model takes no images") };
-        let mut made = Images { spans: Vec::new(), rows: Vec::new() };
-        for (n, m) in images.iter().enumerate() {
-            ensure!(m.len == tokens, "image {n} of stream {stream} takes {} prompt rows; the model makes {tokens} per image", m.len);
-            made.rows.push(self.model.encode_image(&self.dev, &m.pixels).with_context(|| format!("image {n} of stream {stream}"))?);
-            made.spans.push((m.start, m.end()));
+        let e = self.encoding.entry(stream).or_insert(Encoding { image: 0, step: 0, rows: Vec::new() });
+        if let Some(m) = images.get(e.image) {
+            let n = e.image;
+            let made = if m.len == tokens {
+                self.model.encode_image_step(&self.dev, &m.pixels, e.step)
+            } else {
+                Err(anyhow::anyhow!("it takes {} prompt rows; the model makes {tokens} per image", m.len))
+            };
+            match made {
+                Err(err) => {
+                    self.encoding.remove(&stream);
+                    return Err(anyhow::anyhow!("image {n} of stream {stream}: {err:#}"));
+                }
+                Ok(Some(rows)) => {
+                    e.rows.push(rows);
+                    (e.image, e.step) = (e.image + 1, 0);
+                }
+                Ok(None) => e.step += 1,
+            }
         }
-        self.images.insert(stream, made);
-        Ok(())
+        if e.image < images.len() {
+            return Ok(false);
+        }
+        let e = self.encoding.remove(&stream).expect("entered above");
+        self.images.insert(stream, Images { spans: images.iter().map(|m| (m.start, m.end())).collect(), rows: e.rows });
+        Ok(true)
     }
 
     fn drop_images(&mut self, stream: StreamId) {
         self.images.remove(&stream);
+        self.encoding.remove(&stream);
     }
 
     fn forget(&mut self, stream: StreamId) {
         self.images.remove(&stream);
+        self.encoding.remove(&stream);
         if let Some(st) = self.streams.remove(&stream) {
             self.pool.free_table(st.table);
             self.free_slots.push(st.slot);

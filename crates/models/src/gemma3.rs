@@ -239,9 +239,9 @@ impl<D: Device> Model<D> for Gemma3<D> {
         self.vision.as_ref().map(|v| &v.cfg)
     }
 
-    fn encode_image(&self, dev: &D, pixels: &[f32]) -> Result<D::Tensor> {
+    fn encode_image_step(&self, dev: &D, pixels: &[f32], step: usize) -> Result<Option<D::Tensor>> {
         match &self.vision {
-            Some(v) => v.encode(dev, pixels),
+            Some(v) => v.encode_step(dev, pixels, step),
             None => anyhow::bail!("this Gemma 3 has no vision tower"),
         }
     }

@@ -307,7 +307,18 @@ pub trait Model<D: Device>: Send + Sync {
     }
     /// One image's rows from its preprocessed pixels: `vision().tokens`
     /// rows, `hidden` wide, and a zero row last (see [`place_images`]).
-    fn encode_image(&self, _dev: &D, _pixels: &[f32]) -> Result<D::Tensor> {
+    fn encode_image(&self, dev: &D, pixels: &[f32]) -> Result<D::Tensor> {
+        for step in 0.. {
+            if let Some(rows) = self.encode_image_step(dev, pixels, step)? {
+                return Ok(rows);
+            }
+        }
+        unreachable!("an image's steps end")
+    }
+    /// Step `step` (from 0, in order, one image at a time) of
+    /// [`Model::encode_image`], about one vision layer: `Some(rows)` from
+    /// the last. A server runs them between rounds.
+    fn encode_image_step(&self, _dev: &D, _pixels: &[f32], _step: usize) -> Result<Option<D::Tensor>> {
         bail!("this model takes no images")
     }
 }

@@ -253,41 +253,51 @@ impl<D: Device> Gemma3Vision<D> {
         self.cfg.channels * self.cfg.image_size * self.cfg.image_size
     }
 
-    /// The image's soft-token rows (`[tokens, text_hidden]`) from its
-    /// preprocessed pixels (`[channels, side, side]`), plus one zero row
-    /// last (placing rows adds a gather of it where there is no image).
-    pub fn encode(&self, dev: &D, pixels: &[f32]) -> Result<D::Tensor> {
+    /// Step `step` of making an image's soft-token rows (`[tokens,
+    /// text_hidden]`, plus one zero row last: placing rows adds a gather of
+    /// it where there is no image) from its preprocessed pixels
+    /// (`[channels, side, side]`): one encoder layer a step (the first
+    /// embeds the patches too, the last pools and projects), `Some(rows)`
+    /// from the last. A server runs them between rounds, so a large tower
+    /// holds the decoding streams up one layer at a time. Steps run in
+    /// order, one image at a time (the hidden rows stay in the tower's
+    /// work buffers between them).
+    pub fn encode_step(&self, dev: &D, pixels: &[f32], step: usize) -> Result<Option<D::Tensor>> {
         let c = &self.cfg;
         if pixels.len() != self.pixels_len() {
             bail!("an image of {} values; this model takes {} ({}x{}x{})", pixels.len(), self.pixels_len(), c.channels, c.image_size, c.image_size);
         }
+        ensure!(step < c.layers, "step {step} of an image's {} encoder steps", c.layers);
         let mut guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
         let w = &mut *guard;
         let (g, p, hd) = (c.grid(), c.patch, c.hidden);
         let n = g * g;
-        // The patches, each row one patch's pixels as the convolution reads them.
-        let side = c.image_size;
-        let mut patches = Vec::with_capacity(n * c.channels * p * p);
-        for (py, px) in (0..g).flat_map(|y| (0..g).map(move |x| (y, x))) {
-            for ch in 0..c.channels {
-                for ky in 0..p {
-                    let row = (ch * side + py * p + ky) * side + px * p;
-                    patches.extend_from_slice(&pixels[row..row + p]);
+        if step == 0 {
+            // The patches, each row one patch's pixels as the convolution reads them.
+            let side = c.image_size;
+            let mut patches = Vec::with_capacity(n * c.channels * p * p);
+            for (py, px) in (0..g).flat_map(|y| (0..g).map(move |x| (y, x))) {
+                for ch in 0..c.channels {
+                    for ky in 0..p {
+                        let row = (ch * side + py * p + ky) * side + px * p;
+                        patches.extend_from_slice(&pixels[row..row + p]);
+                    }
                 }
             }
+            let patches = dev.upload(&patches, n, c.channels * p * p)?;
+            dev.matmul(&patches, &[&self.patch_w], &mut [&mut w.x]);
+            dev.add(&mut w.x, &self.patch_b);
+            let ids: Vec<u32> = (0..n as u32).collect();
+            dev.embed(&self.positions, &ids, 1.0, &mut w.h);
+            dev.add(&mut w.x, &w.h);
         }
-        let patches = dev.upload(&patches, n, c.channels * p * p)?;
-        dev.matmul(&patches, &[&self.patch_w], &mut [&mut w.x]);
-        dev.add(&mut w.x, &self.patch_b);
-        let ids: Vec<u32> = (0..n as u32).collect();
-        dev.embed(&self.positions, &ids, 1.0, &mut w.h);
-        dev.add(&mut w.x, &w.h);
 
         let head_dim = hd / c.heads;
         let scale = (head_dim as f32).powf(-0.5);
         // Every patch a query of its own that sees all n keys: bidirectional attention.
         let seqs: Vec<AttnSeq<'_>> = (0..n).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: n, blocks: &w.blocks, window: None }).collect();
-        for l in &self.layers {
+        {
+            let l = &self.layers[step];
             self.layer_norm(dev, &w.x, &l.norm1, &mut w.c, &mut w.h);
             dev.matmul(&w.h, &[&l.wq, &l.wk, &l.wv], &mut [&mut w.q, &mut w.k, &mut w.v]);
             dev.add(&mut w.q, &l.bq);
@@ -306,6 +316,9 @@ impl<D: Device> Gemma3Vision<D> {
             dev.matmul(&w.act, &[&l.fc2], &mut [&mut w.out]);
             dev.add(&mut w.out, &l.b2);
             dev.add(&mut w.x, &w.out);
+        }
+        if step + 1 < c.layers {
+            return Ok(None);
         }
         self.layer_norm(dev, &w.x, &self.post_norm, &mut w.c, &mut w.h);
 
@@ -328,7 +341,7 @@ impl<D: Device> Gemma3Vision<D> {
         dev.rms_norm(&w.pooled, &self.proj_norm, c.eps, &mut w.part);
         let mut out = dev.tensor(c.tokens + 1, c.text_hidden);
         dev.matmul(&w.part, &[&self.proj], &mut [&mut out]);
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// `out = LayerNorm(x)`: the RMSNorm of `x` less each row's mean (`c`).

@@ -5,7 +5,7 @@
 
 mod fixtures_common;
 
-use braid_engine::{image_token_ids, Backend, Chunk, PromptImage, StreamId};
+use braid_engine::{image_token_ids, Backend, Chunk, DecodeRow, PromptImage, StreamId};
 use braid_models::ModelBackend;
 use braid_ops::cpu::Cpu;
 use braid_ops::Device;
@@ -52,8 +52,18 @@ fn vision() -> Vision {
 /// many rows), cut at every row outside an image and at each image's end;
 /// each cut's last-row logits by the row it ends on.
 fn stepped(be: &mut ModelBackend<Cpu>, id: StreamId, v: &Vision, from: usize, prompt: &[u32]) -> Vec<(usize, Vec<f32>)> {
-    let images: Vec<PromptImage> = v.images.iter().filter(|m| m.end() > from && m.end() <= prompt.len()).cloned().collect();
+    let images = wanted(v, from, prompt);
     be.encode_images(id, &images).unwrap();
+    chunks(be, id, &images, from, prompt)
+}
+
+/// The images a pass over `prompt` from `from` runs.
+fn wanted(v: &Vision, from: usize, prompt: &[u32]) -> Vec<PromptImage> {
+    v.images.iter().filter(|m| m.end() > from && m.end() <= prompt.len()).cloned().collect()
+}
+
+/// [`stepped`]'s chunks, the image rows already made.
+fn chunks(be: &mut ModelBackend<Cpu>, id: StreamId, images: &[PromptImage], from: usize, prompt: &[u32]) -> Vec<(usize, Vec<f32>)> {
     let mut out = Vec::new();
     let mut pos = from;
     while pos < prompt.len() {
@@ -111,6 +121,32 @@ fn prompt_logits_with_images_match_transformers() {
     be.encode_images(2, &v.images).unwrap();
     let whole = be.prefill_step(2, Chunk { start: 0, tokens: &v.prompt, want_logits: true }).unwrap().unwrap();
     assert_close("whole prompt, last row", &whole, &got.last().unwrap().1, vocab, 1e-5);
+}
+
+#[test]
+fn image_rows_made_a_step_at_a_time_between_rounds_are_the_rows_made_whole() {
+    let v = vision();
+    let mut whole_be = v.fx.backend();
+    whole_be.open(1).unwrap();
+    let whole = stepped(&mut whole_be, 1, &v, 0, &v.prompt);
+
+    // Another stream decodes between the steps (the tower's work buffers
+    // are the model's, the decode round's are the backend's).
+    let mut be = v.fx.backend();
+    be.open(1).unwrap();
+    be.open(2).unwrap();
+    let text = &v.fx.tokens[..4];
+    be.prefill_step(2, Chunk { start: 0, tokens: text, want_logits: false }).unwrap();
+    let images = wanted(&v, 0, &v.prompt);
+    let mut steps = 0;
+    while !be.encode_images_step(1, &images).unwrap() {
+        steps += 1;
+        be.decode_logits(&[DecodeRow { stream: 2, tokens: vec![text[steps % 4]] }]).unwrap();
+    }
+    let layers = be.model().vision().unwrap().layers;
+    assert_eq!(steps + 1, layers * images.len(), "a step per encoder layer and image");
+    let got = chunks(&mut be, 1, &images, 0, &v.prompt);
+    assert_eq!(got, whole, "stepped image rows give other logits");
 }
 
 #[test]

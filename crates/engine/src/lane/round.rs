@@ -29,7 +29,7 @@ impl Core {
     /// Plan the round, making room until it fits, and run it; true when
     /// anything moved.
     pub(super) fn turn(&mut self) -> bool {
-        let mut changed = false;
+        let mut changed = self.encode_step();
         let plan = loop {
             self.begin_pass();
             let p = plan(&self.view());
@@ -47,6 +47,29 @@ impl Core {
         true
     }
 
+    /// One step (about one vision layer) of the image rows of the oldest
+    /// pass that still needs them, between rounds: the decoding streams
+    /// wait a step, not the whole tower. The pass takes no chunk until its
+    /// images are made. Returns whether a step ran.
+    fn encode_step(&mut self) -> bool {
+        let Some(at) = self.running.iter().position(|s| matches!(&s.phase, Phase::Prefilling { pass, .. } if pass.images_pending())) else {
+            return false;
+        };
+        let t = Instant::now();
+        let Phase::Prefilling { pass, .. } = &mut self.running[at].phase else { unreachable!("found above") };
+        let made = pass.encode_step(&mut *self.backend);
+        self.stats.image_encode_secs += t.elapsed().as_secs_f64();
+        match made {
+            Ok(Some(n)) => self.stats.images_encoded += n as u64,
+            Ok(None) => {}
+            Err(e) => {
+                self.backend.drop_images(self.running[at].id);
+                self.running[at].fail(format!("prefill failed: {e:#}"));
+            }
+        }
+        true
+    }
+
     /// The plain data the plan reads.
     fn view(&self) -> LaneView<'_> {
         let decoding: Vec<Decoder<'_>> = (self.running.iter().enumerate())
@@ -58,7 +81,7 @@ impl Core {
             })
             .collect();
         let prefill = self.running.iter().enumerate().find_map(|(at, s)| match &s.phase {
-            Phase::Prefilling { pass, .. } => Some(Prefill { at, id: s.id, cuts: pass.plan(), pos: pass.pos() }),
+            Phase::Prefilling { pass, .. } if !pass.images_pending() => Some(Prefill { at, id: s.id, cuts: pass.plan(), pos: pass.pos() }),
             _ => None,
         });
         let next =

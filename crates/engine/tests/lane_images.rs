@@ -108,9 +108,11 @@ fn stepped_equals_whole_with_an_image() {
     assert_eq!(out.tokens, oracle(&p, 3, 64));
 }
 
-#[test]
-fn another_stream_decodes_between_the_chunks_of_an_image_prompt() {
-    let (lane, log) = lane(slow(), LaneConfig { chunk_tokens: 4, ..no_marks() });
+/// Stream A decodes while B's prompt (20 rows, an image at 5..13) runs in
+/// chunks of 4 on a fake configured by `fc`; B's tokens are checked. The
+/// call log and the ids of A and B.
+fn image_prompt_beside_a_decoder(fc: FakeConfig) -> (Vec<Call>, u64, u64) {
+    let (lane, log) = lane(fc, LaneConfig { chunk_tokens: 4, ..no_marks() });
     let a = decoding(&lane, prompt(3, 6), LONG);
     let (p, img) = with_image(20, 7, 5, 8, 3);
     let b = lane.submit(request(&p, &img, 2)).unwrap();
@@ -118,35 +120,32 @@ fn another_stream_decodes_between_the_chunks_of_an_image_prompt() {
     a.cancel();
     drain(&a);
     assert_eq!(out.tokens, oracle(&p, 2, 64));
-    let calls = log.snapshot();
-    assert_eq!(prefills(&calls, b.id).iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 4, 5, 13, 16]);
-    let idx = chunk_calls(&calls, b.id);
+    (log.snapshot(), a.id, b.id)
+}
+
+#[test]
+fn another_stream_decodes_between_the_chunks_of_an_image_prompt() {
+    let (calls, a_id, b_id) = image_prompt_beside_a_decoder(slow());
+    assert_eq!(prefills(&calls, b_id).iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 4, 5, 13, 16]);
+    let idx = chunk_calls(&calls, b_id);
     for w in idx.windows(2) {
-        assert!(calls[w[0] + 1..=w[1]].iter().any(|c| c.decodes(a.id)), "no decode round of A between B's chunks");
+        assert!(calls[w[0] + 1..=w[1]].iter().any(|c| c.decodes(a_id)), "no decode round of A between B's chunks");
     }
 }
 
 #[test]
 fn another_stream_decodes_between_the_steps_of_an_image_encoding() {
     // Six steps of the vision tower (its layers, on a real model).
-    let (lane, log) = lane(FakeConfig { encode_steps: 6, ..slow() }, LaneConfig { chunk_tokens: 4, ..no_marks() });
-    let a = decoding(&lane, prompt(3, 8), LONG);
-    let (p, img) = with_image(20, 9, 5, 8, 4);
-    let b = lane.submit(request(&p, &img, 2)).unwrap();
-    let out = drain(&b);
-    a.cancel();
-    drain(&a);
-    assert_eq!(out.tokens, oracle(&p, 2, 64));
-    let calls = log.snapshot();
-    let steps: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| matches!(c, Call::EncodeStep { stream, .. } if *stream == b.id)).map(|(i, _)| i).collect();
+    let (calls, a_id, b_id) = image_prompt_beside_a_decoder(FakeConfig { encode_steps: 6, ..slow() });
+    let steps: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| matches!(c, Call::EncodeStep { stream, .. } if *stream == b_id)).map(|(i, _)| i).collect();
     assert_eq!(steps.len(), 6, "{calls:?}");
     for w in steps.windows(2) {
-        assert!(calls[w[0] + 1..w[1]].iter().any(|c| c.decodes(a.id)), "no decode round of A between two encoding steps of B");
+        assert!(calls[w[0] + 1..w[1]].iter().any(|c| c.decodes(a_id)), "no decode round of A between two encoding steps of B");
     }
     // The rows are made once, after the last step and before B's first chunk.
-    let made = encodes(&calls, b.id);
+    let made = encodes(&calls, b_id);
     assert_eq!(made.len(), 1);
-    assert!(made[0].0 > steps[5] && made[0].0 < chunk_calls(&calls, b.id)[0]);
+    assert!(made[0].0 > steps[5] && made[0].0 < chunk_calls(&calls, b_id)[0]);
 }
 
 #[test]

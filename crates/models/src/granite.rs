@@ -20,7 +20,7 @@ use crate::config::Checks;
 use crate::llama::hf_rope;
 use crate::mamba2::{Mamba2, Mamba2Shape};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
-use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
+use crate::recurrent::{extras, gguf_kv_heads, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
@@ -67,11 +67,7 @@ impl GraniteHybridConfig {
         let key = |k: &str| format!("{arch}.{k}");
         let path = g.path().display();
         let layers = g.get_usize(&key("block_count"))?;
-        let kv = match g.get(&key("attention.head_count_kv")).and_then(|v| v.as_array()) {
-            Some(_) => g.get_u64_array(&key("attention.head_count_kv"))?,
-            None => bail!("{path}: {} is not a per-layer list (which layers attend?)", key("attention.head_count_kv")),
-        };
-        ensure!(kv.len() == layers, "{path}: {} names {} layers, the model has {layers}", key("attention.head_count_kv"), kv.len());
+        let kv = gguf_kv_heads(g, &arch, layers)?;
         let hidden = g.get_usize(&key("embedding_length"))?;
         let heads = g.get_usize(&key("attention.head_count"))?;
         let head_dim = g.opt_u64(&key("attention.key_length"))?.map_or(hidden.checked_div(heads).unwrap_or(0), |d| d as usize);

@@ -12,7 +12,7 @@ use braid_ops::{Act, Device, KvShape, MoeOps, RecurrentOps, Rope};
 
 use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::moe::{slice_rows, Activation, Experts, Moe, Router, Scoring};
-use crate::recurrent::{extras, hf_config, state_seqs, StateLayout};
+use crate::recurrent::{extras, gguf_kv_heads, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
 
@@ -61,11 +61,7 @@ impl Lfm2Config {
         let hidden = g.get_usize(&key("embedding_length"))?;
         let layers = g.get_usize(&key("block_count"))?;
         let heads = g.get_usize(&key("attention.head_count"))?;
-        let kv = match g.get(&key("attention.head_count_kv")).and_then(|v| v.as_array()) {
-            Some(_) => g.get_u64_array(&key("attention.head_count_kv"))?,
-            None => bail!("{}: {} is not a per-layer list (which layers attend?)", g.path().display(), key("attention.head_count_kv")),
-        };
-        ensure!(kv.len() == layers, "{}: {} names {} layers, the model has {layers}", g.path().display(), key("attention.head_count_kv"), kv.len());
+        let kv = gguf_kv_heads(g, &arch, layers)?;
         let head_dim = hidden.checked_div(heads).unwrap_or(0);
         let moe = if arch == "lfm2moe" {
             if let Some(f) = g.opt_u64(&key("expert_gating_func"))? {

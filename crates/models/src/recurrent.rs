@@ -2,7 +2,7 @@
 //! state sits in a stream's state row, the batch's sequences as the
 //! recurrent ops take them, HF folders only, and scratch buffers.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use braid_ops::{Device, StateSeq};
 
 use crate::config::HfConfig;
@@ -38,6 +38,20 @@ pub fn state_seqs(batch: &Batch<'_>) -> Result<Vec<StateSeq>> {
 }
 
 /// The config of an HF folder; these families load from safetensors only.
+/// A hybrid's per-layer KV head counts from llama.cpp's per-layer
+/// `{arch}.attention.head_count_kv` (0: the layer does not attend), one a
+/// layer.
+pub fn gguf_kv_heads(g: &braid_formats::gguf::Gguf, arch: &str, layers: usize) -> Result<Vec<u64>> {
+    let key = format!("{arch}.attention.head_count_kv");
+    let path = g.path().display();
+    let kv = match g.get(&key).and_then(|v| v.as_array()) {
+        Some(_) => g.get_u64_array(&key)?,
+        None => bail!("{path}: {key} is not a per-layer list (which layers attend?)"),
+    };
+    ensure!(kv.len() == layers, "{path}: {key} names {} layers, the model has {layers}", kv.len());
+    Ok(kv)
+}
+
 pub fn hf_config<'a>(src: &'a Source, family: &str) -> Result<HfConfig<'a>> {
     match src {
         Source::Hf(h) => Ok(HfConfig::new(h.config(), h.dir())),

@@ -382,10 +382,7 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
     let bgs: Vec<u64> = (0..4).map(|i| bg - i).collect();
     backend.open(id)?;
     let r = (|| -> Result<()> {
-        for &b in &bgs {
-            backend.open(b)?;
-            backend.prefill_step(b, braid_engine::Chunk { start: 0, tokens: &tokens[..8], want_logits: false })?;
-        }
+        open_short(backend, &bgs, &tokens)?;
         let mut start = 0;
         let mut step = 1;
         while start < rows - 8 {
@@ -400,11 +397,19 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
         Ok(())
     })();
     backend.forget(id);
-    for &b in &bgs {
-        backend.forget(b);
-    }
+    bgs.iter().for_each(|&b| backend.forget(b));
     r?;
     record_rounds(backend, &tokens)
+}
+
+/// Open `ids`, each holding the first 8 of `tokens`: the warm-ups'
+/// decoding streams.
+fn open_short(backend: &mut dyn Backend, ids: &[u64], tokens: &[u32]) -> Result<()> {
+    for &b in ids {
+        backend.open(b)?;
+        backend.prefill_step(b, braid_engine::Chunk { start: 0, tokens: &tokens[..8], want_logits: false })?;
+    }
+    Ok(())
 }
 
 /// Most decoding streams whose rounds [`record_rounds`] records.
@@ -430,10 +435,7 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
     let widest = slots.saturating_sub(1).min(caps.max_batch.saturating_sub(1)).max(streams);
     let bgs: Vec<u64> = (1..=widest as u64).map(|i| id - i).collect();
     let r = (|| -> Result<()> {
-        for &b in &bgs {
-            backend.open(b)?;
-            backend.prefill_step(b, braid_engine::Chunk { start: 0, tokens: &tokens[..8], want_logits: false })?;
-        }
+        open_short(backend, &bgs, tokens)?;
         let all: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[0]] }).collect();
         backend.round(braid_engine::Step { rows: &all, chunk: None, pick: braid_engine::Pick::Logits })?;
         for n in (1..=streams).rev() {
@@ -455,8 +457,6 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
         Ok(())
     })();
     backend.forget(id);
-    for &b in &bgs {
-        backend.forget(b);
-    }
+    bgs.iter().for_each(|&b| backend.forget(b));
     r
 }

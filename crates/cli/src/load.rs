@@ -390,7 +390,7 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
             let last = start + n == rows - 8;
             let round: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[start % 8]] }).collect();
             let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + n], want_logits: last };
-            backend.round(braid_engine::Step { rows: &round, chunk: Some((id, chunk)), pick: braid_engine::Pick::Logits })?;
+            backend.round(braid_engine::Step::new(&round, Some((id, chunk)), braid_engine::Pick::Logits))?;
             start += n;
             step = (step * 3).div_ceil(2);
         }
@@ -437,17 +437,17 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
     let r = (|| -> Result<()> {
         open_short(backend, &bgs, tokens)?;
         let all: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[0]] }).collect();
-        backend.round(braid_engine::Step { rows: &all, chunk: None, pick: braid_engine::Pick::Logits })?;
+        backend.round(braid_engine::Step::new(&all, None, braid_engine::Pick::Logits))?;
         for n in (1..=streams).rev() {
             let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
-            backend.round(braid_engine::Step { rows: &rows, chunk: None, pick: braid_engine::Pick::Argmax })?;
+            backend.round(braid_engine::Step::new(&rows, None, braid_engine::Pick::Argmax))?;
             backend.open(id)?;
             let mut start = 0;
             let mut size = most;
             while size > 0 {
                 for want_logits in [false, true] {
                     let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
-                    backend.round(braid_engine::Step { rows: &rows, chunk: Some((id, chunk)), pick: braid_engine::Pick::Argmax })?;
+                    backend.round(braid_engine::Step::new(&rows, Some((id, chunk)), braid_engine::Pick::Argmax))?;
                     start += size;
                 }
                 size /= 2;

@@ -5,8 +5,9 @@
 //! cut and every batch, and the backend runs exactly what it is handed, in
 //! one call per round ([`Backend::round`]). Capabilities are declared up
 //! front; the engine never probes by failing. Whatever a backend does ahead
-//! of time (preparing the next round, recorded graphs) it decides from the
-//! steps it was given, never from hints.
+//! of time (starting the next round, recorded graphs) it decides from the
+//! steps it was given, one of which may name the next round's prompt chunk
+//! ([`Step::next_chunk`]).
 
 use std::sync::Arc;
 
@@ -191,6 +192,21 @@ pub struct Step<'a> {
     pub rows: &'a [DecodeRow],
     pub chunk: Option<(StreamId, Chunk<'a>)>,
     pub pick: Pick,
+    /// The prompt chunk the engine will put in the next round, if that
+    /// round's decode rows are these streams' next tokens: a backend that
+    /// starts a greedy round before it is asked for (see
+    /// `ModelBackend`) starts it with this chunk, so a prompt pass does
+    /// not keep the decoding streams waiting on the host between rounds.
+    /// The next step still says what runs: a round started for nothing
+    /// leaves nothing behind.
+    pub next_chunk: Option<(StreamId, Chunk<'a>)>,
+}
+
+impl<'a> Step<'a> {
+    /// A step that names no next chunk.
+    pub fn new(rows: &'a [DecodeRow], chunk: Option<(StreamId, Chunk<'a>)>, pick: Pick) -> Step<'a> {
+        Step { rows, chunk, pick, next_chunk: None }
+    }
 }
 
 /// What the decode rows of a round returned, one entry per token row in
@@ -239,13 +255,13 @@ pub trait Backend: Send {
     /// The whole pass's chunk body: one chunk with no decode rows. Returns
     /// the last row's logits when asked.
     fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
-        Ok(self.round(Step { rows: &[], chunk: Some((stream, chunk)), pick: Pick::Logits })?.chunk_logits)
+        Ok(self.round(Step::new(&[], Some((stream, chunk)), Pick::Logits))?.chunk_logits)
     }
 
     /// A round of decode rows alone, returning their logits (for tools and
     /// tests; the lane calls `round`).
     fn decode_logits(&mut self, rows: &[DecodeRow]) -> Result<Vec<f32>> {
-        match self.round(Step { rows, chunk: None, pick: Pick::Logits })?.picked {
+        match self.round(Step::new(rows, None, Pick::Logits))?.picked {
             Picked::Logits(l) => Ok(l),
             other => anyhow::bail!("a round asked for logits returned {} other rows", other.rows(self.capabilities().vocab_size)),
         }

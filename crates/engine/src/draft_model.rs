@@ -119,7 +119,7 @@ impl DraftModel {
         while out.len() < k.min(room + 1) {
             let t = *out.last().expect("one token at least");
             let rows = [DecodeRow { stream, tokens: vec![t] }];
-            let next = match self.backend.round(Step { rows: &rows, chunk: None, pick })?.picked {
+            let next = match self.backend.round(Step::new(&rows, None, pick))?.picked {
                 Picked::Tokens(t) if t.len() == 1 => t[0],
                 Picked::Logits(l) if l.len() == vocab => argmax(&l),
                 other => bail!("the draft model returned {} rows for one", other.rows(vocab)),

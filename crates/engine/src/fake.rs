@@ -56,11 +56,13 @@ pub enum Call {
     /// `prefill_step`: a chunk in a forward of its own.
     Prefill(ChunkCall),
     /// `round`: each decode row's stream and tokens in order, the chunk
-    /// that shared the forward, and what was picked per token row.
+    /// that shared the forward, what was picked per token row, and the
+    /// chunk named for the next round.
     Round {
         rows: Vec<(StreamId, Vec<u32>)>,
         chunk: Option<ChunkCall>,
         pick: Pick,
+        next_chunk: Option<ChunkCall>,
     },
     CancelPrefill(StreamId),
     KeepMark {
@@ -421,13 +423,14 @@ impl Backend for FakeBackend {
 
     fn round(&mut self, step: Step<'_>) -> Result<RoundOut> {
         let rows = step.rows.iter().map(|r: &DecodeRow| (r.stream, r.tokens.clone())).collect();
-        self.log.push(Call::Round { rows, chunk: step.chunk.map(|(s, c)| chunk_call(s, &c)), pick: step.pick });
+        let chunk = step.chunk.map(|(s, c)| chunk_call(s, &c));
+        self.log.push(Call::Round { rows, chunk, pick: step.pick, next_chunk: step.next_chunk.map(|(s, c)| chunk_call(s, &c)) });
         self.run(step)
     }
 
     fn prefill_step(&mut self, stream: StreamId, chunk: Chunk<'_>) -> Result<Option<Vec<f32>>> {
         self.log.push(Call::Prefill(chunk_call(stream, &chunk)));
-        Ok(self.run(Step { rows: &[], chunk: Some((stream, chunk)), pick: Pick::Logits })?.chunk_logits)
+        Ok(self.run(Step::new(&[], Some((stream, chunk)), Pick::Logits))?.chunk_logits)
     }
 
     fn cancel_prefill(&mut self, stream: StreamId) {

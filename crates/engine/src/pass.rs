@@ -39,7 +39,12 @@ pub struct CutPlan {
 impl CutPlan {
     /// Where the chunk starting at `pos` ends. See [`chunk_end`].
     pub fn chunk_end(&self, pos: usize) -> usize {
-        whole_images(pos, chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, self.max_rows, self.free_cuts), &self.images)
+        self.chunk_end_capped(pos, self.max_rows)
+    }
+
+    /// Where the chunk starting at `pos` ends under the cap `max_rows`.
+    pub fn chunk_end_capped(&self, pos: usize, max_rows: Option<usize>) -> usize {
+        whole_images(pos, chunk_end(pos, self.prompt_len, self.chunk_tokens, self.planned_start, &self.marks, max_rows, self.free_cuts), &self.images)
     }
 
     /// Every cut of the pass from `from` on, in order (for tests and tools).
@@ -173,6 +178,12 @@ impl Pass {
         (self.pos, self.plan.chunk_end(self.pos))
     }
 
+    /// Whether a chunk ending at `end` asks for its last row's logits: it
+    /// ends the pass, and the pass wants them.
+    pub fn wants_logits_at(&self, end: usize) -> bool {
+        end == self.prompt.len() && self.want_logits
+    }
+
     /// Image rows the pass has still to run are not made yet.
     pub fn images_pending(&self) -> bool {
         !self.encoded && self.images.iter().any(|i| i.end() > self.pos)
@@ -227,7 +238,7 @@ impl Pass {
             self.encoded = true;
             images = Some((wanted.len(), t.elapsed()));
         }
-        let chunk = Chunk { start, tokens: &self.prompt[start..end], want_logits: last && self.want_logits };
+        let chunk = Chunk { start, tokens: &self.prompt[start..end], want_logits: self.wants_logits_at(end) };
         let logits = run(&mut *backend, self.stream, chunk)?;
         if last && self.encoded {
             backend.drop_images(self.stream);

@@ -77,3 +77,28 @@ fn without_a_target_or_share_the_chunk_is_the_whole_cap() {
     let chunks: Vec<usize> = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).collect();
     assert_eq!(chunks, vec![1800], "one chunk of the whole prompt");
 }
+
+#[test]
+fn each_shared_round_names_the_chunk_the_next_round_runs() {
+    let calls = paced(Some(Duration::from_millis(12)));
+    let rounds: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::Round { .. })).collect();
+    let streams = |c: &Call| c.rows().iter().map(|r| r.0).collect::<Vec<_>>();
+    let mut kept = 0;
+    let mut named_arrival = 0;
+    for w in rounds.windows(2) {
+        let Call::Round { next_chunk: Some(named), .. } = w[0] else { continue };
+        // The same streams decode a token further: the next round runs
+        // the very chunk named (so a backend may have started it).
+        if streams(w[0]) == streams(w[1]) {
+            assert_eq!(w[1].chunk(), Some(named), "round {:?} named {named:?}", w[0].chunk());
+            kept += (named.stream == ARRIVAL) as usize;
+        }
+        named_arrival += (named.stream == ARRIVAL) as usize;
+    }
+    // Every shared chunk of the arrival but its first was named a round
+    // ahead; the round with its last chunk names none.
+    let shared: Vec<&&Call> = rounds.iter().filter(|c| c.chunk().is_some_and(|ch| ch.stream == ARRIVAL) && !c.rows().is_empty()).collect();
+    assert!(shared.len() > 8 && kept + 1 >= shared.len() && named_arrival == kept, "{kept} named of {} shared chunks", shared.len());
+    let last = shared.last().expect("shared chunks");
+    assert!(matches!(last, Call::Round { next_chunk: None, .. }), "the pass's last chunk names no next one");
+}

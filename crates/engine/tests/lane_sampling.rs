@@ -82,7 +82,7 @@ fn a_rounds_pick_is_the_least_that_every_row_allows() {
     };
     let mut seen = HashMap::new();
     for call in log.snapshot() {
-        let Call::Round { rows, chunk, pick } = &call else { continue };
+        let Call::Round { rows, chunk, pick, .. } = &call else { continue };
         let Some(want) = rows.iter().map(|r| need[&r.0]).max_by_key(|&p| rank(p)) else { continue };
         assert_eq!(*pick, want, "{call:?}");
         let drafts = rows.iter().any(|r| r.1.len() > 1);

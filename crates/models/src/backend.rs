@@ -18,9 +18,11 @@
 //! Launching ahead lives here, below the engine: after a greedy round of
 //! one token per stream the device is told to start the same round one
 //! token further at once (attention-only models, whose stray KV past a
-//! stream's length is harmless). When the next round asks for those rows
-//! they are already computed; rows it asks for beyond them (a prompt
-//! chunk, a stream that joined) run in a forward of their own.
+//! stream's length is harmless), with the prompt chunk the step named for
+//! it (`Step::next_chunk`), if any. When the next round asks for those
+//! rows they are already computed; rows it asks for beyond them (a stream
+//! that joined) run in a forward of their own, and a round started with a
+//! chunk serves only the very step it was started for.
 
 use std::collections::HashMap;
 
@@ -102,6 +104,9 @@ struct Mark {
 /// length. Its logits land in `Scratch::logits`.
 struct Launched {
     rows: Vec<(StreamId, u32)>,
+    /// Started with a prompt chunk: it serves only the very step named,
+    /// whose forward the device then finds running.
+    with_chunk: bool,
 }
 
 pub struct ModelBackend<D: Device> {
@@ -347,25 +352,46 @@ impl<D: Device> ModelBackend<D> {
 
     /// Whether the round after `rows` (just run: the same streams, one
     /// token further) may be started before it is asked for: the device
-    /// can, no pass is under way, a stray round leaves nothing that matters
-    /// (no recurrent state), and each stream's blocks hold its next row.
+    /// can, a stray round leaves nothing that matters (no recurrent
+    /// state), and each stream's blocks hold its next row.
     fn may_launch_ahead(&self, rows: &[DecodeRow]) -> bool {
         let bt = self.cfg.block_tokens;
         self.dev.caps().ahead
             && self.rewindable
             // A round launched ahead would leave its features, not the round's.
             && self.tap_width == 0
-            && !self.chunk_last
             && !rows.is_empty()
             && rows.iter().all(|r| r.tokens.len() == 1 && self.streams.get(&r.stream).is_some_and(|s| s.len < s.table.blocks.len() * bt))
     }
 
+    /// Whether the chunk named for the next round can start with it: its
+    /// stream is where the chunk starts, the chunk is a size that replays
+    /// (a forward run afresh would not find it started), it holds no image
+    /// rows, it wants no logits (its row would reshape the logits this
+    /// round's pick reads), and its blocks can be given now.
+    fn ahead_chunk_ready(&mut self, (stream, c): (StreamId, Chunk<'_>)) -> bool {
+        let vocab = self.model.vocab();
+        let ok = self.streams.get(&stream).is_some_and(|s| s.len == c.start)
+            && c.tokens.len().is_power_of_two()
+            && c.tokens.len() <= REPLAY_CHUNK_ROWS
+            && !self.images.contains_key(&stream)
+            && !c.want_logits
+            && c.tokens.iter().all(|&t| (t as usize) < vocab);
+        ok && self.reserve(stream, c.start + c.tokens.len()).is_ok()
+    }
+
     /// Prepare (the host work of) the round after `rows`: the same streams,
-    /// one token further. This round's tokens stand in for the ones the
-    /// launch will feed.
-    fn prepare_ahead(&mut self, rows: &[DecodeRow]) {
-        let parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
-        let logit_rows: Vec<usize> = (0..parts.len()).collect();
+    /// one token further, and the chunk named for it. This round's tokens
+    /// stand in for the ones the launch will feed.
+    fn prepare_ahead(&mut self, rows: &[DecodeRow], next: Option<(StreamId, Chunk<'_>)>) {
+        let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
+        let mut logit_rows: Vec<usize> = (0..parts.len()).collect();
+        if let Some((stream, c)) = next {
+            parts.push((stream, c.tokens));
+            if c.want_logits {
+                logit_rows.push(rows.len() + c.tokens.len() - 1);
+            }
+        }
         let arrays = RowArrays::new(&self.streams, self.cfg.block_tokens, &parts);
         let batch = arrays.batch(&self.streams, &parts, &logit_rows);
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
@@ -373,16 +399,17 @@ impl<D: Device> ModelBackend<D> {
     }
 
     /// `pick` of the logits rows (one per decode token row), on the device
-    /// where it can; with `ahead` (an argmax), the round after `rows` is
-    /// prepared and launched on the device with the tokens picked.
-    fn pick_rows(&mut self, rows: &[DecodeRow], pick: Pick, ahead: bool) -> Result<Picked> {
+    /// where it can; with `ahead` (an argmax), the round after `rows` (with
+    /// its named chunk, if any) is prepared and launched on the device with
+    /// the tokens picked.
+    fn pick_rows(&mut self, rows: &[DecodeRow], pick: Pick, ahead: Option<Option<(StreamId, Chunk<'_>)>>) -> Result<Picked> {
         let n = self.dev.shape(&self.scratch.logits).0;
-        if ahead {
-            self.prepare_ahead(rows);
+        if let Some(next) = ahead {
+            self.prepare_ahead(rows, next);
         }
         let picked = match pick {
             Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),
-            Pick::Argmax => match self.dev.pick(&self.scratch.logits, RowPick::Argmax, ahead)? {
+            Pick::Argmax => match self.dev.pick(&self.scratch.logits, RowPick::Argmax, ahead.is_some())? {
                 RowPicked::Argmax(t) => Picked::Tokens(t),
                 RowPicked::TopK(_) => bail!("the device answered an argmax with top-k candidates"),
             },
@@ -395,16 +422,24 @@ impl<D: Device> ModelBackend<D> {
             }
         };
         ensure!(picked.rows(self.model.vocab()) == n, "picked {} rows of {n}", picked.rows(self.model.vocab()));
-        if ahead {
-            self.launched = Some(Launched { rows: launched_rows(rows, &picked) });
+        if let Some(next) = ahead {
+            self.launched = Some(Launched { rows: launched_rows(rows, &picked), with_chunk: next.is_some() });
         }
         Ok(picked)
     }
 
     /// One forward for `rows` and the chunk: the decode rows' picks, and
-    /// the chunk's last-row logits when asked. `allow_ahead`: the round
-    /// after may be launched ahead (see [`ModelBackend::may_launch_ahead`]).
-    fn run(&mut self, rows: &[DecodeRow], chunk: Option<(StreamId, Chunk<'_>)>, pick: Pick, allow_ahead: bool) -> Result<RoundOut> {
+    /// the chunk's last-row logits when asked. `next`: the chunk named for
+    /// the next round; `allow_ahead`: the round after may be launched ahead
+    /// (see [`ModelBackend::may_launch_ahead`]).
+    fn run(
+        &mut self,
+        rows: &[DecodeRow],
+        chunk: Option<(StreamId, Chunk<'_>)>,
+        pick: Pick,
+        next: Option<(StreamId, Chunk<'_>)>,
+        allow_ahead: bool,
+    ) -> Result<RoundOut> {
         let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
         let mut logit_rows: Vec<usize> = (0..total).collect();
@@ -427,9 +462,31 @@ impl<D: Device> ModelBackend<D> {
         if total == 0 {
             return Ok(RoundOut { picked: empty(pick), chunk_logits });
         }
-        let ahead = allow_ahead && chunk.is_none() && pick == Pick::Argmax && self.may_launch_ahead(rows);
+        let ahead = self.ahead(rows, chunk.is_some(), pick, next, allow_ahead);
         let picked = self.pick_rows(rows, pick, ahead)?;
         Ok(RoundOut { picked, chunk_logits })
+    }
+
+    /// What to start ahead after a round of `rows` (with a chunk or not):
+    /// `Some(next)` to launch the round after with the chunk named for it,
+    /// or with decode rows alone where no pass is under way (during one,
+    /// the next round will likely carry a chunk, and one started without
+    /// it would serve only part of it).
+    fn ahead<'c>(
+        &mut self,
+        rows: &[DecodeRow],
+        chunk: bool,
+        pick: Pick,
+        next: Option<(StreamId, Chunk<'c>)>,
+        allow: bool,
+    ) -> Option<Option<(StreamId, Chunk<'c>)>> {
+        if !allow || pick != Pick::Argmax || !self.may_launch_ahead(rows) {
+            return None;
+        }
+        match next {
+            Some(n) => self.ahead_chunk_ready(n).then_some(Some(n)),
+            None => (!chunk && !self.chunk_last).then_some(None),
+        }
     }
 
     /// The round launched ahead, if `step` asks for any of its rows again
@@ -440,6 +497,11 @@ impl<D: Device> ModelBackend<D> {
     /// their KV past their length.
     fn take_launched(&mut self, step: &Step<'_>) -> Result<Vec<(usize, usize)>> {
         let Some(mut l) = self.launched.take() else { return Ok(Vec::new()) };
+        if l.with_chunk {
+            // It serves only the very step named, which runs as usual: its
+            // forward finds itself running on the device.
+            return Ok(Vec::new());
+        }
         // A stream that left since the launch is not served; the forward
         // without it is another forward, run eagerly.
         l.rows.retain(|(s, _)| self.streams.contains_key(s));
@@ -470,18 +532,18 @@ impl<D: Device> ModelBackend<D> {
         let launched = self.launched.as_ref().map_or(0, |l| l.rows.len());
         let served = self.take_launched(step)?;
         let out = if served.is_empty() {
-            self.run(step.rows, step.chunk, step.pick, true)?
+            self.run(step.rows, step.chunk, step.pick, step.next_chunk, true)?
         } else if served.len() == step.rows.len() && launched == served.len() && step.chunk.is_none() && served.iter().all(|&(i, j)| i == j) {
             // The very round launched ahead: pick its rows (and launch the next).
-            let ahead = step.pick == Pick::Argmax && self.may_launch_ahead(step.rows);
+            let ahead = self.ahead(step.rows, false, step.pick, step.next_chunk, true);
             RoundOut { picked: self.pick_rows(step.rows, step.pick, ahead)?, chunk_logits: None }
         } else {
             // Part of the round was launched ahead; the rest (and the chunk) run now.
-            let all = self.pick_rows(&[], step.pick, false)?;
+            let all = self.pick_rows(&[], step.pick, None)?;
             let vocab = self.model.vocab();
             let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
             let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
-            let second = self.run(&rest, step.chunk, step.pick, false)?;
+            let second = self.run(&rest, step.chunk, step.pick, None, false)?;
             let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
             RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
         };

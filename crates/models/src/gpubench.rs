@@ -205,7 +205,7 @@ fn decode_inner(
             t0 = Instant::now();
         }
         let rows: Vec<DecodeRow> = last.iter().enumerate().map(|(i, &t)| DecodeRow { stream: FIRST_ID + i as u64, tokens: vec![t] }).collect();
-        match be.round(Step { rows: &rows, chunk: None, pick: Pick::Argmax })?.picked {
+        match be.round(Step::new(&rows, None, Pick::Argmax))?.picked {
             Picked::Tokens(t) => last = t,
             other => bail!("an argmax round returned {other:?}"),
         }
@@ -346,7 +346,7 @@ pub fn mixed_run(
             let rows: Vec<DecodeRow> = last.iter().enumerate().map(|(i, &t)| DecodeRow { stream: FIRST_ID + i as u64, tokens: vec![t] }).collect();
             let chunk = (c > 0).then(|| (newcomer, Chunk { start, tokens: &toks[start..], want_logits: true }));
             let t = Instant::now();
-            match be.round(Step { rows: &rows, chunk, pick: Pick::Argmax })?.picked {
+            match be.round(Step::new(&rows, chunk, Pick::Argmax))?.picked {
                 Picked::Tokens(t) => last = t,
                 other => bail!("an argmax round returned {other:?}"),
             }

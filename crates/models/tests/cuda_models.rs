@@ -346,7 +346,7 @@ fn backend_decode_rounds_replay_graphs() {
         for round in 0..8u32 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![(round * 13 + s as u32) % 1000] }).collect();
             if round == 4 {
-                let o = be.round(Step { rows: &rows, chunk: Some((9, Chunk { start: 0, tokens: &late, want_logits: true })), pick: Pick::Logits }).unwrap();
+                let o = be.round(Step::new(&rows, Some((9, Chunk { start: 0, tokens: &late, want_logits: true })), Pick::Logits)).unwrap();
                 match o.picked {
                     Picked::Logits(l) => out.extend(l),
                     other => panic!("a logits round returned {other:?}"),
@@ -397,7 +397,7 @@ fn backend_greedy_rounds_equal_host_argmax() {
         for _ in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
             last = if on_device {
-                tokens(be.round(Step { rows: &rows, chunk: None, pick: Pick::Argmax }).unwrap())
+                tokens(be.round(Step::new(&rows, None, Pick::Argmax)).unwrap())
             } else {
                 be.decode_logits(&rows).unwrap().chunks(1000).map(|r| argmax(r) as u32).collect()
             };
@@ -447,7 +447,7 @@ fn rounds_prepared_ahead_equal_eager() {
             let mut ids: Vec<u64> = last.keys().copied().collect();
             ids.sort();
             let rows: Vec<DecodeRow> = ids.iter().map(|&s| DecodeRow { stream: s, tokens: vec![last[&s]] }).collect();
-            let toks = tokens(be.round(Step { rows: &rows, chunk: None, pick: Pick::Argmax }).unwrap());
+            let toks = tokens(be.round(Step::new(&rows, None, Pick::Argmax)).unwrap());
             for (&s, &t) in ids.iter().zip(&toks) {
                 last.insert(s, t);
                 *lens.get_mut(&s).unwrap() += 1;
@@ -464,6 +464,57 @@ fn rounds_prepared_ahead_equal_eager() {
     }
     dev.set_graphs(true);
     assert_eq!(runs[0], runs[1], "rounds prepared ahead differ from eager rounds");
+}
+
+/// Rounds that carry a prompt chunk and name the next one (as the lane's
+/// pacer does, `Step::next_chunk`) start that round on the device before
+/// it is asked for; the tokens and the prompt's last logits equal eager
+/// rounds' (graphs off: nothing started ahead), also where the chunk that
+/// runs is not the one named.
+#[test]
+fn rounds_with_a_named_chunk_started_ahead_equal_eager() {
+    let Some(dev) = gpu() else { return };
+    let p = prompt(9, 44);
+    // The chunks run, and the one each round names for the next (the
+    // fourth names 8 rows, then 4 run).
+    let runs_rows = [4usize, 8, 8, 16, 4, 4];
+    let named = [Some(8usize), Some(8), Some(16), Some(8), Some(4), None];
+    let mut runs = Vec::new();
+    for graphs in [false, true] {
+        dev.set_graphs(graphs);
+        let hits = dev.ahead_hits();
+        let (mut be, mut last) = three_prompted_streams(&dev);
+        be.open(9).unwrap();
+        let (mut out, mut pos, mut first) = (Vec::new(), 0, None);
+        for (i, &n) in runs_rows.iter().enumerate() {
+            let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
+            let chunk = Chunk { start: pos, tokens: &p[pos..pos + n], want_logits: pos + n == p.len() };
+            let next = named[i].map(|m| Chunk { start: pos + n, tokens: &p[pos + n..pos + n + m], want_logits: pos + n + m == p.len() });
+            let o = be.round(Step { next_chunk: next.map(|c| (9, c)), ..Step::new(&rows, Some((9, chunk)), Pick::Argmax) }).unwrap();
+            if let Some(l) = &o.chunk_logits {
+                first = Some(argmax(l) as u32);
+            }
+            last = tokens(o);
+            out.push(last.clone());
+            pos += n;
+        }
+        last.push(first.expect("the last chunk's logits"));
+        for _ in 0..6 {
+            let rows: Vec<DecodeRow> = [0u64, 1, 2, 9].iter().zip(&last).map(|(&s, &t)| DecodeRow { stream: s, tokens: vec![t] }).collect();
+            last = tokens(be.round(Step::new(&rows, None, Pick::Argmax)).unwrap());
+            out.push(last.clone());
+        }
+        if graphs {
+            let launched = dev.ahead_hits().1 - hits.1;
+            eprintln!("{launched} rounds found themselves launched ahead");
+            // Three chunks ran as named ahead (8, 8, 16), and the decode
+            // rounds after the pass.
+            assert!(launched >= 6, "only {launched} rounds were launched ahead");
+        }
+        runs.push(out);
+    }
+    dev.set_graphs(true);
+    assert_eq!(runs[0], runs[1], "rounds started ahead with a chunk differ from eager rounds");
 }
 
 /// One scripted step of [`rounds_that_differ_from_the_one_launched_ahead`].
@@ -622,8 +673,8 @@ fn rounds_that_differ_from_the_one_launched_ahead() {
         let rows = decode_rows(&next, draft, other, reversed, vocab);
         let chunk = pending_chunk.take();
         let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
-        let a = on.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();
-        let b = off.round(Step { rows: &rows, chunk: step_chunk, pick: Pick::Logits }).unwrap();
+        let a = on.round(Step::new(&rows, step_chunk, pick)).unwrap();
+        let b = off.round(Step::new(&rows, step_chunk, Pick::Logits)).unwrap();
         let Picked::Logits(want) = b.picked else { panic!("a logits round returned other picks") };
         if let Some((s, p)) = &chunk {
             let (l_on, l_off) = (a.chunk_logits.as_ref().unwrap(), b.chunk_logits.as_ref().unwrap());
@@ -708,7 +759,7 @@ fn backend_top_k_rounds_equal_host_top_k() {
         for round in 0..10 {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
             let cands = if on_device {
-                match be.round(Step { rows: &rows, chunk: None, pick: Pick::TopK(40) }).unwrap().picked {
+                match be.round(Step::new(&rows, None, Pick::TopK(40))).unwrap().picked {
                     Picked::Top(c) => c,
                     other => panic!("a top-k round returned {other:?}"),
                 }
@@ -1090,7 +1141,7 @@ mod ahead_on_cpu {
             let rows = decode_rows(&next, draft, other, reversed, vocab);
             let chunk = pending.take();
             let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
-            let out = be.round(Step { rows: &rows, chunk: step_chunk, pick }).unwrap();
+            let out = be.round(Step::new(&rows, step_chunk, pick)).unwrap();
             if let Some((s, p)) = &chunk {
                 let l = out.chunk_logits.as_ref().unwrap();
                 log.push(format!("round {round}: chunk logits {:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));

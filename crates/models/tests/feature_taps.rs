@@ -79,7 +79,7 @@ fn a_shared_round_lists_decode_rows_then_the_chunk() {
     run_rows(&mut be, 3, a);
     be.open(4).unwrap();
     let rows = [DecodeRow { stream: 3, tokens: vec![fx.tokens[20]] }];
-    be.round(Step { rows: &rows, chunk: Some((4, Chunk { start: 0, tokens: b, want_logits: true })), pick: Pick::Argmax }).unwrap();
+    be.round(Step::new(&rows, Some((4, Chunk { start: 0, tokens: b, want_logits: true })), Pick::Argmax)).unwrap();
     let got = features(&be);
     assert_eq!(got.len(), (1 + b.len()) * WIDTH);
     assert_bit_identical("the decode row", &got[..WIDTH], &alone_a[20 * WIDTH..], WIDTH);

@@ -74,7 +74,7 @@ fn a_fused_forward_equals_the_two_forwards() {
                 let chunk = Chunk { start, tokens: &pb[start..end], want_logits: end == pb.len() };
                 let rows = [DecodeRow { stream: 1, tokens: vec![last] }];
                 let (round, first) = if fused {
-                    let out = b.round(Step { rows: &rows, chunk: Some((2, chunk)), pick: Pick::Logits }).unwrap();
+                    let out = b.round(Step::new(&rows, Some((2, chunk)), Pick::Logits)).unwrap();
                     let Picked::Logits(round) = out.picked else { panic!("{name}: a logits round returned {:?}", out.picked) };
                     (round, out.chunk_logits)
                 } else {

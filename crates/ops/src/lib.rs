@@ -334,7 +334,8 @@ pub trait Device: Send + Sync + 'static {
     /// `launch_ahead`: after an argmax, launch at once (with these tokens,
     /// on the device) the forward [`Device::forward_ahead`] prepared, so it
     /// runs while the caller handles them; [`Device::forward`] of it then
-    /// finds it running. Use it only where such a forward, when another
+    /// finds it running. The picked tokens take its first token rows; any
+    /// after them (a prompt chunk's) stay as prepared. Use it only where such a forward, when another
     /// comes instead, leaves nothing that matters (attention KV past each
     /// stream's length; no recurrent state).
     fn pick(&self, x: &Self::Tensor, pick: RowPick, launch_ahead: bool) -> Result<RowPicked> {

@@ -17,7 +17,7 @@ use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
 use super::stream::{Phase, Stream};
 use super::FinishReason;
-use crate::backend::{Backend, Pick, Picked, Step};
+use crate::backend::{Backend, Chunk, Pick, Picked, Step, StreamId};
 use crate::pass::StepOutcome;
 use crate::sampling::Sampled;
 
@@ -86,9 +86,10 @@ impl Core {
         });
         let next =
             Shape { decode_rows: decoding.iter().map(|d| 1 + d.draft.len()).sum(), decode_ctx: decoding.iter().map(|d| d.len).sum(), ..Shape::default() };
-        let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| {
-            let b = self.pacer.budget(p.id, p.pos, next);
-            to_replayed(b, p.cuts.prompt_len - p.pos, next.decode_rows > 0, self.caps.replayed_chunk_rows)
+        let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| match self.announced {
+            // The last round named this chunk as the next: keep to it.
+            Some((id, start, end)) if id == p.id && start == p.pos => Budget::Chunk(Some(end - start)),
+            _ => self.budget(p.id, p.pos, p.cuts.prompt_len, next),
         });
         let memory = self.caps.reports_fill.then(|| {
             let fill = self.backend.fill();
@@ -109,6 +110,39 @@ impl Core {
         }
     }
 
+    /// The pacer's budget for the chunk of `stream`'s pass (of `len`
+    /// rows) from `pos`, beside decode rows of shape `next`, kept to the
+    /// sizes the backend replays.
+    fn budget(&self, stream: StreamId, pos: usize, len: usize, next: Shape) -> Budget {
+        let b = self.pacer.budget(stream, pos, next);
+        to_replayed(b, len - pos, next.decode_rows > 0, self.caps.replayed_chunk_rows)
+    }
+
+    /// The chunk the round after `plan` will carry if its decode rows come
+    /// as planned (the same streams, a token further): the prompt pass's
+    /// next one after `plan`'s chunk, sized now (a round early) by the
+    /// pacer. None when `plan` decodes nothing or the pass ends in it.
+    fn announce(&self, plan: &RoundPlan) -> Option<(StreamId, usize, usize)> {
+        if plan.rows.is_empty() {
+            return None;
+        }
+        let (id, pass) = self.running.iter().find_map(|s| match &s.phase {
+            Phase::Prefilling { pass, .. } if !pass.images_pending() => Some((s.id, pass)),
+            _ => None,
+        })?;
+        let pos = plan.chunk.filter(|c| c.stream == id).map_or(pass.pos(), |c| c.end);
+        let len = pass.plan().prompt_len;
+        if pos >= len {
+            return None;
+        }
+        let decode_rows = plan.rows.iter().map(|r| r.tokens.len()).sum();
+        let decode_ctx = plan.at.iter().map(|&at| self.running[at].len + 1).sum();
+        match self.budget(id, pos, len, Shape { decode_rows, decode_ctx, ..Shape::default() }) {
+            Budget::Chunk(Some(rows)) => Some((id, pos, pass.plan().chunk_end_capped(pos, Some(rows)))),
+            _ => None,
+        }
+    }
+
     /// Run `plan` (not empty) and hand its results to its streams.
     pub(super) fn run_round(&mut self, plan: RoundPlan) {
         let decode_rows: usize = plan.rows.iter().map(|r| r.tokens.len()).sum();
@@ -117,10 +151,18 @@ impl Core {
         let dim = self.drafter.as_ref().map_or(0, |_| self.caps.feature_dim);
         let mut features = Vec::new();
         let mut picked = None;
+        self.announced = self.announce(&plan);
+        // The announced chunk's rows (its pass's prompt is shared, so the
+        // pass stays free to run this round's chunk).
+        let next = self.announced.and_then(|(id, start, end)| match &self.running.iter().find(|s| s.id == id)?.phase {
+            Phase::Prefilling { pass, .. } => Some((id, start, end, pass.prompt().clone(), pass.wants_logits_at(end))),
+            _ => None,
+        });
+        let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out = self.backend.round(Step { rows: &plan.rows, chunk: None, pick: plan.pick });
+                let out = self.backend.round(Step { next_chunk, ..Step::new(&plan.rows, None, plan.pick) });
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -137,7 +179,7 @@ impl Core {
                     pass.step(backend, drafter)
                 } else {
                     pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
-                        let out = b.round(Step { rows: &plan.rows, chunk: Some((stream, chunk)), pick: plan.pick });
+                        let out = b.round(Step { next_chunk, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
                         features = leading_features(b, decode_rows * dim);
                         let (p, logits) = match out {
                             Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),

@@ -11,7 +11,7 @@ use super::masks::MaskWorkers;
 use super::pacer::Pacer;
 use super::stream::Stream;
 use super::{Command, FinishReason, LaneConfig, LaneShared, LaneStats};
-use crate::backend::{Backend, Capabilities};
+use crate::backend::{Backend, Capabilities, StreamId};
 use crate::drafter::Drafter;
 use crate::prefix::{PrefixIndex, SeenPrefixes};
 use crate::stop::TokenText;
@@ -56,6 +56,9 @@ pub(super) struct Core {
     /// When the last backend call ended: the loop's own time since is part
     /// of every decoding stream's gap (the pacer sets it aside).
     pub(super) round_end: Option<Instant>,
+    /// The chunk the last round named as the next one's (its stream, start
+    /// and end): the next round runs it if it can (see `Step::next_chunk`).
+    pub(super) announced: Option<(StreamId, usize, usize)>,
 }
 
 impl Core {
@@ -91,6 +94,7 @@ impl Core {
             rx,
             shutdown: false,
             rotate: 0,
+            announced: None,
             chunk_waited: false,
             round_end: None,
         }

@@ -128,7 +128,10 @@ pub(super) struct Ahead {
     key: u64,
     sig: u64,
     gen: u64,
-    tokens: usize,
+    /// The token ids it was prepared with: a launch after an argmax
+    /// writes the picked ones over the first rows (decode rows), and the
+    /// rest (a prompt chunk's) stay.
+    pub ids: Vec<u32>,
     /// Where its embed reads the token ids.
     pub token_dst: Vec<u64>,
     cmds: Vec<Cmd>,
@@ -331,7 +334,7 @@ impl Cuda {
             }
             return Ok(hit);
         }
-        if a.tokens != fw.tokens.len() {
+        if a.ids.len() != fw.tokens.len() {
             return Ok(false);
         }
         for &dst in &a.token_dst {
@@ -363,7 +366,7 @@ impl Cuda {
             match self.lower(&rec, Tail::End).and_then(|cmds| self.arena_send_mirror().map(|_| cmds)) {
                 Ok(cmds) => {
                     let a =
-                        Ahead { key, sig: signature(&cmds), gen, tokens: fw.tokens.len(), token_dst: ups.iter().map(|u| u.2).collect(), cmds, running: None };
+                        Ahead { key, sig: signature(&cmds), gen, ids: fw.tokens.to_vec(), token_dst: ups.iter().map(|u| u.2).collect(), cmds, running: None };
                     self.st().exec.ahead = Some(a);
                 }
                 Err(e) => self.keep_error(e),
@@ -374,13 +377,14 @@ impl Cuda {
 
     /// The prepared ahead forward's graph, recorded now if it is not yet,
     /// and where it reads its ids: for a launch right after an argmax
-    /// writes them there (`sampling.rs`). None when there is none for
-    /// `rows` ids or it cannot launch (graphs off, memory moved).
+    /// writes `rows` of them there (`sampling.rs`). None when there is
+    /// none with that many rows first or it cannot launch (graphs off,
+    /// memory moved).
     pub(super) fn ahead_graph(&self, rows: usize) -> Result<Option<(usize, u64)>> {
         let (sig, cmds, dst) = {
             let st = self.st();
             let Some(a) = st.exec.ahead.as_ref() else { return Ok(None) };
-            if a.running.is_some() || a.tokens != rows || a.token_dst.len() != 1 || a.gen != rt::ALLOC_GEN.load(Ordering::Relaxed) || !self.graphs_on() {
+            if a.running.is_some() || a.ids.len() < rows || a.token_dst.len() != 1 || a.gen != rt::ALLOC_GEN.load(Ordering::Relaxed) || !self.graphs_on() {
                 return Ok(None);
             }
             (a.sig, a.cmds.clone(), a.token_dst[0])

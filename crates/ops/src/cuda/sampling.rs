@@ -131,7 +131,7 @@ impl Cuda {
         let out = unsafe { std::slice::from_raw_parts(host as *const u32, rows) }.to_vec();
         if go.is_some() {
             if let Some(a) = self.st().exec.ahead.as_mut() {
-                a.running = Some(out.clone());
+                a.running = Some(out.iter().chain(&a.ids[rows..]).copied().collect());
             }
         }
         Ok(out)

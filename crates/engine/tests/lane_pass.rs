@@ -268,7 +268,7 @@ fn a_chunk_too_big_to_share_alternates_with_the_decode_rounds() {
 
 // Time-budgeted steps: with `prefill_share`, a chunk-invariant backend's
 // pass runs small steps while another stream decodes (starting with a probe
-// step, never growing more than twice per step), and whole chunks when it
+// step, never growing by more than half), and whole chunks when it
 // is alone.
 #[test]
 fn prefill_share_sizes_steps_only_while_others_decode() {
@@ -293,8 +293,12 @@ fn prefill_share_sizes_steps_only_while_others_decode() {
     let chunks = log.chunks(b.id);
     assert_eq!(chunks[0], (0, 1), "the first step probes the cost: {chunks:?}");
     assert!(chunks.len() > 2, "steps were not tightened: {chunks:?}");
-    for w in chunks.windows(2) {
-        assert!(w[1].1 <= w[0].1 + w[0].1 / 2 + 1, "a step grew by more than half: {chunks:?}");
+    // A step cut short by the chunk's end (64) does not shrink the budget,
+    // so growth is measured from the largest step run so far.
+    let mut largest = 0;
+    for c in &chunks {
+        assert!(largest == 0 || c.1 <= largest + largest / 2 + 1, "a step grew by more than half: {chunks:?}");
+        largest = largest.max(c.1);
     }
     assert!(chunks.iter().all(|c| c.1 < 64), "{chunks:?}");
 }

@@ -12,7 +12,7 @@
 
 use super::pacer::Budget;
 use crate::backend::{DecodeRow, Pick, Picks, StreamId};
-use crate::pass::{chunk_end, whole_images, CutPlan};
+use crate::pass::CutPlan;
 use crate::sampling::Sampler;
 
 /// What sampling a stream's token rows need from a round.
@@ -231,7 +231,7 @@ fn sized(p: &Prefill<'_>, rows: Option<usize>, room: usize) -> Option<PlannedChu
     }
     let c = p.cuts;
     let max_rows = if c.free_cuts { Some(rows.map_or(room, |r| r.min(room))) } else { rows };
-    let end = whole_images(p.pos, chunk_end(p.pos, c.prompt_len, c.chunk_tokens, c.planned_start, &c.marks, max_rows, c.free_cuts), &c.images);
+    let end = c.chunk_end_capped(p.pos, max_rows);
     (end - p.pos <= room).then_some(PlannedChunk { at: p.at, stream: p.id, start: p.pos, end, max_rows })
 }
 

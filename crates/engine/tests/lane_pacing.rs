@@ -22,10 +22,17 @@ fn cost(decode: usize, chunk: usize) -> Duration {
 const ARRIVAL: u64 = 5;
 
 fn paced(target: Option<Duration>) -> Vec<Call> {
+    paced_on(target, 0, 4096)
+}
+
+/// [`paced`] on a backend that replays chunks of up to `replayed` rows,
+/// the pass cut every `chunk_tokens`.
+fn paced_on(target: Option<Duration>, replayed: usize, chunk_tokens: usize) -> Vec<Call> {
     let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
     fc.caps.chunk_invariant = true;
     fc.caps.max_batch = 4096;
-    let lc = LaneConfig { itl_target: target, chunk_tokens: 4096, prefix_marks: 0, ..no_marks() };
+    fc.caps.replayed_chunk_rows = replayed;
+    let lc = LaneConfig { itl_target: target, chunk_tokens, prefix_marks: 0, ..no_marks() };
     let (lane, log) = lane(fc, lc);
     // Four streams decode, then an 1800-row prompt arrives.
     let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();
@@ -69,6 +76,19 @@ fn a_target_keeps_shared_rounds_within_it_and_the_arrival_advances() {
     // The target is used: 12 ms leaves room for ~160 rows beside 4 streams.
     let biggest = shared.iter().map(|s| s.1).max().unwrap_or(0);
     assert!(biggest >= 40, "chunks stayed small: {shared:?}");
+}
+
+#[test]
+fn beside_decode_rows_a_replaying_backend_gets_only_the_sizes_it_replays() {
+    // The target would allow ~160 rows; the pass is cut every 100 rows,
+    // which no power of two divides.
+    let calls = paced_on(Some(Duration::from_millis(12)), 64, 100);
+    let shared: Vec<usize> =
+        (calls.iter()).filter_map(|c| c.chunk().filter(|ch| ch.stream == ARRIVAL && !c.rows().is_empty()).map(|ch| ch.tokens.len())).collect();
+    assert!(shared.len() > 8 && shared.contains(&64), "{shared:?}");
+    assert!(shared.iter().all(|&n| n.is_power_of_two() && n <= 64), "a shared chunk the backend does not replay: {shared:?}");
+    let all: usize = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).sum();
+    assert_eq!(all, 1800);
 }
 
 #[test]

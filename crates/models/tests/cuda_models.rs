@@ -499,6 +499,7 @@ fn rounds_with_a_named_chunk_started_ahead_equal_eager() {
             pos += n;
         }
         last.push(first.expect("the last chunk's logits"));
+        let in_pass = dev.ahead_hits().1 - hits.1;
         for _ in 0..6 {
             let rows: Vec<DecodeRow> = [0u64, 1, 2, 9].iter().zip(&last).map(|(&s, &t)| DecodeRow { stream: s, tokens: vec![t] }).collect();
             last = tokens(be.round(Step::new(&rows, None, Pick::Argmax)).unwrap());
@@ -506,10 +507,12 @@ fn rounds_with_a_named_chunk_started_ahead_equal_eager() {
         }
         if graphs {
             let launched = dev.ahead_hits().1 - hits.1;
-            eprintln!("{launched} rounds found themselves launched ahead");
-            // Three chunks ran as named ahead (8, 8, 16), and the decode
-            // rounds after the pass.
-            assert!(launched >= 6, "only {launched} rounds were launched ahead");
+            eprintln!("{launched} rounds found themselves launched ahead, {in_pass} of them with a chunk");
+            // The second and third chunks ran as named ahead (8, 16); the
+            // first could not start ahead (stream 1 filled its block, whose
+            // next is given only with the round that needs it).
+            assert!(in_pass >= 2, "only {in_pass} rounds with a chunk were launched ahead");
+            assert!(launched > in_pass, "no decode round after the pass was launched ahead");
         }
         runs.push(out);
     }

@@ -46,9 +46,11 @@ const TRUSTED_AFTER: usize = 6;
 /// `budget` kept to the chunk sizes a backend replays (a power of two up
 /// to `replayed`; see `Capabilities::replayed_chunk_rows`) where the chunk
 /// shares its round with decode rows and would fit one: the power of two
-/// nearest the budget (in ratio), within the `left` rows of the prompt,
-/// so its last chunks too (a remainder of 37 rows runs as 32, 4 and 1). A
-/// larger chunk keeps its size: it runs afresh whatever its size.
+/// nearest the budget (in ratio), within the `left` rows before the pass's
+/// next cut, so its last chunks too (a remainder of 37 rows runs as 32, 4
+/// and 1). A larger budget is held to `replayed`: a chunk run afresh cost
+/// more than its rows (on the H200, 11–23 ms for 48–322 rows beside six
+/// decoding streams, against ~3 ms for a replayed 64).
 ///
 /// Nearest, not the largest within: the pacer grows a chunk by half at
 /// most, and rounded down, half again of 4 rows stayed 4 (on the H200 an
@@ -56,8 +58,9 @@ const TRUSTED_AFTER: usize = 6;
 pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize) -> Budget {
     match budget {
         Budget::Chunk(rows) if decoding && replayed > 0 => {
-            let r = rows.unwrap_or(usize::MAX).min(left);
-            if r > replayed || r == 0 {
+            let Some(rows) = rows else { return budget };
+            let r = rows.min(left).min(replayed);
+            if r == 0 {
                 return budget;
             }
             let down = 1usize << r.ilog2();

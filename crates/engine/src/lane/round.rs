@@ -18,7 +18,7 @@ use super::run::Core;
 use super::stream::{Phase, Stream};
 use super::FinishReason;
 use crate::backend::{Backend, Chunk, Pick, Picked, Step, StreamId};
-use crate::pass::StepOutcome;
+use crate::pass::{CutPlan, StepOutcome};
 use crate::sampling::Sampled;
 
 /// The most of the loop's own time between two calls the pacer believes
@@ -89,7 +89,7 @@ impl Core {
         let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| match self.announced {
             // The last round named this chunk as the next: keep to it.
             Some((id, start, end)) if id == p.id && start == p.pos => Budget::Chunk(Some(end - start)),
-            _ => self.budget(p.id, p.pos, p.cuts.prompt_len, next),
+            _ => self.budget(p.id, p.pos, p.cuts, next),
         });
         let memory = self.caps.reports_fill.then(|| {
             let fill = self.backend.fill();
@@ -110,12 +110,12 @@ impl Core {
         }
     }
 
-    /// The pacer's budget for the chunk of `stream`'s pass (of `len`
-    /// rows) from `pos`, beside decode rows of shape `next`, kept to the
-    /// sizes the backend replays.
-    fn budget(&self, stream: StreamId, pos: usize, len: usize, next: Shape) -> Budget {
+    /// The pacer's budget for the chunk of `stream`'s pass (cut by `cuts`)
+    /// from `pos`, beside decode rows of shape `next`, kept to the sizes
+    /// the backend replays within the rows to the pass's next cut.
+    fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape) -> Budget {
         let b = self.pacer.budget(stream, pos, next);
-        to_replayed(b, len - pos, next.decode_rows > 0, self.caps.replayed_chunk_rows)
+        to_replayed(b, cuts.chunk_end_capped(pos, None) - pos, next.decode_rows > 0, self.caps.replayed_chunk_rows)
     }
 
     /// The chunk the round after `plan` will carry if its decode rows come
@@ -131,13 +131,12 @@ impl Core {
             _ => None,
         })?;
         let pos = plan.chunk.filter(|c| c.stream == id).map_or(pass.pos(), |c| c.end);
-        let len = pass.plan().prompt_len;
-        if pos >= len {
+        if pos >= pass.plan().prompt_len {
             return None;
         }
         let decode_rows = plan.rows.iter().map(|r| r.tokens.len()).sum();
         let decode_ctx = plan.at.iter().map(|&at| self.running[at].len + 1).sum();
-        match self.budget(id, pos, len, Shape { decode_rows, decode_ctx, ..Shape::default() }) {
+        match self.budget(id, pos, pass.plan(), Shape { decode_rows, decode_ctx, ..Shape::default() }) {
             Budget::Chunk(Some(rows)) => Some((id, pos, pass.plan().chunk_end_capped(pos, Some(rows)))),
             _ => None,
         }

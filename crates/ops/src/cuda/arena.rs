@@ -19,10 +19,11 @@ const UPLOAD_SLOT_WORDS: usize = 16 << 10;
 
 #[derive(Default)]
 pub(super) struct Arena {
-    /// Next free word, and this pass's recent uploads (identical arrays,
-    /// such as every layer's positions, share one copy).
+    /// Next free word, and this pass's recent uploads by call site
+    /// (identical arrays from one site, such as every layer's positions,
+    /// share one copy).
     pub off: usize,
-    recent: Vec<(Vec<u32>, usize)>,
+    recent: Vec<(Site, Vec<u32>, usize)>,
     /// A staged forward's token uploads.
     pub token_uploads: Vec<TokenUpload>,
     /// In a pass ahead, uploads gather in `mirror` (the arena's host
@@ -46,17 +47,26 @@ impl Arena {
     }
 }
 
+/// Where an upload was asked for. Arrays share a copy only when one call
+/// site asks for both: two sites' arrays equal by chance (a stream's
+/// positions and its slots, when its blocks come first in the pool) would
+/// move every later upload's offset, and graphs bake offsets in.
+type Site = &'static std::panic::Location<'static>;
+
 /// A token upload: the ids' host address and count, and where they went.
 pub(super) type TokenUpload = (usize, usize, u64);
 
 impl Cuda {
     /// Put a small index array on the device (in the upload arena) and return
-    /// its address. Identical arrays within a pass share one copy.
+    /// its address. Identical arrays from one call site within a pass
+    /// share one copy.
+    #[track_caller]
     pub(super) fn put_u32(&self, data: &[u32]) -> Result<u64> {
-        self.put_u32_as(data, true)
+        self.put_u32_as(data, Some(std::panic::Location::caller()))
     }
 
     /// [`Cuda::put_u32`] of f32 values (their bits).
+    #[track_caller]
     pub(super) fn put_f32(&self, data: &[f32]) -> Result<u64> {
         let bits: Vec<u32> = data.iter().map(|v| v.to_bits()).collect();
         self.put_u32(&bits)
@@ -65,7 +75,7 @@ impl Cuda {
     /// [`Cuda::put_u32`] of a forward's token ids: never shared, since a
     /// pass done ahead gets its real ids written over these.
     pub(super) fn put_tokens(&self, ids: &[u32]) -> Result<u64> {
-        let ptr = self.put_u32_as(ids, false)?;
+        let ptr = self.put_u32_as(ids, None)?;
         let mut st = self.st();
         if st.arena.staging {
             st.arena.token_uploads.push((ids.as_ptr() as usize, ids.len(), ptr));
@@ -95,7 +105,7 @@ impl Cuda {
         Ok(())
     }
 
-    fn put_u32_as(&self, data: &[u32], share: bool) -> Result<u64> {
+    fn put_u32_as(&self, data: &[u32], share: Option<Site>) -> Result<u64> {
         let mut guard = self.st();
         let st = &mut *guard;
         let recording = st.exec.rec.is_some();
@@ -104,7 +114,7 @@ impl Cuda {
             st.exec.ahead = None;
         }
         let a = &mut st.arena;
-        if let Some((_, off)) = a.recent.iter().find(|(d, _)| share && d.as_slice() == data) {
+        if let Some((_, _, off)) = a.recent.iter().find(|(site, d, _)| share == Some(*site) && d.as_slice() == data) {
             return Ok(self.inner.arena.ptr + 4 * *off as u64);
         }
         // Room to grow (block tables lengthen as sequences do), so the
@@ -126,11 +136,11 @@ impl Cuda {
         }
         let off = a.off;
         a.off += n;
-        if share {
+        if let Some(site) = share {
             if a.recent.len() >= 8 {
                 a.recent.remove(0);
             }
-            a.recent.push((data.to_vec(), off));
+            a.recent.push((site, data.to_vec(), off));
         }
         let ptr = self.inner.arena.ptr + 4 * off as u64;
         if a.staging {

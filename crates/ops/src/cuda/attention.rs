@@ -76,12 +76,18 @@ impl Cuda {
     }
 
     /// The split-KV scratch, at least `need` bytes (the launches that use
-    /// it run one after another on the stream).
+    /// it run one after another on the stream). Made once at the most any
+    /// split launch asks: a split runs fewer than 4 blocks an SM (prefill,
+    /// of 64 rows each; decode, 16 heads a KV head at most, fewer than 8),
+    /// so it never moves. Grown on demand, the first 445-row chunk after
+    /// start-up moved it, and every chunk size the warm-up recorded was
+    /// recorded again in the next pass (2–7 ms gaps on the H200).
     fn attn_part(&self, need: usize) -> Result<u64> {
+        let most = PREFILL_ROWS * 4 * self.inner.sms * (256 + 2) * 4;
         let mut st = self.st();
         let part = &mut st.attn.part;
         if part.bytes < need {
-            *part = DevBuf::new(self.ctx(), need.max(4 << 20))?;
+            *part = DevBuf::new(self.ctx(), need.max(most))?;
         }
         Ok(part.ptr)
     }

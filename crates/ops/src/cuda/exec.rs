@@ -88,6 +88,16 @@ fn signature(cmds: &[Cmd]) -> u64 {
     cmds.iter().fold(0xcbf2_9ce4_8422_2325, |h, c| c.hash(h))
 }
 
+/// Log how `cmds`, just recorded, differ from the nearest graph of as
+/// many commands recorded before: how many commands differ, and the first.
+fn why_new(recorded: &[Vec<Cmd>], cmds: &[Cmd]) {
+    let differ = |r: &Vec<Cmd>| r.iter().zip(cmds).filter(|(a, b)| a.hash(0) != b.hash(0)).count();
+    let Some((n, near)) = recorded.iter().filter(|r| r.len() == cmds.len()).map(|r| (differ(r), r)).min_by_key(|e| e.0) else { return };
+    if let Some(i) = (0..cmds.len()).find(|&i| near[i].hash(0) != cmds[i].hash(0)) {
+        tracing::debug!(differing = n, first = i, was = ?near[i], now = ?cmds[i], "a new graph, nearest one recorded");
+    }
+}
+
 /// The buffers an [`OpRec::Other`] op reads and writes (f32 buffers: the
 /// tensors' identities), and those whose bf16 copy it also wrote.
 #[derive(Default)]
@@ -158,6 +168,10 @@ pub(super) struct Exec {
     pub captures: u64,
     pub ahead_hits: u64,
     pub launched_ahead: u64,
+    /// With debug logging on: each graph's commands, so a new recording
+    /// can say how it differs from the nearest one (a shape recorded
+    /// again on the hot path costs a decoding stream a 2–5 ms gap).
+    recorded: Vec<Vec<Cmd>>,
 }
 
 impl Exec {
@@ -466,6 +480,10 @@ impl Cuda {
         let tick = st.exec.tick;
         st.exec.graphs.insert(sig, (exec, tick));
         st.exec.captures += 1;
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            why_new(&st.exec.recorded, cmds);
+            st.exec.recorded.push(cmds.to_vec());
+        }
         tracing::debug!(commands = cmds.len(), cached = st.exec.graphs.len(), ms = t.elapsed().as_secs_f64() * 1e3, "recorded a CUDA graph");
         Ok(exec)
     }

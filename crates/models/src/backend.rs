@@ -107,6 +107,13 @@ struct Launched {
     /// Started with a prompt chunk: it serves only the very step named,
     /// whose forward the device then finds running.
     with_chunk: bool,
+    /// Streams it feeds that were forgotten since: their blocks and length
+    /// are kept until the round after, so that the forward the device is
+    /// running still serves the others (a stream ending would otherwise
+    /// make the next round another forward, run after the launched one:
+    /// twice a round's time on the H200). Their slots are free already
+    /// (attention-only models, the only ones launched ahead, read none).
+    gone: Vec<(StreamId, StreamState)>,
 }
 
 pub struct ModelBackend<D: Device> {
@@ -217,7 +224,7 @@ impl<D: Device> ModelBackend<D> {
         self.tap_width = if layers.is_empty() { 0 } else { width };
         self.features.clear();
         // A round launched ahead ran without the taps.
-        self.launched = None;
+        self.drop_launched();
         Ok(())
     }
 
@@ -423,7 +430,7 @@ impl<D: Device> ModelBackend<D> {
         };
         ensure!(picked.rows(self.model.vocab()) == n, "picked {} rows of {n}", picked.rows(self.model.vocab()));
         if let Some(next) = ahead {
-            self.launched = Some(Launched { rows: launched_rows(rows, &picked), with_chunk: next.is_some() });
+            self.launched = Some(Launched { rows: launched_rows(rows, &picked), with_chunk: next.is_some(), gone: Vec::new() });
         }
         Ok(picked)
     }
@@ -500,11 +507,27 @@ impl<D: Device> ModelBackend<D> {
         if l.with_chunk {
             // It serves only the very step named, which runs as usual: its
             // forward finds itself running on the device.
+            self.release(l.gone);
             return Ok(Vec::new());
         }
-        // A stream that left since the launch is not served; the forward
-        // without it is another forward, run eagerly.
-        l.rows.retain(|(s, _)| self.streams.contains_key(s));
+        if l.gone.iter().any(|g| self.streams.contains_key(&g.0)) {
+            // A stream that left was opened again: not the launched round's.
+            self.release(l.gone);
+            return Ok(Vec::new());
+        }
+        // The streams that left since the launch rejoin it for its forward
+        // alone (it is the one running), then go.
+        let gone: Vec<StreamId> = l.gone.iter().map(|g| g.0).collect();
+        self.streams.extend(std::mem::take(&mut l.gone));
+        let served = self.serve_launched(step, &l);
+        let gone = gone.into_iter().filter_map(|id| self.streams.remove(&id).map(|st| (id, st))).collect();
+        self.release(gone);
+        served
+    }
+
+    /// The pairs of [`ModelBackend::take_launched`] for the round `l`
+    /// launched (its streams all open), its forward run where it serves any.
+    fn serve_launched(&mut self, step: &Step<'_>, l: &Launched) -> Result<Vec<(usize, usize)>> {
         let served: Vec<(usize, usize)> = step
             .rows
             .iter()
@@ -525,6 +548,21 @@ impl<D: Device> ModelBackend<D> {
             }
         }
         Ok(served)
+    }
+
+    /// Forget the round launched ahead (it wrote only KV past its streams'
+    /// lengths), freeing what the streams that left kept for it.
+    fn drop_launched(&mut self) {
+        if let Some(l) = self.launched.take() {
+            self.release(l.gone);
+        }
+    }
+
+    /// Free the blocks that streams gone since the launch kept.
+    fn release(&mut self, gone: Vec<(StreamId, StreamState)>) {
+        for (_, st) in gone {
+            self.pool.free_table(st.table);
+        }
     }
     /// The round's forwards: the round launched ahead where it serves,
     /// the rest (and the chunk) now.
@@ -661,7 +699,7 @@ impl<D: Device> Backend for ModelBackend<D> {
 
     fn round(&mut self, step: Step<'_>) -> Result<RoundOut> {
         if let Err(e) = self.reserve_step(&step) {
-            self.launched = None;
+            self.drop_launched();
             return Err(e);
         }
         let out = self.run_step(&step);
@@ -809,9 +847,21 @@ impl<D: Device> Backend for ModelBackend<D> {
     fn forget(&mut self, stream: StreamId) {
         self.images.remove(&stream);
         self.encoding.remove(&stream);
-        if let Some(st) = self.streams.remove(&stream) {
-            self.pool.free_table(st.table);
-            self.free_slots.push(st.slot);
+        let Some(st) = self.streams.remove(&stream) else { return };
+        match self.launched.as_mut() {
+            // The launched round serves others still: keep what it reads.
+            Some(l) if !l.with_chunk && l.rows.iter().any(|r| r.0 == stream) && l.rows.iter().any(|r| self.streams.contains_key(&r.0)) => {
+                self.free_slots.push(st.slot);
+                l.gone.push((stream, st));
+            }
+            _ => {
+                if self.launched.as_ref().is_some_and(|l| l.rows.iter().all(|r| !self.streams.contains_key(&r.0))) {
+                    // None of its streams is left to serve.
+                    self.drop_launched();
+                }
+                self.free_slots.push(st.slot);
+                self.pool.free_table(st.table);
+            }
         }
     }
 }

@@ -1160,7 +1160,13 @@ mod ahead_on_cpu {
                 Picked::Logits(l) => format!("{:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()),
                 other => format!("{other:?}"),
             };
-            log.push(format!("round {round}: rows {:?}: {picked}", rows.iter().map(|r| (r.stream, r.tokens.clone())).collect::<Vec<_>>()));
+            // Blocks in use too: a stream that left keeps its blocks for the
+            // round launched ahead of it, and only until that round.
+            log.push(format!(
+                "round {round}: rows {:?}: {picked}, blocks used {}",
+                rows.iter().map(|r| (r.stream, r.tokens.clone())).collect::<Vec<_>>(),
+                be.fill().blocks_used
+            ));
             let mut at = 0;
             for r in &rows {
                 next.insert(r.stream, firsts[at]);

@@ -418,7 +418,7 @@ const RECORDED_STREAMS: usize = 16;
 /// On a backend that replays recorded forwards: the rounds a served
 /// arrival takes, recorded now — 1 to 16 streams decoding, alone and beside
 /// a prompt chunk of every replayed size (with and without the chunk's
-/// logits). Recorded on first use instead, each cost a decoding stream a
+/// logits), and each such chunk alone. Recorded on first use instead, each cost a decoding stream a
 /// 3–5 ms gap on the H200. Largest first, so no later buffer growth moves
 /// what the recordings read.
 fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
@@ -438,6 +438,18 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
         open_short(backend, &bgs, tokens)?;
         let all: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[0]] }).collect();
         backend.round(braid_engine::Step::new(&all, None, braid_engine::Pick::Logits))?;
+        // A chunk alone in its forward: a pass's first chunk beside a decode
+        // round launched ahead runs so (the launched round serves the rows).
+        backend.open(id)?;
+        let (mut start, mut size) = (0, most);
+        while size > 0 {
+            for want_logits in [false, true] {
+                backend.prefill_step(id, braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits })?;
+                start += size;
+            }
+            size /= 2;
+        }
+        backend.forget(id);
         for n in (1..=streams).rev() {
             let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
             backend.round(braid_engine::Step::new(&rows, None, braid_engine::Pick::Argmax))?;

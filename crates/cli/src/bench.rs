@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Request, SamplingParams, StopRules, TokenText};
+use braid_engine::{Backend, Chunk, DecodeRow, Event, Lane, LaneConfig, Pick, Picked, Request, SamplingParams, Step, StopRules, TokenText};
 use braid_models::BackendConfig;
 use braid_server::TokenizerText;
 use clap::Args;
@@ -143,8 +143,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let mut rates = timed_runs(&mut m, a.reps, 2000, a.tg, |be, id| {
             let mut tok = 1u32;
             for _ in 0..a.tg {
-                let logits = be.decode_logits(&[DecodeRow { stream: id, tokens: vec![tok] }])?;
-                tok = argmax(&logits) as u32;
+                tok = greedy_round(be, &[DecodeRow { stream: id, tokens: vec![tok] }])?[0];
             }
             Ok(())
         })?;
@@ -198,10 +197,7 @@ fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
     let t = Instant::now();
     for _ in 0..tg {
         let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();
-        let logits = m.backend.decode_logits(&rows)?;
-        for (i, row) in logits.chunks_exact(m.vocab).enumerate() {
-            last[i] = argmax(row) as u32;
-        }
+        last = greedy_round(m.backend.as_mut(), &rows)?;
     }
     let dt = t.elapsed().as_secs_f64();
     for &id in &ids {
@@ -320,6 +316,22 @@ fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<
     let stats = lane.stats();
     lane.shutdown();
     Ok(((counted.saturating_sub(1)) as f64 / secs, (n * tg) as f64 / all, stats))
+}
+
+/// One greedy round of `rows` as the lane runs it: the tokens picked where
+/// the backend picks (on a GPU, the logits stay there and the next round
+/// starts before the ids reach the host), else the host's argmax of the
+/// logits. Copying every row's logits to the host held 64 streams on the
+/// H200 to a tenth of their speed.
+fn greedy_round(be: &mut dyn Backend, rows: &[DecodeRow]) -> Result<Vec<u32>> {
+    if !be.capabilities().picks.argmax {
+        let vocab = be.capabilities().vocab_size;
+        return Ok(be.decode_logits(rows)?.chunks_exact(vocab).map(|r| argmax(r) as u32).collect());
+    }
+    match be.round(Step::new(rows, None, Pick::Argmax))?.picked {
+        Picked::Tokens(t) => Ok(t),
+        _ => bail!("a greedy round returned no token ids"),
+    }
 }
 
 fn argmax(x: &[f32]) -> usize {

@@ -482,6 +482,9 @@ impl Cuda {
         st.exec.captures += 1;
         if tracing::enabled!(tracing::Level::DEBUG) {
             why_new(&st.exec.recorded, cmds);
+            if st.exec.recorded.len() >= MAX_GRAPHS {
+                st.exec.recorded.remove(0);
+            }
             st.exec.recorded.push(cmds.to_vec());
         }
         tracing::debug!(commands = cmds.len(), cached = st.exec.graphs.len(), ms = t.elapsed().as_secs_f64() * 1e3, "recorded a CUDA graph");

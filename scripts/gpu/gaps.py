@@ -1,0 +1,30 @@
+#!/usr/bin/env python3
+"""The gaps between braid's rounds, from a `braid serve` log written with
+RUST_LOG=info,braid_engine::lane::round=trace: each decoding round's call
+plus the loop's own time before it. Prints the median, p99 and largest, the
+chunk sizes run, and the rounds around the largest gaps (where a stall goes
+before the client sees it). Usage: gaps.py SERVE.LOG"""
+import re
+import statistics
+import sys
+from collections import Counter
+pat = re.compile(r'decode_rows=(\d+) chunk_rows=(\d+) ms=([\d.]+) overhead_ms=([\d.]+)')
+rows = []
+for line in open(sys.argv[1], errors='replace'):
+    m = pat.search(line)
+    if m:
+        d, c, ms, ov = int(m[1]), int(m[2]), float(m[3]), float(m[4])
+        rows.append((d, c, ms, ov))
+dec = [(i, r) for i, r in enumerate(rows) if r[0] > 0]
+if not dec:
+    print("no rounds")
+    sys.exit()
+gaps = sorted(r[2] + r[3] for _, r in dec)
+print(f"rounds {len(rows)} decoding {len(dec)} median {statistics.median(gaps):.3f} p99 {gaps[int(0.99*(len(gaps)-1))]:.3f} max {gaps[-1]:.3f}")
+chunked = [r for r in rows if r[1] > 0]
+print("chunk sizes:", sorted(Counter(r[1] for r in chunked).items()))
+top = sorted(dec, key=lambda x: -(x[1][2] + x[1][3]))[:6]
+for i, r in top:
+    print(f"gap {r[2]+r[3]:.3f} (call {r[2]:.3f} + loop {r[3]:.3f}) round {i}: decode {r[0]} chunk {r[1]}")
+    for j in range(max(0, i - 2), min(len(rows), i + 2)):
+        print(f"    {j}: {rows[j]}")

@@ -415,12 +415,26 @@ fn open_short(backend: &mut dyn Backend, ids: &[u64], tokens: &[u32]) -> Result<
 /// Most decoding streams whose rounds [`record_rounds`] records.
 const RECORDED_STREAMS: usize = 16;
 
+/// A pass's chunks for [`record_rounds`] as `(start, rows, want_logits)`:
+/// each replayed size, a power of two from `most` down to 1, without and
+/// then with its logits (`4 * most` rows in all at most).
+fn replayed_chunks(most: usize) -> Vec<(usize, usize, bool)> {
+    let sizes = std::iter::successors(Some(most), |&s| (s > 1).then_some(s / 2)).flat_map(|s| [(s, false), (s, true)]);
+    sizes
+        .scan(0, |start, (size, want)| {
+            let at = *start;
+            *start += size;
+            Some((at, size, want))
+        })
+        .collect()
+}
+
 /// On a backend that replays recorded forwards: the rounds a served
 /// arrival takes, recorded now — 1 to 16 streams decoding, alone and beside
 /// a prompt chunk of every replayed size (with and without the chunk's
-/// logits), and each such chunk alone. Recorded on first use instead, each cost a decoding stream a
-/// 3–5 ms gap on the H200. Largest first, so no later buffer growth moves
-/// what the recordings read.
+/// logits), and each such chunk alone. Recorded on first use instead, each
+/// cost a decoding stream a 3–5 ms gap on the H200. Largest first, so no
+/// later buffer growth moves what the recordings read.
 fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
     let caps = backend.capabilities();
     let most = caps.replayed_chunk_rows;
@@ -441,28 +455,17 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
         // A chunk alone in its forward: a pass's first chunk beside a decode
         // round launched ahead runs so (the launched round serves the rows).
         backend.open(id)?;
-        let (mut start, mut size) = (0, most);
-        while size > 0 {
-            for want_logits in [false, true] {
-                backend.prefill_step(id, braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits })?;
-                start += size;
-            }
-            size /= 2;
+        for (start, size, want_logits) in replayed_chunks(most) {
+            backend.prefill_step(id, braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits })?;
         }
         backend.forget(id);
         for n in (1..=streams).rev() {
             let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
             backend.round(braid_engine::Step::new(&rows, None, braid_engine::Pick::Argmax))?;
             backend.open(id)?;
-            let mut start = 0;
-            let mut size = most;
-            while size > 0 {
-                for want_logits in [false, true] {
-                    let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
-                    backend.round(braid_engine::Step::new(&rows, Some((id, chunk)), braid_engine::Pick::Argmax))?;
-                    start += size;
-                }
-                size /= 2;
+            for (start, size, want_logits) in replayed_chunks(most) {
+                let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
+                backend.round(braid_engine::Step::new(&rows, Some((id, chunk)), braid_engine::Pick::Argmax))?;
             }
             backend.forget(id);
         }
@@ -471,4 +474,23 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
     backend.forget(id);
     bgs.iter().for_each(|&b| backend.forget(b));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replayed_chunks;
+
+    #[test]
+    fn replayed_chunks_cover_each_size_twice_back_to_back() {
+        let c = replayed_chunks(64);
+        let sizes: Vec<(usize, bool)> = c.iter().map(|&(_, n, w)| (n, w)).collect();
+        let want: Vec<(usize, bool)> = [64, 32, 16, 8, 4, 2, 1].iter().flat_map(|&n| [(n, false), (n, true)]).collect();
+        assert_eq!(sizes, want);
+        // Each chunk starts where the one before ended, within 4 × 64 rows.
+        assert!(c.windows(2).all(|w| w[1].0 == w[0].0 + w[0].1));
+        assert_eq!(c[0].0, 0);
+        let end = c.last().map(|&(s, n, _)| s + n).unwrap();
+        assert!(end <= 4 * 64, "{end}");
+        assert_eq!(replayed_chunks(3).iter().map(|c| c.1).collect::<Vec<_>>(), [3, 3, 1, 1]);
+    }
 }

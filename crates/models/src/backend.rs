@@ -504,14 +504,10 @@ impl<D: Device> ModelBackend<D> {
     /// their KV past their length.
     fn take_launched(&mut self, step: &Step<'_>) -> Result<Vec<(usize, usize)>> {
         let Some(mut l) = self.launched.take() else { return Ok(Vec::new()) };
-        if l.with_chunk {
-            // It serves only the very step named, which runs as usual: its
-            // forward finds itself running on the device.
-            self.release(l.gone);
-            return Ok(Vec::new());
-        }
-        if l.gone.iter().any(|g| self.streams.contains_key(&g.0)) {
-            // A stream that left was opened again: not the launched round's.
+        // Started with a chunk, it serves only the very step named, which
+        // runs as usual (its forward finds itself running on the device). A
+        // stream that left and was opened again is not the launched round's.
+        if l.with_chunk || l.gone.iter().any(|g| self.streams.contains_key(&g.0)) {
             self.release(l.gone);
             return Ok(Vec::new());
         }
@@ -558,12 +554,13 @@ impl<D: Device> ModelBackend<D> {
         }
     }
 
-    /// Free the blocks that streams gone since the launch kept.
+    /// Free the blocks of streams gone (their slots are free already).
     fn release(&mut self, gone: Vec<(StreamId, StreamState)>) {
         for (_, st) in gone {
             self.pool.free_table(st.table);
         }
     }
+
     /// The round's forwards: the round launched ahead where it serves,
     /// the rest (and the chunk) now.
     fn run_step(&mut self, step: &Step<'_>) -> Result<RoundOut> {
@@ -848,20 +845,18 @@ impl<D: Device> Backend for ModelBackend<D> {
         self.images.remove(&stream);
         self.encoding.remove(&stream);
         let Some(st) = self.streams.remove(&stream) else { return };
+        self.free_slots.push(st.slot);
         match self.launched.as_mut() {
             // The launched round serves others still: keep what it reads.
             Some(l) if !l.with_chunk && l.rows.iter().any(|r| r.0 == stream) && l.rows.iter().any(|r| self.streams.contains_key(&r.0)) => {
-                self.free_slots.push(st.slot);
-                l.gone.push((stream, st));
+                l.gone.push((stream, st))
             }
-            _ => {
-                if self.launched.as_ref().is_some_and(|l| l.rows.iter().all(|r| !self.streams.contains_key(&r.0))) {
-                    // None of its streams is left to serve.
-                    self.drop_launched();
-                }
-                self.free_slots.push(st.slot);
-                self.pool.free_table(st.table);
+            // None of its streams is left to serve.
+            Some(l) if l.rows.iter().all(|r| !self.streams.contains_key(&r.0)) => {
+                self.drop_launched();
+                self.release(vec![(stream, st)]);
             }
+            _ => self.release(vec![(stream, st)]),
         }
     }
 }

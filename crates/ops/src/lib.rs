@@ -335,9 +335,9 @@ pub trait Device: Send + Sync + 'static {
     /// on the device) the forward [`Device::forward_ahead`] prepared, so it
     /// runs while the caller handles them; [`Device::forward`] of it then
     /// finds it running. The picked tokens take its first token rows; any
-    /// after them (a prompt chunk's) stay as prepared. Use it only where such a forward, when another
-    /// comes instead, leaves nothing that matters (attention KV past each
-    /// stream's length; no recurrent state).
+    /// after them (a prompt chunk's) stay as prepared. Use it only where
+    /// such a forward, when another comes instead, leaves nothing that
+    /// matters (attention KV past each stream's length; no recurrent state).
     fn pick(&self, x: &Self::Tensor, pick: RowPick, launch_ahead: bool) -> Result<RowPicked> {
         let _ = launch_ahead;
         let (rows, cols) = self.shape(x);

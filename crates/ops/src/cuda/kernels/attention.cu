@@ -291,16 +291,18 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 // Prefill attention on tensor cores (mma.sync m16n8k16, bf16 in, f32
 // accumulate): one block of 4 warps per (64 query rows of one sequence,
 // query head); each warp owns 16 rows. K and V tiles of PF_KT keys are
-// gathered from the paged pool into shared memory (V transposed), rows
-// padded by 8 values so the fragment loads are free of bank conflicts. A
+// gathered from the paged pool into shared memory by cp.async, two tiles in
+// flight (the next tile's loads run under this tile's products: without
+// that, a 64-row chunk at 1000 keys was latency-bound at ~22 µs a layer on
+// the H200). Both are stored as rows padded by 8 values, so the K fragment
+// loads and the transposing ldmatrix of V are free of bank conflicts. A
 // warp skips tiles wholly outside its rows' causal (and window) range and
 // masks only the tiles that cross an edge. Scores are kept in log2 units.
 // With nsplit > 1 the tile's keys are split over blockIdx.z (a short chunk
 // at a long context is otherwise a few blocks walking every key alone);
 // each split leaves its rows' (o, m, l) in `part` for attn_prefill_combine.
-#define PF_KT (HD > 128 ? 32 : 64)
+#define PF_KT (HD <= 64 ? 64 : HD <= 128 ? 32 : 16)
 #define PF_KP (HD + 8)
-#define PF_VP (PF_KT + 8)
 #define PF_BQ 64
 #define PF_THREADS 128
 
@@ -309,6 +311,14 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// Four 8x8 bf16 matrices from shared memory, transposed (each lane names
+// one row of one matrix): B fragments from row-major V.
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
@@ -316,8 +326,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     float* __restrict__ out, bf16_t* __restrict__ out_bf, int nsplit, float* __restrict__ part)
 {
     PDL_ENTRY();
-    __shared__ __align__(16) bf16_t Ks[PF_KT * PF_KP];
-    __shared__ __align__(16) bf16_t Vt[HD * PF_VP];
+    __shared__ __align__(16) bf16_t Ks[2][PF_KT * PF_KP];
+    __shared__ __align__(16) bf16_t Vs[2][PF_KT * PF_KP];
     const float LOG2E = 1.4426950408889634f;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
     const int h = blockIdx.y, kvh = h / G;
@@ -343,6 +353,29 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     const int wlo_last = window > 0 ? max(0, wp_last + 1 - window) : 0;
     const bool warp_rows_full = wr_first + 15 < q_len;
 
+    // This split's key tiles (all of them when nsplit is 1).
+    const int ktiles = (key_hi - key_lo) / PF_KT + 1, per = (ktiles + nsplit - 1) / nsplit;
+    const int kb_a = key_lo + blockIdx.z * per * PF_KT, kb_b = min(key_hi + 1, kb_a + per * PF_KT);
+    // Tile kb's K and V rows into buffer b: consecutive threads take
+    // consecutive 16-byte parts of a row (coalesced); keys past the
+    // sequence are zeros (their weights are zero, and 0 * garbage may not be).
+    auto load = [&](int kb, int b) {
+        for (int c = tid; c < PF_KT * (HD / 8); c += PF_THREADS) {
+            const int key = c / (HD / 8), off = key * PF_KP + (c % (HD / 8)) * 8;
+            const int j = kb + key;
+            if (j < kv_len) {
+                const long src = ((long)blocks[j / bt] * bt + j % bt) * kv_w + kvh * HD + (c % (HD / 8)) * 8;
+                copy16_async((uint4*)&Ks[b][off], (const uint4*)(kc + src));
+                copy16_async((uint4*)&Vs[b][off], (const uint4*)(vc + src));
+            } else {
+                *(uint4*)&Ks[b][off] = make_uint4(0, 0, 0, 0);
+                *(uint4*)&Vs[b][off] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        copy_async_commit();
+    };
+    if (kb_a < kb_b) load(kb_a, 0);
+
     unsigned qa[HD / 16][4];
     {
         const float* q0 = q + (long)(q_start + min(r0, q_len - 1)) * q_cols + h * HD;
@@ -361,103 +394,96 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f; }
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
 
-    // This split's key tiles (all of them when nsplit is 1).
-    const int ktiles = (key_hi - key_lo) / PF_KT + 1, per = (ktiles + nsplit - 1) / nsplit;
-    const int kb_a = key_lo + blockIdx.z * per * PF_KT, kb_b = min(key_hi + 1, kb_a + per * PF_KT);
-    for (int kb = kb_a; kb < kb_b; kb += PF_KT) {
-        __syncthreads();
-        // K and V rows: consecutive threads take consecutive 16-byte parts
-        // of a row (coalesced); V is stored transposed.
-        for (int c = tid; c < PF_KT * (HD / 8); c += PF_THREADS) {
-            const int key = c / (HD / 8), part = c % (HD / 8);
-            const int j = kb + key;
-            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (j < kv_len) {
-                const long slot = (long)blocks[j / bt] * bt + j % bt;
-                kv4 = *(const uint4*)(kc + slot * kv_w + kvh * HD + part * 8);
-                vv4 = *(const uint4*)(vc + slot * kv_w + kvh * HD + part * 8);
-            }
-            *(uint4*)&Ks[key * PF_KP + part * 8] = kv4;
-            const unsigned vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                Vt[(part * 8 + 2 * e) * PF_VP + key] = (bf16_t)(vw[e] & 0xffffu);
-                Vt[(part * 8 + 2 * e + 1) * PF_VP + key] = (bf16_t)(vw[e] >> 16);
-            }
+    for (int kb = kb_a, it = 0; kb < kb_b; kb += PF_KT, it++) {
+        const int b = it & 1;
+        if (kb + PF_KT < kb_b) {
+            load(kb + PF_KT, b ^ 1);
+            copy_async_wait<1>();
+        } else {
+            copy_async_wait<0>();
         }
         __syncthreads();
-        if (!warp_active || kb > wp_last || kb + PF_KT - 1 < wlo_first) continue;
-        const bool full = warp_rows_full && kb + PF_KT - 1 <= wp_first && kb >= wlo_last;
+        if (warp_active && kb <= wp_last && kb + PF_KT - 1 >= wlo_first) {
+            const bool full = warp_rows_full && kb + PF_KT - 1 <= wp_first && kb >= wlo_last;
+            const bf16_t* Kt = Ks[b];
+            const bf16_t* Vt = Vs[b];
 
-        float sacc[PF_KT / 8][4];
-        #pragma unroll
-        for (int nt = 0; nt < PF_KT / 8; nt++) {
-            sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
-            const bf16_t* krow = Ks + (nt * 8 + gid) * PF_KP + tig * 2;
+            float sacc[PF_KT / 8][4];
             #pragma unroll
-            for (int ks = 0; ks < HD / 16; ks++) {
-                const unsigned b0 = *(const unsigned*)(krow + ks * 16);
-                const unsigned b1 = *(const unsigned*)(krow + ks * 16 + 8);
-                mma16816(sacc[nt], qa[ks], b0, b1);
-            }
-        }
-        float mx0 = NEG_INF, mx1 = NEG_INF;
-        #pragma unroll
-        for (int nt = 0; nt < PF_KT / 8; nt++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const bool top = e < 2;
-                float v = sacc[nt][e] * scale;
-                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
-                v *= LOG2E;
-                if (!full) {
-                    const int key = kb + nt * 8 + tig * 2 + (e & 1);
-                    const bool ok = (top ? r0 : r1) < q_len && key <= (top ? p0 : p1) && key >= (top ? lo0 : lo1);
-                    v = ok ? v : NEG_INF;
+            for (int nt = 0; nt < PF_KT / 8; nt++) {
+                sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+                const bf16_t* krow = Kt + (nt * 8 + gid) * PF_KP + tig * 2;
+                #pragma unroll
+                for (int ks = 0; ks < HD / 16; ks++) {
+                    const unsigned b0 = *(const unsigned*)(krow + ks * 16);
+                    const unsigned b1 = *(const unsigned*)(krow + ks * 16 + 8);
+                    mma16816(sacc[nt], qa[ks], b0, b1);
                 }
-                sacc[nt][e] = v;
-                if (top) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
             }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float c0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
-        const float c1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
-        m0 = n0; m1 = n1;
-        float s0 = 0.f, s1 = 0.f;
-        #pragma unroll
-        for (int nt = 0; nt < PF_KT / 8; nt++) {
+            float mx0 = NEG_INF, mx1 = NEG_INF;
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const bool top = e < 2;
-                const float v = sacc[nt][e];
-                const float p = v == NEG_INF ? 0.f : exp2f(v - (top ? n0 : n1));
-                sacc[nt][e] = p;
-                if (top) s0 += p; else s1 += p;
+            for (int nt = 0; nt < PF_KT / 8; nt++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const bool top = e < 2;
+                    float v = sacc[nt][e] * scale;
+                    if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                    v *= LOG2E;
+                    if (!full) {
+                        const int key = kb + nt * 8 + tig * 2 + (e & 1);
+                        const bool ok = (top ? r0 : r1) < q_len && key <= (top ? p0 : p1) && key >= (top ? lo0 : lo1);
+                        v = ok ? v : NEG_INF;
+                    }
+                    sacc[nt][e] = v;
+                    if (top) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
+                }
             }
-        }
-        l0 = l0 * c0 + s0;
-        l1 = l1 * c1 + s1;
-        #pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
-        #pragma unroll
-        for (int ks = 0; ks < PF_KT / 16; ks++) {
-            unsigned pa[4];
-            pa[0] = pack_bf2(sacc[2 * ks][0], sacc[2 * ks][1]);
-            pa[1] = pack_bf2(sacc[2 * ks][2], sacc[2 * ks][3]);
-            pa[2] = pack_bf2(sacc[2 * ks + 1][0], sacc[2 * ks + 1][1]);
-            pa[3] = pack_bf2(sacc[2 * ks + 1][2], sacc[2 * ks + 1][3]);
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            const float c0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
+            const float c1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
+            m0 = n0; m1 = n1;
+            float s0 = 0.f, s1 = 0.f;
             #pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) {
-                const bf16_t* vrow = Vt + (nt * 8 + gid) * PF_VP + ks * 16 + tig * 2;
-                const unsigned b0 = *(const unsigned*)(vrow);
-                const unsigned b1 = *(const unsigned*)(vrow + 8);
-                mma16816(o[nt], pa, b0, b1);
+            for (int nt = 0; nt < PF_KT / 8; nt++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const bool top = e < 2;
+                    const float v = sacc[nt][e];
+                    const float p = v == NEG_INF ? 0.f : exp2f(v - (top ? n0 : n1));
+                    sacc[nt][e] = p;
+                    if (top) s0 += p; else s1 += p;
+                }
+            }
+            l0 = l0 * c0 + s0;
+            l1 = l1 * c1 + s1;
+            #pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) { o[nt][0] *= c0; o[nt][1] *= c0; o[nt][2] *= c1; o[nt][3] *= c1; }
+            #pragma unroll
+            for (int ks = 0; ks < PF_KT / 16; ks++) {
+                unsigned pa[4];
+                pa[0] = pack_bf2(sacc[2 * ks][0], sacc[2 * ks][1]);
+                pa[1] = pack_bf2(sacc[2 * ks][2], sacc[2 * ks][3]);
+                pa[2] = pack_bf2(sacc[2 * ks + 1][0], sacc[2 * ks + 1][1]);
+                pa[3] = pack_bf2(sacc[2 * ks + 1][2], sacc[2 * ks + 1][3]);
+                // Lane l names row l % 8 of matrix l / 8: keys +0 / +8 (bit 0),
+                // value columns +0 / +8 (bit 1); out come b0, b1 of two n-tiles.
+                const int mi = lane >> 3;
+                const bf16_t* vrow = Vt + (ks * 16 + (mi & 1) * 8 + (lane & 7)) * PF_KP + (mi >> 1) * 8;
+                #pragma unroll
+                for (int np = 0; np < HD / 16; np++) {
+                    unsigned vb[4];
+                    ldsm_x4_t(vb, vrow + np * 16);
+                    mma16816(o[2 * np], pa, vb[0], vb[1]);
+                    mma16816(o[2 * np + 1], pa, vb[2], vb[3]);
+                }
             }
         }
+        // Every warp is done with buffer b before the next tile's loads reuse it.
+        __syncthreads();
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);

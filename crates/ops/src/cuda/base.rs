@@ -14,10 +14,6 @@ use super::fuse::OpRec;
 use super::{Cuda, CudaKv, CudaTensor, CudaWeight};
 use crate::{Act, Map, Rope};
 
-/// Up to this many rows (decode), the norms and RoPE run wider blocks: with
-/// one block per row they are latency-bound.
-pub(super) const FEW_ROWS: usize = 8;
-
 /// The `gated` kernel's activation code and its parameters.
 fn act_code(act: Act) -> (i32, (f32, f32)) {
     match act {
@@ -74,7 +70,15 @@ impl Cuda {
             if !rows.is_empty() {
                 let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
                 let p = self.put_u32(&idx)?;
-                self.launch(self.inner.fns.gather_rows).blocks(rows.len()).block(256).ptr(x.fptr()).ptr(p).int(x.cols).ptr(out.fptr()).ptr(out.bptr()).run()?;
+                self.launch(self.inner.fns.gather_rows)
+                    .grid((rows.len() as u32, x.cols.div_ceil(2048).clamp(1, 64) as u32, 1))
+                    .block(256)
+                    .ptr(x.fptr())
+                    .ptr(p)
+                    .int(x.cols)
+                    .ptr(out.fptr())
+                    .ptr(out.bptr())
+                    .run()?;
             }
             Ok(Io { reads: vec![x.fptr()], writes: vec![out.fptr()], bf: vec![out.fptr()] })
         })

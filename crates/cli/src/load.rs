@@ -88,6 +88,7 @@ impl DraftArgs {
 }
 
 /// Which device `--device` names.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub enum DeviceChoice {
     Cpu,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -103,10 +104,12 @@ pub fn device_choice(spec: &str) -> Result<DeviceChoice> {
     #[cfg(feature = "cuda")]
     {
         if spec == "auto" {
-            return Ok(match braid_ops::cuda::Cuda::new(0) {
+            // Asked once: opening a device to see that it answers costs a context.
+            static AUTO: std::sync::OnceLock<DeviceChoice> = std::sync::OnceLock::new();
+            return Ok(*AUTO.get_or_init(|| match braid_ops::cuda::Cuda::new(0) {
                 Ok(_) => DeviceChoice::Cuda(0),
                 Err(_) => DeviceChoice::Cpu,
-            });
+            }));
         }
         match braid_ops::cuda::Cuda::parse_ordinal(&spec) {
             Some(n) => Ok(DeviceChoice::Cuda(n)),
@@ -214,6 +217,9 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
     if cfg.context == 0 {
         cfg.context = args.ctx.unwrap_or(model_ctx.min(8192));
     }
+    if cfg.kv_tokens == 0 {
+        cfg.kv_tokens = kv_tokens_for(dev.memory_free(), &model.kv_layers(), &cfg);
+    }
     cfg.kv_tokens = cfg.kv_tokens.max(cfg.context);
     let context = cfg.context;
     let device = dev.name();
@@ -301,6 +307,21 @@ fn check_sizes(kv: &[braid_ops::KvShape], cfg: &BackendConfig, cpu: bool) -> Res
     }
     Ok(())
 }
+
+/// KV tokens when none were asked for (`kv_tokens` 0): on a device with
+/// memory of its own (`free`, bytes, after the weights), every stream slot's
+/// full context within half of it (the rest is for activations, recorded
+/// forwards and a drafter); elsewhere [`HOST_KV_TOKENS`].
+fn kv_tokens_for(free: Option<usize>, kv: &[braid_ops::KvShape], cfg: &BackendConfig) -> usize {
+    let Some(free) = free else { return HOST_KV_TOKENS };
+    // At least 2 bytes per element (f16 KV), keys and values, as check_sizes counts.
+    let per_token: usize = kv.iter().map(|l| 2 * 2 * l.kv_heads * l.head_dim).sum::<usize>().max(1);
+    let wanted = cfg.max_streams.max(1).saturating_mul(cfg.context);
+    wanted.min(free / 2 / per_token)
+}
+
+/// KV tokens by default where the KV lives in the host's memory.
+pub const HOST_KV_TOKENS: usize = 32768;
 
 /// This machine's memory in bytes (`MemTotal`), where the system says.
 fn memory_total() -> Option<usize> {
@@ -413,7 +434,7 @@ fn open_short(backend: &mut dyn Backend, ids: &[u64], tokens: &[u32]) -> Result<
 }
 
 /// Most decoding streams whose rounds [`record_rounds`] records.
-const RECORDED_STREAMS: usize = 16;
+const RECORDED_STREAMS: usize = 32;
 
 /// A pass's chunks for [`record_rounds`] as `(start, rows, want_logits)`:
 /// each replayed size, a power of two from `most` down to 1, without and
@@ -430,7 +451,7 @@ fn replayed_chunks(most: usize) -> Vec<(usize, usize, bool)> {
 }
 
 /// On a backend that replays recorded forwards: the rounds a served
-/// arrival takes, recorded now — 1 to 16 streams decoding, alone and beside
+/// arrival takes, recorded now — 1 to 32 streams decoding, alone and beside
 /// a prompt chunk of every replayed size (with and without the chunk's
 /// logits), and each such chunk alone. Recorded on first use instead, each
 /// cost a decoding stream a 3–5 ms gap on the H200. Largest first, so no
@@ -479,6 +500,18 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::replayed_chunks;
+
+    #[test]
+    fn kv_tokens_default_fills_half_a_devices_free_memory_at_most() {
+        use super::{kv_tokens_for, HOST_KV_TOKENS};
+        let kv = [braid_ops::KvShape { kv_heads: 2, head_dim: 64 }; 4]; // 2 KiB a token
+        let cfg = braid_models::BackendConfig { context: 1000, max_streams: 8, ..Default::default() };
+        assert_eq!(kv_tokens_for(None, &kv, &cfg), HOST_KV_TOKENS);
+        // Room for every slot's context when memory allows ...
+        assert_eq!(kv_tokens_for(Some(1 << 30), &kv, &cfg), 8000);
+        // ... else half the free memory.
+        assert_eq!(kv_tokens_for(Some(8 << 20), &kv, &cfg), 2048);
+    }
 
     #[test]
     fn replayed_chunks_cover_each_size_twice_back_to_back() {

@@ -41,15 +41,18 @@ pub struct ServeArgs {
     /// The model name clients send (and /v1/models lists); default: the file's name.
     #[arg(long)]
     pub served_name: Option<String>,
-    /// Most streams running at once (prefilling or decoding).
-    #[arg(long, default_value_t = 16)]
-    pub max_running: usize,
+    /// Most streams running at once (prefilling or decoding) [default: 16
+    /// on the CPU, 64 on a GPU].
+    #[arg(long)]
+    pub max_running: Option<usize>,
     /// Most requests waiting for a running slot; beyond it, 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub queue: usize,
-    /// KV memory for all streams together, in tokens.
-    #[arg(long, default_value_t = 32768)]
-    pub kv_tokens: usize,
+    /// KV memory for all streams together, in tokens [default: 32768 on
+    /// the CPU; on a GPU, room for every stream's full context, within half
+    /// the device memory the weights leave free].
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
     /// Most prompt rows one prefill step runs (smaller: shorter pauses for the others).
     #[arg(long, default_value_t = 512)]
     pub chunk: usize,
@@ -60,9 +63,10 @@ pub struct ServeArgs {
     /// While other streams decode, size each prefill step (run inside their
     /// decode round) to add about this fraction to the round: lower keeps
     /// their tokens flowing evenly, higher gives a new prompt its first
-    /// token sooner. 0 = whole chunks.
-    #[arg(long, default_value_t = 0.15)]
-    pub prefill_share: f32,
+    /// token sooner. 0 = whole chunks [default: 0.15 on the CPU; 0.3 on a
+    /// GPU, where a chunk beside the decode rows is at most 64 rows].
+    #[arg(long)]
+    pub prefill_share: Option<f32>,
     /// Hold every decoding stream's inter-token gap under this many
     /// milliseconds while a prompt is prefilled beside them: each chunk
     /// gets the most rows a cost model fitted as the server runs allows (at
@@ -302,11 +306,15 @@ struct Summary {
 /// Loads the model (and its drafter) and starts its lane.
 async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summary)> {
     let model_args = a.model.clone();
-    let (kv, streams, draft) = (a.kv_tokens, a.max_running, a.draft.clone());
+    let gpu = load::device_choice(&a.model.device)? != load::DeviceChoice::Cpu;
+    let streams = a.max_running.unwrap_or(if gpu { 64 } else { 16 }).max(1);
+    // 0: the loader sizes the pool to the device's free memory.
+    let kv = a.kv_tokens.unwrap_or(if gpu { 0 } else { load::HOST_KV_TOKENS });
+    let draft = a.draft.clone();
     // A round holds every decoding stream's row and one prompt chunk.
-    let max_batch = a.chunk.max(1) + streams.max(1);
+    let max_batch = a.chunk.max(1) + streams;
     let mut m = tokio::task::spawn_blocking(move || {
-        let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams.max(1) * 2, max_batch, ..Default::default() };
+        let cfg = braid_models::BackendConfig { kv_tokens: kv, max_streams: streams * 2, max_batch, ..Default::default() };
         load::load_drafted(&model_args, cfg, &draft)
     })
     .await??;
@@ -322,9 +330,12 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
     let mut config = lane_config(&m);
     config.chunk_tokens = a.chunk.max(1);
     config.max_rows = a.max_rows;
-    config.prefill_share = (a.prefill_share > 0.0).then_some(a.prefill_share);
+    // On the H200 a 64-row chunk beside six decode rows added ~25% to their
+    // round: 0.3 lets chunks reach it, 0.15 held them near 32 (twice the rounds).
+    let share = a.prefill_share.unwrap_or(if gpu { 0.3 } else { 0.15 });
+    config.prefill_share = (share > 0.0).then_some(share);
     config.itl_target = load::itl_target(a.itl_target)?;
-    config.max_running = a.max_running.max(1);
+    config.max_running = streams;
     config.queue_capacity = a.queue;
     config.draft_max_streams = a.draft.max_streams(&m.device);
     let tokenizer = m.tokenizer()?.clone();

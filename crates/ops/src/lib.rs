@@ -275,6 +275,11 @@ pub trait Device: Send + Sync + 'static {
     fn caps(&self) -> DeviceCaps;
 
     // ---- memory ----
+    /// Bytes the device can still allocate, where it has memory of its own
+    /// (`None`: it shares the host's).
+    fn memory_free(&self) -> Option<usize> {
+        None
+    }
     /// A tensor of the given shape (contents unspecified).
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;
     /// Reshape in place, reusing memory when it suffices.

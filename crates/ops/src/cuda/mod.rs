@@ -315,6 +315,10 @@ impl Device for Cuda {
         format!("cuda ({}, {})", self.inner.name, self.inner.arch)
     }
 
+    fn memory_free(&self) -> Option<usize> {
+        self.memory().ok().map(|(free, _)| free)
+    }
+
     fn caps(&self) -> DeviceCaps {
         // cuBLAS chooses kernels (and reduction orders) by shape: not batch-invariant.
         let graphs = self.inner.tuning.graphs;

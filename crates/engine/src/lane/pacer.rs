@@ -262,8 +262,7 @@ impl Pacer {
         // chunk: scaled by budget / time taken.
         let rows = match self.last {
             Some((id, rows, secs, _)) if id == stream => {
-                let fixed = self.fixed_cost(stream, rows, secs);
-                let scaled = (rows as f64 * share * self.plain_secs / (secs - fixed).max(1e-6)) as usize;
+                let scaled = self.scaled(id, rows, secs, share);
                 // Grow by half at most: one overshoot is one long gap.
                 let next = scaled.clamp(1, rows + rows / 2 + 1);
                 // The same size as the first chunk again would tell the
@@ -273,8 +272,12 @@ impl Pacer {
                     _ => next,
                 }
             }
-            // A new pass probes afresh: costs depend on the position.
-            _ => FIRST_STEP_ROWS,
+            // A new pass starts from what the last one was steered to: half
+            // of it, and no more than its last chunk (costs depend on the
+            // position). Probing from one row each time cost an 1800-token
+            // prompt on the H200 ~8 rounds before its chunks reached 64 rows.
+            Some((id, rows, secs, _)) => (self.scaled(id, rows, secs, share) / 2).clamp(FIRST_STEP_ROWS, rows.max(FIRST_STEP_ROWS)),
+            None => FIRST_STEP_ROWS,
         };
         Budget::Chunk(Some(self.cap(rows)))
     }
@@ -284,6 +287,14 @@ impl Pacer {
     /// they are the same size, or where the smaller cost clearly more
     /// (the position's cost grew: no fixed part to tell); all of it where
     /// they cost about the same (rows too cheap to see yet).
+    /// The rows whose added cost would be `share` of a plain round, from a
+    /// chunk of `rows` rows of `stream` that added `secs` (less the fixed
+    /// part of sharing a round).
+    fn scaled(&self, stream: StreamId, rows: usize, secs: f64, share: f64) -> usize {
+        let fixed = self.fixed_cost(stream, rows, secs);
+        (rows as f64 * share * self.plain_secs / (secs - fixed).max(1e-6)) as usize
+    }
+
     fn fixed_cost(&self, stream: StreamId, rows: usize, secs: f64) -> f64 {
         let Some((_, first_rows, first_secs)) = self.first.filter(|f| f.0 == stream && f.1 != rows) else { return 0.0 };
         let per_row = (secs - first_secs) / (rows as f64 - first_rows as f64);

@@ -60,11 +60,18 @@ fn chunks_are_steered_by_their_own_cost_and_grow_by_half_at_most() {
 }
 
 #[test]
-fn a_new_pass_probes_afresh() {
+fn a_new_pass_starts_at_half_the_last_steered_size() {
     let mut p = Pacer::new(None, Some(0.5), None, true);
     p.ran(plain(0.010));
+    // Stream 1 was steered to 5 rows: stream 2 starts at 2.
     p.ran(shared(1, 10, 0.020));
-    assert_eq!(p.budget(2, 0, four()), Budget::Chunk(Some(FIRST_STEP_ROWS)));
+    assert_eq!(p.budget(2, 0, four()), Budget::Chunk(Some(2)));
+    // Cheap rows (steered to 100): no more than the last chunk's 10.
+    p.ran(shared(1, 10, 0.0105));
+    assert_eq!(p.budget(3, 0, four()), Budget::Chunk(Some(10)));
+    // Dear rows: never below one row.
+    p.ran(shared(1, 10, 1.0));
+    assert_eq!(p.budget(4, 0, four()), Budget::Chunk(Some(FIRST_STEP_ROWS)));
 }
 
 #[test]

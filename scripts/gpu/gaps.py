@@ -28,3 +28,25 @@ for i, r in top:
     print(f"gap {r[2]+r[3]:.3f} (call {r[2]:.3f} + loop {r[3]:.3f}) round {i}: decode {r[0]} chunk {r[1]}")
     for j in range(max(0, i - 2), min(len(rows), i + 2)):
         print(f"    {j}: {rows[j]}")
+# The arrival as the lane saw it: from the first round of the longest pass
+# shared with decode rows to its last (the chunks of one prompt run back to
+# back, so its rounds are the run of chunk rounds with the most rows), its
+# largest gap over the median gap of the plain rounds before it.
+runs, cur = [], []
+for i, r in enumerate(rows):
+    if r[0] > 0 and r[1] > 0:
+        cur.append(i)
+    elif r[0] > 0 and cur and i - cur[-1] > 2:
+        runs.append(cur)
+        cur = []
+if cur:
+    runs.append(cur)
+if runs:
+    run = max(runs, key=lambda c: sum(rows[i][1] for i in c))
+    a, b = run[0], run[-1]
+    during = [rows[i][2] + rows[i][3] for i in range(a, b + 1) if rows[i][0] > 0]
+    before = sorted(rows[i][2] + rows[i][3] for i in range(max(0, a - 400), a) if rows[i][0] > 0 and rows[i][1] == 0)
+    if before and during:
+        usual = before[len(before) // 2]
+        print(f"arrival: rounds {a}-{b}, {sum(rows[i][1] for i in run)} prompt rows, largest gap {max(during):.3f} ms "
+              f"over the usual {usual:.3f} (ratio {max(during) / usual:.2f}), {len(during)} rounds")

@@ -46,7 +46,10 @@ timeout 240 $B/braid bench --device cuda -m "$M/rand-llama1b.gguf" --pp 2048 --t
 for mod in smollm2 llama1b; do
   for seed in $SEEDS; do
     # shellcheck disable=SC2086
-    $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} > "$OUT/braid-serve-$mod-$seed.log" 2>&1 &
+    # The lane's round trace too: scripts/gpu/gaps.py reads the arrival
+    # from it as the server saw it (the probe's own clock adds its threads').
+    RUST_LOG=info,braid_engine::lane::round=trace $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
+      > "$OUT/braid-serve-$mod-$seed.log" 2>&1 &
     sp=$!
     probe braid $mod 8088 "$seed"
     kill $sp; wait $sp 2> /dev/null
@@ -67,3 +70,6 @@ for mod in smollm2 llama1b; do
   done
 done
 python3 scripts/gpu/side_by_side.py "$OUT" | tee "$OUT/side_by_side.md"
+for f in "$OUT"/braid-serve-*.log; do
+  echo "$(basename "$f" .log): $(python3 scripts/gpu/gaps.py "$f" | tail -1)"
+done | tee -a "$OUT/side_by_side.md"

@@ -308,7 +308,7 @@ pub fn bench_llama(be: &mut ModelBackend<Cuda>, cfg: &LlamaConfig, o: &GpuBenchO
 
 /// What a round costs with a prompt chunk beside decode rows (the stall's
 /// arithmetic): `streams` streams decoding at `ctx` tokens each, and a
-/// prompt chunk of each of `chunks` rows starting at `start` in a stream
+/// prompt chunk (mid-prompt: no logits) of each of `chunks` rows starting at `start` in a stream
 /// of its own (its first `start` rows run first, untimed). Returns (rows,
 /// median milliseconds) per chunk size over `rounds` rounds (0 rows: the
 /// decode rows alone), and with `profile` the GPU time per kernel of the
@@ -344,7 +344,8 @@ pub fn mixed_run(
                 dev.profile_start();
             }
             let rows: Vec<DecodeRow> = last.iter().enumerate().map(|(i, &t)| DecodeRow { stream: FIRST_ID + i as u64, tokens: vec![t] }).collect();
-            let chunk = (c > 0).then(|| (newcomer, Chunk { start, tokens: &toks[start..], want_logits: true }));
+            // A chunk mid-prompt, as most of a pass's are: no logits.
+            let chunk = (c > 0).then(|| (newcomer, Chunk { start, tokens: &toks[start..], want_logits: false }));
             let t = Instant::now();
             match be.round(Step::new(&rows, chunk, Pick::Argmax))?.picked {
                 Picked::Tokens(t) => last = t,

@@ -217,7 +217,9 @@ impl<D: Device> Gemma3Vision<D> {
         let spec = KvPoolSpec { blocks, block_tokens: bt, layers: vec![KvShape { kv_heads: cfg.heads, head_dim: hd / cfg.heads }] };
         let t0 = || dev.tensor(0, 0);
         let work = Work {
-            kv: dev.kv_pool(&spec, KvDtype::F32)?,
+            // f32 where the device stores it (the CPU: the tower keeps to
+            // transformers' f32); CUDA's pools store bf16 only.
+            kv: dev.kv_pool(&spec, KvDtype::F32).or_else(|_| dev.kv_pool(&spec, KvDtype::F16))?,
             blocks: (0..blocks as u32).collect(),
             slots: (0..n as u32).collect(),
             x: t0(),

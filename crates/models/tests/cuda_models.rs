@@ -44,7 +44,7 @@ fn argmax(x: &[f32]) -> usize {
     braid_ops::argmax_host(x) as usize
 }
 
-fn backend(dev: &Cuda, dir: &std::path::Path) -> ModelBackend<Cuda> {
+fn backend<D: braid_ops::AllOps + Clone>(dev: &D, dir: &std::path::Path) -> ModelBackend<D> {
     let (_src, model) = braid_models::open(dev, dir).unwrap();
     ModelBackend::new(
         dev.clone(),
@@ -70,9 +70,19 @@ fn compare(got: &[f32], want: &[f32], vocab: usize) -> (f64, usize, usize) {
 
 /// The bf16 tolerance of these checks.
 const BF16_REL: f64 = 3e-2;
+/// Top-k margins (router or block scores) under this are within bf16's
+/// rounding of the hidden rows that make them.
+const BF16_MARGIN: f64 = 1e-2;
+
+/// The smallest top-k margin the fixture's generator measured, if it has
+/// discrete choices.
+fn discrete_margin(name: &str) -> Option<f64> {
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(fixture_dir(name).join("meta.json")).ok()?).ok()?;
+    meta["measured"]["min_topk_margins"].as_object()?.values().filter_map(Value::as_f64).reduce(f64::min)
+}
 
 /// The logits of one decode row of `tokens` (a prompt, or one token).
-fn feed(be: &mut ModelBackend<Cuda>, stream: u64, tokens: &[u32]) -> Vec<f32> {
+fn feed<D: braid_ops::AllOps + Clone>(be: &mut ModelBackend<D>, stream: u64, tokens: &[u32]) -> Vec<f32> {
     be.decode_logits(&[DecodeRow { stream, tokens: tokens.to_vec() }]).unwrap()
 }
 
@@ -828,10 +838,20 @@ fn check_hybrid(name: &str, incremental_key: &str) {
     let toks: Vec<u32> = r["tokens"].1.iter().map(|&t| t as u32).collect();
     let vocab = r["logits_full"].0[1];
     let mut be = backend(&dev, &fixture_dir(name));
+    // A fixture whose discrete choices (MoE or block top-k) are closer
+    // than bf16 resolves takes other branches on the GPU than in f32
+    // wherever rounding flips one, so its whole table is not a bf16
+    // tolerance test; its top-1 agreement still is.
+    let margin = discrete_margin(name);
+    let exact_choices = margin.is_none_or(|m| m >= BF16_MARGIN);
     let check = |what: &str, got: &[f32], key: &str| {
         let (rel, agree, rows) = compare(got, &r[key].1, vocab);
         eprintln!("{name} on {}: {what} logits rel err {rel:.2e}, top-1 agreement {agree}/{rows}", dev.name());
-        assert!(rel < BF16_REL, "{name} {what}: logits rel err {rel} over the bf16 tolerance {BF16_REL}");
+        if exact_choices {
+            assert!(rel < BF16_REL, "{name} {what}: logits rel err {rel} over the bf16 tolerance {BF16_REL}");
+        } else {
+            eprintln!("{name}: its smallest top-k margin {margin:?} is under bf16's {BF16_MARGIN}: top-1 checked, not the table");
+        }
         assert!(agree * 10 >= rows * 9, "{name} {what}: top-1 agreement {agree}/{rows}");
     };
 
@@ -890,6 +910,7 @@ fn check_hybrid(name: &str, incremental_key: &str) {
             t.extend_from_slice(&l[s * vocab..(s + 1) * vocab]);
         }
     }
+    let cpu = braid_ops::cpu::Cpu::new(None);
     for (s, p) in prompts.iter().enumerate() {
         let mut alone_be = backend(&dev, &fixture_dir(name));
         alone_be.open(0).unwrap();
@@ -898,11 +919,34 @@ fn check_hybrid(name: &str, incremental_key: &str) {
         for round in 0..rounds {
             alone.extend(feed(&mut alone_be, 0, &[step(s, round)]));
         }
+        // The same stream alone on the CPU, in f32: the truth both GPU runs
+        // are within bf16 tolerance of.
+        let mut cpu_be = backend(&cpu, &fixture_dir(name));
+        cpu_be.open(0).unwrap();
+        feed(&mut cpu_be, 0, p);
+        let mut truth = Vec::new();
+        for round in 0..rounds {
+            truth.extend(feed(&mut cpu_be, 0, &[step(s, round)]));
+        }
         let (rel, agree, rows) = compare(&together[s], &alone, vocab);
-        eprintln!("{name}: stream {s} decoding beside two others vs alone: rel err {rel:.2e}, top-1 {agree}/{rows}");
-        // (A state row mixed up between streams moves logits by O(1).)
-        // bf16 alone puts a recurrent family (LFM2) at ~1e-2 of itself.
-        assert!(rel < 2e-2, "{name}: stream {s} batched differs from alone (rel err {rel}, top-1 {agree}/{rows})");
+        let (rel_b, agree_b, _) = compare(&together[s], &truth, vocab);
+        let (rel_a, _, _) = compare(&alone, &truth, vocab);
+        eprintln!(
+            "{name}: stream {s} decoding beside two others vs alone: rel err {rel:.2e}, top-1 {agree}/{rows}; against the CPU's f32: beside {rel_b:.2e} (top-1 {agree_b}/{rows}), alone {rel_a:.2e}"
+        );
+        // A state row mixed up between streams moves logits by O(1). bf16
+        // puts a stream at ~1e-2 of itself alone, and a family with a
+        // discrete choice on the logits' path (MiniMax-M3's block top-k)
+        // further where a near-tie flips; against the f32 truth the batched
+        // stream keeps to the tolerance its transformers checks keep to.
+        assert!(
+            rel_b < BF16_REL || !exact_choices && rel_b < 2.0 * rel_a.max(BF16_REL),
+            "{name}: stream {s} batched is {rel_b:.2e} from the f32 result (alone: {rel_a:.2e}; batched vs alone {rel})"
+        );
+        for (i, row) in together[s].chunks(vocab).enumerate() {
+            let pick = argmax(row) as u32;
+            assert!(near_best(&truth[i * vocab..(i + 1) * vocab], pick), "{name}: stream {s} round {i} batched picks {pick}, not a near-tie of the f32 best");
+        }
     }
 }
 
@@ -1205,4 +1249,88 @@ mod ahead_on_cpu {
     fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
         check(&script(true));
     }
+}
+
+/// The fixtures that vary each family's configuration (head and rotary
+/// dims, soft-caps, tied heads, MoE scaling, grouped Mamba2 norms, the
+/// M3 index width, …) on the GPU, as the base fixtures are above.
+macro_rules! variant_bf16 {
+    ($($test:ident: $name:literal, $key:literal;)*) => {$(
+        #[test]
+        fn $test() {
+            check_hybrid($name, $key);
+        }
+    )*};
+}
+
+variant_bf16! {
+    gemma3_softcap_bf16: "gemma3_softcap", "logits_incremental";
+    gemma3_text_six_bf16: "gemma3_text_six", "logits_incremental";
+    gemma4_text_k_eq_v_bf16: "gemma4_text_k_eq_v", "logits_incremental";
+    granitemoehybrid_bf16: "granitemoehybrid", "logits_incremental";
+    granitemoehybrid_rope_dense_bf16: "granitemoehybrid_rope_dense", "logits_incremental";
+    lfm2_conv4_bf16: "lfm2_conv4", "logits_incremental";
+    lfm2_moe_scaled_bf16: "lfm2_moe_scaled", "logits_incremental";
+    llama_attention_bias_bf16: "llama_attention_bias", "logits_incremental";
+    llama_linear_rope_bf16: "llama_linear_rope", "logits_incremental";
+    minimax_m2_quarter_rope_bf16: "minimax_m2_quarter_rope", "logits_incremental";
+    minimax_m3_wide_index_bf16: "minimax_m3_vl_text_wide_index", "logits_incremental";
+    minimax_plain_bf16: "minimax_plain", "logits_incremental";
+    nemotron_h_grouped_bf16: "nemotron_h_grouped", "logits_incremental_clamped";
+    qwen3_tied_bf16: "qwen3_tied", "logits_incremental";
+}
+
+/// Gemma 3's vision tower and projector on the GPU: each image's rows, and
+/// the logits of the fixture's two-image prompt (every text row and each
+/// image's last), against transformers at bf16 tolerance.
+#[test]
+fn gemma3_vision_fixture_bf16() {
+    let Some(dev) = gpu() else { return };
+    let name = "gemma3_vision";
+    let r = reference(name);
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(fixture_dir(name).join("config.json")).unwrap()).unwrap();
+    let (_src, model) = braid_models::open(&dev, &fixture_dir(name)).unwrap();
+    let (pshape, pixels) = &r["image_rows"];
+    let (tokens, hidden) = (pshape[1], pshape[2]);
+    let px = &r["pixel_values"].1;
+    let per = px.len() / r["pixel_values"].0[0];
+    for n in 0..pshape[0] {
+        let rows = dev.download(&model.encode_image(&dev, &px[n * per..(n + 1) * per]).unwrap()).unwrap();
+        let (rel, _, _) = compare(&rows[..tokens * hidden], &pixels[n * tokens * hidden..(n + 1) * tokens * hidden], hidden);
+        eprintln!("{name} on {}: image {n} rows rel err {rel:.2e}", dev.name());
+        assert!(rel < BF16_REL, "{name}: image {n} rows rel err {rel}");
+    }
+    drop(model);
+
+    let image_token = config["image_token_index"].as_u64().unwrap() as u32;
+    let mut prompt: Vec<u32> = r["tokens"].1.iter().map(|&t| t as u32).collect();
+    let mut images = Vec::new();
+    let mut i = 0;
+    while i < prompt.len() {
+        if prompt[i] != image_token {
+            i += 1;
+            continue;
+        }
+        let len = prompt[i..].iter().take_while(|&&t| t == image_token).count();
+        let n = images.len();
+        prompt.splice(i..i + len, braid_engine::image_token_ids(1000 + n as u64, len));
+        images.push(braid_engine::PromptImage { start: i, len, hash: 1000 + n as u64, pixels: px[n * per..(n + 1) * per].into() });
+        i += len;
+    }
+    let mut be = backend(&dev, &fixture_dir(name));
+    be.open(1).unwrap();
+    be.encode_images(1, &images).unwrap();
+    let (vocab, full) = (r["logits_full"].0[1], &r["logits_full"].1);
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    let mut pos = 0;
+    while pos < prompt.len() {
+        let end = images.iter().find(|m| m.start <= pos && pos < m.end()).map_or(pos + 1, |m| m.end());
+        got.extend(be.prefill_step(1, Chunk { start: pos, tokens: &prompt[pos..end], want_logits: true }).unwrap().unwrap());
+        want.extend_from_slice(&full[(end - 1) * vocab..end * vocab]);
+        pos = end;
+    }
+    let (rel, agree, rows) = compare(&got, &want, vocab);
+    eprintln!("{name} on {}: prompt with two images, logits rel err {rel:.2e}, top-1 {agree}/{rows}", dev.name());
+    assert!(rel < BF16_REL, "{name}: logits rel err {rel}");
+    assert!(agree * 10 >= rows * 9, "{name}: top-1 agreement {agree}/{rows}");
 }

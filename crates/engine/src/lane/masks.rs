@@ -126,7 +126,9 @@ impl MaskWorkers {
 }
 
 fn run(mut job: Job) -> Done {
+    let t = std::time::Instant::now();
     let masks = masks_for(&mut *job.constraint, &job.draft);
+    tracing::trace!(stream = job.stream, rows = masks.as_ref().map_or(0, Vec::len), ms = t.elapsed().as_secs_f64() * 1e3, "masks");
     Done { stream: job.stream, constraint: job.constraint, masks }
 }
 

@@ -194,7 +194,7 @@ impl Core {
         // The loop's own time since the last call (an idle wait is not).
         let overhead = self.round_end.map_or(0.0, |e| t.duration_since(e).as_secs_f64()).min(MAX_OVERHEAD);
         self.round_end = Some(Instant::now());
-        tracing::trace!(decode_rows, chunk_rows = plan.chunk.map_or(0, |c| c.end - c.start), ms = secs * 1e3, overhead_ms = overhead * 1e3, "round");
+        tracing::trace!(decode_rows, chunk_rows = plan.chunk.map_or(0, |c| c.end - c.start), pick = ?plan.pick, ms = secs * 1e3, overhead_ms = overhead * 1e3, "round");
         if picked.as_ref().is_none_or(Result::is_ok) && stepped.as_ref().is_none_or(Result::is_ok) {
             let decode_ctx = plan.rows.iter().map(|r| self.running.iter().find(|s| s.id == r.stream).map_or(0, |s| s.len)).sum();
             let (chunk_rows, chunk_start) = plan.chunk.map_or((0, 0), |c| (c.end - c.start, c.start));

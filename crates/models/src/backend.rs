@@ -140,6 +140,8 @@ pub struct ModelBackend<D: Device> {
     /// The last round carried a prompt chunk: a pass is under way, so the
     /// next round will likely carry one too (no launching ahead).
     chunk_last: bool,
+    /// The streams of the last round's decode rows.
+    last_rows: Vec<StreamId>,
     /// One row of logits gathered from `scratch.logits` (a chunk's last row).
     row: D::Tensor,
     /// Width of one tapped layer's rows (0: no taps; see `set_feature_layers`).
@@ -194,6 +196,7 @@ impl<D: Device> ModelBackend<D> {
             next_mark: 1,
             launched: None,
             chunk_last: false,
+            last_rows: Vec::new(),
             row,
             tap_width: 0,
             features: Vec::new(),
@@ -487,7 +490,7 @@ impl<D: Device> ModelBackend<D> {
         next: Option<(StreamId, Chunk<'c>)>,
         allow: bool,
     ) -> Option<Option<(StreamId, Chunk<'c>)>> {
-        if !allow || pick != Pick::Argmax || !self.may_launch_ahead(rows) {
+        if !allow || pick != Pick::Argmax || !self.may_launch_ahead(rows) || self.sitting_out(rows) {
             return None;
         }
         match next {
@@ -583,7 +586,21 @@ impl<D: Device> ModelBackend<D> {
             RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
         };
         self.chunk_last = step.chunk.is_some();
+        self.last_rows = step.rows.iter().map(|r| r.stream).collect();
         Ok(out)
+    }
+
+    /// Whether a stream of the last round, still open, sits this one out
+    /// (a guided stream waiting for its mask): it will likely be back in
+    /// the next, which a round launched ahead without it would serve only
+    /// in part, running the rest as a second forward — twice a round.
+    fn sitting_out(&self, rows: &[DecodeRow]) -> bool {
+        self.last_rows.iter().any(|s| self.streams.contains_key(s) && !rows.iter().any(|r| r.stream == *s))
+    }
+
+    /// Whether a round launched ahead is running (for tests).
+    pub fn launched_ahead(&self) -> bool {
+        self.launched.is_some()
     }
 }
 

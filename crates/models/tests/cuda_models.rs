@@ -1126,8 +1126,12 @@ mod ahead_on_cpu {
 
     /// The scenario's rounds on a backend over `dev`: each round's picks
     /// (logits as bits) and chunk logits, as text.
-    fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<String> {
-        let vocab = 100;
+    const VOCAB: usize = 100;
+
+    /// A tiny random Llama on `dev`, and streams 0, 1, 2 prefilled with
+    /// their next tokens and lengths.
+    fn three_streams(dev: AheadCpu) -> (ModelBackend<AheadCpu>, HashMap<StreamId, u32>, HashMap<StreamId, usize>) {
+        let vocab = VOCAB;
         let cfg = braid_models::llama::LlamaConfig {
             hidden: 64,
             layers: 2,
@@ -1151,6 +1155,13 @@ mod ahead_on_cpu {
             next.insert(s, argmax(&l) as u32);
             lens.insert(s, p.len());
         }
+        (be, next, lens)
+    }
+
+    fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<String> {
+        let vocab = VOCAB;
+        let (mut be, mut next, mut lens) = three_streams(dev);
+        let prompt = |s: u64, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % vocab as u32).collect() };
         let mut log = Vec::new();
         let mut pending: Option<(StreamId, Vec<u32>)> = None;
         for round in 0..32usize {
@@ -1248,6 +1259,38 @@ mod ahead_on_cpu {
     #[test]
     fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
         check(&script(true));
+    }
+
+    /// A stream still open that sits a round out (a guided stream waiting
+    /// for its mask) keeps the round after from being launched ahead: the
+    /// stream likely rejoins, and a round launched without it would serve
+    /// that round only in part (two forwards). A stream that left does not.
+    #[test]
+    fn no_round_is_launched_ahead_while_an_open_stream_sits_out() {
+        let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
+        let mut round = |be: &mut ModelBackend<AheadCpu>, streams: &[StreamId], pick: Pick| -> bool {
+            let rows: Vec<DecodeRow> = streams.iter().map(|&s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
+            let firsts: Vec<u32> = match be.round(Step::new(&rows, None, pick)).unwrap().picked {
+                Picked::Tokens(t) => t,
+                Picked::Logits(l) => l.chunks(VOCAB).map(|r| argmax(r) as u32).collect(),
+                Picked::Top(c) => c.iter().map(|c| c[0].0).collect(),
+            };
+            for (&s, &t) in streams.iter().zip(&firsts) {
+                next.insert(s, t);
+            }
+            be.launched_ahead()
+        };
+        // (Stream 1's first round fills its block: nothing is launched
+        // past a block's end.)
+        round(&mut be, &[0, 1, 2], Pick::Argmax);
+        assert!(round(&mut be, &[0, 1, 2], Pick::Argmax), "the same streams again: launched ahead");
+        // A guided stream's rounds: all the rows' logits (nothing launched),
+        // then a greedy round while it waits for its mask.
+        assert!(!round(&mut be, &[0, 1, 2], Pick::Logits));
+        assert!(!round(&mut be, &[1, 2], Pick::Argmax), "stream 0 sits out, still open: not launched ahead");
+        assert!(!round(&mut be, &[0, 1, 2], Pick::Logits));
+        be.forget(0);
+        assert!(round(&mut be, &[1, 2], Pick::Argmax), "stream 0 left: the others go on launched ahead");
     }
 }
 

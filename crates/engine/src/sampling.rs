@@ -140,15 +140,26 @@ fn key(x: f32) -> f32 {
 /// Index of the largest logit (the first one on ties); 0 for an empty or
 /// all-NaN row.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best_v {
-            best_v = v;
-            best = i;
+    // Two passes the compiler vectorises (a largest value per lane, then
+    // the first index holding the largest) instead of one compare-and-
+    // branch chain: a 128k-token row in a fraction of the time, which a
+    // GPU's guided rounds wait for on the host. NaN never compares larger.
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            if v > *m {
+                *m = v;
+            }
         }
     }
-    best as u32
+    let best = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    if best == f32::NEG_INFINITY {
+        return 0;
+    }
+    logits.iter().position(|&v| v == best).unwrap_or(0) as u32
 }
 
 /// The `n` largest logits with their indices, largest first. Small `n` keeps
@@ -807,6 +818,29 @@ mod tests {
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert_eq!(exp_nonpositive(-100.0), 0.0);
         assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn argmax_is_the_first_largest_whatever_the_row() {
+        // The one-pass definition argmax must keep to.
+        let naive = |l: &[f32]| l.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |(b, bv), (i, &v)| if v > bv { (i, v) } else { (b, bv) }).0 as u32;
+        for (n, seed) in [(0, 1), (1, 2), (15, 3), (16, 4), (17, 5), (1000, 6), (128_256, 7)] {
+            let mut row = pseudo_logits(n, seed);
+            assert_eq!(argmax(&row), naive(&row), "n {n}");
+            if n > 3 {
+                // Ties (the first wins), NaN and -inf, ±0.
+                let (a, b) = (n / 3, 2 * n / 3);
+                row[a] = 1e9;
+                row[b] = 1e9;
+                row[0] = f32::NAN;
+                assert_eq!(argmax(&row), a as u32, "n {n}");
+                row.iter_mut().for_each(|v| *v = if v.is_nan() { *v } else { f32::NEG_INFINITY });
+                assert_eq!(argmax(&row), 0, "n {n}: no finite logit");
+                row.iter_mut().for_each(|v| *v = -0.0);
+                row[n - 1] = 0.0;
+                assert_eq!(argmax(&row), naive(&row), "n {n}: signed zeros");
+            }
+        }
     }
 
     #[test]

@@ -943,9 +943,15 @@ fn check_hybrid(name: &str, incremental_key: &str) {
             rel_b < BF16_REL || !exact_choices && rel_b < 2.0 * rel_a.max(BF16_REL),
             "{name}: stream {s} batched is {rel_b:.2e} from the f32 result (alone: {rel_a:.2e}; batched vs alone {rel})"
         );
+        // Where a flipped choice moved the GPU off the f32 path alone too,
+        // the batched pick follows the GPU's own path.
         for (i, row) in together[s].chunks(vocab).enumerate() {
             let pick = argmax(row) as u32;
-            assert!(near_best(&truth[i * vocab..(i + 1) * vocab], pick), "{name}: stream {s} round {i} batched picks {pick}, not a near-tie of the f32 best");
+            let at = i * vocab..(i + 1) * vocab;
+            assert!(
+                near_best(&truth[at.clone()], pick) || !exact_choices && near_best(&alone[at], pick),
+                "{name}: stream {s} round {i} batched picks {pick}, not a near-tie of the f32 best (nor of its own alone)"
+            );
         }
     }
 }

@@ -238,6 +238,20 @@ pub struct RoundOut {
     pub chunk_logits: Option<Vec<f32>>,
 }
 
+/// What one [`Backend::encode_images_step`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Encoded {
+    /// Every image of the pass is made.
+    pub done: bool,
+    /// The work the step did, in the units of its budget.
+    pub work: u64,
+    /// The kind of the next step: steps of one kind take about the same
+    /// time per unit of work (those of others may not: a vision tower's
+    /// attention reads every key per row), so the lane sizes each step
+    /// from the last of its kind.
+    pub next: u32,
+}
+
 pub trait Backend: Send {
     fn capabilities(&self) -> Capabilities;
 
@@ -275,13 +289,17 @@ pub trait Backend: Send {
         anyhow::bail!("this model takes no images")
     }
 
-    /// Make part of what [`Backend::encode_images`] makes (about one vision
-    /// layer of one image, resuming where the last call stopped); `true`
-    /// once all of `images` are made and kept. The lane calls it between
-    /// rounds, so a large vision tower holds the decoding streams up a step
-    /// at a time, not for its whole run. The same `images` each call.
-    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
-        self.encode_images(stream, images).map(|()| true)
+    /// Make part of what [`Backend::encode_images`] makes, resuming where
+    /// the last call stopped: about `budget` units of work (the backend's
+    /// own measure, which it reports back; at least some progress; `None`:
+    /// a step of its own choosing), [`Encoded::done`] once all of `images`
+    /// are made and kept. The lane calls it between rounds, each step sized
+    /// from the time the work it reported took, so a large vision tower
+    /// holds the decoding streams up a small step at a time, not for its
+    /// whole run. The same `images` each call.
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage], budget: Option<u64>) -> Result<Encoded> {
+        let _ = budget;
+        self.encode_images(stream, images).map(|()| Encoded { done: true, work: 0, next: 0 })
     }
 
     /// The pass is done (or its images failed): its image rows, made or

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId};
+use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId};
 use crate::blocks::{BlockPool, BlockTable};
 use crate::drafter::Drafter;
 use crate::guide::{Constraint, Grammar, TokenMask};
@@ -94,10 +94,12 @@ pub enum Call {
         images: Vec<(usize, usize, u64)>,
     },
     DropImages(StreamId),
-    /// `encode_images_step`, the `n`th for its pass (from 1).
+    /// `encode_images_step`, the `n`th for its pass (from 1), with its
+    /// budget (each does one unit of work).
     EncodeStep {
         stream: StreamId,
         n: usize,
+        budget: Option<u64>,
     },
     /// Logged by [`FakeDrafter`].
     Absorb {
@@ -503,16 +505,16 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
-    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage], budget: Option<u64>) -> Result<Encoded> {
         let n = self.encoding.get(&stream).copied().unwrap_or(0) + 1;
-        self.log.push(Call::EncodeStep { stream, n });
+        self.log.push(Call::EncodeStep { stream, n, budget });
         ensure!(self.streams.contains_key(&stream), "stream {stream} is not open");
         if n < self.cfg.encode_steps.max(1) {
             self.encoding.insert(stream, n);
-            return Ok(false);
+            return Ok(Encoded { done: false, work: 1, next: 0 });
         }
         self.encoding.remove(&stream);
-        self.encode_images(stream, images).map(|()| true)
+        self.encode_images(stream, images).map(|()| Encoded { done: true, work: 1, next: 0 })
     }
 
     fn drop_images(&mut self, stream: StreamId) {
@@ -581,8 +583,8 @@ impl<B: Backend> Backend for Held<B> {
     fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
         self.inner.encode_images(stream, images)
     }
-    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
-        self.inner.encode_images_step(stream, images)
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage], budget: Option<u64>) -> Result<Encoded> {
+        self.inner.encode_images_step(stream, images, budget)
     }
     fn drop_images(&mut self, stream: StreamId) {
         self.inner.drop_images(stream)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 
-use crate::backend::{Backend, Chunk, MarkId, PromptImage, StreamId};
+use crate::backend::{Backend, Chunk, Encoded, MarkId, PromptImage, StreamId};
 use crate::drafter::Drafter;
 
 /// The fixed inputs that decide a pass's cuts.
@@ -194,16 +194,18 @@ impl Pass {
         self.images.iter().filter(|i| i.end() > self.pos).cloned().collect()
     }
 
-    /// Make part of the image rows the pass has still to run
-    /// ([`Backend::encode_images_step`]): `Some(images)` once they are all
-    /// made (the next chunk then runs without making them).
-    pub fn encode_step(&mut self, backend: &mut dyn Backend) -> Result<Option<usize>> {
+    /// Make about `budget` of the image rows the pass has still to run
+    /// ([`Backend::encode_images_step`]): the images once they are all
+    /// made (the next chunk then runs without making them), and what the
+    /// step did.
+    pub fn encode_step(&mut self, backend: &mut dyn Backend, budget: Option<u64>) -> Result<(Option<usize>, Encoded)> {
         let wanted = self.wanted_images();
-        if !backend.encode_images_step(self.stream, &wanted)? {
-            return Ok(None);
+        let step = backend.encode_images_step(self.stream, &wanted, budget)?;
+        if !step.done {
+            return Ok((None, step));
         }
         self.encoded = true;
-        Ok(Some(wanted.len()))
+        Ok((Some(wanted.len()), step))
     }
 
     /// The chunk body: run the next chunk, let the drafter absorb its

@@ -149,6 +149,30 @@ fn another_stream_decodes_between_the_steps_of_an_image_encoding() {
 }
 
 #[test]
+fn paced_encoding_steps_beside_a_decoder_get_budgets_alone_none() {
+    let (lane, log) = lane(FakeConfig { encode_steps: 6, ..slow() }, LaneConfig { chunk_tokens: 4, prefill_share: Some(0.15), ..no_marks() });
+    // Alone: steps of the backend's choosing.
+    let (p, img) = with_image(20, 7, 5, 8, 3);
+    drain(&lane.submit(request(&p, &img, 2)).unwrap());
+    let budgets = |calls: &[Call]| -> Vec<Option<u64>> {
+        calls.iter().filter_map(|c| if let Call::EncodeStep { budget, .. } = c { Some(*budget) } else { None }).collect()
+    };
+    assert_eq!(budgets(&log.snapshot()), vec![None; 6]);
+    // Beside a decoding stream: sized by the pacer, the first the least.
+    let a = decoding(&lane, prompt(3, 6), LONG);
+    let before = log.snapshot().len();
+    let (p, img) = with_image(20, 8, 5, 8, 4);
+    let b = lane.submit(request(&p, &img, 2)).unwrap();
+    assert_eq!(drain(&b).tokens, oracle(&p, 2, 64));
+    a.cancel();
+    drain(&a);
+    let paced = budgets(&log.snapshot()[before..]);
+    assert_eq!(paced.len(), 6);
+    assert_eq!(paced[0], Some(1), "{paced:?}");
+    assert!(paced.iter().all(|b| b.is_some_and(|b| b >= 1)), "{paced:?}");
+}
+
+#[test]
 fn the_prefix_cache_tells_images_apart_by_content() {
     for blocks in [false, true] {
         let caps = braid_engine::Capabilities { prefix_blocks: blocks, ..FakeConfig::default().caps };

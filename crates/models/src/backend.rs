@@ -28,7 +28,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId, IMAGE_IDS,
+    Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId,
+    IMAGE_IDS,
 };
 use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicked};
 
@@ -85,10 +86,11 @@ struct Images<T> {
 }
 
 /// A pass's image rows being made, a step at a time
-/// (`encode_images_step`): the image and step next, the rows made so far.
+/// (`encode_images_step`): the image next and where its encoding stands
+/// (`Model::encode_image_step`'s cursor), the rows made so far.
 struct Encoding<T> {
     image: usize,
-    step: usize,
+    at: usize,
     rows: Vec<T>,
 }
 
@@ -818,18 +820,19 @@ impl<D: Device> Backend for ModelBackend<D> {
     }
 
     fn encode_images(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<()> {
-        while !self.encode_images_step(stream, images)? {}
+        while !self.encode_images_step(stream, images, None)?.done {}
         Ok(())
     }
 
-    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage]) -> Result<bool> {
+    fn encode_images_step(&mut self, stream: StreamId, images: &[PromptImage], budget: Option<u64>) -> Result<Encoded> {
         ensure!(self.streams.contains_key(&stream), "stream {stream} is not open");
         let Some(tokens) = self.model.vision().map(|v| v.tokens) else { bail!("this model takes no images") };
-        let e = self.encoding.entry(stream).or_insert(Encoding { image: 0, step: 0, rows: Vec::new() });
+        let e = self.encoding.entry(stream).or_insert(Encoding { image: 0, at: 0, rows: Vec::new() });
+        let (mut work, mut next) = (0, 0);
         if let Some(m) = images.get(e.image) {
             let n = e.image;
             let made = if m.len == tokens {
-                self.model.encode_image_step(&self.dev, &m.pixels, e.step)
+                self.model.encode_image_step(&self.dev, &m.pixels, &mut e.at, budget)
             } else {
                 Err(anyhow::anyhow!("it takes {} prompt rows; the model makes {tokens} per image", m.len))
             };
@@ -838,19 +841,21 @@ impl<D: Device> Backend for ModelBackend<D> {
                     self.encoding.remove(&stream);
                     return Err(anyhow::anyhow!("image {n} of stream {stream}: {err:#}"));
                 }
-                Ok(Some(rows)) => {
-                    e.rows.push(rows);
-                    (e.image, e.step) = (e.image + 1, 0);
+                Ok(step) => {
+                    (work, next) = (step.work, step.next);
+                    if let Some(rows) = step.rows {
+                        e.rows.push(rows);
+                        (e.image, e.at) = (e.image + 1, 0);
+                    }
                 }
-                Ok(None) => e.step += 1,
             }
         }
         if e.image < images.len() {
-            return Ok(false);
+            return Ok(Encoded { done: false, work, next });
         }
         let e = self.encoding.remove(&stream).expect("entered above");
         self.images.insert(stream, Images { spans: images.iter().map(|m| (m.start, m.end())).collect(), rows: e.rows });
-        Ok(true)
+        Ok(Encoded { done: true, work, next })
     }
 
     fn drop_images(&mut self, stream: StreamId) {

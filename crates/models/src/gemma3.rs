@@ -4,12 +4,12 @@
 
 use anyhow::Result;
 use braid_formats::DType;
-use braid_ops::{Act, AttnSeq, Device, KvShape, Rope};
+use braid_ops::{Act, AttnSeq, Device, KvShape, MoeOps, Rope};
 
 use crate::blocks::{gated_mlp, model_sizes, refuse_unread, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
-use crate::siglip::{Gemma3Vision, VisionConfig};
+use crate::siglip::{Gemma3Vision, VisionConfig, VisionStep};
 use crate::source::Source;
 use crate::{image_seqs, lm_head, place_images, Batch, LayerState, Memory, Model, Scratch};
 
@@ -148,7 +148,7 @@ pub struct Gemma3<D: Device> {
     vision: Option<Gemma3Vision<D>>,
 }
 
-impl<D: Device> Gemma3<D> {
+impl<D: MoeOps> Gemma3<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Gemma3<D>> {
         let cfg = Gemma3Config::from_source(src)?;
         crate::config::check_gemma3(&cfg, src)?;
@@ -195,7 +195,7 @@ impl<D: Device> Gemma3<D> {
     }
 }
 
-impl<D: Device> Model<D> for Gemma3<D> {
+impl<D: MoeOps> Model<D> for Gemma3<D> {
     fn kv_layers(&self) -> Vec<KvShape> {
         vec![KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim }; self.cfg.layers]
     }
@@ -239,9 +239,9 @@ impl<D: Device> Model<D> for Gemma3<D> {
         self.vision.as_ref().map(|v| &v.cfg)
     }
 
-    fn encode_image_step(&self, dev: &D, pixels: &[f32], step: usize) -> Result<Option<D::Tensor>> {
+    fn encode_image_step(&self, dev: &D, pixels: &[f32], at: &mut usize, budget: Option<u64>) -> Result<VisionStep<D::Tensor>> {
         match &self.vision {
-            Some(v) => v.encode_step(dev, pixels, step),
+            Some(v) => v.encode_step(dev, pixels, at, budget),
             None => anyhow::bail!("this Gemma 3 has no vision tower"),
         }
     }

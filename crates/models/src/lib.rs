@@ -308,17 +308,21 @@ pub trait Model<D: Device>: Send + Sync {
     /// One image's rows from its preprocessed pixels: `vision().tokens`
     /// rows, `hidden` wide, and a zero row last (see [`place_images`]).
     fn encode_image(&self, dev: &D, pixels: &[f32]) -> Result<D::Tensor> {
-        for step in 0.. {
-            if let Some(rows) = self.encode_image_step(dev, pixels, step)? {
+        let mut at = 0;
+        loop {
+            if let Some(rows) = self.encode_image_step(dev, pixels, &mut at, None)?.rows {
                 return Ok(rows);
             }
         }
-        unreachable!("an image's steps end")
     }
-    /// Step `step` (from 0, in order, one image at a time) of
-    /// [`Model::encode_image`], about one vision layer: `Some(rows)` from
-    /// the last. A server runs them between rounds.
-    fn encode_image_step(&self, _dev: &D, _pixels: &[f32], _step: usize) -> Result<Option<D::Tensor>> {
+    /// A step of [`Model::encode_image`] from `*at` (0 for a new image;
+    /// steps run in order, one image at a time), which it moves on: about
+    /// `budget` multiply-adds of the vision tower (at least a row of it;
+    /// `None`: one pass of it over the patches), `Some(rows)` from the
+    /// last, with the multiply-adds done and the next step's kind. A
+    /// server runs them between rounds, sized by time; the rows do not
+    /// depend on the steps.
+    fn encode_image_step(&self, _dev: &D, _pixels: &[f32], _at: &mut usize, _budget: Option<u64>) -> Result<siglip::VisionStep<D::Tensor>> {
         bail!("this model takes no images")
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use anyhow::{bail, ensure, Context, Result};
 use braid_formats::{Bytes, DType, TensorView};
-use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map};
+use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map, MoeOps};
 
 use crate::config::HfConfig;
 use crate::source::Source;
@@ -121,7 +121,6 @@ struct Layer<D: Device> {
 struct Work<D: Device> {
     kv: D::Kv,
     blocks: Vec<u32>,
-    slots: Vec<u32>,
     x: D::Tensor,
     h: D::Tensor,
     c: D::Tensor,
@@ -130,6 +129,12 @@ struct Work<D: Device> {
     v: D::Tensor,
     att: D::Tensor,
     out: D::Tensor,
+    /// The rows a step runs, gathered from `x`.
+    xr: D::Tensor,
+    /// The final norm's rows, for the pooling.
+    post: D::Tensor,
+    /// Rows of `ones`, as many as a step runs.
+    unit: D::Tensor,
     up: D::Tensor,
     ones: D::Tensor,
     act: D::Tensor,
@@ -160,7 +165,7 @@ fn host_weight<D: Device>(dev: &D, name: &str, data: Vec<f32>, rows: usize, cols
     dev.weight(&TensorView { name: name.to_string(), dtype: DType::F32, shape: vec![rows, cols], data: Bytes::from_vec(bytes) })
 }
 
-impl<D: Device> Gemma3Vision<D> {
+impl<D: MoeOps> Gemma3Vision<D> {
     /// The vision path of the HF folder, or `None` for a text-only model.
     pub fn load(dev: &D, src: &Source) -> Result<Option<Gemma3Vision<D>>> {
         let Some(cfg) = VisionConfig::from_source(src)? else { return Ok(None) };
@@ -221,7 +226,6 @@ impl<D: Device> Gemma3Vision<D> {
             // transformers' f32); CUDA's pools store bf16 only.
             kv: dev.kv_pool(&spec, KvDtype::F32).or_else(|_| dev.kv_pool(&spec, KvDtype::F16))?,
             blocks: (0..blocks as u32).collect(),
-            slots: (0..n as u32).collect(),
             x: t0(),
             h: t0(),
             c: t0(),
@@ -230,6 +234,9 @@ impl<D: Device> Gemma3Vision<D> {
             v: t0(),
             att: t0(),
             out: t0(),
+            xr: t0(),
+            post: t0(),
+            unit: t0(),
             up: t0(),
             ones: dev.upload(&vec![1.0; n * cfg.ffn], n, cfg.ffn)?,
             act: t0(),
@@ -255,75 +262,172 @@ impl<D: Device> Gemma3Vision<D> {
         self.cfg.channels * self.cfg.image_size * self.cfg.image_size
     }
 
-    /// Step `step` of making an image's soft-token rows (`[tokens,
+    /// Where an encoding ends: [`Gemma3Vision::encode_step`]'s cursor runs
+    /// from 0 to this (a row of each stage, then the pooling).
+    fn encode_end(&self) -> usize {
+        Stage::count(self.cfg.layers) * self.patches() + 1
+    }
+
+    fn patches(&self) -> usize {
+        self.cfg.grid() * self.cfg.grid()
+    }
+
+    /// The multiply-adds of one row of `stage` (what a step's budget
+    /// counts; attention's part, over every patch, included).
+    fn row_work(&self, stage: Stage) -> u64 {
+        let c = &self.cfg;
+        let (hd, n) = (c.hidden as u64, self.patches() as u64);
+        let norm = hd * hd; // the centring matrix
+        match stage {
+            Stage::Embed => hd * (c.channels * c.patch * c.patch) as u64,
+            Stage::Keys(_) => norm + 2 * hd * hd,
+            Stage::Attn(_) => norm + 2 * hd * hd + 2 * n * hd,
+            Stage::Mlp(_) => norm + 2 * hd * c.ffn as u64,
+            Stage::Post => norm,
+        }
+    }
+
+    /// A step of making an image's soft-token rows (`[tokens,
     /// text_hidden]`, plus one zero row last: placing rows adds a gather of
     /// it where there is no image) from its preprocessed pixels
-    /// (`[channels, side, side]`): one encoder layer a step (the first
-    /// embeds the patches too, the last pools and projects), `Some(rows)`
-    /// from the last. A server runs them between rounds, so a large tower
-    /// holds the decoding streams up one layer at a time. Steps run in
+    /// (`[channels, side, side]`), from `*at` (0 for a new image), which it
+    /// moves on. The work is cut in rows: the patch embedding, then per
+    /// encoder layer its keys (norm, k and v: the rows' keys and values
+    /// written), once every patch's are its attention (the norm again, q,
+    /// attention over all keys, output projection), then its MLP, then
+    /// the final norm: each a pass over the patches, any range of rows at
+    /// a time, since all but attention is row by row.
+    /// A step runs rows until about `budget` multiply-adds are done (at
+    /// least one row; `None`: to the end of the stage it starts in), never
+    /// past its stage's end; the pooling and projection, once every row
+    /// is made, are a step of their own: `Some(rows)`. A server runs steps between
+    /// rounds, sized to fit its decoding streams' rounds. Steps run in
     /// order, one image at a time (the hidden rows stay in the tower's
-    /// work buffers between them).
-    pub fn encode_step(&self, dev: &D, pixels: &[f32], step: usize) -> Result<Option<D::Tensor>> {
+    /// work buffers between them); results do not depend on the cuts.
+    pub fn encode_step(&self, dev: &D, pixels: &[f32], at: &mut usize, budget: Option<u64>) -> Result<VisionStep<D::Tensor>> {
         let c = &self.cfg;
         if pixels.len() != self.pixels_len() {
             bail!("an image of {} values; this model takes {} ({}x{}x{})", pixels.len(), self.pixels_len(), c.channels, c.image_size, c.image_size);
         }
-        ensure!(step < c.layers, "step {step} of an image's {} encoder steps", c.layers);
+        let n = self.patches();
+        ensure!(*at < self.encode_end(), "an image's encoding past its end ({} of {})", *at, self.encode_end());
         let mut guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
         let w = &mut *guard;
+        let mut work = 0u64;
+        while *at < self.encode_end() - 1 {
+            let stage = Stage::nth(*at / n, c.layers);
+            let (a, per_row) = (*at % n, self.row_work(stage));
+            let left = (n - a) as u64;
+            let rows = match budget {
+                None => left,
+                Some(b) if work == 0 => (b / per_row.max(1)).clamp(1, left),
+                Some(b) => (b.saturating_sub(work) / per_row.max(1)).min(left),
+            } as usize;
+            if rows == 0 {
+                break;
+            }
+            self.run_rows(dev, w, pixels, stage, a..a + rows)?;
+            work += per_row * rows as u64;
+            *at += rows;
+            // A step ends with its stage (at least): the next may cost otherwise.
+            if budget.is_none() || budget.is_some_and(|b| work >= b) || at.is_multiple_of(n) {
+                break;
+            }
+        }
+        if *at + 1 < self.encode_end() || work > 0 {
+            let next = if *at + 1 == self.encode_end() { POOL_KIND } else { Stage::nth(*at / n, c.layers).kind() };
+            return Ok(VisionStep { rows: None, work, next });
+        }
+        *at += 1;
+        let work = (c.tokens + 1) as u64 * (c.hidden * c.text_hidden) as u64;
+        Ok(VisionStep { rows: Some(self.pool_and_project(dev, w)), work, next: Stage::Embed.kind() })
+    }
+
+    /// Rows `rows` of `stage`.
+    fn run_rows(&self, dev: &D, w: &mut Work<D>, pixels: &[f32], stage: Stage, rows: std::ops::Range<usize>) -> Result<()> {
+        let c = &self.cfg;
         let (g, p, hd) = (c.grid(), c.patch, c.hidden);
-        let n = g * g;
-        if step == 0 {
-            // The patches, each row one patch's pixels as the convolution reads them.
-            let side = c.image_size;
-            let mut patches = Vec::with_capacity(n * c.channels * p * p);
-            for (py, px) in (0..g).flat_map(|y| (0..g).map(move |x| (y, x))) {
-                for ch in 0..c.channels {
-                    for ky in 0..p {
-                        let row = (ch * side + py * p + ky) * side + px * p;
-                        patches.extend_from_slice(&pixels[row..row + p]);
+        let ids: Vec<usize> = rows.clone().collect();
+        let ones = vec![1.0; ids.len()];
+        let targets: Vec<u32> = rows.clone().map(|r| r as u32).collect();
+        match stage {
+            Stage::Embed => {
+                // The patches, each row one patch's pixels as the convolution reads them.
+                if rows.start == 0 {
+                    w.x = dev.upload(&vec![0.0; g * g * hd], g * g, hd)?;
+                }
+                let side = c.image_size;
+                let mut patches = Vec::with_capacity(ids.len() * c.channels * p * p);
+                for (py, px) in ids.iter().map(|&i| (i / g, i % g)) {
+                    for ch in 0..c.channels {
+                        for ky in 0..p {
+                            let row = (ch * side + py * p + ky) * side + px * p;
+                            patches.extend_from_slice(&pixels[row..row + p]);
+                        }
                     }
                 }
+                let patches = dev.upload(&patches, ids.len(), c.channels * p * p)?;
+                dev.matmul(&patches, &[&self.patch_w], &mut [&mut w.out]);
+                dev.add(&mut w.out, &self.patch_b);
+                let pos: Vec<u32> = targets.clone();
+                dev.embed(&self.positions, &pos, 1.0, &mut w.h);
+                dev.add(&mut w.out, &w.h);
+                dev.scatter_add_rows(&mut w.x, &w.out, &targets, &ones)?;
             }
-            let patches = dev.upload(&patches, n, c.channels * p * p)?;
-            dev.matmul(&patches, &[&self.patch_w], &mut [&mut w.x]);
-            dev.add(&mut w.x, &self.patch_b);
-            let ids: Vec<u32> = (0..n as u32).collect();
-            dev.embed(&self.positions, &ids, 1.0, &mut w.h);
-            dev.add(&mut w.x, &w.h);
+            Stage::Keys(l) => {
+                let l = &self.layers[l];
+                dev.gather_rows(&w.x, &ids, &mut w.xr);
+                self.layer_norm(dev, &w.xr, &l.norm1, &mut w.c, &mut w.h);
+                dev.matmul(&w.h, &[&l.wk, &l.wv], &mut [&mut w.k, &mut w.v]);
+                dev.add(&mut w.k, &l.bk);
+                dev.add(&mut w.v, &l.bv);
+                dev.kv_write(&mut w.kv, 0, &w.k, &w.v, &targets);
+            }
+            Stage::Attn(l) => {
+                let l = &self.layers[l];
+                let head_dim = hd / c.heads;
+                let scale = (head_dim as f32).powf(-0.5);
+                dev.gather_rows(&w.x, &ids, &mut w.xr);
+                // The rows' queries (their norm again: the keys' stage kept none).
+                self.layer_norm(dev, &w.xr, &l.norm1, &mut w.c, &mut w.h);
+                dev.matmul(&w.h, &[&l.wq], &mut [&mut w.q]);
+                dev.add(&mut w.q, &l.bq);
+                // Every patch a query of its own that sees all n keys: bidirectional attention.
+                let seqs: Vec<AttnSeq<'_>> = (0..ids.len()).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: g * g, blocks: &w.blocks, window: None }).collect();
+                dev.attention(&w.q, &w.kv, 0, &seqs, scale, None, &mut w.att);
+                dev.matmul(&w.att, &[&l.wo], &mut [&mut w.out]);
+                dev.add(&mut w.out, &l.bo);
+                dev.scatter_add_rows(&mut w.x, &w.out, &targets, &ones)?;
+            }
+            Stage::Mlp(l) => {
+                let l = &self.layers[l];
+                // fc2(gelu_tanh(fc1(x))), the GELU as a gated op over ones.
+                dev.gather_rows(&w.x, &ids, &mut w.xr);
+                self.layer_norm(dev, &w.xr, &l.norm2, &mut w.c, &mut w.h);
+                dev.matmul(&w.h, &[&l.fc1], &mut [&mut w.up]);
+                dev.add(&mut w.up, &l.b1);
+                dev.gather_rows(&w.ones, &ids, &mut w.unit);
+                dev.gated(Act::GeluTanh, &w.up, &w.unit, &mut w.act);
+                dev.matmul(&w.act, &[&l.fc2], &mut [&mut w.out]);
+                dev.add(&mut w.out, &l.b2);
+                dev.scatter_add_rows(&mut w.x, &w.out, &targets, &ones)?;
+            }
+            Stage::Post => {
+                if rows.start == 0 {
+                    w.post = dev.upload(&vec![0.0; g * g * hd], g * g, hd)?;
+                }
+                dev.gather_rows(&w.x, &ids, &mut w.xr);
+                self.layer_norm(dev, &w.xr, &self.post_norm, &mut w.c, &mut w.h);
+                dev.scatter_add_rows(&mut w.post, &w.h, &targets, &ones)?;
+            }
         }
+        Ok(())
+    }
 
-        let head_dim = hd / c.heads;
-        let scale = (head_dim as f32).powf(-0.5);
-        // Every patch a query of its own that sees all n keys: bidirectional attention.
-        let seqs: Vec<AttnSeq<'_>> = (0..n).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: n, blocks: &w.blocks, window: None }).collect();
-        {
-            let l = &self.layers[step];
-            self.layer_norm(dev, &w.x, &l.norm1, &mut w.c, &mut w.h);
-            dev.matmul(&w.h, &[&l.wq, &l.wk, &l.wv], &mut [&mut w.q, &mut w.k, &mut w.v]);
-            dev.add(&mut w.q, &l.bq);
-            dev.add(&mut w.k, &l.bk);
-            dev.add(&mut w.v, &l.bv);
-            dev.kv_write(&mut w.kv, 0, &w.k, &w.v, &w.slots);
-            dev.attention(&w.q, &w.kv, 0, &seqs, scale, None, &mut w.att);
-            dev.matmul(&w.att, &[&l.wo], &mut [&mut w.out]);
-            dev.add(&mut w.out, &l.bo);
-            dev.add(&mut w.x, &w.out);
-            // MLP: fc2(gelu_tanh(fc1(x))), the GELU as a gated op over ones.
-            self.layer_norm(dev, &w.x, &l.norm2, &mut w.c, &mut w.h);
-            dev.matmul(&w.h, &[&l.fc1], &mut [&mut w.up]);
-            dev.add(&mut w.up, &l.b1);
-            dev.gated(Act::GeluTanh, &w.up, &w.ones, &mut w.act);
-            dev.matmul(&w.act, &[&l.fc2], &mut [&mut w.out]);
-            dev.add(&mut w.out, &l.b2);
-            dev.add(&mut w.x, &w.out);
-        }
-        if step + 1 < c.layers {
-            return Ok(None);
-        }
-        self.layer_norm(dev, &w.x, &self.post_norm, &mut w.c, &mut w.h);
-
+    /// The image's rows from the final norm's: average pooling, the projector.
+    fn pool_and_project(&self, dev: &D, w: &mut Work<D>) -> D::Tensor {
+        let c = &self.cfg;
+        let g = c.grid();
         // Average pooling: the k x k patches of each soft token summed, then scaled.
         let t = (c.tokens as f64).sqrt() as usize;
         let k = g / t;
@@ -331,9 +435,9 @@ impl<D: Device> Gemma3Vision<D> {
             // One more row, zeroed below: the trailing zero row.
             let rows: Vec<usize> = (0..t * t).map(|o| (o / t * k + dy) * g + o % t * k + dx).chain([0]).collect();
             if dy == 0 && dx == 0 {
-                dev.gather_rows(&w.h, &rows, &mut w.pooled);
+                dev.gather_rows(&w.post, &rows, &mut w.pooled);
             } else {
-                dev.gather_rows(&w.h, &rows, &mut w.part);
+                dev.gather_rows(&w.post, &rows, &mut w.part);
                 dev.add(&mut w.pooled, &w.part);
             }
         }
@@ -343,7 +447,7 @@ impl<D: Device> Gemma3Vision<D> {
         dev.rms_norm(&w.pooled, &self.proj_norm, c.eps, &mut w.part);
         let mut out = dev.tensor(c.tokens + 1, c.text_hidden);
         dev.matmul(&w.part, &[&self.proj], &mut [&mut out]);
-        Ok(Some(out))
+        out
     }
 
     /// `out = LayerNorm(x)`: the RMSNorm of `x` less each row's mean (`c`).
@@ -351,5 +455,59 @@ impl<D: Device> Gemma3Vision<D> {
         dev.matmul(x, &[&self.centre], &mut [c]);
         dev.rms_norm(c, &n.w, self.cfg.eps, out);
         dev.add(out, &n.b);
+    }
+}
+
+/// A step of [`Gemma3Vision::encode_step`]: the image's rows from its
+/// last, the multiply-adds it did, and the kind of the step after it (one
+/// of a few; steps of one kind cost alike per multiply-add).
+pub struct VisionStep<T> {
+    pub rows: Option<T>,
+    pub work: u64,
+    pub next: u32,
+}
+
+/// The kind of the last step, the pooling and projection.
+const POOL_KIND: u32 = 5;
+
+/// The passes over an image's patches, in order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Stage {
+    /// Patches into the tower's width, plus their positions.
+    Embed,
+    /// Encoder layer `l`'s keys and values.
+    Keys(usize),
+    /// Layer `l`'s attention and output projection, once every patch's
+    /// keys are made.
+    Attn(usize),
+    /// Layer `l`'s MLP.
+    Mlp(usize),
+    /// The final LayerNorm.
+    Post,
+}
+
+impl Stage {
+    fn count(layers: usize) -> usize {
+        3 * layers + 2
+    }
+
+    /// The `i`th stage of a tower of `layers` layers.
+    fn nth(i: usize, layers: usize) -> Stage {
+        match i {
+            0 => Stage::Embed,
+            i if i <= 3 * layers => [Stage::Keys((i - 1) / 3), Stage::Attn((i - 1) / 3), Stage::Mlp((i - 1) / 3)][(i - 1) % 3],
+            _ => Stage::Post,
+        }
+    }
+
+    /// The stage's kind (the pooling after [`Stage::Post`] is [`POOL_KIND`]).
+    fn kind(self) -> u32 {
+        match self {
+            Stage::Embed => 0,
+            Stage::Keys(_) => 1,
+            Stage::Attn(_) => 2,
+            Stage::Mlp(_) => 3,
+            Stage::Post => 4,
+        }
     }
 }

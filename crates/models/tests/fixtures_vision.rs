@@ -129,24 +129,45 @@ fn image_rows_made_a_step_at_a_time_between_rounds_are_the_rows_made_whole() {
     let mut whole_be = v.fx.backend();
     whole_be.open(1).unwrap();
     let whole = stepped(&mut whole_be, 1, &v, 0, &v.prompt);
+    let vc = whole_be.model().vision().unwrap().clone();
+    let (patches, stages) = (vc.grid() * vc.grid(), 3 * vc.layers + 2);
 
-    // Another stream decodes between the steps (the tower's work buffers
-    // are the model's, the decode round's are the backend's).
-    let mut be = v.fx.backend();
-    be.open(1).unwrap();
-    be.open(2).unwrap();
-    let text = &v.fx.tokens[..4];
-    be.prefill_step(2, Chunk { start: 0, tokens: text, want_logits: false }).unwrap();
-    let images = wanted(&v, 0, &v.prompt);
-    let mut steps = 0;
-    while !be.encode_images_step(1, &images).unwrap() {
-        steps += 1;
-        be.decode_logits(&[DecodeRow { stream: 2, tokens: vec![text[steps % 4]] }]).unwrap();
+    // The least work a step does: one row of the patch embedding.
+    let row = v.fx.backend().model().encode_image_step(&Cpu::new(None), &v.images[0].pixels, &mut 0, Some(1)).unwrap().work;
+    // Steps of 1, 3, 7 and 50 rows of the embedding (in the other stages,
+    // as many rows as that work buys, cut across the stages' ends), one
+    // stage a step (None), and all a step may do (a stage: steps end with
+    // their stage).
+    for budget in [Some(1), Some(3 * row), Some(7 * row), Some(50 * row), None, Some(u64::MAX)] {
+        // Another stream decodes between the steps (the tower's work buffers
+        // are the model's, the decode round's are the backend's).
+        let mut be = v.fx.backend();
+        be.open(1).unwrap();
+        be.open(2).unwrap();
+        let text = &v.fx.tokens[..4];
+        be.prefill_step(2, Chunk { start: 0, tokens: text, want_logits: false }).unwrap();
+        let images = wanted(&v, 0, &v.prompt);
+        let mut steps = 0;
+        loop {
+            let step = be.encode_images_step(1, &images, budget).unwrap();
+            assert!(step.work > 0 || step.done, "{budget:?}: a step did nothing");
+            if step.done {
+                break;
+            }
+            steps += 1;
+            be.decode_logits(&[DecodeRow { stream: 2, tokens: vec![text[steps % 4]] }]).unwrap();
+            // Back to its prompt: hundreds of steps would pass its context.
+            be.rewind(2, text.len()).unwrap();
+        }
+        match budget {
+            // A row a step, then the pooling.
+            Some(1) => assert_eq!(steps + 1, (patches * stages + 1) * images.len(), "a step per row of each stage"),
+            None | Some(u64::MAX) => assert_eq!(steps + 1, (stages + 1) * images.len(), "a step per stage"),
+            _ => assert!(steps > 2 * stages, "{budget:?}: {steps} steps"),
+        }
+        let got = chunks(&mut be, 1, &images, 0, &v.prompt);
+        assert_eq!(got, whole, "image rows made in steps of {budget:?} give other logits");
     }
-    let layers = be.model().vision().unwrap().layers;
-    assert_eq!(steps + 1, layers * images.len(), "a step per encoder layer and image");
-    let got = chunks(&mut be, 1, &images, 0, &v.prompt);
-    assert_eq!(got, whole, "stepped image rows give other logits");
 }
 
 #[test]

@@ -26,6 +26,7 @@
 //! pacer choose; otherwise the pass keeps its own cuts.
 
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::backend::StreamId;
@@ -207,6 +208,14 @@ pub(super) struct Pacer {
     shared_since_plain: usize,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
+    /// Image-encoding steps beside decoding streams, by kind: the last
+    /// two of different work, each its work and seconds (the last first).
+    encoded: HashMap<u32, [Option<(u64, f64)>; 2]>,
+    /// The kind of the next image-encoding step (see `Encoded::next`).
+    next_kind: u32,
+    /// `target` and `share` for image-encoding steps, which are paced
+    /// whatever the backend's cuts (their rows never depend on the steps).
+    encode_pacing: (Option<f64>, Option<f64>),
 }
 
 /// Moving average that follows changes within a few samples.
@@ -223,8 +232,10 @@ impl Pacer {
     /// (a target, when set, takes its place); both honoured only when
     /// `free_cuts`. `max_rows`: `LaneConfig::max_rows`.
     pub fn new(target: Option<Duration>, share: Option<f32>, max_rows: Option<usize>, free_cuts: bool) -> Pacer {
-        let target = target.filter(|_| free_cuts).map(|d| d.as_secs_f64());
-        let share = share.filter(|_| free_cuts && target.is_none()).map(f64::from);
+        let target = target.map(|d| d.as_secs_f64());
+        let share = share.filter(|_| target.is_none()).map(f64::from);
+        let encode_pacing = (target, share);
+        let (target, share) = (target.filter(|_| free_cuts), share.filter(|_| free_cuts));
         Pacer {
             target,
             share,
@@ -237,6 +248,9 @@ impl Pacer {
             first: None,
             shared_since_plain: 0,
             target_misses: Cell::new(0),
+            encoded: HashMap::new(),
+            next_kind: 0,
+            encode_pacing,
         }
     }
 
@@ -350,6 +364,51 @@ impl Pacer {
             }
         }
         lo
+    }
+
+    /// The work an image-encoding step may do between rounds whose decode
+    /// rows have shape `next` (none: `None`, a step of the backend's
+    /// choosing). The step adds its time to every decoding stream's gap, so
+    /// it gets what a chunk would: the room under the target, or the share
+    /// of a plain round; its work's time is told from the last steps of its
+    /// kind (a kind not seen yet starts from one unit: the least the
+    /// backend does), and grows to at most twice the last step's work.
+    /// Without pacing, `None`.
+    pub fn encode_budget(&self, next: Shape) -> Option<u64> {
+        if next.decode_rows == 0 {
+            return None;
+        }
+        let room = match self.encode_pacing {
+            (Some(t), _) => t - self.overhead - self.under - self.model.predict(&next),
+            (None, Some(share)) if self.plain_secs > 0.0 => share * self.plain_secs,
+            (None, Some(_)) => return Some(1),
+            (None, None) => return None,
+        };
+        let Some([Some((work, secs)), before]) = self.encoded.get(&self.next_kind).copied() else { return Some(1) };
+        let room = room.max(0.0);
+        // A step's time is a fixed part (on a CPU, streaming its weights
+        // once) and a part per unit: the line through the last two of its
+        // kind, where it rises; otherwise in proportion to the last.
+        let line = before.map(|(w0, s0)| ((secs - s0) / (work as f64 - w0 as f64), (w0, s0))).filter(|(per, _)| *per > 0.0);
+        let fits = match line {
+            Some((per, (w0, s0))) => ((room - (s0 - per * w0 as f64)).max(0.0) / per) as u64,
+            None => (room * work as f64 / secs.max(1e-9)) as u64,
+        };
+        Some(fits.clamp(1, work.saturating_mul(2).max(1)))
+    }
+
+    /// Take in an image-encoding step that did `work` in `secs` (`paced`:
+    /// beside decoding streams, as budgeted) and said the kind of the next.
+    pub fn encoded(&mut self, work: u64, secs: f64, next: u32, paced: bool) {
+        let kind = std::mem::replace(&mut self.next_kind, next);
+        if !paced || work == 0 {
+            return;
+        }
+        let seen = self.encoded.entry(kind).or_insert([None, None]);
+        match seen[0] {
+            Some((w, _)) if w == work => seen[0] = Some((work, secs)),
+            last => *seen = [Some((work, secs)), last],
+        }
     }
 
     /// Take in what a round ran.

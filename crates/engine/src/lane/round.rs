@@ -47,21 +47,33 @@ impl Core {
         true
     }
 
-    /// One step (about one vision layer) of the image rows of the oldest
-    /// pass that still needs them, between rounds: the decoding streams
-    /// wait a step, not the whole tower. The pass takes no chunk until its
-    /// images are made. Returns whether a step ran.
+    /// One step of the image rows of the oldest pass that still needs
+    /// them, between rounds, sized by the pacer as a chunk would be: the
+    /// decoding streams wait a small step, not the whole tower. The pass
+    /// takes no chunk until its images are made. Returns whether a step ran.
     fn encode_step(&mut self) -> bool {
         let Some(at) = self.running.iter().position(|s| matches!(&s.phase, Phase::Prefilling { pass, .. } if pass.images_pending())) else {
             return false;
         };
+        let decoding = self.running.iter().filter(|s| matches!(s.phase, Phase::Decoding { .. }));
+        let next = decoding.fold(Shape::default(), |sh, s| match &s.phase {
+            Phase::Decoding { draft, .. } => Shape { decode_rows: sh.decode_rows + 1 + draft.len(), decode_ctx: sh.decode_ctx + s.len, ..sh },
+            _ => sh,
+        });
+        let budget = self.pacer.encode_budget(next);
         let t = Instant::now();
         let Phase::Prefilling { pass, .. } = &mut self.running[at].phase else { unreachable!("found above") };
-        let made = pass.encode_step(&mut *self.backend);
-        self.stats.image_encode_secs += t.elapsed().as_secs_f64();
+        let made = pass.encode_step(&mut *self.backend, budget);
+        let took = t.elapsed();
+        self.stats.image_encode_secs += took.as_secs_f64();
+        // Not the loop's own time: the pacer sets it aside from the next round's.
+        self.round_end = self.round_end.map(|e| e + took);
+        tracing::trace!(?budget, ms = took.as_secs_f64() * 1e3, "image encoding step");
         match made {
-            Ok(Some(n)) => self.stats.images_encoded += n as u64,
-            Ok(None) => {}
+            Ok((n, step)) => {
+                self.pacer.encoded(step.work, took.as_secs_f64(), step.next, budget.is_some());
+                self.stats.images_encoded += n.unwrap_or(0) as u64;
+            }
             Err(e) => {
                 self.backend.drop_images(self.running[at].id);
                 self.running[at].fail(format!("prefill failed: {e:#}"));

@@ -296,3 +296,44 @@ fn replayed_sizes_still_grow_past_a_fixed_cost() {
     let worst = secs.iter().fold(0.0f64, |a, &b| a.max(b));
     assert!(worst <= 1.47e-3 + 0.34e-3 + 0.22e-3 * 2.5, "a shared round took {:.3} ms", worst * 1e3);
 }
+
+#[test]
+fn image_steps_take_a_share_of_a_plain_round_learnt_by_kind() {
+    let mut p = Pacer::new(None, Some(0.2), None, true);
+    assert_eq!(p.encode_budget(Shape::default()), None, "alone, a step of the backend's choosing");
+    assert_eq!(p.encode_budget(four()), Some(1), "no plain round yet: the least step");
+    p.ran(plain(0.010));
+    // Kind 0 not seen: one unit; then twice the last at most.
+    assert_eq!(p.encode_budget(four()), Some(1));
+    p.encoded(1, 0.0001, 0, true);
+    assert_eq!(p.encode_budget(four()), Some(2));
+    // 1000 units in 1 ms, 3000 in 2 ms: 0.5 µs a unit past a fixed 0.5 ms;
+    // a share of 2 ms holds (2 - 0.5) / 0.0005 = 3000 units.
+    p.encoded(1000, 0.001, 0, true);
+    p.encoded(3000, 0.002, 0, true);
+    assert_eq!(p.encode_budget(four()), Some(3000));
+    // The next step is of another kind, never seen: one unit again.
+    p.encoded(3000, 0.002, 7, true);
+    assert_eq!(p.encode_budget(four()), Some(1));
+    // A step that ran alone is not learnt from, but says the next kind.
+    p.encoded(50, 1.0, 0, false);
+    assert_eq!(p.encode_budget(four()), Some(3000));
+}
+
+#[test]
+fn image_steps_under_a_target_take_the_room_the_decode_rows_leave() {
+    let mut p = Pacer::new(Some(Duration::from_millis(30)), None, None, true);
+    for _ in 0..8 {
+        p.ran(plain(0.020));
+    }
+    p.encoded(100, 0.001, 0, true);
+    // About 10 ms of room at 10 µs a unit, but twice the last step at most.
+    assert_eq!(p.encode_budget(four()), Some(200));
+    p.encoded(200, 0.002, 0, true);
+    assert_eq!(p.encode_budget(four()), Some(400));
+    p.encoded(400, 0.004, 0, true);
+    assert_eq!(p.encode_budget(four()), Some(800));
+    p.encoded(800, 0.008, 0, true);
+    let b = p.encode_budget(four()).unwrap();
+    assert!((900..=1000).contains(&b), "then what fits: {b}");
+}

@@ -1352,20 +1352,8 @@ fn gemma3_vision_fixture_bf16() {
     drop(model);
 
     let image_token = config["image_token_index"].as_u64().unwrap() as u32;
-    let mut prompt: Vec<u32> = r["tokens"].1.iter().map(|&t| t as u32).collect();
-    let mut images = Vec::new();
-    let mut i = 0;
-    while i < prompt.len() {
-        if prompt[i] != image_token {
-            i += 1;
-            continue;
-        }
-        let len = prompt[i..].iter().take_while(|&&t| t == image_token).count();
-        let n = images.len();
-        prompt.splice(i..i + len, braid_engine::image_token_ids(1000 + n as u64, len));
-        images.push(braid_engine::PromptImage { start: i, len, hash: 1000 + n as u64, pixels: px[n * per..(n + 1) * per].into() });
-        i += len;
-    }
+    let tokens: Vec<u32> = r["tokens"].1.iter().map(|&t| t as u32).collect();
+    let (prompt, images) = fixtures_common::image_prompt(&tokens, image_token, px, per);
     let mut be = backend(&dev, &fixture_dir(name));
     be.open(1).unwrap();
     be.encode_images(1, &images).unwrap();

@@ -5,7 +5,7 @@
 
 mod fixtures_common;
 
-use braid_engine::{image_token_ids, Backend, Chunk, DecodeRow, PromptImage, StreamId};
+use braid_engine::{Backend, Chunk, DecodeRow, PromptImage, StreamId};
 use braid_models::ModelBackend;
 use braid_ops::cpu::Cpu;
 use braid_ops::Device;
@@ -28,21 +28,7 @@ fn vision() -> Vision {
     let pixels = &fx.reference["pixel_values"];
     let per = pixels.data.len() / pixels.shape[0];
     let image_token = fx.config["image_token_index"].as_u64().unwrap() as u32;
-    let mut prompt = fx.tokens.clone();
-    let mut images = Vec::new();
-    let mut i = 0;
-    while i < prompt.len() {
-        if prompt[i] != image_token {
-            i += 1;
-            continue;
-        }
-        let len = prompt[i..].iter().take_while(|&&t| t == image_token).count();
-        let n = images.len();
-        let hash = 1000 + n as u64;
-        prompt.splice(i..i + len, image_token_ids(hash, len));
-        images.push(PromptImage { start: i, len, hash, pixels: pixels.data[n * per..(n + 1) * per].into() });
-        i += len;
-    }
+    let (prompt, images) = image_prompt(&fx.tokens, image_token, &pixels.data, per);
     assert_eq!(images.len(), 2, "the fixture's prompt holds two images");
     let rows = prompt.len();
     Vision { fx, prompt, images, rows }

@@ -40,7 +40,7 @@ macro_rules! fixture_checks {
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use braid_engine::{Backend, Chunk, DecodeRow, Event, StreamHandle, StreamId, TokenText};
+use braid_engine::{image_token_ids, Backend, Chunk, DecodeRow, Event, PromptImage, StreamHandle, StreamId, TokenText};
 use braid_models::{BackendConfig, LayerState, ModelBackend};
 use braid_ops::cpu::Cpu;
 use braid_ops::KvDtype;
@@ -53,6 +53,28 @@ pub const PREFILL: usize = 24;
 
 pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures")
+}
+
+/// The prompt `tokens` with each run of `image_token` made an image: its
+/// ids named by the image's hash (1000, 1001, … in order) and its pixels
+/// the next `per` values of `pixels` (a vision fixture's `pixel_values`).
+pub fn image_prompt(tokens: &[u32], image_token: u32, pixels: &[f32], per: usize) -> (Vec<u32>, Vec<PromptImage>) {
+    let mut prompt = tokens.to_vec();
+    let mut images = Vec::new();
+    let mut i = 0;
+    while i < prompt.len() {
+        if prompt[i] != image_token {
+            i += 1;
+            continue;
+        }
+        let len = prompt[i..].iter().take_while(|&&t| t == image_token).count();
+        let n = images.len();
+        let hash = 1000 + n as u64;
+        prompt.splice(i..i + len, image_token_ids(hash, len));
+        images.push(PromptImage { start: i, len, hash, pixels: pixels[n * per..(n + 1) * per].into() });
+        i += len;
+    }
+    (prompt, images)
 }
 
 /// A tensor of `reference.safetensors`, decoded to f32 (I64 ids included).

@@ -296,11 +296,6 @@ impl Pacer {
         Budget::Chunk(Some(self.cap(rows)))
     }
 
-    /// The part of the last chunk's `secs` (of `rows` rows) that any chunk
-    /// adds, from the line through the pass's first chunk and it: 0 while
-    /// they are the same size, or where the smaller cost clearly more
-    /// (the position's cost grew: no fixed part to tell); all of it where
-    /// they cost about the same (rows too cheap to see yet).
     /// The rows whose added cost would be `share` of a plain round, from a
     /// chunk of `rows` rows of `stream` that added `secs` (less the fixed
     /// part of sharing a round).
@@ -309,6 +304,11 @@ impl Pacer {
         (rows as f64 * share * self.plain_secs / (secs - fixed).max(1e-6)) as usize
     }
 
+    /// The part of the last chunk's `secs` (of `rows` rows) that any chunk
+    /// adds, from the line through the pass's first chunk and it: 0 while
+    /// they are the same size, or where the smaller cost clearly more
+    /// (the position's cost grew: no fixed part to tell); all of it where
+    /// they cost about the same (rows too cheap to see yet).
     fn fixed_cost(&self, stream: StreamId, rows: usize, secs: f64) -> f64 {
         let Some((_, first_rows, first_secs)) = self.first.filter(|f| f.0 == stream && f.1 != rows) else { return 0.0 };
         let per_row = (secs - first_secs) / (rows as f64 - first_rows as f64);

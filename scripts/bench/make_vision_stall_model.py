@@ -13,7 +13,6 @@ OUT defaults to target/vision-stall-model. Serve it with `--chat-template gemma`
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "fixtures"))
-from make_vision import BOI, EOI, IMAGE, byte_tokenizer  # noqa: E402
+from make_vision import BOI, EOI, IMAGE, write_processor_files  # noqa: E402
 
 SIDE, PATCH, TOKENS = 896, 14, 256
 
@@ -50,14 +49,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").unlink(missing_ok=True)
-    pre = {
-        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "do_resize": True, "size": {"height": SIDE, "width": SIDE}, "resample": 2, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True, "do_pan_and_scan": False, "image_seq_length": TOKENS,
-    }
-    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(byte_tokenizer(), indent=2, ensure_ascii=False) + "\n")
+    write_processor_files(out, SIDE, TOKENS)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{out}: {size / 2**30:.2f} GiB")
     return 0

@@ -9,9 +9,12 @@
 //! steps it was given, one of which may name the next round's prompt chunk
 //! ([`Step::next_chunk`]).
 
+use std::fmt;
 use std::sync::Arc;
 
 use anyhow::Result;
+
+use crate::guide::TokenMask;
 
 /// Names one stream for the backend. Chosen by the engine, unique per lane.
 pub type StreamId = u64;
@@ -23,7 +26,8 @@ pub type MarkId = u64;
 /// logits rows (see [`Pick`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Picks {
-    /// [`Pick::Argmax`] is cheaper than moving logits to the host.
+    /// [`Pick::Argmax`] is cheaper than moving logits to the host. A
+    /// backend that offers it honours [`Step::masks`] too.
     pub argmax: bool,
     /// Most candidates per row [`Pick::TopK`] returns (0: not offered).
     pub top_k: usize,
@@ -176,7 +180,8 @@ pub struct DecodeRow {
 pub enum Pick {
     /// The whole logits row.
     Logits,
-    /// The row's most likely token (the first on ties).
+    /// The row's most likely token (the first on ties), among those its
+    /// mask allows when the step has [`Step::masks`].
     Argmax,
     /// The row's `k` largest logits with their tokens, largest first (the
     /// lower token first on ties, NaN as -inf); `k` at most `Picks::top_k`.
@@ -200,13 +205,35 @@ pub struct Step<'a> {
     /// The next step still says what runs: a round started for nothing
     /// leaves nothing behind.
     pub next_chunk: Option<(StreamId, Chunk<'a>)>,
+    /// Guided rows of an argmax round: where the backend finds their masks
+    /// when it picks (see [`RoundMasks`]).
+    pub masks: Option<&'a dyn RoundMasks>,
 }
 
 impl<'a> Step<'a> {
-    /// A step that names no next chunk.
+    /// A step that names no next chunk and has no masks.
     pub fn new(rows: &'a [DecodeRow], chunk: Option<(StreamId, Chunk<'a>)>, pick: Pick) -> Step<'a> {
-        Step { rows, chunk, pick, next_chunk: None }
+        Step { rows, chunk, pick, next_chunk: None, masks: None }
     }
+}
+
+impl fmt::Debug for dyn RoundMasks + '_ {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RoundMasks")
+    }
+}
+
+/// The masks of an argmax round's guided rows, asked for once, when the
+/// backend picks: after the forward is on its way, so masks computed
+/// meanwhile (on the lane's mask workers) count. The picks then stay on
+/// the device, and a round with guided greedy streams may launch the next
+/// one ahead like any greedy round.
+pub trait RoundMasks {
+    /// One entry per decode token row, in order: the tokens the row may
+    /// pick (None: any). None when a guided row's mask is not there yet:
+    /// the backend returns [`Picked::Logits`] instead, and the lane samples
+    /// that stream once its mask comes.
+    fn masks(&self) -> Option<Vec<Option<TokenMask>>>;
 }
 
 /// What the decode rows of a round returned, one entry per token row in

@@ -378,10 +378,20 @@ impl FakeBackend {
             c.want_logits.then(|| self.logits_after(&self.streams[&stream]))
         });
         let vocab = self.cfg.caps.vocab_size.max(1);
-        let picked = match step.pick {
-            Pick::Logits => Picked::Logits(logits),
-            Pick::Argmax => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
-            Pick::TopK(k) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
+        let picked = match (step.pick, step.masks.map(|m| m.masks())) {
+            (Pick::Logits, _) | (Pick::Argmax, Some(None)) => Picked::Logits(logits),
+            (Pick::Argmax, Some(Some(masks))) => Picked::Tokens(
+                logits
+                    .chunks_mut(vocab)
+                    .zip(masks)
+                    .map(|(row, m)| {
+                        m.inspect(|m| m.apply(row));
+                        argmax(row)
+                    })
+                    .collect(),
+            ),
+            (Pick::Argmax, None) => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
+            (Pick::TopK(k), _) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
         };
         Ok(RoundOut { picked, chunk_logits })
     }

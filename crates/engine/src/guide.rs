@@ -43,6 +43,11 @@ impl TokenMask {
         self.words.get(token as usize / 32).is_some_and(|w| w & (1 << (token % 32)) != 0)
     }
 
+    /// The bits, 32 tokens a word.
+    pub fn words(&self) -> &[u32] {
+        &self.words
+    }
+
     /// The lowest token it allows.
     pub fn first(&self) -> Option<u32> {
         self.words.iter().enumerate().find(|(_, &w)| w != 0).map(|(i, w)| i as u32 * 32 + w.trailing_zeros())

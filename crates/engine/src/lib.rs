@@ -52,7 +52,8 @@ pub mod sampling;
 pub mod stop;
 
 pub use backend::{
-    image_token_ids, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId, IMAGE_IDS,
+    image_token_ids, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks, RoundOut, Step, StreamId,
+    IMAGE_IDS,
 };
 pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
 pub use draft_model::{DraftModel, DraftModelConfig};

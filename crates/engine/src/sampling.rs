@@ -386,6 +386,13 @@ impl Sampler {
         self.params.is_greedy() && self.unchanged_row()
     }
 
+    /// Greedy within a guide's mask, no penalty: the row's largest allowed
+    /// logit is the token.
+    pub fn greedy_within_guide(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy() && p.guide.is_some() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
     /// No penalty changes the logits and no guide masks them: the row's
     /// largest logits are the ones sampled from.
     fn unchanged_row(&self) -> bool {

@@ -89,6 +89,40 @@ fn rounds_with_a_guided_stream_return_logits() {
     assert!(rounds.iter().any(|&(with_b, pick)| !with_b && pick == Pick::Argmax), "rounds without it stopped picking argmax");
 }
 
+// A greedy guided stream's rows are picked on the device, within masks the
+// backend asks for when it picks: its rounds stay argmax rounds, beside a
+// free stream, and the tokens are those of the host's masked sampling. A
+// mask slower than the round turns that round into logits (the stream
+// waits for it): still the same tokens, and the free stream keeps going.
+#[test]
+fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
+    for delay in [None, Some(Duration::from_millis(5))] {
+        let mut fc = slow();
+        fc.caps.picks = Picks { argmax: true, top_k: 8 };
+        let (lane, log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+        let g = FakeGrammar { delay, ..grammar() };
+        let (pa, pb) = (prompt(3, 58), prompt(6, 59));
+        let a = decoding(&lane, pa.clone(), 120);
+        let b = lane.submit(guided(pb.clone(), 30, &g)).unwrap();
+        assert_eq!(drain(&b).tokens, fake_guided(&pb, 30, 64, EVERY), "delay {delay:?}");
+        assert_eq!(drain(&a).tokens, oracle(&pa, 120, 64)[1..]);
+        let with_b: Vec<Pick> = (log.snapshot().iter())
+            .filter_map(|c| match c {
+                Call::Round { rows, pick, .. } if rows.iter().any(|r| r.0 == b.id) => Some(*pick),
+                _ => None,
+            })
+            .collect();
+        assert!(with_b.len() >= 29, "{} rounds with the guided stream", with_b.len());
+        assert!(with_b.iter().all(|&p| p == Pick::Argmax), "a round with the guided stream asked for {with_b:?}");
+        let waits = lane.stats().mask_waits;
+        if delay.is_some() {
+            assert!(waits > 0, "the masks were never late: the fallback went untested");
+        } else {
+            assert!(waits <= 3, "{waits} waits for masks while rounds take a ms");
+        }
+    }
+}
+
 // Drafts are verified within masks (the worker computes one per draft
 // token): the tokens are those without a drafter, greedy and seeded, and
 // drafts the grammar forbids are cut before they run.

@@ -28,8 +28,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundOut, Step, StreamId,
-    IMAGE_IDS,
+    Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks, RoundOut, Step,
+    StreamId, IMAGE_IDS,
 };
 use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicked};
 
@@ -414,14 +414,14 @@ impl<D: Device> ModelBackend<D> {
     /// where it can; with `ahead` (an argmax), the round after `rows` (with
     /// its named chunk, if any) is prepared and launched on the device with
     /// the tokens picked.
-    fn pick_rows(&mut self, rows: &[DecodeRow], pick: Pick, ahead: Option<Option<(StreamId, Chunk<'_>)>>) -> Result<Picked> {
+    fn pick_rows(&mut self, rows: &[DecodeRow], pick: Pick, allowed: Option<&[u32]>, ahead: Option<Option<(StreamId, Chunk<'_>)>>) -> Result<Picked> {
         let n = self.dev.shape(&self.scratch.logits).0;
         if let Some(next) = ahead {
             self.prepare_ahead(rows, next);
         }
         let picked = match pick {
             Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),
-            Pick::Argmax => match self.dev.pick(&self.scratch.logits, RowPick::Argmax, ahead.is_some())? {
+            Pick::Argmax => match self.dev.pick(&self.scratch.logits, allowed.map_or(RowPick::Argmax, RowPick::ArgmaxAllowed), ahead.is_some())? {
                 RowPicked::Argmax(t) => Picked::Tokens(t),
                 RowPicked::TopK(_) => bail!("the device answered an argmax with top-k candidates"),
             },
@@ -449,6 +449,7 @@ impl<D: Device> ModelBackend<D> {
         rows: &[DecodeRow],
         chunk: Option<(StreamId, Chunk<'_>)>,
         pick: Pick,
+        masks: Option<&dyn RoundMasks>,
         next: Option<(StreamId, Chunk<'_>)>,
         allow_ahead: bool,
     ) -> Result<RoundOut> {
@@ -474,8 +475,10 @@ impl<D: Device> ModelBackend<D> {
         if total == 0 {
             return Ok(RoundOut { picked: empty(pick), chunk_logits });
         }
+        // Asked now, with the forward on its way.
+        let (pick, allowed) = resolve(pick, masks, total, self.model.vocab());
         let ahead = self.ahead(rows, chunk.is_some(), pick, next, allow_ahead);
-        let picked = self.pick_rows(rows, pick, ahead)?;
+        let picked = self.pick_rows(rows, pick, allowed.as_deref(), ahead)?;
         Ok(RoundOut { picked, chunk_logits })
     }
 
@@ -572,18 +575,23 @@ impl<D: Device> ModelBackend<D> {
         let launched = self.launched.as_ref().map_or(0, |l| l.rows.len());
         let served = self.take_launched(step)?;
         let out = if served.is_empty() {
-            self.run(step.rows, step.chunk, step.pick, step.next_chunk, true)?
+            self.run(step.rows, step.chunk, step.pick, step.masks, step.next_chunk, true)?
         } else if served.len() == step.rows.len() && launched == served.len() && step.chunk.is_none() && served.iter().all(|&(i, j)| i == j) {
             // The very round launched ahead: pick its rows (and launch the next).
-            let ahead = self.ahead(step.rows, false, step.pick, step.next_chunk, true);
-            RoundOut { picked: self.pick_rows(step.rows, step.pick, ahead)?, chunk_logits: None }
+            let total = step.rows.iter().map(|r| r.tokens.len()).sum();
+            let (pick, allowed) = resolve(step.pick, step.masks, total, self.model.vocab());
+            let ahead = self.ahead(step.rows, false, pick, step.next_chunk, true);
+            RoundOut { picked: self.pick_rows(step.rows, pick, allowed.as_deref(), ahead)?, chunk_logits: None }
         } else {
-            // Part of the round was launched ahead; the rest (and the chunk) run now.
-            let all = self.pick_rows(&[], step.pick, None)?;
+            // Part of the round was launched ahead; the rest (and the chunk)
+            // run now. Guided rows take logits here (the lane masks them):
+            // a rare round, not worth splitting their masks.
+            let pick = if step.masks.is_some() { Pick::Logits } else { step.pick };
+            let all = self.pick_rows(&[], pick, None, None)?;
             let vocab = self.model.vocab();
             let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
             let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
-            let second = self.run(&rest, step.chunk, step.pick, None, false)?;
+            let second = self.run(&rest, step.chunk, pick, None, None, false)?;
             let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
             RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
         };
@@ -621,6 +629,23 @@ fn image_rows(spans: &[(usize, usize)], start: usize, end: usize, first: usize) 
 }
 
 /// No rows, in the shape `pick` asks for.
+/// The pick of an argmax round with guided rows, once their masks are asked
+/// for: the argmax within each row's mask (the bits of every row, an
+/// unguided one's all set), or the rows themselves when a mask is late.
+fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, vocab: usize) -> (Pick, Option<Vec<u32>>) {
+    let Some(masks) = masks.filter(|_| pick == Pick::Argmax) else { return (pick, None) };
+    let Some(masks) = masks.masks().filter(|m| m.len() == rows) else { return (Pick::Logits, None) };
+    let words = vocab.div_ceil(32);
+    let mut bits = vec![u32::MAX; rows * words];
+    for (row, m) in bits.chunks_mut(words).zip(masks) {
+        if let Some(m) = m {
+            let w = m.words();
+            row.iter_mut().enumerate().for_each(|(i, b)| *b = w.get(i).copied().unwrap_or(0));
+        }
+    }
+    (Pick::Argmax, Some(bits))
+}
+
 fn empty(pick: Pick) -> Picked {
     match pick {
         Pick::Logits => Picked::Logits(Vec::new()),

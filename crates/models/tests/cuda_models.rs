@@ -14,7 +14,7 @@ mod fixtures_common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use braid_engine::{Backend, Chunk, DecodeRow, Pick, Picked, RoundOut, Step, StreamId};
+use braid_engine::{Backend, Chunk, DecodeRow, Pick, Picked, RoundMasks, RoundOut, Step, StreamId, TokenMask};
 use braid_models::{BackendConfig, Batch, Memory, Model, ModelBackend, Scratch};
 use braid_ops::cuda::{Cuda, Tuning};
 use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec};
@@ -1297,6 +1297,66 @@ mod ahead_on_cpu {
         assert!(!round(&mut be, &[0, 1, 2], Pick::Logits));
         be.forget(0);
         assert!(round(&mut be, &[1, 2], Pick::Argmax), "stream 0 left: the others go on launched ahead");
+    }
+
+    /// Masks given once, or late (None: the round returns logits).
+    struct Masks(Option<Vec<Option<TokenMask>>>);
+
+    impl RoundMasks for Masks {
+        fn masks(&self) -> Option<Vec<Option<TokenMask>>> {
+            self.0.clone()
+        }
+    }
+
+    /// Guided greedy rows picked within their masks by the device's argmax
+    /// equal the host's masked argmax of the same rounds' logits, rounds
+    /// launched ahead as without masks; a late mask makes the round return
+    /// its logits and launch nothing ahead.
+    #[test]
+    fn masked_argmax_rounds_pick_what_the_host_would() {
+        let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
+        let (mut host, mut host_next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), false));
+        // Stream 1 guided: a mask allowing a third of the vocabulary, which
+        // changes with the round.
+        let mask = |round: usize| TokenMask::of(VOCAB, (0..VOCAB as u32).filter(|t| (t + round as u32).is_multiple_of(3)));
+        let (mut changed, mut ahead) = (0, 0);
+        for round in 0..12 {
+            let streams = [0u64, 1, 2];
+            let rows = |next: &HashMap<StreamId, u32>| -> Vec<DecodeRow> { streams.iter().map(|&s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect() };
+            let late = round == 7;
+            let masks = Masks((!late).then(|| vec![None, Some(mask(round)), None]));
+            let r = rows(&next);
+            let got = be.round(Step { masks: Some(&masks), ..Step::new(&r, None, Pick::Argmax) }).unwrap().picked;
+            let r = rows(&host_next);
+            let Picked::Logits(mut l) = host.round(Step::new(&r, None, Pick::Logits)).unwrap().picked else { panic!("logits asked") };
+            let free = argmax(&l[VOCAB..2 * VOCAB]) as u32;
+            mask(round).apply(&mut l[VOCAB..2 * VOCAB]);
+            let want: Vec<u32> = l.chunks(VOCAB).map(|r| argmax(r) as u32).collect();
+            let picked: Vec<u32> = match got {
+                Picked::Tokens(t) => {
+                    assert!(!late, "round {round}: a late mask, yet tokens");
+                    t
+                }
+                Picked::Logits(l) => {
+                    assert!(late, "round {round}: masks given, yet logits");
+                    assert!(!be.launched_ahead(), "a round returning logits launched the next ahead");
+                    let mut l = l;
+                    mask(round).apply(&mut l[VOCAB..2 * VOCAB]);
+                    l.chunks(VOCAB).map(|r| argmax(r) as u32).collect()
+                }
+                other => panic!("round {round}: {other:?}"),
+            };
+            assert_eq!(picked, want, "round {round}");
+            // (Nothing is launched past a block's end, or right after a late mask.)
+            ahead += usize::from(be.launched_ahead());
+            changed += usize::from(free != want[1]);
+            for (i, &s) in streams.iter().enumerate() {
+                next.insert(s, picked[i]);
+                host_next.insert(s, want[i]);
+            }
+        }
+        assert!(changed >= 4, "the mask changed stream 1's pick in {changed} of 12 rounds: the test shows little");
+        assert!(ahead >= 6, "only {ahead} of 12 masked rounds launched the next ahead");
     }
 }
 

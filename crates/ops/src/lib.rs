@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use braid_formats::TensorView;
 
 mod checks;
@@ -187,9 +187,14 @@ pub enum Map {
 
 /// What [`Device::pick`] finds in each row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RowPick {
+pub enum RowPick<'a> {
     /// The index of the row's largest value (the first on ties; NaN never wins).
     Argmax,
+    /// [`RowPick::Argmax`] among the columns each row allows: `cols.div_ceil(32)`
+    /// words a row, bit `c % 32` of word `c / 32` for column `c` (a guided
+    /// stream's mask; an unguided row's words are all ones). A row that
+    /// allows nothing comes back as 0.
+    ArgmaxAllowed(&'a [u32]),
     /// The `k` largest values with their columns, largest first, the lower
     /// column first on ties, NaN counting (and coming back) as -inf.
     TopK(usize),
@@ -343,12 +348,18 @@ pub trait Device: Send + Sync + 'static {
     /// after them (a prompt chunk's) stay as prepared. Use it only where
     /// such a forward, when another comes instead, leaves nothing that
     /// matters (attention KV past each stream's length; no recurrent state).
-    fn pick(&self, x: &Self::Tensor, pick: RowPick, launch_ahead: bool) -> Result<RowPicked> {
+    fn pick(&self, x: &Self::Tensor, pick: RowPick<'_>, launch_ahead: bool) -> Result<RowPicked> {
         let _ = launch_ahead;
         let (rows, cols) = self.shape(x);
         let data = self.download(x)?;
         Ok(match pick {
             RowPick::Argmax => RowPicked::Argmax((0..rows).map(|r| argmax_host(&data[r * cols..(r + 1) * cols])).collect()),
+            RowPick::ArgmaxAllowed(bits) => {
+                let words = cols.div_ceil(32);
+                ensure!(bits.len() == rows * words, "{} mask words for {rows} rows of {cols} columns", bits.len());
+                let row = |r: usize| argmax_allowed_host(&data[r * cols..(r + 1) * cols], &bits[r * words..(r + 1) * words]);
+                RowPicked::Argmax((0..rows).map(row).collect())
+            }
             RowPick::TopK(k) => RowPicked::TopK(top_k_host(&data, cols, k)),
         })
     }
@@ -495,6 +506,26 @@ pub fn argmax_host(row: &[f32]) -> u32 {
     best.0 as u32
 }
 
+/// [`argmax_host`] among the columns whose bit is set in `bits` (see
+/// [`RowPick::ArgmaxAllowed`]), NaN counting as -inf: the first allowed
+/// column when none is larger; 0 when none is allowed.
+pub fn argmax_allowed_host(row: &[f32], bits: &[u32]) -> u32 {
+    let mut best: Option<(usize, f32)> = None;
+    for (w, chunk) in row.chunks(32).enumerate() {
+        let word = bits.get(w).copied().unwrap_or(0);
+        if word == 0 {
+            continue;
+        }
+        for (i, &v) in chunk.iter().enumerate() {
+            let v = if v.is_nan() { f32::NEG_INFINITY } else { v };
+            if word >> i & 1 == 1 && best.is_none_or(|b| v > b.1) {
+                best = Some((w * 32 + i, v));
+            }
+        }
+    }
+    best.map_or(0, |b| b.0 as u32)
+}
+
 /// [`RowPick::TopK`] of rows of `cols` values on the host.
 pub fn top_k_host(data: &[f32], cols: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
     data.chunks(cols.max(1))
@@ -505,4 +536,44 @@ pub fn top_k_host(data: &[f32], cols: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
             row
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_allowed_is_the_argmax_of_the_masked_row() {
+        let mut rng = 7u64;
+        let mut next = || {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (rng >> 33) as u32
+        };
+        for cols in [1usize, 31, 32, 33, 100, 1000] {
+            for _ in 0..50 {
+                // Few distinct values: ties; some NaN and -inf.
+                let row: Vec<f32> = (0..cols)
+                    .map(|_| match next() % 10 {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        v => (v % 4) as f32,
+                    })
+                    .collect();
+                let bits: Vec<u32> = (0..cols.div_ceil(32)).map(|_| if next() % 5 == 0 { 0 } else { next() | next() }).collect();
+                let allowed = |c: usize| bits[c / 32] >> (c % 32) & 1 == 1;
+                // The definition: the lowest allowed column of the largest
+                // allowed value, NaN as -inf.
+                let key = |c: usize| if row[c].is_nan() { f32::NEG_INFINITY } else { row[c] };
+                let want = (0..cols).filter(|&c| allowed(c)).fold(None, |b: Option<usize>, c| match b {
+                    Some(b) if key(b) >= key(c) => Some(b),
+                    _ => Some(c),
+                });
+                assert_eq!(argmax_allowed_host(&row, &bits), want.unwrap_or(0) as u32, "{row:?} {bits:x?}");
+                // All allowed: the plain argmax, wherever a finite value is.
+                if row.iter().any(|v| v.is_finite()) {
+                    assert_eq!(argmax_allowed_host(&row, &vec![u32::MAX; bits.len()]), argmax_host(&row));
+                }
+            }
+        }
+    }
 }

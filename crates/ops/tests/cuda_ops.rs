@@ -338,6 +338,34 @@ fn embedding_and_argmax() {
             RowPicked::Argmax(got) => assert_eq!(got, want, "pick(Argmax, launch ahead) of {rows}x{cols}"),
             other => panic!("pick(Argmax) answered {other:?}"),
         }
+        // Within masks (a guided stream's): a sparse one that forbids the
+        // row's maxima, a free row (all ones), one allowing only -inf and
+        // NaN columns, one allowing nothing.
+        let words = cols.div_ceil(32);
+        let mut bits = vec![u32::MAX; rows * words];
+        for row in 0..rows {
+            let m = &mut bits[row * words..(row + 1) * words];
+            match row % 4 {
+                0 => m.iter_mut().enumerate().for_each(|(w, b)| *b = 0x1111_0101u32.rotate_left(w as u32)),
+                1 => {}
+                2 => {
+                    m.fill(0);
+                    logits[row * cols + cols / 3] = f32::NEG_INFINITY;
+                    for c in [0, cols / 3] {
+                        m[c / 32] |= 1 << (c % 32);
+                    }
+                }
+                _ => m.fill(0),
+            }
+        }
+        let t = d.upload(&logits, rows, cols).unwrap();
+        let want: Vec<u32> = (0..rows).map(|r| braid_ops::argmax_allowed_host(&logits[r * cols..(r + 1) * cols], &bits[r * words..(r + 1) * words])).collect();
+        for ahead in [false, true] {
+            match d.pick(&t, RowPick::ArgmaxAllowed(&bits), ahead).unwrap() {
+                RowPicked::Argmax(got) => assert_eq!(got, want, "pick(ArgmaxAllowed, ahead {ahead}) of {rows}x{cols}"),
+                other => panic!("pick(ArgmaxAllowed) answered {other:?}"),
+            }
+        }
     }
 }
 

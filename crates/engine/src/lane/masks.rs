@@ -12,18 +12,23 @@
 //! come (a worker wakes the lane). So a slow mask delays its own stream,
 //! never the others.
 //!
-//! Masks apply on the host, so every round with a guided stream returns
-//! logits rows (`Need::Logits`): a backend's argmax or top-k would pick
-//! among tokens the mask may forbid, and nothing could be picked instead
-//! without the row.
+//! A greedy guided stream's rows are picked where the backend picks argmax
+//! (`Need::MaskedArgmax`): the backend asks for the round's masks when it
+//! picks ([`PickMasks`]), after its forward is on its way, so the masks the
+//! workers finish meanwhile apply on the device and no logits row moves.
+//! When a mask is still missing then, the round returns logits and the
+//! stream waits as above. Other guided streams (sampled at a temperature,
+//! with logprobs) take whole logits rows and their masks apply on the host:
+//! a top-k would pick among tokens the mask may forbid.
 
+use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use super::run::Core;
 use super::stream::{Phase, Stream};
 use super::Command;
-use crate::backend::{Picked, StreamId};
+use crate::backend::{Picked, RoundMasks, StreamId};
 use crate::guide::{Constraint, TokenMask};
 
 /// A guided stream's constraint: with a worker, or here with the masks of
@@ -82,12 +87,15 @@ pub(super) struct MaskWorkers {
     jobs: Option<Sender<Job>>,
     done_tx: Sender<Done>,
     done: Receiver<Done>,
+    /// Jobs done that a backend's pick took from `done` (see [`PickMasks`]),
+    /// for [`Core::take_masks`].
+    early: RefCell<Vec<Done>>,
 }
 
 impl MaskWorkers {
     pub fn new(threads: usize, wake: Sender<Command>) -> MaskWorkers {
         let (done_tx, done) = mpsc::channel();
-        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done }
+        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done, early: RefCell::new(Vec::new()) }
     }
 
     fn send(&mut self, job: Job) {
@@ -122,6 +130,57 @@ impl MaskWorkers {
             started += usize::from(std::thread::Builder::new().name(format!("braid-mask-{i}")).spawn(worker).is_ok());
         }
         (started > 0).then_some(tx)
+    }
+}
+
+/// One stream's token rows in a round, as [`PickMasks`] sees them.
+enum RowsOf {
+    Free(usize),
+    Here(usize, Vec<TokenMask>),
+    Away(usize, StreamId),
+}
+
+/// The masks of an argmax round's guided rows (see [`RoundMasks`]): those
+/// here when the round was planned, and those a worker finishes before the
+/// backend picks.
+pub(super) struct PickMasks<'a> {
+    rows: Vec<RowsOf>,
+    workers: &'a MaskWorkers,
+}
+
+impl PickMasks<'_> {
+    /// The masks of a round of `rows` token rows each from the streams at
+    /// `at` of `running`; None when none of them is guided.
+    pub fn of<'a>(running: &[Stream], workers: &'a MaskWorkers, rows: &[usize], at: &[usize]) -> Option<PickMasks<'a>> {
+        let guided = at.iter().any(|&a| running[a].guided.is_some());
+        let rows = rows.iter().zip(at).map(|(&n, &a)| match &running[a].guided {
+            None => RowsOf::Free(n),
+            Some(Guided::Here { masks, .. }) => RowsOf::Here(n, masks.clone()),
+            Some(Guided::Away) => RowsOf::Away(n, running[a].id),
+        });
+        guided.then(|| PickMasks { rows: rows.collect(), workers })
+    }
+}
+
+impl RoundMasks for PickMasks<'_> {
+    fn masks(&self) -> Option<Vec<Option<TokenMask>>> {
+        let mut early = self.workers.early.borrow_mut();
+        early.extend(self.workers.done.try_iter());
+        let mut out = Vec::new();
+        for r in &self.rows {
+            let (n, masks) = match r {
+                RowsOf::Free(n) => (*n, None),
+                RowsOf::Here(n, masks) => (*n, Some(masks.as_slice())),
+                RowsOf::Away(n, id) => match early.iter().rev().find(|d| d.stream == *id)?.masks.as_ref() {
+                    Ok(masks) => (*n, Some(masks.as_slice())),
+                    // The stream fails when the lane takes it.
+                    Err(_) => return None,
+                },
+            };
+            // Rows past a stream's masks are never sampled (see `masks_for`).
+            out.extend((0..n).map(|j| masks.and_then(|m| m.get(j)).cloned()));
+        }
+        Some(out)
     }
 }
 
@@ -180,8 +239,9 @@ impl Core {
     }
 
     /// Hand finished masks to their streams (dropped if a stream is gone).
-    fn take_masks(&mut self) {
-        while let Ok(done) = self.mask_workers.done.try_recv() {
+    pub(super) fn take_masks(&mut self) {
+        let early = std::mem::take(self.mask_workers.early.get_mut());
+        for done in early.into_iter().chain(std::iter::from_fn(|| self.mask_workers.done.try_recv().ok())) {
             let Some(s) = self.running.iter_mut().chain(self.queue.iter_mut()).find(|s| s.id == done.stream) else { continue };
             if s.ended() {
                 continue;

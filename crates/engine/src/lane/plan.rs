@@ -20,6 +20,9 @@ use crate::sampling::Sampler;
 pub(super) enum Need {
     /// The argmax alone (plain greedy, no logprobs).
     Argmax,
+    /// The argmax within the stream's mask (greedy, guided): picked where
+    /// the backend picks argmax (it finds the masks then), else the row.
+    MaskedArgmax,
     /// The row's `k` largest logits (no penalty, no logprobs).
     Top(usize),
     /// The whole row.
@@ -32,6 +35,8 @@ impl Need {
             Need::Logits
         } else if sampler.plain_greedy() {
             Need::Argmax
+        } else if sampler.greedy_within_guide() {
+            Need::MaskedArgmax
         } else {
             sampler.needs_only_top().map_or(Need::Logits, Need::Top)
         }
@@ -243,7 +248,7 @@ fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -
     if needs.clone().next().is_none() {
         return Pick::Logits;
     }
-    if picks.argmax && needs.clone().all(|n| n == Need::Argmax) {
+    if picks.argmax && needs.clone().all(|n| matches!(n, Need::Argmax | Need::MaskedArgmax)) {
         return Pick::Argmax;
     }
     let most = picks.top_k.min(vocab.saturating_sub(1));
@@ -252,7 +257,7 @@ fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -
         match n {
             Need::Argmax => {}
             Need::Top(n) => k = k.max(n),
-            Need::Logits => return Pick::Logits,
+            Need::Logits | Need::MaskedArgmax => return Pick::Logits,
         }
     }
     if k <= most {
@@ -482,6 +487,11 @@ mod tests {
         assert_eq!(pick_of(&[Argmax, Top(64)], Picks { argmax: true, top_k: 100 }), Pick::Logits, "k not below the vocabulary");
         assert_eq!(pick_of(&[Argmax, Logits], both), Pick::Logits);
         assert_eq!(pick_of(&[Argmax], Picks::default()), Pick::Logits);
+        // A guided greedy row is picked where argmax is (the backend finds
+        // its mask), else it takes the whole row: top-k knows no masks.
+        assert_eq!(pick_of(&[Argmax, MaskedArgmax], both), Pick::Argmax);
+        assert_eq!(pick_of(&[MaskedArgmax, Top(5)], both), Pick::Logits);
+        assert_eq!(pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 }), Pick::Logits);
         // Drafts and a chunk leave the pick as it is.
         let c = cuts(20, 8, false);
         let mut v = view(vec![Decoder { need: Argmax, ..dec(0, 3, &[1, 2]) }], pass(1, &c, 0));

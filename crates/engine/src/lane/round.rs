@@ -11,13 +11,13 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 
-use super::masks::Held;
+use super::masks::{Held, PickMasks};
 use super::pacer::{to_replayed, Budget, Ran, Shape};
 use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
 use super::stream::{Phase, Stream};
 use super::FinishReason;
-use crate::backend::{Backend, Chunk, Pick, Picked, Step, StreamId};
+use crate::backend::{Backend, Chunk, Pick, Picked, RoundMasks, Step, StreamId};
 use crate::pass::{CutPlan, StepOutcome};
 use crate::sampling::Sampled;
 
@@ -170,10 +170,13 @@ impl Core {
             _ => None,
         });
         let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
+        let row_counts: Vec<usize> = plan.rows.iter().map(|r| r.tokens.len()).collect();
+        let pick_masks = (plan.pick == Pick::Argmax).then(|| PickMasks::of(&self.running, &self.mask_workers, &row_counts, &plan.at)).flatten();
+        let masks = pick_masks.as_ref().map(|m| m as &dyn RoundMasks);
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out = self.backend.round(Step { next_chunk, ..Step::new(&plan.rows, None, plan.pick) });
+                let out = self.backend.round(Step { next_chunk, masks, ..Step::new(&plan.rows, None, plan.pick) });
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -190,7 +193,7 @@ impl Core {
                     pass.step(backend, drafter)
                 } else {
                     pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
-                        let out = b.round(Step { next_chunk, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
+                        let out = b.round(Step { next_chunk, masks, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
                         features = leading_features(b, decode_rows * dim);
                         let (p, logits) = match out {
                             Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),
@@ -203,6 +206,8 @@ impl Core {
             }
         };
         let secs = t.elapsed().as_secs_f64();
+        let masked = pick_masks.is_some();
+        drop(pick_masks);
         // The loop's own time since the last call (an idle wait is not).
         let overhead = self.round_end.map_or(0.0, |e| t.duration_since(e).as_secs_f64()).min(MAX_OVERHEAD);
         self.round_end = Some(Instant::now());
@@ -219,7 +224,7 @@ impl Core {
         }
         if !plan.rows.is_empty() {
             let picked = picked.unwrap_or_else(|| Err(anyhow!("the round did not run")));
-            self.finish_rows(&plan, picked, &features);
+            self.finish_rows(&plan, picked, masked, &features);
         }
     }
 
@@ -336,9 +341,9 @@ impl Core {
 
     /// Every decode row's results, or every stream of the round fails,
     /// told why.
-    fn finish_rows(&mut self, plan: &RoundPlan, picked: Result<Picked>, features: &[f32]) {
+    fn finish_rows(&mut self, plan: &RoundPlan, picked: Result<Picked>, masked: bool, features: &[f32]) {
         let total: usize = plan.rows.iter().map(|r| r.tokens.len()).sum();
-        let mut picked = match picked.and_then(|p| check(p, plan.pick, total, self.caps.vocab_size)) {
+        let mut picked = match picked.and_then(|p| check(p, plan.pick, masked, total, self.caps.vocab_size)) {
             Ok(p) => p,
             Err(e) => return plan.at.iter().for_each(|&at| self.running[at].fail(format!("decode round failed: {e:#}"))),
         };
@@ -347,13 +352,15 @@ impl Core {
             Pick::TopK(_) => self.stats.top_rounds += 1,
             Pick::Logits => {}
         }
+        // Masks the backend's pick took reach their streams first.
+        self.take_masks();
         let (dim, vocab) = (self.caps.feature_dim, self.caps.vocab_size);
         let mut offset = 0;
         for (row, &at) in plan.rows.iter().zip(&plan.at) {
             let n = row.tokens.len();
             let kept = features.get(offset * dim..(offset + n) * dim).unwrap_or(&[]);
             match &picked {
-                // A guided stream's round always returns logits (see `masks`).
+                // A guided stream's rows came back as logits (see `masks`).
                 Picked::Logits(l) if !self.masks_ready(at) => {
                     let logits = l[offset * vocab..(offset + n) * vocab].to_vec();
                     self.hold(at, Held::Round { fed: row.tokens.clone(), logits, features: kept.to_vec() });
@@ -456,10 +463,12 @@ fn leading_features(backend: &dyn Backend, n: usize) -> Vec<f32> {
     backend.features().and_then(|f| f.get(..n)).unwrap_or(&[]).to_vec()
 }
 
-/// `picked` if it is what `pick` asked for, one entry per token row.
-fn check(picked: Picked, pick: Pick, rows: usize, vocab: usize) -> Result<Picked> {
+/// `picked` if it is what `pick` asked for, one entry per token row (or
+/// logits, for an argmax round with `masked` rows: a mask was late).
+fn check(picked: Picked, pick: Pick, masked: bool, rows: usize, vocab: usize) -> Result<Picked> {
     let ok = match (&picked, pick) {
         (Picked::Logits(l), Pick::Logits) => l.len() == rows * vocab,
+        (Picked::Logits(l), Pick::Argmax) if masked => l.len() == rows * vocab,
         (Picked::Tokens(t), Pick::Argmax) => t.len() == rows,
         (Picked::Top(c), Pick::TopK(k)) => c.len() == rows && c.iter().all(|r| r.len() == k),
         _ => false,
@@ -477,18 +486,23 @@ fn check(picked: Picked, pick: Pick, rows: usize, vocab: usize) -> Result<Picked
 
 /// Sample token row `row` of a round for `s` (its row `j`): its sampler
 /// over the logits (within its mask, when guided), over the top
-/// candidates, or the backend's argmax as it is.
+/// candidates, or the backend's argmax as it is (within the mask).
 fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize) -> Result<Sampled, String> {
     // A guided row past its masks is never reached (see `masks`), and a
-    // guided stream's round always returns logits; say so if not.
+    // guided stream's round returns logits or its masked argmax.
     let mask = match &s.guided {
         Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
         None => None,
     };
     let sampled = match picked {
         Picked::Logits(l) => s.sampler.sample_masked(&mut l[row * vocab..(row + 1) * vocab], s.logprobs, mask),
-        _ if mask.is_some() => return Err("a guided stream's round returned no logits".into()),
-        Picked::Tokens(t) => Sampled { token: t[row], logprob: None, top: Vec::new() },
+        Picked::Tokens(t) => {
+            // Every allowed logit -inf or NaN (a broken row): as on the host,
+            // the lowest allowed token.
+            let token = mask.filter(|m| !m.allows(t[row])).map_or(t[row], |m| m.first().unwrap_or(t[row]));
+            Sampled { token, logprob: None, top: Vec::new() }
+        }
+        _ if mask.is_some() => return Err("a guided stream's round returned top-k candidates".into()),
         Picked::Top(c) => Sampled { token: s.sampler.sample_top(&c[row]), logprob: None, top: Vec::new() },
     };
     if sampled.token as usize >= vocab {

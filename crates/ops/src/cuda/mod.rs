@@ -415,9 +415,10 @@ impl Device for Cuda {
         self.op(|| self.try_zero_rows(t, rows))
     }
 
-    fn pick(&self, x: &CudaTensor, pick: RowPick, launch_ahead: bool) -> Result<RowPicked> {
+    fn pick(&self, x: &CudaTensor, pick: RowPick<'_>, launch_ahead: bool) -> Result<RowPicked> {
         Ok(match pick {
-            RowPick::Argmax => RowPicked::Argmax(self.argmax_then(x, launch_ahead)?),
+            RowPick::Argmax => RowPicked::Argmax(self.argmax_then(x, None, launch_ahead)?),
+            RowPick::ArgmaxAllowed(bits) => RowPicked::Argmax(self.argmax_then(x, Some(bits), launch_ahead)?),
             RowPick::TopK(k) => RowPicked::TopK(self.top_k(x, k)?),
         })
     }

@@ -26,6 +26,8 @@ pub(super) struct Scratch {
     /// finish count, then the token ids.
     argmax_buf: DevBuf,
     argmax_cap: usize,
+    /// The allowed-column bits of a masked argmax (grown as needed).
+    allow_buf: DevBuf,
     /// `top_k`'s chunk candidates and each row's k best.
     topk_part: DevBuf,
     topk_out: DevBuf,
@@ -34,7 +36,14 @@ pub(super) struct Scratch {
 
 impl Scratch {
     pub fn new(ctx: usize) -> Scratch {
-        Scratch { argmax_buf: DevBuf::empty(ctx), argmax_cap: 0, topk_part: DevBuf::empty(ctx), topk_out: DevBuf::empty(ctx), ids_back: None }
+        Scratch {
+            argmax_buf: DevBuf::empty(ctx),
+            argmax_cap: 0,
+            allow_buf: DevBuf::empty(ctx),
+            topk_part: DevBuf::empty(ctx),
+            topk_out: DevBuf::empty(ctx),
+            ids_back: None,
+        }
     }
 
     /// Free the pinned buffer and its event.
@@ -51,7 +60,7 @@ impl Scratch {
 impl Cuda {
     /// Greedy tokens: the index of each row's largest value (the first, on ties).
     pub fn argmax(&self, t: &CudaTensor) -> Result<Vec<u32>> {
-        self.argmax_then(t, false)
+        self.argmax_then(t, None, false)
     }
 
     /// Pinned host room for `bytes` (grown as needed) and the event after
@@ -77,7 +86,7 @@ impl Cuda {
     /// the caller handles them: `Device::forward` of it with these tokens
     /// then finds it running. When another forward comes instead, it has
     /// run for nothing (see `Device::pick`).
-    pub(super) fn argmax_then(&self, t: &CudaTensor, launch_ahead: bool) -> Result<Vec<u32>> {
+    pub(super) fn argmax_then(&self, t: &CudaTensor, allowed: Option<&[u32]>, launch_ahead: bool) -> Result<Vec<u32>> {
         if !self.ready() {
             self.sync()?;
         }
@@ -86,6 +95,21 @@ impl Cuda {
             return Ok(Vec::new());
         }
         let stream = self.stream() as sys::CUstream;
+        let words = t.cols.div_ceil(32);
+        let allow = match allowed {
+            None => 0,
+            Some(bits) => {
+                ensure!(bits.len() == rows * words, "{} mask words for {rows} rows of {} columns", bits.len(), t.cols);
+                let mut st = self.st();
+                let buf = &mut st.sampling.allow_buf;
+                if buf.bytes < bits.len() * 4 {
+                    // Room for a wide batch at once: growing re-records graphs.
+                    *buf = DevBuf::new(self.ctx(), (bits.len() * 4).max(64 * words * 4))?;
+                }
+                unsafe { cu(drv::memcpy_htod_async(buf.ptr, bits, stream), "mask upload")? };
+                buf.ptr
+            }
+        };
         let (keys, done, ids) = {
             let mut st = self.st();
             let st = &mut st.sampling;
@@ -113,6 +137,8 @@ impl Cuda {
             .ptr(done)
             .ptr(ids)
             .ptr(dst)
+            .ptr(allow)
+            .int(words)
             .run()?;
         // The ids come back through pinned memory: the copy is queued,
         // the next round may launch behind it, and only then the host waits.

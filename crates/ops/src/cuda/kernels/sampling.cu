@@ -57,9 +57,12 @@ extern "C" __global__ void topk_merge(const unsigned long long* __restrict__ par
 // meet in keys (atomicMax); the last block to finish turns every row's key
 // into its token id (ids, and dst if any: where a round prepared ahead
 // reads its tokens) and clears keys and the count for the next call, so
-// no clearing launch comes before. keys and done start zeroed.
+// no clearing launch comes before. keys and done start zeroed. allow, if
+// not null, holds a bit per column (words per row): a column whose bit is
+// clear never wins (a guided stream's mask).
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned long long* keys, unsigned* done,
-                                       unsigned* __restrict__ ids, unsigned* __restrict__ dst) {
+                                       unsigned* __restrict__ ids, unsigned* __restrict__ dst,
+                                       const unsigned* __restrict__ allow, int words) {
     PDL_ENTRY();
     __shared__ unsigned long long best_s[32];
     __shared__ bool last;
@@ -68,10 +71,18 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
     const int a = blockIdx.y * chunk, b = min(cols, a + chunk);
     unsigned long long best = 0ull;
     // Unrolled so several loads are out at once (the row sits in L2).
-    #pragma unroll 4
-    for (int i = a + threadIdx.x; i < b; i += blockDim.x) {
-        const unsigned long long key = rank_key(row[i], i);
-        best = key > best ? key : best;
+    if (allow) {
+        const unsigned* bits = allow + (long)blockIdx.x * words;
+        for (int i = a + threadIdx.x; i < b; i += blockDim.x) {
+            const unsigned long long key = (bits[i >> 5] >> (i & 31)) & 1u ? rank_key(row[i], i) : 0ull;
+            best = key > best ? key : best;
+        }
+    } else {
+        #pragma unroll 4
+        for (int i = a + threadIdx.x; i < b; i += blockDim.x) {
+            const unsigned long long key = rank_key(row[i], i);
+            best = key > best ? key : best;
+        }
     }
     for (int o = 16; o > 0; o >>= 1) {
         unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);

@@ -19,6 +19,7 @@ pub mod moe;
 pub mod nemotron_h;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_next;
 pub mod random;
 pub mod recurrent;
 pub mod siglip;
@@ -46,6 +47,8 @@ pub enum LayerState {
     Ssm,
     /// A linear-attention state matrix: fixed size, cannot be rewound.
     LinearAttention,
+    /// A gated DeltaNet's conv tail and state matrices: fixed size, cannot be rewound.
+    DeltaNet,
     /// No per-stream state (an MLP-only layer).
     None,
 }
@@ -342,8 +345,9 @@ pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
         "minimax" => Ok(Box::new(minimax::MiniMax::load(dev, src, progress)?)),
         "minimax_m2" | "minimax-m2" | "minimax_m3_vl_text" => Ok(Box::new(minimax_m2::MiniMaxM2::load(dev, src, progress)?)),
         "granitemoehybrid" | "granitehybrid" => Ok(Box::new(granite::GraniteHybrid::load(dev, src, progress)?)),
+        "qwen3_next" | "qwen3next" => Ok(Box::new(qwen3_next::Qwen3Next::load(dev, src, progress)?)),
         other => bail!(
-            "{}: architecture '{other}' is not supported yet (supported: llama, qwen2, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text, granitemoehybrid)",
+            "{}: architecture '{other}' is not supported yet (supported: llama, qwen2, qwen3, gemma3, gemma3_text, gemma4_text, lfm2, lfm2_moe, nemotron_h, minimax, minimax_m2, minimax_m3_vl_text, granitemoehybrid, qwen3_next)",
             src.path().display()
         ),
     }

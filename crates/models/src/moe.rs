@@ -154,6 +154,23 @@ pub fn slice_rows(view: &TensorView, first: usize, rows: usize) -> Result<Tensor
     Ok(TensorView { name: format!("{}[{first}..{}]", view.name, first + rows), dtype: view.dtype, shape: vec![rows, cols], data })
 }
 
+/// The rows of `view` in `ranges` (`(first, rows)` each), in that order, as
+/// one matrix: a fused projection's parts regrouped.
+pub fn pick_rows(view: &TensorView, ranges: &[(usize, usize)]) -> Result<TensorView> {
+    let mut data = Vec::new();
+    let mut rows = 0;
+    for &(first, n) in ranges {
+        data.extend_from_slice(&slice_rows(view, first, n)?.data);
+        rows += n;
+    }
+    Ok(TensorView {
+        name: format!("{}[{} rows picked]", view.name, rows),
+        dtype: view.dtype,
+        shape: vec![rows, view.cols()],
+        data: braid_formats::Bytes::from_vec(data),
+    })
+}
+
 impl<D: Device> Experts<D> {
     /// One tensor per expert: `names(e)` gives (gate, up, down) of expert `e`
     /// (gate None for non-gated experts).

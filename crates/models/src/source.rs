@@ -223,11 +223,48 @@ const GRANITE_HYBRID: Names = Names {
     experts: &[],
 };
 
+/// Qwen3-Next: the GGUF names of the tensors both files hold alike (the
+/// DeltaNet's fused projections differ in layout and are read by their own
+/// names, see `qwen3_next.rs`).
+const QWEN3_NEXT: Names = Names {
+    block: "model.layers.",
+    top: LLAMA.top,
+    per_layer: &[
+        ("attn_norm.weight", "input_layernorm.weight"),
+        ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+        ("attn_q.weight", "self_attn.q_proj.weight"),
+        ("attn_k.weight", "self_attn.k_proj.weight"),
+        ("attn_v.weight", "self_attn.v_proj.weight"),
+        ("attn_output.weight", "self_attn.o_proj.weight"),
+        ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+        ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+        ("ssm_ba.weight", "linear_attn.in_proj_ba.weight"),
+        ("ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+        ("ssm_dt.bias", "linear_attn.dt_bias"),
+        ("ssm_norm.weight", "linear_attn.norm.weight"),
+        ("ssm_out.weight", "linear_attn.out_proj.weight"),
+        ("ffn_gate_inp.weight", "mlp.gate.weight"),
+        ("ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"),
+        ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
+        ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight"),
+        ("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
+        ("ffn_gate.weight", "mlp.gate_proj.weight"),
+        ("ffn_up.weight", "mlp.up_proj.weight"),
+        ("ffn_down.weight", "mlp.down_proj.weight"),
+    ],
+    experts: &[
+        ("ffn_gate_exps.weight", "mlp.experts.", "gate_proj.weight"),
+        ("ffn_up_exps.weight", "mlp.experts.", "up_proj.weight"),
+        ("ffn_down_exps.weight", "mlp.experts.", "down_proj.weight"),
+    ],
+};
+
 fn names(arch: &str) -> &'static Names {
     match arch {
         "granitemoehybrid" => &GRANITE_HYBRID,
         "lfm2" | "lfm2_moe" => &LFM2,
         "nemotron_h" => &NEMOTRON_H,
+        "qwen3_next" => &QWEN3_NEXT,
         _ => &LLAMA,
     }
 }

@@ -1387,6 +1387,8 @@ variant_bf16! {
     minimax_plain_bf16: "minimax_plain", "logits_incremental";
     nemotron_h_grouped_bf16: "nemotron_h_grouped", "logits_incremental_clamped";
     qwen3_tied_bf16: "qwen3_tied", "logits_incremental";
+    qwen3_next_bf16: "qwen3_next", "logits_incremental";
+    qwen3_next_dense_wide_keys_bf16: "qwen3_next_dense_wide_keys", "logits_incremental";
 }
 
 /// Gemma 3's vision tower and projector on the GPU: each image's rows, and

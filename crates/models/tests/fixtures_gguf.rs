@@ -9,8 +9,12 @@
 //! Families the converter writes and braid reads from GGUF: llama, qwen2
 //! (untied and tied), qwen3, gemma3 (`gemma3_text_six`), lfm2, lfm2_moe, nemotron_h (as
 //! `nemotron_h_moe`), minimax_m2, granitemoehybrid (as `granitehybrid`,
-//! converted from the Hub's layer-type names, which the converter reads).
+//! converted from the Hub's layer-type names, which the converter reads),
+//! qwen3_next (as `qwen3next`: its DeltaNet projections regrouped, its
+//! norms but the gated one stored plus one).
 //! Not here:
+//! * qwen3_next_dense_wide_keys: the converter names no dense MLP of a
+//!   Qwen3-Next (and keeps no `norm_topk_prob`).
 //! * gemma3_text: the GGUF cannot hold this fixture's model. llama.cpp
 //!   takes every sixth layer as global and 1/√head_dim as the attention
 //!   scale; the converter writes neither `layer_types` nor
@@ -35,7 +39,8 @@ use fixtures_common::*;
 use braid_models::ModelBackend;
 use braid_ops::cpu::Cpu;
 
-const FAMILIES: [&str; 10] = ["llama", "qwen2", "qwen2_tied", "qwen3", "gemma3_text_six", "lfm2", "lfm2_moe", "nemotron_h", "minimax_m2", "granitemoehybrid"];
+const FAMILIES: [&str; 11] =
+    ["llama", "qwen2", "qwen2_tied", "qwen3", "gemma3_text_six", "lfm2", "lfm2_moe", "nemotron_h", "minimax_m2", "granitemoehybrid", "qwen3_next"];
 
 fn backend(path: &std::path::Path) -> ModelBackend<Cpu> {
     let dev = Cpu::new(None);
@@ -87,7 +92,21 @@ fn q8_0_gguf_logits_are_within_quantization_error() {
         let spread = rms(&mut want.iter().copied());
         let err = rms(&mut got.iter().zip(want).map(|(a, b)| a - b)) / spread;
         eprintln!("{name} Q8_0 GGUF vs transformers: error RMS {:.2}% of the logits' RMS", 100.0 * err);
-        assert!(err <= 0.1, "{name} Q8_0 GGUF vs transformers: error RMS {:.2}% of the logits' RMS", 100.0 * err);
+        // Qwen3-Next's fixture routes every layer (4 of 4) with margins of
+        // 2e-3: its error measured 13.7%, most of it in three rows whose
+        // top-k flips (0.3-0.6 of their RMS; against the same weights
+        // dequantized to F32 the other rows move by 1-5%), so its whole-table
+        // bound is wider; the median row below holds it as the others.
+        let bound = if name == "qwen3_next" { 0.2 } else { 0.1 };
+        assert!(err <= bound, "{name} Q8_0 GGUF vs transformers: error RMS {:.2}% of the logits' RMS", 100.0 * err);
+        // The median row's error: what a misread tensor moves, and a few
+        // flipped rows do not.
+        let mut rows: Vec<f32> =
+            got.chunks(fx.vocab).zip(want.chunks(fx.vocab)).map(|(g, w)| rms(&mut g.iter().zip(w).map(|(a, b)| a - b)) / rms(&mut w.iter().copied())).collect();
+        rows.sort_by(f32::total_cmp);
+        let median = rows[rows.len() / 2];
+        eprintln!("{name} Q8_0 GGUF vs transformers: the median row's error RMS {:.2}% of its RMS", 100.0 * median);
+        assert!(median <= 0.05, "{name} Q8_0 GGUF vs transformers: the median row's error RMS {:.2}% of its RMS", 100.0 * median);
         let d = diff(&got, want, fx.vocab);
         // And quantization really happened: not the F32 logits.
         assert!(d.max > 1e-4, "{name}: Q8_0 logits equal the F32 reference ({:.2e})", d.max);

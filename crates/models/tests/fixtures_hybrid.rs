@@ -1,7 +1,8 @@
 //! The hybrid families on the tiny random fixtures, against transformers:
 //! LFM2, LFM2-MoE, Nemotron-H, MiniMax (linear attention), MiniMax-M2,
-//! the MiniMax-M3 text tower (block-sparse attention) and Granite 4
-//! (Mamba2 + attention + MoE), from HF folders.
+//! the MiniMax-M3 text tower (block-sparse attention), Granite 4
+//! (Mamba2 + attention + MoE) and Qwen3-Next (gated DeltaNet + gated
+//! attention + MoE with a shared expert), from HF folders.
 //!
 //! Every family: declared state kinds; logits of one full forward and of
 //! incremental decode within 1e-4 of transformers; chunk caps 1, 3, 7 and
@@ -37,6 +38,7 @@ fn needed_state(fx: &Fixture) -> usize {
             "conv" => conv(&l["shape"]),
             "mamba2" => conv(&l["conv"]) + prod(&l["ssm"]),
             "linear_attention" => prod(&l["shape"]),
+            "gated_deltanet" => conv(&l["conv"]) + prod(&l["recurrent"]),
             _ => 0,
         })
         .sum()
@@ -98,6 +100,7 @@ family!(minimax_m2, "minimax_m2", incremental = "logits_incremental");
 family!(minimax_m3, "minimax_m3_vl_text", incremental = "logits_incremental");
 family!(granite_hybrid, "granitemoehybrid", incremental = "logits_incremental");
 family!(granite_rope_dense, "granitemoehybrid_rope_dense", incremental = "logits_incremental");
+family!(qwen3_next, "qwen3_next", incremental = "logits_incremental");
 
 // Other points of each family's configuration space (`VARIANTS` in
 // make_fixtures.py; each meta.json's notes.variant says what differs).
@@ -107,6 +110,7 @@ family!(nemotron_h_grouped, "nemotron_h_grouped", incremental = "logits_incremen
 family!(minimax_plain, "minimax_plain", incremental = "logits_incremental");
 family!(minimax_m2_quarter_rope, "minimax_m2_quarter_rope", incremental = "logits_incremental");
 family!(minimax_m3_wide_index, "minimax_m3_vl_text_wide_index", incremental = "logits_incremental");
+family!(qwen3_next_dense_wide_keys, "qwen3_next_dense_wide_keys", incremental = "logits_incremental");
 
 /// transformers' own decode does not clamp dt (`logits_incremental` drifts
 /// by 2e-2 from `logits_full`); braid clamps in decode too, so it must be far

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use anyhow::{ensure, Result};
 
-use crate::{SsmShape, StateSeq};
+use crate::{DeltaShape, SsmShape, StateSeq};
 
 /// Most taps a short convolution takes (Mamba2 uses 4, LFM2 3).
 pub(crate) const MAX_CONV_KERNEL: usize = 16;
@@ -77,4 +77,28 @@ pub(crate) fn linear_attention(qkv_cols: usize, slopes: usize, heads: usize, hd:
     ensure!(qkv_cols == heads * 3 * hd, "linear_attention: qkv rows of {qkv_cols}, expected {heads} x 3 x {hd}");
     ensure!(slopes == heads, "linear_attention: {slopes} slopes for {heads} heads");
     state_room("linear_attention", state_cols, state_offset, heads * hd * hd)
+}
+
+/// `gated_delta_rule`'s shape against qkv's, a's and b's `(rows, cols)`,
+/// the lengths of its per-head vectors, and the state row's room.
+pub(crate) fn gated_delta_rule(
+    sh: &DeltaShape,
+    qkv: (usize, usize),
+    ab: [(&str, (usize, usize)); 2],
+    per_head: [(&str, usize); 2],
+    state_cols: usize,
+    state_offset: usize,
+) -> Result<()> {
+    let (nk, nv) = (sh.key_heads, sh.value_heads);
+    ensure!(nk > 0 && nv.is_multiple_of(nk), "gated_delta_rule: {nv} value heads over {nk} key heads");
+    ensure!(qkv.1 == sh.qkv_width(), "gated_delta_rule: qkv rows of {}, expected 2 x {nk} x {} + {nv} x {}", qkv.1, sh.key_dim, sh.value_dim);
+    for (name, (rows, cols)) in ab {
+        ensure!(rows == qkv.0 && cols == nv, "gated_delta_rule: {name} is {rows}x{cols}, expected {}x{nv}", qkv.0);
+    }
+    for (name, len) in per_head {
+        ensure!(len == nv, "gated_delta_rule: {name} holds {len} values for {nv} value heads");
+    }
+    // (Written so that a NaN epsilon fails too.)
+    ensure!(sh.l2_eps >= 0.0, "gated_delta_rule: L2 norm epsilon {}", sh.l2_eps);
+    state_room("gated_delta_rule", state_cols, state_offset, nv * sh.key_dim * sh.value_dim)
 }

@@ -91,6 +91,29 @@ pub struct SsmShape {
     pub dt_max: f32,
 }
 
+/// Shape of a gated delta rule ([`RecurrentOps::gated_delta_rule`]): value
+/// heads of `value_dim` over key heads of `key_dim`, each key head read by
+/// `value_heads / key_heads` value heads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaShape {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    /// The epsilon of q's and k's L2 norms, inside the square root.
+    pub l2_eps: f32,
+    /// Multiplies q after its norm (`1/√key_dim` in Gated DeltaNet).
+    pub scale: f32,
+}
+
+impl DeltaShape {
+    /// q and k of every key head, then v of every value head: the width
+    /// of the op's input.
+    pub fn qkv_width(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
 /// Block selection of a block-sparse attention layer (MiniMax-M3): an
 /// indexer scores key blocks per query and each query attends only to the
 /// chosen blocks ([`SparseAttentionOps::block_sparse_attention`]).
@@ -392,7 +415,7 @@ pub trait Device: Send + Sync + 'static {
     }
 }
 
-/// Ops of the recurrent families (LFM2, Nemotron-H, MiniMax linear).
+/// Ops of the recurrent families (LFM2, Nemotron-H, MiniMax linear, Qwen3-Next).
 pub trait RecurrentOps: Device {
     /// RMSNorm over each group of `group` elements of a row, times `w`,
     /// which is a whole row wide (Mamba2's gated norm over channel groups).
@@ -434,6 +457,30 @@ pub trait RecurrentOps: Device {
         a: &Self::Tensor,
         d: &Self::Tensor,
         shape: &SsmShape,
+        state: &mut Self::Tensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// The gated delta rule (Gated DeltaNet, Qwen3-Next). `qkv` is `[rows,
+    /// shape.qkv_width()]`: q of every key head, k of every key head, v of
+    /// every value head. `a` and `b` are `[rows, value_heads]`; `dt_bias`
+    /// and `decay` (= -exp(A_log)) one row of `value_heads`. Per value head
+    /// h, reading key head `h / (value_heads / key_heads)`: q and k
+    /// L2-normalised (`x / √(Σx² + l2_eps)`), q times `scale`;
+    /// `g = decay·softplus(a + dt_bias)`, `β = sigmoid(b)`; `S = e^g·S`,
+    /// `S += k ⊗ β(v − Sᵀk)`, `o = Sᵀq`. The state row holds `S`
+    /// (`[value_heads, key_dim, value_dim]`) at `state_offset`. `out` is
+    /// `[rows, value_heads·value_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+        decay: &Self::Tensor,
+        shape: &DeltaShape,
         state: &mut Self::Tensor,
         state_offset: usize,
         seqs: &[StateSeq],

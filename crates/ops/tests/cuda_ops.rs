@@ -13,8 +13,8 @@
 use braid_ops::cpu::Cpu;
 use braid_ops::cuda::{Cuda, CudaKv};
 use braid_ops::{
-    Act, AttnSeq, BlockSparse, Device, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, RecurrentOps, Rope, RowPick, RowPicked, SparseAttentionOps,
-    SsmShape, StateSeq,
+    Act, AttnSeq, BlockSparse, DeltaShape, Device, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, RecurrentOps, Rope, RowPick, RowPicked,
+    SparseAttentionOps, SsmShape, StateSeq,
 };
 use half::bf16;
 
@@ -2058,6 +2058,44 @@ fn hybrid_recurrent_ops_match_cpu() {
         let gop = |x: &T, st: &mut T, s: &[StateSeq], o: &mut T| d.linear_attention(x, &gsl, heads, hd, st, off, s, o).unwrap();
         let cop = |x: &CT, st: &mut CT, s: &[StateSeq], o: &mut CT| cpu.linear_attention(x, &csl, heads, hd, st, off, s, o).unwrap();
         check_state_op(&d, &cpu, &mut r, &format!("linear_attention heads {heads} dim {hd}"), heads * 3 * hd, cols, &gop, &cop, 1e-5);
+    }
+
+    // The gated delta rule: Qwen3-Next's heads (128 of 128, 2 value heads a
+    // key head), one value head a key head, key dims wider than the values,
+    // and dims that are no multiple of 8 or 16.
+    for (nk, nv, dk, dv) in [(2usize, 4usize, 128usize, 128usize), (3, 3, 16, 16), (1, 2, 64, 32), (2, 2, 20, 12)] {
+        let sh = DeltaShape { key_heads: nk, value_heads: nv, key_dim: dk, value_dim: dv, l2_eps: 1e-6, scale: 1.0 / (dk as f32).sqrt() };
+        let dt_bias = r.vec(nv, 1.0);
+        let decay: Vec<f32> = r.vec(nv, 1.0).iter().map(|x| -x.exp()).collect();
+        let (gbias, cbias) = (d.upload(&dt_bias, 1, nv).unwrap(), cpu.upload(&dt_bias, 1, nv).unwrap());
+        let (gdec, cdec) = (d.upload(&decay, 1, nv).unwrap(), cpu.upload(&decay, 1, nv).unwrap());
+        let off = 5;
+        let cols = off + nv * dk * dv + 2;
+        // The op's inputs are qkv, a and b side by side (one tensor, split here).
+        let qw = sh.qkv_width();
+        let xin = qw + 2 * nv;
+        let split = |v: &[f32]| {
+            let (mut x, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
+            for row in v.chunks(xin) {
+                x.extend_from_slice(&row[..qw]);
+                // a spread over [-8, 8): the softplus's both ends.
+                a.extend(row[qw..qw + nv].iter().map(|t| t * 8.0));
+                b.extend(row[qw + nv..].iter().map(|t| t * 4.0));
+            }
+            (x, a, b)
+        };
+        let gop = |x: &T, st: &mut T, s: &[StateSeq], o: &mut T| {
+            let (x, a, b) = split(&d.download(x).unwrap());
+            let rows = a.len() / nv;
+            let (gx, ga, gb) = (d.upload(&x, rows, qw).unwrap(), d.upload(&a, rows, nv).unwrap(), d.upload(&b, rows, nv).unwrap());
+            d.gated_delta_rule(&gx, &ga, &gb, &gbias, &gdec, &sh, st, off, s, o).unwrap()
+        };
+        let cop = |x: &CT, st: &mut CT, s: &[StateSeq], o: &mut CT| {
+            let (xv, a, b) = split(&x.data);
+            let (cx, ca, cb) = (cpu.upload(&xv, x.rows, qw).unwrap(), cpu.upload(&a, x.rows, nv).unwrap(), cpu.upload(&b, x.rows, nv).unwrap());
+            cpu.gated_delta_rule(&cx, &ca, &cb, &cbias, &cdec, &sh, st, off, s, o).unwrap()
+        };
+        check_state_op(&d, &cpu, &mut r, &format!("gated_delta_rule {nv} value heads of {dv} over {nk} key heads of {dk}"), xin, cols, &gop, &cop, 1e-5);
     }
 
     // Bad input is an error, not a launch: two sequences on one state row.

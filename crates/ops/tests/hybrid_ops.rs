@@ -4,7 +4,7 @@
 //! rows.
 
 use braid_ops::cpu::{Cpu, CpuTensor};
-use braid_ops::{Act, AttnSeq, BlockSparse, Device, KvDtype, KvPoolSpec, KvShape, Map, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
+use braid_ops::{Act, AttnSeq, BlockSparse, DeltaShape, Device, KvDtype, KvPoolSpec, KvShape, Map, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
 
 #[path = "common/rng.rs"]
 mod rng;
@@ -207,6 +207,108 @@ fn linear_attention_matches_reference_and_is_chunk_invariant() {
     assert!(end[..per].iter().all(|&v| v == 0.0), "state row 0 untouched");
     for cuts in [vec![1, 2, 3, 4, 5, 6, 7, 8, 9], vec![5], vec![3, 4]] {
         assert_eq!(run(&cuts), (whole.clone(), end.clone()), "cuts {cuts:?}");
+    }
+}
+
+/// The gated delta rule against a plain f64 loop of its definition, for two
+/// value heads a key head and for one (keys wider than values); chunks and
+/// a second sequence beside it change no bit.
+#[test]
+fn gated_delta_rule_matches_reference_and_is_chunk_and_batch_invariant() {
+    let dev = Cpu::new(Some(2));
+    for (nk, nv, dk, dv) in [(2usize, 4usize, 8usize, 6usize), (2, 2, 12, 5)] {
+        let sh = DeltaShape { key_heads: nk, value_heads: nv, key_dim: dk, value_dim: dv, l2_eps: 1e-6, scale: 1.0 / (dk as f32).sqrt() };
+        let n = 11;
+        let mut r = Rng(9);
+        let qw = sh.qkv_width();
+        let qkv = t(r.vec(n * qw, 1.0), n, qw);
+        // a over [-8, 8): both ends of the softplus.
+        let a = t(r.vec(n * nv, 8.0), n, nv);
+        let b = t(r.vec(n * nv, 3.0), n, nv);
+        let dt_bias = t(r.vec(nv, 1.0), 1, nv);
+        let decay = t(r.vec(nv, 1.0).iter().map(|x| -x.exp()).collect(), 1, nv);
+        let per = nv * dk * dv;
+        // State rows of 2 + per + 3 values: the op must use only its part.
+        let cols = 2 + per + 3;
+        let op = |x: &CpuTensor, a: &CpuTensor, b: &CpuTensor, st: &mut CpuTensor, seqs: &[StateSeq], out: &mut CpuTensor| {
+            dev.gated_delta_rule(x, a, b, &dt_bias, &decay, &sh, st, 2, seqs, out).unwrap()
+        };
+        // `cuts` chunks in slot 1.
+        let run = |cuts: &[usize]| {
+            let mut st = t(vec![0.0; 2 * cols], 2, cols);
+            let mut out = Vec::new();
+            let mut at = 0;
+            for &end in cuts.iter().chain(std::iter::once(&n)) {
+                let mut o = CpuTensor::default();
+                let part = |x: &CpuTensor| rows_of(x, at, end);
+                op(&part(&qkv), &part(&a), &part(&b), &mut st, &[StateSeq { start: 0, len: end - at, slot: 1 }], &mut o);
+                out.extend_from_slice(&o.data);
+                at = end;
+            }
+            (out, st.data)
+        };
+        let (whole, end) = run(&[]);
+
+        let mut s = vec![0f64; per];
+        let l2 = |x: &[f32], scale: f64| -> Vec<f64> {
+            let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+            x.iter().map(|&v| v as f64 * scale / (ss + 1e-6).sqrt()).collect()
+        };
+        for t_ in 0..n {
+            let row = qkv.row(t_);
+            for h in 0..nv {
+                let kh = h / (nv / nk);
+                let q = l2(&row[kh * dk..(kh + 1) * dk], 1.0 / (dk as f64).sqrt());
+                let k = l2(&row[(nk + kh) * dk..(nk + kh + 1) * dk], 1.0);
+                let v = &row[2 * nk * dk + h * dv..2 * nk * dk + (h + 1) * dv];
+                let x = a.data[t_ * nv + h] as f64 + dt_bias.data[h] as f64;
+                let softplus = if x > 20.0 { x } else { x.exp().ln_1p() };
+                let g = (decay.data[h] as f64 * softplus).exp();
+                let beta = 1.0 / (1.0 + (-(b.data[t_ * nv + h] as f64)).exp());
+                let sh_ = &mut s[h * dk * dv..(h + 1) * dk * dv];
+                sh_.iter_mut().for_each(|x| *x *= g);
+                for j in 0..dv {
+                    let kv: f64 = (0..dk).map(|i| sh_[i * dv + j] * k[i]).sum();
+                    let delta = beta * (v[j] as f64 - kv);
+                    for i in 0..dk {
+                        sh_[i * dv + j] += k[i] * delta;
+                    }
+                }
+                for j in 0..dv {
+                    let o: f64 = (0..dk).map(|i| sh_[i * dv + j] * q[i]).sum();
+                    let got = whole[t_ * nv * dv + h * dv + j] as f64;
+                    assert!((got - o).abs() < 1e-5, "{nv}/{nk} heads: row {t_} head {h} col {j}: {got} vs {o}");
+                }
+            }
+        }
+        assert!(end[..cols].iter().all(|&v| v == 0.0), "state row 0 untouched");
+        assert!(end[cols..cols + 2].iter().chain(&end[cols + 2 + per..]).all(|&v| v == 0.0), "values beside the op's part untouched");
+        let s32: Vec<f32> = s.iter().map(|&x| x as f32).collect();
+        assert!(max_diff(&end[cols + 2..cols + 2 + per], &s32) < 1e-5, "final state");
+        for cuts in [vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10], vec![5], vec![3, 4]] {
+            assert_eq!(run(&cuts), (whole.clone(), end.clone()), "cuts {cuts:?}");
+        }
+
+        // Beside another sequence (rows 0..4, slot 0), the same rows.
+        let other = 4;
+        let cat = |x: &CpuTensor, y: &CpuTensor| t([rows_of(y, 0, other).data, x.data.clone()].concat(), other + n, x.cols);
+        let mut st = t(vec![0.0; 2 * cols], 2, cols);
+        let mut o = CpuTensor::default();
+        let seqs = [StateSeq { start: 0, len: other, slot: 0 }, StateSeq { start: other, len: n, slot: 1 }];
+        let rev = |x: &CpuTensor| t(x.data.iter().rev().copied().collect(), x.rows, x.cols);
+        op(&cat(&qkv, &rev(&qkv)), &cat(&a, &rev(&a)), &cat(&b, &rev(&b)), &mut st, &seqs, &mut o);
+        assert_eq!(&o.data[other * nv * dv..], &whole[..], "beside another sequence");
+        assert_eq!(&st.data[cols..], &end[cols..], "state beside another sequence");
+
+        // Shapes that do not fit are errors.
+        let mut st = t(vec![0.0; cols], 1, cols);
+        let mut o = CpuTensor::default();
+        let one = [StateSeq { start: 0, len: n, slot: 0 }];
+        let bad = DeltaShape { key_heads: 3, ..sh };
+        assert!(dev.gated_delta_rule(&qkv, &a, &b, &dt_bias, &decay, &bad, &mut st, 2, &one, &mut o).is_err());
+        assert!(dev.gated_delta_rule(&qkv, &a, &b, &dt_bias, &decay, &sh, &mut st, 6, &one, &mut o).is_err(), "state row too short");
+        assert!(dev.gated_delta_rule(&qkv, &rows_of(&a, 0, 3), &b, &dt_bias, &decay, &sh, &mut st, 2, &one, &mut o).is_err());
+        assert!(dev.gated_delta_rule(&qkv, &a, &b, &decay, &t(vec![0.0; 1], 1, 1), &sh, &mut st, 2, &one, &mut o).is_err());
     }
 }
 

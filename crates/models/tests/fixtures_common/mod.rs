@@ -222,6 +222,7 @@ impl Fixture {
                 "conv" => LayerState::Conv,
                 "mamba2" | "ssm" => LayerState::Ssm,
                 "linear_attention" => LayerState::LinearAttention,
+                "gated_deltanet" => LayerState::DeltaNet,
                 "none" => LayerState::None,
                 k => panic!("{}: unknown state kind {k} in meta.json", self.name),
             })
@@ -416,7 +417,7 @@ pub fn incremental(be: &mut ModelBackend<Cpu>, stream: StreamId, tokens: &[u32],
 }
 
 /// Every family that has a fixture, for the tests that run them all.
-pub const FAMILIES: [&str; 13] = [
+pub const FAMILIES: [&str; 14] = [
     "llama",
     "qwen2",
     "qwen2_tied",
@@ -430,6 +431,7 @@ pub const FAMILIES: [&str; 13] = [
     "minimax",
     "minimax_m2",
     "minimax_m3_vl_text",
+    "qwen3_next",
 ];
 
 /// The fixtures have no tokenizer; stop strings are not exercised through a lane.

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod conv;
+pub mod delta_rule;
 pub mod kv;
 pub mod linear_attention;
 pub mod pointwise;
@@ -21,7 +22,7 @@ use anyhow::{bail, ensure, Result};
 use braid_formats::{Bytes, DType, TensorView};
 use half::f16;
 
-use crate::{Act, AttnSeq, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SsmShape, StateSeq};
+use crate::{Act, AttnSeq, DeltaShape, Device, DeviceCaps, KvDtype, KvPoolSpec, Map, MoeOps, RecurrentOps, Rope, SsmShape, StateSeq};
 
 /// Row-major f32 activations.
 #[derive(Clone, Debug, Default)]
@@ -397,6 +398,22 @@ impl RecurrentOps for Cpu {
         out: &mut CpuTensor,
     ) -> Result<()> {
         linear_attention::linear_attention(qkv, slopes, heads, head_dim, state, state_offset, seqs, out)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        dt_bias: &CpuTensor,
+        decay: &CpuTensor,
+        shape: &DeltaShape,
+        state: &mut CpuTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        delta_rule::gated_delta_rule(qkv, a, b, dt_bias, decay, shape, state, state_offset, seqs, out)
     }
 }
 

@@ -74,7 +74,7 @@ pub fn ssm_scan(
 }
 
 /// `ln(1 + eˣ)`, linear past 20 as in PyTorch.
-fn softplus(x: f32) -> f32 {
+pub(crate) fn softplus(x: f32) -> f32 {
     if x > 20.0 {
         x
     } else {

@@ -1,6 +1,6 @@
 //! The ops of the hybrid families on the GPU: LFM2's short conv, Mamba2's
 //! selective scan and gated group norm, MiniMax's lightning (linear) and
-//! block-sparse attention, the pointwise ops around them, Gemma 4's RoPE
+//! block-sparse attention, Qwen3-Next's gated delta rule, the pointwise ops around them, Gemma 4's RoPE
 //! from a frequency table, and the MoE scatter. CUDA C in its own NVRTC
 //! module (`kernels/recurrent.cu`), compiled (or taken from the on-disk
 //! cache) on first use, and the launches.
@@ -25,12 +25,14 @@ use super::exec::Io;
 use super::kernels;
 use super::rt::{self, DevBuf};
 use super::{Cuda, CudaKv, CudaTensor};
-use crate::{checks, AttnSeq, BlockSparse, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
+use crate::{checks, AttnSeq, BlockSparse, DeltaShape, RecurrentOps, SparseAttentionOps, SsmShape, StateSeq};
 
 /// SSM state size per lane × 32 lanes (`SSM_NPL` in the source).
 const MAX_SSM_STATE: usize = 256;
 /// Linear-attention head dim: 32 values per lane × 8 lanes (`LA_MPL`).
 const MAX_LINEAR_HEAD_DIM: usize = 256;
+/// Gated delta rule key dim: 32 values per lane × 8 lanes (`DN_MPL`).
+const MAX_DELTA_KEY_DIM: usize = 256;
 /// Block-sparse attention: head dim (8 values per lane), indexer dim (the
 /// query in shared memory), kept blocks (`BSA_MAXD`, `BSA_MAXK`).
 const MAX_SPARSE_HEAD_DIM: usize = 256;
@@ -59,7 +61,7 @@ macro_rules! hybrid_kernels {
     };
 }
 
-hybrid_kernels!(rope_freqs, scatter_add, silu, relu2, group_rms_norm, conv, conv_state, ssm_scan, linear_attention, bsa_select, bsa_attend,);
+hybrid_kernels!(rope_freqs, scatter_add, silu, relu2, group_rms_norm, conv, conv_state, ssm_scan, linear_attention, gated_delta_rule, bsa_select, bsa_attend,);
 
 /// The module, loaded on first use, and the block-sparse scratch.
 #[derive(Default)]
@@ -368,6 +370,56 @@ impl RecurrentOps for Cuda {
                 .ptr(mp)
                 .int(heads)
                 .int(hd)
+                .int(state.cols)
+                .int(state_offset)
+                .run()
+        })
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        dt_bias: &CudaTensor,
+        decay: &CudaTensor,
+        sh: &DeltaShape,
+        state: &mut CudaTensor,
+        state_offset: usize,
+        seqs: &[StateSeq],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let ab = [("a", (a.rows, a.cols)), ("b", (b.rows, b.cols))];
+        let lens = [("dt_bias", dt_bias.len()), ("decay", decay.len())];
+        checks::gated_delta_rule(sh, (qkv.rows, qkv.cols), ab, lens, state.cols, state_offset)?;
+        let (nk, nv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
+        ensure!(dk <= MAX_DELTA_KEY_DIM, "gated_delta_rule: key dim {dk} (at most {MAX_DELTA_KEY_DIM} on CUDA)");
+        ensure!(nv <= MAX_GRID_YZ, "gated_delta_rule: {nv} value heads (at most {MAX_GRID_YZ} on CUDA)");
+        check_seqs("gated_delta_rule", seqs, qkv.rows, state.rows)?;
+        self.grow(out, qkv.rows, nv * dv)?;
+        let io = Io { reads: vec![qkv.fptr(), a.fptr(), b.fptr(), state.fptr()], writes: vec![out.fptr(), state.fptr()], bf: Vec::new() };
+        self.hy_run(io, |f| {
+            if seqs.is_empty() || nv * dv == 0 || dk == 0 {
+                return Ok(());
+            }
+            let mp = self.put_u32(&seq_meta(seqs))?;
+            self.launch(f.gated_delta_rule)
+                .grid((dv.div_ceil(16) as u32, nv as u32, seqs.len() as u32))
+                .block(128)
+                .ptr(qkv.fptr())
+                .ptr(a.fptr())
+                .ptr(b.fptr())
+                .ptr(dt_bias.fptr())
+                .ptr(decay.fptr())
+                .ptr(state.fptr())
+                .ptr(out.fptr())
+                .ptr(mp)
+                .int(nk)
+                .int(nv)
+                .int(dk)
+                .int(dv)
+                .f32(sh.l2_eps)
+                .f32(sh.scale)
                 .int(state.cols)
                 .int(state_offset)
                 .run()

@@ -1,6 +1,6 @@
 // The hybrid families' kernels (recurrent.rs): LFM2's short conv, Mamba2's
 // selective scan and gated group norm, MiniMax's lightning (linear) and
-// block-sparse attention, the pointwise ops around them, Gemma 4's RoPE
+// block-sparse attention, Qwen3-Next's gated delta rule, the pointwise ops around them, Gemma 4's RoPE
 // from a frequency table, and the MoE scatter. Compiled after prelude.cuh
 // as a module of its own. Every kernel opens with `PDL_ENTRY()`: the
 // programmatic-dependent-launch wait (on sm_90+, where the instruction
@@ -258,6 +258,84 @@ extern "C" __global__ void hy_linear_attention(const float* __restrict__ qkv, co
     for (int m = 0; m < LA_MPL; m++) {
         int i = sub + 8 * m;
         if (m < mpl && i < hd && j < hd) st[(long)i * hd + j] = S[m];
+    }
+}
+
+// The gated delta rule: per value head h (key head kh), q and k
+// L2-normalised, S = e^g S, S += k (x) beta (v - S^T k), o = S^T q. As the
+// lightning attention above: 4 warps (x gridDim.x) over the value columns
+// j, 4 a warp; the 8 lanes of a column hold S[i][j] for i = sub + 8m. Each
+// warp sums q^2 and k^2 itself (every lane takes part, j past dv too).
+// Grid: (column blocks, value heads, sequences).
+#define DN_MPL 32
+extern "C" __global__ void hy_gated_delta_rule(const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
+                                               const float* __restrict__ dt_bias, const float* __restrict__ decay,
+                                               float* __restrict__ state, float* __restrict__ out, const unsigned* __restrict__ meta,
+                                               int nk, int nv, int dk, int dv, float eps, float scale, int scols, int soff) {
+    PDL_ENTRY();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane & 7;
+    const int j = (blockIdx.x * (blockDim.x >> 5) + warp) * 4 + (lane >> 3);
+    const int h = blockIdx.y, s = blockIdx.z;
+    const int kh = h / (nv / nk);
+    const unsigned start = meta[3 * s], len = meta[3 * s + 1];
+    float* st = state + (long)meta[3 * s + 2] * scols + soff + (long)h * dk * dv;
+    const int mpl = (dk + 7) >> 3;
+    float S[DN_MPL];
+#pragma unroll
+    for (int m = 0; m < DN_MPL; m++) {
+        int i = sub + 8 * m;
+        S[m] = (m < mpl && i < dk && j < dv) ? st[(long)i * dv + j] : 0.f;
+    }
+    const float bias = dt_bias[h], ah = decay[h];
+    const long rw = 2L * nk * dk + (long)nv * dv;
+    for (unsigned t = start; t < start + len; t++) {
+        const float* qr = qkv + (long)t * rw + (long)kh * dk;
+        const float* kr = qr + (long)nk * dk;
+        const float* vr = qkv + (long)t * rw + 2L * nk * dk + (long)h * dv;
+        float qq = 0.f, kk = 0.f;
+        for (int i = lane; i < dk; i += 32) {
+            float x = qr[i], y = kr[i];
+            qq += x * x;
+            kk += y * y;
+        }
+        qq = hy_warp_sum(qq);
+        kk = hy_warp_sum(kk);
+        const float qs = scale / sqrtf(qq + eps), ks = 1.f / sqrtf(kk + eps);
+        const float av = a[(long)t * nv + h] + bias;
+        const float g = expf(ah * (av > 20.f ? av : log1pf(expf(av))));
+        const float beta = hy_sigmoid(b[(long)t * nv + h]);
+        const float vj = j < dv ? vr[j] : 0.f;
+        float kv = 0.f;
+#pragma unroll
+        for (int m = 0; m < DN_MPL; m++) {
+            int i = sub + 8 * m;
+            if (m < mpl && i < dk) {
+                S[m] *= g;
+                kv += S[m] * (kr[i] * ks);
+            }
+        }
+        kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+        kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+        kv += __shfl_xor_sync(0xffffffffu, kv, 4);
+        const float delta = beta * (vj - kv);
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < DN_MPL; m++) {
+            int i = sub + 8 * m;
+            if (m < mpl && i < dk) {
+                S[m] += (kr[i] * ks) * delta;
+                acc += S[m] * (qr[i] * qs);
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+        if (sub == 0 && j < dv) out[(long)t * nv * dv + (long)h * dv + j] = acc;
+    }
+#pragma unroll
+    for (int m = 0; m < DN_MPL; m++) {
+        int i = sub + 8 * m;
+        if (m < mpl && i < dk && j < dv) st[(long)i * dv + j] = S[m];
     }
 }
 

@@ -1,6 +1,6 @@
 //! Loading a model, its tokenizer and chat template, with a progress bar.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::bail;
@@ -9,7 +9,7 @@ use braid_engine::{Backend, DecodeRow, DraftModel, DraftModelConfig, Drafter, Ng
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
 use braid_models::dflash::{DFlash, DFlashDrafter};
-use braid_models::{BackendConfig, ModelBackend, Source};
+use braid_models::{BackendConfig, Mmproj, ModelBackend, Source};
 use braid_ops::cpu::Cpu;
 use braid_ops::AllOps;
 use clap::Args;
@@ -186,8 +186,47 @@ pub fn load_drafted(args: &ModelArgs, cfg: BackendConfig, draft: &DraftArgs) -> 
     }
 }
 
+/// The mmproj file for the model at `path`: `--mmproj`, else the one
+/// `mmproj*.gguf` beside a GGUF of an architecture that takes one (none
+/// where there are several: which is meant cannot be told, and is warned of).
+fn mmproj_for(args: &ModelArgs, path: &Path, src: &Source) -> Result<Option<Mmproj>> {
+    if let Some(m) = &args.mmproj {
+        return Mmproj::open(m).map(Some);
+    }
+    let Source::Gguf(_) = src else { return Ok(None) };
+    if !braid_models::takes_mmproj(&src.architecture()?) {
+        return Ok(None);
+    }
+    let found = mmproj_beside(path);
+    match found.as_slice() {
+        [] => Ok(None),
+        [one] => {
+            tracing::info!(mmproj = %one.display(), "taking the vision tower from the mmproj beside the model");
+            Mmproj::open(one).map(Some)
+        }
+        several => {
+            let names: Vec<String> = several.iter().map(|p| p.display().to_string()).collect();
+            tracing::warn!("several mmproj files beside the model ({}); taking none: name one with --mmproj", names.join(", "));
+            Ok(None)
+        }
+    }
+}
+
+/// The `mmproj*.gguf` files in the folder of the model file `path`, by name.
+fn mmproj_beside(path: &Path) -> Vec<PathBuf> {
+    let Some(dir) = path.parent().map(|d| if d.as_os_str().is_empty() { Path::new(".") } else { d }) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("mmproj") && n.ends_with(".gguf")))
+        .collect();
+    found.sort();
+    found
+}
+
 fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: BackendConfig, draft: &DraftArgs) -> Result<Loaded> {
     let src = Source::open(&path)?;
+    let mmproj = mmproj_for(args, &path, &src)?;
     let tokenizer = tokenizer_of(&src)?;
     let template = match &tokenizer {
         Some(t) => template_of(&src, t)?,
@@ -197,18 +236,13 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
     let bar =
         ProgressBar::new(1).with_style(ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_message(format!("loading {}", path.file_name().and_then(|n| n.to_str()).unwrap_or("model")));
-    let model = braid_models::load(&dev, &src, &|i, n| {
+    let model = braid_models::load_with(&dev, &src, mmproj.as_ref(), &|i, n| {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
     })?;
     bar.finish_and_clear();
     let vision = match model.vision() {
-        Some(v) => Some(braid_server::VisionInfo {
-            prep: braid_formats::images::ImagePrep::load(&path, v.image_size as u32)?,
-            tokens: v.tokens,
-            boi: v.boi_token,
-            eoi: v.eoi_token,
-        }),
+        Some(v) => Some(braid_server::VisionInfo { prep: image_prep(&path, v)?, tokens: v.tokens, boi: v.boi_token, eoi: v.eoi_token }),
         None => None,
     };
     let vocab = model.vocab();
@@ -244,6 +278,17 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
         }
     };
     Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context, vision })
+}
+
+/// How images are made pixels for the tower `v` of the model at `path`:
+/// an HF folder's `preprocessor_config.json` (SigLIP's settings without
+/// one), with the normalisation an mmproj states.
+fn image_prep(path: &Path, v: &braid_models::siglip::VisionConfig) -> Result<braid_formats::images::ImagePrep> {
+    let mut prep = braid_formats::images::ImagePrep::load(path, v.image_size as u32)?;
+    if let (Some(mean), Some(std)) = (v.image_mean, v.image_std) {
+        (prep.mean, prep.std) = (mean, std);
+    }
+    Ok(prep)
 }
 
 /// The draft model `name` on `dev`, with room for as many streams and

@@ -72,6 +72,11 @@ pub struct ModelArgs {
     /// Longest stream (prompt + generated) in tokens; default: the model's, capped at 8192.
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// The vision tower and projector of a GGUF model, as llama.cpp's
+    /// mmproj file (`convert_hf_to_gguf.py --mmproj`; Gemma 3). Default:
+    /// the one `mmproj*.gguf` beside a Gemma 3 GGUF, if there is exactly one.
+    #[arg(long, value_name = "FILE", env = "BRAID_MMPROJ")]
+    pub mmproj: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]

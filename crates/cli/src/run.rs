@@ -133,7 +133,10 @@ fn with_images(m: &Loaded, files: &[std::path::PathBuf], prompt: &mut Vec<u32>) 
     if files.is_empty() {
         return Ok(Vec::new());
     }
-    let Some(v) = &m.vision else { bail!("{} takes no images (it has no vision tower)", m.path.display()) };
+    let Some(v) = &m.vision else {
+        let hint = if m.path.is_file() { "; a GGUF's comes in an mmproj file: --mmproj FILE" } else { "" };
+        bail!("{} takes no images (it has no vision tower{hint})", m.path.display())
+    };
     let tok = m.tokenizer()?;
     let gap = tok.encode("\n\n", false)?;
     let at = usize::from(tok.bos().is_some_and(|b| prompt.first() == Some(&b)));

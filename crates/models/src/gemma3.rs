@@ -9,7 +9,7 @@ use braid_ops::{Act, AttnSeq, Device, KvShape, MoeOps, Rope};
 use crate::blocks::{gated_mlp, model_sizes, refuse_unread, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
-use crate::siglip::{Gemma3Vision, VisionConfig, VisionStep};
+use crate::siglip::{Gemma3Vision, Mmproj, VisionConfig, VisionStep};
 use crate::source::Source;
 use crate::{image_seqs, lm_head, place_images, Batch, LayerState, Memory, Model, Scratch};
 
@@ -150,6 +150,11 @@ pub struct Gemma3<D: Device> {
 
 impl<D: MoeOps> Gemma3<D> {
     pub fn load(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Gemma3<D>> {
+        Self::load_with(dev, src, None, progress)
+    }
+
+    /// [`Gemma3::load`], the vision tower and projector from `mmproj` where given.
+    pub fn load_with(dev: &D, src: &Source, mmproj: Option<&Mmproj>, progress: &dyn Fn(usize, usize)) -> Result<Gemma3<D>> {
         let cfg = Gemma3Config::from_source(src)?;
         crate::config::check_gemma3(&cfg, src)?;
         let hf = matches!(src, Source::Hf(_));
@@ -181,16 +186,7 @@ impl<D: MoeOps> Gemma3<D> {
             progress(i + 1, cfg.layers);
         }
         let embed = w("token_embd.weight", "model.embed_tokens.weight")?;
-        let vision = Gemma3Vision::load(dev, src)?;
-        if let Some(vc) = vision.as_ref().map(|v| &v.cfg) {
-            anyhow::ensure!(
-                vc.text_hidden == cfg.hidden,
-                "{}: the projector's width {} is not the text model's {}",
-                src.path().display(),
-                vc.text_hidden,
-                cfg.hidden
-            );
-        }
+        let vision = Gemma3Vision::load(dev, src, mmproj, cfg.hidden)?;
         Ok(Gemma3 { embed, blocks, out_norm: v("output_norm.weight", "model.norm.weight")?, cfg, vision })
     }
 }

@@ -31,6 +31,7 @@ use anyhow::{bail, Result};
 use braid_ops::{AllOps, AttnSeq, Device, KvShape, Map};
 
 pub use backend::{BackendConfig, ModelBackend};
+pub use siglip::Mmproj;
 pub use source::Source;
 
 /// What one layer keeps per stream, so the backend knows what a mark must
@@ -332,11 +333,30 @@ pub trait Model<D: Device>: Send + Sync {
 
 /// Load the model at `path` (a GGUF file or an HF folder) on `dev`.
 pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -> Result<Box<dyn Model<D>>> {
+    load_with(dev, src, None, progress)
+}
+
+/// Whether a model of `arch` (GGUF's `general.architecture` or the HF
+/// `model_type`) takes its vision tower from an mmproj file.
+pub fn takes_mmproj(arch: &str) -> bool {
+    matches!(arch, "gemma3" | "gemma3_text")
+}
+
+/// [`load`], with the vision tower and projector of `mmproj` (llama.cpp's
+/// mmproj GGUF) where given.
+pub fn load_with<D: AllOps>(dev: &D, src: &Source, mmproj: Option<&Mmproj>, progress: &dyn Fn(usize, usize)) -> Result<Box<dyn Model<D>>> {
     config::check_tensors(src)?;
     let arch = src.architecture()?;
+    if let Some(m) = mmproj.filter(|_| !takes_mmproj(&arch)) {
+        bail!(
+            "{}: an mmproj ({}) was given, but architecture '{arch}' takes no images (braid reads an mmproj for Gemma 3 only)",
+            src.path().display(),
+            m.path().display()
+        );
+    }
     match arch.as_str() {
         "llama" => Ok(Box::new(llama::Llama::load(dev, src, progress)?)),
-        "gemma3" | "gemma3_text" => Ok(Box::new(gemma3::Gemma3::load(dev, src, progress)?)),
+        "gemma3" | "gemma3_text" => Ok(Box::new(gemma3::Gemma3::load_with(dev, src, mmproj, progress)?)),
         "qwen2" => Ok(Box::new(qwen2::load(dev, src, progress)?)),
         "qwen3" => Ok(Box::new(qwen3::load(dev, src, progress)?)),
         "gemma4_text" => Ok(Box::new(gemma4::Gemma4::load(dev, src, progress)?)),
@@ -355,7 +375,13 @@ pub fn load<D: AllOps>(dev: &D, src: &Source, progress: &dyn Fn(usize, usize)) -
 
 /// Open a model file or folder and load it (convenience for tools/tests).
 pub fn open<D: AllOps>(dev: &D, path: &Path) -> Result<(Source, Box<dyn Model<D>>)> {
+    open_with(dev, path, None)
+}
+
+/// [`open`], with the vision tower of the mmproj file `mmproj` where given.
+pub fn open_with<D: AllOps>(dev: &D, path: &Path, mmproj: Option<&Path>) -> Result<(Source, Box<dyn Model<D>>)> {
     let src = Source::open(path)?;
-    let m = load(dev, &src, &|_, _| {})?;
+    let mmproj = mmproj.map(Mmproj::open).transpose()?;
+    let m = load_with(dev, &src, mmproj.as_ref(), &|_, _| {})?;
     Ok((src, m))
 }

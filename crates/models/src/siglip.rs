@@ -10,17 +10,51 @@
 //! attention over all patches runs each patch as a query of its own that
 //! sees every key, and pooling sums gathered rows.
 
+use std::path::Path;
 use std::sync::Mutex;
 
 use anyhow::{bail, ensure, Context, Result};
+use braid_formats::gguf::Gguf;
+use braid_formats::safetensors::HfFolder;
 use braid_formats::{Bytes, DType, TensorView};
 use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map, MoeOps};
 
 use crate::config::HfConfig;
 use crate::source::Source;
 
+/// An mmproj GGUF: llama.cpp's file of a model's vision tower and
+/// projector (`convert_hf_to_gguf.py --mmproj`), given beside the text
+/// model's GGUF (`--mmproj`).
+pub struct Mmproj {
+    gguf: Gguf,
+}
+
+impl Mmproj {
+    /// Open `path`, refusing a GGUF that is not an mmproj with a vision encoder.
+    pub fn open(path: &Path) -> Result<Mmproj> {
+        let gguf = Gguf::open(path).with_context(|| format!("the mmproj {}", path.display()))?;
+        let arch = gguf.architecture().unwrap_or("none");
+        ensure!(arch == "clip", "{}: not an mmproj file (its general.architecture is '{arch}', an mmproj's is 'clip')", path.display());
+        ensure!(gguf.opt_bool("clip.has_vision_encoder")?.unwrap_or(false), "{}: this mmproj has no vision encoder", path.display());
+        Ok(Mmproj { gguf })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.gguf.path()
+    }
+
+    /// `clip.projector_type` (`gemma3` for Gemma 3's).
+    pub fn projector(&self) -> &str {
+        self.gguf.opt_str("clip.projector_type").ok().flatten().unwrap_or("none")
+    }
+
+    pub fn gguf(&self) -> &Gguf {
+        &self.gguf
+    }
+}
+
 /// The vision tower's and projector's sizes, from `vision_config` and the
-/// top level of a `Gemma3ForConditionalGeneration` config.
+/// top level of a `Gemma3ForConditionalGeneration` config, or from an mmproj.
 #[derive(Clone, Debug, PartialEq)]
 pub struct VisionConfig {
     pub hidden: usize,
@@ -36,10 +70,17 @@ pub struct VisionConfig {
     pub tokens: usize,
     /// The text model's width: the projector's output.
     pub text_hidden: usize,
-    /// The prompt's image placeholder, begin- and end-of-image tokens.
-    pub image_token: u32,
+    /// The prompt's image placeholder, begin- and end-of-image tokens
+    /// (an mmproj names none: they are the text model's, found in its
+    /// vocabulary where it has one).
+    pub image_token: Option<u32>,
     pub boi_token: Option<u32>,
     pub eoi_token: Option<u32>,
+    /// The pixels' normalisation where the weights' file states it (an
+    /// mmproj's `clip.vision.image_mean/std`); an HF folder's is in its
+    /// `preprocessor_config.json`.
+    pub image_mean: Option<[f32; 3]>,
+    pub image_std: Option<[f32; 3]>,
 }
 
 impl VisionConfig {
@@ -67,30 +108,158 @@ impl VisionConfig {
             eps: c.opt_f32("layer_norm_eps")?.unwrap_or(1e-6),
             tokens: top.opt_usize("mm_tokens_per_image")?.unwrap_or(256),
             text_hidden: text.usize("hidden_size")?,
-            image_token: token("image_token_index")?.or(token("image_token_id")?).context("config.json: no image_token_index")?,
+            image_token: Some(token("image_token_index")?.or(token("image_token_id")?).context("config.json: no image_token_index")?),
             boi_token: token("boi_token_index")?,
             eoi_token: token("eoi_token_index")?,
+            image_mean: None,
+            image_std: None,
         };
         cfg.check(&h.dir().join("config.json").display().to_string())?;
         Ok(Some(cfg))
     }
 
+    /// The vision config of an mmproj, for the text model `text` (whose
+    /// vocabulary, if it has one, names the image tokens).
+    pub fn from_mmproj(m: &Mmproj, text: &Source) -> Result<VisionConfig> {
+        let g = &m.gguf;
+        let file = m.path().display().to_string();
+        ensure!(m.projector() == "gemma3", "{file}: the mmproj's projector is '{}'; braid reads Gemma 3's ('gemma3') only", m.projector());
+        let key = |k: &str| -> Result<usize> { g.get_usize(&format!("clip.vision.{k}")) };
+        let (image_size, patch) = (key("image_size")?, key("patch_size")?);
+        // Patches per side pooled by this factor (llama.cpp's default 4, as
+        // the released Gemma 3 towers: 64 patches a side to 16).
+        let merge = g.opt_u64("clip.vision.projector.scale_factor")?.unwrap_or(4) as usize;
+        ensure!(merge > 0, "{file}: clip.vision.projector.scale_factor is 0");
+        let side = image_size / patch.max(1) / merge;
+        let channels = g.tensor_info("v.patch_embd.weight").and_then(|t| t.shape.get(1).copied()).unwrap_or(3);
+        let triple = |k: &str| -> Result<Option<[f32; 3]>> {
+            match g.get(k) {
+                None => Ok(None),
+                Some(_) => {
+                    let v = g.get_f32_array(k)?;
+                    ensure!(v.len() == 3, "{file}: {k} has {} values, expected 3", v.len());
+                    Ok(Some([v[0], v[1], v[2]]))
+                }
+            }
+        };
+        let vocab = match text {
+            Source::Gguf(t) if t.get("tokenizer.ggml.tokens").is_some() => t.get_str_array("tokenizer.ggml.tokens")?,
+            _ => Vec::new(),
+        };
+        let token = |text: &str| vocab.iter().position(|&t| t == text).map(|i| i as u32);
+        let cfg = VisionConfig {
+            hidden: key("embedding_length")?,
+            layers: key("block_count")?,
+            heads: key("attention.head_count")?,
+            ffn: key("feed_forward_length")?,
+            channels,
+            image_size,
+            patch,
+            eps: g.opt_f32("clip.vision.attention.layer_norm_epsilon")?.unwrap_or(1e-6),
+            tokens: side * side,
+            text_hidden: key("projection_dim")?,
+            // Gemma 3's tokenizer's names for them.
+            image_token: token("<image_soft_token>"),
+            boi_token: token("<start_of_image>"),
+            eoi_token: token("<end_of_image>"),
+            image_mean: triple("clip.vision.image_mean")?,
+            image_std: triple("clip.vision.image_std")?,
+        };
+        cfg.check(&file)?;
+        Ok(cfg)
+    }
+
     fn check(&self, file: &str) -> Result<()> {
         let c = self;
-        ensure!(c.hidden > 0 && c.layers > 0 && c.heads > 0 && c.ffn > 0 && c.channels > 0, "{file}: the vision_config sizes must be positive");
-        ensure!(c.hidden.is_multiple_of(c.heads), "{file}: vision hidden_size {} is not a multiple of num_attention_heads {}", c.hidden, c.heads);
+        ensure!(c.hidden > 0 && c.layers > 0 && c.heads > 0 && c.ffn > 0 && c.channels > 0, "{file}: the vision tower's sizes must be positive");
+        ensure!(c.hidden.is_multiple_of(c.heads), "{file}: vision hidden size {} is not a multiple of its {} heads", c.hidden, c.heads);
         ensure!(
             c.patch > 0 && c.image_size.is_multiple_of(c.patch) && c.image_size > 0,
-            "{file}: image_size {} is not a multiple of patch_size {}",
+            "{file}: image size {} is not a multiple of patch size {}",
             c.image_size,
             c.patch
         );
         let side = (c.tokens as f64).sqrt() as usize;
-        ensure!(side > 0 && side * side == c.tokens, "{file}: mm_tokens_per_image {} is not a square", c.tokens);
+        ensure!(side > 0 && side * side == c.tokens, "{file}: {} tokens per image is not a positive square", c.tokens);
         ensure!(c.grid().is_multiple_of(side), "{file}: {} patches per side do not pool evenly to {side} tokens per side", c.grid());
-        ensure!(c.eps > 0.0 && c.eps.is_finite(), "{file}: vision layer_norm_eps {} must be positive", c.eps);
+        ensure!(c.eps > 0.0 && c.eps.is_finite(), "{file}: vision layer norm eps {} must be positive", c.eps);
         Ok(())
     }
+}
+
+/// Where the tower's tensors come from: an HF folder (under `root`) or an
+/// mmproj, asked for by their HF names.
+enum Weights<'a> {
+    Hf { h: &'a HfFolder, root: &'static str },
+    Mmproj(&'a Mmproj),
+}
+
+impl Weights<'_> {
+    /// A tower tensor by its HF name under the tower (`encoder.layers.0.mlp.fc1.weight`).
+    fn tower(&self, n: &str) -> Result<TensorView> {
+        match self {
+            Weights::Hf { h, root } => h.tensor(&format!("{root}{n}")),
+            Weights::Mmproj(m) => m.gguf.tensor(&mmproj_name(n)),
+        }
+    }
+
+    /// A projector tensor by its HF name (`multi_modal_projector.*`).
+    fn projector(&self, n: &str) -> Result<TensorView> {
+        match self {
+            Weights::Hf { h, .. } => h.tensor(n),
+            Weights::Mmproj(m) => m.gguf.tensor(&mmproj_name(n)),
+        }
+    }
+
+    /// Added to the projector's norm weight: HF stores Gemma's `1 + w` as
+    /// `w`; the mmproj converter folded the 1 in (the tower's LayerNorms
+    /// are stored alike in both).
+    fn proj_norm_offset(&self) -> f32 {
+        match self {
+            Weights::Hf { .. } => 1.0,
+            Weights::Mmproj(_) => 0.0,
+        }
+    }
+
+    fn origin(&self) -> String {
+        match self {
+            Weights::Hf { h, .. } => h.dir().display().to_string(),
+            Weights::Mmproj(m) => m.path().display().to_string(),
+        }
+    }
+}
+
+/// The mmproj name of a vision tensor's HF name (llama.cpp's
+/// `gguf-py` tensor map for `MODEL_ARCH.MMPROJ`: `v.*`, `mm.*`); a name it
+/// does not know is kept, so the file's error names it.
+fn mmproj_name(hf: &str) -> String {
+    const TOP: [(&str, &str); 5] = [
+        ("embeddings.patch_embedding.", "v.patch_embd."),
+        ("embeddings.position_embedding.", "v.position_embd."),
+        ("post_layernorm.", "v.post_ln."),
+        ("multi_modal_projector.mm_soft_emb_norm.", "mm.soft_emb_norm."),
+        ("multi_modal_projector.mm_input_projection_weight", "mm.input_projection.weight"),
+    ];
+    const LAYER: [(&str, &str); 8] = [
+        ("layer_norm1.", "ln1."),
+        ("layer_norm2.", "ln2."),
+        ("self_attn.q_proj.", "attn_q."),
+        ("self_attn.k_proj.", "attn_k."),
+        ("self_attn.v_proj.", "attn_v."),
+        ("self_attn.out_proj.", "attn_out."),
+        ("mlp.fc1.", "ffn_up."),
+        ("mlp.fc2.", "ffn_down."),
+    ];
+    let swap = |table: &[(&str, &str)], n: &str| table.iter().find_map(|(h, g)| n.strip_prefix(h).map(|rest| format!("{g}{rest}")));
+    if let Some(n) = swap(&TOP, hf) {
+        return n;
+    }
+    if let Some((i, rest)) = hf.strip_prefix("encoder.layers.").and_then(|r| r.split_once('.')) {
+        if let Some(n) = swap(&LAYER, rest) {
+            return format!("v.blk.{i}.{n}");
+        }
+    }
+    hf.to_string()
 }
 
 /// A LayerNorm's weight and bias.
@@ -166,24 +335,50 @@ fn host_weight<D: Device>(dev: &D, name: &str, data: Vec<f32>, rows: usize, cols
 }
 
 impl<D: MoeOps> Gemma3Vision<D> {
-    /// The vision path of the HF folder, or `None` for a text-only model.
-    pub fn load(dev: &D, src: &Source) -> Result<Option<Gemma3Vision<D>>> {
-        let Some(cfg) = VisionConfig::from_source(src)? else { return Ok(None) };
-        let Source::Hf(h) = src else { return Ok(None) };
-        // transformers 5 saves `vision_tower.*`; Hub checkpoints nest it in `vision_model`.
-        let root = if h.has_tensor("vision_tower.vision_model.post_layernorm.weight") { "vision_tower.vision_model." } else { "vision_tower." };
-        let t = |n: &str| h.tensor(&format!("{root}{n}"));
-        let w = |n: &str| dev.weight(&t(n)?);
-        let v = |n: &str| dev.vector(&t(n)?, 0.0);
+    /// The vision path: the mmproj's where one is given, else the HF
+    /// folder's; `None` for a text-only model. Its rows must be
+    /// `text_hidden` wide (the text model's width).
+    pub fn load(dev: &D, src: &Source, mmproj: Option<&Mmproj>, text_hidden: usize) -> Result<Option<Gemma3Vision<D>>> {
+        let (cfg, t) = match (mmproj, src) {
+            (Some(m), _) => {
+                if let Source::Hf(h) = src {
+                    ensure!(
+                        VisionConfig::from_source(src)?.is_none(),
+                        "{} has a vision tower of its own; the mmproj {} would replace it (give one or the other)",
+                        h.dir().display(),
+                        m.path().display()
+                    );
+                }
+                (VisionConfig::from_mmproj(m, src)?, Weights::Mmproj(m))
+            }
+            (None, Source::Hf(h)) => {
+                let Some(cfg) = VisionConfig::from_source(src)? else { return Ok(None) };
+                // transformers 5 saves `vision_tower.*`; Hub checkpoints nest it in `vision_model`.
+                let root = if h.has_tensor("vision_tower.vision_model.post_layernorm.weight") { "vision_tower.vision_model." } else { "vision_tower." };
+                (cfg, Weights::Hf { h, root })
+            }
+            (None, Source::Gguf(_)) => return Ok(None),
+        };
+        let origin = t.origin();
+        // Before any tensor: a tower made for another text model is named as such.
+        ensure!(
+            cfg.text_hidden == text_hidden,
+            "{origin}: the projector's width {} is not the text model's {} ({}): the vision tower is another model's",
+            cfg.text_hidden,
+            text_hidden,
+            src.path().display()
+        );
+        let w = |n: &str| dev.weight(&t.tower(n)?);
+        let v = |n: &str| dev.vector(&t.tower(n)?, 0.0);
         let ln = |n: &str| -> Result<LayerNorm<D>> { Ok(LayerNorm { w: v(&format!("{n}.weight"))?, b: v(&format!("{n}.bias"))? }) };
         let (hd, p, ch) = (cfg.hidden, cfg.patch, cfg.channels);
 
-        let conv = t("embeddings.patch_embedding.weight")?;
-        ensure!(conv.shape == [hd, ch, p, p], "{}: `{}` has shape {:?}, expected [{hd}, {ch}, {p}, {p}]", h.dir().display(), conv.name, conv.shape);
+        let conv = t.tower("embeddings.patch_embedding.weight")?;
+        ensure!(conv.shape == [hd, ch, p, p], "{origin}: `{}` has shape {:?}, expected [{hd}, {ch}, {p}, {p}]", conv.name, conv.shape);
         let patch_w = dev.weight(&TensorView { shape: vec![hd, ch * p * p], ..conv })?;
         let positions = w("embeddings.position_embedding.weight")?;
         let n = cfg.grid() * cfg.grid();
-        ensure!(dev.weight_shape(&positions) == (n, hd), "{}: the position embedding is not [{n}, {hd}]", h.dir().display());
+        ensure!(dev.weight_shape(&positions) == (n, hd), "{origin}: the position embedding is not [{n}, {hd}]");
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let l = |n: &str| format!("encoder.layers.{i}.{n}");
@@ -208,10 +403,11 @@ impl<D: MoeOps> Gemma3Vision<D> {
         let centre: Vec<f32> = (0..hd * hd).map(|i| if i / hd == i % hd { 1.0 } else { 0.0 } - 1.0 / hd as f32).collect();
         let centre = host_weight(dev, "vision centring", centre, hd, hd)?;
         // Gemma's RMSNorm scales by 1 + w.
-        let proj_norm = dev.vector(&h.tensor("multi_modal_projector.mm_soft_emb_norm.weight")?, 1.0)?;
-        let pw = h.tensor("multi_modal_projector.mm_input_projection_weight")?;
+        let proj_norm = dev.vector(&t.projector("multi_modal_projector.mm_soft_emb_norm.weight")?, t.proj_norm_offset())?;
+        // Stored (in, out) in both files: the converter keeps the HF tensor as it is.
+        let pw = t.projector("multi_modal_projector.mm_input_projection_weight")?;
         let th = cfg.text_hidden;
-        ensure!(pw.shape == [hd, th], "{}: `{}` has shape {:?}, expected [{hd}, {th}]", h.dir().display(), pw.name, pw.shape);
+        ensure!(pw.shape == [hd, th], "{origin}: `{}` has shape {:?}, expected [{hd}, {th}]", pw.name, pw.shape);
         let stored = pw.to_f32()?;
         let transposed: Vec<f32> = (0..th * hd).map(|i| stored[(i % hd) * th + i / hd]).collect();
         let proj = host_weight(dev, &pw.name, transposed, th, hd)?;

@@ -46,12 +46,11 @@ fn argmax(x: &[f32]) -> usize {
 
 fn backend<D: braid_ops::AllOps + Clone>(dev: &D, dir: &std::path::Path) -> ModelBackend<D> {
     let (_src, model) = braid_models::open(dev, dir).unwrap();
-    ModelBackend::new(
-        dev.clone(),
-        model,
-        BackendConfig { block_tokens: 16, kv_tokens: 8192, max_streams: 8, max_batch: 4096, context: 0, max_marks: 8, ..Default::default() },
-    )
-    .unwrap()
+    ModelBackend::new(dev.clone(), model, gpu_config()).unwrap()
+}
+
+fn gpu_config() -> BackendConfig {
+    BackendConfig { block_tokens: 16, kv_tokens: 8192, max_streams: 8, max_batch: 4096, context: 0, max_marks: 8, ..Default::default() }
 }
 
 /// Relative error of a whole logit table, and (agreeing, total) top-1 rows.
@@ -1397,26 +1396,38 @@ variant_bf16! {
 #[test]
 fn gemma3_vision_fixture_bf16() {
     let Some(dev) = gpu() else { return };
-    let name = "gemma3_vision";
+    vision_bf16(&dev, "gemma3_vision", &fixture_dir("gemma3_vision"), None);
+}
+
+/// The same from the text GGUF and the F32 mmproj (`gemma3_vision_gguf`).
+#[test]
+fn gemma3_vision_gguf_mmproj_bf16() {
+    let Some(dev) = gpu() else { return };
+    let dir = fixture_dir("gemma3_vision_gguf");
+    vision_bf16(&dev, "gemma3_vision_gguf", &dir.join("model-f32.gguf"), Some(&dir.join("mmproj-f32.gguf")));
+}
+
+/// [`gemma3_vision_fixture_bf16`] for fixture `name`, its model at `model`
+/// with the mmproj `mmproj` where given.
+fn vision_bf16(dev: &Cuda, name: &str, model_path: &std::path::Path, mmproj: Option<&std::path::Path>) {
     let r = reference(name);
     let config: Value = serde_json::from_str(&std::fs::read_to_string(fixture_dir(name).join("config.json")).unwrap()).unwrap();
-    let (_src, model) = braid_models::open(&dev, &fixture_dir(name)).unwrap();
+    let (_src, model) = braid_models::open_with(dev, model_path, mmproj).unwrap();
     let (pshape, pixels) = &r["image_rows"];
     let (tokens, hidden) = (pshape[1], pshape[2]);
     let px = &r["pixel_values"].1;
     let per = px.len() / r["pixel_values"].0[0];
     for n in 0..pshape[0] {
-        let rows = dev.download(&model.encode_image(&dev, &px[n * per..(n + 1) * per]).unwrap()).unwrap();
+        let rows = dev.download(&model.encode_image(dev, &px[n * per..(n + 1) * per]).unwrap()).unwrap();
         let (rel, _, _) = compare(&rows[..tokens * hidden], &pixels[n * tokens * hidden..(n + 1) * tokens * hidden], hidden);
         eprintln!("{name} on {}: image {n} rows rel err {rel:.2e}", dev.name());
         assert!(rel < BF16_REL, "{name}: image {n} rows rel err {rel}");
     }
-    drop(model);
 
     let image_token = config["image_token_index"].as_u64().unwrap() as u32;
     let tokens: Vec<u32> = r["tokens"].1.iter().map(|&t| t as u32).collect();
     let (prompt, images) = fixtures_common::image_prompt(&tokens, image_token, px, per);
-    let mut be = backend(&dev, &fixture_dir(name));
+    let mut be = ModelBackend::new(dev.clone(), model, gpu_config()).unwrap();
     be.open(1).unwrap();
     be.encode_images(1, &images).unwrap();
     let (vocab, full) = (r["logits_full"].0[1], &r["logits_full"].1);

@@ -1,7 +1,9 @@
 //! The tiny random Gemma 3 vision model (`testdata/fixtures/gemma3_vision`,
 //! made by `scripts/fixtures/make_vision.py`) against transformers: the
 //! projector's rows, and the logits of a prompt with two images, whose
-//! image tokens attend to their own image both ways.
+//! image tokens attend to their own image both ways. And the same model
+//! as llama.cpp users hold it, a text GGUF plus an mmproj GGUF
+//! (`gemma3_vision_gguf`, made by `scripts/fixtures/make_vision_gguf.py`).
 
 mod fixtures_common;
 
@@ -24,7 +26,11 @@ struct Vision {
 }
 
 fn vision() -> Vision {
-    let fx = Fixture::load("gemma3_vision");
+    vision_of("gemma3_vision")
+}
+
+fn vision_of(name: &str) -> Vision {
+    let fx = Fixture::load(name);
     let pixels = &fx.reference["pixel_values"];
     let per = pixels.data.len() / pixels.shape[0];
     let image_token = fx.config["image_token_index"].as_u64().unwrap() as u32;
@@ -203,4 +209,131 @@ fn image_rows_need_their_rows_made_and_whole_chunks() {
     let short = PromptImage { len: 3, ..img.clone() };
     let err = be.encode_images(1, &[short]).err().unwrap().to_string();
     assert!(err.contains("16 per image"), "{err}");
+}
+
+/// The text GGUF with the mmproj `mmproj` (a file of `gemma3_vision_gguf`).
+fn gguf_backend(v: &Vision, mmproj: &str) -> ModelBackend<Cpu> {
+    let dev = Cpu::new(None);
+    let (_src, model) = braid_models::open_with(&dev, &v.fx.dir.join("model-f32.gguf"), Some(&v.fx.dir.join(mmproj))).unwrap();
+    ModelBackend::new(dev, model, backend_config()).unwrap()
+}
+
+/// Both images' rows (without the trailing zero row) of `be`'s model.
+fn rows_of(be: &ModelBackend<Cpu>, v: &Vision) -> Vec<f32> {
+    let dev = Cpu::new(None);
+    let (tokens, hidden) = (be.model().vision().unwrap().tokens, v.fx.reference["image_rows"].shape[2]);
+    let mut out = Vec::new();
+    for m in &v.images {
+        let rows = be.model().encode_image(&dev, &m.pixels).unwrap();
+        assert_eq!(dev.shape(&rows), (tokens + 1, hidden), "the image's rows and a zero row");
+        out.extend_from_slice(&dev.download(&rows).unwrap()[..tokens * hidden]);
+    }
+    out
+}
+
+/// The F16 mmproj's bound: its matrices (the tower's and the projector's)
+/// are rounded to 11 bits; measured 9.2e-4 on the rows (whose spread is 1)
+/// and 9.3e-3 on the logits (spread 8), against a misread tensor's error
+/// of the rows' size or more.
+const F16_TOL: f32 = 3e-2;
+
+#[test]
+fn mmproj_rows_equal_the_hf_folders() {
+    let v = vision_of("gemma3_vision_gguf");
+    let want = &v.fx.reference["image_rows"].data;
+    let hidden = v.fx.reference["image_rows"].shape[2];
+    let hf = rows_of(&v.fx.backend(), &v);
+    assert_close("HF folder rows vs transformers", &hf, want, hidden, TOL);
+    let be = gguf_backend(&v, "mmproj-f32.gguf");
+    let vc = be.model().vision().unwrap().clone();
+    let hf_cfg = v.fx.backend().model().vision().unwrap().clone();
+    // The sizes read from the mmproj's keys are the config's; the image
+    // tokens are the text model's (this GGUF has no vocabulary to name them).
+    assert_eq!((vc.hidden, vc.layers, vc.heads, vc.ffn, vc.channels), (hf_cfg.hidden, hf_cfg.layers, hf_cfg.heads, hf_cfg.ffn, hf_cfg.channels));
+    assert_eq!((vc.image_size, vc.patch, vc.eps, vc.tokens, vc.text_hidden), (hf_cfg.image_size, hf_cfg.patch, hf_cfg.eps, hf_cfg.tokens, hf_cfg.text_hidden));
+    assert_eq!((vc.image_mean, vc.image_std), (Some([0.5; 3]), Some([0.5; 3])));
+    let got = rows_of(&be, &v);
+    assert_close("F32 mmproj rows vs HF folder", &got, &hf, hidden, 1e-5);
+    assert_close("F32 mmproj rows vs transformers", &got, want, hidden, TOL);
+    let f16 = rows_of(&gguf_backend(&v, "mmproj-f16.gguf"), &v);
+    let d = assert_close("F16 mmproj rows vs transformers", &f16, want, hidden, F16_TOL);
+    assert!(d.max > 1e-5, "the F16 mmproj's rows equal the F32 reference ({:.2e}): not its F16 weights", d.max);
+}
+
+#[test]
+fn gguf_and_mmproj_prompt_logits_equal_the_hf_folders() {
+    let v = vision_of("gemma3_vision_gguf");
+    let vocab = v.fx.vocab;
+    let full = v.fx.logits("logits_full");
+    let causal = v.fx.logits("logits_text");
+    let mut hf_be = v.fx.backend();
+    hf_be.open(1).unwrap();
+    let hf = stepped(&mut hf_be, 1, &v, 0, &v.prompt);
+    for (mmproj, tol_hf, tol_ref) in [("mmproj-f32.gguf", 1e-5, TOL), ("mmproj-f16.gguf", F16_TOL, F16_TOL)] {
+        let mut be = gguf_backend(&v, mmproj);
+        be.open(1).unwrap();
+        let got = stepped(&mut be, 1, &v, 0, &v.prompt);
+        assert_eq!(got.len(), hf.len());
+        let mut max_causal = 0f32;
+        for ((row, l), (_, h)) in got.iter().zip(&hf) {
+            assert_close(&format!("{mmproj} row {row} vs HF folder"), l, h, vocab, tol_hf);
+            assert_close(&format!("{mmproj} row {row} vs transformers"), l, &full[row * vocab..(row + 1) * vocab], vocab, tol_ref);
+            max_causal = max_causal.max(diff(l, &causal[row * vocab..(row + 1) * vocab], vocab).max);
+        }
+        // The image rows were placed, and see their image both ways.
+        assert!(max_causal > 1.0, "{mmproj}: logits without the image mask differ by only {max_causal}");
+    }
+    // The HF folder itself against transformers (the variant's reference).
+    for (row, l) in &hf {
+        assert_close(&format!("HF folder row {row}"), l, &full[row * vocab..(row + 1) * vocab], vocab, TOL);
+    }
+}
+
+/// A copy of the fixture's F32 mmproj in a scratch folder, with `from`
+/// replaced by `to` (as many bytes) where it first occurs.
+fn patched_mmproj(v: &Vision, name: &str, from: &[u8], to: &[u8]) -> std::path::PathBuf {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = std::fs::read(v.fx.dir.join("mmproj-f32.gguf")).unwrap();
+    let at = bytes.windows(from.len()).position(|w| w == from).expect("the pattern is in the mmproj");
+    bytes[at..at + to.len()].copy_from_slice(to);
+    let dir = std::env::temp_dir().join(format!("braid-mmproj-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+fn open_err(model: &std::path::Path, mmproj: &std::path::Path) -> String {
+    match braid_models::open_with(&Cpu::new(None), model, Some(mmproj)) {
+        Ok(_) => panic!("{} with the mmproj {} loads", model.display(), mmproj.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn a_wrong_mmproj_is_refused_by_name() {
+    let v = vision_of("gemma3_vision_gguf");
+    let text = v.fx.dir.join("model-f32.gguf");
+    let mmproj = v.fx.dir.join("mmproj-f32.gguf");
+    // For a text-only architecture.
+    let llama = fixtures_dir().join("llama/model-f32.gguf");
+    let e = open_err(&llama, &mmproj);
+    assert!(e.contains("architecture 'llama' takes no images") && e.contains("mmproj-f32.gguf"), "{e}");
+    // A model's GGUF given as the mmproj.
+    let e = open_err(&text, &text);
+    assert!(e.contains("not an mmproj file") && e.contains("'gemma3'"), "{e}");
+    // Beside an HF folder that has its own tower.
+    let e = open_err(&v.fx.dir, &mmproj);
+    assert!(e.contains("has a vision tower of its own"), "{e}");
+    // Another model's width: the projector's 64 made 48 (`projection_dim`, a u32 (type 4) of 64).
+    let key = b"clip.vision.projection_dim";
+    let (from, to) = ([&key[..], &4u32.to_le_bytes(), &64u32.to_le_bytes()].concat(), [&key[..], &4u32.to_le_bytes(), &48u32.to_le_bytes()].concat());
+    let e = open_err(&text, &patched_mmproj(&v, "wide.gguf", &from, &to));
+    assert!(e.contains("the projector's width 48 is not the text model's 64") && e.contains("wide.gguf"), "{e}");
+    // A tensor missing (renamed).
+    let e = open_err(&text, &patched_mmproj(&v, "holed.gguf", b"v.post_ln.weight", b"v.post_ln.wxxxxx"));
+    assert!(e.contains("holed.gguf") && e.contains("`v.post_ln.weight`"), "{e}");
+    // Another projector.
+    let e = open_err(&text, &patched_mmproj(&v, "idefics.gguf", b"gemma3", b"ldfics"));
+    assert!(e.contains("projector is 'ldfics'"), "{e}");
 }

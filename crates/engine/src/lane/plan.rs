@@ -487,11 +487,9 @@ mod tests {
         assert_eq!(pick_of(&[Argmax, Top(64)], Picks { argmax: true, top_k: 100 }), Pick::Logits, "k not below the vocabulary");
         assert_eq!(pick_of(&[Argmax, Logits], both), Pick::Logits);
         assert_eq!(pick_of(&[Argmax], Picks::default()), Pick::Logits);
-        // A guided greedy row is picked where argmax is (the backend finds
-        // its mask), else it takes the whole row: top-k knows no masks.
+        // A guided greedy row is picked where argmax is, else it takes its row.
         assert_eq!(pick_of(&[Argmax, MaskedArgmax], both), Pick::Argmax);
-        assert_eq!(pick_of(&[MaskedArgmax, Top(5)], both), Pick::Logits);
-        assert_eq!(pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 }), Pick::Logits);
+        assert_eq!((pick_of(&[MaskedArgmax, Top(5)], both), pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 })), (Pick::Logits, Pick::Logits));
         // Drafts and a chunk leave the pick as it is.
         let c = cuts(20, 8, false);
         let mut v = view(vec![Decoder { need: Argmax, ..dec(0, 3, &[1, 2]) }], pass(1, &c, 0));

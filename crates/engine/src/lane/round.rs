@@ -15,7 +15,7 @@ use super::masks::{Held, PickMasks};
 use super::pacer::{to_replayed, Budget, Ran, Shape};
 use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
-use super::stream::{Phase, Stream};
+use super::stream::{sample_row, Phase};
 use super::FinishReason;
 use crate::backend::{Backend, Chunk, Pick, Picked, RoundMasks, Step, StreamId};
 use crate::pass::{CutPlan, StepOutcome};
@@ -482,31 +482,4 @@ fn check(picked: Picked, pick: Pick, masked: bool, rows: usize, vocab: usize) ->
         bail!("the backend returned {got} for a round of {rows} rows of {vocab} asking for {pick:?}");
     }
     Ok(picked)
-}
-
-/// Sample token row `row` of a round for `s` (its row `j`): its sampler
-/// over the logits (within its mask, when guided), over the top
-/// candidates, or the backend's argmax as it is (within the mask).
-fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize) -> Result<Sampled, String> {
-    // A guided row past its masks is never reached (see `masks`), and a
-    // guided stream's round returns logits or its masked argmax.
-    let mask = match &s.guided {
-        Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
-        None => None,
-    };
-    let sampled = match picked {
-        Picked::Logits(l) => s.sampler.sample_masked(&mut l[row * vocab..(row + 1) * vocab], s.logprobs, mask),
-        Picked::Tokens(t) => {
-            // Every allowed logit -inf or NaN (a broken row): as on the host,
-            // the lowest allowed token.
-            let token = mask.filter(|m| !m.allows(t[row])).map_or(t[row], |m| m.first().unwrap_or(t[row]));
-            Sampled { token, logprob: None, top: Vec::new() }
-        }
-        _ if mask.is_some() => return Err("a guided stream's round returned top-k candidates".into()),
-        Picked::Top(c) => Sampled { token: s.sampler.sample_top(&c[row]), logprob: None, top: Vec::new() },
-    };
-    if sampled.token as usize >= vocab {
-        return Err(format!("the backend picked token {}, past the vocabulary of {vocab}", sampled.token));
-    }
-    Ok(sampled)
 }

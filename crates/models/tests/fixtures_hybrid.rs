@@ -227,6 +227,15 @@ fn hub_config_forms() {
                 c.insert("moe_layer_freq".into(), json!(moe));
             }),
         ),
+        (
+            "qwen3_next",
+            Box::new(|c| {
+                // Hub: no layer_types, full attention every `full_attention_interval`
+                // layers (the fixture's third of four).
+                c.remove("layer_types");
+                c.insert("full_attention_interval".into(), json!(3));
+            }),
+        ),
     ];
     for (name, edit) in cases {
         let fx = Fixture::load(name);
@@ -287,7 +296,12 @@ fn minimax_m3_sparsity_and_clamp_matter() {
 /// Bad configs and missing tensors are errors that say what is wrong.
 #[test]
 fn bad_configs_are_errors() {
-    let cases: [(&str, &str, Box<ConfigEdit>); 5] = [
+    let cases: [(&str, &str, Box<ConfigEdit>); 6] = [
+        (
+            "qwen3_next",
+            "layer type `mamba`",
+            Box::new(|c| drop(c.insert("layer_types".into(), json!(["linear_attention", "mamba", "full_attention", "linear_attention"])))),
+        ),
         ("lfm2", "layer_types", Box::new(|c| drop(c.insert("layer_types".into(), json!(["conv", "conv"]))))),
         (
             "lfm2",

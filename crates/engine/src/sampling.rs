@@ -389,15 +389,19 @@ impl Sampler {
     /// Greedy within a guide's mask, no penalty: the row's largest allowed
     /// logit is the token.
     pub fn greedy_within_guide(&self) -> bool {
-        let p = &self.params;
-        p.is_greedy() && p.guide.is_some() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        self.params.is_greedy() && self.params.guide.is_some() && self.unpenalised()
     }
 
     /// No penalty changes the logits and no guide masks them: the row's
     /// largest logits are the ones sampled from.
     fn unchanged_row(&self) -> bool {
+        self.unpenalised() && self.params.guide.is_none()
+    }
+
+    /// No penalty changes the logits.
+    fn unpenalised(&self) -> bool {
         let p = &self.params;
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.guide.is_none()
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
     }
 
     /// Pick the next token from one logits row (the row is used as scratch

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use super::run::Core;
 use super::stream::{Phase, Stream};
 use super::Command;
-use crate::backend::{Picked, RoundMasks, StreamId};
+use crate::backend::{DecodeRow, Picked, RoundMasks, StreamId};
 use crate::guide::{Constraint, TokenMask};
 
 /// A guided stream's constraint: with a worker, or here with the masks of
@@ -149,11 +149,11 @@ pub(super) struct PickMasks<'a> {
 }
 
 impl PickMasks<'_> {
-    /// The masks of a round of `rows` token rows each from the streams at
-    /// `at` of `running`; None when none of them is guided.
-    pub fn of<'a>(running: &[Stream], workers: &'a MaskWorkers, rows: &[usize], at: &[usize]) -> Option<PickMasks<'a>> {
+    /// The masks of a round of `rows`, from the streams at `at` of
+    /// `running`; None when none of them is guided.
+    pub fn of<'a>(running: &[Stream], workers: &'a MaskWorkers, rows: &[DecodeRow], at: &[usize]) -> Option<PickMasks<'a>> {
         let guided = at.iter().any(|&a| running[a].guided.is_some());
-        let rows = rows.iter().zip(at).map(|(&n, &a)| match &running[a].guided {
+        let rows = rows.iter().map(|r| r.tokens.len()).zip(at).map(|(n, &a)| match &running[a].guided {
             None => RowsOf::Free(n),
             Some(Guided::Here { masks, .. }) => RowsOf::Here(n, masks.clone()),
             Some(Guided::Away) => RowsOf::Away(n, running[a].id),

@@ -170,8 +170,7 @@ impl Core {
             _ => None,
         });
         let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
-        let row_counts: Vec<usize> = plan.rows.iter().map(|r| r.tokens.len()).collect();
-        let pick_masks = (plan.pick == Pick::Argmax).then(|| PickMasks::of(&self.running, &self.mask_workers, &row_counts, &plan.at)).flatten();
+        let pick_masks = (plan.pick == Pick::Argmax).then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
         let masks = pick_masks.as_ref().map(|m| m as &dyn RoundMasks);
         let t = Instant::now();
         let stepped = match plan.chunk {

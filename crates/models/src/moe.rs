@@ -156,7 +156,7 @@ pub fn slice_rows(view: &TensorView, first: usize, rows: usize) -> Result<Tensor
 
 /// The rows of `view` in `ranges` (`(first, rows)` each), in that order, as
 /// one matrix: a fused projection's parts regrouped.
-pub fn pick_rows(view: &TensorView, ranges: &[(usize, usize)]) -> Result<TensorView> {
+pub fn join_rows(view: &TensorView, ranges: &[(usize, usize)]) -> Result<TensorView> {
     let mut data = Vec::new();
     let mut rows = 0;
     for &(first, n) in ranges {

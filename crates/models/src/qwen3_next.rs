@@ -38,7 +38,7 @@ use braid_ops::{Act, DeltaShape, Device, KvShape, MoeOps, RecurrentOps, Rope, St
 use crate::blocks::{gated_mlp, model_sizes, Attention};
 use crate::config::Checks;
 use crate::llama::hf_rope;
-use crate::moe::{pick_rows, Activation, Experts, Moe, Router, Scoring};
+use crate::moe::{join_rows, Activation, Experts, Moe, Router, Scoring};
 use crate::recurrent::{extras, gguf_kv_heads, hf_config, state_seqs, StateLayout};
 use crate::source::Source;
 use crate::{lm_head, Batch, LayerState, Memory, Model, Scratch};
@@ -265,7 +265,7 @@ impl<D: Device> DeltaNet<D> {
                 let part = |at: usize, len: usize| -> Vec<(usize, usize)> { (0..nk).map(|g| (g * (2 * dk + 2 * r * dv) + at, len)).collect() };
                 let ranges = [part(0, dk), part(dk, dk), part(2 * dk, r * dv)].concat();
                 let a = src.tensor(&hf("A_log"))?.to_f32()?.iter().map(|x| -x.exp()).collect();
-                (pick_rows(&fused, &ranges)?, pick_rows(&fused, &part(2 * dk + r * dv, r * dv))?, a)
+                (join_rows(&fused, &ranges)?, join_rows(&fused, &part(2 * dk + r * dv, r * dv))?, a)
             }
         };
         ensure!(a.len() == nv, "block {l}: A has {} values for {nv} value heads", a.len());
@@ -278,8 +278,8 @@ impl<D: Device> DeltaNet<D> {
         Ok(DeltaNet {
             in_qkv: dev.weight(&qkv)?,
             in_z: dev.weight(&z)?,
-            in_b: dev.weight(&pick_rows(&ba, &part(0))?)?,
-            in_a: dev.weight(&pick_rows(&ba, &part(r))?)?,
+            in_b: dev.weight(&join_rows(&ba, &part(0))?)?,
+            in_a: dev.weight(&join_rows(&ba, &part(r))?)?,
             conv: dev.vector(&conv, 0.0)?,
             dt_bias: dev.vector(&src.tensor(&p("ssm_dt.bias"))?, 0.0)?,
             decay: dev.upload(&a, 1, nv)?,
@@ -377,7 +377,7 @@ impl<D: Device> Qwen3Next<D> {
                 ensure!(q.shape == [heads * 2 * hd, cfg.hidden], "{}: {:?}, expected [{}, {}]", q.name, q.shape, heads * 2 * hd, cfg.hidden);
                 let rows = |at: usize| -> Vec<(usize, usize)> { (0..heads).map(|h| (h * 2 * hd + at, hd)).collect() };
                 let attn = Attention {
-                    wq: dev.weight(&pick_rows(&q, &rows(0))?)?,
+                    wq: dev.weight(&join_rows(&q, &rows(0))?)?,
                     wk: w(&p("attn_k.weight"))?,
                     wv: w(&p("attn_v.weight"))?,
                     qk_norm: Some((v1(&p("attn_q_norm.weight"))?, v1(&p("attn_k_norm.weight"))?)),
@@ -386,7 +386,7 @@ impl<D: Device> Qwen3Next<D> {
                     o_bias: None,
                 };
                 kv += 1;
-                Mixer::Attention(attn, dev.weight(&pick_rows(&q, &rows(hd))?)?, kv - 1)
+                Mixer::Attention(attn, dev.weight(&join_rows(&q, &rows(hd))?)?, kv - 1)
             } else {
                 Mixer::DeltaNet(DeltaNet::load(dev, src, l, &cfg, &mut state)?)
             };

@@ -102,3 +102,11 @@ pub(crate) fn gated_delta_rule(
     ensure!(sh.l2_eps >= 0.0, "gated_delta_rule: L2 norm epsilon {}", sh.l2_eps);
     state_room("gated_delta_rule", state_cols, state_offset, nv * sh.key_dim * sh.value_dim)
 }
+
+/// `RowPick::ArgmaxAllowed`'s bits against `rows` rows of `cols` columns;
+/// the words a row.
+pub(crate) fn allowed_bits(bits: &[u32], rows: usize, cols: usize) -> Result<usize> {
+    let words = cols.div_ceil(32);
+    ensure!(bits.len() == rows * words, "{} mask words for {rows} rows of {cols} columns", bits.len());
+    Ok(words)
+}

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{ensure, Result};
+use anyhow::Result;
 use braid_formats::TensorView;
 
 mod checks;
@@ -378,8 +378,7 @@ pub trait Device: Send + Sync + 'static {
         Ok(match pick {
             RowPick::Argmax => RowPicked::Argmax((0..rows).map(|r| argmax_host(&data[r * cols..(r + 1) * cols])).collect()),
             RowPick::ArgmaxAllowed(bits) => {
-                let words = cols.div_ceil(32);
-                ensure!(bits.len() == rows * words, "{} mask words for {rows} rows of {cols} columns", bits.len());
+                let words = checks::allowed_bits(bits, rows, cols)?;
                 let row = |r: usize| argmax_allowed_host(&data[r * cols..(r + 1) * cols], &bits[r * words..(r + 1) * words]);
                 RowPicked::Argmax((0..rows).map(row).collect())
             }

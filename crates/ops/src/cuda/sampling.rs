@@ -99,7 +99,7 @@ impl Cuda {
         let allow = match allowed {
             None => 0,
             Some(bits) => {
-                ensure!(bits.len() == rows * words, "{} mask words for {rows} rows of {} columns", bits.len(), t.cols);
+                crate::checks::allowed_bits(bits, rows, t.cols)?;
                 let mut st = self.st();
                 let buf = &mut st.sampling.allow_buf;
                 if buf.bytes < bits.len() * 4 {

@@ -123,9 +123,11 @@ impl<'a> HfConfig<'a> {
     }
 
     /// A per-layer override from transformers 5.x's `per_layer_config`
-    /// (`{"3": {"head_dim": 32}}`).
+    /// (`{"3": {"head_dim": 32}}`; past 9 layers the keys are zero-padded,
+    /// `{"04": ...}`, so they are matched as numbers).
     pub fn per_layer_usize(&self, layer: usize, key: &str) -> Result<Option<usize>> {
-        let Some(v) = self.get("per_layer_config").and_then(|p| p.get(layer.to_string())).and_then(|l| l.get(key)) else { return Ok(None) };
+        let entry = self.get("per_layer_config").and_then(|p| p.as_object()).and_then(|p| p.iter().find(|(k, _)| k.parse::<usize>().ok() == Some(layer)));
+        let Some(v) = entry.and_then(|(_, l)| l.get(key)) else { return Ok(None) };
         match v.as_u64() {
             Some(x) => Ok(Some(x as usize)),
             None => bail!("{}: per_layer_config.{layer}.{key} is {v}, expected a non-negative integer", self.path.display()),

@@ -160,6 +160,14 @@ fn hub_form_configs_load_the_same_models() {
         remove(c, "per_layer_config");
         c["global_head_dim"] = json!(32);
     });
+    // transformers zero-pads per_layer_config's keys past 9 layers ("03").
+    check_hub_form("gemma4_text", |c| {
+        let p = remove(c, "per_layer_config");
+        let padded: serde_json::Map<String, Value> =
+            p.as_object().unwrap().iter().map(|(k, v)| (format!("{:02}", k.parse::<usize>().unwrap()), v.clone())).collect();
+        assert!(!padded.is_empty());
+        c["per_layer_config"] = Value::Object(padded);
+    });
     check_hub_form("gemma4_text_moe", |c| {
         remove(c, "per_layer_config");
         c["global_head_dim"] = json!(32);

@@ -58,8 +58,9 @@ impl Cuda {
             decode: m.func("attn_decode")?,
             decode_cl: if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster { Some(m.func("attn_decode_cl")?) } else { None },
             combine: m.func("attn_combine")?,
-            prefill: if self.inner.cc.0 >= 8 { Some(m.func("attn_prefill")?) } else { None },
-            prefill_combine: if self.inner.cc.0 >= 8 { m.func("attn_prefill_combine")? } else { 0 },
+            // Past head dim 256 every row takes the decode kernel (see attention.cu).
+            prefill: if self.inner.cc.0 >= 8 && hd <= 256 { Some(m.func("attn_prefill")?) } else { None },
+            prefill_combine: if self.inner.cc.0 >= 8 && hd <= 256 { m.func("attn_prefill_combine")? } else { 0 },
         };
         let mut st = self.st();
         st.prof.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
@@ -122,10 +123,11 @@ impl Cuda {
     ) -> Result<()> {
         let shape = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("attention: layer {layer} not in the KV pool"))?;
         let (hd, kvh) = (shape.head_dim, shape.kv_heads);
-        ensure!(hd % 16 == 0 && hd <= 256, "attention: head dim {hd} is not supported on CUDA (a multiple of 16, at most 256)");
+        ensure!(hd % 16 == 0 && hd <= 512, "attention: head dim {hd} is not supported on CUDA (a multiple of 16, at most 512)");
         ensure!(q.cols.is_multiple_of(hd), "attention: q is {} wide, not a multiple of head dim {hd}", q.cols);
         let heads = q.cols / hd;
-        ensure!(heads.is_multiple_of(kvh) && heads / kvh <= 16, "attention: {heads} query heads over {kvh} KV heads is not supported");
+        let most_g = if hd > 256 { 8 } else { 16 };
+        ensure!(heads.is_multiple_of(kvh) && heads / kvh <= most_g, "attention: {heads} query heads over {kvh} KV heads of {hd} is not supported");
         let g = heads / kvh;
         self.grow(out, q.rows, q.cols)?;
         let bt = kv.spec.block_tokens;

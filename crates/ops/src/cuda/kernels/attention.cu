@@ -8,8 +8,9 @@ __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) { return (unsig
 #define DEC_THREADS 128
 #define DEC_NO ((G * HD / 2 + DEC_THREADS - 1) / DEC_THREADS)
 // Keys per tile. The tile's K and V rows sit in shared memory; sizes keep
-// the block under 48 KB for G up to 16.
-#define DEC_TK ((HD <= 64 ? 128 : HD <= 128 ? 64 : 32) / (G > 8 ? 2 : 1))
+// the block under 48 KB for G up to 16 (up to 8 past HD 256: Gemma 4's
+// global layers, HD 512).
+#define DEC_TK (HD > 256 ? 8 : (HD <= 64 ? 128 : HD <= 128 ? 64 : 32) / (G > 8 ? 2 : 1))
 // A K/V row in 16-byte chunks, padded by one chunk so that the 8 threads
 // of a quarter warp reading one chunk of 8 rows hit distinct banks.
 #define DEC_RC (HD / 8)
@@ -287,8 +288,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
     merge_splits(part + ((long)z * heads + h) * nsplit * (HD + 2), nsplit, d, out, out_bf, (long)row * q_cols + h * HD + d);
 }
 
-#if __CUDA_ARCH__ >= 800
-// Prefill attention on tensor cores (mma.sync m16n8k16, bf16 in, f32
+#if __CUDA_ARCH__ >= 800 && HD <= 256
+// Prefill attention on tensor cores (HD 256 at most: a warp keeps 16 rows
+// of output in registers) (mma.sync m16n8k16, bf16 in, f32
 // accumulate): one block of 4 warps per (64 query rows of one sequence,
 // query head); each warp owns 16 rows. K and V tiles of PF_KT keys are
 // gathered from the paged pool into shared memory by cp.async, two tiles in

@@ -518,6 +518,10 @@ fn decode_attention_against_f64() {
         Case { heads: 8, kv_heads: 8, hd: 128, window: None, softcap: None, seqs: vec![(1, 5000)] },
         Case { heads: 4, kv_heads: 1, hd: 256, window: Some(100), softcap: Some(50.0), seqs: vec![(3, 40), (1, 700)] },
         Case { heads: 16, kv_heads: 2, hd: 64, window: None, softcap: None, seqs: (0..70).map(|i| (1 + i % 4, 4 + i * 13)).collect() },
+        // Gemma 4's global layers: head dim 512, 8 query heads a KV head;
+        // every row takes this kernel, a prompt's too.
+        Case { heads: 8, kv_heads: 1, hd: 512, window: None, softcap: None, seqs: vec![(1, 1), (1, 900), (3, 40), (130, 300)] },
+        Case { heads: 16, kv_heads: 2, hd: 512, window: Some(64), softcap: Some(30.0), seqs: vec![(1, 500), (70, 200)] },
     ];
     for c in &cases {
         run_attention_case(&d, &mut r, c, 1e-4);
@@ -2182,4 +2186,45 @@ fn block_sparse_attention_matches_cpu() {
     let bad = BlockSparse { block: 16, local: 1, topk: 2, index_heads: 3, index_dim: idim };
     assert!(d.block_sparse_attention(&gq, &giq, &gpool, 0, 1, &seqs, scale, &bad, &mut a).is_err(), "indexer heads that do not divide the heads");
     d.sync().unwrap();
+}
+
+/// A mixture's forward: thousands of small row lists uploaded inside one
+/// forward (a gather, a scatter's targets and weights per expert run). At
+/// 64 KiB a slot, 256 uploads filled the arena and real-shape MoE models
+/// (64–128 experts) failed in their first prefill.
+#[test]
+fn a_forward_of_thousands_of_row_lists_fits_the_upload_arena() {
+    let Some(d) = gpu() else { return };
+    let cpu = Cpu::new(Some(1));
+    let mut r = Rng(seed());
+    let (rows, cols) = (40, 64);
+    let x = r.vec(rows * cols, 1.0);
+    let (gx, cx) = (d.upload(&x, rows, cols).unwrap(), cpu.upload(&x, rows, cols).unwrap());
+    let (mut gout, mut cout) = (d.upload(&vec![0.0; rows * cols], rows, cols).unwrap(), cpu.upload(&vec![0.0; rows * cols], rows, cols).unwrap());
+    let lists: Vec<(Vec<usize>, Vec<f32>)> = (0..1500)
+        .map(|i| {
+            let ids: Vec<usize> = (0..rows).filter(|&j| (j * 7 + i) % 5 == 0).collect();
+            let w = ids.iter().map(|&j| ((i + j) % 9) as f32 * 0.01).collect();
+            (ids, w)
+        })
+        .collect();
+    let (mut gt, mut ct) = (d.tensor(0, 0), cpu.tensor(0, 0));
+    let mut err = None;
+    in_forward(&d, None, &mut || {
+        for (ids, w) in &lists {
+            let u: Vec<u32> = ids.iter().map(|&j| j as u32).collect();
+            d.gather_rows(&gx, ids, &mut gt);
+            if let Err(e) = d.scatter_add_rows(&mut gout, &gt, &u, w) {
+                err.get_or_insert(e);
+            }
+        }
+    })
+    .unwrap();
+    assert!(err.is_none(), "{:#}", err.unwrap());
+    for (ids, w) in &lists {
+        let u: Vec<u32> = ids.iter().map(|&j| j as u32).collect();
+        cpu.gather_rows(&cx, ids, &mut ct);
+        cpu.scatter_add_rows(&mut cout, &ct, &u, w).unwrap();
+    }
+    report("1500 gathers and weighted scatters in one forward", rel(&d.download(&gout).unwrap(), &cout.data), 1e-5);
 }

@@ -14,8 +14,18 @@ use super::Cuda;
 /// The arena's size in u32 words.
 pub(super) const ARENA_WORDS: usize = 4 << 20;
 
-/// The smallest slot an upload takes, in u32 words.
+/// The smallest slot each of a forward's first [`WIDE_SLOTS`] uploads
+/// takes, in u32 words.
 const UPLOAD_SLOT_WORDS: usize = 16 << 10;
+
+/// A forward's uploads that get wide slots: a dense forward's dozen. The
+/// uploads past them (a mixture's row lists, three per expert run, some
+/// thousands in a prefill over 128 experts) take slots of their own size
+/// from [`SMALL_SLOT_WORDS`]: at 64 KiB each, 256 filled the arena and a
+/// real-shape MoE failed inside its first forward. Their offsets move with
+/// the routing anyway.
+const WIDE_SLOTS: usize = 64;
+const SMALL_SLOT_WORDS: usize = 64;
 
 #[derive(Default)]
 pub(super) struct Arena {
@@ -23,6 +33,8 @@ pub(super) struct Arena {
     /// (identical arrays from one site, such as every layer's positions,
     /// share one copy).
     pub off: usize,
+    /// Uploads this pass.
+    uploads: usize,
     recent: Vec<(Site, Vec<u32>, usize)>,
     /// A staged forward's token uploads.
     pub token_uploads: Vec<TokenUpload>,
@@ -37,6 +49,7 @@ impl Arena {
     /// A forward's recording starts: uploads from the arena's start again.
     pub fn begin_pass(&mut self) {
         self.off = 0;
+        self.uploads = 0;
         self.recent.clear();
         self.token_uploads.clear();
     }
@@ -123,7 +136,8 @@ impl Cuda {
         // power of two from 256 bytes moved whenever a decode round's block
         // tables crossed one, and each move re-recorded its graph: 2–3 ms
         // gaps, ten times in a 4000-token run on the H200.)
-        let n = data.len().max(UPLOAD_SLOT_WORDS).next_power_of_two();
+        let slot = if a.uploads < WIDE_SLOTS { UPLOAD_SLOT_WORDS } else { SMALL_SLOT_WORDS };
+        let n = data.len().max(slot).next_power_of_two();
         ensure!(n <= ARENA_WORDS, "upload of {} indices exceeds the {}-word arena", data.len(), ARENA_WORDS);
         if a.off + n > ARENA_WORDS {
             if recording {
@@ -132,10 +146,12 @@ impl Cuda {
             // Outside a forward: reuse from the start; earlier readers were
             // queued on the same stream, so they run before the overwrite.
             a.off = 0;
+            a.uploads = 0;
             a.recent.clear();
         }
         let off = a.off;
         a.off += n;
+        a.uploads += 1;
         if let Some(site) = share {
             if a.recent.len() >= 8 {
                 a.recent.remove(0);

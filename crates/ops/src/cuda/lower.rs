@@ -158,8 +158,8 @@ impl Cuda {
     /// to three weights for few rows, else a GEMM each. `folded`: the
     /// input is the norm folded into the weights (else none may carry one).
     fn lower_mm(&self, input: Input, ws: &[WRef], outs: &[TRef], folded: bool, bf: &mut Bf) -> Result<()> {
-        if !folded && ws.iter().any(|w| w.folded != 0) {
-            bail!("a weight whose norm was folded in at load is read without that norm");
+        if let Some(w) = ws.iter().find(|w| !folded && w.folded != 0) {
+            bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({} rows)", w.rows, w.cols, input.x.rows);
         }
         let x = input.x;
         if x.rows > 0 {
@@ -220,8 +220,8 @@ impl Cuda {
             bf.insert(out.f);
             return Ok(());
         }
-        if norm.is_none() && ws.iter().any(|w| w.folded != 0) {
-            bail!("a weight whose norm was folded in at load is read without that norm");
+        if let Some(w) = ws.iter().find(|w| norm.is_none() && w.folded != 0) {
+            bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({} rows)", w.rows, w.cols, x.rows);
         }
         let (wg, wu) = (ws[0], ws[1]);
         let m = wg.rows;
@@ -272,8 +272,8 @@ impl Cuda {
             self.lower_mm(input, ws, outs, norm.is_some(), bf)?;
             return self.lower_rope_kv(&ops[rq], &ops[rk], &ops[kv], bf);
         }
-        if norm.is_none() && ws.iter().any(|w| w.folded != 0) {
-            bail!("a weight whose norm was folded in at load is read without that norm");
+        if let Some(w) = ws.iter().find(|w| norm.is_none() && w.folded != 0) {
+            bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({} rows)", w.rows, w.cols, x.rows);
         }
         if x.rows > 0 {
             self.ensure_bf(&input.x, bf)?;

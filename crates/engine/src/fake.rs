@@ -379,7 +379,7 @@ impl FakeBackend {
         });
         let vocab = self.cfg.caps.vocab_size.max(1);
         let picked = match (step.pick, step.masks.map(|m| m.masks())) {
-            (Pick::Logits, _) | (Pick::Argmax, Some(None)) => Picked::Logits(logits),
+            (Pick::Logits, _) | (Pick::Argmax | Pick::TopK(_), Some(None)) => Picked::Logits(logits),
             (Pick::Argmax, Some(Some(masks))) => Picked::Tokens(
                 logits
                     .chunks_mut(vocab)
@@ -391,7 +391,17 @@ impl FakeBackend {
                     .collect(),
             ),
             (Pick::Argmax, None) => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
-            (Pick::TopK(k), _) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
+            (Pick::TopK(k), Some(Some(masks))) => Picked::Top(
+                logits
+                    .chunks_mut(vocab)
+                    .zip(masks)
+                    .map(|(row, m)| {
+                        m.inspect(|m| m.apply(row));
+                        top_n(row, k)
+                    })
+                    .collect(),
+            ),
+            (Pick::TopK(k), None) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
         };
         Ok(RoundOut { picked, chunk_logits })
     }

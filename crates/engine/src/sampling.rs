@@ -392,6 +392,14 @@ impl Sampler {
         self.params.is_greedy() && self.params.guide.is_some() && self.unpenalised()
     }
 
+    /// Sampled at a temperature from the top `k` of a guide's mask, no
+    /// penalty: the `k` largest allowed logits hold the candidates
+    /// (`None` when the sampler needs the whole row).
+    pub fn top_within_guide(&self) -> Option<usize> {
+        let p = &self.params;
+        (!p.is_greedy() && p.guide.is_some() && self.unpenalised() && p.top_k > 0).then_some(p.top_k)
+    }
+
     /// No penalty changes the logits and no guide masks them: the row's
     /// largest logits are the ones sampled from.
     fn unchanged_row(&self) -> bool {

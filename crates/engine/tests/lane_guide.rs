@@ -60,33 +60,47 @@ fn a_complete_grammar_ends_the_stream_with_stop() {
     assert_eq!(out.usage.completion_tokens, 5);
 }
 
-// A backend that picks argmax or top-k on the device never picks for a
-// guided stream: its rounds return logits, rounds without it still pick.
+// A guided stream sampled among its top k has its candidates found where
+// the backend finds top-k, within masks the backend asks for when it
+// picks: its rounds stay top-k rounds, and its tokens (seeded) are those
+// of the host's masked sampling over whole rows. A mask slower than the
+// round turns that round into logits: still the same tokens.
 #[test]
-fn rounds_with_a_guided_stream_return_logits() {
-    let mut fc = slow();
-    fc.caps.picks = Picks { argmax: true, top_k: 8 };
-    let (lane, log) = lane(fc, no_marks());
-    let g = grammar();
-    let (pa, pb) = (prompt(3, 53), prompt(6, 54));
-    let a = decoding(&lane, pa.clone(), 80);
-    let top5 = SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), guide: Some(Guide::new(g.clone())), ..SamplingParams::default() };
-    let b = lane.submit(Request { sampling: top5, ..greedy(pb.clone(), 20) }).unwrap();
-    let out_b = drain(&b);
-    assert_within(&out_b.tokens);
-    assert_eq!(out_b.tokens.len(), 20);
-    assert_eq!(drain(&a).tokens, oracle(&pa, 80, 64)[1..]);
-    let rounds: Vec<(bool, Pick)> = log
-        .snapshot()
-        .iter()
-        .filter_map(|c| match c {
-            Call::Round { rows, pick, .. } if !rows.is_empty() => Some((rows.iter().any(|r| r.0 == b.id), *pick)),
-            _ => None,
-        })
-        .collect();
-    assert!(rounds.iter().filter(|r| r.0).count() >= 19);
-    assert!(rounds.iter().all(|&(with_b, pick)| !with_b || pick == Pick::Logits), "a guided row was picked on the device");
-    assert!(rounds.iter().any(|&(with_b, pick)| !with_b && pick == Pick::Argmax), "rounds without it stopped picking argmax");
+fn sampled_guided_rows_take_their_top_k_within_their_masks_on_the_device() {
+    let run = |picks: Picks, delay: Option<Duration>| {
+        let mut fc = slow();
+        fc.caps.picks = picks;
+        let (lane, log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+        let g = FakeGrammar { delay, ..grammar() };
+        let (pa, pb) = (prompt(3, 53), prompt(6, 54));
+        let a = decoding(&lane, pa.clone(), 80);
+        let top5 = SamplingParams { temperature: 0.8, top_k: 5, top_p: 0.9, seed: Some(3), guide: Some(Guide::new(g.clone())), ..SamplingParams::default() };
+        let b = lane.submit(Request { sampling: top5, ..greedy(pb.clone(), 24) }).unwrap();
+        let out_b = drain(&b);
+        assert_within(&out_b.tokens);
+        assert_eq!(out_b.tokens.len(), 24);
+        assert_eq!(drain(&a).tokens, oracle(&pa, 80, 64)[1..]);
+        let with_b: Vec<Pick> = (log.snapshot().iter())
+            .filter_map(|c| match c {
+                Call::Round { rows, pick, .. } if rows.iter().any(|r| r.0 == b.id) => Some(*pick),
+                _ => None,
+            })
+            .collect();
+        (out_b.tokens, with_b, lane.stats().mask_waits)
+    };
+    // The host's: a backend that picks nothing gets every row as logits.
+    let (host, rounds, _) = run(Picks { argmax: false, top_k: 0 }, None);
+    assert!(rounds.iter().all(|&p| p == Pick::Logits));
+    assert_ne!(host, fake_guided(&prompt(6, 54), 24, 64, EVERY), "sampling at 0.8 should leave the greedy path");
+    for delay in [None, Some(Duration::from_millis(5))] {
+        let (tokens, rounds, waits) = run(Picks { argmax: true, top_k: 8 }, delay);
+        assert_eq!(tokens, host, "delay {delay:?}");
+        assert!(rounds.len() >= 23, "{} rounds with the guided stream", rounds.len());
+        assert!(rounds.iter().all(|&p| p == Pick::TopK(5)), "a round with the guided stream asked for {rounds:?}");
+        if delay.is_some() {
+            assert!(waits > 0, "the masks were never late: the fallback went untested");
+        }
+    }
 }
 
 // A greedy guided stream's rows are picked on the device, within masks the

@@ -427,7 +427,8 @@ impl<D: Device> ModelBackend<D> {
             },
             Pick::TopK(k) => {
                 ensure!((1..=self.dev.caps().top_k).contains(&k), "top-{k} candidates are not found on this device");
-                match self.dev.pick(&self.scratch.logits, RowPick::TopK(k), false)? {
+                let pick = allowed.map_or(RowPick::TopK(k), |a| RowPick::TopKAllowed(k, a));
+                match self.dev.pick(&self.scratch.logits, pick, false)? {
                     RowPicked::TopK(t) => Picked::Top(t),
                     RowPicked::Argmax(_) => bail!("the device answered a top-k with argmax tokens"),
                 }
@@ -629,11 +630,12 @@ fn image_rows(spans: &[(usize, usize)], start: usize, end: usize, first: usize) 
 }
 
 /// No rows, in the shape `pick` asks for.
-/// The pick of an argmax round with guided rows, once their masks are asked
-/// for: the argmax within each row's mask (the bits of every row, an
-/// unguided one's all set), or the rows themselves when a mask is late.
+/// The pick of an argmax or top-k round with guided rows, once their masks
+/// are asked for: the same pick within each row's mask (the bits of every
+/// row, an unguided one's all set), or the rows themselves when a mask is
+/// late.
 fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, vocab: usize) -> (Pick, Option<Vec<u32>>) {
-    let Some(masks) = masks.filter(|_| pick == Pick::Argmax) else { return (pick, None) };
+    let Some(masks) = masks.filter(|_| matches!(pick, Pick::Argmax | Pick::TopK(_))) else { return (pick, None) };
     let Some(masks) = masks.masks().filter(|m| m.len() == rows) else { return (Pick::Logits, None) };
     let words = vocab.div_ceil(32);
     let mut bits = vec![u32::MAX; rows * words];
@@ -643,7 +645,7 @@ fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, vocab: usize
             row.iter_mut().enumerate().for_each(|(i, b)| *b = w.get(i).copied().unwrap_or(0));
         }
     }
-    (Pick::Argmax, Some(bits))
+    (pick, Some(bits))
 }
 
 fn empty(pick: Pick) -> Picked {

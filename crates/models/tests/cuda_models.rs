@@ -1357,6 +1357,43 @@ mod ahead_on_cpu {
         assert!(changed >= 4, "the mask changed stream 1's pick in {changed} of 12 rounds: the test shows little");
         assert!(ahead >= 6, "only {ahead} of 12 masked rounds launched the next ahead");
     }
+
+    /// A top-k round with a guided row: the backend asks for the masks
+    /// when it picks and that row's candidates are the host's top k of the
+    /// masked row (-inf past what the mask allows, in column order); a late
+    /// mask gives the logits.
+    #[test]
+    fn masked_top_k_rounds_find_what_the_host_would() {
+        let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
+        let (mut host, _, _) = three_streams(AheadCpu(Cpu::new(Some(1)), false));
+        // Stream 1's mask allows 3 tokens a round: fewer than k.
+        let mask = |round: usize| TokenMask::of(VOCAB, (0..3u32).map(|i| (i * 37 + round as u32 * 11) % VOCAB as u32));
+        let k = 5;
+        for round in 0..8 {
+            let streams = [0u64, 1, 2];
+            let r: Vec<DecodeRow> = streams.iter().map(|&s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
+            let late = round == 5;
+            let masks = Masks((!late).then(|| vec![None, Some(mask(round)), None]));
+            let got = be.round(Step { masks: Some(&masks), ..Step::new(&r, None, Pick::TopK(k)) }).unwrap().picked;
+            let Picked::Logits(mut l) = host.round(Step::new(&r, None, Pick::Logits)).unwrap().picked else { panic!("logits asked") };
+            match got {
+                Picked::Top(c) => {
+                    assert!(!late, "round {round}: a late mask, yet candidates");
+                    mask(round).apply(&mut l[VOCAB..2 * VOCAB]);
+                    let want = braid_ops::top_k_host(&l, VOCAB, k);
+                    assert_eq!(c, want, "round {round}");
+                    assert!(c[1][..3].iter().all(|&(t, v)| mask(round).allows(t) && v.is_finite()) && c[1][3..].iter().all(|&(_, v)| v == f32::NEG_INFINITY));
+                    streams.iter().enumerate().for_each(|(i, &s)| _ = next.insert(s, c[i][0].0));
+                }
+                Picked::Logits(got) => {
+                    assert!(late, "round {round}: masks given, yet logits");
+                    assert_eq!(got, l);
+                    streams.iter().enumerate().for_each(|(i, &s)| _ = next.insert(s, argmax(&l[i * VOCAB..(i + 1) * VOCAB]) as u32));
+                }
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+    }
 }
 
 /// The fixtures that vary each family's configuration (head and rotary

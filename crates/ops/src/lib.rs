@@ -221,6 +221,12 @@ pub enum RowPick<'a> {
     /// The `k` largest values with their columns, largest first, the lower
     /// column first on ties, NaN counting (and coming back) as -inf.
     TopK(usize),
+    /// [`RowPick::TopK`] of the rows with every column a row does not
+    /// allow counting (and coming back) as -inf: bits as
+    /// [`RowPick::ArgmaxAllowed`] takes them. A guided stream sampling at
+    /// a temperature among its top k gets the candidates the host would
+    /// find in its masked row.
+    TopKAllowed(usize, &'a [u32]),
 }
 
 /// What [`Device::pick`] found, one entry per row.
@@ -383,6 +389,7 @@ pub trait Device: Send + Sync + 'static {
                 RowPicked::Argmax((0..rows).map(row).collect())
             }
             RowPick::TopK(k) => RowPicked::TopK(top_k_host(&data, cols, k)),
+            RowPick::TopKAllowed(k, bits) => RowPicked::TopK(top_k_allowed_host(data, cols, k, bits)?),
         })
     }
 
@@ -572,6 +579,21 @@ pub fn argmax_allowed_host(row: &[f32], bits: &[u32]) -> u32 {
     best.map_or(0, |b| b.0 as u32)
 }
 
+/// [`RowPick::TopKAllowed`] of rows of `cols` values on the host: the
+/// disallowed columns set to -inf, then [`top_k_host`].
+pub fn top_k_allowed_host(mut data: Vec<f32>, cols: usize, k: usize, bits: &[u32]) -> Result<Vec<Vec<(u32, f32)>>> {
+    let rows = data.len() / cols.max(1);
+    let words = checks::allowed_bits(bits, rows, cols)?;
+    for (row, b) in data.chunks_mut(cols.max(1)).zip(bits.chunks(words.max(1))) {
+        for (c, v) in row.iter_mut().enumerate() {
+            if b[c / 32] >> (c % 32) & 1 == 0 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Ok(top_k_host(&data, cols, k))
+}
+
 /// [`RowPick::TopK`] of rows of `cols` values on the host.
 pub fn top_k_host(data: &[f32], cols: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
     data.chunks(cols.max(1))
@@ -621,5 +643,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn top_k_allowed_is_the_top_k_of_the_allowed_columns() {
+        let mut x = 0x2545_f491u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let cols = 70usize;
+        for round in 0..200 {
+            let row: Vec<f32> = (0..cols).map(|_| if next() % 11 == 0 { f32::NAN } else { (next() % 9) as f32 - 4.0 }).collect();
+            let bits: Vec<u32> = (0..cols.div_ceil(32)).map(|_| (next() as u32) & (next() as u32)).collect();
+            let allowed = |c: usize| bits[c / 32] >> (c % 32) & 1 == 1;
+            let k = 1 + round % 12;
+            let got = top_k_allowed_host(row.clone(), cols, k, &bits).unwrap().remove(0);
+            assert_eq!(got.len(), k);
+            // The finite allowed values, largest first, lower column on ties.
+            let mut finite: Vec<(u32, f32)> = (0..cols).filter(|&c| allowed(c) && row[c].is_finite()).map(|c| (c as u32, row[c])).collect();
+            finite.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let n = finite.len().min(k);
+            assert_eq!(got[..n], finite[..n], "row {row:?} bits {bits:x?} k {k}");
+            // The rest are -inf, in column order, whatever their bits.
+            assert!(got[n..].iter().all(|&(_, v)| v == f32::NEG_INFINITY));
+            assert!(got[n..].windows(2).all(|w| w[0].0 < w[1].0));
+            if n > 0 {
+                assert_eq!(got[0].0, argmax_allowed_host(&row, &bits));
+            }
+        }
+        assert!(top_k_allowed_host(vec![0.0; 64], 32, 1, &[u32::MAX]).is_err(), "one mask word for two rows");
     }
 }

@@ -398,6 +398,26 @@ fn top_k_rows_equal_the_hosts() {
                 other => panic!("pick(TopK) answered {other:?}"),
             }
         }
+        // Within masks (a guided stream's): sparse (fewer allowed than k
+        // in the small rows), a free row, one allowing nothing.
+        let words = cols.div_ceil(32);
+        let mut bits = vec![u32::MAX; rows * words];
+        for row in 0..rows {
+            let m = &mut bits[row * words..(row + 1) * words];
+            match row % 3 {
+                0 => m.iter_mut().enumerate().for_each(|(w, b)| *b = 0x0100_0011u32.rotate_left(w as u32 * 7)),
+                1 => {}
+                _ => m.fill(0),
+            }
+        }
+        for k in [1usize, 5, 64] {
+            let k = k.min(cols);
+            let want = braid_ops::top_k_allowed_host(x.clone(), cols, k, &bits).unwrap();
+            match d.pick(&g, RowPick::TopKAllowed(k, &bits), false).unwrap() {
+                RowPicked::TopK(got) => assert_eq!(got, want, "masked top-{k} of {rows} rows of {cols}"),
+                other => panic!("pick(TopKAllowed) answered {other:?}"),
+            }
+        }
     }
 }
 

@@ -12,14 +12,14 @@
 //! come (a worker wakes the lane). So a slow mask delays its own stream,
 //! never the others.
 //!
-//! A greedy guided stream's rows are picked where the backend picks argmax
-//! (`Need::MaskedArgmax`): the backend asks for the round's masks when it
-//! picks ([`PickMasks`]), after its forward is on its way, so the masks the
+//! A guided stream's rows are picked where the backend picks argmax or
+//! top-k (`Need::MaskedArgmax` greedy, `Need::MaskedTop` sampled among its
+//! top k): the backend asks for the round's masks when it picks
+//! ([`PickMasks`]), after its forward is on its way, so the masks the
 //! workers finish meanwhile apply on the device and no logits row moves.
 //! When a mask is still missing then, the round returns logits and the
-//! stream waits as above. Other guided streams (sampled at a temperature,
-//! with logprobs) take whole logits rows and their masks apply on the host:
-//! a top-k would pick among tokens the mask may forbid.
+//! stream waits as above. Guided streams with penalties, logprobs or no
+//! top-k take whole logits rows and their masks apply on the host.
 
 use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};

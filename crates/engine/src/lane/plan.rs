@@ -25,6 +25,10 @@ pub(super) enum Need {
     MaskedArgmax,
     /// The row's `k` largest logits (no penalty, no logprobs).
     Top(usize),
+    /// The `k` largest logits within the stream's mask (sampled, guided,
+    /// no penalty): found where the backend finds top-k (it asks for the
+    /// masks then), else the row.
+    MaskedTop(usize),
     /// The whole row.
     Logits,
 }
@@ -37,6 +41,8 @@ impl Need {
             Need::Argmax
         } else if sampler.greedy_within_guide() {
             Need::MaskedArgmax
+        } else if let Some(k) = sampler.top_within_guide() {
+            Need::MaskedTop(k)
         } else {
             sampler.needs_only_top().map_or(Need::Logits, Need::Top)
         }
@@ -243,7 +249,8 @@ fn sized(p: &Prefill<'_>, rows: Option<usize>, room: usize) -> Option<PlannedChu
 /// What the backend returns per decode token row: the argmax when every
 /// stream takes it (and the backend picks it), the top k when every stream
 /// samples from its top k alone (k below the vocabulary and within what
-/// the backend returns), else whole logits rows.
+/// the backend returns; a greedy guided stream's top 1 within its mask is
+/// its masked argmax), else whole logits rows.
 fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -> Pick {
     if needs.clone().next().is_none() {
         return Pick::Logits;
@@ -255,9 +262,9 @@ fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -
     let mut k = 1;
     for n in needs {
         match n {
-            Need::Argmax => {}
-            Need::Top(n) => k = k.max(n),
-            Need::Logits | Need::MaskedArgmax => return Pick::Logits,
+            Need::Argmax | Need::MaskedArgmax => {}
+            Need::Top(n) | Need::MaskedTop(n) => k = k.max(n),
+            Need::Logits => return Pick::Logits,
         }
     }
     if k <= most {
@@ -489,7 +496,11 @@ mod tests {
         assert_eq!(pick_of(&[Argmax], Picks::default()), Pick::Logits);
         // A guided greedy row is picked where argmax is, else it takes its row.
         assert_eq!(pick_of(&[Argmax, MaskedArgmax], both), Pick::Argmax);
-        assert_eq!((pick_of(&[MaskedArgmax, Top(5)], both), pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 })), (Pick::Logits, Pick::Logits));
+        // Masked rows go where the backend picks on the device: a greedy
+        // guided row's top 1 within its mask is its masked argmax.
+        assert_eq!((pick_of(&[MaskedArgmax, Top(5)], both), pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 })), (Pick::TopK(5), Pick::TopK(1)));
+        assert_eq!((pick_of(&[MaskedTop(12), Argmax], both), pick_of(&[MaskedTop(40)], both)), (Pick::TopK(12), Pick::Logits));
+        assert_eq!(pick_of(&[MaskedTop(3), Logits], both), Pick::Logits);
         // Drafts and a chunk leave the pick as it is.
         let c = cuts(20, 8, false);
         let mut v = view(vec![Decoder { need: Argmax, ..dec(0, 3, &[1, 2]) }], pass(1, &c, 0));

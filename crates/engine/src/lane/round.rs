@@ -170,7 +170,8 @@ impl Core {
             _ => None,
         });
         let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
-        let pick_masks = (plan.pick == Pick::Argmax).then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
+        let picks_on_device = matches!(plan.pick, Pick::Argmax | Pick::TopK(_));
+        let pick_masks = picks_on_device.then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
         let masks = pick_masks.as_ref().map(|m| m as &dyn RoundMasks);
         let t = Instant::now();
         let stepped = match plan.chunk {
@@ -463,11 +464,12 @@ fn leading_features(backend: &dyn Backend, n: usize) -> Vec<f32> {
 }
 
 /// `picked` if it is what `pick` asked for, one entry per token row (or
-/// logits, for an argmax round with `masked` rows: a mask was late).
+/// logits, for an argmax or top-k round with `masked` rows: a mask was
+/// late).
 fn check(picked: Picked, pick: Pick, masked: bool, rows: usize, vocab: usize) -> Result<Picked> {
     let ok = match (&picked, pick) {
         (Picked::Logits(l), Pick::Logits) => l.len() == rows * vocab,
-        (Picked::Logits(l), Pick::Argmax) if masked => l.len() == rows * vocab,
+        (Picked::Logits(l), Pick::Argmax | Pick::TopK(_)) if masked => l.len() == rows * vocab,
         (Picked::Tokens(t), Pick::Argmax) => t.len() == rows,
         (Picked::Top(c), Pick::TopK(k)) => c.len() == rows && c.iter().all(|r| r.len() == k),
         _ => false,

@@ -8,6 +8,7 @@ use super::masks::{Guided, Held};
 use super::plan::Need;
 use super::{Event, EventSink, FinishReason, LaneStats, Pending, StreamShared, Timing, Usage};
 use crate::backend::{Picked, PromptImage, StreamId};
+use crate::guide::TokenMask;
 use crate::pass::Pass;
 use crate::sampling::{Sampled, Sampler};
 use crate::stop::{StopRules, TextStops, TokenText};
@@ -222,27 +223,28 @@ impl Stream {
 
 /// Sample token row `row` of a round for `s` (its row `j`): its sampler
 /// over the logits (within its mask, when guided), over the top
-/// candidates, or the backend's argmax as it is (within the mask).
+/// candidates (found within the mask), or the backend's argmax as it is
+/// (within the mask).
 pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize) -> Result<Sampled, String> {
-    // A guided row past its masks is never reached (see `masks`), and a
-    // guided stream's round returns logits or its masked argmax.
+    // A guided row past its masks is never reached (see `masks`).
     let mask = match &s.guided {
         Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
         None => None,
     };
     let sampled = match picked {
         Picked::Logits(l) => s.sampler.sample_masked(&mut l[row * vocab..(row + 1) * vocab], s.logprobs, mask),
-        Picked::Tokens(t) => {
-            // Every allowed logit -inf or NaN (a broken row): as on the host,
-            // the lowest allowed token.
-            let token = mask.filter(|m| !m.allows(t[row])).map_or(t[row], |m| m.first().unwrap_or(t[row]));
-            Sampled { token, logprob: None, top: Vec::new() }
-        }
-        _ if mask.is_some() => return Err("a guided stream's round returned top-k candidates".into()),
-        Picked::Top(c) => Sampled { token: s.sampler.sample_top(&c[row]), logprob: None, top: Vec::new() },
+        // Every allowed logit -inf or NaN (a broken row): as on the host,
+        // the lowest allowed token.
+        Picked::Tokens(t) => Sampled { token: within(mask, t[row]), logprob: None, top: Vec::new() },
+        Picked::Top(c) => Sampled { token: within(mask, s.sampler.sample_top(&c[row])), logprob: None, top: Vec::new() },
     };
     if sampled.token as usize >= vocab {
         return Err(format!("the backend picked token {}, past the vocabulary of {vocab}", sampled.token));
     }
     Ok(sampled)
+}
+
+/// `token`, or the lowest token `mask` allows when it does not allow it.
+fn within(mask: Option<&TokenMask>, token: u32) -> u32 {
+    mask.filter(|m| !m.allows(token)).map_or(token, |m| m.first().unwrap_or(token))
 }

@@ -419,7 +419,8 @@ impl Device for Cuda {
         Ok(match pick {
             RowPick::Argmax => RowPicked::Argmax(self.argmax_then(x, None, launch_ahead)?),
             RowPick::ArgmaxAllowed(bits) => RowPicked::Argmax(self.argmax_then(x, Some(bits), launch_ahead)?),
-            RowPick::TopK(k) => RowPicked::TopK(self.top_k(x, k)?),
+            RowPick::TopK(k) => RowPicked::TopK(self.top_k(x, k, None)?),
+            RowPick::TopKAllowed(k, bits) => RowPicked::TopK(self.top_k(x, k, Some(bits))?),
         })
     }
 

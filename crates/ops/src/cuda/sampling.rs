@@ -96,20 +96,7 @@ impl Cuda {
         }
         let stream = self.stream() as sys::CUstream;
         let words = t.cols.div_ceil(32);
-        let allow = match allowed {
-            None => 0,
-            Some(bits) => {
-                crate::checks::allowed_bits(bits, rows, t.cols)?;
-                let mut st = self.st();
-                let buf = &mut st.sampling.allow_buf;
-                if buf.bytes < bits.len() * 4 {
-                    // Room for a wide batch at once: growing re-records graphs.
-                    *buf = DevBuf::new(self.ctx(), (bits.len() * 4).max(64 * words * 4))?;
-                }
-                unsafe { cu(drv::memcpy_htod_async(buf.ptr, bits, stream), "mask upload")? };
-                buf.ptr
-            }
-        };
+        let allow = self.put_allowed(t, allowed)?;
         let (keys, done, ids) = {
             let mut st = self.st();
             let st = &mut st.sampling;
@@ -163,11 +150,27 @@ impl Cuda {
         Ok(out)
     }
 
+    /// A masked pick's allowed-column bits on the device (0: none), in a
+    /// buffer kept from call to call.
+    fn put_allowed(&self, t: &CudaTensor, allowed: Option<&[u32]>) -> Result<u64> {
+        let Some(bits) = allowed else { return Ok(0) };
+        let words = crate::checks::allowed_bits(bits, t.rows, t.cols)?;
+        let mut st = self.st();
+        let buf = &mut st.sampling.allow_buf;
+        if buf.bytes < bits.len() * 4 {
+            // Room for a wide batch at once: growing re-records graphs.
+            *buf = DevBuf::new(self.ctx(), (bits.len() * 4).max(64 * words * 4))?;
+        }
+        unsafe { cu(drv::memcpy_htod_async(buf.ptr, bits, self.stream() as sys::CUstream), "mask upload")? };
+        Ok(buf.ptr)
+    }
+
     /// Each row's `k` (at most `TOPK_MAX`) largest values and their
-    /// columns, as `RowPick::TopK` describes: each chunk of a row
-    /// sorted in shared memory (bitonic, 2048 or 4096 keys), its best k
-    /// kept, then those sorted per row; k keys a row come back.
-    pub fn top_k(&self, t: &CudaTensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+    /// columns, as `RowPick::TopK` describes (`RowPick::TopKAllowed` with
+    /// `allowed`): each chunk of a row sorted in shared memory (bitonic,
+    /// 2048 or 4096 keys), its best k kept, then those sorted per row; k
+    /// keys a row come back.
+    pub fn top_k(&self, t: &CudaTensor, k: usize, allowed: Option<&[u32]>) -> Result<Vec<Vec<(u32, f32)>>> {
         if !self.ready() {
             self.sync()?;
         }
@@ -178,8 +181,13 @@ impl Cuda {
         let per = TOPK_N / k.max(1).next_power_of_two();
         let n = cols.div_ceil(per).next_power_of_two().max(k.next_power_of_two()).max(2);
         if rows == 0 || k == 0 || n > TOPK_N {
-            return Ok(crate::top_k_host(&self.download_f32(t)?, cols, k));
+            let data = self.download_f32(t)?;
+            return match allowed {
+                None => Ok(crate::top_k_host(&data, cols, k)),
+                Some(bits) => crate::top_k_allowed_host(data, cols, k, bits),
+            };
         }
+        let allow = self.put_allowed(t, allowed)?;
         let chunks = cols.div_ceil(n);
         let m = chunks * k;
         let (part, out) = {
@@ -193,7 +201,17 @@ impl Cuda {
             (st.topk_part.ptr, st.topk_out.ptr)
         };
         let threads = (n / 2).clamp(32, 1024) as u32;
-        self.launch(self.inner.fns.topk_chunks).grid((chunks as u32, rows as u32, 1)).block(threads).ptr(t.fptr()).int(cols).int(n).int(k).ptr(part).run()?;
+        self.launch(self.inner.fns.topk_chunks)
+            .grid((chunks as u32, rows as u32, 1))
+            .block(threads)
+            .ptr(t.fptr())
+            .int(cols)
+            .int(n)
+            .int(k)
+            .ptr(part)
+            .ptr(allow)
+            .int(cols.div_ceil(32))
+            .run()?;
         let n2 = m.next_power_of_two().max(2);
         let threads = (n2 / 2).clamp(32, 1024) as u32;
         self.launch(self.inner.fns.topk_merge).blocks(rows).block(threads).ptr(part).int(m).int(n2).int(k).ptr(out).run()?;

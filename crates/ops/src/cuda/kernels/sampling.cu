@@ -32,13 +32,20 @@ __device__ __forceinline__ void bitonic_desc(unsigned long long* s, int n) {
 // Top-k of each row in two steps: each block sorts one chunk of a row (n,
 // a power of two, at most 4096 values) and keeps its k best keys; then one
 // block per row sorts the m = chunks * k kept keys (n2 >= m) and keeps k.
+// allow, if not null, holds a bit per column (words per row): a column
+// whose bit is clear counts as -inf (a guided stream's mask).
 #define TOPK_MAX_N 4096
-extern "C" __global__ void topk_chunks(const float* __restrict__ x, int cols, int n, int k, unsigned long long* __restrict__ part) {
+extern "C" __global__ void topk_chunks(const float* __restrict__ x, int cols, int n, int k, unsigned long long* __restrict__ part,
+                                       const unsigned* __restrict__ allow, int words) {
     PDL_ENTRY();
     __shared__ unsigned long long s[TOPK_MAX_N];
     const float* row = x + (long)blockIdx.y * cols;
+    const unsigned* bits = allow ? allow + (long)blockIdx.y * words : nullptr;
     const int a = blockIdx.x * n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = a + i < cols ? rank_key(row[a + i], a + i) : 0ull;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int c = a + i;
+        s[i] = c < cols ? rank_key(!bits || ((bits[c >> 5] >> (c & 31)) & 1u) ? row[c] : NEG_INF, c) : 0ull;
+    }
     bitonic_desc(s, n);
     unsigned long long* out = part + ((long)blockIdx.y * gridDim.x + blockIdx.x) * k;
     for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = s[i];

@@ -2,7 +2,7 @@
 """bench_guided.py - what a JSON schema costs a stream's decode, and whether
 guided streams hold back the others.
 
-Usage: bench_guided.py BASE_URL [--tokens N] [--runs R]
+Usage: bench_guided.py BASE_URL [--tokens N] [--runs R] [--temperature T]
 (a loopback OpenAI-compatible server, e.g. `braid serve --model smollm2`).
 
 1. Alone, one stream at a time, R runs each: a free stream (max_tokens N,
@@ -13,6 +13,8 @@ Usage: bench_guided.py BASE_URL [--tokens N] [--runs R]
 2. Mixed: 2 free streams beside 2 guided ones, against 4 free streams:
    the free streams' largest inter-token gap and median gap.
 
+Both kinds sample at --temperature (0, greedy, by default; at a
+temperature the server's other defaults apply: top_k 40 and the like).
 Standard library only; the last line is one JSON object.
 """
 
@@ -34,6 +36,9 @@ def schema(n):
     }
 
 
+TEMPERATURE = 0.0
+
+
 def stream(url, guided, tokens):
     """One streamed chat; returns (arrival times of content chunks, completion tokens)."""
     u = urllib.parse.urlparse(url)
@@ -41,7 +46,7 @@ def stream(url, guided, tokens):
     body = {
         "messages": [{"role": "user", "content": "List some words, as JSON." if guided else "Tell me a long story."}],
         "max_tokens": tokens * 2 if guided else tokens,
-        "temperature": 0,
+        "temperature": TEMPERATURE,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -94,7 +99,10 @@ def main():
     ap.add_argument("url")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
     a = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = a.temperature
     stream(a.url, True, 16)  # warm up (and build the vocabulary's trie)
     free, guided = [], []
     for _ in range(a.runs):

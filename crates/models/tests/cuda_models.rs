@@ -155,14 +155,14 @@ enum How {
 /// `ModelBackend::new` shows it).
 fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[u32]) -> Vec<f32> {
     let bt = 16;
-    let spec = KvPoolSpec { blocks: toks.len().div_ceil(bt) + 1, block_tokens: bt, layers: model.kv_layers() };
+    let spec = KvPoolSpec::new(toks.len().div_ceil(bt) + 1, bt, model.kv_layers());
     let mut state = dev.tensor(1, model.state_size());
     if model.state_size() > 0 {
         dev.zero_rows(&mut state, &[0]);
     }
     let mut mem = Memory { kv: dev.kv_pool(&spec, KvDtype::F16).unwrap(), state };
     let mut s = Scratch::new(dev);
-    let table: Vec<u32> = (0..spec.blocks as u32).collect();
+    let table: Vec<u32> = (0..spec.group_blocks[0] as u32).collect();
     if prepare {
         let one = Batch::warm_up(&table);
         dev.prepare(&mut || model.forward(dev, &one, &mut mem, &mut s)).unwrap();
@@ -180,6 +180,8 @@ fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[
             positions: &positions,
             slots: &positions,
             seqs: vec![AttnSeq { q_start: 0, q_len: n, kv_len: start + n, blocks: &table, window: None }],
+            window_slots: &positions,
+            window_seqs: vec![AttnSeq { q_start: 0, q_len: n, kv_len: start + n, blocks: &table, window: None }],
             logit_rows: &rows,
             state_slots: &[0],
             images: Vec::new(),
@@ -1097,8 +1099,8 @@ mod ahead_on_cpu {
         fn kv_write(&self, kv: &mut CpuKv, l: usize, k: &CpuTensor, v: &CpuTensor, s: &[u32]) {
             self.0.kv_write(kv, l, k, v, s)
         }
-        fn kv_copy_blocks(&self, kv: &mut CpuKv, s: &[u32], d: &[u32]) {
-            self.0.kv_copy_blocks(kv, s, d)
+        fn kv_copy_blocks(&self, kv: &mut CpuKv, g: usize, s: &[u32], d: &[u32]) {
+            self.0.kv_copy_blocks(kv, g, s, d)
         }
         fn attention(&self, q: &CpuTensor, kv: &CpuKv, l: usize, s: &[AttnSeq<'_>], sc: f32, c: Option<f32>, o: &mut CpuTensor) {
             self.0.attention(q, kv, l, s, sc, c, o)

@@ -617,7 +617,7 @@ mod tests {
         let dev = Cpu::new(Some(2));
         let bt = 4;
         let nb = n.div_ceil(bt);
-        let spec = KvPoolSpec { blocks: nb + 3, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+        let spec = KvPoolSpec::new(nb + 3, bt, vec![KvShape { kv_heads: kvh, head_dim: hd }]);
         // Blocks out of order, as a paged pool hands them out.
         let blocks: Vec<u32> = (0..nb as u32).map(|b| (b * 5 + 2) % (nb as u32 + 3)).collect();
         let mut kv = dev.kv_pool(&spec, crate::KvDtype::F16).unwrap();

@@ -100,6 +100,8 @@ pub struct Fill {
     pub window_blocks_used: usize,
     pub window_blocks_total: usize,
     pub window_blocks_cached: usize,
+    /// Cached window blocks evicted so far (a running count).
+    pub window_blocks_evicted: u64,
 }
 
 impl Capabilities {

@@ -870,6 +870,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             window_blocks_used: self.win.as_ref().map_or(0, |w| w.pool.in_use()),
             window_blocks_total: self.win.as_ref().map_or(0, |w| w.pool.total()),
             window_blocks_cached: self.win.as_ref().map_or(0, |w| w.pool.cached()),
+            window_blocks_evicted: self.win.as_ref().map_or(0, |w| w.pool.evicted()),
         }
     }
 

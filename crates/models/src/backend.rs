@@ -52,10 +52,12 @@ const REPLAY_ROWS: usize = 16;
 pub const REPLAY_CHUNK_ROWS: usize = 64;
 
 /// Rows a stream may be rewound below the start of its last forward and
-/// still find the window its window layers read. The lane's draft rounds
-/// rewind no lower than a forward's start; a prompt's mark cut back by its
-/// last row, and a draft model's backend cut back by the drafts it fed one
-/// forward at a time (up to 17), go lower.
+/// still find the window its window layers read (a rewind further is
+/// refused). The lane's draft rounds rewind no lower than a verifying
+/// forward's start; a mark restored and cut back by a row or two, or a
+/// draft model's backend, which feeds its drafts a forward each and cuts
+/// back the ones rejected (up to 16 below the last forward's start), go
+/// lower.
 pub const REWIND_ROWS: usize = 16;
 
 #[derive(Clone, Debug)]
@@ -166,20 +168,25 @@ struct WindowGroup {
 }
 
 /// How many blocks the window group holds, for `window` keys over a full
-/// group of `full` blocks. Between forwards a stream holds the blocks of
-/// rows `window + REWIND_ROWS` before its last forward's start through its
-/// length: `ceil((window + REWIND_ROWS) / bt) + 2` at most, besides the
-/// rows of its last and its next round (each round's at most `max_batch`
-/// over all streams); a mark holds as many. Every stream and every mark at
-/// once fits, and an eighth of the full group more keeps cached windows
-/// (a prefix is reused only where its window is cached), so the room grows
+/// group of `full` blocks, with `marks` marks kept at most. Between
+/// forwards a stream holds the blocks of rows `window + REWIND_ROWS` before
+/// its last forward's start through its length: `ceil((window +
+/// REWIND_ROWS) / bt) + 2` at most, besides the rows of its last and its
+/// next round (each round's at most `max_batch` over all streams); a mark
+/// holds as many. Every stream and every mark at once fits (and a stream
+/// per slot more: those a round launched ahead keeps a round after they
+/// left), and an eighth of the full group more keeps cached windows (a
+/// prefix is reused only where its window is cached), so the room grows
 /// with `kv_tokens`. Never more than the full group: a stream or mark holds
 /// no more window blocks than full ones, so the window group cannot fill
-/// before the full one, and admission by the full group is sound.
-fn window_blocks(cfg: &BackendConfig, window: usize, full: usize) -> usize {
+/// before the full one, and admission by the full group is sound. The
+/// group is smaller where streams are long: with a full group of
+/// `max_streams` whole contexts (`braid serve` on a GPU), by about the
+/// window's share of the context.
+fn window_blocks(cfg: &BackendConfig, window: usize, marks: usize, full: usize) -> usize {
     let bt = cfg.block_tokens;
     let per = (window + REWIND_ROWS).div_ceil(bt) + 2;
-    let held = (cfg.max_streams + cfg.max_marks) * per + 2 * cfg.max_batch.div_ceil(bt) + cfg.max_streams;
+    let held = (2 * cfg.max_streams + marks) * per + 2 * cfg.max_batch.div_ceil(bt);
     (held + full.div_ceil(8)).min(full)
 }
 
@@ -239,8 +246,13 @@ impl<D: Device> ModelBackend<D> {
         ensure!(groups.len() == layers.len() && groups.iter().all(|&g| g < 2), "the model names KV groups {groups:?} for {} KV layers", layers.len());
         let window = model.layer_states().iter().filter_map(|l| if let LayerState::SlidingKv { window } = l { Some(*window) } else { None }).max();
         let window = window.filter(|_| groups.contains(&1));
-        let win =
-            window.filter(|_| cfg.window_kv).map(|w| WindowGroup { pool: BlockPool::new(window_blocks(&cfg, w, blocks_total), cfg.block_tokens), window: w });
+        let rewindable = model.layer_states().iter().all(|l| l.rewindable());
+        let caches_blocks = rewindable && model.state_size() == 0;
+        // A lane keeps no marks for a backend that caches blocks.
+        let marks = if caches_blocks { 0 } else { cfg.max_marks };
+        let win = window
+            .filter(|_| cfg.window_kv)
+            .map(|w| WindowGroup { pool: BlockPool::new(window_blocks(&cfg, w, marks, blocks_total), cfg.block_tokens), window: w });
         let spec = match &win {
             Some(w) => KvPoolSpec { block_tokens: cfg.block_tokens, layers, layer_groups: groups, group_blocks: vec![blocks_total, w.pool.total()] },
             None => KvPoolSpec::new(blocks_total, cfg.block_tokens, layers),
@@ -259,8 +271,6 @@ impl<D: Device> ModelBackend<D> {
         if stream_rows > 0 || state_size == 0 {
             dev.prepare(&mut || model.forward(&dev, &batch, &mut mem, &mut scratch))?;
         }
-        let rewindable = model.layer_states().iter().all(|l| l.rewindable());
-        let caches_blocks = rewindable && state_size == 0;
         let row = dev.tensor(0, 0);
         Ok(ModelBackend {
             free_slots: (0..cfg.max_streams as u32).rev().collect(),

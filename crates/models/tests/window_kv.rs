@@ -221,7 +221,7 @@ fn cached_reply(be: &mut ModelBackend<Cpu>, stream: StreamId, prompt: &[u32]) ->
 #[test]
 fn prefix_reuse_starts_where_the_window_is_cached() {
     let f = Fixture::load("gemma3_text");
-    let cfg = BackendConfig { kv_tokens: 1024, max_streams: 2, max_marks: 0, max_batch: 16, ..config(true) };
+    let cfg = BackendConfig { kv_tokens: 1024, max_streams: 1, max_marks: 0, max_batch: 16, ..config(true) };
     let p = prompt(&f, 60, 6);
     let (_, cold) = cached_reply(&mut f.backend_with(cfg.clone()), 1, &p);
     let mut be = f.backend_with(cfg.clone());
@@ -241,7 +241,7 @@ fn prefix_reuse_starts_where_the_window_is_cached() {
     be.open(4).unwrap();
     be.attach_prefix(4, &prompt(&f, 200, 8), 0, 199).unwrap();
     let before = be.fill().window_blocks_evicted;
-    let q = prompt(&f, 240, 8);
+    let q = prompt(&f, 250, 8);
     for c in q.chunks(4) {
         if be.fill().window_blocks_evicted >= before + 16 {
             break;
@@ -254,4 +254,23 @@ fn prefix_reuse_starts_where_the_window_is_cached() {
     let (rows, warm) = cached_reply(&mut be, 5, &p);
     assert_eq!(rows, 40, "the window group holds rows 32..40 only of p's windows");
     same_bits("a hit cut back to its cached window", &warm, &cold);
+}
+
+/// A model without window layers has no window group (and its batches no
+/// window rows); where the full group holds every stream's whole context,
+/// Gemma 3's window group is a fraction of it.
+#[test]
+fn the_window_group_is_sized_by_streams_and_windows() {
+    for name in ["llama", "qwen3"] {
+        let f = Fixture::load(name);
+        let mut be = f.backend();
+        be.open(1).unwrap();
+        run(&mut be, 1, &prompt(&f, 30, 1), 8, 2);
+        assert_eq!((be.fill().window_blocks_total, be.window_blocks(1)), (0, None), "{name}");
+    }
+    let f = Fixture::load("gemma3_text");
+    let be = f.backend_with(BackendConfig { kv_tokens: 4 * 256, max_streams: 4, max_batch: 16, ..config(true) });
+    let fill = be.fill();
+    // 2 * 4 streams of 8 blocks, 2 rounds of 4, and an eighth of 256: no marks, as a lane keeps none here.
+    assert_eq!((fill.blocks_total, fill.window_blocks_total), (256, 8 * 8 + 8 + 32));
 }

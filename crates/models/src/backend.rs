@@ -190,6 +190,46 @@ fn window_blocks(cfg: &BackendConfig, window: usize, marks: usize, full: usize) 
     (held + full.div_ceil(8)).min(full)
 }
 
+/// The KV pool `ModelBackend::new` makes for a model under a config.
+pub struct KvLayout {
+    pub spec: KvPoolSpec,
+    /// The window of the window group's layers, when they have one.
+    pub window: Option<usize>,
+    /// The model has window layers, kept over the full group's blocks.
+    pub over_full: bool,
+}
+
+impl KvLayout {
+    pub fn of<D: Device>(model: &dyn Model<D>, cfg: &BackendConfig) -> Result<KvLayout> {
+        let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens.max(1)).max(1);
+        let (layers, groups) = (model.kv_layers(), model.kv_groups());
+        ensure!(groups.len() == layers.len() && groups.iter().all(|&g| g < 2), "the model names KV groups {groups:?} for {} KV layers", layers.len());
+        let states = model.layer_states();
+        let window = states.iter().filter_map(|l| if let LayerState::SlidingKv { window } = l { Some(*window) } else { None }).max();
+        let window = window.filter(|_| groups.contains(&1));
+        // A lane keeps no marks for a backend that caches blocks (attention only).
+        let caches_blocks = states.iter().all(|l| l.rewindable()) && model.state_size() == 0;
+        let marks = if caches_blocks { 0 } else { cfg.max_marks };
+        Ok(match window.filter(|_| cfg.window_kv) {
+            Some(w) => {
+                let group_blocks = vec![blocks_total, window_blocks(cfg, w, marks, blocks_total)];
+                KvLayout { spec: KvPoolSpec { block_tokens: cfg.block_tokens, layers, layer_groups: groups, group_blocks }, window: Some(w), over_full: false }
+            }
+            None => KvLayout { spec: KvPoolSpec::new(blocks_total, cfg.block_tokens, layers), window: None, over_full: window.is_some() },
+        })
+    }
+
+    /// The pool's bytes at `elem` bytes an element (keys and values), or
+    /// `None` past `usize`.
+    pub fn bytes(&self, elem: usize) -> Option<usize> {
+        let s = &self.spec;
+        s.layers.iter().enumerate().try_fold(0usize, |sum, (i, l)| {
+            let n = s.layer_blocks(i).checked_mul(s.block_tokens)?.checked_mul(2 * elem * l.kv_heads * l.head_dim)?;
+            sum.checked_add(n)
+        })
+    }
+}
+
 pub struct ModelBackend<D: Device> {
     dev: D,
     model: Box<dyn Model<D>>,
@@ -241,23 +281,13 @@ impl<D: Device> ModelBackend<D> {
         if cfg.context == 0 {
             cfg.context = model.context();
         }
-        let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens).max(1);
-        let (layers, groups) = (model.kv_layers(), model.kv_groups());
-        ensure!(groups.len() == layers.len() && groups.iter().all(|&g| g < 2), "the model names KV groups {groups:?} for {} KV layers", layers.len());
-        let window = model.layer_states().iter().filter_map(|l| if let LayerState::SlidingKv { window } = l { Some(*window) } else { None }).max();
-        let window = window.filter(|_| groups.contains(&1));
         let rewindable = model.layer_states().iter().all(|l| l.rewindable());
         let caches_blocks = rewindable && model.state_size() == 0;
-        // A lane keeps no marks for a backend that caches blocks.
-        let marks = if caches_blocks { 0 } else { cfg.max_marks };
-        let win = window
-            .filter(|_| cfg.window_kv)
-            .map(|w| WindowGroup { pool: BlockPool::new(window_blocks(&cfg, w, marks, blocks_total), cfg.block_tokens), window: w });
-        let spec = match &win {
-            Some(w) => KvPoolSpec { block_tokens: cfg.block_tokens, layers, layer_groups: groups, group_blocks: vec![blocks_total, w.pool.total()] },
-            None => KvPoolSpec::new(blocks_total, cfg.block_tokens, layers),
-        };
-        let kv = dev.kv_pool(&spec, cfg.kv_dtype)?;
+        let layout = KvLayout::of(model.as_ref(), &cfg)?;
+        let blocks_total = layout.spec.group_blocks[0];
+        let win = layout.window.map(|w| WindowGroup { pool: BlockPool::new(layout.spec.group_blocks[1], cfg.block_tokens), window: w });
+        let window_over_full = layout.over_full;
+        let kv = dev.kv_pool(&layout.spec, cfg.kv_dtype)?;
         let state_size = model.state_size();
         let (stream_rows, mark_rows) = if state_size > 0 { (cfg.max_streams, cfg.max_marks) } else { (0, 0) };
         let state = dev.tensor(stream_rows + mark_rows, state_size);
@@ -282,7 +312,7 @@ impl<D: Device> ModelBackend<D> {
             mem,
             scratch,
             pool: BlockPool::new(blocks_total, cfg.block_tokens),
-            window_over_full: window.is_some() && win.is_none(),
+            window_over_full,
             win,
             cfg,
             streams: HashMap::new(),

@@ -54,7 +54,9 @@ struct Task {
 }
 
 impl Task {
-    /// First and last key position any row of the task sees.
+    /// First and last key position any row of the task sees: no key before
+    /// its first row's window is read (a sliding-window layer's blocks
+    /// before it may be let go, their table entries stand-ins).
     fn key_span(&self, s: &AttnSeq<'_>) -> (usize, usize) {
         let first_pos = s.kv_len - s.q_len + self.row0;
         let lo = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));

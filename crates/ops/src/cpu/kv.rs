@@ -95,6 +95,7 @@ pub fn attention_f32(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_
             let ((s, i), h) = (rows[t / heads], t % heads);
             let qrow = s.q_start + i;
             let pos = s.kv_len - s.q_len + i;
+            // From the window's first key: blocks before it may be let go.
             let lo = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let qv = &q.data[qrow * q.cols + h * hd..qrow * q.cols + (h + 1) * hd];
             let kvh = h / group;

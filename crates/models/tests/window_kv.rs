@@ -9,11 +9,15 @@
 
 mod fixtures_common;
 
-use braid_engine::{Backend, DecodeRow, StreamId};
+use std::sync::Arc;
+
+use braid_engine::{
+    Backend, DecodeRow, DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId,
+};
 use braid_models::backend::REWIND_ROWS;
 use braid_models::{BackendConfig, LayerState, ModelBackend};
 use braid_ops::cpu::Cpu;
-use fixtures_common::{backend_config, Fixture};
+use fixtures_common::{backend_config, tokens, Fixture, NoText};
 
 /// The fixtures with sliding-window layers (windows of 8 and 5 rows).
 const WINDOWED: [&str; 6] = ["gemma3_text", "gemma3_softcap", "gemma3_text_six", "gemma4_text", "gemma4_text_moe", "gemma4_text_k_eq_v"];
@@ -273,4 +277,95 @@ fn the_window_group_is_sized_by_streams_and_windows() {
     let fill = be.fill();
     // 2 * 4 streams of 8 blocks, 2 rounds of 4, and an eighth of 256: no marks, as a lane keeps none here.
     assert_eq!((fill.blocks_total, fill.window_blocks_total), (256, 8 * 8 + 8 + 32));
+}
+
+/// Through a lane, as `braid serve` runs it: long prompts in small chunks
+/// beside decoding streams, then the same prompts again one at a time
+/// (from the prefix cache), with no drafter, an n-gram drafter and a Gemma 3 draft model
+/// (itself with window-only KV: its backend cuts back the drafts it fed):
+/// greedy replies equal full KV's.
+#[test]
+fn a_lane_with_drafts_and_the_prefix_cache_answers_as_full_kv() {
+    let f = Fixture::load("gemma3_text");
+    // Repeating runs, so the n-gram drafter finds proposals.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(&f, 9, 20 + i).into_iter().cycle().take(50 + 15 * i).collect()).collect();
+    let serve = |window_kv: bool, drafter: &str| -> Vec<Vec<u32>> {
+        let d: Option<Box<dyn Drafter>> = match drafter {
+            "ngram" => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
+            "model" => {
+                let draft = Fixture::load("gemma3_softcap").backend_with(config(window_kv));
+                Some(Box::new(DraftModel::new(Box::new(draft), DraftModelConfig { max_tokens: 4, patience: 4 }).unwrap()))
+            }
+            _ => None,
+        };
+        let lane_cfg = LaneConfig { chunk_tokens: 7, max_rows: Some(5), max_running: 8, draft_max_streams: 8, ..LaneConfig::default() };
+        let l = Lane::spawn_with_drafter(Box::new(f.backend_with(config(window_kv))), d, Arc::new(NoText), lane_cfg);
+        let req = |p: &Vec<u32>| Request {
+            prompt: p.clone(),
+            sampling: SamplingParams::greedy(),
+            stop: StopRules { max_tokens: Some(30), ignore_eos: true, ..Default::default() },
+            ..Default::default()
+        };
+        let hs: Vec<_> = prompts.iter().map(|p| l.submit(req(p)).unwrap()).collect();
+        let mut out: Vec<Vec<u32>> = hs.into_iter().map(tokens).collect();
+        out.extend(prompts.iter().map(|p| tokens(l.submit(req(p)).unwrap())));
+        if drafter != "none" {
+            assert!(l.stats().draft_proposed > 0, "{drafter}: {:?}", l.stats());
+        }
+        out
+    };
+    let want = serve(false, "none");
+    assert_eq!(want[..3], want[3..], "the prefix cache changed a reply");
+    for drafter in ["none", "ngram", "model"] {
+        assert_eq!(serve(true, drafter), want, "window-only KV with drafter {drafter}");
+    }
+}
+
+/// A Gemma 3 draft model with window-only KV, driven as a lane drives it
+/// (propose, verify against the target's tokens, absorb what was kept):
+/// the target follows the draft model's own greedy tokens but for two in
+/// every seven, so drafts are cut back below the start of the draft
+/// backend's last forward (with no rewind slack, `REWIND_ROWS` 0, this
+/// fails), without an error, proposing what the same draft model with
+/// full KV proposes.
+#[test]
+fn a_draft_model_cuts_back_its_rejected_drafts() {
+    let d = Fixture::load("gemma3_softcap");
+    let mut target = prompt(&d, 40, 30);
+    {
+        let mut be = d.backend_with(config(false));
+        be.open(1).unwrap();
+        let mut l = run(&mut be, 1, &target, 64, 0).0;
+        for i in 0..90 {
+            let t = argmax(&l[l.len() - d.vocab..]);
+            // Two changed in a row: a draft after the first misses at once.
+            let t = match i % 7 {
+                5 => (t + 1) % d.vocab as u32,
+                6 => (t + 2) % d.vocab as u32,
+                _ => t,
+            };
+            target.push(t);
+            l = be.decode_logits(&[DecodeRow { stream: 1, tokens: vec![t] }]).unwrap();
+        }
+    }
+    let drive = |window_kv: bool| -> Vec<Vec<u32>> {
+        let mut m = DraftModel::new(Box::new(d.backend_with(config(window_kv))), DraftModelConfig { max_tokens: 6, patience: 100 }).unwrap();
+        m.open(1, &target[..40]);
+        let (mut at, mut proposals) = (40, Vec::new());
+        while at + 8 < target.len() {
+            let last = target[at];
+            let draft = m.propose(1, last);
+            let kept = 1 + draft.iter().zip(&target[at + 1..]).take_while(|(a, b)| a == b).count();
+            let mut fed = vec![last];
+            fed.extend(&draft);
+            m.absorb(1, &fed[..kept.min(fed.len())], &[]);
+            assert_eq!(m.last_error, None, "after {} proposals", proposals.len());
+            proposals.push(draft);
+            at += kept.min(fed.len());
+        }
+        proposals
+    };
+    let got = drive(true);
+    assert!(got.iter().filter(|p| p.len() >= 4).count() > 5, "long drafts: {got:?}");
+    assert_eq!(got, drive(false));
 }

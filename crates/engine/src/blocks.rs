@@ -15,6 +15,12 @@
 //!
 //! Lookups check the tokens and the parent link of every block they walk,
 //! so a hash collision cannot hand a stream the wrong rows.
+//!
+//! Sliding-window layers keep their rows in a second pool of their own,
+//! sealed under the same hashes: a stream's table there lets go of the
+//! blocks no later query of it can see ([`BlockPool::drop_front`]), and a
+//! new stream starts over both pools only where the window pool still
+//! holds the window before its start ([`BlockPool::attach_windowed`]).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -309,40 +315,42 @@ impl BlockPool {
                 missing = Some(i);
             }
         }
+        // Held before the partial block's copies are found, so that none of
+        // them is the one evicted: the full run, and the window before it.
         let start = k * bt;
-        let rest = &prompt[start..max_len.min(start + bt)];
+        for i in 0..k {
+            let b = self.full[&run[i + 1]];
+            self.retain(b);
+            table.blocks.push(b);
+        }
+        let first = window_start(start, window, bt).min(k);
+        for i in first..k {
+            let b = win.full[&run[i + 1]];
+            win.retain(b);
+            win_table.blocks.push(b);
+        }
         // The next block's leading rows, as far as both pools match them.
-        let mut copy = None;
+        let rest = &prompt[start..max_len.min(start + bt)];
+        let (mut rows, mut copy, mut win_copy) = (start, None, None);
         if let (Some((src, n)), Some((wsrc, wn))) = (self.best_child(run[k], rest), win.best_child(run[k], rest)) {
-            // Held while the copies' blocks are found, so neither is the one evicted.
             self.retain(src);
             win.retain(wsrc);
             let (dst, wdst) = (self.alloc(), win.alloc());
             self.release(src);
             win.release(wsrc);
             match (dst, wdst) {
-                (Some(dst), Some(wdst)) => copy = Some((n.min(wn), (src, dst), (wsrc, wdst))),
+                (Some(dst), Some(wdst)) => {
+                    rows += n.min(wn);
+                    table.blocks.push(dst);
+                    win_table.blocks.push(wdst);
+                    copy = Some((src, dst));
+                    win_copy = Some((wsrc, wdst));
+                }
                 (dst, wdst) => {
                     dst.into_iter().for_each(|b| self.release(b));
                     wdst.into_iter().for_each(|b| win.release(b));
                 }
             }
-        }
-        let rows = start + copy.map_or(0, |c| c.0);
-        for i in 0..k {
-            let b = self.full[&run[i + 1]];
-            self.retain(b);
-            table.blocks.push(b);
-        }
-        let first = window_start(rows, window, bt).min(k);
-        for i in first..k {
-            let b = win.full[&run[i + 1]];
-            win.retain(b);
-            win_table.blocks.push(b);
-        }
-        if let Some((_, (_, dst), (_, wdst))) = copy {
-            table.blocks.push(dst);
-            win_table.blocks.push(wdst);
         }
         // Stand-ins for the window blocks not held (block 0 where none is).
         let stand_in = win_table.blocks.first().copied().unwrap_or(0);
@@ -352,7 +360,7 @@ impl BlockPool {
             t.tokens = prompt[..rows].to_vec();
             t.chain = Some(run[..=k].to_vec());
         }
-        (Attached { rows, copy: copy.map(|c| c.1) }, copy.map(|c| c.2))
+        (Attached { rows, copy }, win_copy)
     }
 
     /// The sealed block behind `parent` sharing the longest run of leading
@@ -672,8 +680,8 @@ mod tests {
         assert_eq!(got.rows, 29);
         assert!(got.copy.is_some() && wcopy.is_some(), "the partial block is copied in both pools");
         assert_eq!(w.blocks.len(), t.blocks.len());
-        assert_eq!(w.dropped(), window_start(29, window, bt));
-        assert_eq!(w.held(), 2);
+        assert_eq!(w.dropped(), window_start(28, window, bt), "the window of the start block's first row is held");
+        assert_eq!(w.held(), 3);
         assert!(w.blocks[..w.dropped()].iter().all(|&b| b == w.blocks[w.dropped()]), "stand-ins name the first block held");
         full.free_table(t);
         win.free_table(w);
@@ -692,5 +700,29 @@ mod tests {
         full.free_table(t);
         win.free_table(w);
         assert_eq!((full.in_use(), win.in_use()), (0, 0));
+    }
+
+    #[test]
+    fn a_windowed_attach_never_evicts_the_blocks_it_hands_out() {
+        let (bt, window) = (4, 6);
+        // Pools of exactly the prompt's blocks: once it ran, every block is idle.
+        let (mut full, mut win) = (BlockPool::new(8, bt), BlockPool::new(8, bt));
+        let p = seq(30, 5);
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 30, window);
+        run(&mut full, &mut t, &p);
+        run(&mut win, &mut w, &p);
+        full.free_table(t);
+        win.free_table(w);
+        assert_eq!((full.available(), full.cached()), (8, 8));
+        // The partial block's copy finds no block the stream does not take
+        // whole (its source, the tail, is held meanwhile): no copy, 28 rows.
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        assert_eq!(full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 29, window), (Attached { rows: 28, copy: None }, None));
+        assert_eq!(full.evicted(), 0, "none of the blocks handed out was evicted");
+        assert!(t.blocks.iter().all(|&b| full.holders(b) == 1));
+        assert!(w.blocks[w.dropped()..].iter().all(|&b| win.holders(b) == 1));
+        full.free_table(t);
+        win.free_table(w);
     }
 }

@@ -542,6 +542,37 @@ fn prefill_attention_against_f64() {
     }
 }
 
+/// A pool of two groups (layers 0 and 2 of 4 blocks, layer 1 of 2): a
+/// copy in group 1 moves its layer's block and no other's, and a spec
+/// naming a group without a block count is refused.
+#[test]
+fn kv_groups_hold_their_blocks_and_copy_apart() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    let shape = KvShape { kv_heads: 1, head_dim: 64 };
+    let spec = KvPoolSpec { block_tokens: 16, layers: vec![shape; 3], layer_groups: vec![0, 1, 0], group_blocks: vec![4, 2] };
+    let mut pool = d.kv_pool(&spec, KvDtype::F16).unwrap();
+    let (k, v) = (r.vec(16 * 64, 1.0), r.vec(16 * 64, 1.0));
+    let (gk, gv) = (d.upload(&k, 16, 64).unwrap(), d.upload(&v, 16, 64).unwrap());
+    let slots: Vec<u32> = (0..16).collect();
+    for l in 0..3 {
+        d.kv_write(&mut pool, l, &gk, &gv, &slots);
+    }
+    d.kv_copy_blocks(&mut pool, 1, &[0], &[1]);
+    let q = d.upload(&r.vec(64, 1.0), 1, 64).unwrap();
+    let attend = |pool: &CudaKv, l: usize, block: u32| {
+        let mut out = poisoned(&d, 1, 64);
+        d.attention(&q, pool, l, &[AttnSeq { q_start: 0, q_len: 1, kv_len: 16, blocks: &[block], window: None }], 0.125, None, &mut out);
+        d.download(&out).unwrap()
+    };
+    assert_eq!(attend(&pool, 1, 1), attend(&pool, 1, 0), "group 1's layer copied");
+    assert!(attend(&pool, 1, 1).iter().all(|x| x.is_finite()));
+    // Group 0's layers kept block 1 as made (zeros): attention over it is zero.
+    assert!(attend(&pool, 0, 1).iter().all(|&x| x == 0.0), "group 0 untouched by a copy in group 1");
+    let bad = KvPoolSpec { layer_groups: vec![0, 2, 0], ..spec };
+    assert!(d.kv_pool(&bad, KvDtype::F16).is_err(), "a layer in a group with no block count");
+}
+
 #[test]
 fn kv_copy_blocks_copies_every_layer() {
     let Some(d) = gpu() else { return };

@@ -252,13 +252,14 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
         cfg.context = args.ctx.unwrap_or(model_ctx.min(8192));
     }
     if cfg.kv_tokens == 0 {
-        cfg.kv_tokens = kv_tokens_for(dev.memory_free(), &model.kv_layers(), &cfg);
+        cfg.kv_tokens =
+            kv_tokens_for(dev.memory_free(), &|kv_tokens| kv_bytes(model.as_ref(), &BackendConfig { kv_tokens, ..cfg.clone() }).ok().flatten(), &cfg);
     }
     cfg.kv_tokens = cfg.kv_tokens.max(cfg.context);
     let context = cfg.context;
     let device = dev.name();
     let (kv_tokens, block_tokens, kv_dtype) = (cfg.kv_tokens, cfg.block_tokens, cfg.kv_dtype);
-    check_sizes(&model.kv_layers(), &cfg, device.starts_with("cpu"))?;
+    check_sizes(kv_bytes(model.as_ref(), &cfg)?, &cfg, device.starts_with("cpu"))?;
     let draft_cfg = cfg.clone();
     let mut backend = ModelBackend::new(dev.clone(), model, cfg)?;
     if let Some(name) = &draft.draft_model {
@@ -318,7 +319,7 @@ fn load_draft_model<D: AllOps + Clone>(dev: &D, name: &str, cfg: BackendConfig, 
     }
     // Marks and a block cache would only hold what the target's cache holds.
     let cfg = BackendConfig { max_marks: 0, ..cfg };
-    check_sizes(&model.kv_layers(), &cfg, dev.name().starts_with("cpu"))?;
+    check_sizes(kv_bytes(model.as_ref(), &cfg)?, &cfg, dev.name().starts_with("cpu"))?;
     let backend = ModelBackend::new(dev.clone(), model, cfg)?;
     DraftModel::new(Box::new(backend), DraftModelConfig { max_tokens: tokens, ..DraftModelConfig::default() })
         .with_context(|| format!("the draft model {}", path.display()))
@@ -328,15 +329,21 @@ fn load_draft_model<D: AllOps + Clone>(dev: &D, name: &str, cfg: BackendConfig, 
 /// dozen tokens, so less would refuse every request.
 const MIN_CONTEXT: usize = 16;
 
+/// The bytes of the KV pool the backend makes for `model` under `cfg`, at
+/// least 2 an element (f16 KV), keys and values; sliding-window layers
+/// count their window group's blocks. `None` past `usize`.
+fn kv_bytes<D: braid_ops::Device>(model: &dyn braid_models::Model<D>, cfg: &BackendConfig) -> Result<Option<usize>> {
+    Ok(braid_models::backend::KvLayout::of(model, cfg)?.bytes(2))
+}
+
 /// Refuses a context or KV pool that cannot work: too short to answer
-/// anything, or too large to allocate (rather than abort on allocation).
-fn check_sizes(kv: &[braid_ops::KvShape], cfg: &BackendConfig, cpu: bool) -> Result<()> {
+/// anything, or too large to allocate (rather than abort on allocation);
+/// `bytes`: the pool's ([`kv_bytes`]).
+fn check_sizes(bytes: Option<usize>, cfg: &BackendConfig, cpu: bool) -> Result<()> {
     if cfg.context < MIN_CONTEXT {
         bail!("--ctx {} is too short: at least {MIN_CONTEXT} tokens are needed to answer anything", cfg.context);
     }
-    // At least 2 bytes per element (f16 KV), keys and values.
-    let per_token: usize = kv.iter().map(|l| 2 * 2 * l.kv_heads * l.head_dim).sum();
-    let Some(bytes) = per_token.checked_mul(cfg.kv_tokens) else {
+    let Some(bytes) = bytes else {
         bail!("--kv-tokens {} (or --ctx {}) is too large: its KV memory overflows", cfg.kv_tokens, cfg.context);
     };
     if let Some(total) = cpu.then(memory_total).flatten() {
@@ -356,13 +363,28 @@ fn check_sizes(kv: &[braid_ops::KvShape], cfg: &BackendConfig, cpu: bool) -> Res
 /// KV tokens when none were asked for (`kv_tokens` 0): on a device with
 /// memory of its own (`free`, bytes, after the weights), every stream slot's
 /// full context within half of it (the rest is for activations, recorded
-/// forwards and a drafter); elsewhere [`HOST_KV_TOKENS`].
-fn kv_tokens_for(free: Option<usize>, kv: &[braid_ops::KvShape], cfg: &BackendConfig) -> usize {
+/// forwards and a drafter); elsewhere [`HOST_KV_TOKENS`]. `bytes`: the
+/// pool's bytes for so many KV tokens ([`kv_bytes`]), which grow with them
+/// (by less than a token's in every layer where window layers keep only
+/// their window).
+fn kv_tokens_for(free: Option<usize>, bytes: &dyn Fn(usize) -> Option<usize>, cfg: &BackendConfig) -> usize {
     let Some(free) = free else { return HOST_KV_TOKENS };
-    // At least 2 bytes per element (f16 KV), keys and values, as check_sizes counts.
-    let per_token: usize = kv.iter().map(|l| 2 * 2 * l.kv_heads * l.head_dim).sum::<usize>().max(1);
+    let fits = |t: usize| bytes(t).is_some_and(|b| b <= free / 2);
     let wanted = cfg.max_streams.max(1).saturating_mul(cfg.context);
-    wanted.min(free / 2 / per_token)
+    if fits(wanted) {
+        return wanted;
+    }
+    // The most tokens that fit, by bisection: `lo` fits (or is 0), `hi` does not.
+    let (mut lo, mut hi) = (0, wanted);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// KV tokens by default where the KV lives in the host's memory.
@@ -549,13 +571,16 @@ mod tests {
     #[test]
     fn kv_tokens_default_fills_half_a_devices_free_memory_at_most() {
         use super::{kv_tokens_for, HOST_KV_TOKENS};
-        let kv = [braid_ops::KvShape { kv_heads: 2, head_dim: 64 }; 4]; // 2 KiB a token
+        let kv = |tokens: usize| Some(tokens * 2048); // 2 KiB a token
         let cfg = braid_models::BackendConfig { context: 1000, max_streams: 8, ..Default::default() };
         assert_eq!(kv_tokens_for(None, &kv, &cfg), HOST_KV_TOKENS);
         // Room for every slot's context when memory allows ...
         assert_eq!(kv_tokens_for(Some(1 << 30), &kv, &cfg), 8000);
         // ... else half the free memory.
         assert_eq!(kv_tokens_for(Some(8 << 20), &kv, &cfg), 2048);
+        // A pool whose window layers hold a group of their own grows by less a token.
+        let windowed = |tokens: usize| Some(tokens * 1024 + (1 << 20));
+        assert_eq!(kv_tokens_for(Some(8 << 20), &windowed, &cfg), 3072);
     }
 
     #[test]

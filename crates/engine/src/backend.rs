@@ -90,6 +90,18 @@ pub struct Fill {
     /// Stream state slots in use, and how many there are.
     pub slots_used: usize,
     pub slots_total: usize,
+    /// The window group's blocks (sliding-window layers that keep only
+    /// their window; all 0 when the model has none): held by streams and
+    /// marks, in all, and cached alone. The `blocks_*` above count the
+    /// layers that keep every row, so a long stream claims them alone: a
+    /// stream holds no more window blocks than those, and the backend
+    /// sizes the group for every stream's and mark's window, so admission
+    /// reads `blocks_*` only.
+    pub window_blocks_used: usize,
+    pub window_blocks_total: usize,
+    pub window_blocks_cached: usize,
+    /// Cached window blocks evicted so far (a running count).
+    pub window_blocks_evicted: u64,
 }
 
 impl Capabilities {

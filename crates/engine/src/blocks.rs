@@ -15,6 +15,12 @@
 //!
 //! Lookups check the tokens and the parent link of every block they walk,
 //! so a hash collision cannot hand a stream the wrong rows.
+//!
+//! Sliding-window layers keep their rows in a second pool of their own,
+//! sealed under the same hashes: a stream's table there lets go of the
+//! blocks no later query of it can see ([`BlockPool::drop_front`]), and a
+//! new stream starts over both pools only where the window pool still
+//! holds the window before its start ([`BlockPool::attach_windowed`]).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -51,8 +57,13 @@ struct Sealed {
 /// and the chain hash after each full block.
 #[derive(Debug, Default)]
 pub struct BlockTable {
-    /// Block `i` holds rows `i * block_tokens ..`.
+    /// Block `i` holds rows `i * block_tokens ..`; the first `dropped`
+    /// entries are stand-ins (see [`BlockPool::drop_front`]).
     pub blocks: Vec<BlockId>,
+    /// Leading blocks let go (sliding-window layers: rows no query will
+    /// see again). Their entries name the first block still held, so a
+    /// kernel that reads a masked row reads valid memory.
+    dropped: usize,
     /// `Some(chain)` when the stream is keyed: `chain[i]` covers the first
     /// `i` full blocks (`chain[0]` is the salt's root).
     chain: Option<Vec<u64>>,
@@ -71,6 +82,32 @@ impl BlockTable {
         self.chain = None;
         self.tokens = Vec::new();
     }
+
+    /// An unkeyed table holding `held` after `dropped` blocks let go
+    /// (stand-ins naming its first held block, or block 0 where none is):
+    /// a mark's window blocks restored.
+    pub fn dropped_before(held: Vec<BlockId>, dropped: usize) -> BlockTable {
+        let stand_in = held.first().copied().unwrap_or(0);
+        let mut blocks = vec![stand_in; dropped];
+        blocks.extend(held);
+        BlockTable { blocks, dropped, chain: None, tokens: Vec::new() }
+    }
+
+    /// Leading blocks let go ([`BlockPool::drop_front`]).
+    pub fn dropped(&self) -> usize {
+        self.dropped
+    }
+
+    /// Blocks the table holds (stand-ins not counted).
+    pub fn held(&self) -> usize {
+        self.blocks.len() - self.dropped
+    }
+}
+
+/// The first block of the window a query at `pos` sees (`window` keys up
+/// to and including its own; none beyond `pos`).
+pub fn window_start(pos: usize, window: usize, block_tokens: usize) -> usize {
+    (pos + 1).saturating_sub(window) / block_tokens
 }
 
 /// What [`BlockPool::attach`] gave a stream.
@@ -219,10 +256,7 @@ impl BlockPool {
             let start = table.blocks.len() * bt;
             let toks = &prompt[start..start + bt];
             let hash = chain_hash(parent, toks);
-            let Some(&b) = self.full.get(&hash) else { break };
-            if !self.sealed[b as usize].as_ref().is_some_and(|s| s.parent == parent && s.tokens == toks) {
-                break;
-            }
+            let Some(b) = self.cached_block(parent, hash, toks) else { break };
             self.retain(b);
             table.blocks.push(b);
             chain.push(hash);
@@ -246,6 +280,89 @@ impl BlockPool {
         out
     }
 
+    /// [`BlockPool::attach`] over a pair of pools of one block size: this
+    /// one holds the rows of layers that see the whole context, `win` those
+    /// of sliding-window layers (`window` keys), whose tables hold only the
+    /// blocks a query can still see. Both seal blocks under the same chain
+    /// hashes. A cached run of full blocks is usable up to the longest
+    /// block-aligned start at which `win` still caches every block of the
+    /// window before it; then the partial match of the next block, as far
+    /// as both pools hold it, is copied in both. O(prompt blocks). The
+    /// second pair to copy, if any, is `win`'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attach_windowed(
+        &mut self,
+        table: &mut BlockTable,
+        win: &mut BlockPool,
+        win_table: &mut BlockTable,
+        prompt: &[u32],
+        salt: u64,
+        max_len: usize,
+        window: usize,
+    ) -> (Attached, Option<(BlockId, BlockId)>) {
+        debug_assert!(table.blocks.is_empty() && win_table.blocks.is_empty(), "attach needs empty tables");
+        debug_assert_eq!(self.block_tokens, win.block_tokens, "paired pools of one block size");
+        let bt = self.block_tokens;
+        let max_len = max_len.min(prompt.len());
+        let run = self.cached_run(prompt, salt, max_len);
+        // The longest start `k` blocks in with no block of its window missing from `win`.
+        let (mut k, mut missing) = (0, None);
+        for i in 0..run.len() {
+            if missing.is_none_or(|m| m < window_start(i * bt, window, bt)) {
+                k = i;
+            }
+            if i + 1 < run.len() && win.cached_block(run[i], run[i + 1], &prompt[i * bt..(i + 1) * bt]).is_none() {
+                missing = Some(i);
+            }
+        }
+        // Held before the partial block's copies are found, so that none of
+        // them is the one evicted: the full run, and the window before it.
+        let start = k * bt;
+        for i in 0..k {
+            let b = self.full[&run[i + 1]];
+            self.retain(b);
+            table.blocks.push(b);
+        }
+        let first = window_start(start, window, bt).min(k);
+        for i in first..k {
+            let b = win.full[&run[i + 1]];
+            win.retain(b);
+            win_table.blocks.push(b);
+        }
+        // The next block's leading rows, as far as both pools match them.
+        let rest = &prompt[start..max_len.min(start + bt)];
+        let (mut rows, mut copy, mut win_copy) = (start, None, None);
+        if let (Some((src, n)), Some((wsrc, wn))) = (self.best_child(run[k], rest), win.best_child(run[k], rest)) {
+            self.retain(src);
+            win.retain(wsrc);
+            let (dst, wdst) = (self.alloc(), win.alloc());
+            self.release(src);
+            win.release(wsrc);
+            match (dst, wdst) {
+                (Some(dst), Some(wdst)) => {
+                    rows += n.min(wn);
+                    table.blocks.push(dst);
+                    win_table.blocks.push(wdst);
+                    copy = Some((src, dst));
+                    win_copy = Some((wsrc, wdst));
+                }
+                (dst, wdst) => {
+                    dst.into_iter().for_each(|b| self.release(b));
+                    wdst.into_iter().for_each(|b| win.release(b));
+                }
+            }
+        }
+        // Stand-ins for the window blocks not held (block 0 where none is).
+        let stand_in = win_table.blocks.first().copied().unwrap_or(0);
+        win_table.blocks.splice(0..0, std::iter::repeat_n(stand_in, first));
+        win_table.dropped = first;
+        for t in [&mut *table, &mut *win_table] {
+            t.tokens = prompt[..rows].to_vec();
+            t.chain = Some(run[..=k].to_vec());
+        }
+        (Attached { rows, copy }, win_copy)
+    }
+
     /// The sealed block behind `parent` sharing the longest run of leading
     /// tokens with `rest`, and that run's length (at least 1).
     fn best_child(&self, parent: u64, rest: &[u32]) -> Option<(BlockId, usize)> {
@@ -267,8 +384,8 @@ impl BlockPool {
             let hash = chain_hash(parent, toks);
             let b = table.blocks[i];
             // A block holding the same rows is cached already: this one
-            // stays the stream's own.
-            if !self.full.contains_key(&hash) && self.sealed[b as usize].is_none() {
+            // stays the stream's own. (A block let go was sealed before.)
+            if i >= table.dropped && !self.full.contains_key(&hash) && self.sealed[b as usize].is_none() {
                 self.seal(b, Sealed { parent, tokens: toks.to_vec(), hash });
             }
             chain.push(hash);
@@ -281,6 +398,9 @@ impl BlockPool {
     /// stream must not run on), one only it holds leaves the cache.
     pub fn truncate(&mut self, table: &mut BlockTable, len: usize) -> Result<Option<(BlockId, BlockId)>, String> {
         let bt = self.block_tokens;
+        if len / bt < table.dropped {
+            return Err(format!("cannot cut back to row {len}: the blocks before row {} were let go", table.dropped * bt));
+        }
         for b in table.blocks.split_off(len.div_ceil(bt).min(table.blocks.len())) {
             self.release(b);
         }
@@ -319,9 +439,50 @@ impl BlockPool {
                 }
             }
         }
-        for &b in table.blocks.iter().rev() {
+        for &b in table.blocks[table.dropped..].iter().rev() {
             self.release(b);
         }
+    }
+
+    /// Let go of `table`'s blocks before block `upto` (their rows are
+    /// older than any query will see), keeping at least its last block:
+    /// each stays cached, idle, like any block a stream lets go, and its
+    /// entry names the first block still held.
+    pub fn drop_front(&mut self, table: &mut BlockTable, upto: usize) {
+        let upto = upto.min(table.blocks.len().saturating_sub(1));
+        if upto <= table.dropped {
+            return;
+        }
+        for i in table.dropped..upto {
+            self.release(table.blocks[i]);
+        }
+        let first = table.blocks[upto];
+        table.blocks[..upto].fill(first);
+        table.dropped = upto;
+    }
+
+    /// The chain hashes of the longest run of cached full blocks `prompt`
+    /// begins with (at most `max_len` rows), from the salt's root: entry
+    /// `i + 1` is block `i`'s. Nothing is held.
+    pub fn cached_run(&self, prompt: &[u32], salt: u64, max_len: usize) -> Vec<u64> {
+        let bt = self.block_tokens;
+        let max_len = max_len.min(prompt.len());
+        let mut chain = vec![chain_root(salt)];
+        while chain.len() * bt <= max_len {
+            let i = chain.len() - 1;
+            let hash = chain_hash(chain[i], &prompt[i * bt..(i + 1) * bt]);
+            if self.cached_block(chain[i], hash, &prompt[i * bt..(i + 1) * bt]).is_none() {
+                break;
+            }
+            chain.push(hash);
+        }
+        chain
+    }
+
+    /// The cached full block of `toks` behind the prefix hashed `parent`.
+    fn cached_block(&self, parent: u64, hash: u64, toks: &[u32]) -> Option<BlockId> {
+        let &b = self.full.get(&hash)?;
+        self.sealed[b as usize].as_ref().is_some_and(|s| s.parent == parent && s.tokens == toks).then_some(b)
     }
 
     fn seal(&mut self, b: BlockId, s: Sealed) {
@@ -472,5 +633,96 @@ mod tests {
         assert!(!t.keyed());
         pool.free_table(t);
         assert_eq!((pool.cached(), pool.available()), (0, 4));
+    }
+
+    #[test]
+    fn dropping_front_blocks_keeps_stand_ins_and_frees_only_held_ones() {
+        let mut pool = BlockPool::new(8, 2);
+        let p = seq(9, 4);
+        let mut t = BlockTable::default();
+        pool.attach(&mut t, &p, 0, 9);
+        run(&mut pool, &mut t, &p);
+        let blocks = t.blocks.clone();
+        pool.drop_front(&mut t, 3);
+        assert_eq!((t.dropped(), t.held()), (3, 2));
+        assert_eq!(t.blocks, vec![blocks[3], blocks[3], blocks[3], blocks[3], blocks[4]], "stand-ins name the first block held");
+        assert_eq!(pool.in_use(), 2);
+        assert_eq!(pool.cached(), 3, "blocks let go stay cached, idle");
+        assert!(pool.truncate(&mut t, 5).is_err(), "rows let go cannot be cut back into");
+        assert_eq!(pool.truncate(&mut t, 7), Ok(None));
+        // Never the last block; dropping less than before does nothing.
+        pool.drop_front(&mut t, 10);
+        assert_eq!(t.dropped(), 3);
+        pool.drop_front(&mut t, 1);
+        assert_eq!(t.dropped(), 3);
+        pool.free_table(t);
+        assert_eq!(pool.in_use(), 0);
+    }
+
+    #[test]
+    fn a_windowed_attach_starts_where_the_window_pool_still_holds_the_window() {
+        let (bt, window) = (4, 6);
+        let (mut full, mut win) = (BlockPool::new(32, bt), BlockPool::new(32, bt));
+        let p = seq(30, 5);
+        // A stream runs p, its window table letting go of what its last row cannot see.
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        assert_eq!(full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 30, window).0.rows, 0);
+        run(&mut full, &mut t, &p);
+        run(&mut win, &mut w, &p);
+        let wblocks = w.blocks.clone();
+        win.drop_front(&mut w, window_start(30, window, bt));
+        assert_eq!(w.held(), 2, "rows 24..30 in two blocks");
+        full.free_table(t);
+        win.free_table(w);
+        // Every block cached in both: the whole prompt but its last row.
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        let (got, wcopy) = full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 29, window);
+        assert_eq!(got.rows, 29);
+        assert!(got.copy.is_some() && wcopy.is_some(), "the partial block is copied in both pools");
+        assert_eq!(w.blocks.len(), t.blocks.len());
+        assert_eq!(w.dropped(), window_start(28, window, bt), "the window of the start block's first row is held");
+        assert_eq!(w.held(), 3);
+        assert!(w.blocks[..w.dropped()].iter().all(|&b| b == w.blocks[w.dropped()]), "stand-ins name the first block held");
+        full.free_table(t);
+        win.free_table(w);
+        // The window pool loses the blocks of rows 16..24: the start falls
+        // back to 16 rows, whose window (rows 11..16) it holds; block 4 is
+        // matched in the full pool alone, so it is not used.
+        for b in [wblocks[4], wblocks[5]] {
+            win.retain(b);
+            win.unseal(b);
+            win.release(b);
+        }
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        let (got, wcopy) = full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 29, window);
+        assert_eq!((got, wcopy), (Attached { rows: 16, copy: None }, None));
+        assert_eq!((t.blocks.len(), w.blocks.len(), w.dropped()), (4, 4, 2));
+        full.free_table(t);
+        win.free_table(w);
+        assert_eq!((full.in_use(), win.in_use()), (0, 0));
+    }
+
+    #[test]
+    fn a_windowed_attach_never_evicts_the_blocks_it_hands_out() {
+        let (bt, window) = (4, 6);
+        // Pools of exactly the prompt's blocks: once it ran, every block is idle.
+        let (mut full, mut win) = (BlockPool::new(8, bt), BlockPool::new(8, bt));
+        let p = seq(30, 5);
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 30, window);
+        run(&mut full, &mut t, &p);
+        run(&mut win, &mut w, &p);
+        full.free_table(t);
+        win.free_table(w);
+        assert_eq!((full.available(), full.cached()), (8, 8));
+        // The partial block's copy finds no block the stream does not take
+        // whole (its source, the tail, is held meanwhile): no copy, 28 rows.
+        let (mut t, mut w) = (BlockTable::default(), BlockTable::default());
+        assert_eq!(full.attach_windowed(&mut t, &mut win, &mut w, &p, 0, 29, window), (Attached { rows: 28, copy: None }, None));
+        assert_eq!(full.evicted(), 0, "none of the blocks handed out was evicted");
+        assert!(t.blocks.iter().all(|&b| full.holders(b) == 1));
+        assert!(w.blocks[w.dropped()..].iter().all(|&b| win.holders(b) == 1));
+        full.free_table(t);
+        win.free_table(w);
     }
 }

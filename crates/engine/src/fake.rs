@@ -428,6 +428,7 @@ impl Backend for FakeBackend {
             block_tokens: self.cfg.block_tokens,
             slots_used: self.streams.len(),
             slots_total: self.cfg.slots_total,
+            ..Fill::default()
         }
     }
 

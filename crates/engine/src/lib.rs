@@ -55,7 +55,7 @@ pub use backend::{
     image_token_ids, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks, RoundOut, Step, StreamId,
     IMAGE_IDS,
 };
-pub use blocks::{Attached, BlockId, BlockPool, BlockTable};
+pub use blocks::{window_start, Attached, BlockId, BlockPool, BlockTable};
 pub use draft_model::{DraftModel, DraftModelConfig};
 pub use drafter::{Drafter, Gate};
 pub use guide::{Constraint, Grammar, Guide, TokenMask};

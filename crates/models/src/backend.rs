@@ -8,7 +8,11 @@
 //! with `attach_prefix` is cached under its prompt's salt and stays after
 //! the stream ends, until the pool needs the room; a later stream shares
 //! the blocks its prompt begins with (a partly matching last block is
-//! copied, since the stream writes on in it). Recurrent state cannot be
+//! copied, since the stream writes on in it). Sliding-window layers keep
+//! their KV in a group of their own (vLLM's hybrid KV-cache manager): a
+//! second, smaller pool of block ids and a second table per stream, from
+//! which a stream lets go of each block whose rows no query of its can see
+//! any more (see [`WindowGroup`]). Recurrent state cannot be
 //! rebuilt from blocks, so models that keep it cache prefixes as marks,
 //! which the lane places.
 //!
@@ -28,12 +32,12 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks, RoundOut, Step,
-    StreamId, IMAGE_IDS,
+    window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks,
+    RoundOut, Step, StreamId, IMAGE_IDS,
 };
 use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicked};
 
-use crate::{Batch, ImageAt, Memory, Model, Scratch};
+use crate::{Batch, ImageAt, LayerState, Memory, Model, Scratch};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
 /// are keyed for replay, and so are those that add a prompt chunk of a
@@ -46,6 +50,15 @@ const REPLAY_ROWS: usize = 16;
 
 /// The largest prompt chunk keyed beside decode rows.
 pub const REPLAY_CHUNK_ROWS: usize = 64;
+
+/// Rows a stream may be rewound below the start of its last forward and
+/// still find the window its window layers read (a rewind further is
+/// refused). The lane's draft rounds rewind no lower than a verifying
+/// forward's start; a mark restored and cut back by a row or two, or a
+/// draft model's backend, which feeds its drafts a forward each and cuts
+/// back the ones rejected (up to 16 below the last forward's start), go
+/// lower.
+pub const REWIND_ROWS: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct BackendConfig {
@@ -63,16 +76,32 @@ pub struct BackendConfig {
     pub max_marks: usize,
     /// How the KV pool stores k and v (f16 by default; f32 for exact runs).
     pub kv_dtype: KvDtype,
+    /// Sliding-window layers keep only their window, in a group of blocks
+    /// of their own (the default); false keeps every row in them too, in
+    /// the full layers' blocks (a reference for tests).
+    pub window_kv: bool,
 }
 
 impl Default for BackendConfig {
     fn default() -> Self {
-        BackendConfig { block_tokens: 16, kv_tokens: 32768, max_streams: 64, max_batch: 256, context: 0, max_marks: 64, kv_dtype: KvDtype::F16 }
+        BackendConfig {
+            block_tokens: 16,
+            kv_tokens: 32768,
+            max_streams: 64,
+            max_batch: 256,
+            context: 0,
+            max_marks: 64,
+            kv_dtype: KvDtype::F16,
+            window_kv: true,
+        }
     }
 }
 
 struct StreamState {
     table: BlockTable,
+    /// The stream's blocks in the window group (empty without one): as
+    /// many entries as `table`, the leading ones let go.
+    win: BlockTable,
     len: usize,
     /// Row in `Memory::state`.
     slot: u32,
@@ -96,6 +125,10 @@ struct Encoding<T> {
 
 struct Mark {
     blocks: Vec<u32>,
+    /// The window group's blocks of the mark's window (and rewind slack),
+    /// from block `win_first` of the stream's table.
+    win_blocks: Vec<u32>,
+    win_first: usize,
     len: usize,
     /// Row in `Memory::state` holding the snapshot (recurrent models).
     slot: Option<u32>,
@@ -118,6 +151,85 @@ struct Launched {
     gone: Vec<(StreamId, StreamState)>,
 }
 
+/// The window group: the block ids of the KV of sliding-window layers,
+/// which read only the last `window` keys before a row. A stream's table
+/// there has an entry for each of its rows' blocks, as the full table, but
+/// holds only those from the window of its last forward's first row, less
+/// [`REWIND_ROWS`]: after each forward, the blocks all of whose rows lie
+/// before that are let go (they stay cached, idle, like any block a stream
+/// lets go), and their entries name the first block still held. Every
+/// attention kernel starts a query's keys at its window's first row
+/// (CPU `attention` and `kv::attention_f32`; CUDA's decode and prefill
+/// kernels, whose tiles begin at the first row's window), so none reads a
+/// block let go; the stand-ins keep even a masked read in valid memory.
+struct WindowGroup {
+    pool: BlockPool,
+    window: usize,
+}
+
+/// How many blocks the window group holds, for `window` keys over a full
+/// group of `full` blocks, with `marks` marks kept at most. Between
+/// forwards a stream holds the blocks of rows `window + REWIND_ROWS` before
+/// its last forward's start through its length: `ceil((window +
+/// REWIND_ROWS) / bt) + 2` at most, besides the rows of its last and its
+/// next round (each round's at most `max_batch` over all streams); a mark
+/// holds as many. Every stream and every mark at once fits (and a stream
+/// per slot more: those a round launched ahead keeps a round after they
+/// left), and an eighth of the full group more keeps cached windows (a
+/// prefix is reused only where its window is cached), so the room grows
+/// with `kv_tokens`. Never more than the full group: a stream or mark holds
+/// no more window blocks than full ones, so the window group cannot fill
+/// before the full one, and admission by the full group is sound. The
+/// group is smaller where streams are long: with a full group of
+/// `max_streams` whole contexts (`braid serve` on a GPU), by about the
+/// window's share of the context.
+fn window_blocks(cfg: &BackendConfig, window: usize, marks: usize, full: usize) -> usize {
+    let bt = cfg.block_tokens;
+    let per = (window + REWIND_ROWS).div_ceil(bt) + 2;
+    let held = (2 * cfg.max_streams + marks) * per + 2 * cfg.max_batch.div_ceil(bt);
+    (held + full.div_ceil(8)).min(full)
+}
+
+/// The KV pool `ModelBackend::new` makes for a model under a config.
+pub struct KvLayout {
+    pub spec: KvPoolSpec,
+    /// The window of the window group's layers, when they have one.
+    pub window: Option<usize>,
+    /// The model has window layers, kept over the full group's blocks.
+    pub over_full: bool,
+}
+
+impl KvLayout {
+    pub fn of<D: Device>(model: &dyn Model<D>, cfg: &BackendConfig) -> Result<KvLayout> {
+        let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens.max(1)).max(1);
+        let (layers, groups) = (model.kv_layers(), model.kv_groups());
+        ensure!(groups.len() == layers.len() && groups.iter().all(|&g| g < 2), "the model names KV groups {groups:?} for {} KV layers", layers.len());
+        let states = model.layer_states();
+        let window = states.iter().filter_map(|l| if let LayerState::SlidingKv { window } = l { Some(*window) } else { None }).max();
+        let window = window.filter(|_| groups.contains(&1));
+        // A lane keeps no marks for a backend that caches blocks (attention only).
+        let caches_blocks = states.iter().all(|l| l.rewindable()) && model.state_size() == 0;
+        let marks = if caches_blocks { 0 } else { cfg.max_marks };
+        Ok(match window.filter(|_| cfg.window_kv) {
+            Some(w) => {
+                let group_blocks = vec![blocks_total, window_blocks(cfg, w, marks, blocks_total)];
+                KvLayout { spec: KvPoolSpec { block_tokens: cfg.block_tokens, layers, layer_groups: groups, group_blocks }, window: Some(w), over_full: false }
+            }
+            None => KvLayout { spec: KvPoolSpec::new(blocks_total, cfg.block_tokens, layers), window: None, over_full: window.is_some() },
+        })
+    }
+
+    /// The pool's bytes at `elem` bytes an element (keys and values), or
+    /// `None` past `usize`.
+    pub fn bytes(&self, elem: usize) -> Option<usize> {
+        let s = &self.spec;
+        s.layers.iter().enumerate().try_fold(0usize, |sum, (i, l)| {
+            let n = s.layer_blocks(i).checked_mul(s.block_tokens)?.checked_mul(2 * elem * l.kv_heads * l.head_dim)?;
+            sum.checked_add(n)
+        })
+    }
+}
+
 pub struct ModelBackend<D: Device> {
     dev: D,
     model: Box<dyn Model<D>>,
@@ -132,8 +244,14 @@ pub struct ModelBackend<D: Device> {
     /// stream can start from blocks alone).
     caches_blocks: bool,
     cfg: BackendConfig,
-    /// Which blocks are free, held or cached.
+    /// Which blocks are free, held or cached (the full layers', and every
+    /// layer's where there is no window group).
     pool: BlockPool,
+    /// The window group, when window layers keep only their window.
+    win: Option<WindowGroup>,
+    /// The model has window layers, kept over the full blocks
+    /// (`BackendConfig::window_kv` off): they read the full group's rows.
+    window_over_full: bool,
     streams: HashMap<StreamId, StreamState>,
     marks: HashMap<MarkId, Mark>,
     next_mark: MarkId,
@@ -163,9 +281,13 @@ impl<D: Device> ModelBackend<D> {
         if cfg.context == 0 {
             cfg.context = model.context();
         }
-        let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens).max(1);
-        let spec = KvPoolSpec { blocks: blocks_total, block_tokens: cfg.block_tokens, layers: model.kv_layers() };
-        let kv = dev.kv_pool(&spec, cfg.kv_dtype)?;
+        let rewindable = model.layer_states().iter().all(|l| l.rewindable());
+        let caches_blocks = rewindable && model.state_size() == 0;
+        let layout = KvLayout::of(model.as_ref(), &cfg)?;
+        let blocks_total = layout.spec.group_blocks[0];
+        let win = layout.window.map(|w| WindowGroup { pool: BlockPool::new(layout.spec.group_blocks[1], cfg.block_tokens), window: w });
+        let window_over_full = layout.over_full;
+        let kv = dev.kv_pool(&layout.spec, cfg.kv_dtype)?;
         let state_size = model.state_size();
         let (stream_rows, mark_rows) = if state_size > 0 { (cfg.max_streams, cfg.max_marks) } else { (0, 0) };
         let state = dev.tensor(stream_rows + mark_rows, state_size);
@@ -179,8 +301,6 @@ impl<D: Device> ModelBackend<D> {
         if stream_rows > 0 || state_size == 0 {
             dev.prepare(&mut || model.forward(&dev, &batch, &mut mem, &mut scratch))?;
         }
-        let rewindable = model.layer_states().iter().all(|l| l.rewindable());
-        let caches_blocks = rewindable && state_size == 0;
         let row = dev.tensor(0, 0);
         Ok(ModelBackend {
             free_slots: (0..cfg.max_streams as u32).rev().collect(),
@@ -192,6 +312,8 @@ impl<D: Device> ModelBackend<D> {
             mem,
             scratch,
             pool: BlockPool::new(blocks_total, cfg.block_tokens),
+            window_over_full,
+            win,
             cfg,
             streams: HashMap::new(),
             marks: HashMap::new(),
@@ -264,11 +386,24 @@ impl<D: Device> ModelBackend<D> {
         self.pool.alloc().ok_or_else(|| anyhow::anyhow!("KV pool full ({} blocks of {} tokens)", self.pool.total(), self.cfg.block_tokens))
     }
 
-    /// Give `stream` blocks for `len` rows; all-or-nothing.
+    /// Give `stream` blocks for `len` rows, in both groups; all-or-nothing.
     fn reserve(&mut self, stream: StreamId, len: usize) -> Result<()> {
         ensure!(len <= self.cfg.context, "stream would hold {len} tokens, past the context of {}", self.cfg.context);
         let st = self.streams.get_mut(&stream).expect("checked by the caller");
-        self.pool.grow(&mut st.table, len).map_err(anyhow::Error::msg)
+        if let Some(w) = &self.win {
+            let need = len.div_ceil(self.cfg.block_tokens).saturating_sub(st.win.blocks.len());
+            ensure!(need <= w.pool.available(), "KV pool full: the window layers need {need} more blocks, {} free", w.pool.available());
+        }
+        self.pool.grow(&mut st.table, len).map_err(anyhow::Error::msg)?;
+        if let Some(w) = &mut self.win {
+            w.pool.grow(&mut st.win, len).expect("counted above");
+        }
+        Ok(())
+    }
+
+    /// Blocks of `stream`'s window group (held, and entries in all), for tests.
+    pub fn window_blocks(&self, stream: StreamId) -> Option<(usize, usize)> {
+        self.streams.get(&stream).filter(|_| self.win.is_some()).map(|st| (st.win.held(), st.win.blocks.len()))
     }
 
     /// The step ran: its tokens are the new rows of its streams, for the
@@ -280,8 +415,12 @@ impl<D: Device> ModelBackend<D> {
             let Some(st) = self.streams.get_mut(&stream) else { continue };
             if ok {
                 self.pool.append(&mut st.table, tokens);
+                if let Some(w) = &mut self.win {
+                    w.pool.append(&mut st.win, tokens);
+                }
             } else {
                 st.table.unkey();
+                st.win.unkey();
             }
         }
     }
@@ -330,8 +469,8 @@ impl<D: Device> ModelBackend<D> {
     /// advances every part's stream.
     fn forward(&mut self, parts: &[(StreamId, &[u32])], logit_rows: &[usize], chunk: bool) -> Result<()> {
         let bt = self.cfg.block_tokens;
-        let rows = RowArrays::new(&self.streams, bt, parts);
-        let mut batch = rows.batch(&self.streams, parts, logit_rows);
+        let rows = RowArrays::new(&self.streams, bt, parts, self.win.is_some());
+        let mut batch = rows.batch(&self.streams, parts, logit_rows, self.window_over_full);
         // Only the last part can be a prompt chunk, and only it holds image rows.
         let lent = match parts.last() {
             Some(&(id, toks)) => self.images.get_mut(&id).map(|m| {
@@ -357,7 +496,13 @@ impl<D: Device> ModelBackend<D> {
         drop(batch);
         self.collect_features(rows)?;
         for &(id, toks) in parts {
-            self.streams.get_mut(&id).expect("checked by reserve_step").len += toks.len();
+            let st = self.streams.get_mut(&id).expect("checked by reserve_step");
+            // Window rows before this forward's first row's window (less
+            // the rewind slack) are read by no later query.
+            if let Some(w) = &mut self.win {
+                w.pool.drop_front(&mut st.win, window_start(st.len.saturating_sub(REWIND_ROWS), w.window, bt));
+            }
+            st.len += toks.len();
         }
         Ok(())
     }
@@ -404,8 +549,8 @@ impl<D: Device> ModelBackend<D> {
                 logit_rows.push(rows.len() + c.tokens.len() - 1);
             }
         }
-        let arrays = RowArrays::new(&self.streams, self.cfg.block_tokens, &parts);
-        let batch = arrays.batch(&self.streams, &parts, &logit_rows);
+        let arrays = RowArrays::new(&self.streams, self.cfg.block_tokens, &parts, self.win.is_some());
+        let batch = arrays.batch(&self.streams, &parts, &logit_rows, self.window_over_full);
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
         dev.forward_ahead(Forward { key: Some(batch.key()), tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch));
     }
@@ -567,6 +712,9 @@ impl<D: Device> ModelBackend<D> {
     fn release(&mut self, gone: Vec<(StreamId, StreamState)>) {
         for (_, st) in gone {
             self.pool.free_table(st.table);
+            if let Some(w) = &mut self.win {
+                w.pool.free_table(st.win);
+            }
         }
     }
 
@@ -662,15 +810,24 @@ struct RowArrays {
     tokens: Vec<u32>,
     positions: Vec<u32>,
     slots: Vec<u32>,
+    /// Each row's slot in the window group (empty without one).
+    window_slots: Vec<u32>,
     /// Each part's (first row, rows, KV rows after it).
     ranges: Vec<(usize, usize, usize)>,
     state_slots: Vec<u32>,
 }
 
 impl RowArrays {
-    fn new(streams: &HashMap<StreamId, StreamState>, bt: usize, parts: &[(StreamId, &[u32])]) -> RowArrays {
-        let mut r =
-            RowArrays { tokens: Vec::new(), positions: Vec::new(), slots: Vec::new(), ranges: Vec::new(), state_slots: Vec::with_capacity(parts.len()) };
+    /// `windowed`: the streams have window-group tables.
+    fn new(streams: &HashMap<StreamId, StreamState>, bt: usize, parts: &[(StreamId, &[u32])], windowed: bool) -> RowArrays {
+        let mut r = RowArrays {
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            slots: Vec::new(),
+            window_slots: Vec::new(),
+            ranges: Vec::new(),
+            state_slots: Vec::with_capacity(parts.len()),
+        };
         for &(id, toks) in parts {
             let st = &streams[&id];
             let start = st.len;
@@ -683,18 +840,43 @@ impl RowArrays {
                 r.tokens.push(if t >= IMAGE_IDS { 0 } else { t });
                 r.positions.push(pos as u32);
                 r.slots.push(st.table.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
+                if windowed {
+                    r.window_slots.push(st.win.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
+                }
             }
         }
         r
     }
 
-    fn batch<'a>(&'a self, streams: &'a HashMap<StreamId, StreamState>, parts: &[(StreamId, &[u32])], logit_rows: &'a [usize]) -> Batch<'a> {
-        let seqs = parts
-            .iter()
-            .zip(&self.ranges)
-            .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &streams[&id].table.blocks, window: None })
-            .collect();
-        Batch { tokens: &self.tokens, positions: &self.positions, slots: &self.slots, seqs, logit_rows, state_slots: &self.state_slots, images: Vec::new() }
+    /// `over_full`: window layers read the full group's rows (there is no
+    /// window group, yet the model has window layers).
+    fn batch<'a>(&'a self, streams: &'a HashMap<StreamId, StreamState>, parts: &[(StreamId, &[u32])], logit_rows: &'a [usize], over_full: bool) -> Batch<'a> {
+        let seqs_over = |table: fn(&StreamState) -> &BlockTable| -> Vec<AttnSeq<'a>> {
+            parts
+                .iter()
+                .zip(&self.ranges)
+                .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &table(&streams[&id]).blocks, window: None })
+                .collect()
+        };
+        let seqs = seqs_over(|st| &st.table);
+        let (window_slots, window_seqs) = if over_full {
+            (&self.slots[..], seqs.clone())
+        } else if self.window_slots.is_empty() {
+            (&[][..], Vec::new())
+        } else {
+            (&self.window_slots[..], seqs_over(|st| &st.win))
+        };
+        Batch {
+            tokens: &self.tokens,
+            positions: &self.positions,
+            slots: &self.slots,
+            seqs,
+            window_slots,
+            window_seqs,
+            logit_rows,
+            state_slots: &self.state_slots,
+            images: Vec::new(),
+        }
     }
 }
 
@@ -727,6 +909,10 @@ impl<D: Device> Backend for ModelBackend<D> {
             block_tokens: self.cfg.block_tokens,
             slots_used: self.streams.len(),
             slots_total: self.cfg.max_streams,
+            window_blocks_used: self.win.as_ref().map_or(0, |w| w.pool.in_use()),
+            window_blocks_total: self.win.as_ref().map_or(0, |w| w.pool.total()),
+            window_blocks_cached: self.win.as_ref().map_or(0, |w| w.pool.cached()),
+            window_blocks_evicted: self.win.as_ref().map_or(0, |w| w.pool.evicted()),
         }
     }
 
@@ -736,7 +922,7 @@ impl<D: Device> Backend for ModelBackend<D> {
         if self.has_state() {
             self.dev.zero_rows(&mut self.mem.state, &[slot]);
         }
-        self.streams.insert(stream, StreamState { table: BlockTable::default(), len: 0, slot });
+        self.streams.insert(stream, StreamState { table: BlockTable::default(), win: BlockTable::default(), len: 0, slot });
         Ok(())
     }
 
@@ -765,18 +951,33 @@ impl<D: Device> Backend for ModelBackend<D> {
         if !self.caches_blocks {
             return Ok(0);
         }
-        let got = self.pool.attach(&mut st.table, prompt, salt, max_len.min(self.cfg.context));
+        let max_len = max_len.min(self.cfg.context);
+        let (got, win_copy) = match &mut self.win {
+            Some(w) => self.pool.attach_windowed(&mut st.table, &mut w.pool, &mut st.win, prompt, salt, max_len, w.window),
+            None => (self.pool.attach(&mut st.table, prompt, salt, max_len), None),
+        };
         st.len = got.rows;
-        if let Some((src, dst)) = got.copy {
-            self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
+        for (group, copy) in [(0, got.copy), (1, win_copy)] {
+            if let Some((src, dst)) = copy {
+                self.dev.kv_copy_blocks(&mut self.mem.kv, group, &[src], &[dst]);
+            }
         }
         Ok(got.rows)
     }
 
     fn keep_mark(&mut self, stream: StreamId) -> Result<MarkId> {
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
-        let used = st.len.div_ceil(self.cfg.block_tokens);
+        let bt = self.cfg.block_tokens;
+        let used = st.len.div_ceil(bt);
         let blocks = st.table.blocks[..used].to_vec();
+        // The window blocks of the mark's window, and the rewind slack.
+        let (win_first, win_blocks) = match &self.win {
+            Some(w) => {
+                let first = window_start(st.len.saturating_sub(REWIND_ROWS), w.window, bt).max(st.win.dropped()).min(used);
+                (first, st.win.blocks[first..used].to_vec())
+            }
+            None => (0, Vec::new()),
+        };
         let (len, stream_slot) = (st.len, st.slot);
         let slot = if self.has_state() {
             let Some(m) = self.free_mark_slots.pop() else { bail!("all {} mark slots are taken", self.cfg.max_marks) };
@@ -788,9 +989,12 @@ impl<D: Device> Backend for ModelBackend<D> {
         for &b in &blocks {
             self.pool.retain(b);
         }
+        if let Some(w) = &mut self.win {
+            win_blocks.iter().for_each(|&b| w.pool.retain(b));
+        }
         let id = self.next_mark;
         self.next_mark += 1;
-        self.marks.insert(id, Mark { blocks, len, slot });
+        self.marks.insert(id, Mark { blocks, win_blocks, win_first, len, slot });
         Ok(id)
     }
 
@@ -799,24 +1003,43 @@ impl<D: Device> Backend for ModelBackend<D> {
         let Some(st) = self.streams.get(&stream) else { bail!("stream {stream} is not open") };
         ensure!(st.len == 0 && st.table.blocks.is_empty(), "stream {stream} is not empty");
         let (len, mut blocks, mark_slot) = (m.len, m.blocks.clone(), m.slot);
+        let (mut win_blocks, win_first) = (m.win_blocks.clone(), m.win_first);
         let bt = self.cfg.block_tokens;
         // Full blocks are shared read-only; a partly filled last block is
-        // copied, since this stream will write into its free tail.
+        // copied (in both groups), since this stream will write into its free tail.
         if len % bt != 0 {
-            let src = blocks.pop().expect("a partial block");
             let dst = self.alloc_block()?;
-            self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
-            for &b in &blocks {
-                self.pool.retain(b);
-            }
+            let win_dst = match &mut self.win {
+                Some(w) => match w.pool.alloc() {
+                    Some(b) => Some(b),
+                    None => {
+                        self.pool.release(dst);
+                        bail!("KV pool full: no window block left for the mark's last block");
+                    }
+                },
+                None => None,
+            };
+            let src = blocks.pop().expect("a partial block");
+            self.dev.kv_copy_blocks(&mut self.mem.kv, 0, &[src], &[dst]);
+            blocks.iter().for_each(|&b| self.pool.retain(b));
             blocks.push(dst);
+            if let (Some(w), Some(wdst)) = (&mut self.win, win_dst) {
+                let wsrc = win_blocks.pop().expect("a partial window block");
+                self.dev.kv_copy_blocks(&mut self.mem.kv, 1, &[wsrc], &[wdst]);
+                win_blocks.iter().for_each(|&b| w.pool.retain(b));
+                win_blocks.push(wdst);
+            }
         } else {
-            for &b in &blocks {
-                self.pool.retain(b);
+            blocks.iter().for_each(|&b| self.pool.retain(b));
+            if let Some(w) = &mut self.win {
+                win_blocks.iter().for_each(|&b| w.pool.retain(b));
             }
         }
         let st = self.streams.get_mut(&stream).expect("checked above");
         st.table.blocks = blocks;
+        if self.win.is_some() {
+            st.win = BlockTable::dropped_before(win_blocks, win_first);
+        }
         st.len = len;
         if let Some(ms) = mark_slot {
             let slot = st.slot;
@@ -830,6 +1053,9 @@ impl<D: Device> Backend for ModelBackend<D> {
             for &b in &m.blocks {
                 self.pool.release(b);
             }
+            if let Some(w) = &mut self.win {
+                m.win_blocks.iter().for_each(|&b| w.pool.release(b));
+            }
             self.free_mark_slots.extend(m.slot);
         }
     }
@@ -838,10 +1064,23 @@ impl<D: Device> Backend for ModelBackend<D> {
         ensure!(self.rewindable, "this model keeps recurrent state, which cannot be rewound");
         let Some(st) = self.streams.get_mut(&stream) else { bail!("stream {stream} is not open") };
         ensure!(len <= st.len, "cannot rewind stream {stream} forward from {} to {len}", st.len);
+        let bt = self.cfg.block_tokens;
+        if let Some(w) = &self.win {
+            ensure!(
+                window_start(len, w.window, bt) >= st.win.dropped(),
+                "cannot rewind stream {stream} to {len}: its window layers let go of the rows before {} (rewinds of up to {REWIND_ROWS} rows below a forward's start are kept)",
+                st.win.dropped() * bt
+            );
+        }
         st.len = len;
         // The block it writes on in must be its own: a shared one is copied.
         if let Some((src, dst)) = self.pool.truncate(&mut st.table, len).map_err(anyhow::Error::msg)? {
-            self.dev.kv_copy_blocks(&mut self.mem.kv, &[src], &[dst]);
+            self.dev.kv_copy_blocks(&mut self.mem.kv, 0, &[src], &[dst]);
+        }
+        if let Some(w) = &mut self.win {
+            if let Some((src, dst)) = w.pool.truncate(&mut st.win, len).map_err(anyhow::Error::msg)? {
+                self.dev.kv_copy_blocks(&mut self.mem.kv, 1, &[src], &[dst]);
+            }
         }
         Ok(())
     }

@@ -87,9 +87,21 @@ impl<D: Device> Attention<D> {
     /// plus their biases where the layer has them; q and k normed per head
     /// when the layer has norms, then turned by
     /// `rope` (none: no positional encoding); k and v are written to KV
-    /// layer `layer`.
+    /// layer `layer` at `slots` (the batch's slots in the layer's group:
+    /// `Batch::slots`, or `Batch::window_slots` for a window layer).
     #[allow(clippy::too_many_arguments)]
-    pub fn qkv(&self, dev: &D, s: &mut Scratch<D>, kv: &mut D::Kv, layer: usize, batch: &Batch<'_>, head_dim: usize, rope: Option<&Rope>, eps: f32) {
+    pub fn qkv(
+        &self,
+        dev: &D,
+        s: &mut Scratch<D>,
+        kv: &mut D::Kv,
+        layer: usize,
+        batch: &Batch<'_>,
+        slots: &[u32],
+        head_dim: usize,
+        rope: Option<&Rope>,
+        eps: f32,
+    ) {
         let ws = [&self.wq, &self.wk, &self.wv];
         let bias = |dev: &D, q: &mut D::Tensor, k: &mut D::Tensor, v: &mut D::Tensor| {
             if let Some([bq, bk, bv]) = &self.qkv_bias {
@@ -114,12 +126,13 @@ impl<D: Device> Attention<D> {
             dev.rope(&mut s.q, batch.positions, head_dim, r);
             dev.rope(&mut s.k, batch.positions, head_dim, r);
         }
-        dev.kv_write(kv, layer, &s.k, &s.v, batch.slots);
+        dev.kv_write(kv, layer, &s.k, &s.v, slots);
     }
 
     /// The whole attention branch of the normed rows in `s.h`:
-    /// [`Self::qkv`], attention of `s.q` over KV layer `layer` for `seqs`,
-    /// and the output projection into `s.out`.
+    /// [`Self::qkv`], attention of `s.q` over KV layer `layer` for `seqs`
+    /// (`slots` and `seqs` of the layer's group), and the output
+    /// projection into `s.out`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -128,6 +141,7 @@ impl<D: Device> Attention<D> {
         kv: &mut D::Kv,
         layer: usize,
         batch: &Batch<'_>,
+        slots: &[u32],
         seqs: &[AttnSeq<'_>],
         head_dim: usize,
         rope: Option<&Rope>,
@@ -135,7 +149,7 @@ impl<D: Device> Attention<D> {
         scale: f32,
         softcap: Option<f32>,
     ) {
-        self.qkv(dev, s, kv, layer, batch, head_dim, rope, eps);
+        self.qkv(dev, s, kv, layer, batch, slots, head_dim, rope, eps);
         dev.attention(&s.q, kv, layer, seqs, scale, softcap, &mut s.att);
         dev.matmul(&s.att, &[&self.wo], &mut [&mut s.out]);
         if let Some(b) = &self.o_bias {

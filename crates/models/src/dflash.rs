@@ -393,7 +393,7 @@ impl<D: Device> DFlashDrafter<D> {
         ensure!(block_tokens > 0, "block_tokens must be positive");
         let blocks = kv_tokens.div_ceil(block_tokens).max(1);
         let c = &model.cfg;
-        let spec = KvPoolSpec { blocks, block_tokens, layers: vec![KvShape { kv_heads: c.kv_heads, head_dim: c.head_dim }; c.layers] };
+        let spec = KvPoolSpec::new(blocks, block_tokens, vec![KvShape { kv_heads: c.kv_heads, head_dim: c.head_dim }; c.layers]);
         let kv = dev.kv_pool(&spec, kv_dtype)?;
         let s = Scratch::new(&dev);
         Ok(DFlashDrafter {

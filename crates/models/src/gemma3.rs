@@ -196,6 +196,10 @@ impl<D: MoeOps> Model<D> for Gemma3<D> {
         vec![KvShape { kv_heads: self.cfg.kv_heads, head_dim: self.cfg.head_dim }; self.cfg.layers]
     }
 
+    fn kv_groups(&self) -> Vec<usize> {
+        self.cfg.global.iter().map(|&g| if g { 0 } else { 1 }).collect()
+    }
+
     fn layer_states(&self) -> Vec<LayerState> {
         self.cfg.global.iter().map(|&g| if g { LayerState::Kv } else { LayerState::SlidingKv { window: self.cfg.window } }).collect()
     }
@@ -210,14 +214,15 @@ impl<D: MoeOps> Model<D> for Gemma3<D> {
         // their whole image in every layer.
         place_images(dev, s, &batch.images);
         let global_seqs = image_seqs(&batch.seqs, &batch.images);
-        let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();
+        // Sliding-window layers keep their KV apart (only the window).
+        let local_seqs: Vec<AttnSeq<'_>> = batch.window_seqs.iter().map(|q| AttnSeq { window: Some(c.window), ..*q }).collect();
         let local_seqs = image_seqs(&local_seqs, &batch.images);
         for (l, b) in self.blocks.iter().enumerate() {
-            let (rope, seqs) = if c.global[l] { (&c.rope_global, &global_seqs) } else { (&c.rope_local, &local_seqs) };
+            let (rope, slots, seqs) = if c.global[l] { (&c.rope_global, batch.slots, &global_seqs) } else { (&c.rope_local, batch.window_slots, &local_seqs) };
             // Attention: q/k normalised per head before RoPE, the output normed
             // before it joins the residual stream.
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-            b.attn.forward(dev, s, kv, l, batch, seqs, c.head_dim, Some(rope), c.eps, c.attn_scale, c.attn_softcap);
+            b.attn.forward(dev, s, kv, l, batch, slots, seqs, c.head_dim, Some(rope), c.eps, c.attn_scale, c.attn_softcap);
             dev.rms_norm(&s.out, &b.post_attn_norm, c.eps, &mut s.post);
             dev.add(&mut s.x, &s.post);
             // GELU-gated MLP, likewise normed before and after.

@@ -306,6 +306,10 @@ impl<D: MoeOps> Model<D> for Gemma4<D> {
         self.cfg.layers.iter().filter(|l| l.stores_kv).map(|l| KvShape { kv_heads: l.kv_heads, head_dim: l.head_dim }).collect()
     }
 
+    fn kv_groups(&self) -> Vec<usize> {
+        self.cfg.layers.iter().filter(|l| l.stores_kv).map(|l| if l.sliding { 1 } else { 0 }).collect()
+    }
+
     fn layer_states(&self) -> Vec<LayerState> {
         self.cfg
             .layers
@@ -348,9 +352,11 @@ impl<D: MoeOps> Model<D> for Gemma4<D> {
                 dev.map(buf, Map::Scale(std::f32::consts::FRAC_1_SQRT_2));
             }
         }
-        let local_seqs: Vec<AttnSeq<'_>> = batch.seqs.iter().map(|sq| AttnSeq { window: Some(c.window), ..*sq }).collect();
+        // Sliding-window layers keep their KV apart (only the window); a
+        // shared-KV layer reads a layer of its own kind, so of its group.
+        let local_seqs: Vec<AttnSeq<'_>> = batch.window_seqs.iter().map(|sq| AttnSeq { window: Some(c.window), ..*sq }).collect();
         for (l, (b, lc)) in self.blocks.iter().zip(&c.layers).enumerate() {
-            let seqs = if lc.sliding { &local_seqs } else { &batch.seqs };
+            let (slots, seqs) = if lc.sliding { (batch.window_slots, &local_seqs) } else { (batch.slots, &batch.seqs) };
             // Attention: q/k normed per head then rotated; v normed (no weight); scale 1.
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
             match &b.attn.kv {
@@ -364,7 +370,7 @@ impl<D: MoeOps> Model<D> for Gemma4<D> {
                     // K = V: v is the raw k projection, normed.
                     let raw = if p.wv.is_some() { &*v_raw } else { &s.k_raw };
                     dev.rms_norm(raw, &p.v_norm, c.eps, &mut s.v);
-                    dev.kv_write(kv, lc.kv_layer, &s.k, &s.v, batch.slots);
+                    dev.kv_write(kv, lc.kv_layer, &s.k, &s.v, slots);
                 }
                 None => dev.matmul(&s.h, &[&b.attn.wq], &mut [&mut s.q_raw]),
             }

@@ -347,7 +347,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for GraniteHybrid<D> {
             match &b.mixer {
                 Mixer::Mamba(m) => m.forward(dev, &shape, s, &mut mem.state, &seqs)?,
                 Mixer::Attention(a, kv) => {
-                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, c.rope.as_ref(), c.eps, c.attention_multiplier, None);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, batch.slots, &batch.seqs, c.head_dim, c.rope.as_ref(), c.eps, c.attention_multiplier, None);
                 }
             }
             dev.map(&mut s.out, Map::Scale(c.residual_multiplier));

@@ -317,7 +317,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Lfm2<D> {
                     }
                 }
                 Operator::Attention(a, kv) => {
-                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, batch.slots, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
                 }
             }
             dev.add(&mut s.x, &s.out);

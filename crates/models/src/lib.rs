@@ -77,6 +77,14 @@ pub struct Batch<'a> {
     /// KV pool slot each row's k/v is written to.
     pub slots: &'a [u32],
     pub seqs: Vec<AttnSeq<'a>>,
+    /// The same over the window group's blocks (layers in
+    /// [`Model::kv_groups`]' group 1: sliding-window layers, which keep only
+    /// their window): where a window layer writes its rows' k/v and which
+    /// blocks it attends over. Empty for a model without window layers;
+    /// `slots` and `seqs` themselves where the backend keeps full KV in
+    /// every layer.
+    pub window_slots: &'a [u32],
+    pub window_seqs: Vec<AttnSeq<'a>>,
     /// Rows whose logits the caller wants, in order.
     pub logit_rows: &'a [usize],
     /// Each sequence's row in `Memory::state`.
@@ -99,7 +107,7 @@ pub struct ImageAt {
 
 impl<'a> Batch<'a> {
     /// One row, token 0 at position 0 in slot 0 and state row 0, over the
-    /// KV blocks `blocks`: the forward a device sees once before serving
+    /// KV blocks `blocks` (of both groups): the forward a device sees once before serving
     /// (`Device::prepare`), on memory no stream holds yet.
     pub fn warm_up(blocks: &'a [u32]) -> Batch<'a> {
         Batch {
@@ -107,6 +115,8 @@ impl<'a> Batch<'a> {
             positions: &[0],
             slots: &[0],
             seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks, window: None }],
+            window_slots: &[0],
+            window_seqs: vec![AttnSeq { q_start: 0, q_len: 1, kv_len: 1, blocks, window: None }],
             logit_rows: &[0],
             state_slots: &[0],
             images: Vec::new(),
@@ -119,8 +129,8 @@ impl<'a> Batch<'a> {
     pub fn key(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (self.tokens.len(), self.positions, self.slots, self.logit_rows, self.state_slots).hash(&mut h);
-        for s in &self.seqs {
+        (self.tokens.len(), self.positions, self.slots, self.window_slots, self.logit_rows, self.state_slots).hash(&mut h);
+        for s in self.seqs.iter().chain(&self.window_seqs) {
             (s.q_start, s.q_len, s.kv_len, s.blocks, s.window).hash(&mut h);
         }
         self.images.hash(&mut h);
@@ -290,6 +300,13 @@ pub fn image_seqs<'a>(seqs: &[AttnSeq<'a>], images: &[ImageAt]) -> Vec<AttnSeq<'
 pub trait Model<D: Device>: Send + Sync {
     /// One entry per attention layer: the shape its KV needs.
     fn kv_layers(&self) -> Vec<KvShape>;
+    /// The group of each `kv_layers` entry: 0 for a layer that attends
+    /// over the whole context, 1 for a sliding-window layer, which reads
+    /// `Batch::window_slots` and `Batch::window_seqs` (so the backend can
+    /// keep only its window). Every layer in group 0 unless a family says.
+    fn kv_groups(&self) -> Vec<usize> {
+        vec![0; self.kv_layers().len()]
+    }
     /// What each layer keeps per stream.
     fn layer_states(&self) -> Vec<LayerState>;
     /// f32 elements of fixed (non-KV) state per stream, all layers together.

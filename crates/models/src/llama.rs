@@ -200,7 +200,7 @@ impl<D: Device> Model<D> for Llama<D> {
         for (l, b) in self.blocks.iter().enumerate() {
             // Attention (Qwen3: q/k normalised per head before RoPE; Qwen2: q/k/v biased).
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
-            b.attn.forward(dev, s, kv, l, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
+            b.attn.forward(dev, s, kv, l, batch, batch.slots, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
             dev.add(&mut s.x, &s.out);
             // SwiGLU MLP.
             dev.rms_norm(&s.x, &b.ffn_norm, c.eps, &mut s.h);

@@ -221,7 +221,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for MiniMax<D> {
                     c.linear_ab
                 }
                 Mixer::Attention(a, kv) => {
-                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, batch.slots, &batch.seqs, c.head_dim, Some(&c.rope), c.eps, scale, None);
                     c.full_ab
                 }
             };

@@ -355,7 +355,7 @@ impl<D: MoeOps + SparseAttentionOps> Model<D> for MiniMaxM2<D> {
             // Attention: q and k normalised (over the whole width in M2, per
             // head in M3: the norm weight's width says which), then RoPE.
             dev.rms_norm(&s.x, &b.in_norm, c.eps, &mut s.h);
-            b.attn.qkv(dev, s, &mut mem.kv, l, batch, c.head_dim, Some(&c.rope), c.eps);
+            b.attn.qkv(dev, s, &mut mem.kv, l, batch, batch.slots, c.head_dim, Some(&c.rope), c.eps);
             match (&b.indexer, &c.index) {
                 (Some(ix), Some(sel)) => {
                     // The indexer's own q and k (k kept in its KV layer) choose the blocks.

@@ -317,7 +317,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for NemotronH<D> {
                 Layer::Mamba(m) => m.forward(dev, &mamba, s, &mut mem.state, &seqs)?,
                 Layer::Attention(a, kv) => {
                     // No positional encoding.
-                    a.forward(dev, s, &mut mem.kv, *kv, batch, &batch.seqs, c.head_dim, None, c.eps, scale, None);
+                    a.forward(dev, s, &mut mem.kv, *kv, batch, batch.slots, &batch.seqs, c.head_dim, None, c.eps, scale, None);
                 }
                 Layer::Mlp { up, down } => {
                     dev.matmul(&s.h, &[up], &mut [&mut s.up]);

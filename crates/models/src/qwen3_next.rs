@@ -445,7 +445,7 @@ impl<D: RecurrentOps + MoeOps> Model<D> for Qwen3Next<D> {
             match &b.mixer {
                 Mixer::DeltaNet(m) => m.forward(dev, c, s, &mut mem.state, &seqs)?,
                 Mixer::Attention(a, gate_w, kv) => {
-                    a.qkv(dev, s, &mut mem.kv, *kv, batch, c.head_dim, Some(&c.rope), c.eps);
+                    a.qkv(dev, s, &mut mem.kv, *kv, batch, batch.slots, c.head_dim, Some(&c.rope), c.eps);
                     let [gate] = extras(dev, &mut s.extra);
                     dev.matmul(&s.h, &[gate_w], &mut [&mut *gate]);
                     dev.attention(&s.q, &mem.kv, *kv, &batch.seqs, scale, None, &mut s.att);

@@ -415,7 +415,7 @@ impl<D: MoeOps> Gemma3Vision<D> {
         // One layer of KV at a time, in blocks of 16 patches.
         let bt = 16;
         let blocks = n.div_ceil(bt);
-        let spec = KvPoolSpec { blocks, block_tokens: bt, layers: vec![KvShape { kv_heads: cfg.heads, head_dim: hd / cfg.heads }] };
+        let spec = KvPoolSpec::new(blocks, bt, vec![KvShape { kv_heads: cfg.heads, head_dim: hd / cfg.heads }]);
         let t0 = || dev.tensor(0, 0);
         let work = Work {
             // f32 where the device stores it (the CPU: the tower keeps to

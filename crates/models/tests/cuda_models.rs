@@ -155,14 +155,14 @@ enum How {
 /// `ModelBackend::new` shows it).
 fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[u32]) -> Vec<f32> {
     let bt = 16;
-    let spec = KvPoolSpec { blocks: toks.len().div_ceil(bt) + 1, block_tokens: bt, layers: model.kv_layers() };
+    let spec = KvPoolSpec::new(toks.len().div_ceil(bt) + 1, bt, model.kv_layers());
     let mut state = dev.tensor(1, model.state_size());
     if model.state_size() > 0 {
         dev.zero_rows(&mut state, &[0]);
     }
     let mut mem = Memory { kv: dev.kv_pool(&spec, KvDtype::F16).unwrap(), state };
     let mut s = Scratch::new(dev);
-    let table: Vec<u32> = (0..spec.blocks as u32).collect();
+    let table: Vec<u32> = (0..spec.group_blocks[0] as u32).collect();
     if prepare {
         let one = Batch::warm_up(&table);
         dev.prepare(&mut || model.forward(dev, &one, &mut mem, &mut s)).unwrap();
@@ -180,6 +180,8 @@ fn direct(dev: &Cuda, model: &dyn Model<Cuda>, how: How, prepare: bool, toks: &[
             positions: &positions,
             slots: &positions,
             seqs: vec![AttnSeq { q_start: 0, q_len: n, kv_len: start + n, blocks: &table, window: None }],
+            window_slots: &positions,
+            window_seqs: vec![AttnSeq { q_start: 0, q_len: n, kv_len: start + n, blocks: &table, window: None }],
             logit_rows: &rows,
             state_slots: &[0],
             images: Vec::new(),
@@ -991,6 +993,73 @@ fn minimax_m3_fixture_bf16() {
     check_hybrid("minimax_m3_vl_text", "logits_incremental");
 }
 
+/// Gemma 3 with window-only KV on CUDA (blocks of 16, a window of 8: a
+/// 200-token stream holds a few window blocks of its 13): greedy tokens and
+/// logits equal those of full KV in every layer (`window_kv` off) whole and
+/// in chunks of 48, and, fed the CPU's greedy continuation, every row's
+/// top-1 agrees with the CPU's (f32, window-only too) at bf16 tolerance.
+#[test]
+fn gemma3_window_kv_matches_full_kv_and_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let dir = fixture_dir("gemma3_text");
+    let greedy = |be: &mut ModelBackend<Cuda>, prompt: &[u32], cap: usize, n: usize| -> (Vec<f32>, Vec<u32>) {
+        be.open(1).unwrap();
+        let mut out = Vec::new();
+        for c in prompt.chunks(cap) {
+            out.extend(feed(be, 1, c));
+        }
+        let vocab = be.model().vocab();
+        let mut toks = Vec::new();
+        for _ in 0..n {
+            let t = argmax(&out[out.len() - vocab..]) as u32;
+            toks.push(t);
+            out.extend(feed(be, 1, &[t]));
+        }
+        be.forget(1);
+        (out, toks)
+    };
+    let (_src, m) = braid_models::open(&dev, &dir).unwrap();
+    let vocab = m.vocab();
+    let prompt: Vec<u32> = (0..200).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    for cap in [usize::MAX, 48] {
+        let mut window = backend(&dev, &dir);
+        assert!(window.fill().window_blocks_total > 0, "a window group");
+        let (_src, m) = braid_models::open(&dev, &dir).unwrap();
+        let mut full = ModelBackend::new(dev.clone(), m, BackendConfig { window_kv: false, ..gpu_config() }).unwrap();
+        let (w, wt) = greedy(&mut window, &prompt, cap, 40);
+        let (f, ft) = greedy(&mut full, &prompt, cap, 40);
+        let (rel, _, _) = compare(&w, &f, vocab);
+        let bits = w.iter().zip(&f).all(|(a, b)| a.to_bits() == b.to_bits());
+        eprintln!("gemma3 window-only KV on CUDA (chunks of {cap}): rel err {rel:.2e} against full KV, bit-identical {bits}");
+        assert_eq!(wt, ft, "greedy tokens, window-only against full KV (chunks of {cap})");
+        assert!(rel < 1e-5, "window-only KV moved the logits by {rel} (chunks of {cap})");
+    }
+    // The CPU's greedy continuation, teacher-forced on CUDA.
+    let cpu = braid_ops::cpu::Cpu::new(None);
+    let (_src, m) = braid_models::open(&cpu, &dir).unwrap();
+    let mut cb = ModelBackend::new(cpu, m, BackendConfig { kv_dtype: KvDtype::F32, ..gpu_config() }).unwrap();
+    cb.open(1).unwrap();
+    let mut want = feed(&mut cb, 1, &prompt);
+    let mut seq = prompt.clone();
+    for _ in 0..40 {
+        let t = argmax(&want[want.len() - vocab..]) as u32;
+        seq.push(t);
+        want.extend(feed(&mut cb, 1, &[t]));
+    }
+    let mut gb = backend(&dev, &dir);
+    gb.open(1).unwrap();
+    let mut got = feed(&mut gb, 1, &prompt);
+    for &t in &seq[200..] {
+        got.extend(feed(&mut gb, 1, &[t]));
+    }
+    let (rel, agree, rows) = compare(&got, &want, vocab);
+    eprintln!("gemma3 window-only KV, CUDA against the CPU: rel err {rel:.2e}, top-1 agreement {agree}/{rows}");
+    assert!(rel < BF16_REL, "rel err {rel} over the bf16 tolerance");
+    assert!(agree * 10 >= rows * 9, "top-1 agreement {agree}/{rows}");
+    let decode = (199..rows).filter(|&i| argmax(&got[i * vocab..(i + 1) * vocab]) == argmax(&want[i * vocab..(i + 1) * vocab])).count();
+    assert!(decode * 10 >= (rows - 199) * 9, "the decode rows' tokens: {decode}/{} agree with the CPU's", rows - 199);
+}
+
 #[test]
 fn gemma4_fixtures_bf16() {
     check_hybrid("gemma4_text", "logits_incremental");
@@ -1097,8 +1166,8 @@ mod ahead_on_cpu {
         fn kv_write(&self, kv: &mut CpuKv, l: usize, k: &CpuTensor, v: &CpuTensor, s: &[u32]) {
             self.0.kv_write(kv, l, k, v, s)
         }
-        fn kv_copy_blocks(&self, kv: &mut CpuKv, s: &[u32], d: &[u32]) {
-            self.0.kv_copy_blocks(kv, s, d)
+        fn kv_copy_blocks(&self, kv: &mut CpuKv, g: usize, s: &[u32], d: &[u32]) {
+            self.0.kv_copy_blocks(kv, g, s, d)
         }
         fn attention(&self, q: &CpuTensor, kv: &CpuKv, l: usize, s: &[AttnSeq<'_>], sc: f32, c: Option<f32>, o: &mut CpuTensor) {
             self.0.attention(q, kv, l, s, sc, c, o)

@@ -58,13 +58,45 @@ pub struct KvShape {
     pub head_dim: usize,
 }
 
-/// Geometry of a paged KV pool: `blocks` blocks of `block_tokens` token
-/// slots, one [`KvShape`] per attention layer.
+/// Geometry of a paged KV pool: one [`KvShape`] per attention layer, and
+/// the layers in groups (vLLM's KV-cache groups), each group with block
+/// ids of its own: a layer's buffers hold its group's count of blocks of
+/// `block_tokens` token slots. Sliding-window layers that keep only their
+/// window form a group of fewer blocks than the layers that keep all rows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvPoolSpec {
-    pub blocks: usize,
     pub block_tokens: usize,
     pub layers: Vec<KvShape>,
+    /// The group of each layer (as many as `layers`).
+    pub layer_groups: Vec<usize>,
+    /// How many blocks each group holds.
+    pub group_blocks: Vec<usize>,
+}
+
+impl KvPoolSpec {
+    /// One group: every layer holds `blocks` blocks.
+    pub fn new(blocks: usize, block_tokens: usize, layers: Vec<KvShape>) -> KvPoolSpec {
+        KvPoolSpec { block_tokens, layer_groups: vec![0; layers.len()], layers, group_blocks: vec![blocks] }
+    }
+
+    /// Blocks of layer `layer`'s group.
+    pub fn layer_blocks(&self, layer: usize) -> usize {
+        self.group_blocks[self.layer_groups[layer]]
+    }
+
+    /// The layers of group `group`, in pool order.
+    pub fn group_layers(&self, group: usize) -> impl Iterator<Item = usize> + '_ {
+        self.layer_groups.iter().enumerate().filter(move |&(_, &g)| g == group).map(|(l, _)| l)
+    }
+
+    /// Every layer names a group and every group a block count.
+    pub fn check(&self) -> Result<()> {
+        anyhow::ensure!(self.layer_groups.len() == self.layers.len(), "KV pool: {} layer groups for {} layers", self.layer_groups.len(), self.layers.len());
+        if let Some(g) = self.layer_groups.iter().find(|&&g| g >= self.group_blocks.len()) {
+            anyhow::bail!("KV pool: a layer in group {g} of {}", self.group_blocks.len());
+        }
+        Ok(())
+    }
 }
 
 /// One sequence's rows in a recurrent op (short conv, SSM scan, linear
@@ -172,7 +204,8 @@ impl BlockSparse {
                 s.blocks.len()
             );
             ensure!(s.q_start + s.q_len <= q.0, "block_sparse_attention: sequence rows past the batch");
-            ensure!(s.blocks.iter().all(|&b| (b as usize) < spec.blocks), "block_sparse_attention: block past the pool's {}", spec.blocks);
+            let blocks = spec.layer_blocks(layer).min(spec.layer_blocks(index_layer));
+            ensure!(s.blocks.iter().all(|&b| (b as usize) < blocks), "block_sparse_attention: block past the pool's {blocks}");
         }
         Ok((shape, heads, rows))
     }
@@ -352,8 +385,9 @@ pub trait Device: Send + Sync + 'static {
     /// Store each row's k and v at the pool slot `slots[i]`
     /// (`block * block_tokens + offset`).
     fn kv_write(&self, kv: &mut Self::Kv, layer: usize, k: &Self::Tensor, v: &Self::Tensor, slots: &[u32]);
-    /// Copy whole KV blocks (all layers) from `src[i]` to `dst[i]`.
-    fn kv_copy_blocks(&self, kv: &mut Self::Kv, src: &[u32], dst: &[u32]);
+    /// Copy whole KV blocks of group `group` (every layer of that group;
+    /// block ids are the group's own) from `src[i]` to `dst[i]`.
+    fn kv_copy_blocks(&self, kv: &mut Self::Kv, group: usize, src: &[u32], dst: &[u32]);
     /// Causal attention of q rows over each sequence's paged KV; `q` is
     /// `heads × head_dim` wide, `out` likewise.
     #[allow(clippy::too_many_arguments)]

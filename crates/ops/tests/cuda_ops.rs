@@ -273,7 +273,7 @@ fn bad_inputs_are_kept_errors() {
         (
             "a KV slot past the pool",
             Box::new(|d: &Cuda| {
-                let spec = KvPoolSpec { blocks: 2, block_tokens: 16, layers: vec![KvShape { kv_heads: 1, head_dim: 64 }] };
+                let spec = KvPoolSpec::new(2, 16, vec![KvShape { kv_heads: 1, head_dim: 64 }]);
                 let mut pool = d.kv_pool(&spec, KvDtype::F16).unwrap();
                 let k = d.upload(&[1.0; 64], 1, 64).unwrap();
                 d.kv_write(&mut pool, 0, &k, &k, &[32]);
@@ -296,7 +296,7 @@ fn bad_inputs_are_kept_errors() {
     }
     // A KV pool the device does not store.
     let d = gpu().unwrap();
-    let spec = KvPoolSpec { blocks: 1, block_tokens: 16, layers: vec![KvShape { kv_heads: 1, head_dim: 64 }] };
+    let spec = KvPoolSpec::new(1, 16, vec![KvShape { kv_heads: 1, head_dim: 64 }]);
     assert!(d.kv_pool(&spec, KvDtype::F32).is_err(), "an f32 KV pool");
 }
 
@@ -477,11 +477,7 @@ fn run_attention_case(d: &Cuda, r: &mut Rng, c: &Case, tol: f64) {
     let bt = 16;
     let kvw = c.kv_heads * c.hd;
     let total_blocks: usize = c.seqs.iter().map(|s| s.1.div_ceil(bt)).sum::<usize>() + 3;
-    let spec = KvPoolSpec {
-        blocks: total_blocks,
-        block_tokens: bt,
-        layers: vec![KvShape { kv_heads: 1, head_dim: 16 }, KvShape { kv_heads: c.kv_heads, head_dim: c.hd }],
-    };
+    let spec = KvPoolSpec::new(total_blocks, bt, vec![KvShape { kv_heads: 1, head_dim: 16 }, KvShape { kv_heads: c.kv_heads, head_dim: c.hd }]);
     let mut pool = d.kv_pool(&spec, KvDtype::F16).unwrap();
     // Blocks handed out in a shuffled order so tables are not contiguous.
     let mut free: Vec<u32> = (0..total_blocks as u32).collect();
@@ -570,11 +566,42 @@ fn prefill_attention_against_f64() {
     }
 }
 
+/// A pool of two groups (layers 0 and 2 of 4 blocks, layer 1 of 2): a
+/// copy in group 1 moves its layer's block and no other's, and a spec
+/// naming a group without a block count is refused.
+#[test]
+fn kv_groups_hold_their_blocks_and_copy_apart() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    let shape = KvShape { kv_heads: 1, head_dim: 64 };
+    let spec = KvPoolSpec { block_tokens: 16, layers: vec![shape; 3], layer_groups: vec![0, 1, 0], group_blocks: vec![4, 2] };
+    let mut pool = d.kv_pool(&spec, KvDtype::F16).unwrap();
+    let (k, v) = (r.vec(16 * 64, 1.0), r.vec(16 * 64, 1.0));
+    let (gk, gv) = (d.upload(&k, 16, 64).unwrap(), d.upload(&v, 16, 64).unwrap());
+    let slots: Vec<u32> = (0..16).collect();
+    for l in 0..3 {
+        d.kv_write(&mut pool, l, &gk, &gv, &slots);
+    }
+    d.kv_copy_blocks(&mut pool, 1, &[0], &[1]);
+    let q = d.upload(&r.vec(64, 1.0), 1, 64).unwrap();
+    let attend = |pool: &CudaKv, l: usize, block: u32| {
+        let mut out = poisoned(&d, 1, 64);
+        d.attention(&q, pool, l, &[AttnSeq { q_start: 0, q_len: 1, kv_len: 16, blocks: &[block], window: None }], 0.125, None, &mut out);
+        d.download(&out).unwrap()
+    };
+    assert_eq!(attend(&pool, 1, 1), attend(&pool, 1, 0), "group 1's layer copied");
+    assert!(attend(&pool, 1, 1).iter().all(|x| x.is_finite()));
+    // Group 0's layers kept block 1 as made (zeros): attention over it is zero.
+    assert!(attend(&pool, 0, 1).iter().all(|&x| x == 0.0), "group 0 untouched by a copy in group 1");
+    let bad = KvPoolSpec { layer_groups: vec![0, 2, 0], ..spec };
+    assert!(d.kv_pool(&bad, KvDtype::F16).is_err(), "a layer in a group with no block count");
+}
+
 #[test]
 fn kv_copy_blocks_copies_every_layer() {
     let Some(d) = gpu() else { return };
     let mut r = Rng(seed());
-    let spec = KvPoolSpec { blocks: 4, block_tokens: 16, layers: vec![KvShape { kv_heads: 2, head_dim: 64 }; 2] };
+    let spec = KvPoolSpec::new(4, 16, vec![KvShape { kv_heads: 2, head_dim: 64 }; 2]);
     let mut pool = d.kv_pool(&spec, KvDtype::F16).unwrap();
     let w = 128;
     let q = r.vec(8 * 64, 1.0);
@@ -588,7 +615,7 @@ fn kv_copy_blocks_copies_every_layer() {
             for l in 0..2 {
                 d.kv_write(&mut pool, l, &gk, &gv, &slots);
             }
-            d.kv_copy_blocks(&mut pool, &[1], &[3]);
+            d.kv_copy_blocks(&mut pool, 0, &[1], &[3]);
         };
         if inside {
             in_forward(&d, None, &mut ops).unwrap();
@@ -667,7 +694,7 @@ const EPS: f32 = 1e-5;
 const GTABLE: [u32; 3] = [6, 2, 5];
 
 fn gspec(layers: usize) -> KvPoolSpec {
-    KvPoolSpec { blocks: 16, block_tokens: 16, layers: vec![KvShape { kv_heads: GKVH, head_dim: GHD }; layers] }
+    KvPoolSpec::new(16, 16, vec![KvShape { kv_heads: GKVH, head_dim: GHD }; layers])
 }
 
 fn gslots(n: usize) -> Vec<u32> {
@@ -1186,7 +1213,7 @@ fn norm_and_residual_folds_against_f64() {
     let gws: Vec<W> = ws.iter().map(|w| d.weight_from_f32(w, w.len() / k, k).unwrap()).collect();
     let pws: Vec<W> = ws.iter().map(|w| d.weight_from_f32(&fold(w), w.len() / k, k).unwrap()).collect();
     let ones = d.upload(&vec![1.0; k], 1, k).unwrap();
-    let spec = KvPoolSpec { blocks: 4, block_tokens: 16, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+    let spec = KvPoolSpec::new(4, 16, vec![KvShape { kv_heads: kvh, head_dim: hd }]);
     let rope = Rope::new(10000.0, hd, true);
     let probe_q = r.vec(heads * hd, 1.0);
     for rows in [1usize, 2, 3, 6] {
@@ -1568,7 +1595,7 @@ struct MiniRun {
 impl MiniRun {
     fn new(d: &Cuda, host: &MiniHost, prepared: bool, lens: &[usize]) -> MiniRun {
         let m = host.on(d);
-        let spec = KvPoolSpec { blocks: 16, block_tokens: 16, layers: vec![KvShape { kv_heads: MKVH, head_dim: MHD }] };
+        let spec = KvPoolSpec::new(16, 16, vec![KvShape { kv_heads: MKVH, head_dim: MHD }]);
         let mut run = MiniRun { m, kv: d.kv_pool(&spec, KvDtype::F16).unwrap(), s: MiniScratch::new(d), st: Streams { tables: Vec::new(), lens: Vec::new() } };
         run.st.tables = (0..lens.len() as u32).map(|s| (4 * s..4 * s + 4).collect()).collect();
         run.st.lens = vec![0; lens.len()];
@@ -1838,7 +1865,7 @@ fn every_op_leaves_the_bf16_copy_a_product_reads_current() {
         let mut g = d.upload(&y, rows, cols).unwrap();
         check_bf16_copy(&d, &mut r, &format!("embed, {rows} rows"), &mut g, &want, &mut |t| d.embed(&gt, &ids, 0.5, t));
         // Attention's output, against the CPU over the same bf16 KV values.
-        let spec = KvPoolSpec { blocks: 4, block_tokens: 16, layers: vec![KvShape { kv_heads: 1, head_dim: 64 }] };
+        let spec = KvPoolSpec::new(4, 16, vec![KvShape { kv_heads: 1, head_dim: 64 }]);
         let (mut gp, mut cp) = (d.kv_pool(&spec, KvDtype::F16).unwrap(), cpu.kv_pool(&spec, KvDtype::F32).unwrap());
         let kv: Vec<f32> = r.vec(40 * 64, 1.0).into_iter().map(rbf).collect();
         let kslots: Vec<u32> = (0..40).collect();
@@ -2148,7 +2175,7 @@ fn block_sparse_attention_matches_cpu() {
     // (q_len, kv_len) per sequence.
     let seqs_spec = [(1usize, 300usize), (5, 40), (37, 37), (1, 1), (3, 130)];
     let blocks: usize = seqs_spec.iter().map(|s| s.1.div_ceil(bt)).sum::<usize>() + 4;
-    let spec = KvPoolSpec { blocks, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }, KvShape { kv_heads: 1, head_dim: idim }] };
+    let spec = KvPoolSpec::new(blocks, bt, vec![KvShape { kv_heads: kvh, head_dim: hd }, KvShape { kv_heads: 1, head_dim: idim }]);
     let mut gpool = d.kv_pool(&spec, KvDtype::F16).unwrap();
     let mut cpool = cpu.kv_pool(&spec, KvDtype::F32).unwrap();
     let mut free: Vec<u32> = (0..blocks as u32).collect();

@@ -357,7 +357,7 @@ fn block_sparse_case(dtype: KvDtype) {
     let dev = Cpu::new(Some(2));
     let (heads, kvh, hd, idim, ih, n) = (4, 2, 8, 8, 2, 29);
     let bt = 4;
-    let spec = KvPoolSpec { blocks: 8, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }, KvShape { kv_heads: 1, head_dim: idim }] };
+    let spec = KvPoolSpec::new(8, bt, vec![KvShape { kv_heads: kvh, head_dim: hd }, KvShape { kv_heads: 1, head_dim: idim }]);
     let mut kv = dev.kv_pool(&spec, dtype).unwrap();
     // Blocks out of order, to check the table is followed.
     let blocks: Vec<u32> = vec![5, 2, 7, 0, 1, 3, 6, 4];

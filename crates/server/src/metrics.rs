@@ -151,6 +151,16 @@ impl Metrics {
             gauge(&mut out, "braid_fill_used", "State memory in use (KV blocks held by streams and marks; cached blocks give way).", fill.blocks_used as f64);
             gauge(&mut out, "braid_fill_total", "State memory available (KV blocks).", fill.blocks_total as f64);
             gauge(&mut out, "braid_slots_used", "Stream state slots in use.", fill.slots_used as f64);
+            if fill.window_blocks_total > 0 {
+                let (used, total) = (fill.window_blocks_used as f64, fill.window_blocks_total as f64);
+                gauge(
+                    &mut out,
+                    "braid_window_fill_used",
+                    "Window KV blocks held (sliding-window layers keep only their window; cached blocks give way).",
+                    used,
+                );
+                gauge(&mut out, "braid_window_fill_total", "Window KV blocks available (a group of their own, fewer than the KV blocks).", total);
+            }
             let ratio = if fill.blocks_total > 0 { fill.blocks_used as f64 / fill.blocks_total as f64 } else { 0.0 };
             gauge(&mut out, "braid_fill_ratio", "Fraction of state memory in use.", ratio);
             counter(&mut out, "braid_prefill_chunks_total", "Prefill chunks run.", l.prefill_chunks);

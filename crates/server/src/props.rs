@@ -43,6 +43,9 @@ pub(crate) async fn props(State(app): State<Arc<App>>) -> Response {
             "blocks_cached": f.blocks_cached,
             "slots_total": f.slots_total,
             "slots_used": f.slots_used,
+            "window_blocks_total": f.window_blocks_total,
+            "window_blocks_used": f.window_blocks_used,
+            "window_blocks_cached": f.window_blocks_cached,
         })
     });
     let info = loaded.as_ref().map(|l| l.info.clone());

@@ -163,7 +163,7 @@ pub fn assert_bit_identical(what: &str, got: &[f32], want: &[f32], cols: usize) 
 /// would move these logits by ~1e-3), small blocks (so passes cross many
 /// block boundaries and marks share partial blocks), room for a few streams.
 pub fn backend_config() -> BackendConfig {
-    BackendConfig { block_tokens: 4, kv_tokens: 4096, max_streams: 8, max_batch: 512, context: 0, max_marks: 8, kv_dtype: KvDtype::F32 }
+    BackendConfig { block_tokens: 4, kv_tokens: 4096, max_streams: 8, max_batch: 512, context: 0, max_marks: 8, kv_dtype: KvDtype::F32, window_kv: true }
 }
 
 /// One fixture: the model folder, its transformers reference and meta.json.

@@ -54,7 +54,9 @@ struct Task {
 }
 
 impl Task {
-    /// First and last key position any row of the task sees.
+    /// First and last key position any row of the task sees: no key before
+    /// its first row's window is read (a sliding-window layer's blocks
+    /// before it may be let go, their table entries stand-ins).
     fn key_span(&self, s: &AttnSeq<'_>) -> (usize, usize) {
         let first_pos = s.kv_len - s.q_len + self.row0;
         let lo = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));
@@ -617,7 +619,7 @@ mod tests {
         let dev = Cpu::new(Some(2));
         let bt = 4;
         let nb = n.div_ceil(bt);
-        let spec = KvPoolSpec { blocks: nb + 3, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+        let spec = KvPoolSpec::new(nb + 3, bt, vec![KvShape { kv_heads: kvh, head_dim: hd }]);
         // Blocks out of order, as a paged pool hands them out.
         let blocks: Vec<u32> = (0..nb as u32).map(|b| (b * 5 + 2) % (nb as u32 + 3)).collect();
         let mut kv = dev.kv_pool(&spec, crate::KvDtype::F16).unwrap();

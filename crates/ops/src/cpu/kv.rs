@@ -7,8 +7,9 @@ use super::{par_rows, CpuKv, CpuTensor, SendPtr};
 use crate::{AttnSeq, KvDtype, KvPoolSpec};
 
 pub fn kv_pool(spec: &KvPoolSpec, dtype: KvDtype) -> Result<CpuKv> {
-    let slots = spec.blocks * spec.block_tokens;
-    let sizes = spec.layers.iter().map(|l| slots * l.kv_heads * l.head_dim);
+    spec.check()?;
+    // A layer holds its group's blocks.
+    let sizes = spec.layers.iter().enumerate().map(|(i, l)| spec.layer_blocks(i) * spec.block_tokens * l.kv_heads * l.head_dim);
     let (mut k, mut v, mut k32, mut v32) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for n in sizes {
         match dtype {
@@ -48,9 +49,10 @@ pub fn kv_write(kv: &mut CpuKv, layer: usize, k: &CpuTensor, v: &CpuTensor, slot
     }
 }
 
-pub fn kv_copy_blocks(kv: &mut CpuKv, src: &[u32], dst: &[u32]) {
+pub fn kv_copy_blocks(kv: &mut CpuKv, group: usize, src: &[u32], dst: &[u32]) {
     let bt = kv.spec.block_tokens;
-    for layer in 0..kv.spec.layers.len() {
+    let layers: Vec<usize> = kv.spec.group_layers(group).collect();
+    for layer in layers {
         let n = bt * kv.row_width(layer);
         for (&s, &d) in src.iter().zip(dst) {
             let (s, d) = (s as usize * n, d as usize * n);
@@ -93,6 +95,7 @@ pub fn attention_f32(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_
             let ((s, i), h) = (rows[t / heads], t % heads);
             let qrow = s.q_start + i;
             let pos = s.kv_len - s.q_len + i;
+            // From the window's first key: blocks before it may be let go.
             let lo = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let qv = &q.data[qrow * q.cols + h * hd..qrow * q.cols + (h + 1) * hd];
             let kvh = h / group;
@@ -134,7 +137,7 @@ mod tests {
     fn f32_pool_matches_f16_pool_and_keeps_precision() {
         let dev = Cpu::new(Some(2));
         let (hd, kvh, heads, bt, n) = (16, 2, 4, 4, 11);
-        let spec = KvPoolSpec { blocks: 8, block_tokens: bt, layers: vec![KvShape { kv_heads: kvh, head_dim: hd }] };
+        let spec = KvPoolSpec::new(8, bt, vec![KvShape { kv_heads: kvh, head_dim: hd }]);
         // Multiples of 1/64 in [-2, 2]: exact in f16.
         let val = |i: usize| ((i * 37 % 257) as f32 - 128.0) / 64.0;
         let k = dev.upload(&(0..n * kvh * hd).map(val).collect::<Vec<_>>(), n, kvh * hd).unwrap();
@@ -157,9 +160,48 @@ mod tests {
         let mut kv = dev.kv_pool(&spec, KvDtype::F32).unwrap();
         let fine = dev.upload(&vec![1.0 + 1e-6; kvh * hd], 1, kvh * hd).unwrap();
         dev.kv_write(&mut kv, 0, &fine, &fine, &[2]);
-        dev.kv_copy_blocks(&mut kv, &[0], &[3]);
+        dev.kv_copy_blocks(&mut kv, 0, &[0], &[3]);
         assert_eq!(kv.k32[0][(3 * bt + 2) * kvh * hd], 1.0 + 1e-6);
         assert_eq!(kv.v32[0][(3 * bt + 2) * kvh * hd], 1.0 + 1e-6);
         assert!(kv.k.is_empty() && kv.v.is_empty());
+    }
+
+    /// Each layer holds its group's blocks; a copy within a group moves
+    /// that group's layers only, and the spec refuses a layer without a group.
+    #[test]
+    fn layers_hold_their_groups_blocks_and_copies_stay_in_a_group() {
+        let dev = Cpu::new(Some(2));
+        let (bt, kvh, hd) = (4, 1, 8);
+        let shape = KvShape { kv_heads: kvh, head_dim: hd };
+        // Layers 0 and 2 keep all rows (8 blocks), 1 and 3 a window (3 blocks).
+        let spec = KvPoolSpec { block_tokens: bt, layers: vec![shape; 4], layer_groups: vec![0, 1, 0, 1], group_blocks: vec![8, 3] };
+        assert_eq!(spec.group_layers(1).collect::<Vec<_>>(), vec![1, 3]);
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let mut kv = dev.kv_pool(&spec, dtype).unwrap();
+            let len = |l: usize| if dtype == KvDtype::F16 { kv.k[l].len() } else { kv.k32[l].len() };
+            assert_eq!((0..4).map(len).collect::<Vec<_>>(), vec![8 * bt * hd, 3 * bt * hd, 8 * bt * hd, 3 * bt * hd]);
+            let one = dev.upload(&vec![1.0; hd], 1, hd).unwrap();
+            let two = dev.upload(&vec![2.0; hd], 1, hd).unwrap();
+            // Slot 1 (block 0) of every layer; group 1's layers hold 2s.
+            for l in 0..4 {
+                dev.kv_write(&mut kv, l, if l % 2 == 0 { &one } else { &two }, &one, &[1]);
+            }
+            dev.kv_copy_blocks(&mut kv, 1, &[0], &[2]);
+            let at = |kv: &crate::cpu::CpuKv, l: usize, slot: usize| {
+                if dtype == KvDtype::F16 {
+                    kv.k[l][slot * hd].to_f32()
+                } else {
+                    kv.k32[l][slot * hd]
+                }
+            };
+            assert_eq!((at(&kv, 1, 2 * bt + 1), at(&kv, 3, 2 * bt + 1)), (2.0, 2.0), "group 1's layers copied");
+            assert_eq!((at(&kv, 0, 2 * bt + 1), at(&kv, 2, 2 * bt + 1)), (0.0, 0.0), "group 0's layers untouched");
+            dev.kv_copy_blocks(&mut kv, 0, &[0], &[7]);
+            assert_eq!((at(&kv, 0, 7 * bt + 1), at(&kv, 2, 7 * bt + 1)), (1.0, 1.0));
+        }
+        let bad = KvPoolSpec { layer_groups: vec![0, 2, 0, 1], ..spec.clone() };
+        assert!(dev.kv_pool(&bad, KvDtype::F32).is_err(), "a layer in a group with no block count");
+        let short = KvPoolSpec { layer_groups: vec![0], ..spec };
+        assert!(dev.kv_pool(&short, KvDtype::F32).is_err(), "fewer groups named than layers");
     }
 }

@@ -65,7 +65,7 @@ impl CpuWeight {
     }
 }
 
-/// Paged KV: per layer, `blocks × block_tokens` slots of
+/// Paged KV: per layer, its group's `blocks × block_tokens` slots of
 /// `kv_heads × head_dim` values, for K and for V; in f16 (`k`, `v`) or,
 /// for a pool made as [`KvDtype::F32`], in f32 (`k32`, `v32`, the f16
 /// vectors then empty).
@@ -323,8 +323,8 @@ impl Device for Cpu {
         kv::kv_write(kv, layer, k, v, slots)
     }
 
-    fn kv_copy_blocks(&self, kv: &mut CpuKv, src: &[u32], dst: &[u32]) {
-        kv::kv_copy_blocks(kv, src, dst)
+    fn kv_copy_blocks(&self, kv: &mut CpuKv, group: usize, src: &[u32], dst: &[u32]) {
+        kv::kv_copy_blocks(kv, group, src, dst)
     }
 
     fn attention(&self, q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {

@@ -153,17 +153,19 @@ impl Cuda {
         let w = s.kv_heads * s.head_dim;
         ensure!(k.cols == w && v.cols == w, "kv_write: k is {} wide, v {}, the pool holds {w}", k.cols, v.cols);
         ensure!(slots.len() <= k.rows && slots.len() <= v.rows, "kv_write: {} slots for {} rows", slots.len(), k.rows);
-        let total = (kv.spec.blocks * kv.spec.block_tokens) as u32;
+        let total = (kv.spec.layer_blocks(layer) * kv.spec.block_tokens) as u32;
         ensure!(slots.iter().all(|&s| s < total), "kv_write: slot past the pool's {total}");
         let p = if slots.is_empty() { 0 } else { self.put_u32(slots)? };
         self.fusable(OpRec::KvWrite { k: k.tref(), v: v.tref(), kc: kv.k[layer].ptr, vc: kv.v[layer].ptr, width: w, slots: p, nslots: slots.len() })
     }
 
-    pub(super) fn try_kv_copy_blocks(&self, kv: &mut CudaKv, src: &[u32], dst: &[u32]) -> Result<()> {
+    pub(super) fn try_kv_copy_blocks(&self, kv: &mut CudaKv, group: usize, src: &[u32], dst: &[u32]) -> Result<()> {
         let bt = kv.spec.block_tokens;
-        ensure!(src.iter().chain(dst).all(|&b| (b as usize) < kv.spec.blocks), "kv_copy_blocks: block past the pool's {}", kv.spec.blocks);
+        let blocks = *kv.spec.group_blocks.get(group).ok_or_else(|| anyhow!("kv_copy_blocks: no group {group}"))?;
+        ensure!(src.iter().chain(dst).all(|&b| (b as usize) < blocks), "kv_copy_blocks: block past group {group}'s {blocks}");
         self.other(|| {
-            for (l, shape) in kv.spec.layers.iter().enumerate() {
+            for l in kv.spec.group_layers(group) {
+                let shape = kv.spec.layers[l];
                 let n = bt * shape.kv_heads * shape.head_dim * 2;
                 for (&s, &d) in src.iter().zip(dst) {
                     for buf in [&kv.k[l], &kv.v[l]] {

@@ -399,8 +399,8 @@ impl Device for Cuda {
         self.op(|| self.try_kv_write(kv, layer, k, v, slots))
     }
 
-    fn kv_copy_blocks(&self, kv: &mut CudaKv, src: &[u32], dst: &[u32]) {
-        self.op(|| self.try_kv_copy_blocks(kv, src, dst))
+    fn kv_copy_blocks(&self, kv: &mut CudaKv, group: usize, src: &[u32], dst: &[u32]) {
+        self.op(|| self.try_kv_copy_blocks(kv, group, src, dst))
     }
 
     fn attention(&self, q: &CudaTensor, kv: &CudaKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CudaTensor) {

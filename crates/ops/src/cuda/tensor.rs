@@ -61,7 +61,7 @@ impl CudaWeight {
     }
 }
 
-/// Paged KV in bf16: per layer, `blocks × block_tokens` slots of
+/// Paged KV in bf16: per layer, its group's `blocks × block_tokens` slots of
 /// `kv_heads × head_dim` values, for K and for V.
 pub struct CudaKv {
     pub spec: KvPoolSpec,
@@ -153,11 +153,12 @@ impl Cuda {
     }
 
     pub(super) fn new_kv_pool(&self, spec: &KvPoolSpec) -> Result<CudaKv> {
+        spec.check()?;
         rt::make_current(self.ctx())?;
-        let slots = spec.blocks * spec.block_tokens;
         let (mut k, mut v) = (Vec::new(), Vec::new());
-        for l in &spec.layers {
-            let bytes = slots * l.kv_heads * l.head_dim * 2;
+        for (i, l) in spec.layers.iter().enumerate() {
+            // A layer holds its group's blocks.
+            let bytes = spec.layer_blocks(i) * spec.block_tokens * l.kv_heads * l.head_dim * 2;
             for dst in [&mut k, &mut v] {
                 let b = DevBuf::new(self.ctx(), bytes)?;
                 if bytes > 0 {

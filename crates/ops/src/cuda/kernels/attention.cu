@@ -122,6 +122,8 @@ __device__ __forceinline__ void attn_decode_body(
     const unsigned* blocks = meta + off_bt + st[4];
     const int row = q_start + i;
     const int pos = kv_len - q_len + i;
+    // Keys from the window's first on: a sliding-window layer's blocks
+    // before it may be let go (their table entries stand-ins), never read.
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
     const int n = pos + 1 - lo;
     int chunk = (n + nsplit - 1) / nsplit;
@@ -345,6 +347,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     const int lo1 = window > 0 ? max(0, p1 + 1 - window) : 0;
     const int last_row = min(i0 + PF_BQ - 1, q_len - 1);
     const int key_hi = base_pos + last_row;  // inclusive
+    // Tiles start at the tile's first row's window (blocks before it may be
+    // let go, their entries stand-ins: never loaded); later rows mask more.
     const int key_lo = window > 0 ? max(0, base_pos + i0 + 1 - window) : 0;
     // This warp's rows: first and last position, smallest and largest window start.
     const int wr_first = i0 + warp * 16;

@@ -1,8 +1,10 @@
-//! Causal attention over paged f16 KV, batched over sequences of any length.
+//! Causal attention over paged KV (f16 or f32), batched over sequences of
+//! any length.
 //!
 //! A task is one (sequence, KV head, block of up to `QB` query rows): every
 //! query head of that KV head's group and every row of the block share each
-//! key and value row, which is converted from f16 once per task. Keys are
+//! key and value row, which is converted from f16 (or copied) once per
+//! task. Keys are
 //! visited in tiles of `KB` positions aligned to absolute positions; in each
 //! tile a query scores the keys it may see, exponentiates them together
 //! (vectorized `exp`), and folds them into its running max, sum and
@@ -27,7 +29,7 @@ use std::cell::RefCell;
 use half::f16;
 
 use super::{pool, vmath, CpuKv, CpuTensor, SendPtr};
-use crate::AttnSeq;
+use crate::{AttnSeq, KvDtype};
 
 const MAX_HEAD_DIM: usize = 512;
 /// Query rows per task.
@@ -445,7 +447,10 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     let shape = c.kv.spec.layers[c.layer];
     let kv_w = shape.kv_heads * hd;
     let bt = c.kv.spec.block_tokens;
-    let (kc, vc) = (&c.kv.k[c.layer], &c.kv.v[c.layer]);
+    // The pool's rows as it holds them: f16 (converted once per task and
+    // tile) or f32 (copied).
+    let (kc, vc): (&[f16], &[f16]) = if c.kv.dtype == KvDtype::F16 { (&c.kv.k[c.layer], &c.kv.v[c.layer]) } else { (&[], &[]) };
+    let (k32, v32): (&[f32], &[f32]) = if c.kv.dtype == KvDtype::F32 { (&c.kv.k32[c.layer], &c.kv.v32[c.layer]) } else { (&[], &[]) };
     let nq = t.rows * c.group;
     // Per query: the partition's running max, sum and accumulator, and the
     // total over partitions (acc, m, l side by side); then the tiles.
@@ -494,8 +499,13 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
             let slot = s.blocks[j / bt] as usize * bt + j % bt;
             let off = slot * kv_w + t.kv_head * hd;
             let r = (j - t0) * hd;
-            K::load_f16(&kc[off..off + hd], &mut kf[r..r + hd]);
-            K::load_f16(&vc[off..off + hd], &mut vf[r..r + hd]);
+            if kc.is_empty() {
+                kf[r..r + hd].copy_from_slice(&k32[off..off + hd]);
+                vf[r..r + hd].copy_from_slice(&v32[off..off + hd]);
+            } else {
+                K::load_f16(&kc[off..off + hd], &mut kf[r..r + hd]);
+                K::load_f16(&vc[off..off + hd], &mut vf[r..r + hd]);
+            }
         }
         for i in 0..t.rows {
             let pos = first_pos + i;

@@ -3,8 +3,8 @@
 use anyhow::Result;
 use half::f16;
 
-use super::{par_rows, CpuKv, CpuTensor, SendPtr};
-use crate::{AttnSeq, KvDtype, KvPoolSpec};
+use super::{CpuKv, CpuTensor};
+use crate::{KvDtype, KvPoolSpec};
 
 pub fn kv_pool(spec: &KvPoolSpec, dtype: KvDtype) -> Result<CpuKv> {
     spec.check()?;
@@ -68,62 +68,6 @@ pub fn kv_copy_blocks(kv: &mut CpuKv, group: usize, src: &[u32], dst: &[u32]) {
             }
         }
     }
-}
-
-/// Causal attention over an f32 pool: one task per (row, query head), keys
-/// visited in position order with an online softmax, so a row's result does
-/// not depend on the batch or chunk it sits in. (The f16 pool has its own,
-/// tuned kernel in `attention`; this one serves exact reference runs.)
-pub fn attention_f32(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
-    assert_eq!(kv.dtype, KvDtype::F32, "attention_f32 over an f16 pool");
-    let shape = kv.spec.layers[layer];
-    let hd = shape.head_dim;
-    let heads = q.cols / hd;
-    let group = heads / shape.kv_heads;
-    let kv_w = shape.kv_heads * hd;
-    let bt = kv.spec.block_tokens;
-    let (kc, vc) = (&kv.k32[layer], &kv.v32[layer]);
-    let mut rows = Vec::new();
-    for s in seqs {
-        rows.extend((0..s.q_len).map(|i| (s, i)));
-    }
-    let optr = SendPtr(out.data.as_mut_ptr());
-    let n = rows.len() * heads;
-    let body = |range: std::ops::Range<usize>| {
-        let mut acc = vec![0f32; hd];
-        for t in range {
-            let ((s, i), h) = (rows[t / heads], t % heads);
-            let qrow = s.q_start + i;
-            let pos = s.kv_len - s.q_len + i;
-            // From the window's first key: blocks before it may be let go.
-            let lo = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qv = &q.data[qrow * q.cols + h * hd..qrow * q.cols + (h + 1) * hd];
-            let kvh = h / group;
-            acc.fill(0.0);
-            let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-            for j in lo..=pos {
-                let off = (s.blocks[j / bt] as usize * bt + j % bt) * kv_w + kvh * hd;
-                let mut score = qv.iter().zip(&kc[off..off + hd]).map(|(a, b)| a * b).sum::<f32>() * scale;
-                if let Some(cap) = softcap {
-                    score = cap * (score / cap).tanh();
-                }
-                let new_m = m.max(score);
-                let corr = (m - new_m).exp();
-                let p = (score - new_m).exp();
-                l = l * corr + p;
-                for (a, v) in acc.iter_mut().zip(&vc[off..off + hd]) {
-                    *a = *a * corr + p * v;
-                }
-                m = new_m;
-            }
-            // SAFETY: each (row, head) is written by exactly one task.
-            let dst = unsafe { optr.slice(qrow * q.cols + h * hd, hd) };
-            for (d, a) in dst.iter_mut().zip(&acc) {
-                *d = a / l;
-            }
-        }
-    };
-    par_rows(n, &body);
 }
 
 #[cfg(test)]

@@ -329,10 +329,7 @@ impl Device for Cpu {
 
     fn attention(&self, q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
         self.resize(out, q.rows, q.cols);
-        match kv.dtype {
-            KvDtype::F16 => attention::paged_attention(q, kv, layer, seqs, scale, softcap, out),
-            KvDtype::F32 => kv::attention_f32(q, kv, layer, seqs, scale, softcap, out),
-        }
+        attention::paged_attention(q, kv, layer, seqs, scale, softcap, out)
     }
 
     fn copy_rows(&self, t: &mut CpuTensor, src: &[u32], dst: &[u32]) {

@@ -20,14 +20,12 @@ use crate::sampling::Sampler;
 pub(super) enum Need {
     /// The argmax alone (plain greedy, no logprobs).
     Argmax,
-    /// The argmax within the stream's mask (greedy, guided): picked where
-    /// the backend picks argmax (it finds the masks then), else the row.
-    MaskedArgmax,
     /// The row's `k` largest logits (no penalty, no logprobs).
     Top(usize),
-    /// The `k` largest logits within the stream's mask (sampled, guided,
-    /// no penalty): found where the backend finds top-k (it asks for the
-    /// masks then), else the row.
+    /// [`Need::Argmax`], [`Need::Top`] within the stream's mask (guided,
+    /// no penalty): picked where the backend picks (it asks for the masks
+    /// then), else the row.
+    MaskedArgmax,
     MaskedTop(usize),
     /// The whole row.
     Logits,
@@ -248,9 +246,9 @@ fn sized(p: &Prefill<'_>, rows: Option<usize>, room: usize) -> Option<PlannedChu
 
 /// What the backend returns per decode token row: the argmax when every
 /// stream takes it (and the backend picks it), the top k when every stream
-/// samples from its top k alone (k below the vocabulary and within what
-/// the backend returns; a greedy guided stream's top 1 within its mask is
-/// its masked argmax), else whole logits rows.
+/// samples from its top k alone (k below the vocabulary and within what the
+/// backend returns; a greedy guided row's top 1 is its masked argmax), else
+/// whole logits rows.
 fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -> Pick {
     if needs.clone().next().is_none() {
         return Pick::Logits;
@@ -258,19 +256,14 @@ fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -
     if picks.argmax && needs.clone().all(|n| matches!(n, Need::Argmax | Need::MaskedArgmax)) {
         return Pick::Argmax;
     }
-    let most = picks.top_k.min(vocab.saturating_sub(1));
-    let mut k = 1;
-    for n in needs {
-        match n {
-            Need::Argmax | Need::MaskedArgmax => {}
-            Need::Top(n) | Need::MaskedTop(n) => k = k.max(n),
-            Need::Logits => return Pick::Logits,
-        }
-    }
-    if k <= most {
-        Pick::TopK(k)
-    } else {
-        Pick::Logits
+    let mut k = needs.map(|n| match n {
+        Need::Argmax | Need::MaskedArgmax => Some(1),
+        Need::Top(n) | Need::MaskedTop(n) => Some(n),
+        Need::Logits => None,
+    });
+    match k.try_fold(1, |k, n| n.map(|n| k.max(n))) {
+        Some(k) if k <= picks.top_k.min(vocab.saturating_sub(1)) => Pick::TopK(k),
+        _ => Pick::Logits,
     }
 }
 
@@ -492,15 +485,11 @@ mod tests {
         assert_eq!(pick_of(&[Argmax, Top(5), Top(12)], both), Pick::TopK(12));
         assert_eq!(pick_of(&[Argmax, Top(17)], both), Pick::Logits, "k past what the backend returns");
         assert_eq!(pick_of(&[Argmax, Top(64)], Picks { argmax: true, top_k: 100 }), Pick::Logits, "k not below the vocabulary");
-        assert_eq!(pick_of(&[Argmax, Logits], both), Pick::Logits);
-        assert_eq!(pick_of(&[Argmax], Picks::default()), Pick::Logits);
-        // A guided greedy row is picked where argmax is, else it takes its row.
-        assert_eq!(pick_of(&[Argmax, MaskedArgmax], both), Pick::Argmax);
-        // Masked rows go where the backend picks on the device: a greedy
-        // guided row's top 1 within its mask is its masked argmax.
-        assert_eq!((pick_of(&[MaskedArgmax, Top(5)], both), pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 })), (Pick::TopK(5), Pick::TopK(1)));
-        assert_eq!((pick_of(&[MaskedTop(12), Argmax], both), pick_of(&[MaskedTop(40)], both)), (Pick::TopK(12), Pick::Logits));
-        assert_eq!(pick_of(&[MaskedTop(3), Logits], both), Pick::Logits);
+        assert_eq!((pick_of(&[Argmax, Logits], both), pick_of(&[Argmax], Picks::default())), (Pick::Logits, Pick::Logits));
+        // Guided rows are picked where the backend picks (a greedy one's top 1 within its mask is its masked argmax).
+        assert_eq!((pick_of(&[Argmax, MaskedArgmax], both), pick_of(&[MaskedArgmax, Top(5)], both)), (Pick::Argmax, Pick::TopK(5)));
+        assert_eq!((pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 }), pick_of(&[MaskedTop(12), Argmax], both)), (Pick::TopK(1), Pick::TopK(12)));
+        assert_eq!((pick_of(&[MaskedTop(40)], both), pick_of(&[MaskedTop(3), Logits], both)), (Pick::Logits, Pick::Logits));
         // Drafts and a chunk leave the pick as it is.
         let c = cuts(20, 8, false);
         let mut v = view(vec![Decoder { need: Argmax, ..dec(0, 3, &[1, 2]) }], pass(1, &c, 0));

@@ -35,9 +35,18 @@ use braid_engine::{
     window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks,
     RoundOut, Step, StreamId, IMAGE_IDS,
 };
-use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec, RowPick, RowPicked};
+use braid_ops::{Device, Forward, KvDtype, RowPick, RowPicked};
 
-use crate::{Batch, ImageAt, LayerState, Memory, Model, Scratch};
+use crate::{Batch, Memory, Model, Scratch};
+
+mod layout;
+mod picks;
+mod rows;
+
+pub use layout::KvLayout;
+use layout::WindowGroup;
+use picks::{empty, launched_rows, merge, resolve, select};
+use rows::{image_rows, RowArrays};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
 /// are keyed for replay, and so are those that add a prompt chunk of a
@@ -149,85 +158,6 @@ struct Launched {
     /// twice a round's time on the H200). Their slots are free already
     /// (attention-only models, the only ones launched ahead, read none).
     gone: Vec<(StreamId, StreamState)>,
-}
-
-/// The window group: the block ids of the KV of sliding-window layers,
-/// which read only the last `window` keys before a row. A stream's table
-/// there has an entry for each of its rows' blocks, as the full table, but
-/// holds only those from the window of its last forward's first row, less
-/// [`REWIND_ROWS`]: after each forward, the blocks all of whose rows lie
-/// before that are let go (they stay cached, idle, like any block a stream
-/// lets go), and their entries name the first block still held. Every
-/// attention kernel starts a query's keys at its window's first row
-/// (CPU `attention` and `kv::attention_f32`; CUDA's decode and prefill
-/// kernels, whose tiles begin at the first row's window), so none reads a
-/// block let go; the stand-ins keep even a masked read in valid memory.
-struct WindowGroup {
-    pool: BlockPool,
-    window: usize,
-}
-
-/// How many blocks the window group holds, for `window` keys over a full
-/// group of `full` blocks, with `marks` marks kept at most. Between
-/// forwards a stream holds the blocks of rows `window + REWIND_ROWS` before
-/// its last forward's start through its length: `ceil((window +
-/// REWIND_ROWS) / bt) + 2` at most, besides the rows of its last and its
-/// next round (each round's at most `max_batch` over all streams); a mark
-/// holds as many. Every stream and every mark at once fits (and a stream
-/// per slot more: those a round launched ahead keeps a round after they
-/// left), and an eighth of the full group more keeps cached windows (a
-/// prefix is reused only where its window is cached), so the room grows
-/// with `kv_tokens`. Never more than the full group: a stream or mark holds
-/// no more window blocks than full ones, so the window group cannot fill
-/// before the full one, and admission by the full group is sound. The
-/// group is smaller where streams are long: with a full group of
-/// `max_streams` whole contexts (`braid serve` on a GPU), by about the
-/// window's share of the context.
-fn window_blocks(cfg: &BackendConfig, window: usize, marks: usize, full: usize) -> usize {
-    let bt = cfg.block_tokens;
-    let per = (window + REWIND_ROWS).div_ceil(bt) + 2;
-    let held = (2 * cfg.max_streams + marks) * per + 2 * cfg.max_batch.div_ceil(bt);
-    (held + full.div_ceil(8)).min(full)
-}
-
-/// The KV pool `ModelBackend::new` makes for a model under a config.
-pub struct KvLayout {
-    pub spec: KvPoolSpec,
-    /// The window of the window group's layers, when they have one.
-    pub window: Option<usize>,
-    /// The model has window layers, kept over the full group's blocks.
-    pub over_full: bool,
-}
-
-impl KvLayout {
-    pub fn of<D: Device>(model: &dyn Model<D>, cfg: &BackendConfig) -> Result<KvLayout> {
-        let blocks_total = cfg.kv_tokens.div_ceil(cfg.block_tokens.max(1)).max(1);
-        let (layers, groups) = (model.kv_layers(), model.kv_groups());
-        ensure!(groups.len() == layers.len() && groups.iter().all(|&g| g < 2), "the model names KV groups {groups:?} for {} KV layers", layers.len());
-        let states = model.layer_states();
-        let window = states.iter().filter_map(|l| if let LayerState::SlidingKv { window } = l { Some(*window) } else { None }).max();
-        let window = window.filter(|_| groups.contains(&1));
-        // A lane keeps no marks for a backend that caches blocks (attention only).
-        let caches_blocks = states.iter().all(|l| l.rewindable()) && model.state_size() == 0;
-        let marks = if caches_blocks { 0 } else { cfg.max_marks };
-        Ok(match window.filter(|_| cfg.window_kv) {
-            Some(w) => {
-                let group_blocks = vec![blocks_total, window_blocks(cfg, w, marks, blocks_total)];
-                KvLayout { spec: KvPoolSpec { block_tokens: cfg.block_tokens, layers, layer_groups: groups, group_blocks }, window: Some(w), over_full: false }
-            }
-            None => KvLayout { spec: KvPoolSpec::new(blocks_total, cfg.block_tokens, layers), window: None, over_full: window.is_some() },
-        })
-    }
-
-    /// The pool's bytes at `elem` bytes an element (keys and values), or
-    /// `None` past `usize`.
-    pub fn bytes(&self, elem: usize) -> Option<usize> {
-        let s = &self.spec;
-        s.layers.iter().enumerate().try_fold(0usize, |sum, (i, l)| {
-            let n = s.layer_blocks(i).checked_mul(s.block_tokens)?.checked_mul(2 * elem * l.kv_heads * l.head_dim)?;
-            sum.checked_add(n)
-        })
-    }
 }
 
 pub struct ModelBackend<D: Device> {
@@ -763,123 +693,6 @@ impl<D: Device> ModelBackend<D> {
     }
 }
 
-/// The image rows of a chunk of prompt rows `start .. end` that begins at
-/// batch row `first`, from the pass's image spans (index = image rows).
-fn image_rows(spans: &[(usize, usize)], start: usize, end: usize, first: usize) -> Vec<ImageAt> {
-    spans
-        .iter()
-        .enumerate()
-        .filter(|(_, &(a, b))| a < end && b > start)
-        .map(|(tensor, &(a, b))| {
-            let from = a.max(start);
-            ImageAt { row: first + from - start, len: b.min(end) - from, offset: from - a, tensor }
-        })
-        .collect()
-}
-
-/// No rows, in the shape `pick` asks for.
-/// The pick of an argmax or top-k round with guided rows, once their masks
-/// are asked for: the same pick within each row's mask (the bits of every
-/// row, an unguided one's all set), or the rows themselves when a mask is
-/// late.
-fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, vocab: usize) -> (Pick, Option<Vec<u32>>) {
-    let Some(masks) = masks.filter(|_| matches!(pick, Pick::Argmax | Pick::TopK(_))) else { return (pick, None) };
-    let Some(masks) = masks.masks().filter(|m| m.len() == rows) else { return (Pick::Logits, None) };
-    let words = vocab.div_ceil(32);
-    let mut bits = vec![u32::MAX; rows * words];
-    for (row, m) in bits.chunks_mut(words).zip(masks) {
-        if let Some(m) = m {
-            let w = m.words();
-            row.iter_mut().enumerate().for_each(|(i, b)| *b = w.get(i).copied().unwrap_or(0));
-        }
-    }
-    (pick, Some(bits))
-}
-
-fn empty(pick: Pick) -> Picked {
-    match pick {
-        Pick::Logits => Picked::Logits(Vec::new()),
-        Pick::Argmax => Picked::Tokens(Vec::new()),
-        Pick::TopK(_) => Picked::Top(Vec::new()),
-    }
-}
-
-/// A forward's host arrays over `(stream, tokens)` parts, each stream's
-/// rows starting at its current length.
-struct RowArrays {
-    tokens: Vec<u32>,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    /// Each row's slot in the window group (empty without one).
-    window_slots: Vec<u32>,
-    /// Each part's (first row, rows, KV rows after it).
-    ranges: Vec<(usize, usize, usize)>,
-    state_slots: Vec<u32>,
-}
-
-impl RowArrays {
-    /// `windowed`: the streams have window-group tables.
-    fn new(streams: &HashMap<StreamId, StreamState>, bt: usize, parts: &[(StreamId, &[u32])], windowed: bool) -> RowArrays {
-        let mut r = RowArrays {
-            tokens: Vec::new(),
-            positions: Vec::new(),
-            slots: Vec::new(),
-            window_slots: Vec::new(),
-            ranges: Vec::new(),
-            state_slots: Vec::with_capacity(parts.len()),
-        };
-        for &(id, toks) in parts {
-            let st = &streams[&id];
-            let start = st.len;
-            r.state_slots.push(st.slot);
-            r.ranges.push((r.tokens.len(), toks.len(), start + toks.len()));
-            for (i, &t) in toks.iter().enumerate() {
-                let pos = start + i;
-                // An image row's id names its image for the prefix cache; the
-                // model embeds it as any token and puts the image's row there.
-                r.tokens.push(if t >= IMAGE_IDS { 0 } else { t });
-                r.positions.push(pos as u32);
-                r.slots.push(st.table.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
-                if windowed {
-                    r.window_slots.push(st.win.blocks[pos / bt] * bt as u32 + (pos % bt) as u32);
-                }
-            }
-        }
-        r
-    }
-
-    /// `over_full`: window layers read the full group's rows (there is no
-    /// window group, yet the model has window layers).
-    fn batch<'a>(&'a self, streams: &'a HashMap<StreamId, StreamState>, parts: &[(StreamId, &[u32])], logit_rows: &'a [usize], over_full: bool) -> Batch<'a> {
-        let seqs_over = |table: fn(&StreamState) -> &BlockTable| -> Vec<AttnSeq<'a>> {
-            parts
-                .iter()
-                .zip(&self.ranges)
-                .map(|(&(id, _), &(q_start, q_len, kv_len))| AttnSeq { q_start, q_len, kv_len, blocks: &table(&streams[&id]).blocks, window: None })
-                .collect()
-        };
-        let seqs = seqs_over(|st| &st.table);
-        let (window_slots, window_seqs) = if over_full {
-            (&self.slots[..], seqs.clone())
-        } else if self.window_slots.is_empty() {
-            (&[][..], Vec::new())
-        } else {
-            (&self.window_slots[..], seqs_over(|st| &st.win))
-        };
-        Batch {
-            tokens: &self.tokens,
-            positions: &self.positions,
-            slots: &self.slots,
-            seqs,
-            window_slots,
-            window_seqs,
-            logit_rows,
-            state_slots: &self.state_slots,
-            images: Vec::new(),
-        }
-    }
-}
-
 impl<D: Device> Backend for ModelBackend<D> {
     fn capabilities(&self) -> Capabilities {
         let caps = self.dev.caps();
@@ -1146,55 +959,5 @@ impl<D: Device> Backend for ModelBackend<D> {
             }
             _ => self.release(vec![(stream, st)]),
         }
-    }
-}
-
-/// The rows a launched round feeds: each stream the token just picked for it.
-fn launched_rows(rows: &[DecodeRow], picked: &Picked) -> Vec<(StreamId, u32)> {
-    match picked {
-        Picked::Tokens(t) => rows.iter().zip(t).map(|(r, &t)| (r.stream, t)).collect(),
-        _ => Vec::new(),
-    }
-}
-
-/// The picks of rows `idx` (one token row each) of `all`, in that order.
-fn select(all: &Picked, idx: impl Iterator<Item = usize>, vocab: usize) -> Picked {
-    match all {
-        Picked::Logits(v) => Picked::Logits(idx.flat_map(|i| v[i * vocab..(i + 1) * vocab].iter().copied()).collect()),
-        Picked::Tokens(t) => Picked::Tokens(idx.map(|i| t[i]).collect()),
-        Picked::Top(t) => Picked::Top(idx.map(|i| t[i].clone()).collect()),
-    }
-}
-
-/// The picks of `rows` in order: the `served` rows' from `first`, the
-/// others' from `second` (both in row order).
-fn merge(rows: &[DecodeRow], served: &[usize], first: Picked, second: Picked, vocab: usize) -> Picked {
-    fn interleave<T: Clone>(rows: &[DecodeRow], served: &[usize], a: Vec<Vec<T>>, b: Vec<Vec<T>>) -> Vec<T> {
-        let (mut a, mut b) = (a.into_iter(), b.into_iter());
-        let mut out = Vec::new();
-        for i in 0..rows.len() {
-            let part = if served.contains(&i) { a.next() } else { b.next() };
-            out.extend(part.unwrap_or_default());
-        }
-        out
-    }
-    // Split each side into per-row groups (a decode row may hold several
-    // token rows: drafts), then interleave in row order.
-    let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
-    let served_lens: Vec<usize> = served.iter().map(|&i| lens[i]).collect();
-    let rest_lens: Vec<usize> = (0..rows.len()).filter(|i| !served.contains(i)).map(|i| lens[i]).collect();
-    fn groups<T: Clone>(v: Vec<T>, lens: &[usize], width: usize) -> Vec<Vec<T>> {
-        let mut out = Vec::with_capacity(lens.len());
-        let mut it = v.into_iter();
-        for &n in lens {
-            out.push(it.by_ref().take(n * width).collect());
-        }
-        out
-    }
-    match (first, second) {
-        (Picked::Logits(a), Picked::Logits(b)) => Picked::Logits(interleave(rows, served, groups(a, &served_lens, vocab), groups(b, &rest_lens, vocab))),
-        (Picked::Tokens(a), Picked::Tokens(b)) => Picked::Tokens(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
-        (Picked::Top(a), Picked::Top(b)) => Picked::Top(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
-        (a, _) => a,
     }
 }

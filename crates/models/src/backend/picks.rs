@@ -1,0 +1,81 @@
+//! A round's picks: guided rows' masks as bits, and picks split between
+//! a round launched ahead and the rest, and merged back in row order.
+
+use braid_engine::{DecodeRow, Pick, Picked, RoundMasks, StreamId};
+
+/// The pick of an argmax or top-k round with guided rows, once their masks
+/// are asked for: the same pick within each row's mask (the bits of every
+/// row, an unguided one's all set), or the rows themselves when a mask is
+/// late.
+pub(super) fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, vocab: usize) -> (Pick, Option<Vec<u32>>) {
+    let Some(masks) = masks.filter(|_| matches!(pick, Pick::Argmax | Pick::TopK(_))) else { return (pick, None) };
+    let Some(masks) = masks.masks().filter(|m| m.len() == rows) else { return (Pick::Logits, None) };
+    let words = vocab.div_ceil(32);
+    let mut bits = vec![u32::MAX; rows * words];
+    for (row, m) in bits.chunks_mut(words).zip(masks) {
+        if let Some(m) = m {
+            let w = m.words();
+            row.iter_mut().enumerate().for_each(|(i, b)| *b = w.get(i).copied().unwrap_or(0));
+        }
+    }
+    (pick, Some(bits))
+}
+
+/// No rows, in the shape `pick` asks for.
+pub(super) fn empty(pick: Pick) -> Picked {
+    match pick {
+        Pick::Logits => Picked::Logits(Vec::new()),
+        Pick::Argmax => Picked::Tokens(Vec::new()),
+        Pick::TopK(_) => Picked::Top(Vec::new()),
+    }
+}
+
+/// The rows a launched round feeds: each stream the token just picked for it.
+pub(super) fn launched_rows(rows: &[DecodeRow], picked: &Picked) -> Vec<(StreamId, u32)> {
+    match picked {
+        Picked::Tokens(t) => rows.iter().zip(t).map(|(r, &t)| (r.stream, t)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The picks of rows `idx` (one token row each) of `all`, in that order.
+pub(super) fn select(all: &Picked, idx: impl Iterator<Item = usize>, vocab: usize) -> Picked {
+    match all {
+        Picked::Logits(v) => Picked::Logits(idx.flat_map(|i| v[i * vocab..(i + 1) * vocab].iter().copied()).collect()),
+        Picked::Tokens(t) => Picked::Tokens(idx.map(|i| t[i]).collect()),
+        Picked::Top(t) => Picked::Top(idx.map(|i| t[i].clone()).collect()),
+    }
+}
+
+/// The picks of `rows` in order: the `served` rows' from `first`, the
+/// others' from `second` (both in row order).
+pub(super) fn merge(rows: &[DecodeRow], served: &[usize], first: Picked, second: Picked, vocab: usize) -> Picked {
+    fn interleave<T: Clone>(rows: &[DecodeRow], served: &[usize], a: Vec<Vec<T>>, b: Vec<Vec<T>>) -> Vec<T> {
+        let (mut a, mut b) = (a.into_iter(), b.into_iter());
+        let mut out = Vec::new();
+        for i in 0..rows.len() {
+            let part = if served.contains(&i) { a.next() } else { b.next() };
+            out.extend(part.unwrap_or_default());
+        }
+        out
+    }
+    // Split each side into per-row groups (a decode row may hold several
+    // token rows: drafts), then interleave in row order.
+    let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
+    let served_lens: Vec<usize> = served.iter().map(|&i| lens[i]).collect();
+    let rest_lens: Vec<usize> = (0..rows.len()).filter(|i| !served.contains(i)).map(|i| lens[i]).collect();
+    fn groups<T: Clone>(v: Vec<T>, lens: &[usize], width: usize) -> Vec<Vec<T>> {
+        let mut out = Vec::with_capacity(lens.len());
+        let mut it = v.into_iter();
+        for &n in lens {
+            out.push(it.by_ref().take(n * width).collect());
+        }
+        out
+    }
+    match (first, second) {
+        (Picked::Logits(a), Picked::Logits(b)) => Picked::Logits(interleave(rows, served, groups(a, &served_lens, vocab), groups(b, &rest_lens, vocab))),
+        (Picked::Tokens(a), Picked::Tokens(b)) => Picked::Tokens(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
+        (Picked::Top(a), Picked::Top(b)) => Picked::Top(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
+        (a, _) => a,
+    }
+}

@@ -53,6 +53,11 @@ struct Task {
     /// `slot` of the partials buffer (no output).
     part: Option<usize>,
     slot: usize,
+    /// The rows are the one query of each of `rows` sequences from `seq`
+    /// on that see the same keys (consecutive rows of `q`: an image's
+    /// patches, each a query over all of them), so they share each key
+    /// tile as a block's rows do.
+    fan: bool,
 }
 
 impl Task {
@@ -62,7 +67,7 @@ impl Task {
     fn key_span(&self, s: &AttnSeq<'_>) -> (usize, usize) {
         let first_pos = s.kv_len - s.q_len + self.row0;
         let lo = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));
-        (lo, first_pos + self.rows - 1)
+        (lo, if self.fan { first_pos } else { first_pos + self.rows - 1 })
     }
 }
 
@@ -108,12 +113,21 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
     let mut tasks = Vec::new();
     let mut groups = Vec::new();
     let mut slots = 0usize;
-    for (si, s) in seqs.iter().enumerate() {
+    let mut si = 0;
+    while si < seqs.len() {
+        let s = &seqs[si];
+        // Single-query sequences over the same keys, one row after another.
+        let fans = |j: usize| {
+            let t = &seqs[si + j];
+            t.q_len == 1 && t.kv_len == s.kv_len && t.window == s.window && std::ptr::eq(t.blocks, s.blocks) && t.q_start == s.q_start + j
+        };
+        let fan_rows = if s.q_len == 1 { 1 + (1..qb.min(seqs.len() - si)).take_while(|&j| fans(j)).count() } else { 1 };
+        let fan = fan_rows > 1;
         for kv_head in 0..shape.kv_heads {
             let mut r = 0;
             while r < s.q_len {
-                let rows = qb.min(s.q_len - r);
-                let task = Task { seq: si, kv_head, row0: r, rows, part: None, slot: 0 };
+                let rows = if fan { fan_rows } else { qb.min(s.q_len - r) };
+                let task = Task { seq: si, kv_head, row0: r, rows, part: None, slot: 0, fan };
                 let (lo, hi) = task.key_span(s);
                 let (p0, p1) = (lo / PART, hi / PART);
                 if rows <= SPLIT_ROWS && p1 > p0 {
@@ -126,9 +140,10 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
                 } else {
                     tasks.push(task);
                 }
-                r += rows;
+                r += if fan { s.q_len } else { rows };
             }
         }
+        si += fan_rows;
     }
     // Most keys first, so the pool's dynamic hand-out balances the causal
     // triangle and the partitions.
@@ -477,7 +492,7 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
         }
     };
     let first_pos = s.kv_len - s.q_len + t.row0;
-    let mut last_pos = first_pos + t.rows - 1;
+    let mut last_pos = if t.fan { first_pos } else { first_pos + t.rows - 1 };
     let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let mut j_start = lo_of(first_pos);
     if let Some(p) = t.part {
@@ -508,7 +523,7 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
             }
         }
         for i in 0..t.rows {
-            let pos = first_pos + i;
+            let pos = if t.fan { first_pos } else { first_pos + i };
             let (a, b) = (t0.max(lo_of(pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
             if a >= b {
                 continue;
@@ -739,6 +754,43 @@ mod tests {
             s.dev.attention(&q, &s.kv, 0, &seqs, 0.3, None, &mut out);
             assert_eq!(out.data[..w], whole[p * w..(p + 1) * w], "{case:?} batched decode row");
             assert_eq!(out.data[w..], whole[c0 * w..c1 * w], "{case:?} batched chunk");
+        }
+    }
+
+    /// Queries of their own over the same keys (an image's patches, each
+    /// seeing all of them), which share key tiles in one task: each row
+    /// equals that query alone, bit for bit, also in f32 pools and past a
+    /// partition; a run broken by another key set still does.
+    #[test]
+    fn single_queries_over_the_same_keys_equal_each_alone() {
+        for (case, dtype) in [((16, 2, 6, 75, None), crate::KvDtype::F16), ((64, 3, 9, 1300, None), crate::KvDtype::F16), ((32, 1, 2, 700, Some(90)), crate::KvDtype::F32)] {
+            let mut s = setup(case);
+            if dtype == crate::KvDtype::F32 {
+                let spec = s.kv.spec.clone();
+                let mut kv = s.dev.kv_pool(&spec, dtype).unwrap();
+                let (n, w) = (s.n, spec.layers[0].kv_heads * s.hd);
+                let k = s.dev.upload(&(0..n * w).map(|i| val(i, 1)).collect::<Vec<_>>(), n, w).unwrap();
+                let v = s.dev.upload(&(0..n * w).map(|i| val(i, 2)).collect::<Vec<_>>(), n, w).unwrap();
+                let bt = spec.block_tokens;
+                let slots: Vec<u32> = (0..n).map(|p| s.blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();
+                s.dev.kv_write(&mut kv, 0, &k, &v, &slots);
+                s.kv = kv;
+            }
+            let (n, w) = (s.n, s.heads * s.hd);
+            let short = &s.blocks[..(n / 2).div_ceil(4)];
+            // 20 queries: 11 over every key, one over half of them, 8 more over every key.
+            let kv_of = |i: usize| if i == 11 { n / 2 } else { n };
+            let seqs: Vec<AttnSeq<'_>> =
+                (0..20).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: kv_of(i), blocks: if i == 11 { short } else { &s.blocks }, window: s.window }).collect();
+            let q = rows(&s.q, 0, 20);
+            let mut out = s.dev.tensor(0, 0);
+            s.dev.attention(&q, &s.kv, 0, &seqs, 0.3, None, &mut out);
+            for i in 0..20 {
+                let one = [AttnSeq { q_start: 0, ..seqs[i] }];
+                let mut alone = s.dev.tensor(0, 0);
+                s.dev.attention(&rows(&s.q, i, i + 1), &s.kv, 0, &one, 0.3, None, &mut alone);
+                assert_eq!(out.data[i * w..(i + 1) * w], alone.data[..], "{case:?} {dtype:?} query {i}");
+            }
         }
     }
 }

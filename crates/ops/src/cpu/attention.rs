@@ -763,7 +763,9 @@ mod tests {
     /// partition; a run broken by another key set still does.
     #[test]
     fn single_queries_over_the_same_keys_equal_each_alone() {
-        for (case, dtype) in [((16, 2, 6, 75, None), crate::KvDtype::F16), ((64, 3, 9, 1300, None), crate::KvDtype::F16), ((32, 1, 2, 700, Some(90)), crate::KvDtype::F32)] {
+        for (case, dtype) in
+            [((16, 2, 6, 75, None), crate::KvDtype::F16), ((64, 3, 9, 1300, None), crate::KvDtype::F16), ((32, 1, 2, 700, Some(90)), crate::KvDtype::F32)]
+        {
             let mut s = setup(case);
             if dtype == crate::KvDtype::F32 {
                 let spec = s.kv.spec.clone();
@@ -780,8 +782,9 @@ mod tests {
             let short = &s.blocks[..(n / 2).div_ceil(4)];
             // 20 queries: 11 over every key, one over half of them, 8 more over every key.
             let kv_of = |i: usize| if i == 11 { n / 2 } else { n };
-            let seqs: Vec<AttnSeq<'_>> =
-                (0..20).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: kv_of(i), blocks: if i == 11 { short } else { &s.blocks }, window: s.window }).collect();
+            let seqs: Vec<AttnSeq<'_>> = (0..20)
+                .map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: kv_of(i), blocks: if i == 11 { short } else { &s.blocks }, window: s.window })
+                .collect();
             let q = rows(&s.q, 0, 20);
             let mut out = s.dev.tensor(0, 0);
             s.dev.attention(&q, &s.kv, 0, &seqs, 0.3, None, &mut out);

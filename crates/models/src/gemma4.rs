@@ -245,8 +245,19 @@ impl<D: Device> Gemma4<D> {
             let p = |name: &str| format!("model.layers.{i}.{name}");
             let kv = if lc.stores_kv {
                 let wv_name = p("self_attn.v_proj.weight");
+                let wk = w(&p("self_attn.k_proj.weight"))?;
+                // A config that misreads this layer's head dim would
+                // otherwise fail in the first forward's KV write.
+                let rows = dev.weight_shape(&wk).0;
+                ensure!(
+                    rows == lc.kv_heads * lc.head_dim,
+                    "{}: layer {i}'s k_proj has {rows} rows; the config gives it {} KV heads of {} (head_dim / global_head_dim / per_layer_config)",
+                    src.path().display(),
+                    lc.kv_heads,
+                    lc.head_dim
+                );
                 Some(KvProj {
-                    wk: w(&p("self_attn.k_proj.weight"))?,
+                    wk,
                     k_norm: v(&p("self_attn.k_norm.weight"))?,
                     wv: if src.has_tensor(&wv_name) { Some(w(&wv_name)?) } else { None },
                     v_norm: ones(lc.head_dim)?,

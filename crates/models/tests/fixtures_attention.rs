@@ -175,6 +175,20 @@ fn hub_form_configs_load_the_same_models() {
     });
 }
 
+/// A Gemma 4 config that loses its global layers' head dim (no
+/// per_layer_config, no global_head_dim) is refused at load by name.
+#[test]
+fn a_gemma4_config_that_misreads_a_head_dim_is_refused() {
+    let fx = Fixture::load("gemma4_text");
+    let dir = with_config(&fx, "no-global-dim", |c| {
+        remove(c, "per_layer_config");
+    });
+    let err = braid_models::open(&Cpu::new(None), &dir).err().expect("a wrong head dim must not load");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let msg = format!("{err:#}");
+    assert!(msg.contains("layer 1's k_proj has 64 rows") && msg.contains("2 KV heads of 16"), "{msg}");
+}
+
 #[test]
 fn unsupported_rope_types_are_refused() {
     let fx = Fixture::load("llama");

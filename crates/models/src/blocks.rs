@@ -77,6 +77,34 @@ impl<D: Device> Attention<D> {
         Ok(())
     }
 
+    /// `self` if its projections have the shapes the config gives them:
+    /// q of `heads`, k and v of `kv_heads` heads of `head_dim` over
+    /// `hidden` columns, and the output back to `hidden` (else an error
+    /// naming block `layer`: a config that miscounts heads would fail in
+    /// the first forward instead).
+    pub fn checked(self, dev: &D, layer: usize, heads: usize, kv_heads: usize, head_dim: usize, hidden: usize) -> Result<Attention<D>> {
+        self.check(dev, layer, heads, kv_heads, head_dim, hidden)?;
+        Ok(self)
+    }
+
+    /// [`Self::checked`] in place.
+    pub fn check(&self, dev: &D, layer: usize, heads: usize, kv_heads: usize, head_dim: usize, hidden: usize) -> Result<()> {
+        let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+        for (name, w, want) in [("q", &self.wq, (q, hidden)), ("k", &self.wk, (kv, hidden)), ("v", &self.wv, (kv, hidden)), ("output", &self.wo, (hidden, q))] {
+            let got = dev.weight_shape(w);
+            if got != want {
+                bail!(
+                    "block {layer}: the attention's {name} projection is {}x{}; the config gives {}x{} ({heads} heads, {kv_heads} KV heads of {head_dim}, hidden {hidden})",
+                    got.0,
+                    got.1,
+                    want.0,
+                    want.1
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The q, k and v biases of block `i` (`blk.{i}.attn_{q,k,v}.bias`).
     pub fn gguf_qkv_bias(v: &dyn Fn(&str) -> Result<D::Tensor>, i: usize) -> Result<[D::Tensor; 3]> {
         let p = |n: &str| format!("blk.{i}.{n}.bias");

@@ -170,7 +170,7 @@ impl<D: MoeOps> Gemma3<D> {
             let g = |n: &str| format!("blk.{i}.{n}.weight");
             let h = |n: &str| format!("model.layers.{i}.{n}.weight");
             // Projection biases where the file has them (attention_bias); MLP biases are refused.
-            let mut attn = Attention::load_gguf(&w_gguf, &v_gguf, i, true)?;
+            let mut attn = Attention::load_gguf(&w_gguf, &v_gguf, i, true)?.checked(dev, i, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden)?;
             attn.load_biases(dev, src, i)?;
             refuse_unread(src, i, &["ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"], "MLP biases")?;
             blocks.push(Block {

@@ -261,7 +261,7 @@ impl<D: Device> GraniteHybrid<D> {
                 Mixer::Mamba(Mamba2::load(dev, src, l, &shape, &hf("mamba.A_log"), &mut state)?)
             } else {
                 kv += 1;
-                Mixer::Attention(Attention::load_gguf(&w, &v, l, false)?, kv - 1)
+                Mixer::Attention(Attention::load_gguf(&w, &v, l, false)?.checked(dev, l, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden)?, kv - 1)
             };
             let act = Activation::Gated(Act::Silu);
             let moe = if cfg.experts > 0 {

@@ -212,7 +212,7 @@ impl<D: Device> Lfm2<D> {
             let p = |n: &str| format!("blk.{l}.{n}");
             let op = if cfg.attention[l] {
                 kv += 1;
-                Operator::Attention(Attention::load_gguf(&w, &v, l, true)?, kv - 1)
+                Operator::Attention(Attention::load_gguf(&w, &v, l, true)?.checked(dev, l, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden)?, kv - 1)
             } else {
                 let in_proj = src.tensor(&p("shortconv.in_proj.weight"))?;
                 ensure!(in_proj.shape == [3 * h, h], "{}: {:?}, expected [{}, {h}]", in_proj.name, in_proj.shape, 3 * h);

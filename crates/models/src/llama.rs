@@ -133,6 +133,7 @@ impl<D: Device> Llama<D> {
         // Projection biases where the file has them (Llama's attention_bias);
         // MLP biases (mlp_bias) are refused rather than dropped.
         for (i, b) in m.blocks.iter_mut().enumerate() {
+            b.attn.check(dev, i, m.cfg.heads, m.cfg.kv_heads, m.cfg.head_dim, m.cfg.hidden)?;
             b.attn.load_biases(dev, src, i)?;
             refuse_unread(src, i, &["ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"], "MLP biases (mlp_bias)")?;
         }

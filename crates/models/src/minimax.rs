@@ -152,7 +152,10 @@ impl<D: Device> MiniMax<D> {
             let p = |n: &str| format!("model.layers.{l}.{n}");
             let mixer = if cfg.full[l] {
                 kv += 1;
-                Mixer::Attention(Attention::load_hf(&w, &v, &p("self_attn."), "o_proj", None)?, kv - 1)
+                Mixer::Attention(
+                    Attention::load_hf(&w, &v, &p("self_attn."), "o_proj", None)?.checked(dev, l, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden)?,
+                    kv - 1,
+                )
             } else {
                 Mixer::Lightning(Lightning {
                     qkv: w(&p("self_attn.qkv_proj.weight"))?,

@@ -311,7 +311,7 @@ impl<D: Device> MiniMaxM2<D> {
             };
             blocks.push(Block {
                 in_norm: v(&format!("blk.{l}.attn_norm.weight"))?,
-                attn: Attention::load_gguf(&w, &v, l, true)?,
+                attn: Attention::load_gguf(&w, &v, l, true)?.checked(dev, l, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden)?,
                 indexer,
                 post_norm: v(&format!("blk.{l}.ffn_norm.weight"))?,
                 ffn,

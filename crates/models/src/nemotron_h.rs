@@ -241,7 +241,7 @@ impl<D: Device> NemotronH<D> {
                 Mixer::Mamba => Layer::Mamba(Mamba2::load(dev, src, l, &cfg.mamba(), &format!("backbone.layers.{l}.mixer.A_log"), &mut state)?),
                 Mixer::Attention => {
                     kv += 1;
-                    Layer::Attention(Attention::load_gguf(&w, &v, l, false)?, kv - 1)
+                    Layer::Attention(Attention::load_gguf(&w, &v, l, false)?.checked(dev, l, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden)?, kv - 1)
                 }
                 Mixer::Mlp => Layer::Mlp { up: w(&p("ffn_up.weight"))?, down: w(&p("ffn_down.weight"))? },
                 Mixer::Moe => {

@@ -189,6 +189,23 @@ fn a_gemma4_config_that_misreads_a_head_dim_is_refused() {
     assert!(msg.contains("layer 1's k_proj has 64 rows") && msg.contains("2 KV heads of 16"), "{msg}");
 }
 
+/// A config that miscounts KV heads is refused at load, naming the block
+/// and the projection (it panicked in the first forward's KV write).
+#[test]
+fn a_config_that_miscounts_kv_heads_is_refused() {
+    for name in ["llama", "qwen3", "gemma3_text", "lfm2", "minimax_m2"] {
+        let fx = Fixture::load(name);
+        let dir = with_config(&fx, "other-kv-heads", |c| {
+            let kv = c["num_key_value_heads"].as_u64().unwrap();
+            c["num_key_value_heads"] = json!(if kv == 1 { 2 } else { 1 });
+        });
+        let err = braid_models::open(&Cpu::new(None), &dir).err().map(|e| format!("{e:#}"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let msg = err.unwrap_or_else(|| panic!("{name}: a KV head count the weights disagree with must not load"));
+        assert!(msg.contains(": the attention's k projection is") && msg.contains("config gives"), "{name}: {msg}");
+    }
+}
+
 #[test]
 fn unsupported_rope_types_are_refused() {
     let fx = Fixture::load("llama");

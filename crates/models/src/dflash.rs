@@ -227,7 +227,14 @@ impl<D: Device> DFlash<D> {
             let p = |n: &str| format!("layers.{i}.{n}.weight");
             layers.push(Layer {
                 attn_norm: v(&p("input_layernorm"))?,
-                attn: Attention::load_hf(&w, &v, &format!("layers.{i}.self_attn."), "o_proj", Some(("q_norm", "k_norm")))?,
+                attn: Attention::load_hf(&w, &v, &format!("layers.{i}.self_attn."), "o_proj", Some(("q_norm", "k_norm")))?.checked(
+                    dev,
+                    i,
+                    cfg.heads,
+                    cfg.kv_heads,
+                    cfg.head_dim,
+                    cfg.hidden,
+                )?,
                 ffn_norm: v(&p("post_attention_layernorm"))?,
                 w_gate: w(&p("mlp.gate_proj"))?,
                 w_up: w(&p("mlp.up_proj"))?,

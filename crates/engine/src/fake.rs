@@ -378,30 +378,15 @@ impl FakeBackend {
             c.want_logits.then(|| self.logits_after(&self.streams[&stream]))
         });
         let vocab = self.cfg.caps.vocab_size.max(1);
-        let picked = match (step.pick, step.masks.map(|m| m.masks())) {
-            (Pick::Logits, _) | (Pick::Argmax | Pick::TopK(_), Some(None)) => Picked::Logits(logits),
-            (Pick::Argmax, Some(Some(masks))) => Picked::Tokens(
-                logits
-                    .chunks_mut(vocab)
-                    .zip(masks)
-                    .map(|(row, m)| {
-                        m.inspect(|m| m.apply(row));
-                        argmax(row)
-                    })
-                    .collect(),
-            ),
-            (Pick::Argmax, None) => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
-            (Pick::TopK(k), Some(Some(masks))) => Picked::Top(
-                logits
-                    .chunks_mut(vocab)
-                    .zip(masks)
-                    .map(|(row, m)| {
-                        m.inspect(|m| m.apply(row));
-                        top_n(row, k)
-                    })
-                    .collect(),
-            ),
-            (Pick::TopK(k), None) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
+        let masks = step.masks.filter(|_| step.pick != Pick::Logits).map(|m| m.masks());
+        if let Some(Some(masks)) = &masks {
+            // The pick below is within each guided row's mask.
+            logits.chunks_mut(vocab).zip(masks).for_each(|(row, m)| m.iter().for_each(|m| m.apply(row)));
+        }
+        let picked = match (step.pick, masks) {
+            (Pick::Logits, _) | (_, Some(None)) => Picked::Logits(logits),
+            (Pick::Argmax, _) => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
+            (Pick::TopK(k), _) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
         };
         Ok(RoundOut { picked, chunk_logits })
     }

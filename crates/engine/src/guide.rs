@@ -53,6 +53,17 @@ impl TokenMask {
         self.words.iter().enumerate().find(|(_, &w)| w != 0).map(|(i, w)| i as u32 * 32 + w.trailing_zeros())
     }
 
+    /// `token` if allowed, else the lowest token allowed (`token` when
+    /// none is): what a broken row, every allowed logit -inf or NaN,
+    /// samples.
+    pub fn allowed_or_first(&self, token: u32) -> u32 {
+        if self.allows(token) {
+            token
+        } else {
+            self.first().unwrap_or(token)
+        }
+    }
+
     /// How many tokens it allows.
     pub fn count(&self) -> usize {
         self.words.iter().map(|w| w.count_ones() as usize).sum()

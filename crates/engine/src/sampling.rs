@@ -440,12 +440,10 @@ impl Sampler {
         if let Some(m) = mask {
             m.apply(logits);
         }
-        let mut token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
-        if let Some(m) = mask.filter(|m| !m.allows(token)) {
-            // Every allowed logit is -inf or NaN (a broken row): argmax
-            // fell on token 0; take an allowed one instead.
-            token = m.first().unwrap_or(token);
-        }
+        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        // Every allowed logit -inf or NaN (a broken row): argmax fell on
+        // token 0; take an allowed one instead.
+        let token = mask.map_or(token, |m| m.allowed_or_first(token));
         match raw {
             None => Sampled { token, logprob: None, top: Vec::new() },
             Some((lse, top, touched)) => {

@@ -244,7 +244,7 @@ pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usi
     Ok(sampled)
 }
 
-/// `token`, or the lowest token `mask` allows when it does not allow it.
+/// `token` within `mask`, if any (see [`TokenMask::allowed_or_first`]).
 fn within(mask: Option<&TokenMask>, token: u32) -> u32 {
-    mask.filter(|m| !m.allows(token)).map_or(token, |m| m.first().unwrap_or(token))
+    mask.map_or(token, |m| m.allowed_or_first(token))
 }

@@ -41,6 +41,15 @@ impl Input {
 /// a RoPE against 4 on the H200.
 const WIDE_ROWS: usize = 256;
 
+/// An error if any of `ws` had a norm folded into it at load: read without
+/// that norm (here, over `rows` rows), the product would be another one.
+fn refuse_folded(ws: &[WRef], rows: usize) -> Result<()> {
+    match ws.iter().find(|w| w.folded != 0) {
+        Some(w) => bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({rows} rows)", w.rows, w.cols),
+        None => Ok(()),
+    }
+}
+
 impl Cuda {
     /// The commands of `rec`'s ops, fused where a kernel takes a group.
     pub(super) fn lower(&self, rec: &Recording, tail: Tail) -> Result<Vec<Cmd>> {
@@ -158,8 +167,8 @@ impl Cuda {
     /// to three weights for few rows, else a GEMM each. `folded`: the
     /// input is the norm folded into the weights (else none may carry one).
     fn lower_mm(&self, input: Input, ws: &[WRef], outs: &[TRef], folded: bool, bf: &mut Bf) -> Result<()> {
-        if let Some(w) = ws.iter().find(|w| !folded && w.folded != 0) {
-            bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({} rows)", w.rows, w.cols, input.x.rows);
+        if !folded {
+            refuse_folded(ws, input.x.rows)?;
         }
         let x = input.x;
         if x.rows > 0 {
@@ -220,8 +229,8 @@ impl Cuda {
             bf.insert(out.f);
             return Ok(());
         }
-        if let Some(w) = ws.iter().find(|w| norm.is_none() && w.folded != 0) {
-            bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({} rows)", w.rows, w.cols, x.rows);
+        if norm.is_none() {
+            refuse_folded(ws, x.rows)?;
         }
         let (wg, wu) = (ws[0], ws[1]);
         let m = wg.rows;
@@ -272,8 +281,8 @@ impl Cuda {
             self.lower_mm(input, ws, outs, norm.is_some(), bf)?;
             return self.lower_rope_kv(&ops[rq], &ops[rk], &ops[kv], bf);
         }
-        if let Some(w) = ws.iter().find(|w| norm.is_none() && w.folded != 0) {
-            bail!("a {}x{} weight whose norm was folded in at load is read without that norm ({} rows)", w.rows, w.cols, x.rows);
+        if norm.is_none() {
+            refuse_folded(ws, x.rows)?;
         }
         if x.rows > 0 {
             self.ensure_bf(&input.x, bf)?;

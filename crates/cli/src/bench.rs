@@ -165,8 +165,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Aggregate tokens/s of `n` streams decoding `tg` tokens each in shared
-/// rounds, each stream first holding a short distinct prompt.
 /// Tokens per second of `run` over `tokens` tokens, each run on a fresh
 /// stream (ids from `first_id`): `reps` (at least one) timed runs after one
 /// that warms caches and the pool.
@@ -186,6 +184,12 @@ fn timed_runs(m: &mut Loaded, reps: usize, first_id: u64, tokens: usize, mut run
     Ok(rates)
 }
 
+/// Decode rounds run before `multi_stream` starts its clock.
+const WARM_ROUNDS: usize = 8;
+
+/// Aggregate tokens/s of `n` streams decoding `tg` tokens each in shared
+/// rounds, each stream first holding a short distinct prompt (then
+/// [`WARM_ROUNDS`] untimed rounds).
 fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
     let ids: Vec<u64> = (0..n as u64).map(|i| base + i).collect();
     for (i, &id) in ids.iter().enumerate() {
@@ -194,6 +198,12 @@ fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
         m.backend.prefill_step(id, Chunk { start: 0, tokens: &prompt, want_logits: false })?;
     }
     let mut last: Vec<u32> = vec![1; n];
+    // Untimed rounds first, as gpu_bench and llama-bench warm up: the first
+    // rounds at a new batch size record its graphs.
+    for _ in 0..WARM_ROUNDS {
+        let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();
+        last = greedy_round(m.backend.as_mut(), &rows)?;
+    }
     let t = Instant::now();
     for _ in 0..tg {
         let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();

@@ -8,7 +8,7 @@ import re
 import statistics
 import sys
 from collections import Counter
-pat = re.compile(r'decode_rows=(\d+) chunk_rows=(\d+) ms=([\d.]+) overhead_ms=([\d.]+)')
+pat = re.compile(r'decode_rows=(\d+) chunk_rows=(\d+)(?: \w+=\S+)*? ms=([\d.]+) overhead_ms=([\d.]+)')
 rows = []
 for line in open(sys.argv[1], errors='replace'):
     m = pat.search(line)

@@ -458,10 +458,14 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
     }
     let caps = backend.capabilities();
     let rows = rows.min(caps.max_context).min(if caps.max_batch == 0 { usize::MAX } else { caps.max_batch });
-    let tokens: Vec<u32> = (0..rows).map(|i| (i % caps.vocab_size.max(1)) as u32).collect();
+    // The recordings' pass runs every replayed size twice back to back, so
+    // it may reach past one batch (chunks, each within it).
+    let positions = rows.max(4 * caps.replayed_chunk_rows).min(caps.max_context);
+    let tokens: Vec<u32> = (0..positions).map(|i| (i % caps.vocab_size.max(1)) as u32).collect();
+    let tokens_batch = &tokens[..rows];
     let (id, bg) = (u64::MAX, u64::MAX - 1);
     backend.open(id)?;
-    let r = backend.prefill_step(id, braid_engine::Chunk { start: 0, tokens: &tokens, want_logits: true });
+    let r = backend.prefill_step(id, braid_engine::Chunk { start: 0, tokens: tokens_batch, want_logits: true });
     backend.forget(id);
     r?;
     if rows < 16 {
@@ -525,9 +529,15 @@ fn replayed_chunks(most: usize) -> Vec<(usize, usize, bool)> {
 /// later buffer growth moves what the recordings read.
 fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
     let caps = backend.capabilities();
-    let most = caps.replayed_chunk_rows;
     let slots = backend.fill().slots_total;
     let streams = RECORDED_STREAMS.min(slots.saturating_sub(1));
+    // No larger chunk than a round beside the most streams holds (a
+    // smaller --chunk: its cuts never reach the largest sizes).
+    let room = if caps.max_batch == 0 { usize::MAX } else { caps.max_batch.saturating_sub(streams) };
+    let most = match caps.replayed_chunk_rows.min(room) {
+        0 => 0,
+        r => 1 << r.ilog2(),
+    };
     if most == 0 || streams == 0 || tokens.len() < 4 * most {
         return Ok(());
     }

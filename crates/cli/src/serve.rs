@@ -72,6 +72,7 @@ pub struct ServeArgs {
     /// gets the most rows a cost model fitted as the server runs allows (at
     /// least one a round). Takes the place of --prefill-share. Where the
     /// decode rounds alone exceed it, the log says so and /metrics counts it.
+    /// On a GPU its chunks beside decode rows go up to 256 rows.
     #[arg(long, value_name = "MS")]
     pub itl_target: Option<f64>,
     /// Completion budget when a request sets no max_tokens (default: up to the context).

@@ -28,11 +28,16 @@ fn paced(target: Option<Duration>) -> Vec<Call> {
 /// [`paced`] on a backend that replays chunks of up to `replayed` rows,
 /// the pass cut every `chunk_tokens`.
 fn paced_on(target: Option<Duration>, replayed: usize, chunk_tokens: usize) -> Vec<Call> {
+    paced_with(target, None, replayed, chunk_tokens)
+}
+
+/// [`paced_on`], or with a `share` of a plain round instead of a target.
+fn paced_with(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize) -> Vec<Call> {
     let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
     fc.caps.chunk_invariant = true;
     fc.caps.max_batch = 4096;
     fc.caps.replayed_chunk_rows = replayed;
-    let lc = LaneConfig { itl_target: target, chunk_tokens, prefix_marks: 0, ..no_marks() };
+    let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, ..no_marks() };
     let (lane, log) = lane(fc, lc);
     // Four streams decode, then an 1800-row prompt arrives.
     let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();
@@ -89,6 +94,23 @@ fn beside_decode_rows_a_replaying_backend_gets_only_the_sizes_it_replays() {
     assert!(shared.iter().all(|&n| n.is_power_of_two() && n <= 64), "a shared chunk the backend does not replay: {shared:?}");
     let all: usize = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).sum();
     assert_eq!(all, 1800);
+}
+
+/// The arrival's chunks that shared a round with the decode rows.
+fn shared_chunks(calls: &[Call]) -> Vec<usize> {
+    calls.iter().filter_map(|c| c.chunk().filter(|ch| ch.stream == ARRIVAL && !c.rows().is_empty()).map(|ch| ch.tokens.len())).collect()
+}
+
+#[test]
+fn a_target_takes_the_largest_replayed_sizes_a_share_keeps_to_64_rows() {
+    // Replays up to 256 rows. A 12 ms target leaves room for ~160 rows a
+    // round: it runs 128-row chunks.
+    let target = shared_chunks(&paced_with(Some(Duration::from_millis(12)), None, 256, 4096));
+    assert!(target.contains(&128) && target.iter().all(|&n| n.is_power_of_two() && n <= 256), "{target:?}");
+    // A share of 2 plain rounds would steer to ~150 rows as well; it is
+    // held to 64-row replays (rounded up to 128, they overshot on the H200).
+    let share = shared_chunks(&paced_with(None, Some(2.0), 256, 4096));
+    assert!(share.contains(&64) && share.iter().all(|&n| n.is_power_of_two() && n <= 64), "{share:?}");
 }
 
 #[test]

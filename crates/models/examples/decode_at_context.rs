@@ -1,7 +1,7 @@
 //! Decode rounds of N streams at several context lengths on the CPU
 //! (SmolLM2 from the model cache): where attention starts to dominate.
 //! `cargo run --release -p braid-models --example decode_at_context [STREAMS]`
-use braid_engine::{Backend, Chunk, DecodeRow};
+use braid_engine::{Backend, Chunk, DecodeRow, Pick, Step};
 use braid_formats::cache::cached_model;
 use braid_models::{BackendConfig, ModelBackend};
 use braid_ops::cpu::Cpu;
@@ -35,6 +35,28 @@ fn main() {
         }
         ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
         println!("{n} streams at ctx {ctx}: a round {:.2} ms (median of 15)", ts[7]);
+        // The same rounds beside a prompt chunk of each size.
+        for rows_in_chunk in [1usize, 4, 16] {
+            let p = 100 * round as u64 + 99;
+            be.open(p).unwrap();
+            // The chunk deep into its prompt, as an arrival's later chunks are.
+            let at = std::env::var("AT").map_or(0, |v| v.parse().expect("AT is a number"));
+            for c in (0..at).step_by(512) {
+                let e = (c + 512).min(at);
+                be.prefill_step(p, Chunk { start: c, tokens: &toks[c..e], want_logits: false }).unwrap();
+            }
+            let mut ts = Vec::new();
+            for i in 0..9 {
+                let s0 = at + i * rows_in_chunk;
+                let chunk = Chunk { start: s0, tokens: &toks[s0..s0 + rows_in_chunk], want_logits: false };
+                let t = Instant::now();
+                be.round(Step::new(&rows, Some((p, chunk)), Pick::Logits)).unwrap();
+                ts.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            be.forget(p);
+            ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            println!("  beside a {rows_in_chunk}-row chunk: {:.2} ms (median of 9)", ts[4]);
+        }
         for &s in &ids {
             be.forget(s);
         }

@@ -361,10 +361,16 @@ impl Pacer {
         if self.model.predict(&with(1)) > room {
             self.target_misses.set(self.target_misses.get() + 1);
             if self.target_misses.get() == 1 {
+                // Say which part does not fit: on a CPU the decode rows
+                // alone may fit while sharing a round with even one prompt
+                // row does not.
                 tracing::warn!(
                     target_ms = target * 1e3,
-                    predicted_ms = self.model.predict(&with(0)) * 1e3,
-                    "the inter-token-latency target cannot be held: the decode rows alone take longer; prompts advance one row a round"
+                    decode_alone_ms = self.model.predict(&with(0)) * 1e3,
+                    with_one_prompt_row_ms = self.model.predict(&with(1)) * 1e3,
+                    set_aside_ms = (self.overhead + self.under) * 1e3,
+                    "the inter-token-latency target cannot be held: a round of the decode rows and one prompt row is predicted past it \
+                     (with the loop's own time and recent underestimates set aside); prompts advance one row a round"
                 );
             }
             return 1;

@@ -4,7 +4,7 @@
 //! decode case) and GFLOP/s for m = 512 (prefill), on 1 and 2 threads; then
 //! the matmul time of one decode step / one 512-token prefill for the
 //! shapes of SmolLM2-135M (Q4_1 + Q8_0 head) and Gemma 3 270M (Q4_K_M).
-//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|few|head|prefill|model`
+//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|few|head|float|prefill|model`
 //! runs one section; `BRAID_CPU_ISA=scalar` runs the scalar kernels.
 
 use std::time::Instant;
@@ -79,7 +79,6 @@ impl Mat {
 
 fn main() {
     let quick = std::env::var("BENCH_QUICK").is_ok();
-    // BENCH_ONLY=matvec|head|prefill|model runs one section.
     let only = std::env::var("BENCH_ONLY").ok();
     let want = |s: &str| only.as_deref().is_none_or(|o| o == s);
     let n = 4096;
@@ -159,6 +158,36 @@ fn main() {
             });
             let gbs = w.data.len() as f64 / s / 1e9;
             println!("{:<8} {:>8} {:>10.2} {:>9.2}", "read", t, s * 1e3, gbs);
+        }
+    }
+
+    // Float weights (SigLIP's MLP up projection: 4096 patches x 1152 ->
+    // 4304), then the same weights against decode-sized m.
+    if want("float") {
+        let (m, rows, cols) = (4096, 4304, 1152);
+        println!("\n[{m} x {cols}] x [{rows} x {cols}]^T float weights");
+        println!("{:<6} {:>8} {:>10} {:>9}", "type", "threads", "ms/call", "GFLOP/s");
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f()).collect();
+        let mut out = vec![0.0; m * rows];
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let w = Mat::new(&mut rng, dtype, rows, cols);
+            for &t in &thread_counts {
+                pool::set_threads(t);
+                let s = time(1, if quick { 1 } else { 3 }, || matmul(w.q(), &x, m, &mut out));
+                let flops = 2.0 * (m * rows * cols) as f64;
+                println!("{:<6} {:>8} {:>10.1} {:>9.1}", dtype.name(), t, s * 1e3, flops / s / 1e9);
+            }
+        }
+        println!("\n[m x {cols}] x [{rows} x {cols}]^T, {max_threads} threads");
+        println!("{:<6} {:>4} {:>10} {:>9}", "type", "m", "us/call", "GFLOP/s");
+        pool::set_threads(max_threads);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let w = Mat::new(&mut rng, dtype, rows, cols);
+            for m in [1, 2, 4, 8, 16, 32, 64] {
+                let s = time(if quick { 10 } else { 50 }, 5, || matmul(w.q(), &x[..m * cols], m, &mut out[..m * rows]));
+                let flops = 2.0 * (m * rows * cols) as f64;
+                println!("{:<6} {:>4} {:>10.1} {:>9.1}", dtype.name(), m, s * 1e6, flops / s / 1e9);
+            }
         }
     }
 

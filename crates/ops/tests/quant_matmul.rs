@@ -282,6 +282,37 @@ fn each_output_row_is_independent_of_the_batch() {
     }
 }
 
+/// Float weights against many activation rows take packed tiles (on
+/// AVX-512, 8 weight rows x 6 activation rows, sweeps of up to 256 rows):
+/// shapes that end mid-tile, mid-group and mid-sweep in every direction,
+/// with tails of 1..7 elements, on one thread so that one task holds every
+/// activation row. They must match the scalar kernels within float
+/// rounding and a lone row's result bit for bit.
+#[test]
+fn float_weights_with_many_rows_match_scalar_on_odd_shapes() {
+    let mut rng = Rng(0xf10a7);
+    braid_ops::cpu::pool::set_threads(1);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (rows, cols, m) in [(13, 9, 17), (45, 1003, 67), (300, 37, 23), (8, 64, 16), (1, 5, 40), (263, 200, 31)] {
+            let c = Case { dtype, rows, cols, m, w: random_weight(&mut rng, dtype, rows, cols), x: random_x(&mut rng, m, cols) };
+            let scalar = c.run(Isa::Scalar);
+            let best = c.run(Isa::best());
+            let (_, abs, _) = c.reference();
+            for i in 0..best.len() {
+                let tol = 2e-6 * abs[i] + 1e-6;
+                let d = (best[i] - scalar[i]).abs() as f64;
+                assert!(d <= tol, "{dtype} {rows}x{cols} m={m} out {i}: {} vs scalar {} (tol {tol:e})", best[i], scalar[i]);
+            }
+            for row in [0, m / 2, m - 1] {
+                let mut one = vec![0.0; rows];
+                matmul(c.w(), &c.x[row * cols..(row + 1) * cols], 1, &mut one);
+                assert_eq!(one, best[row * rows..(row + 1) * rows], "{dtype} {rows}x{cols} m={m} row {row}");
+            }
+        }
+    }
+    braid_ops::cpu::pool::set_threads(0);
+}
+
 /// A VNNI `dpbusd` forms the same exact integer sums as AVX2's
 /// `maddubs` + `madd`, so the VNNI kernels (either kind) give the AVX2
 /// kernels' results bit for bit, prefill shapes included.

@@ -36,6 +36,10 @@ const MAX_HEAD_DIM: usize = 512;
 const QB: usize = 8;
 /// Queries per task, roughly (rows × heads of one group).
 const MAX_Q: usize = 64;
+/// Query rows per task of single-query sequences over the same keys (a
+/// vision tower's patches): they share every key tile, so more rows
+/// spread its copy (half the tower's attention time at 8 rows).
+const FAN_QB: usize = 32;
 /// Keys per tile.
 const KB: usize = 32;
 /// Keys per partition (a multiple of `KB`).
@@ -121,7 +125,8 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
             let t = &seqs[si + j];
             t.q_len == 1 && t.kv_len == s.kv_len && t.window == s.window && std::ptr::eq(t.blocks, s.blocks) && t.q_start == s.q_start + j
         };
-        let fan_rows = if s.q_len == 1 { 1 + (1..qb.min(seqs.len() - si)).take_while(|&j| fans(j)).count() } else { 1 };
+        let fan_qb = (MAX_Q * FAN_QB / QB / group).clamp(1, FAN_QB);
+        let fan_rows = if s.q_len == 1 { 1 + (1..fan_qb.min(seqs.len() - si)).take_while(|&j| fans(j)).count() } else { 1 };
         let fan = fan_rows > 1;
         for kv_head in 0..shape.kv_heads {
             let mut r = 0;

@@ -21,11 +21,12 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{k4_scale_min, Q8A, Q8KA};
-use super::matmul::{Kernel, Pack, Tile, TileFn};
+use super::matmul::{Kernel, Pack, Tile, TileFn, SUB_BYTES};
 use braid_formats::DType;
 use float::{tile_f, Bf16W, F16W, F32W};
 
 mod float;
+mod float512;
 mod gemv512;
 mod kquant;
 
@@ -80,7 +81,6 @@ pub(crate) enum Vnni {
 /// The AVX2 kernel for `dtype` (with `vnni`'s dots), if there is one (else
 /// the scalar one runs).
 pub(crate) fn kernel(dtype: DType, vnni: Vnni) -> Option<Kernel> {
-    let k = |tile, rw, ra, rw_gemv| Some(Kernel { tile, rw, ra, rw_gemv, pack: None, partial: false });
     match dtype {
         DType::Q4_0 => Some(r8_kernel::<Q40>(vnni)),
         DType::Q4_1 => Some(r8_kernel::<Q41>(vnni)),
@@ -91,11 +91,18 @@ pub(crate) fn kernel(dtype: DType, vnni: Vnni) -> Option<Kernel> {
         DType::Q4K => Some(r8k_kernel::<4>(vnni)),
         DType::Q5K => Some(r8k_kernel::<5>(vnni)),
         DType::Q6K => Some(r8k_kernel::<6>(vnni)),
-        DType::F32 => k(t_f32, 2, 4, 4),
-        DType::F16 => k(t_f16, 2, 4, 4),
-        DType::BF16 => k(t_bf16, 2, 4, 4),
+        DType::F32 => float_kernel(t_f32, float512::pack::<F32W>, vnni),
+        DType::F16 => float_kernel(t_f16, float512::pack::<F16W>, vnni),
+        DType::BF16 => float_kernel(t_bf16, float512::pack::<Bf16W>, vnni),
         DType::Q2K | DType::Q3K | DType::Q8K => None,
     }
+}
+
+/// Float weights: 2 x 4 dot tiles, and where AVX-512 is at hand (it is
+/// with EVEX VNNI) the packed tiles of `float512` for many activation rows.
+fn float_kernel(tile: TileFn, pack: fn() -> Pack, vnni: Vnni) -> Option<Kernel> {
+    let pack = (vnni == Vnni::Evex).then(pack);
+    Some(Kernel { tile, rw: 2, ra: 4, rw_gemv: 4, pack, partial: false })
 }
 
 // ---- helpers ----
@@ -713,7 +720,7 @@ fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
         (Vnni::None, true) => (r8_raw::<K>, r8_packed::<true>),
         (Vnni::None, false) => (r8_raw::<K>, r8_packed::<false>),
     };
-    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true };
+    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true, sub_bytes: SUB_BYTES };
     let rw_gemv = if matches!(vnni, Vnni::Evex) { gemv512::ROWS } else { 8 };
     Kernel { tile: raw, rw: 8, ra: 4, rw_gemv, pack: Some(pack), partial: true }
 }

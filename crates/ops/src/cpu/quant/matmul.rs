@@ -65,6 +65,9 @@ pub(crate) struct Pack {
     pub ra: usize,
     /// As [`Kernel::partial`]; such layouts keep rows in groups of `rw`.
     pub partial: bool,
+    /// Bytes of packed rows a task sweeps per activation tile (rounded to
+    /// whole groups of `rw`): what stays in cache beside the tile's rows.
+    pub sub_bytes: usize,
 }
 
 /// How activations are fed to a weight type.
@@ -315,8 +318,9 @@ fn with_pack_scratch(bytes: usize, f: impl FnOnce(*mut u8)) {
 /// The fewest activation rows a task gets when they are split: enough to
 /// reuse each unpacked weight block many times.
 const ACT_CHUNK_MIN: usize = 32;
-/// Bytes of weights (packed or not) a task sweeps per activation tile.
-const SUB_BYTES: usize = 64 << 10;
+/// Bytes of weights a task sweeps per activation tile (packed: what its
+/// kernel's packs ask for, [`SUB_BYTES`] for most).
+pub(crate) const SUB_BYTES: usize = 64 << 10;
 /// Activation rows from which repacking a task's weights pays off.
 const PACK_MIN_ACT_ROWS: usize = 16;
 /// Below this many multiply-adds a call runs on the calling thread alone:
@@ -480,7 +484,8 @@ impl<'a> Plan<'a> {
         // Prefill: unpack a block of weight rows once into the kernel's
         // plain layout, then run every activation tile over it.
         let pb = self.n * pack.block_bytes;
-        let sub = (SUB_BYTES / pb.max(1)).clamp(8, 256) / 8 * 8;
+        let group = pack.rw.max(8);
+        let sub = (pack.sub_bytes / pb.max(1)).clamp(group, 256) / group * group;
         with_pack_scratch(sub * pb, |buf| {
             let mut s0 = r0;
             while s0 < r1 {

@@ -260,6 +260,6 @@ pub(super) fn r8k_kernel<const T: u8>(vnni: Vnni) -> Kernel {
         (true, Vnni::None) => r8k_packed::<true>,
         (false, Vnni::None) => r8k_packed::<false>,
     };
-    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: 3, partial: true };
+    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: 3, partial: true, sub_bytes: SUB_BYTES };
     Kernel { tile: r8k_raw::<T>, rw: 8, ra: 3, rw_gemv: 8, pack: Some(pack), partial: true }
 }

@@ -198,14 +198,13 @@ fn multi_stream(m: &mut Loaded, n: usize, tg: usize, base: u64) -> Result<f64> {
         m.backend.prefill_step(id, Chunk { start: 0, tokens: &prompt, want_logits: false })?;
     }
     let mut last: Vec<u32> = vec![1; n];
-    // Untimed rounds first, as gpu_bench and llama-bench warm up: the first
-    // rounds at a new batch size record its graphs.
-    for _ in 0..WARM_ROUNDS {
-        let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();
-        last = greedy_round(m.backend.as_mut(), &rows)?;
-    }
-    let t = Instant::now();
-    for _ in 0..tg {
+    let mut t = Instant::now();
+    for i in 0..WARM_ROUNDS + tg {
+        // Untimed rounds first, as gpu_bench and llama-bench warm up: the
+        // first rounds at a new batch size record its graphs.
+        if i == WARM_ROUNDS {
+            t = Instant::now();
+        }
         let rows: Vec<DecodeRow> = ids.iter().zip(&last).map(|(&stream, &tok)| DecodeRow { stream, tokens: vec![tok] }).collect();
         last = greedy_round(m.backend.as_mut(), &rows)?;
     }

@@ -88,8 +88,7 @@ fn beside_decode_rows_a_replaying_backend_gets_only_the_sizes_it_replays() {
     // The target would allow ~160 rows; the pass is cut every 100 rows,
     // which no power of two divides.
     let calls = paced_on(Some(Duration::from_millis(12)), 64, 100);
-    let shared: Vec<usize> =
-        (calls.iter()).filter_map(|c| c.chunk().filter(|ch| ch.stream == ARRIVAL && !c.rows().is_empty()).map(|ch| ch.tokens.len())).collect();
+    let shared = shared_chunks(&calls);
     assert!(shared.len() > 8 && shared.contains(&64), "{shared:?}");
     assert!(shared.iter().all(|&n| n.is_power_of_two() && n <= 64), "a shared chunk the backend does not replay: {shared:?}");
     let all: usize = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).sum();

@@ -27,11 +27,11 @@ const RW: usize = 8;
 const RA: usize = 6;
 /// Bytes of packed weights a task sweeps per activation tile: with the
 /// tile's activation rows they stay in a 1 MiB L2.
-const SUB_BYTES: usize = 512 << 10;
+const SWEEP_BYTES: usize = 512 << 10;
 
 /// The packed kernel for weights read as `K`.
 pub(super) fn pack<K: FloatW>() -> Pack {
-    Pack { pack: pack_rows::<K>, block_bytes: 4, tile, rw: RW, ra: RA, partial: true, sub_bytes: SUB_BYTES }
+    Pack { pack: pack_rows::<K>, block_bytes: 4, tile, rw: RW, ra: RA, partial: true, sub_bytes: SWEEP_BYTES }
 }
 
 /// Pack `rows` rows of `n` elements as f32 in groups of `RW` rows (the last

@@ -397,7 +397,7 @@ fn stall_on(
     eos_ids: Vec<u32>,
 ) -> Result<()> {
     // As `braid serve` does: a chunk plus a full decode round in one forward.
-    load::warm_up(&mut *backend, device, a.chunk + a.bg + 8)?;
+    let round_costs = load::warm_up(&mut *backend, device, a.chunk + a.bg + 8)?;
     let vocab = vocab as u32;
     let arrival: Vec<u32> = (0..a.arrival).map(|i| (i as u32 * 7919 + 17) % vocab.min(32000)).collect();
     // Reference: a whole pass of the same prompt on an idle backend.
@@ -423,6 +423,7 @@ fn stall_on(
         itl_target: load::itl_target(a.itl_target)?,
         max_rows: a.max_rows,
         prefix_marks: 0,
+        round_costs,
         ..LaneConfig::default()
     };
     config.max_running = a.bg + 2;

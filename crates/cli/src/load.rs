@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::bail;
 use anyhow::{Context, Result};
-use braid_engine::{Backend, DecodeRow, DraftModel, DraftModelConfig, Drafter, NgramConfig, PromptLookup};
+use braid_engine::{Backend, DecodeRow, DraftModel, DraftModelConfig, Drafter, NgramConfig, PromptLookup, RoundCost};
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::Tokenizer;
 use braid_models::dflash::{DFlash, DFlashDrafter};
@@ -452,15 +452,15 @@ impl Loaded {
 /// logits. On the H200 a first arrival's first and last shared rounds took
 /// 12-15 ms against ~4 for the rest (and for every later arrival): costs
 /// paid once per process, which this pays before any client waits.
-pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<()> {
+pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<Vec<RoundCost>> {
     if device.starts_with("cpu") || rows == 0 {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let caps = backend.capabilities();
     let rows = rows.min(caps.max_context).min(if caps.max_batch == 0 { usize::MAX } else { caps.max_batch });
     // The recordings' pass runs every replayed size twice back to back, so
     // it may reach past one batch (chunks, each within it).
-    let positions = rows.max(4 * caps.replayed_chunk_rows).min(caps.max_context);
+    let positions = rows.max(CHUNKS_SPAN * caps.replayed_chunk_rows).min(caps.max_context);
     let tokens: Vec<u32> = (0..positions).map(|i| (i % caps.vocab_size.max(1)) as u32).collect();
     let tokens_batch = &tokens[..rows];
     let (id, bg) = (u64::MAX, u64::MAX - 1);
@@ -469,7 +469,7 @@ pub fn warm_up(backend: &mut dyn Backend, device: &str, rows: usize) -> Result<(
     backend.forget(id);
     r?;
     if rows < 16 {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let bgs: Vec<u64> = (0..4).map(|i| bg - i).collect();
     backend.open(id)?;
@@ -507,13 +507,21 @@ fn open_short(backend: &mut dyn Backend, ids: &[u64], tokens: &[u32]) -> Result<
 /// Most decoding streams whose rounds [`record_rounds`] records.
 const RECORDED_STREAMS: usize = 32;
 
-/// A pass's chunks for [`record_rounds`] as `(start, rows, want_logits)`:
-/// each replayed size, a power of two from `most` down to 1, without and
-/// then with its logits (`4 * most` rows in all at most).
-fn replayed_chunks(most: usize) -> Vec<(usize, usize, bool)> {
-    let sizes = std::iter::successors(Some(most), |&s| (s > 1).then_some(s / 2)).flat_map(|s| [(s, false), (s, true)]);
-    sizes
+/// Stream counts whose recorded rounds are replayed once more, timed, as
+/// the start of the pacer's cost model (`LaneConfig::round_costs`).
+const TIMED_STREAMS: [usize; 8] = [1, 2, 4, 6, 8, 12, 16, 32];
+
+/// The chunks for [`record_rounds`] as `(start, rows, want_logits)`: each
+/// replayed size from `most` down to 1, without and then with its logits,
+/// back to back in a pass of at most `limit` tokens; a chunk that would
+/// pass it starts a new pass at 0.
+fn replayed_chunks(most: usize, limit: usize) -> Vec<(usize, usize, bool)> {
+    braid_engine::replayed_sizes(most)
+        .flat_map(|s| [(s, false), (s, true)])
         .scan(0, |start, (size, want)| {
+            if *start + size > limit {
+                *start = 0;
+            }
             let at = *start;
             *start += size;
             Some((at, size, want))
@@ -521,62 +529,106 @@ fn replayed_chunks(most: usize) -> Vec<(usize, usize, bool)> {
         .collect()
 }
 
+/// A new pass of stream `id` where a chunk starts at 0 (the first, or one
+/// past a pass's limit in [`replayed_chunks`]).
+fn reopen_at(backend: &mut dyn Backend, id: u64, start: usize) -> Result<()> {
+    if start == 0 {
+        backend.forget(id);
+        backend.open(id)?;
+    }
+    Ok(())
+}
+
+/// [`replayed_chunks`] spans at most this many times its largest size in
+/// one pass: twice the sum of the sizes, under 7·most (the powers of two
+/// below 2·most, the 3, 5 and 7 times them below 4.5·most).
+const CHUNKS_SPAN: usize = 14;
+
 /// On a backend that replays recorded forwards: the rounds a served
 /// arrival takes, recorded now — 1 to 32 streams decoding, alone and beside
 /// a prompt chunk of every replayed size (with and without the chunk's
 /// logits), and each such chunk alone. Recorded on first use instead, each
 /// cost a decoding stream a 3–5 ms gap on the H200. Largest first, so no
-/// later buffer growth moves what the recordings read.
-fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<()> {
+/// later buffer growth moves what the recordings read. For the stream
+/// counts of [`TIMED_STREAMS`] the rounds are then replayed once more and
+/// timed: what they cost, for the latency target's cost model.
+fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundCost>> {
     let caps = backend.capabilities();
     let slots = backend.fill().slots_total;
     let streams = RECORDED_STREAMS.min(slots.saturating_sub(1));
     // No larger chunk than a round beside the most streams holds (a
     // smaller --chunk: its cuts never reach the largest sizes).
     let room = if caps.max_batch == 0 { usize::MAX } else { caps.max_batch.saturating_sub(streams) };
-    let most = match caps.replayed_chunk_rows.min(room) {
-        0 => 0,
-        r => 1 << r.ilog2(),
-    };
-    if most == 0 || streams == 0 || tokens.len() < 4 * most {
-        return Ok(());
+    let most = braid_engine::replayed_sizes(caps.replayed_chunk_rows.min(room)).next().unwrap_or(0);
+    if most == 0 || streams == 0 || tokens.len() < most {
+        return Ok(Vec::new());
     }
     let id = u64::MAX;
     // Every stream a round may hold decodes once first, so the logits
     // rows are as large as they will grow.
     let widest = slots.saturating_sub(1).min(caps.max_batch.saturating_sub(1)).max(streams);
     let bgs: Vec<u64> = (1..=widest as u64).map(|i| id - i).collect();
-    let r = (|| -> Result<()> {
+    let r = (|| -> Result<Vec<RoundCost>> {
         open_short(backend, &bgs, tokens)?;
         let all: Vec<_> = bgs.iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[0]] }).collect();
         backend.round(braid_engine::Step::new(&all, None, braid_engine::Pick::Logits))?;
         // A chunk alone in its forward: a pass's first chunk beside a decode
         // round launched ahead runs so (the launched round serves the rows).
-        backend.open(id)?;
-        for (start, size, want_logits) in replayed_chunks(most) {
+        for (start, size, want_logits) in replayed_chunks(most, tokens.len()) {
+            reopen_at(backend, id, start)?;
             backend.prefill_step(id, braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits })?;
         }
         backend.forget(id);
+        // The decoding streams' lengths: 8 tokens, then the round above.
+        let mut lens = vec![9usize; bgs.len()];
+        let mut costs = Vec::new();
         for n in (1..=streams).rev() {
             let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
-            backend.round(braid_engine::Step::new(&rows, None, braid_engine::Pick::Argmax))?;
-            backend.open(id)?;
-            for (start, size, want_logits) in replayed_chunks(most) {
-                let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
-                backend.round(braid_engine::Step::new(&rows, Some((id, chunk)), braid_engine::Pick::Argmax))?;
+            // Recorded on the first pass, then (for some stream counts)
+            // replayed and timed for the pacer.
+            let passes = if TIMED_STREAMS.contains(&n) { 2 } else { 1 };
+            for pass in 0..passes {
+                let mut timed = (pass == 1).then_some(&mut costs);
+                timed_round(backend, &rows, None, &mut lens, timed.as_deref_mut())?;
+                for (start, size, want_logits) in replayed_chunks(most, tokens.len()) {
+                    reopen_at(backend, id, start)?;
+                    let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
+                    timed_round(backend, &rows, Some((id, chunk)), &mut lens, timed.as_deref_mut())?;
+                }
+                backend.forget(id);
             }
-            backend.forget(id);
         }
-        Ok(())
+        Ok(costs)
     })();
     backend.forget(id);
     bgs.iter().for_each(|&b| backend.forget(b));
     r
 }
 
+/// A warm-up round of `rows` (the first streams of `lens`, their lengths)
+/// and `chunk`, its backend call's time into `costs` if given.
+fn timed_round(
+    backend: &mut dyn Backend,
+    rows: &[DecodeRow],
+    chunk: Option<(u64, braid_engine::Chunk<'_>)>,
+    lens: &mut [usize],
+    costs: Option<&mut Vec<RoundCost>>,
+) -> Result<()> {
+    let t = std::time::Instant::now();
+    backend.round(braid_engine::Step::new(rows, chunk, braid_engine::Pick::Argmax))?;
+    let secs = t.elapsed().as_secs_f64();
+    let n = rows.len();
+    if let Some(costs) = costs {
+        let (chunk_rows, chunk_start) = chunk.map_or((0, 0), |(_, c)| (c.tokens.len(), c.start));
+        costs.push(RoundCost { decode_rows: n, decode_ctx: lens[..n].iter().sum(), chunk_rows, chunk_start, secs });
+    }
+    lens[..n].iter_mut().for_each(|l| *l += 1);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::replayed_chunks;
+    use super::{replayed_chunks, CHUNKS_SPAN};
 
     #[test]
     fn kv_tokens_default_fills_half_a_devices_free_memory_at_most() {
@@ -595,15 +647,23 @@ mod tests {
 
     #[test]
     fn replayed_chunks_cover_each_size_twice_back_to_back() {
-        let c = replayed_chunks(64);
+        let c = replayed_chunks(64, usize::MAX);
         let sizes: Vec<(usize, bool)> = c.iter().map(|&(_, n, w)| (n, w)).collect();
-        let want: Vec<(usize, bool)> = [64, 32, 16, 8, 4, 2, 1].iter().flat_map(|&n| [(n, false), (n, true)]).collect();
+        let want: Vec<(usize, bool)> = [64, 48, 32, 16, 8, 4, 2, 1].iter().flat_map(|&n| [(n, false), (n, true)]).collect();
         assert_eq!(sizes, want);
-        // Each chunk starts where the one before ended, within 4 × 64 rows.
+        // Each chunk starts where the one before ended, within the span.
         assert!(c.windows(2).all(|w| w[1].0 == w[0].0 + w[0].1));
         assert_eq!(c[0].0, 0);
-        let end = c.last().map(|&(s, n, _)| s + n).unwrap();
-        assert!(end <= 4 * 64, "{end}");
-        assert_eq!(replayed_chunks(3).iter().map(|c| c.1).collect::<Vec<_>>(), [3, 3, 1, 1]);
+        for most in [64, 256, 4096] {
+            let end = replayed_chunks(most, usize::MAX).last().map(|&(s, n, _)| s + n).unwrap();
+            assert!(end <= CHUNKS_SPAN * most, "{most}: {end}");
+        }
+        assert_eq!(replayed_chunks(3, usize::MAX).iter().map(|c| c.1).collect::<Vec<_>>(), [2, 2, 1, 1]);
+        // Past the limit a chunk starts a new pass at 0, every pass within it.
+        let c = replayed_chunks(256, 1000);
+        assert_eq!(c.len(), 2 * braid_engine::replayed_sizes(256).count());
+        assert!(c.iter().all(|&(s, n, _)| s + n <= 1000));
+        assert!(c.iter().filter(|c| c.0 == 0).count() > 1);
+        assert!(c.windows(2).all(|w| w[1].0 == 0 || w[1].0 == w[0].0 + w[0].1));
     }
 }

@@ -327,8 +327,9 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
             path.display()
         );
     }
-    load::warm_up(&mut *m.backend, &m.device, max_batch)?;
+    let round_costs = load::warm_up(&mut *m.backend, &m.device, max_batch)?;
     let mut config = lane_config(&m);
+    config.round_costs = round_costs;
     config.chunk_tokens = a.chunk.max(1);
     config.max_rows = a.max_rows;
     // On the H200 a 64-row chunk beside six decode rows added ~25% to their

@@ -67,11 +67,27 @@ pub struct Capabilities {
     pub feature_dim: usize,
     /// What the backend picks where the logits are.
     pub picks: Picks,
-    /// Beside decode rows, a prompt chunk of a power of two rows up to
-    /// this many runs as a recorded forward replayed (a CUDA graph), far
-    /// cheaper than one run afresh; the pacer keeps shared chunks to those
-    /// sizes (0: any size costs the same).
+    /// Beside decode rows, a prompt chunk of a replayed size
+    /// ([`replayed_size`]) up to this many rows runs as a recorded forward
+    /// replayed (a CUDA graph), far cheaper than one run afresh; the pacer
+    /// keeps shared chunks to those sizes (0: any size costs the same).
     pub replayed_chunk_rows: usize,
+}
+
+/// Whether a chunk of `rows` is one of the sizes a replaying backend keys
+/// beside decode rows: a power of two, or from 48 rows also 3, 5 or 7
+/// times a power of two of at least 16 (48, 80, 96, 112, 160, 192, 224,
+/// ...). Past 32 rows a doubling is a large step in a round's time (on the
+/// H200 64 rows add ~0.5 ms to a 1.5 ms round, 128 ~0.85), and a latency
+/// target falls between them.
+pub fn replayed_size(rows: usize) -> bool {
+    let odd = rows >> rows.trailing_zeros().min(usize::BITS - 1);
+    rows.is_power_of_two() || (rows >= 48 && matches!(odd, 3 | 5 | 7) && rows / odd >= 16)
+}
+
+/// The replayed sizes up to `most`, largest first.
+pub fn replayed_sizes(most: usize) -> impl Iterator<Item = usize> {
+    (1..=most).rev().filter(|&n| replayed_size(n))
 }
 
 /// How full the backend's state memory is.

@@ -52,14 +52,16 @@ pub mod sampling;
 pub mod stop;
 
 pub use backend::{
-    image_token_ids, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks, RoundOut, Step, StreamId,
-    IMAGE_IDS,
+    image_token_ids, replayed_size, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage,
+    RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 pub use blocks::{window_start, Attached, BlockId, BlockPool, BlockTable};
 pub use draft_model::{DraftModel, DraftModelConfig};
 pub use drafter::{Drafter, Gate};
 pub use guide::{Constraint, Grammar, Guide, TokenMask};
-pub use lane::{Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, StreamControl, StreamHandle, SubmitError, Timing, Usage};
+pub use lane::{
+    Event, EventSink, FinishReason, FnSink, Lane, LaneConfig, LaneStats, Request, RoundCost, StreamControl, StreamHandle, SubmitError, Timing, Usage,
+};
 pub use ngram::{NgramConfig, PromptLookup};
 pub use pass::{chunk_end, prefill_whole, whole_images, CutPlan, Pass, StepOutcome, WholePass};
 pub use prefix::{PrefixIndex, SeenPrefixes};

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use braid_engine::fake::{Call, FakeConfig};
-use braid_engine::{Event, LaneConfig};
+use braid_engine::{replayed_size, Event, LaneConfig, RoundCost};
 use common::*;
 
 /// 3 ms a forward, 0.2 ms a decode row, 0.05 ms a prompt row.
@@ -33,11 +33,16 @@ fn paced_on(target: Option<Duration>, replayed: usize, chunk_tokens: usize) -> V
 
 /// [`paced_on`], or with a `share` of a plain round instead of a target.
 fn paced_with(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize) -> Vec<Call> {
+    paced_told(target, share, replayed, chunk_tokens, Vec::new())
+}
+
+/// [`paced_with`], the lane told `round_costs` before it runs.
+fn paced_told(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize, round_costs: Vec<RoundCost>) -> Vec<Call> {
     let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
     fc.caps.chunk_invariant = true;
     fc.caps.max_batch = 4096;
     fc.caps.replayed_chunk_rows = replayed;
-    let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, ..no_marks() };
+    let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, round_costs, ..no_marks() };
     let (lane, log) = lane(fc, lc);
     // Four streams decode, then an 1800-row prompt arrives.
     let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();
@@ -86,11 +91,11 @@ fn a_target_keeps_shared_rounds_within_it_and_the_arrival_advances() {
 #[test]
 fn beside_decode_rows_a_replaying_backend_gets_only_the_sizes_it_replays() {
     // The target would allow ~160 rows; the pass is cut every 100 rows,
-    // which no power of two divides.
+    // which no replayed size divides.
     let calls = paced_on(Some(Duration::from_millis(12)), 64, 100);
     let shared = shared_chunks(&calls);
     assert!(shared.len() > 8 && shared.contains(&64), "{shared:?}");
-    assert!(shared.iter().all(|&n| n.is_power_of_two() && n <= 64), "a shared chunk the backend does not replay: {shared:?}");
+    assert!(shared.iter().all(|&n| replayed_size(n) && n <= 64), "a shared chunk the backend does not replay: {shared:?}");
     let all: usize = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).sum();
     assert_eq!(all, 1800);
 }
@@ -103,13 +108,42 @@ fn shared_chunks(calls: &[Call]) -> Vec<usize> {
 #[test]
 fn a_target_takes_the_largest_replayed_sizes_a_share_keeps_to_64_rows() {
     // Replays up to 256 rows. A 12 ms target leaves room for ~160 rows a
-    // round: it runs 128-row chunks.
+    // round: it runs chunks of 128 rows or more, none past the room.
     let target = shared_chunks(&paced_with(Some(Duration::from_millis(12)), None, 256, 4096));
-    assert!(target.contains(&128) && target.iter().all(|&n| n.is_power_of_two() && n <= 256), "{target:?}");
+    let largest = target.iter().copied().max().unwrap_or(0);
+    assert!((128..=160).contains(&largest) && target.iter().all(|&n| replayed_size(n)), "{target:?}");
     // A share of 2 plain rounds would steer to ~150 rows as well; it is
     // held to 64-row replays (rounded up to 128, they overshot on the H200).
     let share = shared_chunks(&paced_with(None, Some(2.0), 256, 4096));
-    assert!(share.contains(&64) && share.iter().all(|&n| n.is_power_of_two() && n <= 64), "{share:?}");
+    assert!(share.contains(&64) && share.iter().all(|&n| replayed_size(n) && n <= 64), "{share:?}");
+}
+
+#[test]
+fn rounds_timed_before_serving_size_the_first_arrival_without_probing() {
+    // What a warm-up would time: 1–8 decode rows, alone and beside chunks
+    // of 16–256 rows, each at the script's cost.
+    let told: Vec<RoundCost> = [1usize, 2, 4, 8]
+        .iter()
+        .flat_map(|&d| {
+            [0usize, 16, 64, 128, 256].map(move |c| RoundCost {
+                decode_rows: d,
+                decode_ctx: 9 * d,
+                chunk_rows: c,
+                chunk_start: 0,
+                secs: cost(d, c).as_secs_f64(),
+            })
+        })
+        .collect();
+    let target = Some(Duration::from_millis(12));
+    let cold = shared_chunks(&paced_told(target, None, 256, 4096, Vec::new()));
+    let warm = shared_chunks(&paced_told(target, None, 256, 4096, told));
+    // Cold, the pacer probes up (doubling from what the decoding streams'
+    // own short prompts showed it); told, its first chunk takes the room
+    // 12 ms leaves beside four streams (~160 rows), and no chunk passes it.
+    assert!(cold[0] < 64, "{cold:?}");
+    assert!((128..=160).contains(&warm[0]), "{warm:?}");
+    assert!(warm.iter().all(|&n| n <= 160), "{warm:?}");
+    assert!(warm.len() < cold.len(), "told {} rounds, cold {}", warm.len(), cold.len());
 }
 
 #[test]

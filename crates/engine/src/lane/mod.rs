@@ -36,6 +36,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use event::{Event, EventSink, FinishReason, FnSink, Request, SubmitError, Timing, Usage};
+pub use pacer::RoundCost;
 pub use stats::LaneStats;
 
 use crate::backend::{Backend, Capabilities, StreamId};
@@ -105,6 +106,9 @@ pub struct LaneConfig {
     /// (at least one row a round; where cut sizes are free). `None`: no
     /// target (`prefill_share` or whole chunks).
     pub itl_target: Option<Duration>,
+    /// Rounds timed before serving (`braid serve`'s warm-up on a GPU),
+    /// which the latency target's cost model starts from.
+    pub round_costs: Vec<RoundCost>,
     /// Threads computing guided streams' masks (started with the first
     /// guided stream). A mask is computed while the round's forward runs,
     /// so one thread keeps up with several streams on a CPU lane; more
@@ -129,6 +133,7 @@ impl Default for LaneConfig {
             draft_max_streams: 4,
             prefill_share: None,
             itl_target: None,
+            round_costs: Vec::new(),
             mask_threads: 2,
         }
     }

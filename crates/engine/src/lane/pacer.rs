@@ -29,7 +29,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::backend::StreamId;
+use crate::backend::{replayed_size, StreamId};
 
 /// Rows of a pass's first chunk under `prefill_share`, before any cost is
 /// known: small, since in a shared forward each row adds its full cost to
@@ -50,9 +50,9 @@ const SHARE_REPLAYED_ROWS: usize = 64;
 /// until then chunks probe, doubling while rounds stay within the target.
 const TRUSTED_AFTER: usize = 6;
 
-/// `budget` kept to the chunk sizes a backend replays (a power of two up
-/// to `replayed`; see `Capabilities::replayed_chunk_rows`) where the chunk
-/// shares its round with decode rows and would fit one: the power of two
+/// `budget` kept to the chunk sizes a backend replays ([`replayed_size`]
+/// up to `replayed`; see `Capabilities::replayed_chunk_rows`) where the
+/// chunk shares its round with decode rows and would fit one: the size
 /// nearest the budget (in ratio), within the `left` rows before the pass's
 /// next cut, so its last chunks too (a remainder of 37 rows runs as 32, 4
 /// and 1). A larger budget is held to `replayed`: a chunk run afresh cost
@@ -61,8 +61,10 @@ const TRUSTED_AFTER: usize = 6;
 ///
 /// Nearest, not the largest within: the pacer grows a chunk by half at
 /// most, and rounded down, half again of 4 rows stayed 4 (on the H200 an
-/// 1800-token prompt took 441 rounds of 4 rows).
-pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize) -> Budget {
+/// 1800-token prompt took 441 rounds of 4 rows). But `within` (a latency
+/// target, whose budget is the most rows its cost model holds within it):
+/// the largest size within, since the next one up passes the target.
+pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize, within: bool) -> Budget {
     match budget {
         Budget::Chunk(rows) if decoding && replayed > 0 => {
             let Some(rows) = rows else { return budget };
@@ -70,10 +72,10 @@ pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed:
             if r == 0 {
                 return budget;
             }
-            let down = 1usize << r.ilog2();
-            // Up when r ≥ down·√2 (r² ≥ 2·down²), where the prompt and the sizes allow.
-            let up = down * 2;
-            let nearer_up = r * r >= 2 * down * down && up <= left && up <= replayed;
+            let down = (1..=r).rev().find(|&n| replayed_size(n)).expect("1 is a replayed size");
+            let up = (down + 1..).find(|&n| replayed_size(n)).expect("sizes go on");
+            // Up when r ≥ √(down·up), where the prompt and the sizes allow.
+            let nearer_up = !within && r * r >= down * up && up <= left && up <= replayed;
             Budget::Chunk(Some(if nearer_up { up } else { down }))
         }
         b => b,
@@ -99,6 +101,21 @@ pub(super) struct Shape {
     /// The chunk's rows and the position it starts at.
     pub chunk_rows: usize,
     pub chunk_start: usize,
+}
+
+/// A round timed before the lane ran (a replaying backend's warm-up): what
+/// it held and how long the backend call took. The pacer's cost model
+/// starts from these, so the first arrival's chunks are sized by what the
+/// device costs instead of probing up from a few rows (on the H200 the
+/// probe took ~20 rounds of an 1800-token prompt's ~30).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RoundCost {
+    pub decode_rows: usize,
+    /// The decoding streams' context tokens, summed.
+    pub decode_ctx: usize,
+    pub chunk_rows: usize,
+    pub chunk_start: usize,
+    pub secs: f64,
 }
 
 /// What one round ran, as the pacer is told it.
@@ -260,6 +277,20 @@ impl Pacer {
         }
     }
 
+    /// Start the cost model from rounds timed before serving.
+    pub fn learn(&mut self, rounds: &[RoundCost]) {
+        for r in rounds {
+            let shape = Shape { decode_rows: r.decode_rows, decode_ctx: r.decode_ctx, chunk_rows: r.chunk_rows, chunk_start: r.chunk_start };
+            self.model.observe(&shape, r.secs);
+        }
+    }
+
+    /// Whether a latency target sizes the chunks (see [`to_replayed`]'s
+    /// `within`).
+    pub fn targeted(&self) -> bool {
+        self.target.is_some()
+    }
+
     /// The largest replayed chunk this pacer asks for, of the `replayed`
     /// the backend offers: all of them under a target, which predicts each
     /// size's cost; at most [`SHARE_REPLAYED_ROWS`] under a share, whose
@@ -345,7 +376,7 @@ impl Pacer {
 
     /// Under a target: the most prompt rows whose round the model holds
     /// within it (the loop's own time and its recent underestimates set
-    /// aside), at least one, at most half again the largest chunk it has seen;
+    /// aside), at least one, at most twice the largest chunk it has seen;
     /// while the model is young, a probe that doubles while rounds stay
     /// within it.
     fn target_rows(&self, stream: StreamId, start: usize, next: Shape, target: f64) -> usize {
@@ -376,9 +407,10 @@ impl Pacer {
             return 1;
         }
         // The largest rows within the room (the prediction grows with
-        // rows), and no more than half again what the model has seen.
+        // rows), and no more than twice what the model has seen (half
+        // again, rounded down to a replayed size, could stay where it is).
         let seen = self.model.max_seen.max(1);
-        let (mut lo, mut hi) = (1usize, self.max_rows.unwrap_or(usize::MAX).min(seen + seen / 2 + 1));
+        let (mut lo, mut hi) = (1usize, self.max_rows.unwrap_or(usize::MAX).min(2 * seen + 1));
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
             if self.model.predict(&with(mid)) <= room {

@@ -127,7 +127,13 @@ impl Core {
     /// the backend replays within the rows to the pass's next cut.
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape) -> Budget {
         let b = self.pacer.budget(stream, pos, next);
-        to_replayed(b, cuts.chunk_end_capped(pos, None) - pos, next.decode_rows > 0, self.pacer.replayed_rows(self.caps.replayed_chunk_rows))
+        to_replayed(
+            b,
+            cuts.chunk_end_capped(pos, None) - pos,
+            next.decode_rows > 0,
+            self.pacer.replayed_rows(self.caps.replayed_chunk_rows),
+            self.pacer.targeted(),
+        )
     }
 
     /// The chunk the round after `plan` will carry if its decode rows come

@@ -77,9 +77,11 @@ impl Core {
             0 => 16,
             b => b,
         };
+        let mut pacer = Pacer::new(cfg.itl_target, cfg.prefill_share, cfg.max_rows, caps.free_cuts());
+        pacer.learn(&cfg.round_costs);
         Core {
             mask_workers: MaskWorkers::new(cfg.mask_threads, wake),
-            pacer: Pacer::new(cfg.itl_target, cfg.prefill_share, cfg.max_rows, caps.free_cuts()),
+            pacer,
             prefix: PrefixIndex::new(cfg.prefix_marks),
             seen: SeenPrefixes::new(block_tokens, SEEN_PREFIXES),
             backend,

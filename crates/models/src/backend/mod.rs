@@ -32,8 +32,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage, RoundMasks,
-    RoundOut, Step, StreamId, IMAGE_IDS,
+    replayed_size, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage,
+    RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 use braid_ops::{Device, Forward, KvDtype, RowPick, RowPicked};
 
@@ -50,7 +50,7 @@ use rows::{image_rows, RowArrays};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
 /// are keyed for replay, and so are those that add a prompt chunk of a
-/// power of two rows up to [`REPLAY_CHUNK_ROWS`] (the sizes the lane's
+/// replayed size up to [`REPLAY_CHUNK_ROWS`] (the sizes the lane's
 /// pacer keeps to where the device replays: see
 /// `Capabilities::replayed_chunk_rows`). Other chunks run eagerly: their
 /// sizes rarely recur, and on the H200 a recording (3–5 ms) cost more than
@@ -418,7 +418,7 @@ impl<D: Device> ModelBackend<D> {
         };
         // Only the last part can be a prompt chunk.
         let (rows, tail) = if chunk { parts.split_at(parts.len().saturating_sub(1)) } else { (parts, &[][..]) };
-        let replayed = rows.iter().all(|p| p.1.len() <= REPLAY_ROWS) && tail.iter().all(|p| p.1.len() <= REPLAY_CHUNK_ROWS && p.1.len().is_power_of_two());
+        let replayed = rows.iter().all(|p| p.1.len() <= REPLAY_ROWS) && tail.iter().all(|p| p.1.len() <= REPLAY_CHUNK_ROWS && replayed_size(p.1.len()));
         let key = (batch.images.is_empty() && replayed).then(|| batch.key());
         let (dev, model, mem, scratch) = (&self.dev, &self.model, &mut self.mem, &mut self.scratch);
         let ran = dev.forward(Forward { key, tokens: batch.tokens }, &mut || model.forward(dev, &batch, mem, scratch));
@@ -463,7 +463,7 @@ impl<D: Device> ModelBackend<D> {
     fn ahead_chunk_ready(&mut self, (stream, c): (StreamId, Chunk<'_>)) -> bool {
         let vocab = self.model.vocab();
         let ok = self.streams.get(&stream).is_some_and(|s| s.len == c.start)
-            && c.tokens.len().is_power_of_two()
+            && replayed_size(c.tokens.len())
             && c.tokens.len() <= REPLAY_CHUNK_ROWS
             && !self.images.contains_key(&stream)
             && !c.want_logits

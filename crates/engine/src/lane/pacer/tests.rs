@@ -226,7 +226,7 @@ fn shared_pass(share: f32, plain_s: f64, fixed_s: f64, row_s: f64, replayed: usi
     let mut p = Pacer::new(None, Some(share), None, true);
     let (mut pos, mut rows, mut secs) = (0, Vec::new(), Vec::new());
     while pos < 1800 && rows.len() < 5000 {
-        match to_replayed(p.budget(3, pos, four()), 1800 - pos, true, replayed) {
+        match to_replayed(p.budget(3, pos, four()), 1800 - pos, true, replayed, p.targeted()) {
             Budget::Measure => p.ran(plain(plain_s)),
             Budget::Chunk(Some(r)) => {
                 let r = r.min(1800 - pos);
@@ -256,15 +256,27 @@ fn a_fixed_cost_of_sharing_a_round_does_not_hold_chunks_to_one_row() {
 
 #[test]
 fn shared_chunks_keep_to_the_replayed_sizes() {
-    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64);
-    // Within the replayed sizes: the power of two nearest the budget, within the prompt.
-    assert_eq!(r(Some(40), 1000, true), Budget::Chunk(Some(32)));
-    assert_eq!(r(Some(50), 1000, true), Budget::Chunk(Some(64)));
+    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64, false);
+    // Within the replayed sizes: the one nearest the budget, within the prompt.
+    assert_eq!(r(Some(40), 1000, true), Budget::Chunk(Some(48)));
+    assert_eq!(r(Some(38), 1000, true), Budget::Chunk(Some(32)));
+    assert_eq!(r(Some(50), 1000, true), Budget::Chunk(Some(48)));
+    assert_eq!(r(Some(56), 1000, true), Budget::Chunk(Some(64)));
+    // Past 32 rows three halves of a power of two replay too.
+    let wide = |rows: usize, within: bool| to_replayed(Budget::Chunk(Some(rows)), 1000, true, 256, within);
+    assert_eq!(wide(100, false), Budget::Chunk(Some(96)));
+    assert_eq!(wide(106, false), Budget::Chunk(Some(112)));
+    assert_eq!(wide(150, false), Budget::Chunk(Some(160)));
+    assert_eq!(wide(300, false), Budget::Chunk(Some(256)));
+    // Under a target, the largest size within the budget.
+    assert_eq!(wide(110, true), Budget::Chunk(Some(96)));
+    assert_eq!(wide(255, true), Budget::Chunk(Some(224)));
+    assert_eq!(wide(7, true), Budget::Chunk(Some(4)));
     assert_eq!(r(Some(64), 1000, true), Budget::Chunk(Some(64)));
     assert_eq!(r(Some(1), 1000, true), Budget::Chunk(Some(1)));
     // Growing by half from a power of two reaches the next one (4 -> 7 -> 8).
     assert_eq!(r(Some(4 + 4 / 2 + 1), 1000, true), Budget::Chunk(Some(8)));
-    // A remainder runs as powers of two: 37 = 32 + 4 + 1.
+    // A remainder runs as replayed sizes: 37 = 32 + 4 + 1.
     let mut left = 37;
     let mut sizes = Vec::new();
     while left > 0 {
@@ -278,8 +290,8 @@ fn shared_chunks_keep_to_the_replayed_sizes() {
     // The pass's own cuts, chunks alone, and backends that replay nothing keep the budget.
     assert_eq!(r(None, 1000, true), Budget::Chunk(None));
     assert_eq!(r(Some(50), 1000, false), Budget::Chunk(Some(50)));
-    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0), Budget::Chunk(Some(50)));
-    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64), Budget::Measure);
+    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0, true), Budget::Chunk(Some(50)));
+    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64, true), Budget::Measure);
 }
 
 #[test]

@@ -582,15 +582,23 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
         // The decoding streams' lengths: 8 tokens, then the round above.
         let mut lens = vec![9usize; bgs.len()];
         let mut costs = Vec::new();
+        let chunks = replayed_chunks(most, tokens.len());
         for n in (1..=streams).rev() {
             let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
             // Recorded on the first pass, then (for some stream counts)
             // replayed and timed for the pacer.
             let passes = if TIMED_STREAMS.contains(&n) { 2 } else { 1 };
+            // The decoding streams grow a token a round: started again
+            // where this count's rounds would pass the context.
+            if lens[0] + passes * (1 + chunks.len()) > caps.max_context {
+                bgs[..n].iter().for_each(|&b| backend.forget(b));
+                open_short(backend, &bgs[..n], tokens)?;
+                lens[..n].iter_mut().for_each(|l| *l = 8);
+            }
             for pass in 0..passes {
                 let mut timed = (pass == 1).then_some(&mut costs);
                 timed_round(backend, &rows, None, &mut lens, timed.as_deref_mut())?;
-                for (start, size, want_logits) in replayed_chunks(most, tokens.len()) {
+                for &(start, size, want_logits) in &chunks {
                     reopen_at(backend, id, start)?;
                     let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
                     timed_round(backend, &rows, Some((id, chunk)), &mut lens, timed.as_deref_mut())?;

@@ -683,32 +683,43 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
     }
 }
 
+/// `$packed` and `$raw`: tiles of up to eight weight rows x any activation
+/// rows up to the largest of `[$pa]` / `[$ra]` (each count gets its own
+/// instance, so its accumulators stay in registers).
 macro_rules! r8_tiles {
-    ($packed:ident, $raw:ident, $dot:ty, $feat:literal) => {
+    ($packed:ident, $raw:ident, $dot:ty, $feat:literal, [$($pa:literal)*], [$($ra:literal)*]) => {
         #[target_feature(enable = $feat)]
         unsafe fn $packed<const SIGNED: bool>(t: &Tile, rw: usize, ra: usize) {
             match ra {
-                1 => tile_r8_packed_body::<$dot, SIGNED, 1>(t, rw),
-                2 => tile_r8_packed_body::<$dot, SIGNED, 2>(t, rw),
-                3 => tile_r8_packed_body::<$dot, SIGNED, 3>(t, rw),
-                _ => tile_r8_packed_body::<$dot, SIGNED, 4>(t, rw),
+                $($pa => tile_r8_packed_body::<$dot, SIGNED, $pa>(t, rw),)*
+                _ => unreachable!("packed tile of {ra} activation rows"),
             }
         }
         #[target_feature(enable = $feat)]
         unsafe fn $raw<K: B32>(t: &Tile, rw: usize, ra: usize) {
             match ra {
-                1 => tile_r8_raw_body::<$dot, K, 1>(t, rw),
-                2 => tile_r8_raw_body::<$dot, K, 2>(t, rw),
-                3 => tile_r8_raw_body::<$dot, K, 3>(t, rw),
-                _ => tile_r8_raw_body::<$dot, K, 4>(t, rw),
+                $($ra => tile_r8_raw_body::<$dot, K, $ra>(t, rw),)*
+                _ => unreachable!("raw tile of {ra} activation rows"),
             }
         }
     };
 }
 
-r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c");
-r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
-r8_tiles!(r8_packed_vnni512, r8_raw_vnni512, Vnni512Dot, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+// AVX2's 16 vector registers hold a 4-row tile's accumulators. AVX-512's 32
+// take wider tiles: a shared round's 5-15 activation rows (a few streams'
+// decode rows and a prompt's rows) then run as one tile, unpacking each
+// weight block once for all of them instead of once per 4 rows, and the
+// packed tiles of prefill reuse each loaded weight vector for 8 rows.
+r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c", [1 2 3 4], [1 2 3 4]);
+r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni", [1 2 3 4], [1 2 3 4]);
+r8_tiles!(
+    r8_packed_vnni512,
+    r8_raw_vnni512,
+    Vnni512Dot,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    [1 2 3 4 5 6 7 8],
+    [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16]
+);
 
 /// The eight-row kernel of a 32-element type.
 fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
@@ -720,9 +731,11 @@ fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
         (Vnni::None, true) => (r8_raw::<K>, r8_packed::<true>),
         (Vnni::None, false) => (r8_raw::<K>, r8_packed::<false>),
     };
-    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true, sub_bytes: SUB_BYTES };
+    // The widest tiles each instance has (see `r8_tiles!`).
+    let (ra, ra_packed) = if vnni == Vnni::Evex { (16, 8) } else { (4, 4) };
+    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES };
     let rw_gemv = if matches!(vnni, Vnni::Evex) { gemv512::ROWS } else { 8 };
-    Kernel { tile: raw, rw: 8, ra: 4, rw_gemv, pack: Some(pack), partial: true }
+    Kernel { tile: raw, rw: 8, ra, rw_gemv, pack: Some(pack), partial: true }
 }
 
 /// With AVX-512 VNNI: matvec tiles of more than eight rows on 512-bit

@@ -334,11 +334,11 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
 }
 
 /// A shared round's few activation rows (a handful of streams' decode rows
-/// plus a prompt's rows) run as wide tiles, from 5 to 16 rows at once on
-/// AVX-512, packed from 16: every ragged count must give each row the lone
-/// row's result bit for bit, and the AVX2 kernels' results too, with weight
-/// rows ending mid-group (37) and whole 16-row matvec tiles (64), on one
-/// thread (one task holds every row) and on two.
+/// plus a prompt's rows) run as wide tiles, up to 16 rows at once (8 for
+/// the K-quants) on AVX-512, packed from 16: every ragged count must give
+/// each row the lone row's result bit for bit, and the AVX2 kernels'
+/// results too, with weight rows ending mid-group (37) and whole 16-row
+/// matvec tiles (64), on one thread (one task holds every row) and on two.
 #[test]
 fn few_rows_give_each_row_its_lone_result_bit_for_bit() {
     let mut rng = Rng(0x5a1ad);

@@ -250,6 +250,22 @@ unsafe fn r8k_raw<const T: u8>(t: &Tile, rw: usize, ra: usize) {
     }
 }
 
+/// As `r8k_raw`, with AVX-512's 32 registers: up to eight activation rows
+/// (a shared round's few) per unpacked weight block.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn r8k_raw512<const T: u8>(t: &Tile, rw: usize, ra: usize) {
+    match ra {
+        1 => tile_r8k_raw_body::<T, 1>(t, rw),
+        2 => tile_r8k_raw_body::<T, 2>(t, rw),
+        3 => tile_r8k_raw_body::<T, 3>(t, rw),
+        4 => tile_r8k_raw_body::<T, 4>(t, rw),
+        5 => tile_r8k_raw_body::<T, 5>(t, rw),
+        6 => tile_r8k_raw_body::<T, 6>(t, rw),
+        7 => tile_r8k_raw_body::<T, 7>(t, rw),
+        _ => tile_r8k_raw_body::<T, 8>(t, rw),
+    }
+}
+
 /// The eight-row kernel of a K-quant (T = 4, 5 or 6).
 pub(super) fn r8k_kernel<const T: u8>(vnni: Vnni) -> Kernel {
     let packed: TileFn = match (T == 6, vnni) {
@@ -261,5 +277,6 @@ pub(super) fn r8k_kernel<const T: u8>(vnni: Vnni) -> Kernel {
         (false, Vnni::None) => r8k_packed::<false>,
     };
     let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: 3, partial: true, sub_bytes: SUB_BYTES };
-    Kernel { tile: r8k_raw::<T>, rw: 8, ra: 3, rw_gemv: 8, pack: Some(pack), partial: true }
+    let (raw, ra): (TileFn, usize) = if vnni == Vnni::Evex { (r8k_raw512::<T>, 8) } else { (r8k_raw::<T>, 3) };
+    Kernel { tile: raw, rw: 8, ra, rw_gemv: 8, pack: Some(pack), partial: true }
 }

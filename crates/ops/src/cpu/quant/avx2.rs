@@ -476,6 +476,9 @@ const R8_BYTES: usize = 8 * 32 + 2 * 32;
 
 /// How tiles form 32 u8 x i8 products summed in fours, added to `acc`.
 trait DotAcc {
+    /// The four products are summed in i32 (VNNI's `dpbusd`), not in i16
+    /// as `maddubs` does, so u8 values up to 255 cannot saturate.
+    const WIDE: bool = false;
     /// # Safety: the CPU has the instructions used.
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i;
 }
@@ -486,12 +489,14 @@ impl DotAcc for MaddDot {
     }
 }
 impl DotAcc for VnniDot {
+    const WIDE: bool = true;
     #[inline(always)]
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(acc, q, a)
     }
 }
 impl DotAcc for Vnni512Dot {
+    const WIDE: bool = true;
     #[inline(always)]
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, q, a)
@@ -649,10 +654,20 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
         }
         let dv = _mm256_loadu_ps(d.as_ptr());
         let mv = _mm256_loadu_ps(m.as_ptr());
+        // Signed weights with i32 dots: biased to unsigned (`w ^ 0x80` is
+        // `w + 128`) and `128 * sum(a)` taken off after, as `gemv512` does,
+        // so each dot takes its broadcast activation bytes as they are. The
+        // sums are exact either way.
+        let biased = K::SIGNED && D::WIDE && RA > 1;
         if RA > 1 {
             // Several activation rows: transpose once (as `pack_rows8`
             // does), then each row costs eight broadcast dots, no sums.
             transpose8(&mut q);
+            if biased {
+                for v in q.iter_mut() {
+                    *v = _mm256_xor_si256(*v, _mm256_set1_epi8(-128));
+                }
+            }
         }
         for c in 0..RA {
             let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
@@ -660,7 +675,16 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
                 let mut isum = _mm256_setzero_si256();
                 for k in 0..8 {
                     let a4 = _mm256_set1_epi32((ab.qs.as_ptr().add(4 * k) as *const i32).read_unaligned());
-                    isum = if K::SIGNED { D::dot_acc(isum, _mm256_sign_epi8(q[k], q[k]), _mm256_sign_epi8(a4, q[k])) } else { D::dot_acc(isum, q[k], a4) };
+                    isum = if K::SIGNED && !biased {
+                        D::dot_acc(isum, _mm256_sign_epi8(q[k], q[k]), _mm256_sign_epi8(a4, q[k]))
+                    } else {
+                        D::dot_acc(isum, q[k], a4)
+                    };
+                }
+                if biased {
+                    let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                    let asum = hsum_i32(D::dot_acc(_mm256_setzero_si256(), _mm256_set1_epi8(1), av));
+                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * asum));
                 }
                 isum
             } else {

@@ -4,7 +4,7 @@
 //! decode case) and GFLOP/s for m = 512 (prefill), on 1 and 2 threads; then
 //! the matmul time of one decode step / one 512-token prefill for the
 //! shapes of SmolLM2-135M (Q4_1 + Q8_0 head) and Gemma 3 270M (Q4_K_M).
-//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|few|head|float|prefill|model`
+//! `BENCH_QUICK=1` shortens it; `BENCH_ONLY=pool|matvec|few|shared|head|float|prefill|model`
 //! runs one section; `BRAID_CPU_ISA=scalar` runs the scalar kernels.
 
 use std::time::Instant;
@@ -127,6 +127,30 @@ fn main() {
                 let mut out = vec![0.0; n * m];
                 let s = time(if quick { 10 } else { 50 }, 5, || matmul(w.q(), &x, m, &mut out));
                 println!("{:<6} {:>4} {:>10.1} {:>9.2}", dtype.name(), m, s * 1e6, w.data.len() as f64 / s / 1e9);
+            }
+        }
+    }
+
+    // A shared round: a few streams' decode rows plus a few prompt rows,
+    // through one layer's matmuls of SmolLM2-135M (Q4_1 q, k, v, o, gate,
+    // up, down), then the same shapes in Q8_0.
+    if want("shared") {
+        let layer = [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (576, 1536, 1)];
+        println!("\nSmolLM2-135M layer matmuls x m rows (a shared round)");
+        println!("{:<6} {:>8} {:>4} {:>10} {:>10}", "type", "threads", "m", "us/layer", "us/row");
+        for dtype in [DType::Q4_1, DType::Q8_0] {
+            let mats: Vec<(Mat, usize)> = layer.iter().map(|&(r, c, k)| (Mat::new(&mut rng, dtype, r, c), k)).collect();
+            for &t in &thread_counts {
+                pool::set_threads(t);
+                for m in [1, 4, 6, 7, 8, 9, 10, 12, 13, 16, 22] {
+                    let mut total = 0.0;
+                    for (w, k) in &mats {
+                        let x: Vec<f32> = (0..m * w.cols).map(|_| rng.f()).collect();
+                        let mut out = vec![0.0; m * w.rows];
+                        total += *k as f64 * time(if quick { 20 } else { 200 }, 5, || matmul(w.q(), &x, m, &mut out));
+                    }
+                    println!("{:<6} {:>8} {:>4} {:>10.1} {:>10.2}", dtype.name(), t, m, total * 1e6, total * 1e6 / m as f64);
+                }
             }
         }
     }

@@ -332,3 +332,40 @@ fn vnni_kernels_equal_avx2_bit_for_bit() {
         }
     });
 }
+
+/// A shared round's few activation rows (a handful of streams' decode rows
+/// plus a prompt's rows) run as wide tiles, up to 16 rows at once (8 for
+/// the K-quants) on AVX-512, packed from 16: every ragged count must give
+/// each row the lone row's result bit for bit, and the AVX2 kernels'
+/// results too, with weight rows ending mid-group (37) and whole 16-row
+/// matvec tiles (64), on one thread (one task holds every row) and on two.
+#[test]
+fn few_rows_give_each_row_its_lone_result_bit_for_bit() {
+    let mut rng = Rng(0x5a1ad);
+    let quantized = [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q8_1, DType::Q4K, DType::Q5K, DType::Q6K];
+    for threads in [1, 2] {
+        braid_ops::cpu::pool::set_threads(threads);
+        for dtype in quantized {
+            for rows in [37, 64] {
+                for m in [2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 15, 16, 17, 22] {
+                    let c = case(&mut rng, dtype, rows, 3, m);
+                    let all = c.run(Isa::best());
+                    for row in 0..m {
+                        let x = &c.x[row * c.cols..(row + 1) * c.cols];
+                        let mut one = vec![0.0; rows];
+                        matmul(c.w(), x, 1, &mut one);
+                        let got = &all[row * rows..(row + 1) * rows];
+                        let same = one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{dtype} {rows} rows, m={m}, {threads} threads: row {row} differs from its lone result");
+                    }
+                    if Isa::Avx2.available() {
+                        let avx2 = c.run(Isa::Avx2);
+                        let same = avx2.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{dtype} {rows} rows, m={m}, {threads} threads: differs from AVX2");
+                    }
+                }
+            }
+        }
+    }
+    braid_ops::cpu::pool::set_threads(0);
+}

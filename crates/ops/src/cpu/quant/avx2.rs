@@ -476,6 +476,9 @@ const R8_BYTES: usize = 8 * 32 + 2 * 32;
 
 /// How tiles form 32 u8 x i8 products summed in fours, added to `acc`.
 trait DotAcc {
+    /// The four products are summed in i32 (VNNI's `dpbusd`), not in i16
+    /// as `maddubs` does, so u8 values up to 255 cannot saturate.
+    const WIDE: bool = false;
     /// # Safety: the CPU has the instructions used.
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i;
 }
@@ -486,12 +489,14 @@ impl DotAcc for MaddDot {
     }
 }
 impl DotAcc for VnniDot {
+    const WIDE: bool = true;
     #[inline(always)]
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(acc, q, a)
     }
 }
 impl DotAcc for Vnni512Dot {
+    const WIDE: bool = true;
     #[inline(always)]
     unsafe fn dot_acc(acc: __m256i, q: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, q, a)
@@ -649,10 +654,20 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
         }
         let dv = _mm256_loadu_ps(d.as_ptr());
         let mv = _mm256_loadu_ps(m.as_ptr());
+        // Signed weights with i32 dots: biased to unsigned (`w ^ 0x80` is
+        // `w + 128`) and `128 * sum(a)` taken off after, as `gemv512` does,
+        // so each dot takes its broadcast activation bytes as they are. The
+        // sums are exact either way.
+        let biased = K::SIGNED && D::WIDE && RA > 1;
         if RA > 1 {
             // Several activation rows: transpose once (as `pack_rows8`
             // does), then each row costs eight broadcast dots, no sums.
             transpose8(&mut q);
+            if biased {
+                for v in q.iter_mut() {
+                    *v = _mm256_xor_si256(*v, _mm256_set1_epi8(-128));
+                }
+            }
         }
         for c in 0..RA {
             let ab = &*(t.a.add(c * t.a_stride) as *const Q8A).add(b);
@@ -660,7 +675,16 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
                 let mut isum = _mm256_setzero_si256();
                 for k in 0..8 {
                     let a4 = _mm256_set1_epi32((ab.qs.as_ptr().add(4 * k) as *const i32).read_unaligned());
-                    isum = if K::SIGNED { D::dot_acc(isum, _mm256_sign_epi8(q[k], q[k]), _mm256_sign_epi8(a4, q[k])) } else { D::dot_acc(isum, q[k], a4) };
+                    isum = if K::SIGNED && !biased {
+                        D::dot_acc(isum, _mm256_sign_epi8(q[k], q[k]), _mm256_sign_epi8(a4, q[k]))
+                    } else {
+                        D::dot_acc(isum, q[k], a4)
+                    };
+                }
+                if biased {
+                    let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                    let asum = hsum_i32(D::dot_acc(_mm256_setzero_si256(), _mm256_set1_epi8(1), av));
+                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * asum));
                 }
                 isum
             } else {
@@ -683,32 +707,43 @@ unsafe fn tile_r8_raw_body<D: Dot + DotAcc, K: B32, const RA: usize>(t: &Tile, r
     }
 }
 
+/// `$packed` and `$raw`: tiles of up to eight weight rows x any activation
+/// rows up to the largest of `[$pa]` / `[$ra]` (each count gets its own
+/// instance, so its accumulators stay in registers).
 macro_rules! r8_tiles {
-    ($packed:ident, $raw:ident, $dot:ty, $feat:literal) => {
+    ($packed:ident, $raw:ident, $dot:ty, $feat:literal, [$($pa:literal)*], [$($ra:literal)*]) => {
         #[target_feature(enable = $feat)]
         unsafe fn $packed<const SIGNED: bool>(t: &Tile, rw: usize, ra: usize) {
             match ra {
-                1 => tile_r8_packed_body::<$dot, SIGNED, 1>(t, rw),
-                2 => tile_r8_packed_body::<$dot, SIGNED, 2>(t, rw),
-                3 => tile_r8_packed_body::<$dot, SIGNED, 3>(t, rw),
-                _ => tile_r8_packed_body::<$dot, SIGNED, 4>(t, rw),
+                $($pa => tile_r8_packed_body::<$dot, SIGNED, $pa>(t, rw),)*
+                _ => unreachable!("packed tile of {ra} activation rows"),
             }
         }
         #[target_feature(enable = $feat)]
         unsafe fn $raw<K: B32>(t: &Tile, rw: usize, ra: usize) {
             match ra {
-                1 => tile_r8_raw_body::<$dot, K, 1>(t, rw),
-                2 => tile_r8_raw_body::<$dot, K, 2>(t, rw),
-                3 => tile_r8_raw_body::<$dot, K, 3>(t, rw),
-                _ => tile_r8_raw_body::<$dot, K, 4>(t, rw),
+                $($ra => tile_r8_raw_body::<$dot, K, $ra>(t, rw),)*
+                _ => unreachable!("raw tile of {ra} activation rows"),
             }
         }
     };
 }
 
-r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c");
-r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
-r8_tiles!(r8_packed_vnni512, r8_raw_vnni512, Vnni512Dot, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+// AVX2's 16 vector registers hold a 4-row tile's accumulators. AVX-512's 32
+// take wider tiles: a shared round's 5-15 activation rows (a few streams'
+// decode rows and a prompt's rows) then run as one tile, unpacking each
+// weight block once for all of them instead of once per 4 rows, and the
+// packed tiles of prefill reuse each loaded weight vector for 8 rows.
+r8_tiles!(r8_packed, r8_raw, MaddDot, "avx2,fma,f16c", [1 2 3 4], [1 2 3 4]);
+r8_tiles!(r8_packed_vnni, r8_raw_vnni, VnniDot, "avx2,fma,f16c,avxvnni", [1 2 3 4], [1 2 3 4]);
+r8_tiles!(
+    r8_packed_vnni512,
+    r8_raw_vnni512,
+    Vnni512Dot,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    [1 2 3 4 5 6 7 8],
+    [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16]
+);
 
 /// The eight-row kernel of a 32-element type.
 fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
@@ -720,9 +755,11 @@ fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
         (Vnni::None, true) => (r8_raw::<K>, r8_packed::<true>),
         (Vnni::None, false) => (r8_raw::<K>, r8_packed::<false>),
     };
-    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: 4, partial: true, sub_bytes: SUB_BYTES };
+    // The widest tiles each instance has (see `r8_tiles!`).
+    let (ra, ra_packed) = if vnni == Vnni::Evex { (16, 8) } else { (4, 4) };
+    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES };
     let rw_gemv = if matches!(vnni, Vnni::Evex) { gemv512::ROWS } else { 8 };
-    Kernel { tile: raw, rw: 8, ra: 4, rw_gemv, pack: Some(pack), partial: true }
+    Kernel { tile: raw, rw: 8, ra, rw_gemv, pack: Some(pack), partial: true }
 }
 
 /// With AVX-512 VNNI: matvec tiles of more than eight rows on 512-bit

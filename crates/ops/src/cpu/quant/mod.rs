@@ -14,7 +14,9 @@
 //! Shapes: a task owns a range of weight rows (and, when rows are few, of
 //! activation rows) and runs register tiles of a few weight rows x a few
 //! activation rows. Matvecs (decode, and up to 15 activation rows) stream
-//! each weight row once, with software prefetch of the next tile. With 16+
+//! each weight row once, with software prefetch of the next tile; with
+//! AVX-512 up to 16 activation rows share one tile, so each weight block
+//! is unpacked once for all of them. With 16+
 //! activation rows (prefill)
 //! a task first unpacks an L2-sized block of its weight rows into plain
 //! bytes + scales, then runs every activation tile over it. The quantized

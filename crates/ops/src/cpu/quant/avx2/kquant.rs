@@ -224,22 +224,23 @@ unsafe fn tile_r8k_raw_body<const T: u8, const RA: usize>(t: &Tile, rw: usize) {
     }
 }
 
+/// Packed tiles of up to eight weight rows x each activation row count of
+/// `[$ra]` (AVX-512's 32 registers hold wider ones).
 macro_rules! r8k_tiles {
-    ($packed:ident, $dot:ty, $feat:literal) => {
+    ($packed:ident, $dot:ty, $feat:literal, [$($ra:literal)*]) => {
         #[target_feature(enable = $feat)]
         unsafe fn $packed<const G16: bool>(t: &Tile, rw: usize, ra: usize) {
             match ra {
-                1 => tile_r8k_packed_body::<$dot, G16, 1>(t, rw),
-                2 => tile_r8k_packed_body::<$dot, G16, 2>(t, rw),
-                _ => tile_r8k_packed_body::<$dot, G16, 3>(t, rw),
+                $($ra => tile_r8k_packed_body::<$dot, G16, $ra>(t, rw),)*
+                _ => unreachable!("packed K-quant tile of {ra} activation rows"),
             }
         }
     };
 }
 
-r8k_tiles!(r8k_packed, MaddDot, "avx2,fma,f16c");
-r8k_tiles!(r8k_packed_vnni, VnniDot, "avx2,fma,f16c,avxvnni");
-r8k_tiles!(r8k_packed_vnni512, Vnni512Dot, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+r8k_tiles!(r8k_packed, MaddDot, "avx2,fma,f16c", [1 2 3]);
+r8k_tiles!(r8k_packed_vnni, VnniDot, "avx2,fma,f16c,avxvnni", [1 2 3]);
+r8k_tiles!(r8k_packed_vnni512, Vnni512Dot, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", [1 2 3 4 5 6]);
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn r8k_raw<const T: u8>(t: &Tile, rw: usize, ra: usize) {
@@ -247,6 +248,22 @@ unsafe fn r8k_raw<const T: u8>(t: &Tile, rw: usize, ra: usize) {
         1 => tile_r8k_raw_body::<T, 1>(t, rw),
         2 => tile_r8k_raw_body::<T, 2>(t, rw),
         _ => tile_r8k_raw_body::<T, 3>(t, rw),
+    }
+}
+
+/// As `r8k_raw`, with AVX-512's 32 registers: up to eight activation rows
+/// (a shared round's few) per unpacked weight block.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn r8k_raw512<const T: u8>(t: &Tile, rw: usize, ra: usize) {
+    match ra {
+        1 => tile_r8k_raw_body::<T, 1>(t, rw),
+        2 => tile_r8k_raw_body::<T, 2>(t, rw),
+        3 => tile_r8k_raw_body::<T, 3>(t, rw),
+        4 => tile_r8k_raw_body::<T, 4>(t, rw),
+        5 => tile_r8k_raw_body::<T, 5>(t, rw),
+        6 => tile_r8k_raw_body::<T, 6>(t, rw),
+        7 => tile_r8k_raw_body::<T, 7>(t, rw),
+        _ => tile_r8k_raw_body::<T, 8>(t, rw),
     }
 }
 
@@ -260,6 +277,8 @@ pub(super) fn r8k_kernel<const T: u8>(vnni: Vnni) -> Kernel {
         (true, Vnni::None) => r8k_packed::<true>,
         (false, Vnni::None) => r8k_packed::<false>,
     };
-    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: 3, partial: true, sub_bytes: SUB_BYTES };
-    Kernel { tile: r8k_raw::<T>, rw: 8, ra: 3, rw_gemv: 8, pack: Some(pack), partial: true }
+    let ra_packed = if vnni == Vnni::Evex { 6 } else { 3 };
+    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES };
+    let (raw, ra): (TileFn, usize) = if vnni == Vnni::Evex { (r8k_raw512::<T>, 8) } else { (r8k_raw::<T>, 3) };
+    Kernel { tile: raw, rw: 8, ra, rw_gemv: 8, pack: Some(pack), partial: true }
 }

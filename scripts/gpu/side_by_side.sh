@@ -18,7 +18,9 @@
 # media/ or benches/ (8.7 MB as .tar.xz without them; the build script
 # must then unpack with `tar xf`).
 # Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
-# serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6).
+# serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6),
+# MODELS ("smollm2 llama1b"); BRAID_ONLY=1 skips the bench and llama.cpp
+# (a quick look at braid's stall alone).
 set -uo pipefail
 PEER=${PEER:-.peer}
 OUT=${OUT:-/tmp/side-by-side}
@@ -41,9 +43,10 @@ probe() {
 }
 
 # braid: decode through the lane at each stream count, prefill, then serve.
-timeout 240 $B/braid bench --device cuda -m "$M/rand-llama1b.gguf" --pp 2048 --tg 128 -r 3 --streams 1,8,32,64 --json \
+MODELS=${MODELS:-smollm2 llama1b}
+[ "${BRAID_ONLY:-}" = 1 ] || timeout 240 $B/braid bench --device cuda -m "$M/rand-llama1b.gguf" --pp 2048 --tg 128 -r 3 --streams 1,8,32,64 --json \
   > "$OUT/braid-bench.json" 2> "$OUT/braid-bench.log"
-for mod in smollm2 llama1b; do
+for mod in $MODELS; do
   for seed in $SEEDS; do
     # shellcheck disable=SC2086
     # The lane's round trace too: scripts/gpu/gaps.py reads the arrival
@@ -56,6 +59,11 @@ for mod in smollm2 llama1b; do
   done
 done
 
+if [ "${BRAID_ONLY:-}" = 1 ]; then
+  for f in "$OUT"/braid-serve-*.log; do echo "$(basename "$f" .log): $(python3 scripts/gpu/gaps.py "$f" | tail -1)"; done
+  cat "$OUT/stall.jsonl"
+  exit 0
+fi
 # llama.cpp, as ../shared/gpu/peer_llamacpp.sh runs it.
 export LD_LIBRARY_PATH=$LC
 timeout 200 "$LC/llama-bench" -m "$M/rand-llama1b.gguf" -ngl 99 -fa 1 -p 2048 -n 128 -r 3 -o json > "$OUT/llamacpp-bench.json" 2> /dev/null

@@ -72,6 +72,13 @@ pub struct Capabilities {
     /// replayed (a CUDA graph), far cheaper than one run afresh; the pacer
     /// keeps shared chunks to those sizes (0: any size costs the same).
     pub replayed_chunk_rows: usize,
+    /// After a greedy round the backend starts the round after on the
+    /// device before it is asked (with the chunk [`Step::next_chunk`]
+    /// names): a chunk the round before did not name then runs as a
+    /// forward of its own beside the round started without it, twice a
+    /// round's work in one gap. The lane names a pass's first chunk a round
+    /// before it runs it.
+    pub launches_ahead: bool,
 }
 
 /// Whether a chunk of `rows` is one of the sizes a replaying backend keys

@@ -207,6 +207,7 @@ impl Default for FakeConfig {
                 feature_dim: 2,
                 picks: Picks::default(),
                 replayed_chunk_rows: 0,
+                launches_ahead: false,
             },
             block_tokens: 4,
             blocks_total: 4096,

@@ -38,10 +38,16 @@ fn paced_with(target: Option<Duration>, share: Option<f32>, replayed: usize, chu
 
 /// [`paced_with`], the lane told `round_costs` before it runs.
 fn paced_told(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize, round_costs: Vec<RoundCost>) -> Vec<Call> {
+    paced_ahead(target, share, replayed, chunk_tokens, round_costs, false)
+}
+
+/// [`paced_told`] on a backend that launches rounds ahead or not.
+fn paced_ahead(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize, round_costs: Vec<RoundCost>, ahead: bool) -> Vec<Call> {
     let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
     fc.caps.chunk_invariant = true;
     fc.caps.max_batch = 4096;
     fc.caps.replayed_chunk_rows = replayed;
+    fc.caps.launches_ahead = ahead;
     let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, round_costs, ..no_marks() };
     let (lane, log) = lane(fc, lc);
     // Four streams decode, then an 1800-row prompt arrives.
@@ -176,4 +182,25 @@ fn each_shared_round_names_the_chunk_the_next_round_runs() {
     assert!(shared.len() > 8 && kept + 1 >= shared.len() && named_arrival == kept, "{kept} named of {} shared chunks", shared.len());
     let last = shared.last().expect("shared chunks");
     assert!(matches!(last, Call::Round { next_chunk: None, .. }), "the pass's last chunk names no next one");
+}
+
+#[test]
+fn where_rounds_launch_ahead_the_first_shared_chunk_is_named_a_round_before() {
+    let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), true);
+    let rounds: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::Round { .. })).collect();
+    let first = rounds.iter().position(|c| c.chunk().is_some_and(|ch| ch.stream == ARRIVAL)).expect("the arrival shares rounds");
+    assert!(!rounds[first].rows().is_empty(), "its first chunk rides beside the decode rows");
+    // The round before it ran the decode rows alone and named that chunk,
+    // so a backend could start the round with it.
+    let Call::Round { next_chunk: Some(named), .. } = rounds[first - 1] else { panic!("the round before named no chunk: {:?}", rounds[first - 1]) };
+    assert_eq!(rounds[first - 1].chunk(), None);
+    assert_eq!(rounds[first].chunk(), Some(named));
+    // It waited one round, not more: the round before that named nothing
+    // of the arrival's.
+    assert!(!matches!(rounds[first - 2], Call::Round { next_chunk: Some(n), .. } if n.stream == ARRIVAL));
+    // Without launching ahead, the first chunk runs at once, unnamed.
+    let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), false);
+    let rounds: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::Round { .. })).collect();
+    let first = rounds.iter().position(|c| c.chunk().is_some_and(|ch| ch.stream == ARRIVAL)).expect("the arrival shares rounds");
+    assert!(!matches!(rounds[first - 1], Call::Round { next_chunk: Some(n), .. } if n.stream == ARRIVAL));
 }

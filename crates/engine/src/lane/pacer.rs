@@ -89,6 +89,10 @@ pub(super) enum Budget {
     Chunk(Option<usize>),
     /// No chunk: the next round runs the decode rows alone, to measure them.
     Measure,
+    /// No chunk: the next round runs the decode rows alone and names the
+    /// chunk for the round after, which a backend that launches rounds
+    /// ahead starts with it (`Capabilities::launches_ahead`).
+    Name,
 }
 
 /// What a round holds, as the cost model sees it.
@@ -485,10 +489,11 @@ impl Pacer {
                 "round with a prompt chunk"
             );
         }
-        // A pass's first chunk beside decode rows is dearer once (on the
-        // H200 4.5 and 3 ms where 2 were due: its round was not prepared
-        // ahead): told to the model or the underestimate, it shrank the
-        // next hundred chunks. Each underestimate counts at most a tenth
+        // A pass's first chunk beside decode rows can be dearer once (on
+        // the H200 4.5 and 3 ms where 2 were due, when its round was not
+        // started ahead: a backend that cannot start it so still pays it):
+        // told to the model or the underestimate, it shrank the next
+        // hundred chunks. Each underestimate counts at most a tenth
         // of the target.
         let first = r.shape.decode_rows > 0 && r.chunk.is_some_and(|id| self.last.is_none_or(|l| l.0 != id));
         if !first {

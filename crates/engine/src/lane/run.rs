@@ -59,6 +59,9 @@ pub(super) struct Core {
     /// The chunk the last round named as the next one's (its stream, start
     /// and end): the next round runs it if it can (see `Step::next_chunk`).
     pub(super) announced: Option<(StreamId, usize, usize)>,
+    /// The prefill chunk (its stream and start) a round ran without, so a
+    /// round ahead could be started with it: it waits no second round.
+    pub(super) held: Option<(StreamId, usize)>,
 }
 
 impl Core {
@@ -97,6 +100,7 @@ impl Core {
             shutdown: false,
             rotate: 0,
             announced: None,
+            held: None,
             chunk_waited: false,
             round_end: None,
         }

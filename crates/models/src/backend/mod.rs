@@ -714,6 +714,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             feature_dim: self.scratch.taps.len() * self.tap_width,
             picks: Picks { argmax: caps.argmax, top_k: caps.top_k },
             replayed_chunk_rows: if caps.replays { REPLAY_CHUNK_ROWS } else { 0 },
+            launches_ahead: caps.ahead && self.rewindable && self.tap_width == 0,
         }
     }
 

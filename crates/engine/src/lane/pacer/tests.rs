@@ -237,6 +237,7 @@ fn shared_pass(share: f32, plain_s: f64, fixed_s: f64, row_s: f64, replayed: usi
                 pos += r;
             }
             Budget::Chunk(None) => panic!("a share gives a row budget"),
+            Budget::Name => panic!("only the lane names a chunk ahead"),
         }
     }
     (rows, secs)

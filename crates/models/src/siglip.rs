@@ -422,7 +422,7 @@ impl<D: MoeOps> Gemma3Vision<D> {
             // transformers' f32); CUDA's pools store bf16 only.
             kv: dev.kv_pool(&spec, KvDtype::F32).or_else(|_| dev.kv_pool(&spec, KvDtype::F16))?,
             blocks: (0..blocks as u32).collect(),
-            x: t0(),
+            x: dev.tensor(n, cfg.hidden),
             h: t0(),
             c: t0(),
             q: t0(),
@@ -431,7 +431,7 @@ impl<D: MoeOps> Gemma3Vision<D> {
             att: t0(),
             out: t0(),
             xr: t0(),
-            post: t0(),
+            post: dev.tensor(n, cfg.hidden),
             unit: t0(),
             up: t0(),
             ones: dev.upload(&vec![1.0; n * cfg.ffn], n, cfg.ffn)?,
@@ -548,10 +548,12 @@ impl<D: MoeOps> Gemma3Vision<D> {
         let targets: Vec<u32> = rows.clone().map(|r| r as u32).collect();
         match stage {
             Stage::Embed => {
-                // The patches, each row one patch's pixels as the convolution reads them.
-                if rows.start == 0 {
-                    w.x = dev.upload(&vec![0.0; g * g * hd], g * g, hd)?;
-                }
+                // The patches, each row one patch's pixels as the convolution
+                // reads them. `x` is made once, with the tower: its rows are
+                // zeroed as their step comes (a whole new `x` per image cost
+                // 16-18 ms in the image's first step, beside the streams
+                // decoding).
+                dev.zero_rows(&mut w.x, &targets);
                 let side = c.image_size;
                 let mut patches = Vec::with_capacity(ids.len() * c.channels * p * p);
                 for (py, px) in ids.iter().map(|&i| (i / g, i % g)) {
@@ -609,9 +611,7 @@ impl<D: MoeOps> Gemma3Vision<D> {
                 dev.scatter_add_rows(&mut w.x, &w.out, &targets, &ones)?;
             }
             Stage::Post => {
-                if rows.start == 0 {
-                    w.post = dev.upload(&vec![0.0; g * g * hd], g * g, hd)?;
-                }
+                dev.zero_rows(&mut w.post, &targets);
                 dev.gather_rows(&w.x, &ids, &mut w.xr);
                 self.layer_norm(dev, &w.xr, &self.post_norm, &mut w.c, &mut w.h);
                 dev.scatter_add_rows(&mut w.post, &w.h, &targets, &ones)?;

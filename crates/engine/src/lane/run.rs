@@ -182,6 +182,7 @@ impl Core {
     /// Take commands: block while there is nothing to do, wait briefly when
     /// the last round made no progress, else just drain.
     fn intake(&mut self, idle: bool, stalled: bool) {
+        let t = Instant::now();
         let first = if idle {
             self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
         } else if stalled {
@@ -189,6 +190,15 @@ impl Core {
         } else {
             Err(RecvTimeoutError::Timeout)
         };
+        // A wait is not the loop's own time: after an idle one the next
+        // round has no previous to measure from (counted, the wait read as
+        // the cap and a start-up target was said to be unholdable), and a
+        // stalled one is set aside as an image encoding step is.
+        if idle {
+            self.round_end = None;
+        } else if stalled {
+            self.round_end = self.round_end.map(|e| e + t.elapsed());
+        }
         match first {
             Ok(c) => self.command(c),
             Err(RecvTimeoutError::Disconnected) => self.shutdown = true,

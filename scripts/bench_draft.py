@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
-"""Single-stream decode speed with and without a draft model, side by side.
+"""Single-stream decode speed with and without a drafter, side by side.
 
-Runs `braid run` greedy on the same prompts, alternating a plain run and a
-run with `--draft-model` for each `--draft-tokens` value, `--reps` times,
+Runs `braid run` greedy on the same prompts, alternating a plain run, a
+run with `--draft-model` for each `--draft-tokens` value and (`--ngram`)
+one with `--drafter ngram`, `--reps` times,
 so drifting load hits both alike. Prints the median decode tokens/s of
 each, the ratio to plain, the acceptance (tokens per decode round, drafts
 accepted / proposed), and checks every drafted output equals the plain one.
 
   scripts/bench_draft.py --model ~/.cache/braid/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
       --draft ~/.cache/braid/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --tokens 2,4,6 --reps 3
+  scripts/bench_draft.py --model ~/.cache/braid/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+      --ngram --prompts edit -n 256
+
+`--prompts edit` asks for a given function back with one change (prompt
+lookup's case: the reply copies its input); `write` (default) asks for new
+code.
 """
 
 import argparse
@@ -18,9 +25,37 @@ import statistics
 import subprocess
 import sys
 
-PROMPTS = [
+WRITE = [
     "Write a Python function that checks whether a number is prime, with a docstring.",
     "Write a C function that reverses a singly linked list in place.",
+]
+
+CODE = """def merge_intervals(intervals):
+    \"\"\"Merge overlapping [start, end] intervals and return them sorted.\"\"\"
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    \"\"\"The total length covered by the intervals, overlaps counted once.\"\"\"
+    covered = 0
+    for start, end in merge_intervals(intervals):
+        covered += end - start
+    return covered
+"""
+
+EDIT = [
+    "Rename the variable `merged` to `result` everywhere in this code. Reply with the whole code only.\n\n" + CODE,
+    "Add type hints (list[list[int]] and int) to both functions in this code. Reply with the whole code only.\n\n" + CODE,
 ]
 
 RATE = re.compile(r"then ([0-9.]+) tokens/s")
@@ -45,18 +80,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--braid", default=os.path.join(os.path.dirname(__file__), "..", "target", "release", "braid"))
     ap.add_argument("--model", required=True)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--draft", help="a draft model (GGUF) to run with --draft-model")
+    ap.add_argument("--ngram", action="store_true", help="also run with --drafter ngram")
+    ap.add_argument("--prompts", choices=["write", "edit"], default="write")
     ap.add_argument("--tokens", default="4", help="--draft-tokens values, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("-n", type=int, default=128, help="tokens generated per run")
     ap.add_argument("--threads", type=int)
     args = ap.parse_args()
-    ks = [int(k) for k in args.tokens.split(",")]
+    ks = [int(k) for k in args.tokens.split(",")] if args.draft else []
     configs = [("plain", [])] + [(f"draft k={k}", ["--draft-model", args.draft, "--draft-tokens", str(k)]) for k in ks]
+    if args.ngram:
+        configs.append(("ngram", ["--drafter", "ngram"]))
+    if len(configs) == 1:
+        sys.exit("nothing to compare: give --draft or --ngram")
+    prompts = EDIT if args.prompts == "edit" else WRITE
     rates = {name: [] for name, _ in configs}
     accept = {name: [] for name, _ in configs}
     for rep in range(args.reps):
-        for pi, prompt in enumerate(PROMPTS):
+        for pi, prompt in enumerate(prompts):
             plain_out = None
             for name, extra in configs:
                 out, rate, drafts = run(args.braid, args, prompt, extra)

@@ -23,12 +23,13 @@ fn main() -> Result<()> {
 #[cfg(feature = "cuda")]
 const USAGE: &str = "usage: gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64] [--prompt 128] \
 [--rounds 64] [--prefill 2048 (0: none)] [--no-graphs] [--no-eager] [--json FILE] [--profile]
-[--mixed STREAMS:CTX:START:ROWS,ROWS,...]
+[--mixed STREAMS:CTX:START:ROWS,ROWS,...] [--skinny-rows N] [--skinny-group 32|64] [--gemv-rows N]
   decode tokens/s at each stream count (with and without CUDA graphs unless --no-eager), a prefill,
   and the copy-bandwidth and GEMM ceilings, all through the backend's round call (the serving
   path); --profile prints GPU time per kernel instead. --mixed times instead rounds of STREAMS
   decode rows at CTX tokens beside a prompt chunk of each ROWS rows from position START (with
-  --profile, GPU time per kernel of the last size).";
+  --profile, GPU time per kernel of the last size). --skinny-rows, --skinny-group and --gemv-rows
+  open the device with those tuning values (cuda::Tuning) instead of the defaults.";
 
 #[cfg(feature = "cuda")]
 fn run() -> Result<()> {
@@ -37,6 +38,7 @@ fn run() -> Result<()> {
     let (mut device, mut preset, mut json) = ("cuda".to_string(), "llama-3.2-1b".to_string(), None);
     let mut profile = false;
     let mut mixed: Option<String> = None;
+    let mut tuning = braid_ops::cuda::Tuning::default();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -52,6 +54,9 @@ fn run() -> Result<()> {
             "--json" => json = Some(val()?),
             "--profile" => profile = true,
             "--mixed" => mixed = Some(val()?),
+            "--skinny-rows" => tuning.skinny_max_rows = val()?.parse()?,
+            "--skinny-group" => tuning.skinny_group_rows = val()?.parse()?,
+            "--gemv-rows" => tuning.gemv_max_rows = val()?.parse()?,
             "--help" | "-h" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -60,7 +65,7 @@ fn run() -> Result<()> {
         }
     }
     let ordinal = braid_ops::cuda::Cuda::parse_ordinal(&device).with_context(|| format!("bad device {device} (cuda or cuda:N)"))?;
-    let dev = braid_ops::cuda::Cuda::new(ordinal)?;
+    let dev = braid_ops::cuda::Cuda::with_tuning(ordinal, tuning)?;
     let cfg = braid_models::random::preset(&preset)?;
     let t = std::time::Instant::now();
     let model = braid_models::random::llama(&dev, cfg.clone(), 1, false)?;

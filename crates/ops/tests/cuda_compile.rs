@@ -62,7 +62,7 @@ fn invocation(src: &str, mac: &str) -> Vec<Vec<String>> {
 fn every_kernel_the_device_loads_is_defined() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cuda");
     let read = |p: &str| std::fs::read_to_string(dir.join(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
-    let base = defined(&(read("kernels/base.cu") + &read("kernels/sampling.cu") + &read("kernels/gemv.cu")));
+    let base = defined(&(read("kernels/base.cu") + &read("kernels/sampling.cu") + &read("kernels/gemv.cu") + &read("kernels/skinny.cu")));
     let lists = invocation(&read("kernels.rs"), "base_kernels");
     assert_eq!(lists.len(), 2, "base_kernels!: plain and gemv lists");
     let mut missing = Vec::new();

@@ -11,7 +11,7 @@
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
 use braid_ops::cpu::Cpu;
-use braid_ops::cuda::{Cuda, CudaKv};
+use braid_ops::cuda::{Cuda, CudaKv, Tuning};
 use braid_ops::{
     Act, AttnSeq, BlockSparse, DeltaShape, Device, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, RecurrentOps, Rope, RowPick, RowPicked,
     SparseAttentionOps, SsmShape, StateSeq,
@@ -28,6 +28,12 @@ use gpu::gpu;
 #[path = "common/rng.rs"]
 mod rng;
 use rng::XorShift as Rng;
+
+/// The device with the skinny GEMM over its whole range (256 rows; the
+/// default takes it only for a few rows past the GEMV's).
+fn gpu_skinny() -> Cuda {
+    Cuda::with_tuning(0, Tuning { skinny_max_rows: 256, ..Tuning::default() }).unwrap()
+}
 
 fn seed() -> u64 {
     // Fresh inputs each run, printed so a failure can be replayed.
@@ -115,25 +121,49 @@ fn silu(a: f64) -> f64 {
 
 /// Products of one weight and of several over one input, on few rows (the
 /// GEMV kernels: several rows per block, partial blocks, long rows through
-/// the 1–2-row builds) and many (cuBLAS), against f64; inside a forward the
+/// the 1–2-row builds), a few dozen to a few hundred (the skinny GEMM: weight
+/// rows not a multiple of its 16-row tiles, x rows not a multiple of its
+/// 8-row tiles or of a block's 32, k split over warps unevenly) and many
+/// (cuBLAS; also k not in steps of 32), against f64; inside a forward the
 /// same.
 #[test]
 fn matmul_bf16_against_f64() {
     let Some(d) = gpu() else { return };
+    matmuls(&d);
+    matmuls(&gpu_skinny());
+}
+
+fn matmuls(d: &Cuda) {
     let mut r = Rng(seed());
-    for &(rows, k, m) in &[(1, 256, 384), (7, 512, 96), (64, 1024, 512), (300, 320, 200), (1, 8704, 1100), (2, 8192, 1100), (3, 512, 4100)] {
+    let shapes = [
+        (1, 256, 384),
+        (7, 512, 96),
+        (5, 512, 100),
+        (16, 576, 1100),
+        (33, 1024, 513),
+        (64, 1024, 512),
+        (100, 640, 300),
+        (256, 512, 129),
+        (9, 8192, 40),
+        (10, 520, 64),
+        (300, 320, 200),
+        (1, 8704, 1100),
+        (2, 8192, 1100),
+        (3, 512, 4100),
+    ];
+    for &(rows, k, m) in &shapes {
         let x = r.vec(rows * k, 1.0);
         let w = r.vec(m * k, 0.1);
         let xt = d.upload(&x, rows, k).unwrap();
         let wt = d.weight_from_f32(&w, m, k).unwrap();
         let want = f32s(&mm_ref(&x, &w, rows, k, m));
-        let mut out = poisoned(&d, 1, 1);
+        let mut out = poisoned(d, 1, 1);
         d.matmul(&xt, &[&wt], &mut [&mut out]);
         let e = rel(&d.download(&out).unwrap(), &want);
         eprintln!("matmul {rows}x{k} · {m}x{k}ᵀ: rel err {e:.2e}");
         assert!(e < 1e-4, "matmul {rows}x{k}x{m}: rel err {e}");
-        let mut inside = poisoned(&d, 1, 1);
-        in_forward(&d, None, &mut || d.matmul(&xt, &[&wt], &mut [&mut inside])).unwrap();
+        let mut inside = poisoned(d, 1, 1);
+        in_forward(d, None, &mut || d.matmul(&xt, &[&wt], &mut [&mut inside])).unwrap();
         assert!(rel(&d.download(&inside).unwrap(), &want) < 1e-4, "matmul {rows}x{k}x{m} inside a forward");
     }
     // Several weights over one input: q, k, v-like widths (one GEMV launch
@@ -142,11 +172,11 @@ fn matmul_bf16_against_f64() {
     let ms = [4100usize, 64, 72, 200];
     let ws: Vec<Vec<f32>> = ms.iter().map(|&m| r.vec(m * k, 0.1)).collect();
     let gw: Vec<W> = ws.iter().zip(&ms).map(|(w, &m)| d.weight_from_f32(w, m, k).unwrap()).collect();
-    for rows in [1usize, 3, 4, 5, 8, 40] {
+    for rows in [1usize, 3, 4, 5, 8, 40, 100, 300] {
         let x = r.vec(rows * k, 1.0);
         let gx = d.upload(&x, rows, k).unwrap();
         for n in [3usize, 4] {
-            let mut outs: Vec<T> = (0..n).map(|_| poisoned(&d, 1, 1)).collect();
+            let mut outs: Vec<T> = (0..n).map(|_| poisoned(d, 1, 1)).collect();
             {
                 let mut refs: Vec<&mut T> = outs.iter_mut().collect();
                 let wr: Vec<&W> = gw[..n].iter().collect();
@@ -961,6 +991,12 @@ fn run_group(d: &Cuda, h: &GHost, g: Group, mode: Mode, rows: usize, key: u64) -
 #[test]
 fn every_fusion_group_equals_the_unfused_ops() {
     let Some(d) = gpu() else { return };
+    fusion_groups(&d, &[1, 2, 3, 4, 6, GMAX]);
+    // Past the GEMV's rows, the skinny GEMM as well as cuBLAS.
+    fusion_groups(&gpu_skinny(), &[GMAX]);
+}
+
+fn fusion_groups(d: &Cuda, row_counts: &[usize]) {
     let mut r = Rng(seed());
     let h = GHost::new(&mut r);
     let groups = [
@@ -978,12 +1014,13 @@ fn every_fusion_group_equals_the_unfused_ops() {
     ];
     let mut key = 0x9e37_79b9_u64;
     for g in groups {
-        for rows in [1usize, 2, 3, 4, GMAX] {
+        for &rows in row_counts {
             let gemv = rows <= d.gemv_max_rows();
+            let cublas = !gemv && rows > d.tuning().skinny_max_rows;
             let mut runs = Vec::new();
             for mode in MODES {
                 key += 1;
-                let (res, stats) = run_group(&d, &h, g, mode, rows, key);
+                let (res, stats) = run_group(d, &h, g, mode, rows, key);
                 if mode == Mode::Graph {
                     assert!(stats.0 >= 1 && stats.0 + stats.1 == 2, "{g:?} {rows} rows: graph replays/captures {stats:?}");
                 }
@@ -997,7 +1034,7 @@ fn every_fusion_group_equals_the_unfused_ops() {
                 // up between cuBLAS and the activation.
                 let fused_tol = if kv {
                     2e-3
-                } else if matches!(g, Group::Gated(Act::Silu | Act::GeluTanh)) && !gemv {
+                } else if matches!(g, Group::Gated(Act::Silu | Act::GeluTanh)) && !gemv && cublas {
                     5e-3
                 } else {
                     1e-5
@@ -1035,19 +1072,26 @@ fn probe_seqs(d: &Cuda, h: &GHost, pool: &CudaKv, layer: usize, seqs: &[AttnSeq<
 /// already in the pool, the output product into the residual, norm, gated
 /// MLP, down product into the residual), then a head (norm, product):
 /// every group beside the others, the bf16 copies passed from one to the
-/// next. At 1–4 decode rows (one sequence each) and a 40-row prefill of two
-/// sequences: fused and folded forwards and a replayed graph against the
+/// next. At 1–4 decode rows (one sequence each) and a 6-row and a 40-row
+/// prefill of two sequences: fused and folded forwards and a replayed graph against the
 /// ops unfused; the KV of both layers too.
 #[test]
 fn llama_layers_fused_equal_the_unfused_ops() {
     let Some(d) = gpu() else { return };
+    llama_layers(&d, &[1, 2, 3, 4, 6, GMAX]);
+    // Past the GEMV's rows, the skinny GEMM as well as cuBLAS.
+    llama_layers(&gpu_skinny(), &[GMAX]);
+}
+
+fn llama_layers(d: &Cuda, row_counts: &[usize]) {
     let mut r = Rng(seed());
     let hosts = [GHost::new(&mut r), GHost::new(&mut r)];
     let ctx_kv: Vec<Vec<f32>> = (0..4).map(|_| r.vec(64 * GKV, 1.0)).collect();
     let mut key = 0x51ab_u64;
-    for rows in [1usize, 2, 3, 4, GMAX] {
+    for &rows in row_counts {
         // (q_len, context before) per sequence; sequence i owns blocks 4i..4i+4.
-        let seqs_spec: Vec<(usize, usize)> = if rows <= 4 { (0..rows).map(|i| (1, [5, 21, 33, 2][i])).collect() } else { vec![(25, 3), (15, 20)] };
+        let seqs_spec: Vec<(usize, usize)> =
+            if rows <= 4 { (0..rows).map(|i| (1, [5, 21, 33, 2][i])).collect() } else { vec![(rows * 5 / 8, 3), (rows - rows * 5 / 8, 20)] };
         let tables: Vec<Vec<u32>> = (0..seqs_spec.len() as u32).map(|s| (4 * s..4 * s + 4).collect()).collect();
         let slot = |s: usize, p: usize| tables[s][p / 16] * 16 + (p % 16) as u32;
         let (mut pos, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
@@ -1063,9 +1107,9 @@ fn llama_layers_fused_equal_the_unfused_ops() {
         let mut runs = Vec::new();
         for mode in MODES {
             key += 1;
-            let ws = [GW::new(&d, &hosts[0]), GW::new(&d, &hosts[1])];
+            let ws = [GW::new(d, &hosts[0]), GW::new(d, &hosts[1])];
             let g_head = d.upload(&hosts[1].g_attn, 1, GK).unwrap();
-            let mut t = GT::new(&d, &hosts[0], rows, 2);
+            let mut t = GT::new(d, &hosts[0], rows, 2);
             // The context, in every mode alike (outside any forward).
             for l in 0..2 {
                 for (s, &(_, ctx)) in seqs_spec.iter().enumerate() {
@@ -1076,7 +1120,7 @@ fn llama_layers_fused_equal_the_unfused_ops() {
             }
             let rope = Rope::new(10000.0, GHD, true);
             let all: Vec<usize> = (0..rows).collect();
-            let stats = run_as(&d, mode, key, &mut || {
+            let stats = run_as(d, mode, key, &mut || {
                 d.gather_rows(&t.x0, &all, &mut t.x);
                 for (l, w) in ws.iter().enumerate() {
                     d.rms_norm(&t.x, &w.g_attn, EPS, &mut t.h);
@@ -1102,8 +1146,8 @@ fn llama_layers_fused_equal_the_unfused_ops() {
             runs.push(vec![
                 ("x", d.download(&t.x).unwrap()),
                 ("head", d.download(&t.y).unwrap()),
-                ("kv layer 0", probe_seqs(&d, &hosts[1], &t.pool, 0, &seqs, rows)),
-                ("kv layer 1", probe_seqs(&d, &hosts[1], &t.pool, 1, &seqs, rows)),
+                ("kv layer 0", probe_seqs(d, &hosts[1], &t.pool, 0, &seqs, rows)),
+                ("kv layer 1", probe_seqs(d, &hosts[1], &t.pool, 1, &seqs, rows)),
             ]);
         }
         let (plain, fused, folded, graph) = (&runs[0], &runs[1], &runs[2], &runs[3]);
@@ -1142,8 +1186,10 @@ fn norm_and_residual_folds_against_f64() {
     let fold = |w: &[f32]| -> Vec<f32> { w.iter().enumerate().map(|(i, &v)| rbf(rbf(v) * g[i % k])).collect() };
     let (fg, fu) = (fold(&wg), fold(&wu));
     let fold_rows = d.tuning().norm_fold_rows;
-    for rows in [1usize, 2, 3, 4, 5, 8, 40] {
+    for rows in [1usize, 2, 3, 4, 5, 8, 40, 300] {
         let gemv = rows <= d.gemv_max_rows();
+        // Past the skinny GEMM's rows, cuBLAS hands the activation bf16 gate and up.
+        let cublas = !gemv && rows > d.tuning().skinny_max_rows;
         // Rows whose norm the GEMV computes itself.
         let in_gemv = gemv && rows <= fold_rows;
         let x = r.vec(rows * k, 2.0);
@@ -1166,8 +1212,7 @@ fn norm_and_residual_folds_against_f64() {
         // (Folding twice with the same norm folds once.)
         prepare(&d, &mut ops);
         in_forward(&d, None, &mut ops).unwrap();
-        // Past the GEMV's rows the GEMMs hand the activation bf16 gate and up.
-        let round = |v: f64| if gemv { v } else { rbf(v as f32) as f64 };
+        let round = |v: f64| if cublas { rbf(v as f32) as f64 } else { v };
         let want: Vec<f32> = gs.iter().zip(&us).map(|(&a, &b)| (silu(round(a)) * round(b)) as f32).collect();
         let e = rel(&d.download(&out).unwrap(), &want);
         eprintln!("norm + gated product folded, {rows} rows ({mg}x{k}): rel err {e:.2e}");
@@ -1183,9 +1228,9 @@ fn norm_and_residual_folds_against_f64() {
         assert!(e < tol, "norm + gated product folded, {rows} rows: rel err {e}");
     }
     // acc += x · wᵀ in the product's store: long rows, odd widths, and past
-    // the GEMV's rows (cuBLAS with beta = 1); the sum's bf16 copy feeds the
-    // next product.
-    for (rows, k, m) in [(1usize, 32768usize, 64usize), (3, 1536, 700), (4, 8192, 256), (9, 1536, 700)] {
+    // the GEMV's rows (the skinny GEMM adding in its store, and cuBLAS with
+    // beta = 1); the sum's bf16 copy feeds the next product.
+    for (rows, k, m) in [(1usize, 32768usize, 64usize), (3, 1536, 700), (4, 8192, 256), (9, 1536, 700), (40, 2048, 300), (300, 512, 300)] {
         let (x, w, acc) = (r.vec(rows * k, 1.0), r.vec(m * k, 0.05), r.vec(rows * m, 1.0));
         let (gx, gw) = (d.upload(&x, rows, k).unwrap(), d.weight_from_f32(&w, m, k).unwrap());
         let mut gacc = d.upload(&acc, rows, m).unwrap();

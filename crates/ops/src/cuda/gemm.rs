@@ -1,10 +1,13 @@
-//! cuBLAS: bf16 GEMMs with f32 accumulation, for products of more rows
-//! than the GEMV kernels take (prefill).
+//! Products of more rows than the GEMV kernels take: up to
+//! `Tuning::skinny_max_rows` rows the skinny GEMM (`kernels/skinny.cu`,
+//! tensor cores, the weights streamed once), beyond it (prefill) cuBLAS bf16
+//! GEMMs with f32 accumulation.
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, ensure, Result};
 use cudarc::cublas::sys as cb;
 
 use super::exec::Cmd;
+use super::fuse::TRef;
 use super::rt::DevBuf;
 use super::Cuda;
 
@@ -44,7 +47,86 @@ impl Cuda {
     /// `y` is f32 or bf16, or f32 that the product is added to.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm(&self, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, out: GemmOut) -> Result<()> {
+        if self.skinny_fits(n, k) {
+            return self.skinny_cmd(x, n, k, &[(w, m, y)], out);
+        }
         self.emit(Cmd::Gemm { w, x, y, m, n, k, out })
+    }
+
+    /// Whether `n` rows of `k` values take the skinny GEMM (its MMAs need
+    /// Ampere or later; k in steps of 32).
+    pub(super) fn skinny_fits(&self, n: usize, k: usize) -> bool {
+        self.inner.cc.0 >= 8 && (1..=self.inner.tuning.skinny_max_rows).contains(&n) && k > 0 && k.is_multiple_of(32)
+    }
+
+    /// Tiles of 16 weight rows a skinny block takes (8, 4, 2 or 1, at least
+    /// `min`): the most that still gives every SM a block of the `tiles`
+    /// (times the grid's rows); fewer tiles a block split k over more warps.
+    fn skinny_tiles(&self, tiles: usize, min: usize) -> usize {
+        let mut r = 8;
+        while r > min && tiles.div_ceil(r) < self.inner.sms {
+            r /= 2;
+        }
+        r
+    }
+
+    /// `y = x · wᵀ` for up to three `(weight, its rows, y)` sharing the
+    /// input (`x`: `n` bf16 rows of `k`), as one skinny launch.
+    pub(super) fn skinny_cmd(&self, x: u64, n: usize, k: usize, ws: &[(u64, usize, u64)], out: GemmOut) -> Result<()> {
+        ensure!(!ws.is_empty() && ws.len() <= 3, "skinny gemm: {} weights in one launch", ws.len());
+        let groups = n.div_ceil(self.inner.tuning.skinny_group_rows);
+        let tiles: usize = ws.iter().map(|w| w.1.div_ceil(16)).sum();
+        let r = self.skinny_tiles(tiles * groups, 1);
+        let get = |i: usize| ws.get(i).copied().unwrap_or((0, 0, 0));
+        let (a, b, c) = (get(0), get(1), get(2));
+        let nb = [a.1.div_ceil(16 * r), b.1.div_ceil(16 * r), c.1.div_ceil(16 * r)];
+        let mode = match out {
+            GemmOut::F32 => 0,
+            GemmOut::Bf16 => 1,
+            GemmOut::AddF32 => 2,
+        };
+        self.launch(self.inner.fns.gemm_skinny)
+            .grid((groups as u32, nb.iter().sum::<usize>() as u32, 1))
+            .block(256)
+            .ptr(x)
+            .int(n)
+            .int(k / 8)
+            .int(r)
+            .ptr(a.0)
+            .ptr(b.0)
+            .ptr(c.0)
+            .ptr(a.2)
+            .ptr(b.2)
+            .ptr(c.2)
+            .int(a.1)
+            .int(b.1)
+            .int(c.1)
+            .int(nb[0])
+            .int(nb[1])
+            .i32(mode)
+            .run()
+    }
+
+    /// `out = act(x · gateᵀ) * (x · upᵀ)` (f32 and bf16; `x`: `n` bf16 rows
+    /// of `k`, the weights `m` rows each) as one skinny launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn skinny_gated_cmd(&self, x: u64, n: usize, k: usize, gate: u64, up: u64, m: usize, act: i32, out: TRef) -> Result<()> {
+        let groups = n.div_ceil(self.inner.tuning.skinny_group_rows);
+        let r = self.skinny_tiles(2 * m.div_ceil(16) * groups, 2);
+        self.launch(self.inner.fns.gemm_skinny_gated)
+            .grid((groups as u32, m.div_ceil(8 * r) as u32, 1))
+            .block(256)
+            .ptr(x)
+            .int(n)
+            .int(k / 8)
+            .int(r)
+            .ptr(gate)
+            .ptr(up)
+            .int(m)
+            .i32(act)
+            .ptr(out.f)
+            .ptr(out.b)
+            .run()
     }
 
     /// bf16 GEMM rate in TFLOP/s for `[n, n] · [n, n]` (random operands).

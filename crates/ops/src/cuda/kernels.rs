@@ -15,9 +15,11 @@ use super::rt;
 use super::Tuning;
 
 const PRELUDE: &str = include_str!("kernels/prelude.cuh");
-/// The base module's files, in the order they are compiled (each uses only
-/// the prelude and itself).
-const BASE: [&str; 3] = [include_str!("kernels/base.cu"), include_str!("kernels/sampling.cu"), include_str!("kernels/gemv.cu")];
+/// The base module's files, in the order they are compiled (each uses the
+/// prelude and the files before it: the skinny GEMM takes the GEMV's
+/// streaming load and activation).
+const BASE: [&str; 4] =
+    [include_str!("kernels/base.cu"), include_str!("kernels/sampling.cu"), include_str!("kernels/gemv.cu"), include_str!("kernels/skinny.cu")];
 const ATTENTION: &str = include_str!("kernels/attention.cu");
 const RECURRENT: &str = include_str!("kernels/recurrent.cu");
 
@@ -31,14 +33,15 @@ fn pdl_define(t: &Tuning) -> &'static str {
     }
 }
 
-/// The `#define`s of the base and hybrid modules: `PDL_LATE`, and
-/// `GV_MINB`, the blocks per SM the 1–2-row GEMV kernels are built for.
+/// The `#define`s of the base and hybrid modules: `PDL_LATE`, `GV_MINB`,
+/// the blocks per SM the 1–2-row GEMV kernels are built for, and
+/// `SK_ROWS`, the rows of x a skinny GEMM block takes.
 fn defines(t: &Tuning) -> String {
-    format!("{}#define GV_MINB {}\n", pdl_define(t), t.gemv_min_blocks.max(1))
+    format!("{}#define GV_MINB {}\n#define SK_ROWS {}\n", pdl_define(t), t.gemv_min_blocks.max(1), t.skinny_group_rows)
 }
 
-/// The base module: elementwise, norm, RoPE, KV, gather, sampling and GEMV
-/// kernels.
+/// The base module: elementwise, norm, RoPE, KV, gather, sampling, GEMV
+/// and skinny GEMM kernels.
 pub fn base_source(t: &Tuning) -> String {
     format!("{}{PRELUDE}{}", defines(t), BASE.concat())
 }
@@ -104,7 +107,9 @@ base_kernels!(
     rope_kv_rows,
     topk_chunks,
     scale_cols,
-    topk_merge;
+    topk_merge,
+    gemm_skinny,
+    gemm_skinny_gated;
     gemv: gemv,
     gemv_gated,
     gemv_rope,

@@ -1,6 +1,6 @@
 //! Lowering: a recorded forward's groups ([`fuse::plan`]) into device
 //! commands, choosing each product's kernel by its shape (the few-row GEMV
-//! kernels or cuBLAS) and keeping track of which tensors' bf16 copies
+//! kernels, the skinny GEMM or cuBLAS) and keeping track of which tensors' bf16 copies
 //! (what the products read) are current.
 //!
 //! A group whose fused kernel does not take its shapes lowers as its ops
@@ -164,7 +164,8 @@ impl Cuda {
     }
 
     /// Products of `input` by each of `ws` into `outs`: GEMV launches of up
-    /// to three weights for few rows, else a GEMM each. `folded`: the
+    /// to three weights for few rows, skinny GEMM launches of up to three
+    /// for a few dozen, else a cuBLAS GEMM each. `folded`: the
     /// input is the norm folded into the weights (else none may carry one).
     fn lower_mm(&self, input: Input, ws: &[WRef], outs: &[TRef], folded: bool, bf: &mut Bf) -> Result<()> {
         if !folded {
@@ -173,10 +174,14 @@ impl Cuda {
         let x = input.x;
         if x.rows > 0 {
             self.ensure_bf(&x, bf)?;
+            let list: Vec<(u64, usize, u64)> = ws.iter().zip(outs).map(|(w, o)| (w.ptr, w.rows, o.f)).collect();
             if self.gemv_fits(x.rows, x.cols) {
-                let list: Vec<(u64, usize, u64)> = ws.iter().zip(outs).map(|(w, o)| (w.ptr, w.rows, o.f)).collect();
                 for c in list.chunks(3) {
                     self.gemv_cmd(input, c, None)?;
+                }
+            } else if self.skinny_fits(x.rows, x.cols) {
+                for c in list.chunks(3) {
+                    self.skinny_cmd(x.b, x.rows, x.cols, c, GemmOut::F32)?;
                 }
             } else {
                 for (w, o) in ws.iter().zip(outs) {
@@ -213,9 +218,10 @@ impl Cuda {
         Ok(())
     }
 
-    /// Gate and up and the activation: one GEMV launch for few rows (gate
-    /// and up never written); else GEMMs writing bf16 gate and up, which
-    /// the activation reads (half the bytes of f32 both ways).
+    /// Gate and up and the activation: one GEMV or skinny launch for up to
+    /// a few dozen rows (gate and up never written); else GEMMs writing bf16
+    /// gate and up, which the activation reads (half the bytes of f32 both
+    /// ways).
     fn lower_gated_mm(&self, ops: &[OpRec], norm: Option<usize>, mm: usize, gated: usize, bf: &mut Bf) -> Result<()> {
         let (OpRec::Mm { x, ws, outs }, &OpRec::Gated { act, gate, up, out }) = (&ops[mm], &ops[gated]) else { bail!("a gated group of other ops") };
         let (rows, k) = (x.rows, x.cols);
@@ -238,6 +244,8 @@ impl Cuda {
             self.ensure_bf(&input.x, bf)?;
             if self.gemv_fits(rows, k) {
                 self.gemv_gated_cmd(input, wg, wu, act, out)?;
+            } else if self.skinny_fits(rows, k) {
+                self.skinny_gated_cmd(input.x.b, rows, k, wg.ptr, wu.ptr, m, act, out)?;
             } else {
                 self.gemm(wg.ptr, input.x.b, gate.b, m, rows, k, GemmOut::Bf16)?;
                 self.gemm(wu.ptr, input.x.b, up.b, m, rows, k, GemmOut::Bf16)?;

@@ -1,16 +1,20 @@
 //! The attention task on AVX-512: [`task_in`](super::task_in)'s walk and
 //! arithmetic, bit for bit (every score the eight-lane dot and `reduce8`,
-//! every accumulator lane the same chain of FMAs), on 512-bit vectors.
+//! every accumulator lane the same chain of FMAs, every sum in key order),
+//! on 512-bit vectors.
 //!
 //! A score vector holds eight lanes of two keys, so one FMA advances two
 //! keys' dots, and a transposing tree reduces sixteen keys' lanes at once
 //! (the horizontal sums were a third of the AVX2 kernel's score work).
-//! Tasks of few rows (decode) read the pool's rows in place, converting f16
-//! in registers: each element is loaded once for all heads of the group,
-//! instead of converted, stored to scratch and loaded again, and the next
-//! tile's rows are prefetched, as a decode round is bound by the KV's
-//! traffic. Tasks of many rows convert each tile once into scratch, as the
-//! other kernels do.
+//!
+//! A decode round is bound by reading the KV pool. Tasks of few rows
+//! (decode) therefore read the pool's rows in place, converting f16 in
+//! registers (each element loaded once for all heads of its group, not
+//! converted, stored to scratch and loaded again), and fetch the next
+//! tile's rows while a tile runs, a few lines per key, so the loads keep
+//! coming without a burst that would stall the tile for free fill buffers.
+//! Tasks of many rows convert each tile once into scratch, as the other
+//! kernels do.
 
 // Kernels index accumulators by head and key pair.
 #![allow(clippy::needless_range_loop)]
@@ -19,21 +23,15 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{fold, vmath, write_normalized, Ctx, Task, GB, KB, MAX_HEAD_DIM, PART};
+use super::{fold, vmath, write_normalized, Ctx, Task, GB, KB, PART};
 use crate::KvDtype;
 
 /// Tasks of at most this many rows read the pool in place.
 const DIRECT_ROWS: usize = 2;
 
-/// Zero rows that keys outside a tile's range point at, so that a pass
-/// over a whole pair or sixteen keys reads only memory it owns.
-static ZERO_F16: [f16; MAX_HEAD_DIM] = [f16::ZERO; MAX_HEAD_DIM];
-static ZERO_F32: [f32; MAX_HEAD_DIM] = [0.0; MAX_HEAD_DIM];
-
 /// A row element as the kernels read it: f16 (converted in registers) or
 /// f32.
 trait Elem: Copy {
-    fn zero() -> *const Self;
     /// Eight elements at `a` and eight at `b`, as f32: lanes 0..8 and 8..16.
     unsafe fn pair8(a: *const Self, b: *const Self) -> __m512;
     /// Sixteen elements as f32.
@@ -41,24 +39,21 @@ trait Elem: Copy {
 }
 
 impl Elem for f16 {
-    fn zero() -> *const f16 {
-        ZERO_F16.as_ptr()
-    }
     #[inline(always)]
     unsafe fn pair8(a: *const f16, b: *const f16) -> __m512 {
         let lo = _mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i));
-        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(lo, _mm_loadu_si128(b as *const __m128i)))
+        _mm512_cvt_roundph_ps::<_MM_FROUND_CUR_DIRECTION>(_mm256_inserti128_si256::<1>(lo, _mm_loadu_si128(b as *const __m128i)))
     }
     #[inline(always)]
     unsafe fn load16(a: *const f16) -> __m512 {
-        _mm512_cvtph_ps(_mm256_loadu_si256(a as *const __m256i))
+        // Not `_mm512_cvtph_ps`: its {sae} form cannot take the load as an
+        // operand, and the register form costs a shuffle uop on port 5,
+        // beside the FMAs.
+        _mm512_cvt_roundph_ps::<_MM_FROUND_CUR_DIRECTION>(_mm256_loadu_si256(a as *const __m256i))
     }
 }
 
 impl Elem for f32 {
-    fn zero() -> *const f32 {
-        ZERO_F32.as_ptr()
-    }
     #[inline(always)]
     unsafe fn pair8(a: *const f32, b: *const f32) -> __m512 {
         _mm512_insertf32x8::<1>(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b))
@@ -67,6 +62,16 @@ impl Elem for f32 {
     unsafe fn load16(a: *const f32) -> __m512 {
         _mm512_loadu_ps(a)
     }
+}
+
+/// A tile's rows: per key its K and V row, at the task's first KV head (a
+/// later head's are `hd` elements on per head). Keys that the task does
+/// not read point at the tile's first key it does, so that passes over
+/// whole pairs and sixteens read only rows of the pool; their scores are
+/// masked.
+struct Rows<R> {
+    k: [*const R; KB],
+    v: [*const R; KB],
 }
 
 /// Run one task. The caller checked AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C,
@@ -126,68 +131,66 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
         j_start = j_start.max(p * PART);
         last_pos = last_pos.min((p + 1) * PART - 1);
     }
-    // Row offsets of keys t0 .. t0 + KB that the task reads (at its first
-    // KV head; usize::MAX for the others), walking the block table.
-    let fill = |offs: &mut [usize; KB], t0: usize| {
-        let (j0, j1) = (t0.max(j_start), (t0 + KB).min(last_pos + 1));
-        let (mut blk, mut o) = (j0 / bt, j0 % bt);
-        for j in j0..j1 {
-            offs[j - t0] = (s.blocks[blk] as usize * bt + o) * kv_w + t.kv_head * hd;
+    // Keys of the tile at t0 that the task reads, and their rows (walking
+    // the block table, no division per key).
+    let span = |t0: usize| (t0.max(j_start) - t0, (t0 + KB).min(last_pos + 1) - t0);
+    let rows_at = |t0: usize| {
+        let (a, b) = span(t0);
+        let mut r = Rows { k: [kc.as_ptr(); KB], v: [vc.as_ptr(); KB] };
+        let (mut blk, mut o) = ((t0 + a) / bt, (t0 + a) % bt);
+        for j in a..b {
+            let off = (s.blocks[blk] as usize * bt + o) * kv_w + t.kv_head * hd;
+            (r.k[j], r.v[j]) = (kc.as_ptr().add(off), vc.as_ptr().add(off));
             o += 1;
             if o == bt {
                 (blk, o) = (blk + 1, 0);
             }
         }
+        for j in (0..a).chain(b..KB) {
+            (r.k[j], r.v[j]) = (r.k[a], r.v[a]);
+        }
+        r
     };
-    let zero = E::zero() as *const i8;
     let mut t0 = j_start / KB * KB;
     let mut part = t0 / PART;
+    let mut cur = if direct { Some(rows_at(t0)) } else { None };
     while t0 <= last_pos {
         if t0 / PART != part {
             fold_all(total, m, l, acc);
             reset(m, l, acc);
             part = t0 / PART;
         }
-        let mut offs = [usize::MAX; KB];
-        fill(&mut offs, t0);
-        // The next tile's rows, fetched while this one runs.
-        let mut next = [usize::MAX; KB];
-        if direct && t0 + KB <= last_pos {
-            fill(&mut next, t0 + KB);
-        }
-        for k in 0..t.heads {
-            let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
-            let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
-            let (mk, lk, ak) = (&mut m[k * nq..(k + 1) * nq], &mut l[k * nq..(k + 1) * nq], &mut acc[k * nq * hd..(k + 1) * nq * hd]);
-            if direct {
-                let (mut kr, mut vr) = ([E::zero(); KB], [E::zero(); KB]);
-                let mut pf = Prefetch { k: [zero; KB], v: [zero; KB], lines: (hd * std::mem::size_of::<E>()).div_ceil(64) };
-                for j in 0..KB {
-                    if offs[j] != usize::MAX {
-                        kr[j] = kc.as_ptr().add(offs[j] + k * hd);
-                        vr[j] = vc.as_ptr().add(offs[j] + k * hd);
-                    }
-                    if next[j] != usize::MAX {
-                        pf.k[j] = kc.as_ptr().add(next[j] + k * hd) as *const i8;
-                        pf.v[j] = vc.as_ptr().add(next[j] + k * hd) as *const i8;
-                    }
-                }
-                tile.run(&kr, &vr, &pf, mk, lk, ak);
-            } else {
-                let (mut kr, mut vr) = ([f32::zero(); KB], [f32::zero(); KB]);
-                for j in 0..KB {
-                    if offs[j] == usize::MAX {
-                        continue;
-                    }
-                    let (off, r) = (offs[j] + k * hd, j * hd);
+        if let Some(rows) = &cur {
+            let next = if t0 + KB <= last_pos { Some(rows_at(t0 + KB)) } else { None };
+            for k in 0..t.heads {
+                let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
+                let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
+                let (mk, lk, ak) = (&mut m[k * nq..(k + 1) * nq], &mut l[k * nq..(k + 1) * nq], &mut acc[k * nq * hd..(k + 1) * nq * hd]);
+                tile.run(rows, k * hd, next.as_ref(), mk, lk, ak);
+            }
+            if let Some(n) = next {
+                cur = Some(n);
+            }
+        } else {
+            let rows = rows_at(t0);
+            let (a, b) = span(t0);
+            let mut conv = Rows { k: [kf.as_ptr(); KB], v: [vf.as_ptr(); KB] };
+            for j in 0..KB {
+                let r = j.clamp(a, b - 1) * hd;
+                (conv.k[j], conv.v[j]) = (kf.as_ptr().add(r), vf.as_ptr().add(r));
+            }
+            for k in 0..t.heads {
+                for j in a..b {
+                    let r = j * hd;
                     for d in (0..hd).step_by(16) {
-                        _mm512_storeu_ps(kf.as_mut_ptr().add(r + d), E::load16(kc.as_ptr().add(off + d)));
-                        _mm512_storeu_ps(vf.as_mut_ptr().add(r + d), E::load16(vc.as_ptr().add(off + d)));
+                        _mm512_storeu_ps(kf.as_mut_ptr().add(r + d), E::load16(rows.k[j].add(k * hd + d)));
+                        _mm512_storeu_ps(vf.as_mut_ptr().add(r + d), E::load16(rows.v[j].add(k * hd + d)));
                     }
-                    kr[j] = kf.as_ptr().add(r);
-                    vr[j] = vf.as_ptr().add(r);
                 }
-                tile.run(&kr, &vr, &Prefetch::NONE, mk, lk, ak);
+                let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
+                let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
+                let (mk, lk, ak) = (&mut m[k * nq..(k + 1) * nq], &mut l[k * nq..(k + 1) * nq], &mut acc[k * nq * hd..(k + 1) * nq * hd]);
+                tile.run(&conv, 0, None, mk, lk, ak);
             }
         }
         t0 += KB;
@@ -218,18 +221,6 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
     }
 }
 
-/// Rows of the next tile to prefetch while a tile runs: per key its K and
-/// V row (a zero row where none), and the lines a row spans (0: none).
-struct Prefetch {
-    k: [*const i8; KB],
-    v: [*const i8; KB],
-    lines: usize,
-}
-
-impl Prefetch {
-    const NONE: Prefetch = Prefetch { k: [std::ptr::null(); KB], v: [std::ptr::null(); KB], lines: 0 };
-}
-
 /// One tile of a task: its rows against the keys at `t0 .. t0 + KB`.
 struct Tile<'a, 'b> {
     c: &'a Ctx<'b>,
@@ -240,10 +231,11 @@ struct Tile<'a, 'b> {
 }
 
 impl Tile<'_, '_> {
-    /// `kr`/`vr`: each key's row (a zero row outside the task's keys).
+    /// The tile's rows at `rows` + `hoff` elements; `next`: the next tile's,
+    /// to prefetch.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    unsafe fn run<R: Elem>(&self, kr: &[*const R; KB], vr: &[*const R; KB], pf: &Prefetch, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
+    unsafe fn run<R: Elem>(&self, rows: &Rows<R>, hoff: usize, next: Option<&Rows<R>>, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
         let (c, t, t0) = (self.c, self.t, self.t0);
         for i in 0..t.rows {
             let pos = if t.fan { self.first_pos } else { self.first_pos + i };
@@ -254,8 +246,8 @@ impl Tile<'_, '_> {
             let mut g0 = 0;
             while g0 < c.group {
                 // The next tile's rows once, spread over the first step's keys.
-                let pf = if i == 0 && g0 == 0 { pf } else { &Prefetch::NONE };
-                let st = Step { c, t, i, g0, a, b, kr, vr, pf };
+                let next = if i == 0 && g0 == 0 { next } else { None };
+                let st = Step { c, t, i, g0, a, b, rows, hoff, next };
                 match c.group - g0 {
                     1 => step::<R, 1>(&st, m, l, acc),
                     2 => step::<R, 2>(&st, m, l, acc),
@@ -275,9 +267,9 @@ struct Step<'a, 'b, R> {
     g0: usize,
     a: usize,
     b: usize,
-    kr: &'a [*const R; KB],
-    vr: &'a [*const R; KB],
-    pf: &'a Prefetch,
+    rows: &'a Rows<R>,
+    hoff: usize,
+    next: Option<&'a Rows<R>>,
 }
 
 /// One row's query heads `g0 .. g0 + G` against keys `a..b` of a tile, as
@@ -292,67 +284,72 @@ unsafe fn step<R: Elem, const G: usize>(st: &Step<'_, '_, R>, m: &mut [f32], l: 
     let q = c.q.data.as_ptr().add(r * c.q.cols + h0 * hd);
     let mut sc = [[0f32; KB]; G];
     if G <= 3 {
-        let mut j = a / 16 * 16;
-        while j < b {
-            scores16::<R, G>(q, hd, st.kr, j, &mut sc);
-            j += 16;
+        for j in (a / 16 * 16..b).step_by(16) {
+            scores16::<R, G>(q, hd, &st.rows.k, st.hoff, j, &mut sc);
         }
     } else {
-        let mut j = a / 8 * 8;
-        while j < b {
-            scores8x4(q, hd, st.kr, j, &mut sc);
-            j += 8;
+        for j in (a / 8 * 8..b).step_by(8) {
+            scores8x4(q, hd, &st.rows.k, st.hoff, j, &mut sc);
         }
     }
-    // Lanes of keys a..b.
-    let keys = (if b == KB { !0u32 } else { (1u32 << b) - 1 }) & !((1u32 << a) - 1);
+    // Lanes of keys a..b (a tile is at most 64 keys).
+    const { assert!(KB <= 64 && KB.is_multiple_of(16)) };
+    let keys = (if b == 64 { !0u64 } else { (1u64 << b) - 1 }) & !((1u64 << a) - 1);
     let mut corr = [0f32; G];
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let scale = _mm512_set1_ps(c.scale);
+    const NS: usize = KB / 16;
     for g in 0..G {
         let qi = st.i * c.group + st.g0 + g;
         let p = sc[g].as_mut_ptr();
-        let (mut x0, mut x1) = (_mm512_mul_ps(_mm512_loadu_ps(p), scale), _mm512_mul_ps(_mm512_loadu_ps(p.add(16)), scale));
+        let mut x = [_mm512_setzero_ps(); NS];
+        for v in 0..NS {
+            x[v] = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * v)), scale);
+        }
         if let Some(cap) = c.softcap {
-            _mm512_storeu_ps(p, x0);
-            _mm512_storeu_ps(p.add(16), x1);
+            for v in 0..NS {
+                _mm512_storeu_ps(p.add(16 * v), x[v]);
+            }
             for x in &mut sc[g][a..b] {
                 *x = cap * (*x / cap).tanh();
             }
-            (x0, x1) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+            for v in 0..NS {
+                x[v] = _mm512_loadu_ps(p.add(16 * v));
+            }
         }
-        x0 = _mm512_mask_mov_ps(ninf, keys as u16, x0);
-        x1 = _mm512_mask_mov_ps(ninf, (keys >> 16) as u16, x1);
-        let bm = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+        let mut mx = ninf;
+        for v in 0..NS {
+            x[v] = _mm512_mask_mov_ps(ninf, (keys >> (16 * v)) as u16, x[v]);
+            mx = _mm512_max_ps(mx, x[v]);
+        }
+        let bm = _mm512_reduce_max_ps(mx);
         let new_m = m[qi].max(bm);
         corr[g] = vmath::exp(m[qi] - new_m);
         let nm = _mm512_set1_ps(new_m);
-        _mm512_storeu_ps(p, vmath::avx512::exp16(_mm512_sub_ps(x0, nm)));
-        _mm512_storeu_ps(p.add(16), vmath::avx512::exp16(_mm512_sub_ps(x1, nm)));
+        for v in 0..NS {
+            _mm512_storeu_ps(p.add(16 * v), vmath::avx512::exp16(_mm512_sub_ps(x[v], nm)));
+        }
         m[qi] = new_m;
     }
-    // Each head's sum in key order, the heads' chains side by side.
+    let q0 = st.i * c.group + st.g0;
+    let accp = acc.as_mut_ptr().add(q0 * hd);
     let mut sum = [0f32; G];
-    for j in a..b {
-        for g in 0..G {
-            sum[g] += sc[g][j];
+    let mut d = 0;
+    while d < hd {
+        // The sums and the prefetches ride along the first pass.
+        let (next, sum) = if d == 0 { (st.next, Some(&mut sum)) } else { (None, None) };
+        let pass = Pv { acc: accp, d, hd, c: &corr, p: &sc, v: &st.rows.v, hoff: st.hoff, a, b };
+        match (hd - d) / 16 {
+            1 => pv::<R, G, 1>(&pass, next, sum),
+            2 => pv::<R, G, 2>(&pass, next, sum),
+            3 => pv::<R, G, 3>(&pass, next, sum),
+            _ => pv::<R, G, 4>(&pass, next, sum),
         }
+        d += 64;
     }
     for g in 0..G {
         let qi = st.i * c.group + st.g0 + g;
         l[qi] = l[qi] * corr[g] + sum[g];
-    }
-    let q0 = st.i * c.group + st.g0;
-    let accp = acc.as_mut_ptr().add(q0 * hd);
-    let mut d = 0;
-    while d < hd {
-        match (hd - d) / 16 {
-            1 => pv::<R, G, 1>(accp, d, hd, &corr, &sc, st.vr, a, b, if d == 0 { st.pf } else { &Prefetch::NONE }),
-            2 => pv::<R, G, 2>(accp, d, hd, &corr, &sc, st.vr, a, b, if d == 0 { st.pf } else { &Prefetch::NONE }),
-            3 => pv::<R, G, 3>(accp, d, hd, &corr, &sc, st.vr, a, b, if d == 0 { st.pf } else { &Prefetch::NONE }),
-            _ => pv::<R, G, 4>(accp, d, hd, &corr, &sc, st.vr, a, b, if d == 0 { st.pf } else { &Prefetch::NONE }),
-        }
-        d += 64;
     }
 }
 
@@ -390,7 +387,7 @@ fn l2(a: __m512, b: __m512) -> __m512 {
 /// `s[g][j..j + 16]` for `g < G <= 3`: eight key pairs per head.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*const R; KB], j: usize, s: &mut [[f32; KB]; G]) {
+unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*const R; KB], hoff: usize, j: usize, s: &mut [[f32; KB]; G]) {
     let mut acc = [[_mm512_setzero_ps(); 8]; G];
     for d in (0..hd).step_by(8) {
         let mut qv = [_mm512_setzero_ps(); G];
@@ -398,7 +395,7 @@ unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*con
             qv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * hd + d)));
         }
         for p in 0..8 {
-            let kv = R::pair8(kr[j + 2 * p].add(d), kr[j + 2 * p + 1].add(d));
+            let kv = R::pair8(kr[j + 2 * p].add(hoff + d), kr[j + 2 * p + 1].add(hoff + d));
             for g in 0..G {
                 acc[g][p] = _mm512_fmadd_ps(qv[g], kv, acc[g][p]);
             }
@@ -412,7 +409,7 @@ unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*con
 /// `s[g][j..j + 8]` for four heads: four key pairs per head.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores8x4<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*const R; KB], j: usize, s: &mut [[f32; KB]; G]) {
+unsafe fn scores8x4<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*const R; KB], hoff: usize, j: usize, s: &mut [[f32; KB]; G]) {
     let mut acc = [[_mm512_setzero_ps(); 4]; 4];
     for d in (0..hd).step_by(8) {
         let mut qv = [_mm512_setzero_ps(); 4];
@@ -420,7 +417,7 @@ unsafe fn scores8x4<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*co
             qv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * hd + d)));
         }
         for p in 0..4 {
-            let kv = R::pair8(kr[j + 2 * p].add(d), kr[j + 2 * p + 1].add(d));
+            let kv = R::pair8(kr[j + 2 * p].add(hoff + d), kr[j + 2 * p + 1].add(hoff + d));
             for g in 0..4 {
                 acc[g][p] = _mm512_fmadd_ps(qv[g], kv, acc[g][p]);
             }
@@ -434,48 +431,60 @@ unsafe fn scores8x4<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*co
     }
 }
 
-/// For `g < G`: `acc_g[d .. d + 16 NV] *= c[g]`, then `+= p[g][j] * v_j`
-/// for `j in a..b` in order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pv<R: Elem, const G: usize, const NV: usize>(
+/// A values' pass: for `g < G`, `acc_g[d .. d + 16 NV] *= c[g]`, then
+/// `+= p[g][j] * v_j` for `j in a..b` in order.
+struct Pv<'a, R, const G: usize> {
     acc: *mut f32,
     d: usize,
     hd: usize,
-    c: &[f32; G],
-    p: &[[f32; KB]; G],
-    vr: &[*const R; KB],
+    c: &'a [f32; G],
+    p: &'a [[f32; KB]; G],
+    v: &'a [*const R; KB],
+    hoff: usize,
     a: usize,
     b: usize,
-    pf: &Prefetch,
-) {
-    // Key j's rows of the next tile as key j is taken: spread over the
-    // pass, the fetches in flight do not stall it for a free fill buffer
-    // as a burst of them does.
+}
+
+/// Run a values' pass; with `next`, also prefetch the next tile's rows of
+/// this head (key j's as key j is taken), and with `sum`, add each head's
+/// weights in key order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn pv<R: Elem, const G: usize, const NV: usize>(pv: &Pv<'_, R, G>, next: Option<&Rows<R>>, mut sum: Option<&mut [f32; G]>) {
+    let (acc, d, hd, hoff) = (pv.acc, pv.d, pv.hd, pv.hoff);
+    let lines = (hd * std::mem::size_of::<R>()).div_ceil(64);
+    // Prefetch addresses are never dereferenced: wrapping arithmetic.
     let fetch = |j: usize| {
-        for n in 0..pf.lines {
-            _mm_prefetch::<_MM_HINT_T0>(pf.k[j].add(64 * n));
-            _mm_prefetch::<_MM_HINT_T0>(pf.v[j].add(64 * n));
+        if let Some(n) = next {
+            let (k, v) = (n.k[j].wrapping_add(hoff) as *const i8, n.v[j].wrapping_add(hoff) as *const i8);
+            for x in 0..lines {
+                _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(64 * x));
+                _mm_prefetch::<_MM_HINT_T0>(v.wrapping_add(64 * x));
+            }
         }
     };
     let mut x = [[_mm512_setzero_ps(); NV]; G];
     for g in 0..G {
-        let cv = _mm512_set1_ps(c[g]);
+        let cv = _mm512_set1_ps(pv.c[g]);
         for n in 0..NV {
             x[g][n] = _mm512_mul_ps(_mm512_loadu_ps(acc.add(g * hd + d + 16 * n)), cv);
         }
     }
-    for j in a..b {
+    for j in pv.a..pv.b {
         fetch(j);
         let mut v = [_mm512_setzero_ps(); NV];
         for n in 0..NV {
-            v[n] = R::load16(vr[j].add(d + 16 * n));
+            v[n] = R::load16(pv.v[j].add(hoff + d + 16 * n));
         }
         for g in 0..G {
-            let pb = _mm512_set1_ps(p[g][j]);
+            let pb = _mm512_set1_ps(pv.p[g][j]);
             for n in 0..NV {
                 x[g][n] = _mm512_fmadd_ps(pb, v[n], x[g][n]);
+            }
+        }
+        if let Some(s) = sum.as_deref_mut() {
+            for g in 0..G {
+                s[g] += pv.p[g][j];
             }
         }
     }
@@ -484,7 +493,7 @@ unsafe fn pv<R: Elem, const G: usize, const NV: usize>(
             _mm512_storeu_ps(acc.add(g * hd + d + 16 * n), x[g][n]);
         }
     }
-    for j in (0..a).chain(b..KB) {
+    for j in (0..pv.a).chain(pv.b..KB) {
         fetch(j);
     }
 }

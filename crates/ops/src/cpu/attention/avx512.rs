@@ -295,7 +295,9 @@ unsafe fn step<R: Elem, const G: usize>(st: &Step<'_, '_, R>, m: &mut [f32], l: 
     // Lanes of keys a..b (a tile is at most 64 keys).
     const { assert!(KB <= 64 && KB.is_multiple_of(16)) };
     let keys = (if b == 64 { !0u64 } else { (1u64 << b) - 1 }) & !((1u64 << a) - 1);
-    let mut corr = [0f32; G];
+    // Each head's correction `exp(m - new_m)`, all in one vector `exp`
+    // (lane for lane the scalar one) after the loop.
+    let mut shift = [0f32; 16];
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let scale = _mm512_set1_ps(c.scale);
     const NS: usize = KB / 16;
@@ -324,13 +326,16 @@ unsafe fn step<R: Elem, const G: usize>(st: &Step<'_, '_, R>, m: &mut [f32], l: 
         }
         let bm = _mm512_reduce_max_ps(mx);
         let new_m = m[qi].max(bm);
-        corr[g] = vmath::exp(m[qi] - new_m);
+        shift[g] = m[qi] - new_m;
         let nm = _mm512_set1_ps(new_m);
         for v in 0..NS {
             _mm512_storeu_ps(p.add(16 * v), vmath::avx512::exp16(_mm512_sub_ps(x[v], nm)));
         }
         m[qi] = new_m;
     }
+    let mut corr16 = [0f32; 16];
+    _mm512_storeu_ps(corr16.as_mut_ptr(), vmath::avx512::exp16(_mm512_loadu_ps(shift.as_ptr())));
+    let corr: [f32; G] = std::array::from_fn(|g| corr16[g]);
     let q0 = st.i * c.group + st.g0;
     let accp = acc.as_mut_ptr().add(q0 * hd);
     let mut sum = [0f32; G];

@@ -193,6 +193,28 @@ fn attend(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: 
         }
         si += fan_rows;
     }
+    // Few partition tasks that the threads cannot share evenly (one stream
+    // in three partitions: one thread would do two): the smallest leftover
+    // ones go by KV head instead, to fill the gap. (Not all: a task over
+    // whole rows of the pool reads it faster.)
+    let threads = pool::threads();
+    let whole = tasks.iter().filter(|t| t.heads > 1).count();
+    if whole > 0 && whole < 4 * threads && !whole.is_multiple_of(threads) {
+        let span = |t: &Task| {
+            let (lo, hi) = t.key_span(&seqs[t.seq]);
+            let p = t.part.unwrap_or(0);
+            (hi + 1).min((p + 1) * PART) - lo.max(p * PART)
+        };
+        let mut order: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].heads > 1).collect();
+        order.sort_by_key(|&i| span(&tasks[i]));
+        for &i in &order[..whole % threads] {
+            let t = tasks[i];
+            tasks[i].heads = 1;
+            for k in 1..t.heads {
+                tasks.push(Task { kv_head: t.kv_head + k, heads: 1, slot: t.slot + k * t.rows * group * (hd + 2), ..t });
+            }
+        }
+    }
     // Most keys first, so the pool's dynamic hand-out balances the causal
     // triangle and the partitions.
     tasks.sort_by_key(|t| {

@@ -18,7 +18,16 @@
 //! is therefore split into one task per partition, run in parallel, and its
 //! partials folded afterwards in the same order with the same arithmetic:
 //! a 3-KV-head model no longer leaves one of two threads idle for a third
-//! of every decode step, and results stay bit-identical either way.
+//! of every decode step, and results stay bit-identical either way. Such a
+//! task takes every KV head of its partition, so that it reads the pool's
+//! rows whole (all heads side by side) rather than a third of each; only
+//! when the threads could not share those tasks evenly are the smallest
+//! leftover ones split by head.
+//!
+//! Three kernels run a task: generic, AVX2 and AVX-512 (`avx512.rs`, which
+//! also reads a decode task's f16 rows in place and prefetches them). They
+//! compute the same operations in the same order, so their results are
+//! identical bit for bit.
 
 // Kernels index several same-shaped arrays (queries, accumulators, scores)
 // by query and key; iterator chains would only obscure that.
@@ -30,6 +39,9 @@ use half::f16;
 
 use super::{pool, vmath, CpuKv, CpuTensor, SendPtr};
 use crate::{AttnSeq, KvDtype};
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 const MAX_HEAD_DIM: usize = 512;
 /// Query rows per task.
@@ -51,6 +63,8 @@ const SPLIT_ROWS: usize = 2;
 struct Task {
     seq: usize,
     kv_head: usize,
+    /// KV heads from `kv_head` on (each its own state, one after another).
+    heads: usize,
     row0: usize,
     rows: usize,
     /// `Some(p)`: only partition `p`'s keys, leaving the partial state at
@@ -107,7 +121,32 @@ fn fold(tm: &mut f32, tl: &mut f32, tacc: &mut [f32], m: f32, l: f32, acc: &[f32
     *tm = nm;
 }
 
+/// The task kernels, best last: each gives the others' results bit for bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kernel {
+    Generic,
+    Avx2,
+    Avx512,
+}
+
+/// The best kernel this CPU runs for head dimension `hd`.
+fn best_kernel(hd: usize) -> Kernel {
+    if cfg!(target_arch = "x86_64") && vmath::has_avx512() && hd.is_multiple_of(16) {
+        Kernel::Avx512
+    } else if cfg!(target_arch = "x86_64") && vmath::has_avx2() && hd.is_multiple_of(8) {
+        Kernel::Avx2
+    } else {
+        Kernel::Generic
+    }
+}
+
 pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor) {
+    let kern = best_kernel(kv.spec.layers[layer].head_dim);
+    attend(q, kv, layer, seqs, scale, softcap, out, kern)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<'_>], scale: f32, softcap: Option<f32>, out: &mut CpuTensor, kern: Kernel) {
     let shape = kv.spec.layers[layer];
     let hd = shape.head_dim;
     assert!(hd <= MAX_HEAD_DIM, "head dim {hd} over {MAX_HEAD_DIM}");
@@ -128,27 +167,55 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
         let fan_qb = (MAX_Q * FAN_QB / QB / group).clamp(1, FAN_QB);
         let fan_rows = if s.q_len == 1 { 1 + (1..fan_qb.min(seqs.len() - si)).take_while(|&j| fans(j)).count() } else { 1 };
         let fan = fan_rows > 1;
-        for kv_head in 0..shape.kv_heads {
-            let mut r = 0;
-            while r < s.q_len {
-                let rows = if fan { fan_rows } else { qb.min(s.q_len - r) };
-                let task = Task { seq: si, kv_head, row0: r, rows, part: None, slot: 0, fan };
-                let (lo, hi) = task.key_span(s);
-                let (p0, p1) = (lo / PART, hi / PART);
-                if rows <= SPLIT_ROWS && p1 > p0 {
-                    let stride = rows * group * (hd + 2);
-                    for p in p0..=p1 {
-                        tasks.push(Task { part: Some(p), slot: slots + (p - p0) * stride, ..task });
-                    }
-                    groups.push(SplitGroup { task, parts: p1 - p0 + 1, slot: slots, stride });
-                    slots += (p1 - p0 + 1) * stride;
-                } else {
-                    tasks.push(task);
+        let mut r = 0;
+        while r < s.q_len {
+            let rows = if fan { fan_rows } else { qb.min(s.q_len - r) };
+            let task = Task { seq: si, kv_head: 0, heads: 1, row0: r, rows, part: None, slot: 0, fan };
+            let (lo, hi) = task.key_span(s);
+            let (p0, p1) = (lo / PART, hi / PART);
+            if rows <= SPLIT_ROWS && p1 > p0 {
+                // One task per partition, over every KV head: it reads
+                // whole rows of the pool (all heads side by side) while
+                // they are in cache, not a third of each row per task.
+                let kvh = shape.kv_heads;
+                let qstride = rows * group * (hd + 2);
+                for p in p0..=p1 {
+                    tasks.push(Task { heads: kvh, part: Some(p), slot: slots + (p - p0) * kvh * qstride, ..task });
                 }
-                r += if fan { s.q_len } else { rows };
+                for kv_head in 0..kvh {
+                    groups.push(SplitGroup { task: Task { kv_head, ..task }, parts: p1 - p0 + 1, slot: slots + kv_head * qstride, stride: kvh * qstride });
+                }
+                slots += (p1 - p0 + 1) * kvh * qstride;
+            } else {
+                for kv_head in 0..shape.kv_heads {
+                    tasks.push(Task { kv_head, ..task });
+                }
             }
+            r += if fan { s.q_len } else { rows };
         }
         si += fan_rows;
+    }
+    // Few partition tasks that the threads cannot share evenly (one stream
+    // in three partitions: one thread would do two): the smallest leftover
+    // ones go by KV head instead, to fill the gap. (Not all: a task over
+    // whole rows of the pool reads it faster.)
+    let threads = pool::threads();
+    let whole = tasks.iter().filter(|t| t.heads > 1).count();
+    if whole > 0 && whole < 4 * threads && !whole.is_multiple_of(threads) {
+        let span = |t: &Task| {
+            let (lo, hi) = t.key_span(&seqs[t.seq]);
+            let p = t.part.unwrap_or(0);
+            (hi + 1).min((p + 1) * PART) - lo.max(p * PART)
+        };
+        let mut order: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].heads > 1).collect();
+        order.sort_by_key(|&i| span(&tasks[i]));
+        for &i in &order[..whole % threads] {
+            let t = tasks[i];
+            tasks[i].heads = 1;
+            for k in 1..t.heads {
+                tasks.push(Task { kv_head: t.kv_head + k, heads: 1, slot: t.slot + k * t.rows * group * (hd + 2), ..t });
+            }
+        }
     }
     // Most keys first, so the pool's dynamic hand-out balances the causal
     // triangle and the partitions.
@@ -158,25 +225,38 @@ pub fn paged_attention(q: &CpuTensor, kv: &CpuKv, layer: usize, seqs: &[AttnSeq<
             Some(p) => (hi + 1).min((p + 1) * PART) - lo.max(p * PART),
             None => hi + 1 - lo,
         };
-        std::cmp::Reverse(keys * t.rows)
+        std::cmp::Reverse(keys * t.rows * t.heads)
     });
     let mut partials = vec![0f32; slots];
     let optr = SendPtr(out.data.as_mut_ptr());
     let ctx = Ctx { q, kv, layer, seqs, scale, softcap, hd, group, out: optr, parts: SendPtr(partials.as_mut_ptr()) };
-    let avx2 = cfg!(target_arch = "x86_64") && vmath::has_avx2() && hd.is_multiple_of(8);
+    let (avx2, avx512) = (kern == Kernel::Avx2, kern == Kernel::Avx512);
+    let run_one = |t: &Task, buf: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2 {
+                // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+                return unsafe { task_avx2(&ctx, t, buf) };
+            }
+        }
+        task_generic(&ctx, t, buf)
+    };
     let run = |i: usize| {
-        let t = &tasks[i];
-        let nq = t.rows * group;
+        let nq = tasks[i].rows * group * tasks[i].heads;
         let need = 2 * nq + nq * hd + 2 * KB * hd + nq * (hd + 2);
         with_scratch(need, &mut |buf| {
             #[cfg(target_arch = "x86_64")]
-            {
-                if avx2 {
-                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
-                    return unsafe { task_avx2(&ctx, t, buf) };
-                }
+            if avx512 {
+                // SAFETY: the CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and
+                // F16C, and hd is a multiple of 16 (checked above).
+                return unsafe { avx512::task(&ctx, &tasks[i], buf) };
             }
-            task_generic(&ctx, t, buf)
+            // A task's KV heads one after another.
+            for k in 0..tasks[i].heads {
+                let slot = tasks[i].slot + k * tasks[i].rows * group * (hd + 2);
+                let t = &Task { kv_head: tasks[i].kv_head + k, heads: 1, slot, ..tasks[i] };
+                run_one(t, buf);
+            }
         });
     };
     if tasks.len() == 1 {
@@ -645,6 +725,10 @@ mod tests {
     }
 
     fn setup(case: (usize, usize, usize, usize, Option<usize>)) -> Setup {
+        setup_in(case, crate::KvDtype::F16)
+    }
+
+    fn setup_in(case: (usize, usize, usize, usize, Option<usize>), dtype: crate::KvDtype) -> Setup {
         let (hd, kvh, heads, n, window) = case;
         let dev = Cpu::new(Some(2));
         let bt = 4;
@@ -652,7 +736,7 @@ mod tests {
         let spec = KvPoolSpec::new(nb + 3, bt, vec![KvShape { kv_heads: kvh, head_dim: hd }]);
         // Blocks out of order, as a paged pool hands them out.
         let blocks: Vec<u32> = (0..nb as u32).map(|b| (b * 5 + 2) % (nb as u32 + 3)).collect();
-        let mut kv = dev.kv_pool(&spec, crate::KvDtype::F16).unwrap();
+        let mut kv = dev.kv_pool(&spec, dtype).unwrap();
         let k = dev.upload(&(0..n * kvh * hd).map(|i| val(i, 1)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
         let v = dev.upload(&(0..n * kvh * hd).map(|i| val(i, 2)).collect::<Vec<_>>(), n, kvh * hd).unwrap();
         let slots: Vec<u32> = (0..n).map(|p| blocks[p / bt] * bt as u32 + (p % bt) as u32).collect();
@@ -688,6 +772,49 @@ mod tests {
         let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
         let z: f64 = e.iter().sum();
         (0..hd).map(|d| (lo..=p).zip(&e).map(|(j, w)| w * vf(j, d)).sum::<f64>() / z).collect()
+    }
+
+    /// Every kernel this CPU runs gives the generic kernel's results bit for
+    /// bit: prompt blocks, decode rows split by partition (tasks over every
+    /// KV head, and by head), single queries over the same keys; with and
+    /// without a softcap; f16 and f32 pools.
+    #[test]
+    fn every_kernel_gives_the_same_bits() {
+        use super::{attend, best_kernel, Kernel};
+        for case in CASES.into_iter().chain([(64, 3, 9, 1300, None), (32, 2, 4, 1200, Some(700)), (128, 2, 8, 600, None)]) {
+            let kernels: Vec<Kernel> = [Kernel::Generic, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|&k| k <= best_kernel(case.0)).collect();
+            for dtype in [crate::KvDtype::F16, crate::KvDtype::F32] {
+                let s = setup_in(case, dtype);
+                let n = s.n;
+                let whole = |a: usize, b: usize| vec![AttnSeq { q_start: 0, q_len: b - a, kv_len: b, blocks: &s.blocks, window: s.window }];
+                // 20 single queries over all keys, and two decode rows beside them.
+                let fan: Vec<AttnSeq<'_>> = (0..22)
+                    .map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: if i < 20 { n } else { n - 1 - i % 2 }, blocks: &s.blocks, window: s.window })
+                    .collect();
+                // (A long context's prompt block late in it, not the whole
+                // prompt: the generic kernel is slow.)
+                let c0 = if n > 100 { n - 40 } else { 0 };
+                for (what, seqs, a) in
+                    [("prompt", whole(c0, n), c0), ("last row", whole(n - 1, n), n - 1), ("last two", whole(n - 2, n), n - 2), ("fan", fan, 0)]
+                {
+                    let rows: usize = seqs.iter().map(|t| t.q_len).sum();
+                    let q = super::tests::rows(&s.q, a, a + rows);
+                    for softcap in [None, Some(3.0)] {
+                        let outs: Vec<Vec<u32>> = kernels
+                            .iter()
+                            .map(|&k| {
+                                let mut out = CpuTensor { data: vec![0.0; q.rows * q.cols], rows: q.rows, cols: q.cols };
+                                attend(&q, &s.kv, 0, &seqs, 0.3, softcap, &mut out, k);
+                                out.data.iter().map(|x| x.to_bits()).collect()
+                            })
+                            .collect();
+                        for (k, o) in kernels.iter().zip(&outs).skip(1) {
+                            assert!(*o == outs[0], "{case:?} {dtype:?} {what} softcap {softcap:?}: {k:?} differs from {:?}", kernels[0]);
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

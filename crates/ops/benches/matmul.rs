@@ -122,7 +122,7 @@ fn main() {
         pool::set_threads(max_threads);
         for dtype in [DType::Q4_1, DType::Q5_0, DType::Q4K, DType::Q6K, DType::Q8_0] {
             let w = Mat::new(&mut rng, dtype, n, n);
-            for m in [1, 2, 4, 8, 16] {
+            for m in [1, 2, 4, 6, 8, 10, 12, 16] {
                 let x: Vec<f32> = (0..n * m).map(|_| rng.f()).collect();
                 let mut out = vec![0.0; n * m];
                 let s = time(if quick { 10 } else { 50 }, 5, || matmul(w.q(), &x, m, &mut out));

@@ -21,7 +21,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{k4_scale_min, Q8A, Q8KA};
-use super::matmul::{Kernel, Pack, Tile, TileFn, SUB_BYTES};
+use super::matmul::{Kernel, Pack, Tile, TileFn, PACK_MIN_ACT_ROWS, SUB_BYTES};
 use braid_formats::DType;
 use float::{tile_f, Bf16W, F16W, F32W};
 
@@ -757,7 +757,19 @@ fn r8_kernel<K: B32>(vnni: Vnni) -> Kernel {
     };
     // The widest tiles each instance has (see `r8_tiles!`).
     let (ra, ra_packed) = if vnni == Vnni::Evex { (16, 8) } else { (4, 4) };
-    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES };
+    // With AVX-VNNI (VEX; on an Intel Xeon with both kinds), a raw tile of
+    // a 4- or 5-bit type unpacks every block for each activation tile, so
+    // packing pays from 6 rows (the bench's `few`, 4096² on 2 threads: Q4_1
+    // at 8 rows 1,367 -> 1,157 µs, at 12 2,087 -> 1,442; Q5_0 at 12 2,468 ->
+    // 1,483); Q8_0's raw tile reads its bytes as they are and packing pays
+    // from 10 (at 6 rows it lost: 1,138 -> 1,202 µs). The EVEX tiles (up to
+    // 16 raw rows) and the plain AVX2 ones were not measured so: 16.
+    let min_rows = match (vnni, K::SIGNED) {
+        (Vnni::Vex, false) => 6,
+        (Vnni::Vex, true) => 10,
+        _ => PACK_MIN_ACT_ROWS,
+    };
+    let pack = Pack { pack: pack_rows8::<K>, block_bytes: R8_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES, min_rows };
     let rw_gemv = if matches!(vnni, Vnni::Evex) { gemv512::ROWS } else { 8 };
     Kernel { tile: raw, rw: 8, ra, rw_gemv, pack: Some(pack), partial: true }
 }

@@ -68,6 +68,9 @@ pub(crate) struct Pack {
     /// Bytes of packed rows a task sweeps per activation tile (rounded to
     /// whole groups of `rw`): what stays in cache beside the tile's rows.
     pub sub_bytes: usize,
+    /// Activation rows from which a task packs its weights (its share of
+    /// a shared round's rows included): where that measured faster.
+    pub min_rows: usize,
 }
 
 /// How activations are fed to a weight type.
@@ -321,8 +324,9 @@ const ACT_CHUNK_MIN: usize = 32;
 /// Bytes of weights a task sweeps per activation tile (packed: what its
 /// kernel's packs ask for, [`SUB_BYTES`] for most).
 pub(crate) const SUB_BYTES: usize = 64 << 10;
-/// Activation rows from which repacking a task's weights pays off.
-const PACK_MIN_ACT_ROWS: usize = 16;
+/// Activation rows from which repacking a task's weights pays off, where
+/// a kernel was measured no lower ([`Pack::min_rows`]).
+pub(crate) const PACK_MIN_ACT_ROWS: usize = 16;
 /// Below this many multiply-adds a call runs on the calling thread alone:
 /// waking the pool would cost more than it saves.
 const MIN_PARALLEL_MACS: usize = 1 << 16;
@@ -467,7 +471,7 @@ impl<'a> Plan<'a> {
         // SAFETY: ids were checked to be rows of w.
         let orig = |r: usize| unsafe { data.add(ids.map_or(r, |ids| ids[r] as usize) * rb) };
         let pack = match k.pack {
-            Some(p) if ids.is_none() && c1 - c0 >= PACK_MIN_ACT_ROWS => p,
+            Some(p) if ids.is_none() && c1 - c0 >= p.min_rows => p,
             _ => {
                 // Many activation tiles: sweep the weights in L2-sized row
                 // blocks so each is reused from cache by every tile.

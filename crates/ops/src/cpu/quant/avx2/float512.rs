@@ -16,7 +16,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::matmul::{Pack, Tile};
+use super::super::matmul::{Pack, Tile, PACK_MIN_ACT_ROWS};
 use super::float::FloatW;
 use super::hsum;
 
@@ -31,7 +31,7 @@ const SWEEP_BYTES: usize = 512 << 10;
 
 /// The packed kernel for weights read as `K`.
 pub(super) fn pack<K: FloatW>() -> Pack {
-    Pack { pack: pack_rows::<K>, block_bytes: 4, tile, rw: RW, ra: RA, partial: true, sub_bytes: SWEEP_BYTES }
+    Pack { pack: pack_rows::<K>, block_bytes: 4, tile, rw: RW, ra: RA, partial: true, sub_bytes: SWEEP_BYTES, min_rows: PACK_MIN_ACT_ROWS }
 }
 
 /// Pack `rows` rows of `n` elements as f32 in groups of `RW` rows (the last

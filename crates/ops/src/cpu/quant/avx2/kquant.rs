@@ -278,7 +278,11 @@ pub(super) fn r8k_kernel<const T: u8>(vnni: Vnni) -> Kernel {
         (false, Vnni::None) => r8k_packed::<false>,
     };
     let ra_packed = if vnni == Vnni::Evex { 6 } else { 3 };
-    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES };
+    // With AVX-VNNI (VEX) packing pays from 10 rows (the bench's `few`,
+    // 4096² on 2 threads: Q4_K at 12 rows 2,520 -> 2,218 µs, Q6_K 2,996 ->
+    // 2,614; at 6 rows both lost a third). Elsewhere not measured: 16.
+    let min_rows = if vnni == Vnni::Vex { 10 } else { PACK_MIN_ACT_ROWS };
+    let pack = Pack { pack: pack_rows8k::<T>, block_bytes: R8K_BYTES / 8, tile: packed, rw: 8, ra: ra_packed, partial: true, sub_bytes: SUB_BYTES, min_rows };
     let (raw, ra): (TileFn, usize) = if vnni == Vnni::Evex { (r8k_raw512::<T>, 8) } else { (r8k_raw::<T>, 3) };
     Kernel { tile: raw, rw: 8, ra, rw_gemv: 8, pack: Some(pack), partial: true }
 }

@@ -540,6 +540,99 @@ fn with_scratch(n: usize, f: &mut dyn FnMut(&mut [f32])) {
     }
 }
 
+/// A task's softmax state in its scratch: per query (`nq`, the task's KV
+/// heads one after another) the partition's running max, sum and
+/// accumulator, and the total over partitions (acc, m, l side by side,
+/// `hd + 2` a query); then a tile of keys and values converted to f32.
+struct State<'b> {
+    m: &'b mut [f32],
+    l: &'b mut [f32],
+    acc: &'b mut [f32],
+    total: &'b mut [f32],
+    kf: &'b mut [f32],
+    vf: &'b mut [f32],
+    hd: usize,
+}
+
+impl<'b> State<'b> {
+    fn new(buf: &'b mut [f32], nq: usize, hd: usize) -> State<'b> {
+        let (m, rest) = buf.split_at_mut(nq);
+        let (l, rest) = rest.split_at_mut(nq);
+        let (acc, rest) = rest.split_at_mut(nq * hd);
+        let (total, rest) = rest.split_at_mut(nq * (hd + 2));
+        let (kf, vf) = rest.split_at_mut(KB * hd);
+        for qi in 0..nq {
+            total[qi * (hd + 2) + hd] = f32::NEG_INFINITY;
+            total[qi * (hd + 2) + hd + 1] = 0.0;
+        }
+        let mut st = State { m, l, acc, total, kf, vf, hd };
+        st.reset();
+        st
+    }
+
+    /// A partition starts.
+    fn reset(&mut self) {
+        self.m.fill(f32::NEG_INFINITY);
+        self.l.fill(0.0);
+        self.acc.fill(0.0);
+    }
+
+    /// A partition ends: fold it into the totals.
+    fn fold_all(&mut self) {
+        let hd = self.hd;
+        for qi in 0..self.m.len() {
+            let (tacc, tml) = self.total[qi * (hd + 2)..(qi + 1) * (hd + 2)].split_at_mut(hd);
+            let (tm, tl) = tml.split_at_mut(1);
+            fold(&mut tm[0], &mut tl[0], tacc, self.m[qi], self.l[qi], &self.acc[qi * hd..(qi + 1) * hd]);
+        }
+    }
+
+    /// Finish task `t`: a split task leaves its partition's state at its
+    /// slot for the fold; a whole one writes its rows' outputs.
+    fn finish(&mut self, c: &Ctx<'_>, t: &Task) {
+        let hd = self.hd;
+        if t.part.is_some() {
+            for qi in 0..self.m.len() {
+                // SAFETY: each split task owns its slot range.
+                let dst = unsafe { c.parts.slice(t.slot + qi * (hd + 2), hd + 2) };
+                dst[..hd].copy_from_slice(&self.acc[qi * hd..(qi + 1) * hd]);
+                dst[hd] = self.m[qi];
+                dst[hd + 1] = self.l[qi];
+            }
+            return;
+        }
+        self.fold_all();
+        let s = &c.seqs[t.seq];
+        let nq = t.rows * c.group;
+        for k in 0..t.heads {
+            for i in 0..t.rows {
+                let r = s.q_start + t.row0 + i;
+                for g in 0..c.group {
+                    let qi = k * nq + i * c.group + g;
+                    let h = (t.kv_head + k) * c.group + g;
+                    // SAFETY: each (row, head) belongs to exactly one task.
+                    let dst = unsafe { c.out.slice(r * c.q.cols + h * hd, hd) };
+                    let st = &self.total[qi * (hd + 2)..(qi + 1) * (hd + 2)];
+                    write_normalized(dst, &st[..hd], st[hd + 1]);
+                }
+            }
+        }
+    }
+}
+
+/// The keys task `t` reads: its first row's position, and the first and
+/// last key (its window's and its partition's, where it has them).
+fn key_range(t: &Task, s: &AttnSeq<'_>) -> (usize, usize, usize) {
+    let first_pos = s.kv_len - s.q_len + t.row0;
+    let mut last_pos = if t.fan { first_pos } else { first_pos + t.rows - 1 };
+    let mut j_start = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));
+    if let Some(p) = t.part {
+        j_start = j_start.max(p * PART);
+        last_pos = last_pos.min((p + 1) * PART - 1);
+    }
+    (first_pos, j_start, last_pos)
+}
+
 #[inline(always)]
 fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     let hd = c.hd;
@@ -551,46 +644,15 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     // tile) or f32 (copied).
     let (kc, vc): (&[f16], &[f16]) = if c.kv.dtype == KvDtype::F16 { (&c.kv.k[c.layer], &c.kv.v[c.layer]) } else { (&[], &[]) };
     let (k32, v32): (&[f32], &[f32]) = if c.kv.dtype == KvDtype::F32 { (&c.kv.k32[c.layer], &c.kv.v32[c.layer]) } else { (&[], &[]) };
-    let nq = t.rows * c.group;
-    // Per query: the partition's running max, sum and accumulator, and the
-    // total over partitions (acc, m, l side by side); then the tiles.
-    let (m, rest) = buf.split_at_mut(nq);
-    let (l, rest) = rest.split_at_mut(nq);
-    let (acc, rest) = rest.split_at_mut(nq * hd);
-    let (total, rest) = rest.split_at_mut(nq * (hd + 2));
-    let (kf, vf) = rest.split_at_mut(KB * hd);
-    let reset = |m: &mut [f32], l: &mut [f32], acc: &mut [f32]| {
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        acc.fill(0.0);
-    };
-    reset(m, l, acc);
-    for qi in 0..nq {
-        total[qi * (hd + 2) + hd] = f32::NEG_INFINITY;
-        total[qi * (hd + 2) + hd + 1] = 0.0;
-    }
-    let fold_all = |total: &mut [f32], m: &[f32], l: &[f32], acc: &[f32]| {
-        for qi in 0..nq {
-            let (tacc, tml) = total[qi * (hd + 2)..(qi + 1) * (hd + 2)].split_at_mut(hd);
-            let (tm, tl) = tml.split_at_mut(1);
-            fold(&mut tm[0], &mut tl[0], tacc, m[qi], l[qi], &acc[qi * hd..(qi + 1) * hd]);
-        }
-    };
-    let first_pos = s.kv_len - s.q_len + t.row0;
-    let mut last_pos = if t.fan { first_pos } else { first_pos + t.rows - 1 };
+    let mut st = State::new(buf, t.rows * c.group, hd);
+    let (first_pos, j_start, last_pos) = key_range(t, s);
     let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let mut j_start = lo_of(first_pos);
-    if let Some(p) = t.part {
-        j_start = j_start.max(p * PART);
-        last_pos = last_pos.min((p + 1) * PART - 1);
-    }
     let mut t0 = j_start / KB * KB;
     let mut part = t0 / PART;
     while t0 <= last_pos {
         if t0 / PART != part {
-            // A partition ends: fold it into the totals, start the next.
-            fold_all(total, m, l, acc);
-            reset(m, l, acc);
+            st.fold_all();
+            st.reset();
             part = t0 / PART;
         }
         // Keys of this tile that some query of the task sees.
@@ -600,11 +662,11 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
             let off = slot * kv_w + t.kv_head * hd;
             let r = (j - t0) * hd;
             if kc.is_empty() {
-                kf[r..r + hd].copy_from_slice(&k32[off..off + hd]);
-                vf[r..r + hd].copy_from_slice(&v32[off..off + hd]);
+                st.kf[r..r + hd].copy_from_slice(&k32[off..off + hd]);
+                st.vf[r..r + hd].copy_from_slice(&v32[off..off + hd]);
             } else {
-                K::load_f16(&kc[off..off + hd], &mut kf[r..r + hd]);
-                K::load_f16(&vc[off..off + hd], &mut vf[r..r + hd]);
+                K::load_f16(&kc[off..off + hd], &mut st.kf[r..r + hd]);
+                K::load_f16(&vc[off..off + hd], &mut st.vf[r..r + hd]);
             }
         }
         for i in 0..t.rows {
@@ -615,41 +677,20 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
             }
             let mut g0 = 0;
             while g0 < c.group {
-                let st = Step { c, t, i, g0, a, b, kf, vf };
+                let sp = Step { c, t, i, g0, a, b, kf: st.kf, vf: st.vf };
+                let (m, l, acc) = (&mut *st.m, &mut *st.l, &mut *st.acc);
                 match c.group - g0 {
-                    1 => step::<K, 1>(&st, m, l, acc),
-                    2 => step::<K, 2>(&st, m, l, acc),
-                    3 => step::<K, 3>(&st, m, l, acc),
-                    _ => step::<K, GB>(&st, m, l, acc),
+                    1 => step::<K, 1>(&sp, m, l, acc),
+                    2 => step::<K, 2>(&sp, m, l, acc),
+                    3 => step::<K, 3>(&sp, m, l, acc),
+                    _ => step::<K, GB>(&sp, m, l, acc),
                 }
                 g0 += GB;
             }
         }
         t0 += KB;
     }
-    if t.part.is_some() {
-        // A split task leaves its partition's state for the fold.
-        for qi in 0..nq {
-            // SAFETY: each split task owns its slot range.
-            let dst = unsafe { c.parts.slice(t.slot + qi * (hd + 2), hd + 2) };
-            dst[..hd].copy_from_slice(&acc[qi * hd..(qi + 1) * hd]);
-            dst[hd] = m[qi];
-            dst[hd + 1] = l[qi];
-        }
-        return;
-    }
-    fold_all(total, m, l, acc);
-    for i in 0..t.rows {
-        let r = s.q_start + t.row0 + i;
-        for g in 0..c.group {
-            let qi = i * c.group + g;
-            let h = t.kv_head * c.group + g;
-            // SAFETY: each (row, head) belongs to exactly one task.
-            let dst = unsafe { c.out.slice(r * c.q.cols + h * hd, hd) };
-            let st = &total[qi * (hd + 2)..(qi + 1) * (hd + 2)];
-            write_normalized(dst, &st[..hd], st[hd + 1]);
-        }
-    }
+    st.finish(c, t);
 }
 
 /// One row's query heads `g0 .. g0 + G` against keys `a..b` of a tile.

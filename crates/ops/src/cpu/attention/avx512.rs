@@ -23,7 +23,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{fold, vmath, write_normalized, Ctx, Task, GB, KB, PART};
+use super::{key_range, vmath, Ctx, State, Task, GB, KB, PART};
 use crate::KvDtype;
 
 /// Tasks of at most this many rows read the pool in place.
@@ -94,43 +94,12 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
     let kv_w = shape.kv_heads * hd;
     let bt = c.kv.spec.block_tokens;
     let direct = t.rows <= DIRECT_ROWS;
-    // Queries per KV head, and in all: state index `k * nq + qi` for the
-    // task's k-th KV head (the layout of the partials buffer too).
+    // Queries per KV head; state index `k * nq + qi` for the task's k-th
+    // KV head (the layout of the partials buffer too).
     let nq = t.rows * c.group;
-    let nqa = nq * t.heads;
-    // As in `task_in`: per query the partition's running max, sum and
-    // accumulator, and the total over partitions; then the tiles (used
-    // only when converting into scratch).
-    let (m, rest) = buf.split_at_mut(nqa);
-    let (l, rest) = rest.split_at_mut(nqa);
-    let (acc, rest) = rest.split_at_mut(nqa * hd);
-    let (total, rest) = rest.split_at_mut(nqa * (hd + 2));
-    let (kf, vf) = rest.split_at_mut(KB * hd);
-    let reset = |m: &mut [f32], l: &mut [f32], acc: &mut [f32]| {
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        acc.fill(0.0);
-    };
-    reset(m, l, acc);
-    for qi in 0..nqa {
-        total[qi * (hd + 2) + hd] = f32::NEG_INFINITY;
-        total[qi * (hd + 2) + hd + 1] = 0.0;
-    }
-    let fold_all = |total: &mut [f32], m: &[f32], l: &[f32], acc: &[f32]| {
-        for qi in 0..nqa {
-            let (tacc, tml) = total[qi * (hd + 2)..(qi + 1) * (hd + 2)].split_at_mut(hd);
-            let (tm, tl) = tml.split_at_mut(1);
-            fold(&mut tm[0], &mut tl[0], tacc, m[qi], l[qi], &acc[qi * hd..(qi + 1) * hd]);
-        }
-    };
-    let first_pos = s.kv_len - s.q_len + t.row0;
-    let mut last_pos = if t.fan { first_pos } else { first_pos + t.rows - 1 };
+    let mut st = State::new(buf, nq * t.heads, hd);
+    let (first_pos, j_start, last_pos) = key_range(t, s);
     let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let mut j_start = lo_of(first_pos);
-    if let Some(p) = t.part {
-        j_start = j_start.max(p * PART);
-        last_pos = last_pos.min((p + 1) * PART - 1);
-    }
     // Keys of the tile at t0 that the task reads, and their rows (walking
     // the block table, no division per key).
     let span = |t0: usize| (t0.max(j_start) - t0, (t0 + KB).min(last_pos + 1) - t0);
@@ -156,8 +125,8 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
     let mut cur = if direct { Some(rows_at(t0)) } else { None };
     while t0 <= last_pos {
         if t0 / PART != part {
-            fold_all(total, m, l, acc);
-            reset(m, l, acc);
+            st.fold_all();
+            st.reset();
             part = t0 / PART;
         }
         if let Some(rows) = &cur {
@@ -165,7 +134,7 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
             for k in 0..t.heads {
                 let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
                 let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
-                let (mk, lk, ak) = (&mut m[k * nq..(k + 1) * nq], &mut l[k * nq..(k + 1) * nq], &mut acc[k * nq * hd..(k + 1) * nq * hd]);
+                let (mk, lk, ak) = (&mut st.m[k * nq..(k + 1) * nq], &mut st.l[k * nq..(k + 1) * nq], &mut st.acc[k * nq * hd..(k + 1) * nq * hd]);
                 tile.run(rows, k * hd, next.as_ref(), mk, lk, ak);
             }
             if let Some(n) = next {
@@ -174,51 +143,28 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
         } else {
             let rows = rows_at(t0);
             let (a, b) = span(t0);
-            let mut conv = Rows { k: [kf.as_ptr(); KB], v: [vf.as_ptr(); KB] };
+            let mut conv = Rows { k: [st.kf.as_ptr(); KB], v: [st.vf.as_ptr(); KB] };
             for j in 0..KB {
                 let r = j.clamp(a, b - 1) * hd;
-                (conv.k[j], conv.v[j]) = (kf.as_ptr().add(r), vf.as_ptr().add(r));
+                (conv.k[j], conv.v[j]) = (st.kf.as_ptr().add(r), st.vf.as_ptr().add(r));
             }
             for k in 0..t.heads {
                 for j in a..b {
                     let r = j * hd;
                     for d in (0..hd).step_by(16) {
-                        _mm512_storeu_ps(kf.as_mut_ptr().add(r + d), E::load16(rows.k[j].add(k * hd + d)));
-                        _mm512_storeu_ps(vf.as_mut_ptr().add(r + d), E::load16(rows.v[j].add(k * hd + d)));
+                        _mm512_storeu_ps(st.kf.as_mut_ptr().add(r + d), E::load16(rows.k[j].add(k * hd + d)));
+                        _mm512_storeu_ps(st.vf.as_mut_ptr().add(r + d), E::load16(rows.v[j].add(k * hd + d)));
                     }
                 }
                 let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
                 let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
-                let (mk, lk, ak) = (&mut m[k * nq..(k + 1) * nq], &mut l[k * nq..(k + 1) * nq], &mut acc[k * nq * hd..(k + 1) * nq * hd]);
+                let (mk, lk, ak) = (&mut st.m[k * nq..(k + 1) * nq], &mut st.l[k * nq..(k + 1) * nq], &mut st.acc[k * nq * hd..(k + 1) * nq * hd]);
                 tile.run(&conv, 0, None, mk, lk, ak);
             }
         }
         t0 += KB;
     }
-    if t.part.is_some() {
-        for qi in 0..nqa {
-            // SAFETY: each split task owns its slot range.
-            let dst = c.parts.slice(t.slot + qi * (hd + 2), hd + 2);
-            dst[..hd].copy_from_slice(&acc[qi * hd..(qi + 1) * hd]);
-            dst[hd] = m[qi];
-            dst[hd + 1] = l[qi];
-        }
-        return;
-    }
-    fold_all(total, m, l, acc);
-    for k in 0..t.heads {
-        for i in 0..t.rows {
-            let r = s.q_start + t.row0 + i;
-            for g in 0..c.group {
-                let qi = k * nq + i * c.group + g;
-                let h = (t.kv_head + k) * c.group + g;
-                // SAFETY: each (row, head) belongs to exactly one task.
-                let dst = c.out.slice(r * c.q.cols + h * hd, hd);
-                let st = &total[qi * (hd + 2)..(qi + 1) * (hd + 2)];
-                write_normalized(dst, &st[..hd], st[hd + 1]);
-            }
-        }
-    }
+    st.finish(c, t);
 }
 
 /// One tile of a task: its rows against the keys at `t0 .. t0 + KB`.

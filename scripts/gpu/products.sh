@@ -21,17 +21,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 STREAMS=${STREAMS:-1,2,4,6,8,16,32,64}
 [ "${BENCH:-1}" = 0 ] && REPS="" || REPS=${REPS:-1 2}
 for rep in $REPS; do
-  for s in 0 256; do
+  for s in 0 32; do
     timeout 120 "$B/gpu_bench" --no-eager --streams "$STREAMS" --prefill 2048 --skinny-rows $s > "$OUT/bench-s$s-$rep.md" 2> "$OUT/bench-s$s-$rep.log"
     echo "skinny-rows $s, rep $rep:"; grep -E "^\|" "$OUT/bench-s$s-$rep.md" | head -20
   done
 done
-for s in ${REPS:+0 256}; do
+for s in ${REPS:+0 32}; do
   timeout 90 "$B/gpu_bench" --mixed 6:1000:1000:0,1,4,16,32,48,64,96,128,192,250 --skinny-rows $s > "$OUT/mixed-s$s.md" 2>&1
   echo "mixed, skinny-rows $s:"; grep -E "^\|" "$OUT/mixed-s$s.md"
 done
-[ -n "${GROUP64:-}" ] && [ -n "$REPS" ] && timeout 90 "$B/gpu_bench" --no-eager --streams 8,32,64 --prefill 0 --skinny-group 64 2>&1 | grep -E "^\|" | sed 's/^/group 64: /'
-[ "${PROFILE:-1}" = 0 ] || for s in ${REPS:+0 256}; do
+[ "${PROFILE:-1}" = 0 ] || for s in ${REPS:+0 32}; do
   timeout 90 "$B/gpu_bench" --profile --streams 8 --prefill 256 --skinny-rows $s > "$OUT/profile-s$s.md" 2>&1
 done
 [ "${MODELS_TESTS:-1}" = 0 ] || timeout 240 "$B/cuda_models" --test-threads=1 2>&1 | tee "$OUT/cuda_models.log" | grep -E "^test |panicked|result:"

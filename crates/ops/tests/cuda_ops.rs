@@ -29,10 +29,10 @@ use gpu::gpu;
 mod rng;
 use rng::XorShift as Rng;
 
-/// The device with the skinny GEMM over its whole range (256 rows; the
-/// default takes it only for a few rows past the GEMV's).
-fn gpu_skinny() -> Cuda {
-    Cuda::with_tuning(0, Tuning { skinny_max_rows: 256, ..Tuning::default() }).unwrap()
+/// The device with no skinny GEMM: products past the GEMV's rows take
+/// cuBLAS (the default takes the skinny GEMM up to 32 rows).
+fn gpu_cublas() -> Cuda {
+    Cuda::with_tuning(0, Tuning { skinny_max_rows: 0, ..Tuning::default() }).unwrap()
 }
 
 fn seed() -> u64 {
@@ -130,7 +130,7 @@ fn silu(a: f64) -> f64 {
 fn matmul_bf16_against_f64() {
     let Some(d) = gpu() else { return };
     matmuls(&d);
-    matmuls(&gpu_skinny());
+    matmuls(&gpu_cublas());
 }
 
 fn matmuls(d: &Cuda) {
@@ -143,6 +143,8 @@ fn matmuls(d: &Cuda) {
         (33, 1024, 513),
         (64, 1024, 512),
         (100, 640, 300),
+        (72, 2048, 520),
+        (121, 512, 130),
         (256, 512, 129),
         (9, 8192, 40),
         (10, 520, 64),
@@ -983,7 +985,8 @@ fn run_group(d: &Cuda, h: &GHost, g: Group, mode: Mode, rows: usize, key: u64) -
 }
 
 /// For every fusion group at 1, 2 (the norm computed in the GEMV), 3, 4
-/// (the norm kernel, then the GEMV) and 40 rows (cuBLAS): the ops inside a
+/// (the norm kernel, then the GEMV), 6, 17 and 32 (the skinny GEMM) and 40
+/// rows (cuBLAS): the ops inside a
 /// forward, fused, equal them unfused (f32 rounding apart; bf16 gate and up
 /// where the gated product takes cuBLAS), and with their norms folded at
 /// `prepare` within bf16 rounding; the KV written the same; a keyed forward
@@ -991,9 +994,9 @@ fn run_group(d: &Cuda, h: &GHost, g: Group, mode: Mode, rows: usize, key: u64) -
 #[test]
 fn every_fusion_group_equals_the_unfused_ops() {
     let Some(d) = gpu() else { return };
-    fusion_groups(&d, &[1, 2, 3, 4, 6, GMAX]);
-    // Past the GEMV's rows, the skinny GEMM as well as cuBLAS.
-    fusion_groups(&gpu_skinny(), &[GMAX]);
+    fusion_groups(&d, &[1, 2, 3, 4, 6, 17, 32, GMAX]);
+    // Past the GEMV's rows, cuBLAS as well as the skinny GEMM.
+    fusion_groups(&gpu_cublas(), &[6]);
 }
 
 fn fusion_groups(d: &Cuda, row_counts: &[usize]) {
@@ -1078,9 +1081,9 @@ fn probe_seqs(d: &Cuda, h: &GHost, pool: &CudaKv, layer: usize, seqs: &[AttnSeq<
 #[test]
 fn llama_layers_fused_equal_the_unfused_ops() {
     let Some(d) = gpu() else { return };
-    llama_layers(&d, &[1, 2, 3, 4, 6, GMAX]);
-    // Past the GEMV's rows, the skinny GEMM as well as cuBLAS.
-    llama_layers(&gpu_skinny(), &[GMAX]);
+    llama_layers(&d, &[1, 2, 3, 4, 6, 17, 32, GMAX]);
+    // Past the GEMV's rows, cuBLAS as well as the skinny GEMM.
+    llama_layers(&gpu_cublas(), &[6]);
 }
 
 fn llama_layers(d: &Cuda, row_counts: &[usize]) {

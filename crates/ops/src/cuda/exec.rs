@@ -35,6 +35,8 @@ pub(super) enum Cmd {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         cluster: u32,
+        /// Programmatic dependent launch where the device uses it.
+        pdl: bool,
         args: Vec<Arg>,
     },
     /// `y[n, m] = x[n, k] · w[m, k]ᵀ` (cuBLAS, bf16 operands).
@@ -64,8 +66,8 @@ impl Cmd {
         let mut h = h;
         let mut mix = |x: u64| h = rt::fnv(h, x);
         match self {
-            Cmd::Kernel { f, grid, block, cluster, args } => {
-                mix(1);
+            Cmd::Kernel { f, grid, block, cluster, pdl, args } => {
+                mix(1 | (*pdl as u64) << 8);
                 mix(*f as u64);
                 mix((grid.0 as u64) << 40 | (grid.1 as u64) << 20 | grid.2 as u64);
                 mix((block.0 as u64) << 40 | (block.1 as u64) << 20 | block.2 as u64);
@@ -203,7 +205,9 @@ impl Cuda {
         let r = match cmd {
             // SAFETY: every kernel of braid's modules waits (PDL_WAIT)
             // first, and each builder passes its kernel's parameters in order.
-            Cmd::Kernel { f, grid, block, cluster, args } => unsafe { rt::launch(*f, *grid, *block, 0, self.stream(), args, self.inner.pdl, *cluster) },
+            Cmd::Kernel { f, grid, block, cluster, pdl, args } => unsafe {
+                rt::launch(*f, *grid, *block, 0, self.stream(), args, self.inner.pdl && *pdl, *cluster)
+            },
             &Cmd::Gemm { w, x, y, m, n, k, out } => self.gemm_now(w, x, y, m, n, k, out),
             &Cmd::Copy { dst, src, bytes } => unsafe { cu(drv::memcpy_dtod_async(dst, src, bytes, self.stream() as sys::CUstream), "device copy") },
             &Cmd::Zero { dst, bytes } => unsafe { cu(drv::memset_d8_async(dst, 0, bytes, self.stream() as sys::CUstream), "device clear") },

@@ -1,7 +1,7 @@
 //! Products of more rows than the GEMV kernels take: up to
-//! `Tuning::skinny_max_rows` rows the skinny GEMM (`kernels/skinny.cu`,
-//! tensor cores, the weights streamed once), beyond it (prefill) cuBLAS bf16
-//! GEMMs with f32 accumulation.
+//! `Tuning::skinny_max_rows` rows (32 at most) the skinny GEMM
+//! (`kernels/skinny.cu`, tensor cores, the weights streamed once), beyond
+//! it (prefill) cuBLAS bf16 GEMMs with f32 accumulation.
 
 use anyhow::{anyhow, ensure, Result};
 use cudarc::cublas::sys as cb;
@@ -14,6 +14,9 @@ use super::Cuda;
 /// cuBLAS's workspace, set once on its handle (so it allocates none of its
 /// own, inside graph capture or out).
 const CUBLAS_WS: usize = 32 << 20;
+
+/// The most rows of x the skinny GEMM takes (4 tiles of 8; see skinny.cu).
+pub(super) const SKINNY_MAX_ROWS: usize = 32;
 
 /// What a GEMM writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,9 +57,9 @@ impl Cuda {
     }
 
     /// Whether `n` rows of `k` values take the skinny GEMM (its MMAs need
-    /// Ampere or later; k in steps of 32).
+    /// Ampere or later; k in steps of 32; at most `SKINNY_MAX_ROWS`).
     pub(super) fn skinny_fits(&self, n: usize, k: usize) -> bool {
-        self.inner.cc.0 >= 8 && (1..=self.inner.tuning.skinny_max_rows).contains(&n) && k > 0 && k.is_multiple_of(32)
+        self.inner.cc.0 >= 8 && (1..=self.inner.tuning.skinny_max_rows.min(SKINNY_MAX_ROWS)).contains(&n) && k > 0 && k.is_multiple_of(32)
     }
 
     /// Tiles of 16 weight rows a skinny block takes (8, 4, 2 or 1, at least
@@ -70,13 +73,18 @@ impl Cuda {
         r
     }
 
+    /// Whether a skinny launch of `blocks` blocks takes programmatic
+    /// dependent launch (see `Tuning::skinny_pdl_per_sm`).
+    fn skinny_pdl(&self, blocks: usize) -> bool {
+        blocks <= self.inner.tuning.skinny_pdl_per_sm * self.inner.sms
+    }
+
     /// `y = x · wᵀ` for up to three `(weight, its rows, y)` sharing the
     /// input (`x`: `n` bf16 rows of `k`), as one skinny launch.
     pub(super) fn skinny_cmd(&self, x: u64, n: usize, k: usize, ws: &[(u64, usize, u64)], out: GemmOut) -> Result<()> {
         ensure!(!ws.is_empty() && ws.len() <= 3, "skinny gemm: {} weights in one launch", ws.len());
-        let groups = n.div_ceil(self.inner.tuning.skinny_group_rows);
         let tiles: usize = ws.iter().map(|w| w.1.div_ceil(16)).sum();
-        let r = self.skinny_tiles(tiles * groups, 1);
+        let r = self.skinny_tiles(tiles, 1);
         let get = |i: usize| ws.get(i).copied().unwrap_or((0, 0, 0));
         let (a, b, c) = (get(0), get(1), get(2));
         let nb = [a.1.div_ceil(16 * r), b.1.div_ceil(16 * r), c.1.div_ceil(16 * r)];
@@ -86,8 +94,9 @@ impl Cuda {
             GemmOut::AddF32 => 2,
         };
         self.launch(self.inner.fns.gemm_skinny)
-            .grid((groups as u32, nb.iter().sum::<usize>() as u32, 1))
+            .grid((1, nb.iter().sum::<usize>() as u32, 1))
             .block(256)
+            .pdl(self.skinny_pdl(nb.iter().sum()))
             .ptr(x)
             .int(n)
             .int(k / 8)
@@ -111,11 +120,12 @@ impl Cuda {
     /// of `k`, the weights `m` rows each) as one skinny launch.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn skinny_gated_cmd(&self, x: u64, n: usize, k: usize, gate: u64, up: u64, m: usize, act: i32, out: TRef) -> Result<()> {
-        let groups = n.div_ceil(self.inner.tuning.skinny_group_rows);
-        let r = self.skinny_tiles(2 * m.div_ceil(16) * groups, 2);
+        let r = self.skinny_tiles(2 * m.div_ceil(16), 2);
+        let blocks = m.div_ceil(8 * r);
         self.launch(self.inner.fns.gemm_skinny_gated)
-            .grid((groups as u32, m.div_ceil(8 * r) as u32, 1))
+            .grid((1, blocks as u32, 1))
             .block(256)
+            .pdl(self.skinny_pdl(blocks))
             .ptr(x)
             .int(n)
             .int(k / 8)

@@ -33,11 +33,10 @@ fn pdl_define(t: &Tuning) -> &'static str {
     }
 }
 
-/// The `#define`s of the base and hybrid modules: `PDL_LATE`, `GV_MINB`,
-/// the blocks per SM the 1–2-row GEMV kernels are built for, and
-/// `SK_ROWS`, the rows of x a skinny GEMM block takes.
+/// The `#define`s of the base and hybrid modules: `PDL_LATE` and
+/// `GV_MINB`, the blocks per SM the 1–2-row GEMV kernels are built for.
 fn defines(t: &Tuning) -> String {
-    format!("{}#define GV_MINB {}\n#define SK_ROWS {}\n", pdl_define(t), t.gemv_min_blocks.max(1), t.skinny_group_rows)
+    format!("{}#define GV_MINB {}\n", pdl_define(t), t.gemv_min_blocks.max(1))
 }
 
 /// The base module: elementwise, norm, RoPE, KV, gather, sampling, GEMV

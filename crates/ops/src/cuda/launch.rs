@@ -23,6 +23,8 @@ pub(super) struct Launch<'a> {
     grid: (u32, u32, u32),
     block: (u32, u32, u32),
     cluster: u32,
+    /// Launched with programmatic dependent launch where the device uses it.
+    pdl: bool,
     args: [Arg; MAX_ARGS],
     n: usize,
 }
@@ -31,7 +33,7 @@ impl Cuda {
     /// A launch of kernel `f` (one block of one thread, no cluster, until
     /// told otherwise).
     pub(super) fn launch(&self, f: usize) -> Launch<'_> {
-        Launch { cuda: self, f, grid: (1, 1, 1), block: (1, 1, 1), cluster: 1, args: [Arg::I(0); MAX_ARGS], n: 0 }
+        Launch { cuda: self, f, grid: (1, 1, 1), block: (1, 1, 1), cluster: 1, pdl: true, args: [Arg::I(0); MAX_ARGS], n: 0 }
     }
 
     /// The grid of a grid-stride loop over `n` values, 256 threads a block.
@@ -66,6 +68,15 @@ impl Launch<'_> {
     /// Thread-block clusters of `blocks` blocks along x (1: none).
     pub fn cluster(mut self, blocks: u32) -> Self {
         self.cluster = blocks;
+        self
+    }
+
+    /// Off: the kernel starts only once the one before it has finished,
+    /// even where the device launches with programmatic dependent launch
+    /// (its blocks do not wait on the SMs while the one before still needs
+    /// them).
+    pub fn pdl(mut self, on: bool) -> Self {
+        self.pdl = on;
         self
     }
 
@@ -107,7 +118,7 @@ impl Launch<'_> {
     /// Launch now, or collect the launch where commands go (a forward
     /// being recorded or lowered: `exec.rs`). An empty grid launches nothing.
     pub fn run(self) -> Result<()> {
-        let Launch { cuda, f, grid, block, cluster, args, n } = self;
+        let Launch { cuda, f, grid, block, cluster, pdl, args, n } = self;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -115,6 +126,6 @@ impl Launch<'_> {
         if cuda.skipped(f) {
             return Ok(());
         }
-        cuda.emit(Cmd::Kernel { f, grid, block, cluster, args: args[..n].to_vec() })
+        cuda.emit(Cmd::Kernel { f, grid, block, cluster, pdl, args: args[..n].to_vec() })
     }
 }

@@ -24,16 +24,21 @@ pub struct Tuning {
     /// Up to this many rows (at most 8; 0: always cuBLAS) a GEMM runs as
     /// the GEMV kernels: at 8 rows the GEMV measured slower than cuBLAS.
     pub gemv_max_rows: usize,
-    /// Up to this many rows (0: never), a product the GEMV kernels do not
-    /// take runs as the skinny tensor-core GEMM instead of cuBLAS. On the
-    /// H100, decode rounds as CUDA graphs: 6 streams 3,907 -> 4,145 tok/s,
-    /// 8 streams 5,171 -> 5,364; but 32 streams 18,324 -> 16,056 and a
-    /// 32-row chunk beside 6 decode rows +0.44 -> +1.58 ms, so 8.
+    /// Up to this many rows (0: never; at most 32), a product the GEMV
+    /// kernels do not take runs as the skinny tensor-core GEMM instead of
+    /// cuBLAS. On the H100 (Llama-1B shape, decode rounds as graphs) with
+    /// `skinny_pdl_per_sm` 1: 16 streams 9,647 -> 11,214 tok/s and 32
+    /// streams 18,401 -> 19,044 against 8 rows; SmolLM2's shape 13,241 ->
+    /// 20,070 and 25,268 -> 31,507.
     pub skinny_max_rows: usize,
-    /// Rows of x a skinny GEMM block takes (32 or 64; more go to further
-    /// blocks, which read the same weights from L2). 64 needs more
-    /// registers than 2 blocks an SM have, and spills.
-    pub skinny_group_rows: usize,
+    /// A skinny GEMM of at most this many blocks an SM launches with
+    /// programmatic dependent launch (where `pdl` is on); a larger one
+    /// starts once the kernel before it has finished, so its blocks (half
+    /// an SM's registers each) do not sit on SMs that kernel still needs.
+    /// On the H100, Llama-1B shape: 8 streams 5,353 -> 6,137 tok/s against
+    /// every skinny launch with it; without it for SmolLM2's small products
+    /// 6 streams lost 12% (7,916 -> 6,884).
+    pub skinny_pdl_per_sm: usize,
     /// Most key splits of the decode attention (1–64): enough to fill the
     /// GPU at one stream.
     pub attn_max_splits: usize,
@@ -84,8 +89,8 @@ impl Default for Tuning {
             gemv_deep_from: 8,
             gemv_blocks_per_sm: 1,
             gemv_max_rows: 4,
-            skinny_max_rows: 8,
-            skinny_group_rows: 32,
+            skinny_max_rows: 32,
+            skinny_pdl_per_sm: 1,
             attn_max_splits: 16,
             attn_prefill_from: 17,
             attn_prefill_splits: 8,
@@ -123,7 +128,6 @@ impl Tuning {
             gemv_min_blocks: self.gemv_min_blocks.min(8),
             gemv_blocks_per_sm: self.gemv_blocks_per_sm.clamp(1, 64),
             gemv_max_rows: self.gemv_max_rows.min(8),
-            skinny_group_rows: if self.skinny_group_rows > 32 { 64 } else { 32 },
             attn_max_splits: self.attn_max_splits.clamp(1, 64),
             attn_prefill_from: self.attn_prefill_from.max(2),
             attn_prefill_splits: self.attn_prefill_splits.clamp(1, 64),
@@ -133,7 +137,7 @@ impl Tuning {
 
     /// The defaults, each overridden by its `BRAID_CUDA_*` variable: a
     /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
-    /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_GROUP`, `_ATTN_SPLITS`,
+    /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_PDL_PER_SM`, `_ATTN_SPLITS`,
     /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`,
     /// `_ATTN_CLUSTER`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
@@ -149,7 +153,7 @@ impl Tuning {
             gemv_blocks_per_sm: num("GEMV_BLOCKS", d.gemv_blocks_per_sm),
             gemv_max_rows: num("GEMV_ROWS", d.gemv_max_rows),
             skinny_max_rows: num("SKINNY_ROWS", d.skinny_max_rows),
-            skinny_group_rows: num("SKINNY_GROUP", d.skinny_group_rows),
+            skinny_pdl_per_sm: num("SKINNY_PDL_PER_SM", d.skinny_pdl_per_sm),
             attn_max_splits: num("ATTN_SPLITS", d.attn_max_splits),
             attn_prefill_from: num("ATTN_PREFILL_FROM", d.attn_prefill_from),
             attn_prefill_splits: num("ATTN_PREFILL_SPLITS", d.attn_prefill_splits),

@@ -1,27 +1,30 @@
-// The skinny GEMM: y[i, j] = x[i, :] · w[j, :] for a few to a few hundred
-// rows of x, on the tensor cores (part of the base module, after gemv.cu).
+// The skinny GEMM: y[i, j] = x[i, :] · w[j, :] for 5 to 32 rows of x, on
+// the tensor cores (part of the base module, after gemv.cu).
 //
-// A decode round of several streams, or one with a prompt chunk beside it,
-// multiplies 5-256 rows of x by every weight. cuBLAS's kernels for that
-// shape streamed the weights at about half the HBM bandwidth, and the
-// GEMV's FMAs grow with the rows. Here a warp runs mma.m16n8k16 with 16
+// A decode round of several streams, or one with a short prompt chunk
+// beside it, multiplies 5-32 rows of x by every weight. cuBLAS's kernels
+// for that shape streamed the weights at about half the HBM bandwidth, and
+// the GEMV's FMAs grow with the rows. Here a warp runs mma.m16n8k16 with 16
 // weight rows as A and 8 rows of x as B. Both come straight from global
 // memory in 16-byte loads: at each 32-wide step of k, lane l loads 8
 // consecutive k of weight rows g and g + 8 and of x row g (g = l / 4),
 // starting at 8 * (l % 4). That is A's and B's fragment layout once k is
 // permuted alike in both operands, and a dot product may sum k in any
 // order: no shared memory, no ldmatrix. A block of 8 warps takes R tiles
-// of 16 weight rows, each tile split over 8 / R warps along k; the slices
-// meet in shared memory. A block takes SK_ROWS rows of x (blockIdx.x); the
-// blocks of one weight tile are launched together, meant to find the
-// weights in L2 for the second group of x rows (on the H100 they did not:
-// 38 rows took twice 32's time). `Tuning::skinny_max_rows` keeps it to
-// the rows where it measured faster than cuBLAS (docs/CUDA.md).
+// of 16 weight rows, each tile split over 8 / R warps along k, and every
+// row of x (T tiles of 8); the slices' partial sums meet in shared memory.
+//
+// Past 32 rows it lost to cuBLAS (H100, a 64-row chunk beside 6 decode
+// rows: +1.5 ms against +0.7): each block reads all of x for its k range,
+// and with a block or two an SM (to fill the GPU) x's traffic from L2
+// outgrows the weights' (Llama-1B's down projection at 70 rows: ~1.1 MB of
+// x a block, 128 blocks, for 34 MB of weights). Blocks that each took 32
+// rows, the weights read again for each, were slower still (the second
+// read did not come from L2). The code below is written for up to 16 tiles
+// (the partial sums meet 32 x rows at a time); `sk_blocks` takes 4.
 #define SK_WARPS 8
-#ifndef SK_ROWS
-#define SK_ROWS 32
-#endif
-#define SK_LD (SK_ROWS + 1)
+// The shared partial sums' row: 32 x rows and a pad word.
+#define SK_LD 33
 
 #if __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void sk_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
@@ -37,7 +40,7 @@ __device__ __forceinline__ void sk_mma(float* c, unsigned a0, unsigned a1, unsig
 // B's (k 2t.., x row g), (k 2t+8.., g) are physical k 8t, 8t+2 (first) and
 // 8t+4, 8t+6 (second), in both operands.
 template <int T>
-__device__ __forceinline__ void sk_step(float (&acc)[T][4], uint4 wa, uint4 wb, const uint4* __restrict__ px, const int (&xo)[T], int c) {
+__device__ __forceinline__ void sk_step(float (&acc)[T][4], uint4 wa, uint4 wb, const uint4* px, const int (&xo)[T], int c) {
     #pragma unroll
     for (int i = 0; i < T; i++) {
         const uint4 xv = px[xo[i] + c];
@@ -46,12 +49,16 @@ __device__ __forceinline__ void sk_step(float (&acc)[T][4], uint4 wa, uint4 wb, 
     }
 }
 
+// x is read through plain (coherent) loads, never `__restrict__`: its
+// producer may still be running until PDL_WAIT, and a read-only load
+// could be hoisted above it (with more tiles per warp, one was: products
+// of 5 and 6 rows read stale inputs).
 // A warp's share: 16 rows of w from row0 (rows past m read row m - 1, their
 // sums dropped later), 32-wide k steps [kb0, kb1), against T tiles of 8 x
 // rows (rows past n read row n - 1). U steps of weight loads in flight; the
 // first U go out before waiting for x's producer.
 template <int T, int U>
-__device__ __forceinline__ void sk_warp(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* __restrict__ x, int n, int k8, int kb0,
+__device__ __forceinline__ void sk_warp(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int kb0,
                                         int kb1, float (&acc)[T][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     #pragma unroll
@@ -90,49 +97,57 @@ __device__ __forceinline__ void sk_warp(const bf16_t* __restrict__ w, int row0, 
     for (; kb < kb1; kb++) sk_step<T>(acc, ld_stream(pa + kb * 4), ld_stream(pb + kb * 4), px, xo, kb * 4);
 }
 
-// This warp's tile (16 rows of w from row0) over its slice of k, into
-// red[(warp * 16 + row) * SK_LD + x row].
-template <int T>
-__device__ __forceinline__ void sk_tile(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* __restrict__ x, int n, int k8, int S,
-                                        int slice, float* red) {
-    const int kbn = k8 / 4, per = (kbn + S - 1) / S;
-    const int kb0 = min(kbn, slice * per), kb1 = min(kbn, kb0 + per);
+// The block's products for its R * 16 (or H * 16) outputs and every x row:
+// each warp its tile (16 rows of w from row0) over its slice of k; then,
+// 32 x rows at a time, the warps' sums into red[(warp * 16 + row) * SK_LD
+// + x row] and, after the barrier, store(first x row, rows) adds the slices
+// up and writes them.
+template <int T, class Store>
+__device__ __forceinline__ void sk_block(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int R,
+                                         float* red, Store store) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int S = SK_WARPS / R, kbn = k8 / 4, per = (kbn + S - 1) / S;
+    const int kb0 = min(kbn, (warp / R) * per), kb1 = min(kbn, kb0 + per);
     float acc[T][4];
-    // Past 32 x rows, 2 steps in flight (the registers of 2 blocks an SM).
-    sk_warp<T, (T <= 4 ? 4 : 2)>(w, row0, m, x, n, k8, kb0, kb1, acc);
+    // Past 4 tiles, 2 steps in flight, past 12 one (the registers of 2 blocks
+    // an SM).
+    sk_warp<T, (T <= 4 ? 4 : T <= 12 ? 2 : 1)>(w, row0, m, x, n, k8, kb0, kb1, acc);
     // Dependents launch only now: launched at entry, the next kernels'
     // blocks took the SM room this one's later blocks needed.
     PDL_LAUNCH();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     float* r0 = red + (warp * 16 + g) * SK_LD + 2 * t;
     float* r1 = r0 + 8 * SK_LD;
     #pragma unroll
-    for (int i = 0; i < T; i++) {
-        r0[i * 8] = acc[i][0];
-        r0[i * 8 + 1] = acc[i][1];
-        r1[i * 8] = acc[i][2];
-        r1[i * 8 + 1] = acc[i][3];
+    for (int q = 0; q < (T + 3) / 4; q++) {
+        if (q > 0) __syncthreads();
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (q * 4 + j < T) {
+                r0[j * 8] = acc[q * 4 + j][0];
+                r0[j * 8 + 1] = acc[q * 4 + j][1];
+                r1[j * 8] = acc[q * 4 + j][2];
+                r1[j * 8 + 1] = acc[q * 4 + j][3];
+            }
+        }
+        __syncthreads();
+        store(q * 32, min(32, n - q * 32));
     }
 }
 
-// sk_tile with T = the tiles of 8 that n x rows take.
-__device__ __forceinline__ void sk_tiles(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* __restrict__ x, int n, int k8, int S,
-                                         int slice, float* red) {
-    switch ((n + 7) / 8) {
-    case 1: sk_tile<1>(w, row0, m, x, n, k8, S, slice, red); break;
-    case 2: sk_tile<2>(w, row0, m, x, n, k8, S, slice, red); break;
-    case 3: sk_tile<3>(w, row0, m, x, n, k8, S, slice, red); break;
-#if SK_ROWS > 32
-    case 4: sk_tile<4>(w, row0, m, x, n, k8, S, slice, red); break;
-    case 5: sk_tile<5>(w, row0, m, x, n, k8, S, slice, red); break;
-    case 6: sk_tile<6>(w, row0, m, x, n, k8, S, slice, red); break;
-    case 7: sk_tile<7>(w, row0, m, x, n, k8, S, slice, red); break;
-#endif
-    default: sk_tile<SK_ROWS / 8>(w, row0, m, x, n, k8, S, slice, red); break;
-    }
+// sk_block with T = the tiles of 8 that n x rows take, rounded up to
+// 1-4, 6, 8, 12 or 16 (the rows past n repeat row n - 1, unstored).
+template <class Store>
+__device__ __forceinline__ void sk_blocks(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int R,
+                                          float* red, Store store) {
+    const int tiles = (n + 7) / 8;
+    if (tiles <= 1) sk_block<1>(w, row0, m, x, n, k8, R, red, store);
+    else if (tiles == 2) sk_block<2>(w, row0, m, x, n, k8, R, red, store);
+    else if (tiles == 3) sk_block<3>(w, row0, m, x, n, k8, R, red, store);
+    else sk_block<4>(w, row0, m, x, n, k8, R, red, store);
 }
 #else
-__device__ __forceinline__ void sk_tiles(const bf16_t*, int, int, const bf16_t*, int, int, int, int, float*) { __trap(); }
+template <class Store>
+__device__ __forceinline__ void sk_blocks(const bf16_t*, int, int, const bf16_t*, int, int, int, float*, Store) { __trap(); }
 #endif
 
 // Tile `tile`'s sum over the k slices (warps tile, tile + R, ...), weight
@@ -145,8 +160,8 @@ __device__ __forceinline__ float sk_total(const float* red, int R, int tile, int
 
 // Up to three weights sharing x (q, k, v): blocks [0, nb0) along y take
 // w0, the next nb1 w1, the rest w2. mode 0: y f32; 1: y bf16; 2: y (f32) += the
-// product.
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny(const bf16_t* __restrict__ x, int n, int k8, int R, const bf16_t* w0,
+// product. At most 128 rows of x.
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny(const bf16_t* x, int n, int k8, int R, const bf16_t* w0,
     const bf16_t* w1, const bf16_t* w2, void* y0, void* y1, void* y2, int m0, int m1, int m2, int nb0, int nb1, int mode) {
     __shared__ float red[SK_WARPS * 16 * SK_LD];
     int blk = blockIdx.y;
@@ -155,39 +170,37 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny(const bf16_t* _
     int m = m0;
     if (blk >= nb0 + nb1) { blk -= nb0 + nb1; w = w2; y = y2; m = m2; }
     else if (blk >= nb0) { blk -= nb0; w = w1; y = y1; m = m1; }
-    const int i0 = blockIdx.x * SK_ROWS, rows = min(SK_ROWS, n - i0);
-    const int warp = threadIdx.x >> 5, S = SK_WARPS / R;
-    sk_tiles(w, (blk * R + warp % R) * 16, m, x + (long)i0 * k8 * 8, rows, k8, S, warp / R, red);
-    __syncthreads();
-    for (int o = threadIdx.x; o < R * 16 * rows; o += blockDim.x) {
-        const int i = o / (R * 16), f = o % (R * 16), j = blk * R * 16 + f;
-        if (j >= m) continue;
-        const float v = sk_total(red, R, f / 16, f % 16, i);
-        const long at = (long)(i0 + i) * m + j;
-        if (mode == 1) ((bf16_t*)y)[at] = f2bf(v);
-        else if (mode == 2) ((float*)y)[at] += v;
-        else ((float*)y)[at] = v;
-    }
+    const int warp = threadIdx.x >> 5;
+    sk_blocks(w, (blk * R + warp % R) * 16, m, x, n, k8, R, red, [=](int i0, int rows) {
+        for (int o = threadIdx.x; o < R * 16 * rows; o += blockDim.x) {
+            const int i = o / (R * 16), f = o % (R * 16), j = blk * R * 16 + f;
+            if (j >= m) continue;
+            const float v = sk_total(red, R, f / 16, f % 16, i);
+            const long at = (long)(i0 + i) * m + j;
+            if (mode == 1) ((bf16_t*)y)[at] = f2bf(v);
+            else if (mode == 2) ((float*)y)[at] += v;
+            else ((float*)y)[at] = v;
+        }
+    });
 }
 
 // Gate, up and the activation: a block takes R / 2 tiles of gate (warps'
 // tiles 0..R/2) and the same rows of up (R/2..R); out = act(gate) * up in
-// f32 and bf16, gate and up never written.
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny_gated(const bf16_t* __restrict__ x, int n, int k8, int R,
+// f32 and bf16, gate and up never written. At most 128 rows of x.
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny_gated(const bf16_t* x, int n, int k8, int R,
     const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
     __shared__ float red[SK_WARPS * 16 * SK_LD];
-    const int i0 = blockIdx.x * SK_ROWS, rows = min(SK_ROWS, n - i0);
-    const int warp = threadIdx.x >> 5, S = SK_WARPS / R, H = R / 2, tile = warp % R;
+    const int warp = threadIdx.x >> 5, H = R / 2, tile = warp % R;
     const int row0 = (blockIdx.y * H + (tile < H ? tile : tile - H)) * 16;
-    sk_tiles(tile < H ? wg : wu, row0, m, x + (long)i0 * k8 * 8, rows, k8, S, warp / R, red);
-    __syncthreads();
-    for (int o = threadIdx.x; o < H * 16 * rows; o += blockDim.x) {
-        const int i = o / (H * 16), f = o % (H * 16), j = blockIdx.y * H * 16 + f;
-        if (j >= m) continue;
-        const float g = sk_total(red, R, f / 16, f % 16, i), u = sk_total(red, R, H + f / 16, f % 16, i);
-        const float v = gate_act(g, act) * u;
-        const long at = (long)(i0 + i) * m + j;
-        out[at] = v;
-        out_bf[at] = f2bf(v);
-    }
+    sk_blocks(tile < H ? wg : wu, row0, m, x, n, k8, R, red, [=](int i0, int rows) {
+        for (int o = threadIdx.x; o < H * 16 * rows; o += blockDim.x) {
+            const int i = o / (H * 16), f = o % (H * 16), j = blockIdx.y * H * 16 + f;
+            if (j >= m) continue;
+            const float g = sk_total(red, R, f / 16, f % 16, i), u = sk_total(red, R, H + f / 16, f % 16, i);
+            const float v = gate_act(g, act) * u;
+            const long at = (long)(i0 + i) * m + j;
+            out[at] = v;
+            out_bf[at] = f2bf(v);
+        }
+    });
 }

@@ -38,11 +38,20 @@ fn paced_with(target: Option<Duration>, share: Option<f32>, replayed: usize, chu
 
 /// [`paced_with`], the lane told `round_costs` before it runs.
 fn paced_told(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize, round_costs: Vec<RoundCost>) -> Vec<Call> {
-    paced_ahead(target, share, replayed, chunk_tokens, round_costs, false)
+    paced_ahead(target, share, replayed, chunk_tokens, round_costs, false, cost)
 }
 
-/// [`paced_told`] on a backend that launches rounds ahead or not.
-fn paced_ahead(target: Option<Duration>, share: Option<f32>, replayed: usize, chunk_tokens: usize, round_costs: Vec<RoundCost>, ahead: bool) -> Vec<Call> {
+/// [`paced_told`] on a backend that launches rounds ahead or not, its
+/// rounds costing `cost`.
+fn paced_ahead(
+    target: Option<Duration>,
+    share: Option<f32>,
+    replayed: usize,
+    chunk_tokens: usize,
+    round_costs: Vec<RoundCost>,
+    ahead: bool,
+    cost: fn(usize, usize) -> Duration,
+) -> Vec<Call> {
     let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
     fc.caps.chunk_invariant = true;
     fc.caps.max_batch = 4096;
@@ -152,6 +161,34 @@ fn rounds_timed_before_serving_size_the_first_arrival_without_probing() {
     assert!(warm.len() < cold.len(), "told {} rounds, cold {}", warm.len(), cold.len());
 }
 
+/// A GPU's step: 3 ms a forward, 0.2 ms a decode row, 0.01 ms a prompt
+/// row, and 3 ms more for a chunk past 16 rows (other kernels).
+fn stepped(decode: usize, chunk: usize) -> Duration {
+    Duration::from_micros(3000 + 200 * decode as u64 + 10 * chunk as u64 + if chunk > 16 { 3000 } else { 0 })
+}
+
+#[test]
+fn a_share_passes_over_chunk_sizes_that_cost_a_step_more() {
+    // A share of 0.3 of a 3.8 ms round allows ~1.1 ms of chunk: 16 rows
+    // add 0.16 ms, 32 rows 3.3. Told the warm-up's rounds, the pacer never
+    // runs a dear size; left to find it, it runs one once (or twice: the
+    // next chunk is sized a round early, before the first one's cost is in).
+    let told: Vec<RoundCost> = [1usize, 4]
+        .iter()
+        .flat_map(|&d| {
+            [0usize, 16, 32, 64].map(move |c| RoundCost { decode_rows: d, decode_ctx: 9 * d, chunk_rows: c, chunk_start: 0, secs: stepped(d, c).as_secs_f64() })
+        })
+        .collect();
+    let warm = shared_chunks(&paced_ahead(None, Some(0.3), 64, 4096, told, false, stepped));
+    assert!(warm.len() > 8 && warm.iter().all(|&n| n <= 16), "{warm:?}");
+    assert!(warm.iter().filter(|&&n| n == 16).count() * 2 > warm.len(), "mostly the largest affordable size: {warm:?}");
+    let cold = shared_chunks(&paced_ahead(None, Some(0.3), 64, 4096, Vec::new(), false, stepped));
+    assert!(cold.iter().filter(|&&n| n > 16).count() <= 2, "{cold:?}");
+    // Without the step, the same share takes larger chunks.
+    let flat = shared_chunks(&paced_ahead(None, Some(0.3), 64, 4096, Vec::new(), false, |d, c| stepped(d, c.min(16))));
+    assert!(flat.iter().any(|&n| n > 16), "{flat:?}");
+}
+
 #[test]
 fn without_a_target_or_share_the_chunk_is_the_whole_cap() {
     let calls = paced(None);
@@ -186,7 +223,7 @@ fn each_shared_round_names_the_chunk_the_next_round_runs() {
 
 #[test]
 fn where_rounds_launch_ahead_the_first_shared_chunk_is_named_a_round_before() {
-    let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), true);
+    let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), true, cost);
     let rounds: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::Round { .. })).collect();
     let first = rounds.iter().position(|c| c.chunk().is_some_and(|ch| ch.stream == ARRIVAL)).expect("the arrival shares rounds");
     assert!(!rounds[first].rows().is_empty(), "its first chunk rides beside the decode rows");
@@ -199,7 +236,7 @@ fn where_rounds_launch_ahead_the_first_shared_chunk_is_named_a_round_before() {
     // of the arrival's.
     assert!(!matches!(rounds[first - 2], Call::Round { next_chunk: Some(n), .. } if n.stream == ARRIVAL));
     // Without launching ahead, the first chunk runs at once, unnamed.
-    let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), false);
+    let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), false, cost);
     let rounds: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::Round { .. })).collect();
     let first = rounds.iter().position(|c| c.chunk().is_some_and(|ch| ch.stream == ARRIVAL)).expect("the arrival shares rounds");
     assert!(!matches!(rounds[first - 1], Call::Round { next_chunk: Some(n), .. } if n.stream == ARRIVAL));

@@ -29,7 +29,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::backend::{replayed_size, StreamId};
+use crate::backend::{replayed_size, replayed_sizes, StreamId};
 
 /// Rows of a pass's first chunk under `prefill_share`, before any cost is
 /// known: small, since in a shared forward each row adds its full cost to
@@ -45,6 +45,16 @@ const REMEASURE_EVERY: usize = 8;
 /// streams, against a share of 0.3), and the lane's largest gap during an
 /// 1800-token arrival went from 1.5–1.8x the usual one to 1.7–2.1x.
 const SHARE_REPLAYED_ROWS: usize = 64;
+
+/// Under `prefill_share`, a replayed size is passed over for the next one
+/// down while every chunk of it beside decode rows added more than this
+/// many times the share. The share's steering takes a chunk's cost as linear
+/// in its rows, but on a GPU it steps where kernels change: on the H100,
+/// SmolLM2's shape beside six streams, a 16-row chunk added 0.2 ms to a
+/// 1.15 ms round and a 32-row one 0.9 ms (cuBLAS past the skinny GEMM's
+/// rows, the prefill attention past the decode kernel's), and the steering
+/// went back and forth between them (the largest gap 2.3x the usual).
+const DEAR: f64 = 2.0;
 
 /// Rounds with a chunk the cost model needs before a target trusts it;
 /// until then chunks probe, doubling while rounds stay within the target.
@@ -238,6 +248,10 @@ pub(super) struct Pacer {
     first: Option<(StreamId, usize, f64)>,
     /// Rounds shared with a chunk since the last plain one.
     shared_since_plain: usize,
+    /// The least a chunk of each size beside decode rows has added to its
+    /// round, as a fraction of a plain round (warm-up rounds and those run);
+    /// see [`DEAR`].
+    added: HashMap<usize, f64>,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
     /// Image-encoding steps beside decoding streams, by kind: the last
@@ -279,6 +293,7 @@ impl Pacer {
             last: None,
             first: None,
             shared_since_plain: 0,
+            added: HashMap::new(),
             target_misses: Cell::new(0),
             encoded: HashMap::new(),
             next_kind: 0,
@@ -286,12 +301,30 @@ impl Pacer {
         }
     }
 
-    /// Start the cost model from rounds timed before serving.
+    /// Start the cost model, and what each chunk size adds, from rounds
+    /// timed before serving.
     pub fn learn(&mut self, rounds: &[RoundCost]) {
+        let mut fractions: HashMap<usize, Vec<f64>> = HashMap::new();
         for r in rounds {
             let shape = Shape { decode_rows: r.decode_rows, decode_ctx: r.decode_ctx, chunk_rows: r.chunk_rows, chunk_start: r.chunk_start };
             self.model.observe(&shape, r.secs);
+            let plain = rounds.iter().find(|p| p.chunk_rows == 0 && p.decode_rows == r.decode_rows && p.decode_rows > 0);
+            if let (Some(p), true) = (plain, r.chunk_rows > 0) {
+                fractions.entry(r.chunk_rows).or_default().push((r.secs - p.secs) / p.secs.max(1e-9));
+            }
         }
+        // The least: a step shows in every round, a spike in one.
+        for (rows, f) in fractions {
+            self.added.insert(rows, f.into_iter().fold(f64::INFINITY, f64::min));
+        }
+    }
+
+    /// `rows` (a replayed size), or under a share the next size down that
+    /// did not add [`DEAR`] times the share to its round last time.
+    pub fn affordable(&self, rows: usize) -> usize {
+        let Some(share) = self.share else { return rows };
+        let dear = |n: &usize| self.added.get(n).is_some_and(|&f| f > DEAR * share);
+        replayed_sizes(rows).find(|n| !dear(n)).unwrap_or(1)
     }
 
     /// Whether a latency target sizes the chunks (see [`to_replayed`]'s
@@ -520,6 +553,12 @@ impl Pacer {
                 }
                 self.last = Some((id, rows, added, r.secs));
                 self.shared_since_plain += 1;
+                // The least seen for the size (a pass's first chunk can be
+                // dearer once): a spike must not bar a size for good.
+                if self.plain_secs > 0.0 && !first {
+                    let f = added / self.plain_secs;
+                    self.added.entry(rows).and_modify(|a| *a = a.min(f)).or_insert(f);
+                }
             }
         }
     }

@@ -138,13 +138,11 @@ impl Core {
     /// the backend replays within the rows to the pass's next cut.
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape) -> Budget {
         let b = self.pacer.budget(stream, pos, next);
-        to_replayed(
-            b,
-            cuts.chunk_end_capped(pos, None) - pos,
-            next.decode_rows > 0,
-            self.pacer.replayed_rows(self.caps.replayed_chunk_rows),
-            self.pacer.targeted(),
-        )
+        let replayed = self.pacer.replayed_rows(self.caps.replayed_chunk_rows);
+        match to_replayed(b, cuts.chunk_end_capped(pos, None) - pos, next.decode_rows > 0, replayed, self.pacer.targeted()) {
+            Budget::Chunk(Some(rows)) if next.decode_rows > 0 && replayed > 0 => Budget::Chunk(Some(self.pacer.affordable(rows))),
+            b => b,
+        }
     }
 
     /// The chunk the round after `plan` will carry if its decode rows come

@@ -2,7 +2,7 @@
 //! cuda --random-weights` runs): a Llama-3.2-1B-shaped model with random
 //! bf16 weights made on the device.
 //!
-//! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64]
+//! `gpu_bench [--device cuda:N] [--preset llama-3.2-1b|smollm2-135m] [--streams 1,8,32,64]
 //! [--prompt 128] [--rounds 64] [--prefill 2048] [--no-graphs] [--no-eager] [--json FILE] [--profile]
 //! [--mixed STREAMS:CTX:START:ROWS,ROWS,...]`
 
@@ -21,14 +21,14 @@ fn main() -> Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-const USAGE: &str = "usage: gpu_bench [--device cuda:N] [--preset llama-3.2-1b] [--streams 1,8,32,64] [--prompt 128] \
+const USAGE: &str = "usage: gpu_bench [--device cuda:N] [--preset llama-3.2-1b|smollm2-135m] [--streams 1,8,32,64] [--prompt 128] \
 [--rounds 64] [--prefill 2048 (0: none)] [--no-graphs] [--no-eager] [--json FILE] [--profile]
-[--mixed STREAMS:CTX:START:ROWS,ROWS,...] [--skinny-rows N] [--skinny-group 32|64] [--gemv-rows N]
+[--mixed STREAMS:CTX:START:ROWS,ROWS,...] [--skinny-rows N] [--gemv-rows N]
   decode tokens/s at each stream count (with and without CUDA graphs unless --no-eager), a prefill,
   and the copy-bandwidth and GEMM ceilings, all through the backend's round call (the serving
   path); --profile prints GPU time per kernel instead. --mixed times instead rounds of STREAMS
   decode rows at CTX tokens beside a prompt chunk of each ROWS rows from position START (with
-  --profile, GPU time per kernel of the last size). --skinny-rows, --skinny-group and --gemv-rows
+  --profile, GPU time per kernel of the last size). --skinny-rows and --gemv-rows
   open the device with those tuning values (cuda::Tuning) instead of the defaults.";
 
 #[cfg(feature = "cuda")]
@@ -38,7 +38,8 @@ fn run() -> Result<()> {
     let (mut device, mut preset, mut json) = ("cuda".to_string(), "llama-3.2-1b".to_string(), None);
     let mut profile = false;
     let mut mixed: Option<String> = None;
-    let mut tuning = braid_ops::cuda::Tuning::default();
+    // The defaults, or a cuda-tuning build's BRAID_CUDA_* settings.
+    let mut tuning = braid_ops::cuda::Tuning::initial();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -55,7 +56,6 @@ fn run() -> Result<()> {
             "--profile" => profile = true,
             "--mixed" => mixed = Some(val()?),
             "--skinny-rows" => tuning.skinny_max_rows = val()?.parse()?,
-            "--skinny-group" => tuning.skinny_group_rows = val()?.parse()?,
             "--gemv-rows" => tuning.gemv_max_rows = val()?.parse()?,
             "--help" | "-h" => {
                 println!("{USAGE}");
@@ -80,7 +80,7 @@ fn run() -> Result<()> {
         let mut be = braid_models::gpubench::backend(&dev, Box::new(model), n + 1, (ctx + 256).max(start + most))?;
         // As served: rounds keyed where the backend keys them (graphs), but
         // eager when profiling (the profile times each launch).
-        dev.set_graphs(!profile);
+        dev.set_graphs(o.graphs && !profile);
         let mut rep = String::new();
         let got = braid_models::gpubench::mixed_run(&mut be, n, ctx, start, &rows, o.rounds.min(16), profile.then_some(&mut rep))?;
         println!("## {n} decode rows at {ctx} tokens, a chunk from position {start}\n\n| chunk rows | ms a round | ms over decode alone | us a chunk row |\n| ---: | ---: | ---: | ---: |");

@@ -340,7 +340,8 @@ pub fn mixed_run(
                 be.prefill_step(newcomer, Chunk { start: 0, tokens: &toks[..start], want_logits: false })?;
             }
             dev.sync()?;
-            if profiling && r == 1 {
+            // Only the measured rounds, not the newcomer's prefill before each.
+            if profiling && r >= 1 {
                 dev.profile_start();
             }
             let rows: Vec<DecodeRow> = last.iter().enumerate().map(|(i, &t)| DecodeRow { stream: FIRST_ID + i as u64, tokens: vec![t] }).collect();
@@ -354,6 +355,9 @@ pub fn mixed_run(
             dev.sync()?;
             if r > 0 {
                 times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            if profiling {
+                dev.profile_pause();
             }
             be.forget(newcomer);
         }

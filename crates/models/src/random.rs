@@ -42,11 +42,29 @@ pub fn llama_3_2_1b() -> LlamaConfig {
     }
 }
 
+/// SmolLM2-135M's shape: hidden 576, 30 layers, 9 heads over 3 KV heads
+/// of 64, MLP 1536, vocabulary 49152, tied embeddings.
+pub fn smollm2_135m() -> LlamaConfig {
+    LlamaConfig {
+        hidden: 576,
+        layers: 30,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        ffn: 1536,
+        vocab: 49152,
+        eps: 1e-5,
+        rope: Rope::new(100000.0, 64, true),
+        context: 8192,
+    }
+}
+
 /// A named preset shape.
 pub fn preset(name: &str) -> Result<LlamaConfig> {
     match name {
         "llama-3.2-1b" | "llama3.2-1b" => Ok(llama_3_2_1b()),
-        other => bail!("unknown random-weight preset '{other}' (known: llama-3.2-1b)"),
+        "smollm2-135m" | "smollm2" => Ok(smollm2_135m()),
+        other => bail!("unknown random-weight preset '{other}' (known: llama-3.2-1b, smollm2-135m)"),
     }
 }
 

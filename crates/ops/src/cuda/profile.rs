@@ -51,6 +51,12 @@ impl Cuda {
         self.st().prof.on = true;
     }
 
+    /// Stop timing launches, keeping those timed so far (`profile_start`
+    /// goes on).
+    pub fn profile_pause(&self) {
+        self.st().prof.on = false;
+    }
+
     /// Stop profiling; a table of GPU time per kernel (total ms, launches,
     /// µs each), largest first, and the total.
     pub fn profile_report(&self) -> Result<String> {

@@ -6,9 +6,12 @@
 //! and the tokens its draft backend holds; they agree up to where the last
 //! proposal went wrong, and the backend is rewound there before it is fed
 //! again. Prompt chunks are fed as they are absorbed, so the draft model's
-//! prefill is paced with the target's. A proposal feeds what is left and
-//! the newest token in one forward, then each proposed token but the last.
-//! Its length follows the stream's acceptance ([`Gate`]).
+//! prefill is paced with the target's, but only while the lane drafts
+//! ([`Drafter::pace`]): a batch too large to draft costs the draft model
+//! nothing, and a stream that drafts again later catches up [`CATCH_UP`]
+//! rows a round first. A proposal feeds what is left and the newest token
+//! in one forward, then each proposed token but the last. Its length
+//! follows the stream's acceptance ([`Gate`]).
 
 use std::collections::HashMap;
 
@@ -17,6 +20,11 @@ use anyhow::{bail, ensure, Result};
 use crate::backend::{Backend, Chunk, DecodeRow, Pick, Picked, Step, StreamId};
 use crate::drafter::{Drafter, Gate};
 use crate::sampling::argmax;
+
+/// Rows a stream's draft model is fed a round, proposing nothing, while it
+/// is further behind than this (its prompt was absorbed while the lane did
+/// not draft): a whole prompt in one call would stall that round.
+pub const CATCH_UP: usize = 32;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DraftModelConfig {
@@ -48,6 +56,8 @@ pub struct DraftModel {
     backend: Box<dyn Backend>,
     cfg: DraftModelConfig,
     streams: HashMap<StreamId, Seq>,
+    /// Whether the lane drafts now ([`Drafter::pace`]).
+    drafting: bool,
     /// Why the last feed failed, for tests and logs.
     pub last_error: Option<String>,
 }
@@ -59,7 +69,7 @@ impl DraftModel {
         let caps = backend.capabilities();
         ensure!(caps.supports_rewind, "the draft model keeps state that cannot be rewound (only attention-only models draft)");
         ensure!(cfg.max_tokens > 0, "a draft model that proposes 0 tokens drafts nothing");
-        Ok(DraftModel { backend, cfg, streams: HashMap::new(), last_error: None })
+        Ok(DraftModel { backend, cfg, streams: HashMap::new(), drafting: true, last_error: None })
     }
 
     /// Width of the draft model's logits rows (its vocabulary).
@@ -67,10 +77,17 @@ impl DraftModel {
         self.backend.capabilities().vocab_size
     }
 
+    /// The absorbed tokens of `stream` its draft backend does not hold.
+    fn behind(&self, stream: StreamId) -> usize {
+        let s = &self.streams[&stream];
+        s.tokens.len() - s.held.iter().zip(&s.tokens).take_while(|(a, b)| a == b).count()
+    }
+
     /// Bring the draft backend's rows for `stream` up to its absorbed
     /// tokens followed by `extra`, in as few forwards as its batch allows;
-    /// the logits of the last row when `extra` is given.
-    fn feed(&mut self, stream: StreamId, extra: Option<u32>) -> Result<Option<Vec<f32>>> {
+    /// the logits of the last row when `extra` is given. With `most`, at
+    /// most that many absorbed tokens (and no `extra` unless all fit).
+    fn feed(&mut self, stream: StreamId, extra: Option<u32>, most: Option<usize>) -> Result<Option<Vec<f32>>> {
         let caps = self.backend.capabilities();
         let s = self.streams.get_mut(&stream).expect("checked by the caller");
         let same = s.held.iter().zip(&s.tokens).take_while(|(a, b)| a == b).count();
@@ -79,6 +96,13 @@ impl DraftModel {
             s.held.truncate(same);
         }
         let mut todo = s.tokens[same..].to_vec();
+        let extra = match most {
+            Some(n) if todo.len() > n => {
+                todo.truncate(n);
+                None
+            }
+            _ => extra,
+        };
         todo.extend(extra);
         if s.held.len() + todo.len() > caps.max_context {
             bail!("the draft model's context of {} tokens is full", caps.max_context);
@@ -108,7 +132,7 @@ impl DraftModel {
     fn draft(&mut self, stream: StreamId, last: u32, k: usize) -> Result<Vec<u32>> {
         let caps = self.backend.capabilities();
         let vocab = caps.vocab_size;
-        let logits = self.feed(stream, Some(last))?;
+        let logits = self.feed(stream, Some(last), None)?;
         let logits = match logits {
             Some(l) if l.len() == vocab => l,
             other => bail!("the draft model returned {} logits for its last row, expected {vocab}", other.map_or(0, |l| l.len())),
@@ -157,8 +181,8 @@ impl Drafter for DraftModel {
         // model nothing until it proposes again. (A one-row prompt chunk
         // waits too; it is caught up with the rest.)
         let behind = s.tokens.len().saturating_sub(s.held.len());
-        if !s.broken && tokens.len() >= 2 && behind >= 2 {
-            if let Err(e) = self.feed(stream, None) {
+        if self.drafting && !s.broken && tokens.len() >= 2 && behind >= 2 {
+            if let Err(e) = self.feed(stream, None, None) {
                 self.last_error = Some(format!("{e:#}"));
                 self.streams.get_mut(&stream).expect("present").broken = true;
             }
@@ -172,6 +196,13 @@ impl Drafter for DraftModel {
         }
         let k = s.gate.allow();
         if k == 0 {
+            return Vec::new();
+        }
+        if self.behind(stream) > CATCH_UP {
+            if let Err(e) = self.feed(stream, None, Some(CATCH_UP)) {
+                self.last_error = Some(format!("{e:#}"));
+                self.streams.get_mut(&stream).expect("present").broken = true;
+            }
             return Vec::new();
         }
         match self.draft(stream, last, k) {
@@ -199,6 +230,10 @@ impl Drafter for DraftModel {
         if let Some(s) = self.streams.get_mut(&stream) {
             s.gate.cap(max);
         }
+    }
+
+    fn pace(&mut self, drafting: bool) {
+        self.drafting = drafting;
     }
 }
 
@@ -287,6 +322,32 @@ mod tests {
         // rows that agree, then rows 6..=29 and the new token.
         d.propose(3, 30);
         assert_eq!(log.chunks(3)[0], (5, 25));
+    }
+
+    #[test]
+    fn while_the_lane_does_not_draft_prompts_wait_and_a_stream_catches_up_before_it_proposes() {
+        let log = CallLog::default();
+        let mut d = DraftModel::new(Box::new(FakeBackend::new(FakeConfig::default(), log.clone())), DraftModelConfig::default()).unwrap();
+        let prompt: Vec<u32> = (0..80).map(|i| (i * 7 % 60) as u32 + 1).collect();
+        // A large batch: the prompt's chunks cost the draft model nothing.
+        d.pace(false);
+        d.open(2, &[]);
+        log.clear();
+        for c in prompt.chunks(16) {
+            d.absorb(2, c, &[]);
+        }
+        assert!(log.snapshot().is_empty(), "{:?}", log.snapshot());
+        // Drafting again: CATCH_UP rows a round, proposing nothing, until
+        // the rest fits one proposal's forward; then the greedy drafts.
+        d.pace(true);
+        let last = 9;
+        assert!(d.propose(2, last).is_empty());
+        assert!(d.propose(2, last).is_empty());
+        assert_eq!(log.chunks(2), vec![(0, CATCH_UP), (CATCH_UP, CATCH_UP)]);
+        let mut seq = prompt.clone();
+        seq.push(last);
+        assert_eq!(d.propose(2, last), greedy(&seq, 2, 64));
+        assert_eq!(log.chunks(2)[2], (2 * CATCH_UP, prompt.len() - 2 * CATCH_UP + 1));
     }
 
     #[test]

@@ -38,6 +38,13 @@ pub trait Drafter: Send {
     /// cap; called after `open`), so no forward is spent on tokens the
     /// round would trim.
     fn cap(&mut self, _stream: StreamId, _max: usize) {}
+
+    /// Whether the lane drafts now, its streams that prefill counted as
+    /// decoding (not while the batch is larger than
+    /// `LaneConfig::draft_max_streams`), said before each turn. A drafter
+    /// may put off work that only drafting needs (a draft model's prefill)
+    /// while it does not, and catch up when it does.
+    fn pace(&mut self, _drafting: bool) {}
 }
 
 /// How long a stream's next proposal should be, from how its recent ones

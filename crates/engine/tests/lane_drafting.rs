@@ -4,8 +4,10 @@
 
 mod common;
 
-use braid_engine::fake::{Call, FakeConfig};
-use braid_engine::{LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
+use std::sync::Arc;
+
+use braid_engine::fake::{Call, CallLog, FakeBackend, FakeConfig, FakeText};
+use braid_engine::{DraftModel, DraftModelConfig, Lane, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
 use common::*;
 
 // 5. The drafter absorbs every chunk (and every kept decode row), and a
@@ -226,6 +228,39 @@ fn a_large_batch_turns_drafting_down() {
     }
     let stats = lane.stats();
     assert!(stats.draft_accepted > 0 && stats.draft_accept_lengths.iter().sum::<u64>() > 0, "{stats:?}");
+}
+
+// A draft model (here the target's own fake) is fed prompts only while the
+// lane drafts: streams that arrive into a batch too large to draft cost it
+// no prefill, and catch up once the batch shrinks. Output is the same.
+#[test]
+fn a_draft_model_prefills_only_while_the_lane_drafts() {
+    let draft_log = CallLog::default();
+    let draft = DraftModel::new(Box::new(FakeBackend::new(FakeConfig::default(), draft_log.clone())), DraftModelConfig::default()).unwrap();
+    let log = CallLog::default();
+    let target = FakeBackend::new(FakeConfig::default(), log.clone());
+    let lc = LaneConfig { draft_max_streams: 1, chunk_tokens: 8, ..no_marks() };
+    let lane = Lane::spawn_with_drafter(Box::new(target), Some(Box::new(draft)), Arc::new(FakeText::default()), lc);
+    // The first decodes alone (its prompt fed as it comes); three more
+    // arrive, and the longest outlives them.
+    let first = greedy(prompt(20, 70), 200);
+    let h0 = lane.submit(first.clone()).unwrap();
+    wait_event(&h0, |e| matches!(e, braid_engine::Event::Token { .. }));
+    let late: Vec<Request> = (0..3).map(|i| greedy(prompt(24, 71 + i), 10 + 10 * i as usize)).collect();
+    let hs: Vec<StreamHandle> = late.iter().map(|r| lane.submit(r.clone()).unwrap()).collect();
+    for (h, r) in hs.iter().zip(&late) {
+        assert_eq!(drain(h).tokens, oracle(&r.prompt, r.stop.max_tokens.unwrap(), 64));
+    }
+    let out0 = drain(&h0).tokens;
+    assert_eq!(out0, oracle(&first.prompt, 200, 64)[1..]);
+    // The late streams' prompts never reached the draft model: they
+    // arrived into a batch of two or more.
+    let late_ids: Vec<u64> = hs.iter().map(|h| h.id).collect();
+    let fed: Vec<(u64, usize)> = draft_log.snapshot().iter().filter_map(|c| c.chunk().map(|ch| (ch.stream, ch.tokens.len()))).collect();
+    assert!(fed.iter().all(|(s, _)| !late_ids.contains(s)), "{fed:?}");
+    // The first stream drafted before and after them.
+    let stats = lane.stats();
+    assert!(stats.draft_accepted > 0, "{stats:?}");
 }
 
 /// Pearson's chi-square of `counts` (token -> draws) against `probs` (the

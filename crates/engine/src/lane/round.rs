@@ -476,7 +476,7 @@ impl Core {
     /// Whether streams ask the drafter for proposals now: not while more
     /// streams decode (and `joining` more are about to) than
     /// `draft_max_streams`, since their drafts would not run.
-    fn proposing(&self, joining: usize) -> bool {
+    pub(super) fn proposing(&self, joining: usize) -> bool {
         joining + self.running.iter().filter(|s| matches!(s.phase, Phase::Decoding { .. })).count() <= self.cfg.draft_max_streams
     }
 }

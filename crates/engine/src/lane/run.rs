@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::masks::MaskWorkers;
 use super::pacer::Pacer;
-use super::stream::Stream;
+use super::stream::{Phase, Stream};
 use super::{Command, FinishReason, LaneConfig, LaneShared, LaneStats};
 use crate::backend::{Backend, Capabilities, StreamId};
 use crate::drafter::Drafter;
@@ -169,6 +169,7 @@ impl Core {
             self.check_cancels();
             self.sweep();
             progress = self.admit();
+            self.pace_drafter();
             self.send_positions();
             progress |= self.settle();
             progress |= self.turn();
@@ -177,6 +178,16 @@ impl Core {
             self.publish();
         }
         self.close();
+    }
+
+    /// Tell the drafter whether the lane drafts now, the streams admitted
+    /// or prefilling counted as decoding (see `Drafter::pace`).
+    fn pace_drafter(&mut self) {
+        let prefilling = self.running.iter().filter(|s| matches!(s.phase, Phase::Admitted | Phase::Prefilling { .. })).count();
+        let drafting = self.proposing(prefilling);
+        if let Some(d) = self.drafter.as_mut() {
+            d.pace(drafting);
+        }
     }
 
     /// Take commands: block while there is nothing to do, wait briefly when

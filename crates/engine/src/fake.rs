@@ -181,6 +181,12 @@ pub struct FakeConfig {
     pub round_cost: Option<fn(usize, usize) -> Duration>,
     /// Sleep in every call that runs a prompt chunk.
     pub prefill_delay: Option<Duration>,
+    /// Ask a round's masks as it begins, before its delay (a GPU's round
+    /// launched ahead picks as soon as it is called), not after.
+    pub masks_first: bool,
+    /// Rounds whose masks were asked for and not all there (the round then
+    /// returns logits).
+    pub masks_missing: Arc<AtomicUsize>,
     /// While a test holds this lock, the lane stops at its next `open`,
     /// `prefill_step` or `round` (after logging the call), so the test can
     /// line up arrivals deterministically.
@@ -216,6 +222,8 @@ impl Default for FakeConfig {
             decode_delay: None,
             round_cost: None,
             prefill_delay: None,
+            masks_first: false,
+            masks_missing: Arc::default(),
             hold: None,
             encode_steps: 1,
         }
@@ -358,6 +366,8 @@ impl FakeBackend {
     /// The body of `round` and `prefill_step`, after logging.
     fn run(&mut self, step: Step<'_>) -> Result<RoundOut> {
         self.wait_hold();
+        let ask = |step: &Step<'_>| step.masks.filter(|_| step.pick != Pick::Logits).map(|m| m.masks());
+        let first = self.cfg.masks_first.then(|| ask(&step));
         if let (false, Some(d)) = (step.rows.is_empty(), self.cfg.decode_delay) {
             std::thread::sleep(d);
         }
@@ -379,7 +389,10 @@ impl FakeBackend {
             c.want_logits.then(|| self.logits_after(&self.streams[&stream]))
         });
         let vocab = self.cfg.caps.vocab_size.max(1);
-        let masks = step.masks.filter(|_| step.pick != Pick::Logits).map(|m| m.masks());
+        let masks = first.unwrap_or_else(|| ask(&step));
+        if let Some(None) = masks {
+            self.cfg.masks_missing.fetch_add(1, Ordering::SeqCst);
+        }
         if let Some(Some(masks)) = &masks {
             // The pick below is within each guided row's mask.
             logits.chunks_mut(vocab).zip(masks).for_each(|(row, m)| m.iter().for_each(|m| m.apply(row)));

@@ -137,6 +137,27 @@ fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
     }
 }
 
+// A backend that picks as soon as it is called (a GPU's round launched
+// ahead) asks for the mask of the token just committed while its worker is
+// still at it: the pick waits a little for the mask instead of taking the
+// round's logits, which ends launching ahead.
+#[test]
+fn a_pick_asked_at_once_waits_a_little_for_a_mask_on_its_way() {
+    let mut fc = slow();
+    fc.caps.picks = Picks { argmax: true, top_k: 8 };
+    fc.masks_first = true;
+    let missing = fc.masks_missing.clone();
+    let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+    // Each mask takes 0.2 ms: less than the wait, more than the lane takes
+    // from a commit to the next round.
+    let g = FakeGrammar { delay: Some(Duration::from_micros(200)), ..grammar() };
+    let pb = prompt(6, 60);
+    let b = lane.submit(guided(pb.clone(), 40, &g)).unwrap();
+    assert_eq!(drain(&b).tokens, fake_guided(&pb, 40, 64, EVERY));
+    let missing = missing.load(Ordering::SeqCst);
+    assert!(missing <= 2, "{missing} of 40 rounds picked without their masks");
+}
+
 // Drafts are verified within masks (the worker computes one per draft
 // token): the tokens are those without a drafter, greedy and seeded, and
 // drafts the grammar forbids are cut before they run.

@@ -17,19 +17,29 @@
 //! top k): the backend asks for the round's masks when it picks
 //! ([`PickMasks`]), after its forward is on its way, so the masks the
 //! workers finish meanwhile apply on the device and no logits row moves.
-//! When a mask is still missing then, the round returns logits and the
-//! stream waits as above. Guided streams with penalties, logprobs or no
+//! A mask still on its way is waited for a little ([`MASK_WAIT`]); when it
+//! is missing after that, the round returns logits and the stream waits as
+//! above. Guided streams with penalties, logprobs or no
 //! top-k take whole logits rows and their masks apply on the host.
 
 use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::run::Core;
 use super::stream::{Phase, Stream};
 use super::Command;
 use crate::backend::{DecodeRow, Picked, RoundMasks, StreamId};
 use crate::guide::{Constraint, TokenMask};
+
+/// How long a backend's pick waits for a guided row's mask still on its
+/// way. The round's forward runs meanwhile; without the mask the round
+/// returns logits and launches nothing ahead. On the H100 a guided stream
+/// whose masks took 4-10 µs decoded 17% slower than a free one (rounds of
+/// 1.21 ms against 1.03): a round launched ahead asks for its masks as it
+/// is called, before the worker has the mask of the token just committed.
+const MASK_WAIT: Duration = Duration::from_micros(500);
 
 /// A guided stream's constraint: with a worker, or here with the masks of
 /// the stream's next rows (mask `j` for the row after draft token `j - 1`).
@@ -166,6 +176,13 @@ impl RoundMasks for PickMasks<'_> {
     fn masks(&self) -> Option<Vec<Option<TokenMask>>> {
         let mut early = self.workers.early.borrow_mut();
         early.extend(self.workers.done.try_iter());
+        let deadline = Instant::now() + MASK_WAIT;
+        while self.rows.iter().any(|r| matches!(r, RowsOf::Away(_, id) if !early.iter().any(|d| d.stream == *id))) {
+            match self.workers.done.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(done) => early.push(done),
+                Err(_) => break,
+            }
+        }
         let mut out = Vec::new();
         for r in &self.rows {
             let (n, masks) = match r {

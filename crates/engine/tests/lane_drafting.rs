@@ -232,18 +232,17 @@ fn a_large_batch_turns_drafting_down() {
 
 // A draft model (here the target's own fake) is fed prompts only while the
 // lane drafts: streams that arrive into a batch too large to draft cost it
-// no prefill, and catch up once the batch shrinks. Output is the same.
+// no prefill. Output is the same.
 #[test]
 fn a_draft_model_prefills_only_while_the_lane_drafts() {
     let draft_log = CallLog::default();
     let draft = DraftModel::new(Box::new(FakeBackend::new(FakeConfig::default(), draft_log.clone())), DraftModelConfig::default()).unwrap();
-    let log = CallLog::default();
-    let target = FakeBackend::new(FakeConfig::default(), log.clone());
+    let target = FakeBackend::new(FakeConfig::default(), CallLog::default());
     let lc = LaneConfig { draft_max_streams: 1, chunk_tokens: 8, ..no_marks() };
     let lane = Lane::spawn_with_drafter(Box::new(target), Some(Box::new(draft)), Arc::new(FakeText::default()), lc);
-    // The first decodes alone (its prompt fed as it comes); three more
-    // arrive, and the longest outlives them.
-    let first = greedy(prompt(20, 70), 200);
+    // The first decodes alone (its prompt fed as it comes) and goes on
+    // until the three that arrive next are done.
+    let first = greedy(prompt(20, 70), 4000);
     let h0 = lane.submit(first.clone()).unwrap();
     wait_event(&h0, |e| matches!(e, braid_engine::Event::Token { .. }));
     let late: Vec<Request> = (0..3).map(|i| greedy(prompt(24, 71 + i), 10 + 10 * i as usize)).collect();
@@ -251,16 +250,14 @@ fn a_draft_model_prefills_only_while_the_lane_drafts() {
     for (h, r) in hs.iter().zip(&late) {
         assert_eq!(drain(h).tokens, oracle(&r.prompt, r.stop.max_tokens.unwrap(), 64));
     }
+    h0.cancel();
     let out0 = drain(&h0).tokens;
-    assert_eq!(out0, oracle(&first.prompt, 200, 64)[1..]);
-    // The late streams' prompts never reached the draft model: they
-    // arrived into a batch of two or more.
-    let late_ids: Vec<u64> = hs.iter().map(|h| h.id).collect();
+    assert_eq!(out0, oracle(&first.prompt, out0.len() + 1, 64)[1..]);
+    // The first stream's prompt reached the draft model; the late ones'
+    // did not: they arrived into a batch of two or more.
     let fed: Vec<(u64, usize)> = draft_log.snapshot().iter().filter_map(|c| c.chunk().map(|ch| (ch.stream, ch.tokens.len()))).collect();
-    assert!(fed.iter().all(|(s, _)| !late_ids.contains(s)), "{fed:?}");
-    // The first stream drafted before and after them.
-    let stats = lane.stats();
-    assert!(stats.draft_accepted > 0, "{stats:?}");
+    assert!(fed.iter().any(|&(s, _)| s == h0.id), "{fed:?}");
+    assert!(fed.iter().all(|(s, _)| !hs.iter().any(|h| h.id == *s)), "{fed:?}");
 }
 
 /// Pearson's chi-square of `counts` (token -> draws) against `probs` (the

@@ -319,8 +319,8 @@ impl Pacer {
         }
     }
 
-    /// `rows` (a replayed size), or under a share the next size down that
-    /// did not add [`DEAR`] times the share to its round last time.
+    /// `rows` (a replayed size), or under a share the largest size below it
+    /// whose least cost seen is within [`DEAR`] times the share (1 at least).
     pub fn affordable(&self, rows: usize) -> usize {
         let Some(share) = self.share else { return rows };
         let dear = |n: &usize| self.added.get(n).is_some_and(|&f| f > DEAR * share);

@@ -52,6 +52,13 @@ struct Seq {
     broken: bool,
 }
 
+impl Seq {
+    /// How many of the held tokens are the absorbed ones.
+    fn agreed(&self) -> usize {
+        self.held.iter().zip(&self.tokens).take_while(|(a, b)| a == b).count()
+    }
+}
+
 pub struct DraftModel {
     backend: Box<dyn Backend>,
     cfg: DraftModelConfig,
@@ -80,7 +87,13 @@ impl DraftModel {
     /// The absorbed tokens of `stream` its draft backend does not hold.
     fn behind(&self, stream: StreamId) -> usize {
         let s = &self.streams[&stream];
-        s.tokens.len() - s.held.iter().zip(&s.tokens).take_while(|(a, b)| a == b).count()
+        s.tokens.len() - s.agreed()
+    }
+
+    /// A feed of `stream` failed: it proposes nothing until opened again.
+    fn broke(&mut self, stream: StreamId, e: anyhow::Error) {
+        self.last_error = Some(format!("{e:#}"));
+        self.streams.get_mut(&stream).expect("present").broken = true;
     }
 
     /// Bring the draft backend's rows for `stream` up to its absorbed
@@ -90,7 +103,7 @@ impl DraftModel {
     fn feed(&mut self, stream: StreamId, extra: Option<u32>, most: Option<usize>) -> Result<Option<Vec<f32>>> {
         let caps = self.backend.capabilities();
         let s = self.streams.get_mut(&stream).expect("checked by the caller");
-        let same = s.held.iter().zip(&s.tokens).take_while(|(a, b)| a == b).count();
+        let same = s.agreed();
         if same < s.held.len() {
             self.backend.rewind(stream, same)?;
             s.held.truncate(same);
@@ -183,8 +196,7 @@ impl Drafter for DraftModel {
         let behind = s.tokens.len().saturating_sub(s.held.len());
         if self.drafting && !s.broken && tokens.len() >= 2 && behind >= 2 {
             if let Err(e) = self.feed(stream, None, None) {
-                self.last_error = Some(format!("{e:#}"));
-                self.streams.get_mut(&stream).expect("present").broken = true;
+                self.broke(stream, e);
             }
         }
     }
@@ -200,8 +212,7 @@ impl Drafter for DraftModel {
         }
         if self.behind(stream) > CATCH_UP {
             if let Err(e) = self.feed(stream, None, Some(CATCH_UP)) {
-                self.last_error = Some(format!("{e:#}"));
-                self.streams.get_mut(&stream).expect("present").broken = true;
+                self.broke(stream, e);
             }
             return Vec::new();
         }
@@ -213,8 +224,7 @@ impl Drafter for DraftModel {
             }
             // No proposal costs only speed: the stream decodes one token.
             Err(e) => {
-                self.last_error = Some(format!("{e:#}"));
-                self.streams.get_mut(&stream).expect("present").broken = true;
+                self.broke(stream, e);
                 Vec::new()
             }
         }

@@ -93,10 +93,11 @@ impl Cuda {
             GemmOut::Bf16 => 1,
             GemmOut::AddF32 => 2,
         };
+        let blocks: usize = nb.iter().sum();
         self.launch(self.inner.fns.gemm_skinny)
-            .grid((1, nb.iter().sum::<usize>() as u32, 1))
+            .grid((1, blocks as u32, 1))
             .block(256)
-            .pdl(self.skinny_pdl(nb.iter().sum()))
+            .pdl(self.skinny_pdl(blocks))
             .ptr(x)
             .int(n)
             .int(k / 8)

@@ -2,13 +2,17 @@
 //! algorithms run the products of a mixed round (a few decode rows beside
 //! a prompt chunk: 33-256 rows of x) at a model's weight shapes.
 //!
-//! `gemm_sweep [--rows 38,70,134] [--shapes 3072x2048,2048x2048,16384x2048,2048x8192] [--top 12]`
+//! `gemm_sweep [--rows 38,70,134] [--shapes 3072x2048,2048x2048,16384x2048,2048x8192] [--top 12]
+//! [--grouped 2048,512,512x2048;8192,8192x2048]`
 //!
 //! Each product `y[n, m] = x[n, k] · w[m, k]ᵀ` (bf16, f32 accumulation, f32
 //! out, as braid calls it) rotates over enough weight copies that they
 //! come from HBM, not L2, as in a served round. Prints µs a product and
 //! the weights' read rate for cublasGemmEx (braid's call) and for each of
-//! cuBLASLt's heuristic algorithms, also forced to split k.
+//! cuBLASLt's heuristic algorithms, also forced to split k. With
+//! `--grouped`, instead: weights sharing x (q, k, v; gate, up) as a launch
+//! each, against one cublasGemmGroupedBatchedEx (and cublasGemmBatchedEx
+//! where their widths are equal).
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -67,6 +71,7 @@ mod sweep {
         let mut rows = vec![38usize, 70, 134];
         let mut shapes = vec![(3072usize, 2048usize), (2048, 2048), (16384, 2048), (2048, 8192)];
         let mut top = 12usize;
+        let mut grouped: Vec<(Vec<usize>, usize)> = Vec::new();
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
             let v = args.next().ok_or_else(|| anyhow!("{a} needs a value"))?;
@@ -82,6 +87,15 @@ mod sweep {
                         .collect::<Result<_>>()?
                 }
                 "--top" => top = v.parse()?,
+                "--grouped" => {
+                    grouped = v
+                        .split(';')
+                        .map(|g| {
+                            let (ms, k) = g.split_once('x').ok_or_else(|| anyhow!("group {g}: M,M,...xK"))?;
+                            Ok((ms.split(',').map(|m| m.parse()).collect::<Result<Vec<usize>, _>>()?, k.parse()?))
+                        })
+                        .collect::<Result<_>>()?
+                }
                 _ => return Err(anyhow!("unknown {a}")),
             }
         }
@@ -94,6 +108,9 @@ mod sweep {
             cb::cublasCreate_v2(&mut blas).result()?;
             cb::cublasSetStream_v2(blas, cs).result()?;
             cb::cublasSetWorkspace_v2(blas, ptr(&work, &st) as *mut c_void, WS).result()?;
+        }
+        if !grouped.is_empty() {
+            return grouped_sweep(blas, &st, &grouped, &rows);
         }
         let lth = cudarc::cublaslt::result::create_handle()?;
         println!("| m x k | rows | what | us | weights GB/s |\n| --- | ---: | --- | ---: | ---: |");
@@ -258,5 +275,135 @@ mod sweep {
             }
         }
         Ok(out)
+    }
+
+    /// Each group's weights as a launch each, as one grouped launch, and
+    /// (equal widths) as one batched launch.
+    fn grouped_sweep(blas: cb::cublasHandle_t, st: &Arc<CudaStream>, groups: &[(Vec<usize>, usize)], rows: &[usize]) -> Result<()> {
+        println!("| weights x k | rows | what | us | weights GB/s |\n| --- | ---: | --- | ---: | ---: |");
+        let (alpha, beta) = (1f32, 0f32);
+        for (ms, k) in groups {
+            let k = *k;
+            let bytes: usize = ms.iter().map(|m| m * k * 2).sum();
+            let copies = (256 << 20) / bytes + 1;
+            let most = *rows.iter().max().unwrap_or(&1);
+            let ws: Vec<Vec<CudaSlice<u16>>> =
+                (0..copies).map(|_| ms.iter().map(|&m| st.clone_htod(&vec![0x3c00u16; m * k])).collect::<Result<Vec<_>, _>>()).collect::<Result<_, _>>()?;
+            let x: CudaSlice<u16> = st.clone_htod(&vec![0x3c00u16; most * k])?;
+            let ys: Vec<CudaSlice<f32>> = ms.iter().map(|&m| st.alloc_zeros(most * m)).collect::<Result<_, _>>()?;
+            let xp = ptr(&x, st);
+            let yp: Vec<u64> = ys.iter().map(|y| ptr(y, st)).collect();
+            // Per copy, the device arrays of A, B and C pointers.
+            let arrays: Vec<(CudaSlice<u64>, CudaSlice<u64>, CudaSlice<u64>)> = ws
+                .iter()
+                .map(|c| {
+                    let a: Vec<u64> = c.iter().map(|w| ptr(w, st)).collect();
+                    Ok((st.clone_htod(&a)?, st.clone_htod(&vec![xp; ms.len()])?, st.clone_htod(&yp)?))
+                })
+                .collect::<Result<_>>()?;
+            let name = format!("{}x{k}", ms.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(","));
+            let rate = |us: f64| bytes as f64 / us / 1e3;
+            for &n in rows {
+                let each = time(st, copies, |i| {
+                    for (j, &m) in ms.iter().enumerate() {
+                        unsafe {
+                            cb::cublasGemmEx(
+                                blas,
+                                cb::cublasOperation_t::CUBLAS_OP_T,
+                                cb::cublasOperation_t::CUBLAS_OP_N,
+                                m as i32,
+                                n as i32,
+                                k as i32,
+                                &alpha as *const f32 as *const c_void,
+                                ptr(&ws[i][j], st) as *const c_void,
+                                cb::cudaDataType::CUDA_R_16BF,
+                                k as i32,
+                                xp as *const c_void,
+                                cb::cudaDataType::CUDA_R_16BF,
+                                k as i32,
+                                &beta as *const f32 as *const c_void,
+                                yp[j] as *mut c_void,
+                                cb::cudaDataType::CUDA_R_32F,
+                                m as i32,
+                                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                            )
+                            .result()
+                            .map_err(|e| anyhow!("{e:?}"))?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                println!("| {name} | {n} | a launch each | {each:.1} | {:.0} |", rate(each));
+                let g = ms.len();
+                let ta = vec![cb::cublasOperation_t::CUBLAS_OP_T; g];
+                let tb = vec![cb::cublasOperation_t::CUBLAS_OP_N; g];
+                let mi: Vec<i32> = ms.iter().map(|&m| m as i32).collect();
+                let (ni, ki) = (vec![n as i32; g], vec![k as i32; g]);
+                let (al, be) = (vec![alpha; g], vec![beta; g]);
+                let ones = vec![1i32; g];
+                let one = time(st, copies, |i| unsafe {
+                    cb::cublasGemmGroupedBatchedEx(
+                        blas,
+                        ta.as_ptr(),
+                        tb.as_ptr(),
+                        mi.as_ptr(),
+                        ni.as_ptr(),
+                        ki.as_ptr(),
+                        al.as_ptr() as *const c_void,
+                        ptr(&arrays[i].0, st) as *const *const c_void,
+                        cb::cudaDataType::CUDA_R_16BF,
+                        ki.as_ptr(),
+                        ptr(&arrays[i].1, st) as *const *const c_void,
+                        cb::cudaDataType::CUDA_R_16BF,
+                        ki.as_ptr(),
+                        be.as_ptr() as *const c_void,
+                        ptr(&arrays[i].2, st) as *const *mut c_void,
+                        cb::cudaDataType::CUDA_R_32F,
+                        mi.as_ptr(),
+                        g as i32,
+                        ones.as_ptr(),
+                        cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    )
+                    .result()
+                    .map_err(|e| anyhow!("{e:?}"))
+                });
+                match one {
+                    Ok(us) => println!("| {name} | {n} | grouped, one call | {us:.1} | {:.0} |", rate(us)),
+                    Err(e) => println!("| {name} | {n} | grouped, one call | {e} | |"),
+                }
+                if ms.iter().all(|&m| m == ms[0]) {
+                    let m = ms[0];
+                    let us = time(st, copies, |i| unsafe {
+                        cb::cublasGemmBatchedEx(
+                            blas,
+                            cb::cublasOperation_t::CUBLAS_OP_T,
+                            cb::cublasOperation_t::CUBLAS_OP_N,
+                            m as i32,
+                            n as i32,
+                            k as i32,
+                            &alpha as *const f32 as *const c_void,
+                            ptr(&arrays[i].0, st) as *const *const c_void,
+                            cb::cudaDataType::CUDA_R_16BF,
+                            k as i32,
+                            ptr(&arrays[i].1, st) as *const *const c_void,
+                            cb::cudaDataType::CUDA_R_16BF,
+                            k as i32,
+                            &beta as *const f32 as *const c_void,
+                            ptr(&arrays[i].2, st) as *const *mut c_void,
+                            cb::cudaDataType::CUDA_R_32F,
+                            m as i32,
+                            g as i32,
+                            cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                        )
+                        .result()
+                        .map_err(|e| anyhow!("{e:?}"))
+                    })?;
+                    println!("| {name} | {n} | batched, one call | {us:.1} | {:.0} |", rate(us));
+                }
+            }
+        }
+        Ok(())
     }
 }

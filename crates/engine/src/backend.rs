@@ -408,4 +408,14 @@ pub trait Backend: Send {
 
     /// The stream is gone: free its slot and memory.
     fn forget(&mut self, stream: StreamId);
+
+    /// Why no later call can succeed, once that is so: a device fault that
+    /// poisons every call after it (a CUDA error leaves its context so).
+    /// After a failed call the lane asks; `Some` stops it (every stream
+    /// fails with the reason, the lane says it is dead, so a supervisor
+    /// restarts the server). `None`, the default: failures are the calls'
+    /// own.
+    fn lost(&self) -> Option<String> {
+        None
+    }
 }

@@ -612,6 +612,9 @@ impl<B: Backend> Backend for Held<B> {
     fn forget(&mut self, stream: StreamId) {
         self.inner.forget(stream)
     }
+    fn lost(&self) -> Option<String> {
+        self.inner.lost()
+    }
 }
 
 /// A drafter that knows the fake model and is right except where told to

@@ -202,6 +202,93 @@ fn a_lane_that_cannot_recover_says_it_is_dead() {
     assert!(lane.stats().errors >= 1);
 }
 
+/// A fake whose `at`-th round fails; `lose`: the backend is lost from then
+/// on (every later call fails too, as a faulted CUDA context's would).
+struct Faulting {
+    inner: FakeBackend,
+    rounds: usize,
+    at: usize,
+    lose: bool,
+    lost: Option<String>,
+}
+
+impl Faulting {
+    fn check(&self) -> anyhow::Result<()> {
+        match &self.lost {
+            Some(e) => anyhow::bail!("{e}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Backend for Faulting {
+    fn capabilities(&self) -> braid_engine::Capabilities {
+        self.inner.capabilities()
+    }
+    fn fill(&self) -> braid_engine::Fill {
+        self.inner.fill()
+    }
+    fn open(&mut self, stream: u64) -> anyhow::Result<()> {
+        self.check()?;
+        self.inner.open(stream)
+    }
+    fn round(&mut self, step: Step<'_>) -> anyhow::Result<braid_engine::RoundOut> {
+        self.check()?;
+        self.rounds += 1;
+        if self.rounds == self.at {
+            let e = format!("device fault in round {}", self.rounds);
+            if self.lose {
+                self.lost = Some(e.clone());
+            }
+            anyhow::bail!("{e}");
+        }
+        self.inner.round(step)
+    }
+    fn prefill_step(&mut self, stream: u64, chunk: braid_engine::Chunk<'_>) -> anyhow::Result<Option<Vec<f32>>> {
+        self.check()?;
+        self.inner.prefill_step(stream, chunk)
+    }
+    fn cancel_prefill(&mut self, stream: u64) {
+        self.inner.cancel_prefill(stream)
+    }
+    fn forget(&mut self, stream: u64) {
+        self.inner.forget(stream)
+    }
+    fn lost(&self) -> Option<String> {
+        self.lost.clone()
+    }
+}
+
+fn faulting(at: usize, lose: bool) -> Lane {
+    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
+    Lane::spawn(Box::new(Faulting { inner, rounds: 0, at, lose, lost: None }), Arc::new(FakeText::default()), LaneConfig { max_running: 1, ..no_marks() })
+}
+
+#[test]
+fn a_failed_round_of_a_backend_that_recovers_fails_its_streams_only() {
+    let lane = faulting(4, false);
+    let out = drain(&lane.submit(greedy(prompt(4, 110), 50)).unwrap());
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("device fault in round 4")), "{:?}", out.error);
+    let out = drain(&lane.submit(greedy(prompt(4, 111), 3)).unwrap());
+    assert_eq!((out.reason, out.error), (Some(FinishReason::Length), None));
+    assert!(lane.alive());
+}
+
+#[test]
+fn a_lost_backend_stops_the_lane_and_fails_every_stream() {
+    // One stream runs at a time: the second waits in the queue when the
+    // backend is lost, and fails with the reason instead of waiting for ever.
+    let lane = faulting(4, true);
+    let a = lane.submit(greedy(prompt(4, 112), 50)).unwrap();
+    let b = lane.submit(greedy(prompt(4, 113), 5)).unwrap();
+    let out = drain(&a);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("device fault in round 4")), "{:?}", out.error);
+    let out = drain(&b);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("failed for good") && e.contains("device fault")), "{:?}", out.error);
+    wait_until("the lane to close", || matches!(lane.submit(greedy(prompt(4, 114), 1)), Err(SubmitError::Closed)));
+    assert!(!lane.alive(), "a lane whose backend is lost says it is dead (the server's /health answers 503)");
+}
+
 #[test]
 fn lanes_and_controls_can_be_shared_across_threads() {
     fn send_sync<T: Send + Sync>() {}

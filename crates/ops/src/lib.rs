@@ -347,6 +347,13 @@ pub trait Device: Send + Sync + 'static {
     fn memory_free(&self) -> Option<usize> {
         None
     }
+    /// Why this device can run nothing more, once that is so (the CUDA
+    /// device keeps its first error and refuses every op after it, as a
+    /// faulted CUDA context would). `None`, the default: errors are the
+    /// ops' own.
+    fn lost(&self) -> Option<String> {
+        None
+    }
     /// A tensor of the given shape (contents unspecified).
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;
     /// Reshape in place, reusing memory when it suffices.

@@ -160,6 +160,7 @@ impl Core {
 
     fn run_loop(&mut self) {
         let mut progress = true;
+        let mut failed = 0;
         loop {
             let idle = self.queue.is_empty() && self.running.is_empty();
             self.intake(idle, !progress);
@@ -175,6 +176,14 @@ impl Core {
             progress |= self.turn();
             self.sweep();
             self.stats.rounds += 1;
+            // A stream failed: if the backend can run nothing more, no
+            // stream can be served (and the next would fail the same way).
+            if self.stats.errors > failed {
+                failed = self.stats.errors;
+                if let Some(why) = self.backend.lost() {
+                    return self.give_up(&format!("the backend failed for good: {why}"));
+                }
+            }
             self.publish();
         }
         self.close();

@@ -698,6 +698,10 @@ impl<D: Device> ModelBackend<D> {
 }
 
 impl<D: Device> Backend for ModelBackend<D> {
+    fn lost(&self) -> Option<String> {
+        self.dev.lost().map(|e| format!("{} lost: {e}", self.dev.name()))
+    }
+
     fn capabilities(&self) -> Capabilities {
         let caps = self.dev.caps();
         Capabilities {

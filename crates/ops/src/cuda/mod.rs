@@ -319,6 +319,10 @@ impl Device for Cuda {
         self.memory().ok().map(|(free, _)| free)
     }
 
+    fn lost(&self) -> Option<String> {
+        self.st().error.clone()
+    }
+
     fn caps(&self) -> DeviceCaps {
         // cuBLAS chooses kernels (and reduction orders) by shape: not batch-invariant.
         let graphs = self.inner.tuning.graphs;

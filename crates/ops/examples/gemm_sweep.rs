@@ -126,32 +126,7 @@ mod sweep {
                 let rate = |us: f64| bytes as f64 / us / 1e3;
                 let wp: Vec<u64> = b.ws.iter().map(|w| ptr(w, &st)).collect();
                 let (xp, yp) = (ptr(&b.x, &st), ptr(&b.y, &st));
-                let (alpha, beta) = (1f32, 0f32);
-                let us = time(&st, copies, |i| unsafe {
-                    cb::cublasGemmEx(
-                        blas,
-                        cb::cublasOperation_t::CUBLAS_OP_T,
-                        cb::cublasOperation_t::CUBLAS_OP_N,
-                        m as i32,
-                        n as i32,
-                        k as i32,
-                        &alpha as *const f32 as *const c_void,
-                        wp[i] as *const c_void,
-                        cb::cudaDataType::CUDA_R_16BF,
-                        k as i32,
-                        xp as *const c_void,
-                        cb::cudaDataType::CUDA_R_16BF,
-                        k as i32,
-                        &beta as *const f32 as *const c_void,
-                        yp as *mut c_void,
-                        cb::cudaDataType::CUDA_R_32F,
-                        m as i32,
-                        cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-                    )
-                    .result()
-                    .map_err(|e| anyhow!("{e:?}"))
-                })?;
+                let us = time(&st, copies, |i| gemm_ex(blas, wp[i], xp, yp, m, n, k))?;
                 println!("| {m}x{k} | {n} | cublasGemmEx | {us:.1} | {:.0} |", rate(us));
                 let mut found = lt_sweep(lth, &st, &wp, xp, yp, ptr(&work, &st), m, n, k, top, copies)?;
                 found.sort_by(|a, b| a.1.total_cmp(&b.1));
@@ -277,6 +252,37 @@ mod sweep {
         Ok(out)
     }
 
+    /// `y[n, m] = x[n, k] · w[m, k]ᵀ` as braid calls cuBLAS (bf16 operands,
+    /// f32 accumulation and out).
+    fn gemm_ex(blas: cb::cublasHandle_t, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        unsafe {
+            cb::cublasGemmEx(
+                blas,
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const c_void,
+                y as *mut c_void,
+                cb::cudaDataType::CUDA_R_32F,
+                m as i32,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+            .result()
+            .map_err(|e| anyhow!("{e:?}"))
+        }
+    }
+
     /// Each group's weights as a launch each, as one grouped launch, and
     /// (equal widths) as one batched launch.
     fn grouped_sweep(blas: cb::cublasHandle_t, st: &Arc<CudaStream>, groups: &[(Vec<usize>, usize)], rows: &[usize]) -> Result<()> {
@@ -306,31 +312,7 @@ mod sweep {
             for &n in rows {
                 let each = time(st, copies, |i| {
                     for (j, &m) in ms.iter().enumerate() {
-                        unsafe {
-                            cb::cublasGemmEx(
-                                blas,
-                                cb::cublasOperation_t::CUBLAS_OP_T,
-                                cb::cublasOperation_t::CUBLAS_OP_N,
-                                m as i32,
-                                n as i32,
-                                k as i32,
-                                &alpha as *const f32 as *const c_void,
-                                ptr(&ws[i][j], st) as *const c_void,
-                                cb::cudaDataType::CUDA_R_16BF,
-                                k as i32,
-                                xp as *const c_void,
-                                cb::cudaDataType::CUDA_R_16BF,
-                                k as i32,
-                                &beta as *const f32 as *const c_void,
-                                yp[j] as *mut c_void,
-                                cb::cudaDataType::CUDA_R_32F,
-                                m as i32,
-                                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-                            )
-                            .result()
-                            .map_err(|e| anyhow!("{e:?}"))?;
-                        }
+                        gemm_ex(blas, ptr(&ws[i][j], st), xp, yp[j], m, n, k)?;
                     }
                     Ok(())
                 })?;

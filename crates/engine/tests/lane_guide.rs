@@ -230,3 +230,54 @@ fn a_slow_mask_never_stalls_the_other_streams() {
     assert!(gaps.len() > 100, "only {} tokens while the guided stream ran", gaps.len());
     wait_until("a wait for masks (else the test proves nothing)", || lane.stats().mask_waits > 0);
 }
+
+/// A grammar whose constraints panic at their `at`-th mask (a bug in a
+/// grammar library, say).
+#[derive(Clone)]
+struct Panicking {
+    at: usize,
+}
+
+struct PanickingConstraint {
+    inner: Box<dyn braid_engine::Constraint>,
+    at: usize,
+    masks: usize,
+}
+
+impl braid_engine::Grammar for Panicking {
+    fn start(&self) -> Result<Box<dyn braid_engine::Constraint>, String> {
+        Ok(Box::new(PanickingConstraint { inner: braid_engine::Grammar::start(&grammar())?, at: self.at, masks: 0 }))
+    }
+}
+
+impl braid_engine::Constraint for PanickingConstraint {
+    fn mask(&mut self) -> Result<braid_engine::TokenMask, String> {
+        self.masks += 1;
+        if self.masks == self.at {
+            panic!("mask {} broke", self.masks);
+        }
+        self.inner.mask()
+    }
+    fn commit(&mut self, token: u32) -> Result<bool, String> {
+        self.inner.commit(token)
+    }
+    fn rollback(&mut self, tokens: usize) -> Result<(), String> {
+        self.inner.rollback(tokens)
+    }
+}
+
+#[test]
+fn a_grammar_that_panics_fails_its_stream_and_the_workers_serve_on() {
+    // One mask worker: the panic must not take it away from the next stream.
+    let (lane, _log) = lane(FakeConfig::default(), LaneConfig { mask_threads: 1, ..no_marks() });
+    let mut r = greedy(prompt(4, 58), 30);
+    r.sampling.guide = Some(Guide::new(Panicking { at: 5 }));
+    let out = drain(&lane.submit(r).unwrap());
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("panicked") && e.contains("mask 5 broke")), "{:?}", out.error);
+    assert_eq!(out.tokens.len(), 4, "the tokens before the broken mask came");
+    let p = prompt(7, 59);
+    let out = drain(&lane.submit(guided(p.clone(), 20, &grammar())).unwrap());
+    assert_eq!((out.reason, out.error), (Some(FinishReason::Length), None));
+    assert_eq!(out.tokens, fake_guided(&p, 20, 64, EVERY));
+    assert!(lane.alive());
+}

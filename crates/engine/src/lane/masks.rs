@@ -27,7 +27,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::run::Core;
+use super::run::{panic_text, Core};
 use super::stream::{Phase, Stream};
 use super::Command;
 use crate::backend::{DecodeRow, Picked, RoundMasks, StreamId};
@@ -201,9 +201,13 @@ impl RoundMasks for PickMasks<'_> {
     }
 }
 
+/// A job's masks. A grammar that panics fails its stream (as a grammar
+/// error does) and leaves the worker serving the others: the stream would
+/// otherwise wait for ever for masks that never come.
 fn run(mut job: Job) -> Done {
     let t = std::time::Instant::now();
-    let masks = masks_for(&mut *job.constraint, &job.draft);
+    let masks = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| masks_for(&mut *job.constraint, &job.draft)))
+        .unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_text(&*p))));
     tracing::trace!(stream = job.stream, rows = masks.as_ref().map_or(0, Vec::len), ms = t.elapsed().as_secs_f64() * 1e3, "masks");
     Done { stream: job.stream, constraint: job.constraint, masks }
 }

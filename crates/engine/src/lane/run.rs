@@ -26,7 +26,7 @@ const IDLE_POLL: Duration = Duration::from_millis(20);
 const SEEN_PREFIXES: usize = 1 << 16;
 
 /// A panic payload's message.
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+pub(super) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into())
 }
 

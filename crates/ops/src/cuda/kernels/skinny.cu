@@ -20,8 +20,8 @@
 // outgrows the weights' (Llama-1B's down projection at 70 rows: ~1.1 MB of
 // x a block, 128 blocks, for 34 MB of weights). Blocks that each took 32
 // rows, the weights read again for each, were slower still (the second
-// read did not come from L2). The code below is written for up to 16 tiles
-// (the partial sums meet 32 x rows at a time); `sk_blocks` takes 4.
+// read did not come from L2). Wider variants that split k over blocks
+// lost too (docs/CUDA.md).
 #define SK_WARPS 8
 // The shared partial sums' row: 32 x rows and a pad word.
 #define SK_LD 33
@@ -98,56 +98,40 @@ __device__ __forceinline__ void sk_warp(const bf16_t* __restrict__ w, int row0, 
 }
 
 // The block's products for its R * 16 (or H * 16) outputs and every x row:
-// each warp its tile (16 rows of w from row0) over its slice of k; then,
-// 32 x rows at a time, the warps' sums into red[(warp * 16 + row) * SK_LD
-// + x row] and, after the barrier, store(first x row, rows) adds the slices
-// up and writes them.
-template <int T, class Store>
-__device__ __forceinline__ void sk_block(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int R,
-                                         float* red, Store store) {
+// each warp its tile (16 rows of w from row0) over its slice of k, into
+// red[(warp * 16 + row) * SK_LD + x row].
+template <int T>
+__device__ __forceinline__ void sk_block(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int R, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int S = SK_WARPS / R, kbn = k8 / 4, per = (kbn + S - 1) / S;
     const int kb0 = min(kbn, (warp / R) * per), kb1 = min(kbn, kb0 + per);
     float acc[T][4];
-    // Past 4 tiles, 2 steps in flight, past 12 one (the registers of 2 blocks
-    // an SM).
-    sk_warp<T, (T <= 4 ? 4 : T <= 12 ? 2 : 1)>(w, row0, m, x, n, k8, kb0, kb1, acc);
+    sk_warp<T, 4>(w, row0, m, x, n, k8, kb0, kb1, acc);
     // Dependents launch only now: launched at entry, the next kernels'
     // blocks took the SM room this one's later blocks needed.
     PDL_LAUNCH();
     float* r0 = red + (warp * 16 + g) * SK_LD + 2 * t;
     float* r1 = r0 + 8 * SK_LD;
     #pragma unroll
-    for (int q = 0; q < (T + 3) / 4; q++) {
-        if (q > 0) __syncthreads();
-        #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if (q * 4 + j < T) {
-                r0[j * 8] = acc[q * 4 + j][0];
-                r0[j * 8 + 1] = acc[q * 4 + j][1];
-                r1[j * 8] = acc[q * 4 + j][2];
-                r1[j * 8 + 1] = acc[q * 4 + j][3];
-            }
-        }
-        __syncthreads();
-        store(q * 32, min(32, n - q * 32));
+    for (int i = 0; i < T; i++) {
+        r0[i * 8] = acc[i][0];
+        r0[i * 8 + 1] = acc[i][1];
+        r1[i * 8] = acc[i][2];
+        r1[i * 8 + 1] = acc[i][3];
     }
 }
 
-// sk_block with T = the tiles of 8 that n x rows take, rounded up to
-// 1-4, 6, 8, 12 or 16 (the rows past n repeat row n - 1, unstored).
-template <class Store>
-__device__ __forceinline__ void sk_blocks(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int R,
-                                          float* red, Store store) {
+// sk_block with T = the tiles of 8 that n x rows take (the rows past n
+// repeat row n - 1, unstored).
+__device__ __forceinline__ void sk_blocks(const bf16_t* __restrict__ w, int row0, int m, const bf16_t* x, int n, int k8, int R, float* red) {
     const int tiles = (n + 7) / 8;
-    if (tiles <= 1) sk_block<1>(w, row0, m, x, n, k8, R, red, store);
-    else if (tiles == 2) sk_block<2>(w, row0, m, x, n, k8, R, red, store);
-    else if (tiles == 3) sk_block<3>(w, row0, m, x, n, k8, R, red, store);
-    else sk_block<4>(w, row0, m, x, n, k8, R, red, store);
+    if (tiles <= 1) sk_block<1>(w, row0, m, x, n, k8, R, red);
+    else if (tiles == 2) sk_block<2>(w, row0, m, x, n, k8, R, red);
+    else if (tiles == 3) sk_block<3>(w, row0, m, x, n, k8, R, red);
+    else sk_block<4>(w, row0, m, x, n, k8, R, red);
 }
 #else
-template <class Store>
-__device__ __forceinline__ void sk_blocks(const bf16_t*, int, int, const bf16_t*, int, int, int, float*, Store) { __trap(); }
+__device__ __forceinline__ void sk_blocks(const bf16_t*, int, int, const bf16_t*, int, int, int, float*) { __trap(); }
 #endif
 
 // Tile `tile`'s sum over the k slices (warps tile, tile + R, ...), weight
@@ -160,7 +144,7 @@ __device__ __forceinline__ float sk_total(const float* red, int R, int tile, int
 
 // Up to three weights sharing x (q, k, v): blocks [0, nb0) along y take
 // w0, the next nb1 w1, the rest w2. mode 0: y f32; 1: y bf16; 2: y (f32) += the
-// product. At most 128 rows of x.
+// product. At most 32 rows of x.
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny(const bf16_t* x, int n, int k8, int R, const bf16_t* w0,
     const bf16_t* w1, const bf16_t* w2, void* y0, void* y1, void* y2, int m0, int m1, int m2, int nb0, int nb1, int mode) {
     __shared__ float red[SK_WARPS * 16 * SK_LD];
@@ -171,36 +155,36 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny(const bf16_t* x
     if (blk >= nb0 + nb1) { blk -= nb0 + nb1; w = w2; y = y2; m = m2; }
     else if (blk >= nb0) { blk -= nb0; w = w1; y = y1; m = m1; }
     const int warp = threadIdx.x >> 5;
-    sk_blocks(w, (blk * R + warp % R) * 16, m, x, n, k8, R, red, [=](int i0, int rows) {
-        for (int o = threadIdx.x; o < R * 16 * rows; o += blockDim.x) {
-            const int i = o / (R * 16), f = o % (R * 16), j = blk * R * 16 + f;
-            if (j >= m) continue;
-            const float v = sk_total(red, R, f / 16, f % 16, i);
-            const long at = (long)(i0 + i) * m + j;
-            if (mode == 1) ((bf16_t*)y)[at] = f2bf(v);
-            else if (mode == 2) ((float*)y)[at] += v;
-            else ((float*)y)[at] = v;
-        }
-    });
+    sk_blocks(w, (blk * R + warp % R) * 16, m, x, n, k8, R, red);
+    __syncthreads();
+    for (int o = threadIdx.x; o < R * 16 * n; o += blockDim.x) {
+        const int i = o / (R * 16), f = o % (R * 16), j = blk * R * 16 + f;
+        if (j >= m) continue;
+        const float v = sk_total(red, R, f / 16, f % 16, i);
+        const long at = (long)i * m + j;
+        if (mode == 1) ((bf16_t*)y)[at] = f2bf(v);
+        else if (mode == 2) ((float*)y)[at] += v;
+        else ((float*)y)[at] = v;
+    }
 }
 
 // Gate, up and the activation: a block takes R / 2 tiles of gate (warps'
 // tiles 0..R/2) and the same rows of up (R/2..R); out = act(gate) * up in
-// f32 and bf16, gate and up never written. At most 128 rows of x.
+// f32 and bf16, gate and up never written. At most 32 rows of x.
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_skinny_gated(const bf16_t* x, int n, int k8, int R,
     const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, int m, int act, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
     __shared__ float red[SK_WARPS * 16 * SK_LD];
     const int warp = threadIdx.x >> 5, H = R / 2, tile = warp % R;
     const int row0 = (blockIdx.y * H + (tile < H ? tile : tile - H)) * 16;
-    sk_blocks(tile < H ? wg : wu, row0, m, x, n, k8, R, red, [=](int i0, int rows) {
-        for (int o = threadIdx.x; o < H * 16 * rows; o += blockDim.x) {
-            const int i = o / (H * 16), f = o % (H * 16), j = blockIdx.y * H * 16 + f;
-            if (j >= m) continue;
-            const float g = sk_total(red, R, f / 16, f % 16, i), u = sk_total(red, R, H + f / 16, f % 16, i);
-            const float v = gate_act(g, act) * u;
-            const long at = (long)(i0 + i) * m + j;
-            out[at] = v;
-            out_bf[at] = f2bf(v);
-        }
-    });
+    sk_blocks(tile < H ? wg : wu, row0, m, x, n, k8, R, red);
+    __syncthreads();
+    for (int o = threadIdx.x; o < H * 16 * n; o += blockDim.x) {
+        const int i = o / (H * 16), f = o % (H * 16), j = blockIdx.y * H * 16 + f;
+        if (j >= m) continue;
+        const float g = sk_total(red, R, f / 16, f % 16, i), u = sk_total(red, R, H + f / 16, f % 16, i);
+        const float v = gate_act(g, act) * u;
+        const long at = (long)i * m + j;
+        out[at] = v;
+        out_bf[at] = f2bf(v);
+    }
 }

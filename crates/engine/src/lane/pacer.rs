@@ -304,19 +304,23 @@ impl Pacer {
     /// Start the cost model, and what each chunk size adds, from rounds
     /// timed before serving.
     pub fn learn(&mut self, rounds: &[RoundCost]) {
-        let mut fractions: HashMap<usize, Vec<f64>> = HashMap::new();
         for r in rounds {
             let shape = Shape { decode_rows: r.decode_rows, decode_ctx: r.decode_ctx, chunk_rows: r.chunk_rows, chunk_start: r.chunk_start };
             self.model.observe(&shape, r.secs);
-            let plain = rounds.iter().find(|p| p.chunk_rows == 0 && p.decode_rows == r.decode_rows && p.decode_rows > 0);
-            if let (Some(p), true) = (plain, r.chunk_rows > 0) {
-                fractions.entry(r.chunk_rows).or_default().push((r.secs - p.secs) / p.secs.max(1e-9));
+            if r.chunk_rows == 0 {
+                continue;
+            }
+            if let Some(p) = rounds.iter().find(|p| p.chunk_rows == 0 && p.decode_rows == r.decode_rows && p.decode_rows > 0) {
+                self.saw_added(r.chunk_rows, (r.secs - p.secs) / p.secs.max(1e-9));
             }
         }
-        // The least: a step shows in every round, a spike in one.
-        for (rows, f) in fractions {
-            self.added.insert(rows, f.into_iter().fold(f64::INFINITY, f64::min));
-        }
+    }
+
+    /// A chunk of `rows` beside decode rows added `f` of a plain round to
+    /// its round: the least seen per size counts (a step shows in every
+    /// round, a spike in one, and must not bar a size for good).
+    fn saw_added(&mut self, rows: usize, f: f64) {
+        self.added.entry(rows).and_modify(|a| *a = a.min(f)).or_insert(f);
     }
 
     /// `rows` (a replayed size), or under a share the largest size below it
@@ -553,11 +557,9 @@ impl Pacer {
                 }
                 self.last = Some((id, rows, added, r.secs));
                 self.shared_since_plain += 1;
-                // The least seen for the size (a pass's first chunk can be
-                // dearer once): a spike must not bar a size for good.
+                // Not a pass's first chunk: it can be dearer once.
                 if self.plain_secs > 0.0 && !first {
-                    let f = added / self.plain_secs;
-                    self.added.entry(rows).and_modify(|a| *a = a.min(f)).or_insert(f);
+                    self.saw_added(rows, added / self.plain_secs);
                 }
             }
         }

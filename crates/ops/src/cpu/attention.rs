@@ -78,14 +78,23 @@ struct Task {
     fan: bool,
 }
 
+/// The first key a query at `pos` sees (its sliding window's, or 0).
+fn window_lo(s: &AttnSeq<'_>, pos: usize) -> usize {
+    s.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
 impl Task {
+    /// Its first row's position.
+    fn first_pos(&self, s: &AttnSeq<'_>) -> usize {
+        s.kv_len - s.q_len + self.row0
+    }
+
     /// First and last key position any row of the task sees: no key before
     /// its first row's window is read (a sliding-window layer's blocks
     /// before it may be let go, their table entries stand-ins).
     fn key_span(&self, s: &AttnSeq<'_>) -> (usize, usize) {
-        let first_pos = s.kv_len - s.q_len + self.row0;
-        let lo = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));
-        (lo, if self.fan { first_pos } else { first_pos + self.rows - 1 })
+        let first_pos = self.first_pos(s);
+        (window_lo(s, first_pos), if self.fan { first_pos } else { first_pos + self.rows - 1 })
     }
 }
 
@@ -623,14 +632,12 @@ impl<'b> State<'b> {
 /// The keys task `t` reads: its first row's position, and the first and
 /// last key (its window's and its partition's, where it has them).
 fn key_range(t: &Task, s: &AttnSeq<'_>) -> (usize, usize, usize) {
-    let first_pos = s.kv_len - s.q_len + t.row0;
-    let mut last_pos = if t.fan { first_pos } else { first_pos + t.rows - 1 };
-    let mut j_start = s.window.map_or(0, |w| (first_pos + 1).saturating_sub(w));
+    let (mut j_start, mut last_pos) = t.key_span(s);
     if let Some(p) = t.part {
         j_start = j_start.max(p * PART);
         last_pos = last_pos.min((p + 1) * PART - 1);
     }
-    (first_pos, j_start, last_pos)
+    (t.first_pos(s), j_start, last_pos)
 }
 
 #[inline(always)]
@@ -646,7 +653,6 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     let (k32, v32): (&[f32], &[f32]) = if c.kv.dtype == KvDtype::F32 { (&c.kv.k32[c.layer], &c.kv.v32[c.layer]) } else { (&[], &[]) };
     let mut st = State::new(buf, t.rows * c.group, hd);
     let (first_pos, j_start, last_pos) = key_range(t, s);
-    let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let mut t0 = j_start / KB * KB;
     let mut part = t0 / PART;
     while t0 <= last_pos {
@@ -671,7 +677,7 @@ fn task_in<K: Kern>(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
         }
         for i in 0..t.rows {
             let pos = if t.fan { first_pos } else { first_pos + i };
-            let (a, b) = (t0.max(lo_of(pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
+            let (a, b) = (t0.max(window_lo(s, pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
             if a >= b {
                 continue;
             }

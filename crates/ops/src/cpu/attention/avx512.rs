@@ -23,7 +23,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::{key_range, vmath, Ctx, State, Task, GB, KB, PART};
+use super::{key_range, vmath, window_lo, Ctx, State, Task, GB, KB, PART};
 use crate::KvDtype;
 
 /// Tasks of at most this many rows read the pool in place.
@@ -99,7 +99,6 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
     let nq = t.rows * c.group;
     let mut st = State::new(buf, nq * t.heads, hd);
     let (first_pos, j_start, last_pos) = key_range(t, s);
-    let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     // Keys of the tile at t0 that the task reads, and their rows (walking
     // the block table, no division per key).
     let span = |t0: usize| (t0.max(j_start) - t0, (t0 + KB).min(last_pos + 1) - t0);
@@ -133,7 +132,7 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
             let next = if t0 + KB <= last_pos { Some(rows_at(t0 + KB)) } else { None };
             for k in 0..t.heads {
                 let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
-                let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
+                let tile = Tile { c, t: &tk, t0, first_pos };
                 let (mk, lk, ak) = (&mut st.m[k * nq..(k + 1) * nq], &mut st.l[k * nq..(k + 1) * nq], &mut st.acc[k * nq * hd..(k + 1) * nq * hd]);
                 tile.run(rows, k * hd, next.as_ref(), mk, lk, ak);
             }
@@ -157,7 +156,7 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
                     }
                 }
                 let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
-                let tile = Tile { c, t: &tk, t0, first_pos, lo_of: &lo_of };
+                let tile = Tile { c, t: &tk, t0, first_pos };
                 let (mk, lk, ak) = (&mut st.m[k * nq..(k + 1) * nq], &mut st.l[k * nq..(k + 1) * nq], &mut st.acc[k * nq * hd..(k + 1) * nq * hd]);
                 tile.run(&conv, 0, None, mk, lk, ak);
             }
@@ -173,7 +172,6 @@ struct Tile<'a, 'b> {
     t: &'a Task,
     t0: usize,
     first_pos: usize,
-    lo_of: &'a dyn Fn(usize) -> usize,
 }
 
 impl Tile<'_, '_> {
@@ -185,7 +183,7 @@ impl Tile<'_, '_> {
         let (c, t, t0) = (self.c, self.t, self.t0);
         for i in 0..t.rows {
             let pos = if t.fan { self.first_pos } else { self.first_pos + i };
-            let (a, b) = (t0.max((self.lo_of)(pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
+            let (a, b) = (t0.max(window_lo(&c.seqs[t.seq], pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
             if a >= b {
                 continue;
             }

@@ -128,87 +128,26 @@ fn shutdown_cancels_running_and_queued_streams() {
     assert!(log.snapshot().contains(&Call::Forget(a.id)));
 }
 
-/// A fake that panics in its `at`-th round.
-struct Exploding {
-    inner: FakeBackend,
-    rounds: usize,
-    at: usize,
-    /// `forget` panics too: the lane cannot recover.
-    forget_panics: bool,
+/// How a [`Faulting`] fake's `at`-th round goes wrong.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// It panics.
+    Panic,
+    /// It panics, and so does every `forget`: the lane cannot recover.
+    PanicForgetToo,
+    /// It fails.
+    Fail,
+    /// It fails and the backend is lost from then on: every later call
+    /// fails too, as a faulted CUDA context's would.
+    Lose,
 }
 
-impl Backend for Exploding {
-    fn capabilities(&self) -> braid_engine::Capabilities {
-        self.inner.capabilities()
-    }
-    fn fill(&self) -> braid_engine::Fill {
-        self.inner.fill()
-    }
-    fn open(&mut self, stream: u64) -> anyhow::Result<()> {
-        self.inner.open(stream)
-    }
-    fn round(&mut self, step: Step<'_>) -> anyhow::Result<braid_engine::RoundOut> {
-        self.rounds += 1;
-        if self.rounds == self.at {
-            panic!("boom in round {}", self.rounds);
-        }
-        self.inner.round(step)
-    }
-    fn prefill_step(&mut self, stream: u64, chunk: braid_engine::Chunk<'_>) -> anyhow::Result<Option<Vec<f32>>> {
-        self.inner.prefill_step(stream, chunk)
-    }
-    fn cancel_prefill(&mut self, stream: u64) {
-        self.inner.cancel_prefill(stream)
-    }
-    fn forget(&mut self, stream: u64) {
-        if self.forget_panics {
-            panic!("forget broke too");
-        }
-        self.inner.forget(stream)
-    }
-}
-
-#[test]
-fn a_panicking_round_fails_its_streams_and_the_lane_serves_on() {
-    let log = CallLog::default();
-    let inner = FakeBackend::new(FakeConfig::default(), log.clone());
-    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 5, forget_panics: false }), Arc::new(FakeText::default()), no_marks());
-    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
-    let out = drain(&h);
-    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 5")), "{:?}", out.error);
-    assert_eq!(out.tokens.len(), 5, "the first token and four decoded ones came before the panic");
-    // Its memory returned, and the next stream is served as usual.
-    wait_until("the failed stream forgotten", || log.snapshot().contains(&Call::Forget(h.id)));
-    let next = lane.submit(greedy(prompt(4, 101), 3)).unwrap();
-    let out = drain(&next);
-    assert_eq!((out.reason, out.error), (Some(FinishReason::Length), None));
-    assert!(lane.alive());
-    wait_until("the slots free", || lane.stats().fill.slots_used == 0);
-    let st = lane.stats();
-    assert_eq!((st.errors, st.lane_failures, st.queued), (1, 1, 0));
-}
-
-#[test]
-fn a_lane_that_cannot_recover_says_it_is_dead() {
-    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
-    let lane = Lane::spawn(Box::new(Exploding { inner, rounds: 0, at: 2, forget_panics: true }), Arc::new(FakeText::default()), no_marks());
-    assert!(lane.alive());
-    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
-    let out = drain(&h);
-    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 2")), "{:?}", out.error);
-    wait_until("the lane to close", || matches!(lane.submit(greedy(prompt(4, 101), 1)), Err(SubmitError::Closed)));
-    assert!(!lane.alive());
-    // (A probe may have been queued before the lane died: it failed too.)
-    assert!(lane.stats().errors >= 1);
-}
-
-/// A fake whose `at`-th round fails; `lose`: the backend is lost from then
-/// on (every later call fails too, as a faulted CUDA context's would).
+/// A fake whose `at`-th round goes wrong as `fault` says.
 struct Faulting {
     inner: FakeBackend,
     rounds: usize,
     at: usize,
-    lose: bool,
+    fault: Fault,
     lost: Option<String>,
 }
 
@@ -236,11 +175,15 @@ impl Backend for Faulting {
         self.check()?;
         self.rounds += 1;
         if self.rounds == self.at {
-            let e = format!("device fault in round {}", self.rounds);
-            if self.lose {
-                self.lost = Some(e.clone());
+            match self.fault {
+                Fault::Panic | Fault::PanicForgetToo => panic!("boom in round {}", self.rounds),
+                Fault::Fail => anyhow::bail!("device fault in round {}", self.rounds),
+                Fault::Lose => {
+                    let e = format!("device fault in round {}", self.rounds);
+                    self.lost = Some(e.clone());
+                    anyhow::bail!("{e}");
+                }
             }
-            anyhow::bail!("{e}");
         }
         self.inner.round(step)
     }
@@ -252,6 +195,9 @@ impl Backend for Faulting {
         self.inner.cancel_prefill(stream)
     }
     fn forget(&mut self, stream: u64) {
+        if self.fault == Fault::PanicForgetToo {
+            panic!("forget broke too");
+        }
         self.inner.forget(stream)
     }
     fn lost(&self) -> Option<String> {
@@ -259,14 +205,47 @@ impl Backend for Faulting {
     }
 }
 
-fn faulting(at: usize, lose: bool) -> Lane {
-    let inner = FakeBackend::new(FakeConfig::default(), CallLog::default());
-    Lane::spawn(Box::new(Faulting { inner, rounds: 0, at, lose, lost: None }), Arc::new(FakeText::default()), LaneConfig { max_running: 1, ..no_marks() })
+/// A lane over a [`Faulting`] fake logging to `log`.
+fn faulting(at: usize, fault: Fault, log: CallLog, cfg: LaneConfig) -> Lane {
+    let inner = FakeBackend::new(FakeConfig::default(), log);
+    Lane::spawn(Box::new(Faulting { inner, rounds: 0, at, fault, lost: None }), Arc::new(FakeText::default()), cfg)
+}
+
+#[test]
+fn a_panicking_round_fails_its_streams_and_the_lane_serves_on() {
+    let log = CallLog::default();
+    let lane = faulting(5, Fault::Panic, log.clone(), no_marks());
+    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
+    let out = drain(&h);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 5")), "{:?}", out.error);
+    assert_eq!(out.tokens.len(), 5, "the first token and four decoded ones came before the panic");
+    // Its memory returned, and the next stream is served as usual.
+    wait_until("the failed stream forgotten", || log.snapshot().contains(&Call::Forget(h.id)));
+    let next = lane.submit(greedy(prompt(4, 101), 3)).unwrap();
+    let out = drain(&next);
+    assert_eq!((out.reason, out.error), (Some(FinishReason::Length), None));
+    assert!(lane.alive());
+    wait_until("the slots free", || lane.stats().fill.slots_used == 0);
+    let st = lane.stats();
+    assert_eq!((st.errors, st.lane_failures, st.queued), (1, 1, 0));
+}
+
+#[test]
+fn a_lane_that_cannot_recover_says_it_is_dead() {
+    let lane = faulting(2, Fault::PanicForgetToo, CallLog::default(), no_marks());
+    assert!(lane.alive());
+    let h = lane.submit(greedy(prompt(4, 100), 50)).unwrap();
+    let out = drain(&h);
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("boom in round 2")), "{:?}", out.error);
+    wait_until("the lane to close", || matches!(lane.submit(greedy(prompt(4, 101), 1)), Err(SubmitError::Closed)));
+    assert!(!lane.alive());
+    // (A probe may have been queued before the lane died: it failed too.)
+    assert!(lane.stats().errors >= 1);
 }
 
 #[test]
 fn a_failed_round_of_a_backend_that_recovers_fails_its_streams_only() {
-    let lane = faulting(4, false);
+    let lane = faulting(4, Fault::Fail, CallLog::default(), LaneConfig { max_running: 1, ..no_marks() });
     let out = drain(&lane.submit(greedy(prompt(4, 110), 50)).unwrap());
     assert!(out.error.as_deref().is_some_and(|e| e.contains("device fault in round 4")), "{:?}", out.error);
     let out = drain(&lane.submit(greedy(prompt(4, 111), 3)).unwrap());
@@ -278,7 +257,7 @@ fn a_failed_round_of_a_backend_that_recovers_fails_its_streams_only() {
 fn a_lost_backend_stops_the_lane_and_fails_every_stream() {
     // One stream runs at a time: the second waits in the queue when the
     // backend is lost, and fails with the reason instead of waiting for ever.
-    let lane = faulting(4, true);
+    let lane = faulting(4, Fault::Lose, CallLog::default(), LaneConfig { max_running: 1, ..no_marks() });
     let a = lane.submit(greedy(prompt(4, 112), 50)).unwrap();
     let b = lane.submit(greedy(prompt(4, 113), 5)).unwrap();
     let out = drain(&a);

@@ -2,20 +2,16 @@
 //! the model cache): what a chunk of each size adds to the round.
 //! `cargo run --release -p braid-models --example cpu_mixed [STREAMS] [CTX] [START]`
 use braid_engine::{Backend, Chunk, DecodeRow, Pick, Step};
-use braid_formats::cache::cached_model;
-use braid_models::{BackendConfig, ModelBackend};
-use braid_ops::cpu::Cpu;
 use std::time::Instant;
+
+#[path = "common/smollm2_cpu.rs"]
+mod smollm2_cpu;
 
 fn main() {
     let arg = |i: usize, d: usize| std::env::args().nth(i).map_or(d, |a| a.parse().expect("a number"));
     let (n, ctx, start) = (arg(1, 6) as u64, arg(2, 200), arg(3, 500));
-    let path = cached_model("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let dev = Cpu::new(None);
-    let (_src, model) = braid_models::open(&dev, &path).unwrap();
-    let mut be =
-        ModelBackend::new(dev, model, BackendConfig { kv_tokens: 65536, context: 8192, max_streams: 64, max_batch: 512, ..Default::default() }).unwrap();
-    let toks: Vec<u32> = (0..8000).map(|i| (i * 7919 + 17) % 32000).collect();
+    let mut be = smollm2_cpu::backend();
+    let toks = smollm2_cpu::tokens();
     let ids: Vec<u64> = (0..n).collect();
     for &s in &ids {
         be.open(s).unwrap();

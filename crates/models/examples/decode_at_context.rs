@@ -2,19 +2,15 @@
 //! (SmolLM2 from the model cache): where attention starts to dominate.
 //! `cargo run --release -p braid-models --example decode_at_context [STREAMS]`
 use braid_engine::{Backend, Chunk, DecodeRow, Pick, Step};
-use braid_formats::cache::cached_model;
-use braid_models::{BackendConfig, ModelBackend};
-use braid_ops::cpu::Cpu;
 use std::time::Instant;
+
+#[path = "common/smollm2_cpu.rs"]
+mod smollm2_cpu;
 
 fn main() {
     let n: u64 = std::env::args().nth(1).map_or(1, |a| a.parse().expect("STREAMS is a number"));
-    let path = cached_model("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let dev = Cpu::new(None);
-    let (_src, model) = braid_models::open(&dev, &path).unwrap();
-    let mut be =
-        ModelBackend::new(dev, model, BackendConfig { kv_tokens: 65536, context: 8192, max_streams: 64, max_batch: 512, ..Default::default() }).unwrap();
-    let toks: Vec<u32> = (0..8000).map(|i| (i * 7919 + 17) % 32000).collect();
+    let mut be = smollm2_cpu::backend();
+    let toks = smollm2_cpu::tokens();
     for (round, ctx) in [100usize, 500, 1000, 1500, 3000].into_iter().enumerate() {
         let ids: Vec<u64> = (0..n).map(|i| 100 * round as u64 + i).collect();
         for &s in &ids {

@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -33,6 +34,7 @@ class Browser:
     written to its fd 3 and read from its fd 4."""
 
     def __init__(self, exe):
+        self.profile = tempfile.TemporaryDirectory(prefix="braid-chromium-")
         to_r, self.to_w = os.pipe()
         self.from_r, from_w = os.pipe()
         # Chromium reads commands on fd 3 and writes replies on fd 4 (moved
@@ -42,7 +44,10 @@ class Browser:
             os.dup2(r, 3)
             os.dup2(w, 4)
         self.proc = subprocess.Popen(
-            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--window-size=1100,800", "--no-first-run", "about:blank"],
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--window-size=1100,800", "--no-first-run",
+             # No network beyond localhost here: keep Chromium from reaching out.
+             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
+             f"--user-data-dir={self.profile.name}", "about:blank"],
             preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_r)
         os.close(from_w)

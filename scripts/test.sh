@@ -29,8 +29,14 @@ cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 # The seeded fuzz tests run 10 s per target here (2 s in a plain cargo test).
 BRAID_FUZZ_SECS=10 cargo test --release --workspace --no-fail-fast
 
-# The chat page at `/` in a real headless browser (Debian's chromium),
-# where one is installed; it saves a screenshot to target/chat-page.png.
+# The chat page at `/` in a real headless browser (Debian's chromium,
+# installed here when missing and apt-get may install it); it saves a
+# screenshot to target/chat-page.png.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "installing Debian's chromium for the chat page's browser test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ||
+    echo "warning: apt-get could not install chromium"
+fi
 if command -v chromium >/dev/null 2>&1; then
   python3 scripts/chat_page_test.py --braid target/release/braid --screenshot target/chat-page.png
 else

@@ -454,6 +454,8 @@ fn top_k_rows_equal_the_hosts() {
 }
 
 struct Case {
+    /// Tokens a KV block.
+    bt: usize,
     heads: usize,
     kv_heads: usize,
     hd: usize,
@@ -506,7 +508,7 @@ fn attention_ref(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], c: &Case, scale: f32
 /// One attention case against f64, outside any forward, then inside a
 /// keyed forward (a graph) and an eager one: the same bits.
 fn run_attention_case(d: &Cuda, r: &mut Rng, c: &Case, tol: f64) {
-    let bt = 16;
+    let bt = c.bt;
     let kvw = c.kv_heads * c.hd;
     let total_blocks: usize = c.seqs.iter().map(|s| s.1.div_ceil(bt)).sum::<usize>() + 3;
     let spec = KvPoolSpec::new(total_blocks, bt, vec![KvShape { kv_heads: 1, head_dim: 16 }, KvShape { kv_heads: c.kv_heads, head_dim: c.hd }]);
@@ -562,14 +564,14 @@ fn decode_attention_against_f64() {
     // Few rows a sequence (below `Tuning::attn_prefill_from`): the
     // split-KV decode kernel (with and without splits).
     let cases = [
-        Case { heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(1, 1), (1, 37), (1, 300), (1, 1029)] },
-        Case { heads: 8, kv_heads: 8, hd: 128, window: None, softcap: None, seqs: vec![(1, 5000)] },
-        Case { heads: 4, kv_heads: 1, hd: 256, window: Some(100), softcap: Some(50.0), seqs: vec![(3, 40), (1, 700)] },
-        Case { heads: 16, kv_heads: 2, hd: 64, window: None, softcap: None, seqs: (0..70).map(|i| (1 + i % 4, 4 + i * 13)).collect() },
+        Case { bt: 16, heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(1, 1), (1, 37), (1, 300), (1, 1029)] },
+        Case { bt: 16, heads: 8, kv_heads: 8, hd: 128, window: None, softcap: None, seqs: vec![(1, 5000)] },
+        Case { bt: 16, heads: 4, kv_heads: 1, hd: 256, window: Some(100), softcap: Some(50.0), seqs: vec![(3, 40), (1, 700)] },
+        Case { bt: 16, heads: 16, kv_heads: 2, hd: 64, window: None, softcap: None, seqs: (0..70).map(|i| (1 + i % 4, 4 + i * 13)).collect() },
         // Gemma 4's global layers: head dim 512, 8 query heads a KV head;
         // every row takes this kernel, a prompt's too.
-        Case { heads: 8, kv_heads: 1, hd: 512, window: None, softcap: None, seqs: vec![(1, 1), (1, 900), (3, 40), (130, 300)] },
-        Case { heads: 16, kv_heads: 2, hd: 512, window: Some(64), softcap: Some(30.0), seqs: vec![(1, 500), (70, 200)] },
+        Case { bt: 16, heads: 8, kv_heads: 1, hd: 512, window: None, softcap: None, seqs: vec![(1, 1), (1, 900), (3, 40), (130, 300)] },
+        Case { bt: 16, heads: 16, kv_heads: 2, hd: 512, window: Some(64), softcap: Some(30.0), seqs: vec![(1, 500), (70, 200)] },
     ];
     for c in &cases {
         run_attention_case(&d, &mut r, c, 1e-4);
@@ -584,14 +586,18 @@ fn prefill_attention_against_f64() {
     // split when few tiles walk many keys; the short sequences beside a
     // chunk keep the split-KV kernel.
     let cases = [
-        Case { heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(200, 200)] },
+        Case { bt: 16, heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(200, 200)] },
         // One or two tiles at a long context: key splits, merged.
-        Case { heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(1, 1500), (40, 2000)] },
-        Case { heads: 8, kv_heads: 2, hd: 128, window: None, softcap: None, seqs: vec![(100, 3000)] },
-        Case { heads: 4, kv_heads: 1, hd: 256, window: Some(700), softcap: Some(30.0), seqs: vec![(70, 2500)] },
-        Case { heads: 8, kv_heads: 4, hd: 64, window: None, softcap: None, seqs: vec![(77, 500), (1, 20), (64, 64), (5, 9)] },
-        Case { heads: 4, kv_heads: 2, hd: 128, window: None, softcap: None, seqs: vec![(130, 1000)] },
-        Case { heads: 4, kv_heads: 1, hd: 256, window: Some(48), softcap: Some(30.0), seqs: vec![(150, 170)] },
+        Case { bt: 16, heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(1, 1500), (40, 2000)] },
+        Case { bt: 16, heads: 8, kv_heads: 2, hd: 128, window: None, softcap: None, seqs: vec![(100, 3000)] },
+        Case { bt: 16, heads: 4, kv_heads: 1, hd: 256, window: Some(700), softcap: Some(30.0), seqs: vec![(70, 2500)] },
+        Case { bt: 16, heads: 8, kv_heads: 4, hd: 64, window: None, softcap: None, seqs: vec![(77, 500), (1, 20), (64, 64), (5, 9)] },
+        Case { bt: 16, heads: 4, kv_heads: 2, hd: 128, window: None, softcap: None, seqs: vec![(130, 1000)] },
+        Case { bt: 16, heads: 4, kv_heads: 1, hd: 256, window: Some(48), softcap: Some(30.0), seqs: vec![(150, 170)] },
+        // A block size that is no power of two (the block-table lookup
+        // divides), and a window cutting into a split chunk's keys.
+        Case { bt: 24, heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(3, 900), (64, 1064)] },
+        Case { bt: 16, heads: 8, kv_heads: 2, hd: 64, window: Some(700), softcap: None, seqs: vec![(50, 2500)] },
     ];
     for c in &cases {
         run_attention_case(&d, &mut r, c, 1.5e-2);

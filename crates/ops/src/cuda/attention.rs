@@ -26,6 +26,9 @@ pub(super) struct AttnFns {
     decode_cl: Option<usize>,
     combine: usize,
     prefill: Option<usize>,
+    /// The prefill kernel whose key splits merge inside a cluster (Hopper
+    /// on, head dim 128 at most): no combine launch.
+    prefill_cl: Option<usize>,
     prefill_combine: usize,
 }
 
@@ -61,6 +64,7 @@ impl Cuda {
             // Past head dim 256 every row takes the decode kernel (see attention.cu).
             prefill: if self.inner.cc.0 >= 8 && hd <= 256 { Some(m.func("attn_prefill")?) } else { None },
             prefill_combine: if self.inner.cc.0 >= 8 && hd <= 256 { m.func("attn_prefill_combine")? } else { 0 },
+            prefill_cl: if self.inner.cc.0 >= 9 && hd <= 128 && self.inner.tuning.attn_cluster { Some(m.func("attn_prefill_cl")?) } else { None },
         };
         let mut st = self.st();
         st.prof.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
@@ -71,6 +75,9 @@ impl Cuda {
         if let Some(p) = f.prefill {
             st.prof.names.insert(p, format!("attn_prefill hd{hd} g{g}"));
             st.prof.names.insert(f.prefill_combine, format!("attn_prefill_combine hd{hd}"));
+        }
+        if let Some(c) = f.prefill_cl {
+            st.prof.names.insert(c, format!("attn_prefill_cl hd{hd} g{g}"));
         }
         st.attn.fns.insert((hd, g), f);
         Ok(f)
@@ -207,12 +214,18 @@ impl Cuda {
             // Split the keys when the tiles alone leave the GPU mostly idle.
             // The count depends on the shape only (a split past the keys
             // walks none), so a recorded chunk's graph serves every position.
+            // A tile and head's splits as one cluster (at most 8 blocks)
+            // merge in shared memory.
             let ctas = work * heads;
-            let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, self.inner.tuning.attn_prefill_splits.max(1));
-            let part = if nsplit > 1 { self.attn_part(work * PREFILL_ROWS * heads * nsplit * (hd + 2) * 4)? } else { 0 };
-            paged(f)
-                .grid((work as u32, heads as u32, nsplit as u32))
+            let max = if fns.prefill_cl.is_some() { self.inner.tuning.attn_prefill_splits.min(8) } else { self.inner.tuning.attn_prefill_splits };
+            let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max.max(1));
+            let cluster = fns.prefill_cl.filter(|_| nsplit > 1);
+            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(work * PREFILL_ROWS * heads * nsplit * (hd + 2) * 4)? } else { 0 };
+            let grid = if cluster.is_some() { (nsplit as u32, heads as u32, work as u32) } else { (work as u32, heads as u32, nsplit as u32) };
+            paged(cluster.unwrap_or(f))
+                .grid(grid)
                 .block(128)
+                .cluster(if cluster.is_some() { nsplit as u32 } else { 1 })
                 .f32(scale)
                 .f32(cap)
                 .ptr(out.fptr())
@@ -220,7 +233,7 @@ impl Cuda {
                 .int(nsplit)
                 .ptr(part)
                 .run()?;
-            if nsplit > 1 {
+            if nsplit > 1 && cluster.is_none() {
                 combine(fns.prefill_combine, work * PREFILL_ROWS, nsplit, part)?;
             }
         } else {

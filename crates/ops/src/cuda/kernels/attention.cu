@@ -47,19 +47,23 @@ __device__ __forceinline__ void copy_async_wait_all() {
 #endif
 }
 
-// The splits' (acc, m, l) of the cluster's blocks (block = split, cp in
-// each block's shared memory, G x (HD + 2)) merged as attn_combine does;
-// each block writes a share of the G x HD outputs. A thread loads all its
+// The splits' (acc, m, l) of the cluster's blocks (block = split; in each
+// block's shared memory `cp`, `items` rows of HD + 2 floats) merged as
+// attn_combine does; each block writes a share of the items x HD outputs,
+// item i's at out + off(i) (off < 0: no such row). A thread loads all its
 // remote values before using any (one round trip, not one per split). The
 // second barrier keeps every block's shared memory alive until all have
 // read it.
-__device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int split, int nsplit, int q_cols,
+template <class Off>
+__device__ __forceinline__ void cl_merge(const float* cp, int items, int split, int nsplit, Off off,
                                          float* __restrict__ out, bf16_t* __restrict__ out_bf) {
 #if __CUDA_ARCH__ >= 900
     cluster_sync();
-    for (int idx = split * DEC_THREADS + threadIdx.x; idx < G * HD; idx += nsplit * DEC_THREADS) {
-        const int g = idx / HD, d = idx % HD;
-        const float* pg = cp + g * (HD + 2);
+    for (int idx = split * blockDim.x + threadIdx.x; idx < items * HD; idx += nsplit * blockDim.x) {
+        const int it = idx / HD, d = idx % HD;
+        const long o = off(it);
+        if (o < 0) continue;
+        const float* pg = cp + it * (HD + 2);
         float ms[8], ls[8], as[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) {
@@ -82,9 +86,8 @@ __device__ __forceinline__ void cl_merge(const float* cp, int row, int kvh, int 
             }
         }
         const float v = L > 0.f ? acc / L : 0.f;
-        const long off = (long)row * q_cols + (kvh * G + g) * HD + d;
-        out[off] = v;
-        out_bf[off] = f2bf(v);
+        out[o + d] = v;
+        out_bf[o + d] = f2bf(v);
     }
     cluster_sync();
 #endif
@@ -250,7 +253,7 @@ __device__ __forceinline__ void attn_decode_body(
             }
         }
     }
-    if (CL && nsplit > 1) cl_merge(cp, row, kvh, split, nsplit, q_cols, out, out_bf);
+    if (CL && nsplit > 1) cl_merge(cp, G, split, nsplit, [&](int g) { return (long)row * q_cols + (kvh * G + g) * HD; }, out, out_bf);
 }
 
 #define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \
@@ -324,19 +327,29 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const bf16_t* p) {
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
+// A thread's 16-byte parts of one tile's K (and V) rows.
+#define PF_LD ((PF_KT * (HD / 8) + PF_THREADS - 1) / PF_THREADS)
+// A split's partials for the cluster merge, (o, m, l) per tile row: they
+// take the tiles' shared memory once the keys are done (HD 128 at most).
+#define PF_CL_OK (PF_BQ * (HD + 2) * 4 <= 2 * 2 * PF_KT * PF_KP * 2)
+
+template <bool CL>
+__device__ __forceinline__ void attn_prefill_body(
     const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
     const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap,
     float* __restrict__ out, bf16_t* __restrict__ out_bf, int nsplit, float* __restrict__ part)
 {
     PDL_ENTRY();
-    __shared__ __align__(16) bf16_t Ks[2][PF_KT * PF_KP];
-    __shared__ __align__(16) bf16_t Vs[2][PF_KT * PF_KP];
+    __shared__ __align__(16) bf16_t KVs[2][2][PF_KT * PF_KP];
+    bf16_t (*Ks)[PF_KT * PF_KP] = KVs[0];
+    bf16_t (*Vs)[PF_KT * PF_KP] = KVs[1];
     const float LOG2E = 1.4426950408889634f;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+    // The cluster's blocks (the splits of one tile and head) lie along x.
+    const int tile = CL ? blockIdx.z : blockIdx.x, split = CL ? blockIdx.x : blockIdx.z;
     const int h = blockIdx.y, kvh = h / G;
-    const unsigned s = meta[off_tiles + 2 * blockIdx.x];
-    const int i0 = meta[off_tiles + 2 * blockIdx.x + 1];
+    const unsigned s = meta[off_tiles + 2 * tile];
+    const int i0 = meta[off_tiles + 2 * tile + 1];
     const unsigned* st = meta + 5 * s;
     const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
     const unsigned* blocks = meta + off_bt + st[4];
@@ -361,16 +374,33 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
 
     // This split's key tiles (all of them when nsplit is 1).
     const int ktiles = (key_hi - key_lo) / PF_KT + 1, per = (ktiles + nsplit - 1) / nsplit;
-    const int kb_a = key_lo + blockIdx.z * per * PF_KT, kb_b = min(key_hi + 1, kb_a + per * PF_KT);
-    // Tile kb's K and V rows into buffer b: consecutive threads take
-    // consecutive 16-byte parts of a row (coalesced); keys past the
-    // sequence are zeros (their weights are zero, and 0 * garbage may not be).
-    auto load = [&](int kb, int b) {
-        for (int c = tid; c < PF_KT * (HD / 8); c += PF_THREADS) {
-            const int key = c / (HD / 8), off = key * PF_KP + (c % (HD / 8)) * 8;
-            const int j = kb + key;
-            if (j < kv_len) {
-                const long src = ((long)blocks[j / bt] * bt + j % bt) * kv_w + kvh * HD + (c % (HD / 8)) * 8;
+    const int kb_a = key_lo + split * per * PF_KT, kb_b = min(key_hi + 1, kb_a + per * PF_KT);
+    // The pool rows of this thread's keys of tile kb (-1 past the
+    // sequence), looked up a tile ahead of their loads: the block-table
+    // read is a memory round trip the next loads would otherwise wait on.
+    // (A shift, not a division, for the usual power-of-two block size.)
+    const int bsh = (bt & (bt - 1)) == 0 ? __ffs(bt) - 1 : -1;
+    long rows[PF_LD];
+    auto lookup = [&](int kb) {
+        #pragma unroll
+        for (int i = 0; i < PF_LD; i++) {
+            const int j = kb + (tid + i * PF_THREADS) / (HD / 8);
+            const int bi = bsh >= 0 ? j >> bsh : j / bt;
+            rows[i] = j < kv_len ? (long)blocks[bi] * bt + (j - bi * bt) : -1;
+        }
+    };
+    // Tile kb's K and V rows into buffer b, from the rows looked up:
+    // consecutive threads take consecutive 16-byte parts of a row
+    // (coalesced); keys past the sequence are zeros (their weights are
+    // zero, and 0 * garbage may not be).
+    auto load = [&](int b) {
+        #pragma unroll
+        for (int i = 0; i < PF_LD; i++) {
+            const int c = tid + i * PF_THREADS;
+            if (c >= PF_KT * (HD / 8)) break;
+            const int off = (c / (HD / 8)) * PF_KP + (c % (HD / 8)) * 8;
+            if (rows[i] >= 0) {
+                const long src = rows[i] * kv_w + kvh * HD + (c % (HD / 8)) * 8;
                 copy16_async((uint4*)&Ks[b][off], (const uint4*)(kc + src));
                 copy16_async((uint4*)&Vs[b][off], (const uint4*)(vc + src));
             } else {
@@ -380,7 +410,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
         }
         copy_async_commit();
     };
-    if (kb_a < kb_b) load(kb_a, 0);
+    if (kb_a < kb_b) {
+        lookup(kb_a);
+        load(0);
+        if (kb_a + PF_KT < kb_b) lookup(kb_a + PF_KT);
+    }
 
     unsigned qa[HD / 16][4];
     {
@@ -403,7 +437,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     for (int kb = kb_a, it = 0; kb < kb_b; kb += PF_KT, it++) {
         const int b = it & 1;
         if (kb + PF_KT < kb_b) {
-            load(kb + PF_KT, b ^ 1);
+            load(b ^ 1);
+            if (kb + 2 * PF_KT < kb_b) lookup(kb + 2 * PF_KT);
             copy_async_wait<1>();
         } else {
             copy_async_wait<0>();
@@ -497,13 +532,16 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     if (nsplit > 1) {
         // Partials by (tile row, head, split): o unnormalised, m in natural
-        // units (as attn_decode leaves them), l.
+        // units (as attn_decode leaves them), l. In a cluster, this block's
+        // tile rows in its shared memory (every warp is past its last tile:
+        // the loop ends on a barrier).
+        float* cp = (float*)&KVs[0][0][0];
         #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int r = half ? r1 : r0;
-            if (r >= q_len) continue;
-            const long z = (long)blockIdx.x * PF_BQ + (r - i0);
-            float* pp = part + ((z * gridDim.y + h) * nsplit + blockIdx.z) * (HD + 2);
+            if (!CL && r >= q_len) continue;
+            const long z = (long)tile * PF_BQ + (r - i0);
+            float* pp = CL ? cp + (r - i0) * (HD + 2) : part + ((z * gridDim.y + h) * nsplit + split) * (HD + 2);
             #pragma unroll
             for (int nt = 0; nt < HD / 8; nt++) {
                 const int d = nt * 8 + tig * 2;
@@ -515,6 +553,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
                 pp[HD] = m == NEG_INF ? NEG_INF : m * 0.6931471805599453f;
                 pp[HD + 1] = half ? l1 : l0;
             }
+        }
+        if (CL) {
+            const int rows_here = q_len - i0;
+            cl_merge(cp, PF_BQ, split, nsplit, [&](int r) { return r < rows_here ? (long)(q_start + i0 + r) * q_cols + h * HD : -1L; }, out, out_bf);
         }
         return;
     }
@@ -534,6 +576,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(
         }
     }
 }
+
+#define PF_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt, \
+    const unsigned* __restrict__ meta, int off_tiles, int off_bt, float scale, float softcap, float* __restrict__ out, \
+    bf16_t* __restrict__ out_bf, int nsplit, float* __restrict__ part
+#define PF_PASS q, q_cols, kc, vc, kv_w, bt, meta, off_tiles, off_bt, scale, softcap, out, out_bf, nsplit, part
+extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(PF_ARGS) { attn_prefill_body<false>(PF_PASS); }
+#if __CUDA_ARCH__ >= 900 && PF_CL_OK
+// Launched with clusters of nsplit blocks along x (grid: split, head,
+// tile; Hopper on, HD 128 at most): no attn_prefill_combine.
+extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill_cl(PF_ARGS) { attn_prefill_body<true>(PF_PASS); }
+#endif
 
 // Merge attn_prefill's key splits: one block of HD threads per (tile row,
 // head); rows past their sequence's end have no partials.

@@ -146,8 +146,12 @@ impl Cuda {
         let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
         // Sequences of fewer rows take the split-KV decode kernel, a row
         // per work item: a short prompt chunk at a long context, in the
-        // prefill kernel, is a few blocks walking every key.
-        let few = self.inner.tuning.attn_prefill_from.max(2) - 1;
+        // prefill kernel, is a few blocks walking every key. With few KV
+        // heads the decode kernel keeps more rows (up to 128 rows x KV
+        // heads, 32 rows at most): its blocks take a row and KV head, the
+        // prefill kernel's a tile and query head, and each walks its share
+        // of the keys alone.
+        let few = (self.inner.tuning.attn_prefill_from.max(2) - 1).max((128 / kvh.max(1)).min(32));
         let prefill = f_pre.is_some() && max_q > few;
         if prefill && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= few) {
             // A decode round sharing its forward with a prompt chunk: the

@@ -46,7 +46,8 @@ pub struct Tuning {
     /// attention (at least 2); fewer take the split-KV decode kernel, a
     /// row per work item: on the H200 a 5-row chunk at ~1000 keys cost
     /// 1.3 ms more a round in the prefill kernel (32 blocks, each walking
-    /// every key alone).
+    /// every key alone). Models with few KV heads keep more rows in the
+    /// decode kernel (`attention.rs`).
     pub attn_prefill_from: usize,
     /// Most key splits of the prefill attention (1: none), used when its
     /// tiles alone leave most SMs idle (a short chunk at a long context).

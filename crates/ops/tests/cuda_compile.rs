@@ -87,17 +87,19 @@ fn every_kernel_the_device_loads_is_defined() {
         }
     }
     let attention = defined(&read("kernels/attention.cu"));
-    for name in ["attn_decode", "attn_decode_cl", "attn_combine", "attn_prefill"] {
+    let attn = ["attn_decode", "attn_decode_cl", "attn_combine", "attn_prefill", "attn_prefill_cl", "attn_prefill_combine"];
+    for name in attn {
         if !attention.contains(name) {
             missing.push(name.to_string());
         }
     }
     assert!(missing.is_empty(), "kernels loaded by name but not defined: {missing:?}");
     eprintln!(
-        "{} base kernels ({} GEMVs in 4 builds), {} hybrid kernels and 4 attention kernels are defined",
+        "{} base kernels ({} GEMVs in 4 builds), {} hybrid kernels and {} attention kernels are defined",
         lists[0].len() + 4 * lists[1].len(),
         lists[1].len(),
-        hy.iter().flatten().count()
+        hy.iter().flatten().count(),
+        attn.len()
     );
 }
 

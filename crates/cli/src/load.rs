@@ -657,7 +657,7 @@ mod tests {
     fn replayed_chunks_cover_each_size_twice_back_to_back() {
         let c = replayed_chunks(64, usize::MAX);
         let sizes: Vec<(usize, bool)> = c.iter().map(|&(_, n, w)| (n, w)).collect();
-        let want: Vec<(usize, bool)> = [64, 48, 32, 16, 8, 4, 2, 1].iter().flat_map(|&n| [(n, false), (n, true)]).collect();
+        let want: Vec<(usize, bool)> = [64, 48, 32, 24, 16, 8, 4, 2, 1].iter().flat_map(|&n| [(n, false), (n, true)]).collect();
         assert_eq!(sizes, want);
         // Each chunk starts where the one before ended, within the span.
         assert!(c.windows(2).all(|w| w[1].0 == w[0].0 + w[0].1));

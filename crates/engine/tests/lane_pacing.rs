@@ -176,7 +176,13 @@ fn a_share_passes_over_chunk_sizes_that_cost_a_step_more() {
     let told: Vec<RoundCost> = [1usize, 4]
         .iter()
         .flat_map(|&d| {
-            [0usize, 16, 32, 64].map(move |c| RoundCost { decode_rows: d, decode_ctx: 9 * d, chunk_rows: c, chunk_start: 0, secs: stepped(d, c).as_secs_f64() })
+            [0usize, 16, 24, 32, 64].map(move |c| RoundCost {
+                decode_rows: d,
+                decode_ctx: 9 * d,
+                chunk_rows: c,
+                chunk_start: 0,
+                secs: stepped(d, c).as_secs_f64(),
+            })
         })
         .collect();
     let warm = shared_chunks(&paced_ahead(None, Some(0.3), 64, 4096, told, false, stepped));

@@ -307,7 +307,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 // masks only the tiles that cross an edge. Scores are kept in log2 units.
 // With nsplit > 1 the tile's keys are split over blockIdx.z (a short chunk
 // at a long context is otherwise a few blocks walking every key alone);
-// each split leaves its rows' (o, m, l) in `part` for attn_prefill_combine.
+// each split leaves its rows' (o, m, l) in `part` for attn_prefill_combine,
+// or (attn_prefill_cl: the splits along x, one cluster) merges them with
+// the cluster's other blocks.
 #define PF_KT (HD <= 64 ? 64 : HD <= 128 ? 32 : 16)
 #define PF_KP (HD + 8)
 #define PF_BQ 64
@@ -375,21 +377,21 @@ __device__ __forceinline__ void attn_prefill_body(
     // This split's key tiles (all of them when nsplit is 1).
     const int ktiles = (key_hi - key_lo) / PF_KT + 1, per = (ktiles + nsplit - 1) / nsplit;
     const int kb_a = key_lo + split * per * PF_KT, kb_b = min(key_hi + 1, kb_a + per * PF_KT);
-    // The pool rows of this thread's keys of tile kb (-1 past the
+    // The pool slots of this thread's keys of tile kb (-1 past the
     // sequence), looked up a tile ahead of their loads: the block-table
     // read is a memory round trip the next loads would otherwise wait on.
     // (A shift, not a division, for the usual power-of-two block size.)
     const int bsh = (bt & (bt - 1)) == 0 ? __ffs(bt) - 1 : -1;
-    long rows[PF_LD];
+    long slots[PF_LD];
     auto lookup = [&](int kb) {
         #pragma unroll
         for (int i = 0; i < PF_LD; i++) {
             const int j = kb + (tid + i * PF_THREADS) / (HD / 8);
             const int bi = bsh >= 0 ? j >> bsh : j / bt;
-            rows[i] = j < kv_len ? (long)blocks[bi] * bt + (j - bi * bt) : -1;
+            slots[i] = j < kv_len ? (long)blocks[bi] * bt + (j - bi * bt) : -1;
         }
     };
-    // Tile kb's K and V rows into buffer b, from the rows looked up:
+    // Tile kb's K and V rows into buffer b, from the slots looked up:
     // consecutive threads take consecutive 16-byte parts of a row
     // (coalesced); keys past the sequence are zeros (their weights are
     // zero, and 0 * garbage may not be).
@@ -399,8 +401,8 @@ __device__ __forceinline__ void attn_prefill_body(
             const int c = tid + i * PF_THREADS;
             if (c >= PF_KT * (HD / 8)) break;
             const int off = (c / (HD / 8)) * PF_KP + (c % (HD / 8)) * 8;
-            if (rows[i] >= 0) {
-                const long src = rows[i] * kv_w + kvh * HD + (c % (HD / 8)) * 8;
+            if (slots[i] >= 0) {
+                const long src = slots[i] * kv_w + kvh * HD + (c % (HD / 8)) * 8;
                 copy16_async((uint4*)&Ks[b][off], (const uint4*)(kc + src));
                 copy16_async((uint4*)&Vs[b][off], (const uint4*)(vc + src));
             } else {

@@ -139,8 +139,9 @@ impl Core {
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape) -> Budget {
         let b = self.pacer.budget(stream, pos, next);
         let replayed = self.pacer.replayed_rows(self.caps.replayed_chunk_rows);
-        match to_replayed(b, cuts.chunk_end_capped(pos, None) - pos, next.decode_rows > 0, replayed, self.pacer.targeted()) {
-            Budget::Chunk(Some(rows)) if next.decode_rows > 0 && replayed > 0 => Budget::Chunk(Some(self.pacer.affordable(rows))),
+        let left = cuts.chunk_end_capped(pos, None) - pos;
+        match to_replayed(b, left, next.decode_rows > 0, replayed, self.pacer.targeted()) {
+            Budget::Chunk(Some(rows)) if next.decode_rows > 0 && replayed > 0 => Budget::Chunk(Some(self.pacer.affordable(rows, left.min(replayed)))),
             b => b,
         }
     }

@@ -350,3 +350,36 @@ fn image_steps_under_a_target_take_the_room_the_decode_rows_leave() {
     let b = p.encode_budget(four()).unwrap();
     assert!((900..=1000).contains(&b), "then what fits: {b}");
 }
+
+#[test]
+fn a_size_that_costs_as_much_as_the_next_gives_way_to_it() {
+    // Llama-1B's shape on the H100 beside six streams: a 1.55 ms plain
+    // round; 16 rows add 0.30 ms, 24 rows 0.59 and 32 rows 0.62 (the
+    // prefill attention from 17 rows), 48 rows 0.69.
+    let told = |added: &[(usize, f64)]| {
+        let mut p = Pacer::new(None, Some(0.3), None, true);
+        let mut rounds = vec![RoundCost { decode_rows: 6, decode_ctx: 6000, chunk_rows: 0, chunk_start: 0, secs: 1.55e-3 }];
+        rounds.extend(added.iter().map(|&(rows, ms)| RoundCost {
+            decode_rows: 6,
+            decode_ctx: 6000,
+            chunk_rows: rows,
+            chunk_start: 0,
+            secs: 1.55e-3 + ms * 1e-3,
+        }));
+        p.learn(&rounds);
+        p
+    };
+    let llama = told(&[(16, 0.30), (24, 0.59), (32, 0.62), (48, 0.69), (64, 0.74)]);
+    assert_eq!(llama.affordable(24, 64), 32, "24 rows cost about what 32 do");
+    assert_eq!(llama.affordable(24, 24), 24, "not past the rows the pass has left");
+    assert_eq!(llama.affordable(16, 64), 16, "32 rows cost twice what 16 do");
+    // Each step up costs at most 10% more: the share's own limit (DEAR
+    // times 0.3 of a plain round, 0.93 ms) still holds.
+    let flat = told(&[(24, 0.5), (32, 0.52), (48, 0.56), (64, 0.6), (80, 0.95)]);
+    assert_eq!(flat.affordable(24, 256), 64, "80 rows are dear");
+    // SmolLM2's shape: 16 rows 0.21, 24 rows 0.35, 32 rows 0.62.
+    let smol = told(&[(16, 0.21), (24, 0.35), (32, 0.62)]);
+    assert_eq!(smol.affordable(24, 64), 24);
+    // A size not timed yet does not move.
+    assert_eq!(told(&[(24, 0.59)]).affordable(24, 64), 24);
+}

@@ -133,22 +133,18 @@ fn a_target_takes_the_largest_replayed_sizes_a_share_keeps_to_64_rows() {
     assert!(share.contains(&64) && share.iter().all(|&n| replayed_size(n) && n <= 64), "{share:?}");
 }
 
+/// The rounds a warm-up would time: each count of decode rows (of 9
+/// tokens each) beside each chunk size (0: none), at `cost`.
+fn warm_up(decode: &[usize], chunks: &[usize], cost: fn(usize, usize) -> Duration) -> Vec<RoundCost> {
+    let round = |d: usize, c: usize| RoundCost { decode_rows: d, decode_ctx: 9 * d, chunk_rows: c, chunk_start: 0, secs: cost(d, c).as_secs_f64() };
+    decode.iter().flat_map(|&d| chunks.iter().map(move |&c| round(d, c))).collect()
+}
+
 #[test]
 fn rounds_timed_before_serving_size_the_first_arrival_without_probing() {
     // What a warm-up would time: 1–8 decode rows, alone and beside chunks
     // of 16–256 rows, each at the script's cost.
-    let told: Vec<RoundCost> = [1usize, 2, 4, 8]
-        .iter()
-        .flat_map(|&d| {
-            [0usize, 16, 64, 128, 256].map(move |c| RoundCost {
-                decode_rows: d,
-                decode_ctx: 9 * d,
-                chunk_rows: c,
-                chunk_start: 0,
-                secs: cost(d, c).as_secs_f64(),
-            })
-        })
-        .collect();
+    let told = warm_up(&[1, 2, 4, 8], &[0, 16, 64, 128, 256], cost);
     let target = Some(Duration::from_millis(12));
     let cold = shared_chunks(&paced_told(target, None, 256, 4096, Vec::new()));
     let warm = shared_chunks(&paced_told(target, None, 256, 4096, told));
@@ -173,18 +169,7 @@ fn a_share_passes_over_chunk_sizes_that_cost_a_step_more() {
     // add 0.16 ms, 32 rows 3.3. Told the warm-up's rounds, the pacer never
     // runs a dear size; left to find it, it runs one once (or twice: the
     // next chunk is sized a round early, before the first one's cost is in).
-    let told: Vec<RoundCost> = [1usize, 4]
-        .iter()
-        .flat_map(|&d| {
-            [0usize, 16, 24, 32, 64].map(move |c| RoundCost {
-                decode_rows: d,
-                decode_ctx: 9 * d,
-                chunk_rows: c,
-                chunk_start: 0,
-                secs: stepped(d, c).as_secs_f64(),
-            })
-        })
-        .collect();
+    let told = warm_up(&[1, 4], &[0, 16, 24, 32, 64], stepped);
     let warm = shared_chunks(&paced_ahead(None, Some(0.3), 64, 4096, told, false, stepped));
     assert!(warm.len() > 8 && warm.iter().all(|&n| n <= 16), "{warm:?}");
     assert!(warm.iter().filter(|&&n| n == 16).count() * 2 > warm.len(), "mostly the largest affordable size: {warm:?}");

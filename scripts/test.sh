@@ -34,7 +34,7 @@ BRAID_FUZZ_SECS=10 cargo test --release --workspace --no-fail-fast
 # screenshot to target/chat-page.png.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "installing Debian's chromium for the chat page's browser test"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ||
+  (timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null) ||
     echo "warning: apt-get could not install chromium"
 fi
 if command -v chromium >/dev/null 2>&1; then

@@ -88,14 +88,19 @@ pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed:
             if r == 0 {
                 return budget;
             }
-            let down = (1..=r).rev().find(|&n| replayed_size(n)).expect("1 is a replayed size");
-            let up = (down + 1..).find(|&n| replayed_size(n)).expect("sizes go on");
+            let down = replayed_sizes(r).next().expect("1 is a replayed size");
+            let up = size_up(down);
             // Up when r ≥ √(down·up), where the prompt and the sizes allow.
             let nearer_up = !within && r * r >= down * up && up <= left && up <= replayed;
             Budget::Chunk(Some(if nearer_up { up } else { down }))
         }
         b => b,
     }
+}
+
+/// The next replayed size past `rows`.
+fn size_up(rows: usize) -> usize {
+    (rows + 1..).find(|&n| replayed_size(n)).expect("sizes go on")
 }
 
 /// How many prompt rows the next round may take.
@@ -338,7 +343,7 @@ impl Pacer {
         let Some(share) = self.share else { return rows };
         let dear = |n: &usize| self.added.get(n).is_some_and(|&f| f > DEAR * share);
         let mut n = replayed_sizes(rows).find(|n| !dear(n)).unwrap_or(1);
-        while let Some(up) = (n + 1..=most).find(|&m| replayed_size(m)) {
+        while let Some(up) = Some(size_up(n)).filter(|&m| m <= most) {
             match (self.added.get(&n), self.added.get(&up)) {
                 (Some(&a), Some(&b)) if b <= a * SAME_COST && !dear(&up) => n = up,
                 _ => break,

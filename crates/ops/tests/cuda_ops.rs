@@ -1083,26 +1083,51 @@ fn probe_seqs(d: &Cuda, h: &GHost, pool: &CudaKv, layer: usize, seqs: &[AttnSeq<
 /// already in the pool, the output product into the residual, norm, gated
 /// MLP, down product into the residual), then a head (norm, product):
 /// every group beside the others, the bf16 copies passed from one to the
-/// next. At 1–4 decode rows (one sequence each) and a 6-row and a 40-row
-/// prefill of two sequences: fused and folded forwards and a replayed graph against the
-/// ops unfused; the KV of both layers too.
+/// next. At 1–4 decode rows (one sequence each), prefills of two sequences
+/// (6 to 40 rows) and a mixed round (`GMIXED`): fused and folded forwards
+/// and a replayed graph against the ops unfused; the KV of both layers too.
 #[test]
 fn llama_layers_fused_equal_the_unfused_ops() {
     let Some(d) = gpu() else { return };
-    llama_layers(&d, &[1, 2, 3, 4, 6, 17, 32, GMAX]);
+    llama_layers(&d, &[1, 2, 3, 4, 6, 17, 32, GMIXED, GMAX], seed());
     // Past the GEMV's rows, cuBLAS as well as the skinny GEMM.
-    llama_layers(&gpu_cublas(), &[6]);
+    llama_layers(&gpu_cublas(), &[6], seed());
 }
 
-fn llama_layers(d: &Cuda, row_counts: &[usize]) {
-    let mut r = Rng(seed());
+/// Branches (cuBLAS products of one input, and a chunk's attention beside
+/// the decode rows', on streams of their own) change no bit of a mixed
+/// round's results, eager or replayed.
+#[test]
+fn branches_change_no_bits() {
+    let Some(d) = gpu() else { return };
+    let s = seed();
+    let one = Cuda::with_tuning(0, Tuning { branches: false, ..d.tuning().clone() }).unwrap();
+    let (side, alone) = (llama_layers(&d, &[GMIXED], s), llama_layers(&one, &[GMIXED], s));
+    for ((name, a), (_, b)) in side.iter().zip(&alone) {
+        assert!(same_bits(a, b), "{GMIXED} rows, {name}: branches changed the results");
+    }
+}
+
+/// Rows of a mixed round in `llama_layers`: three decode rows and a
+/// 34-row chunk (past the skinny GEMM's rows, and the chunk past the
+/// decode attention's with two KV heads).
+const GMIXED: usize = 37;
+
+/// `llama_layers_fused_equal_the_unfused_ops` at `row_counts`, inputs from
+/// `seed`: the eager folded results of the last row count.
+fn llama_layers(d: &Cuda, row_counts: &[usize], seed: u64) -> Vec<(&'static str, Vec<f32>)> {
+    let mut r = Rng(seed);
+    let mut last = Vec::new();
     let hosts = [GHost::new(&mut r), GHost::new(&mut r)];
     let ctx_kv: Vec<Vec<f32>> = (0..4).map(|_| r.vec(64 * GKV, 1.0)).collect();
     let mut key = 0x51ab_u64;
     for &rows in row_counts {
         // (q_len, context before) per sequence; sequence i owns blocks 4i..4i+4.
-        let seqs_spec: Vec<(usize, usize)> =
-            if rows <= 4 { (0..rows).map(|i| (1, [5, 21, 33, 2][i])).collect() } else { vec![(rows * 5 / 8, 3), (rows - rows * 5 / 8, 20)] };
+        let seqs_spec: Vec<(usize, usize)> = match rows {
+            ..=4 => (0..rows).map(|i| (1, [5, 21, 33, 2][i])).collect(),
+            GMIXED => vec![(1, 5), (1, 21), (1, 33), (rows - 3, 3)],
+            _ => vec![(rows * 5 / 8, 3), (rows - rows * 5 / 8, 20)],
+        };
         let tables: Vec<Vec<u32>> = (0..seqs_spec.len() as u32).map(|s| (4 * s..4 * s + 4).collect()).collect();
         let slot = |s: usize, p: usize| tables[s][p / 16] * 16 + (p % 16) as u32;
         let (mut pos, mut slots, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
@@ -1173,7 +1198,9 @@ fn llama_layers(d: &Cuda, row_counts: &[usize]) {
             assert!(eo < folded_tol, "two Llama layers, {rows} rows, {name}: folded vs unfused rel err {eo} over {folded_tol}");
             assert!(same_bits(&graph[i].1, &folded[i].1), "two Llama layers, {rows} rows, {name}: the graph's replay differs from the eager forward");
         }
+        last = runs.swap_remove(2);
     }
+    last
 }
 
 /// An RMSNorm folded into the products that read it, against f64 over the

@@ -35,12 +35,13 @@ pub(super) struct AttnFns {
 /// The modules compiled so far, and the split-KV scratch.
 pub(super) struct Attn {
     fns: HashMap<(usize, usize), AttnFns>,
-    part: DevBuf,
+    /// Two: a chunk's attention and the decode rows' run side by side.
+    part: [DevBuf; 2],
 }
 
 impl Attn {
     pub fn new(ctx: usize) -> Attn {
-        Attn { fns: HashMap::new(), part: DevBuf::empty(ctx) }
+        Attn { fns: HashMap::new(), part: [DevBuf::empty(ctx), DevBuf::empty(ctx)] }
     }
 }
 
@@ -90,10 +91,10 @@ impl Cuda {
     /// so it never moves. Grown on demand, the first 445-row chunk after
     /// start-up moved it, and every chunk size the warm-up recorded was
     /// recorded again in the next pass (2–7 ms gaps on the H200).
-    fn attn_part(&self, need: usize) -> Result<u64> {
+    fn attn_part(&self, scratch: usize, need: usize) -> Result<u64> {
         let most = PREFILL_ROWS * 4 * self.inner.sms * (256 + 2) * 4;
         let mut st = self.st();
-        let part = &mut st.attn.part;
+        let part = &mut st.attn.part[scratch];
         if part.bytes < need {
             *part = DevBuf::new(self.ctx(), need.max(most))?;
         }
@@ -137,30 +138,60 @@ impl Cuda {
         ensure!(heads.is_multiple_of(kvh) && heads / kvh <= most_g, "attention: {heads} query heads over {kvh} KV heads of {hd} is not supported");
         let g = heads / kvh;
         self.grow(out, q.rows, q.cols)?;
-        let bt = kv.spec.block_tokens;
         let max_q = seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
         if max_q == 0 {
             return Ok(());
         }
-        let fns = self.attn_fns(hd, g)?;
-        let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
-        // Sequences of fewer rows take the split-KV decode kernel, a row
-        // per work item: a short prompt chunk at a long context, in the
-        // prefill kernel, is a few blocks walking every key. With few KV
-        // heads the decode kernel keeps more rows (up to 128 rows x KV
-        // heads, 32 rows at most): its blocks take a row and KV head, the
-        // prefill kernel's a tile and query head, and each walks its share
-        // of the keys alone.
-        let few = (self.inner.tuning.attn_prefill_from.max(2) - 1).max((128 / kvh.max(1)).min(32));
-        let prefill = f_pre.is_some() && max_q > few;
-        if prefill && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= few) {
+        let few = self.few_rows(kvh);
+        if self.attn_fns(hd, g)?.prefill.is_some() && max_q > few && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= few) {
             // A decode round sharing its forward with a prompt chunk: the
             // decode rows keep the split-KV kernel (one prefill block
-            // walking a long context alone would stall them).
+            // walking a long context alone would stall them), and the two
+            // launches run side by side (they write other rows of `out`;
+            // the decode rows' split scratch is the second one).
             let (short, long): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().partition(|s| s.q_len <= few);
-            self.attention_cmds(q, kv, layer, &short, scale, softcap, out)?;
-            return self.attention_cmds(q, kv, layer, &long, scale, softcap, out);
+            let o = &*out;
+            return self.branches(&mut [&mut || self.attention_launches(q, kv, layer, &long, scale, softcap, o, 0), &mut || {
+                self.attention_launches(q, kv, layer, &short, scale, softcap, o, 1)
+            }]);
         }
+        self.attention_launches(q, kv, layer, seqs, scale, softcap, out, 0)
+    }
+
+    /// Up to how many query rows a sequence takes the split-KV decode
+    /// kernel, a row per work item: a short prompt chunk at a long context,
+    /// in the prefill kernel, is a few blocks walking every key. With few
+    /// KV heads the decode kernel keeps more rows (up to 128 rows x KV
+    /// heads, 32 rows at most): its blocks take a row and KV head, the
+    /// prefill kernel's a tile and query head, and each walks its share of
+    /// the keys alone.
+    fn few_rows(&self, kv_heads: usize) -> usize {
+        (self.inner.tuning.attn_prefill_from.max(2) - 1).max((128 / kv_heads.max(1)).min(32))
+    }
+
+    /// The launches of [`Self::attention_cmds`] for `seqs`, all of one
+    /// kind (decode rows, or prompt chunks past [`Self::few_rows`]), with
+    /// split scratch `scratch` (0 or 1: two launches side by side need two).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_launches(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        softcap: Option<f32>,
+        out: &CudaTensor,
+        scratch: usize,
+    ) -> Result<()> {
+        let shape = kv.spec.layers[layer];
+        let (hd, kvh) = (shape.head_dim, shape.kv_heads);
+        let heads = q.cols / hd;
+        let fns = self.attn_fns(hd, heads / kvh)?;
+        let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
+        let bt = kv.spec.block_tokens;
+        let max_q = seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+        let prefill = f_pre.is_some() && max_q > self.few_rows(kvh);
         // Metadata: per sequence [q_start, q_len, kv_len, window, table offset],
         // then the work list (rows or 64-row tiles), then the block tables.
         let mut meta: Vec<u32> = Vec::with_capacity(seqs.len() * 8);
@@ -224,7 +255,7 @@ impl Cuda {
             let max = if fns.prefill_cl.is_some() { self.inner.tuning.attn_prefill_splits.min(8) } else { self.inner.tuning.attn_prefill_splits };
             let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max.max(1));
             let cluster = fns.prefill_cl.filter(|_| nsplit > 1);
-            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(work * PREFILL_ROWS * heads * nsplit * (hd + 2) * 4)? } else { 0 };
+            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * PREFILL_ROWS * heads * nsplit * (hd + 2) * 4)? } else { 0 };
             let grid = if cluster.is_some() { (nsplit as u32, heads as u32, work as u32) } else { (work as u32, heads as u32, nsplit as u32) };
             paged(cluster.unwrap_or(f))
                 .grid(grid)
@@ -252,7 +283,7 @@ impl Cuda {
             let max = if fns.decode_cl.is_some() { self.inner.tuning.attn_max_splits.min(8) } else { self.inner.tuning.attn_max_splits };
             let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
             let cluster = fns.decode_cl.filter(|_| nsplit > 1);
-            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(work * heads * nsplit * (hd + 2) * 4)? } else { 0 };
+            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * heads * nsplit * (hd + 2) * 4)? } else { 0 };
             paged(cluster.unwrap_or(f_dec))
                 .grid((nsplit as u32, kvh as u32, work as u32))
                 .block(128)

@@ -21,6 +21,7 @@ use anyhow::{bail, Result};
 use cudarc::cublas::sys as cb;
 use cudarc::driver::{result as drv, sys};
 
+use super::branch::Side;
 use super::fuse::{self, OpRec, Tail};
 use super::gemm::GemmOut;
 use super::rt::{self, cu, Arg};
@@ -58,6 +59,9 @@ pub(super) enum Cmd {
         dst: u64,
         bytes: usize,
     },
+    /// Branches that run side by side, the first on the device's stream
+    /// (`branch.rs`): what follows waits for all of them.
+    Branch(Vec<Vec<Cmd>>),
 }
 
 impl Cmd {
@@ -77,6 +81,13 @@ impl Cmd {
             Cmd::Gemm { w, x, y, m, n, k, out } => [2, *w, *x, *y, *m as u64, *n as u64, *k as u64, *out as u64].into_iter().for_each(mix),
             Cmd::Copy { dst, src, bytes } => [3, *dst, *src, *bytes as u64].into_iter().for_each(mix),
             Cmd::Zero { dst, bytes } => [4, *dst, *bytes as u64].into_iter().for_each(mix),
+            Cmd::Branch(bs) => {
+                mix(5 | (bs.len() as u64) << 8);
+                for b in bs {
+                    mix(b.len() as u64);
+                    b.iter().for_each(|c| mix(c.hash(0)));
+                }
+            }
         }
         h
     }
@@ -202,26 +213,34 @@ impl Cuda {
 
     fn execute(&self, cmd: &Cmd) -> Result<()> {
         let prof = self.prof_begin();
-        let r = match cmd {
-            // SAFETY: every kernel of braid's modules waits (PDL_WAIT)
-            // first, and each builder passes its kernel's parameters in order.
-            Cmd::Kernel { f, grid, block, cluster, pdl, args } => unsafe {
-                rt::launch(*f, *grid, *block, 0, self.stream(), args, self.inner.pdl && *pdl, *cluster)
-            },
-            &Cmd::Gemm { w, x, y, m, n, k, out } => self.gemm_now(w, x, y, m, n, k, out),
-            &Cmd::Copy { dst, src, bytes } => unsafe { cu(drv::memcpy_dtod_async(dst, src, bytes, self.stream() as sys::CUstream), "device copy") },
-            &Cmd::Zero { dst, bytes } => unsafe { cu(drv::memset_d8_async(dst, 0, bytes, self.stream() as sys::CUstream), "device clear") },
-        };
+        let r = self.execute_on(cmd, None);
         if let Some(ev) = prof {
             let name = match cmd {
                 Cmd::Kernel { f, .. } => self.kernel_name(*f),
                 Cmd::Gemm { m, n, k, .. } => format!("gemm out {m} rows {n} in {k}"),
                 Cmd::Copy { .. } => "copy".into(),
                 Cmd::Zero { .. } => "clear".into(),
+                Cmd::Branch(bs) => format!("{} branches", bs.len()),
             };
             self.prof_end(ev, name);
         }
         r
+    }
+
+    /// Run `cmd` on the device's stream, or on `side`'s.
+    pub(super) fn execute_on(&self, cmd: &Cmd, side: Option<&Side>) -> Result<()> {
+        let stream = side.map_or(self.stream(), |s| s.stream);
+        match cmd {
+            // SAFETY: every kernel of braid's modules waits (PDL_WAIT)
+            // first, and each builder passes its kernel's parameters in order.
+            Cmd::Kernel { f, grid, block, cluster, pdl, args } => unsafe { rt::launch(*f, *grid, *block, 0, stream, args, self.inner.pdl && *pdl, *cluster) },
+            &Cmd::Gemm { w, x, y, m, n, k, out } => self.gemm_now(side.map_or(self.inner.cublas, |s| s.cublas), w, x, y, m, n, k, out),
+            &Cmd::Copy { dst, src, bytes } => unsafe { cu(drv::memcpy_dtod_async(dst, src, bytes, stream as sys::CUstream), "device copy") },
+            &Cmd::Zero { dst, bytes } => unsafe { cu(drv::memset_d8_async(dst, 0, bytes, stream as sys::CUstream), "device clear") },
+            // Branches nest no deeper: inside one, a branch runs in line.
+            Cmd::Branch(bs) if side.is_some() => bs.iter().flatten().try_for_each(|c| self.execute_on(c, side)),
+            Cmd::Branch(bs) => self.run_branches(bs),
+        }
     }
 
     /// Whether ops now only record themselves.
@@ -547,14 +566,15 @@ impl Cuda {
 }
 
 impl Cuda {
-    /// cuBLAS now, on the stream (or under its capture).
+    /// cuBLAS now, through `handle` (the device's or a side stream's), on
+    /// its stream (or under its capture).
     #[allow(clippy::too_many_arguments)]
-    fn gemm_now(&self, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, out: GemmOut) -> Result<()> {
+    fn gemm_now(&self, handle: usize, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, out: GemmOut) -> Result<()> {
         let (alpha, beta) = (1f32, if out == GemmOut::AddF32 { 1f32 } else { 0f32 });
         let yt = if out == GemmOut::Bf16 { cb::cudaDataType::CUDA_R_16BF } else { cb::cudaDataType::CUDA_R_32F };
         unsafe {
             cb::cublasGemmEx(
-                self.inner.cublas as cb::cublasHandle_t,
+                handle as cb::cublasHandle_t,
                 cb::cublasOperation_t::CUBLAS_OP_T,
                 cb::cublasOperation_t::CUBLAS_OP_N,
                 m as i32,

@@ -184,9 +184,11 @@ impl Cuda {
                     self.skinny_cmd(x.b, x.rows, x.cols, c, GemmOut::F32)?;
                 }
             } else {
-                for (w, o) in ws.iter().zip(outs) {
-                    self.gemm(w.ptr, x.b, o.f, w.rows, x.rows, w.cols, GemmOut::F32)?;
-                }
+                // cuBLAS: each product side by side (q, k and v of a mixed
+                // round are each too small to fill the GPU).
+                let mut gemms: Vec<_> = ws.iter().zip(outs).map(|(w, o)| move || self.gemm(w.ptr, x.b, o.f, w.rows, x.rows, w.cols, GemmOut::F32)).collect();
+                let mut parts: Vec<&mut dyn FnMut() -> Result<()>> = gemms.iter_mut().map(|g| g as &mut dyn FnMut() -> Result<()>).collect();
+                self.branches(&mut parts)?;
             }
         }
         outs.iter().for_each(|o| {
@@ -247,8 +249,10 @@ impl Cuda {
             } else if self.skinny_fits(rows, k) {
                 self.skinny_gated_cmd(input.x.b, rows, k, wg.ptr, wu.ptr, m, act, out)?;
             } else {
-                self.gemm(wg.ptr, input.x.b, gate.b, m, rows, k, GemmOut::Bf16)?;
-                self.gemm(wu.ptr, input.x.b, up.b, m, rows, k, GemmOut::Bf16)?;
+                let xb = input.x.b;
+                self.branches(&mut [&mut || self.gemm(wg.ptr, xb, gate.b, m, rows, k, GemmOut::Bf16), &mut || {
+                    self.gemm(wu.ptr, xb, up.b, m, rows, k, GemmOut::Bf16)
+                }])?;
                 let len = rows * m;
                 // Eight values a thread where the length allows (the buffers
                 // start 256-byte aligned).

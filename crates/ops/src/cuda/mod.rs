@@ -22,6 +22,7 @@
 mod arena;
 mod attention;
 mod base;
+mod branch;
 mod exec;
 mod fuse;
 mod gemm;
@@ -68,6 +69,8 @@ struct Inner {
     stream: usize,
     cublas: usize,
     _cublas_ws: DevBuf,
+    /// Streams for branches (`branch.rs`); none with `tuning.branches` off.
+    sides: branch::Sides,
     arch: String,
     cc: (i32, i32),
     sms: usize,
@@ -102,6 +105,7 @@ impl Drop for Inner {
                     st.exec.destroy_all();
                     st.sampling.free_ids_back();
                 }
+                drop(std::mem::replace(&mut self.sides, branch::Sides::none()));
                 gemm::destroy(self.cublas);
                 let _ = drv::stream::destroy(self.stream as sys::CUstream);
             }
@@ -145,6 +149,7 @@ impl Cuda {
         let mut prof = profile::Profile::default();
         let fns = kernels::Fns::load(&m, &mut prof.names)?;
         let (cublas, cublas_ws) = gemm::create(raw_ctx, stream)?;
+        let sides = if tuning.branches { branch::Sides::new(raw_ctx)? } else { branch::Sides::none() };
         let arena = DevBuf::new(raw_ctx, arena::ARENA_WORDS * 4)?;
         Ok(Cuda {
             inner: Arc::new(Inner {
@@ -153,6 +158,7 @@ impl Cuda {
                 stream,
                 cublas,
                 _cublas_ws: cublas_ws,
+                sides,
                 arch,
                 cc,
                 sms,

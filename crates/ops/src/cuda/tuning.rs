@@ -78,6 +78,11 @@ pub struct Tuning {
     /// (`Device::argmax_rows_launch_ahead`): the GPU does not wait for the
     /// host to handle the tokens.
     pub launch_ahead: bool,
+    /// Independent products and attentions of a round run side by side on
+    /// streams of their own (`branch.rs`): the products of one input past
+    /// the skinny GEMM's rows, and a prompt chunk's attention beside the
+    /// decode rows'.
+    pub branches: bool,
     /// Decode rounds replay as CUDA graphs ([`super::Cuda::graph`]): one
     /// launch for a whole forward (`Cuda::set_graphs` changes it later).
     pub graphs: bool,
@@ -103,6 +108,7 @@ impl Default for Tuning {
             rope_fold: true,
             ahead: true,
             launch_ahead: true,
+            branches: true,
             graphs: true,
         }
     }
@@ -142,7 +148,7 @@ impl Tuning {
     /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`,
     /// `_ATTN_CLUSTER`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
-    /// `_GRAPHS`).
+    /// `_BRANCHES`, `_GRAPHS`).
     #[cfg(feature = "cuda-tuning")]
     pub fn from_env() -> Tuning {
         let d = Tuning::default();
@@ -166,6 +172,7 @@ impl Tuning {
             rope_fold: on("ROPE_FOLD", d.rope_fold),
             ahead: on("AHEAD", d.ahead),
             launch_ahead: on("LAUNCH_AHEAD", d.launch_ahead),
+            branches: on("BRANCHES", d.branches),
             graphs: on("GRAPHS", d.graphs),
         }
     }

@@ -444,15 +444,22 @@ impl<D: Device> ModelBackend<D> {
     /// Whether the round after `rows` (just run: the same streams, one
     /// token further) may be started before it is asked for: the device
     /// can, a stray round leaves nothing that matters (no recurrent
-    /// state), and each stream's blocks hold its next row.
-    fn may_launch_ahead(&self, rows: &[DecodeRow]) -> bool {
-        let bt = self.cfg.block_tokens;
+    /// state), and each stream's blocks hold its next row, a block given
+    /// now to a stream whose blocks are full. (Not launched past a block's
+    /// end, one round in 16 of each stream lost its head start: on the
+    /// H100, six streams' rounds took 1.7 ms instead of 1.4 in a third of
+    /// them.)
+    fn may_launch_ahead(&mut self, rows: &[DecodeRow]) -> bool {
         self.dev.caps().ahead
             && self.rewindable
             // A round launched ahead would leave its features, not the round's.
             && self.tap_width == 0
             && !rows.is_empty()
-            && rows.iter().all(|r| r.tokens.len() == 1 && self.streams.get(&r.stream).is_some_and(|s| s.len < s.table.blocks.len() * bt))
+            && rows.iter().all(|r| r.tokens.len() == 1 && self.streams.contains_key(&r.stream))
+            && rows.iter().all(|r| {
+                let next = self.streams[&r.stream].len + 1;
+                self.reserve(r.stream, next).is_ok()
+            })
     }
 
     /// Whether the chunk named for the next round can start with it: its

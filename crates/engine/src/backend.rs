@@ -242,6 +242,11 @@ pub struct Step<'a> {
     /// The next step still says what runs: a round started for nothing
     /// leaves nothing behind.
     pub next_chunk: Option<(StreamId, Chunk<'a>)>,
+    /// The next round will carry no prompt chunk though a prompt pass is
+    /// under way (the engine times its decode rows alone): such a backend
+    /// may start it too. Without this, a round started mid-pass without a
+    /// chunk would likely serve only part of the next one.
+    pub next_plain: bool,
     /// Guided rows of an argmax round: where the backend finds their masks
     /// when it picks (see [`RoundMasks`]).
     pub masks: Option<&'a dyn RoundMasks>,
@@ -250,7 +255,7 @@ pub struct Step<'a> {
 impl<'a> Step<'a> {
     /// A step that names no next chunk and has no masks.
     pub fn new(rows: &'a [DecodeRow], chunk: Option<(StreamId, Chunk<'a>)>, pick: Pick) -> Step<'a> {
-        Step { rows, chunk, pick, next_chunk: None, masks: None }
+        Step { rows, chunk, pick, next_chunk: None, next_plain: false, masks: None }
     }
 }
 

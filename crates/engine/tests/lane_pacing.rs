@@ -212,6 +212,36 @@ fn each_shared_round_names_the_chunk_the_next_round_runs() {
     assert!(matches!(last, Call::Round { next_chunk: None, .. }), "the pass's last chunk names no next one");
 }
 
+/// Under a share the pacer times the decode rows alone every few shared
+/// rounds. Each such round mid-pass is said (`next_plain`) by the round
+/// before it, and names the chunk after it, so a backend that launches
+/// rounds ahead starts both (on the H100 one started afresh cost a third
+/// of a round more, twice in every ten).
+#[test]
+fn a_plain_round_mid_pass_is_said_a_round_before_and_names_the_next_chunk() {
+    let calls = paced_ahead(None, Some(0.3), 64, 4096, Vec::new(), true, cost);
+    let rounds: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::Round { .. }) && !c.rows().is_empty()).collect();
+    let arrival = |c: &Call| c.chunk().is_some_and(|ch| ch.stream == ARRIVAL);
+    let (first, last) = (rounds.iter().position(|c| arrival(c)).unwrap(), rounds.iter().rposition(|c| arrival(c)).unwrap());
+    let mut plain = 0;
+    for i in first + 1..last {
+        if rounds[i].chunk().is_some() {
+            continue;
+        }
+        plain += 1;
+        assert!(matches!(rounds[i - 1], Call::Round { next_plain: true, next_chunk: None, .. }), "round before a plain one: {:?}", rounds[i - 1]);
+        let Call::Round { next_chunk: Some(named), .. } = rounds[i] else { panic!("a plain round mid-pass named no chunk: {:?}", rounds[i]) };
+        assert_eq!(rounds[i + 1].chunk(), Some(named));
+    }
+    assert!(plain >= 2, "{plain} plain rounds mid-pass");
+    // No round says a plain one that does not come.
+    for w in rounds.windows(2) {
+        if let Call::Round { next_plain: true, .. } = w[0] {
+            assert_eq!(w[1].chunk(), None, "said plain, ran {:?}", w[1]);
+        }
+    }
+}
+
 #[test]
 fn where_rounds_launch_ahead_the_first_shared_chunk_is_named_a_round_before() {
     let calls = paced_ahead(Some(Duration::from_millis(12)), None, 256, 4096, Vec::new(), true, cost);

@@ -378,13 +378,17 @@ impl Pacer {
 
     /// The budget for the next chunk of `stream`'s pass, which would start
     /// at `start` beside the decode rows of `next` (none: it runs alone).
-    pub fn budget(&self, stream: StreamId, start: usize, next: Shape) -> Budget {
+    /// `timed`: a round of the decode rows alone runs before it (it times
+    /// them, so no [`Budget::Measure`] is asked for again).
+    pub fn budget(&self, stream: StreamId, start: usize, next: Shape, timed: bool) -> Budget {
         let decoding = next.decode_rows > 0;
         if let (Some(target), true) = (self.target, decoding) {
             return Budget::Chunk(Some(self.cap(self.target_rows(stream, start, next, target))));
         }
         let Some(share) = self.share.filter(|_| decoding) else { return Budget::Chunk(self.max_rows) };
-        if self.plain_secs == 0.0 || self.shared_since_plain >= REMEASURE_EVERY {
+        // Timed in the round before, the plain round's time is the last
+        // one known until then (none yet: the steering's least).
+        if !timed && (self.plain_secs == 0.0 || self.shared_since_plain >= REMEASURE_EVERY) {
             return Budget::Measure;
         }
         // A chunk costs a fixed part plus a part per row, both unknown and

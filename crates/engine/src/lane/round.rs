@@ -25,6 +25,17 @@ use crate::sampling::Sampled;
 /// (more is a wait for work, not work).
 const MAX_OVERHEAD: f64 = 2e-3;
 
+/// What the round after the one being run will carry, as far as the lane
+/// can tell a round early (see [`Step::next_chunk`], [`Step::next_plain`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    Unknown,
+    /// The decode rows alone, timed by the pacer mid-pass.
+    Plain,
+    /// A prompt chunk: its stream, start and end.
+    Chunk(StreamId, usize, usize),
+}
+
 impl Core {
     /// Plan the round, making room until it fits, and run it; true when
     /// anything moved.
@@ -137,7 +148,13 @@ impl Core {
     /// from `pos`, beside decode rows of shape `next`, kept to the sizes
     /// the backend replays within the rows to the pass's next cut.
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape) -> Budget {
-        let b = self.pacer.budget(stream, pos, next);
+        self.budget_with(stream, pos, cuts, next, false)
+    }
+
+    /// [`Self::budget`], where `timed`: a plain round of the decode rows
+    /// runs before this chunk's (see [`Pacer::budget`]).
+    fn budget_with(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape, timed: bool) -> Budget {
+        let b = self.pacer.budget(stream, pos, next, timed);
         let replayed = self.pacer.replayed_rows(self.caps.replayed_chunk_rows);
         let left = cuts.chunk_end_capped(pos, None) - pos;
         match to_replayed(b, left, next.decode_rows > 0, replayed, self.pacer.targeted()) {
@@ -146,27 +163,34 @@ impl Core {
         }
     }
 
-    /// The chunk the round after `plan` will carry if its decode rows come
-    /// as planned (the same streams, a token further): the prompt pass's
-    /// next one after `plan`'s chunk, sized now (a round early) by the
-    /// pacer. None when `plan` decodes nothing or the pass ends in it.
-    fn announce(&self, plan: &RoundPlan) -> Option<(StreamId, usize, usize)> {
+    /// What the round after `plan` will carry if its decode rows come as
+    /// planned (the same streams, a token further): the prompt pass's next
+    /// chunk after `plan`'s, sized now (a round early) by the pacer, or
+    /// [`Next::Plain`] where the pacer will time the decode rows alone.
+    /// Unknown when `plan` decodes nothing or the pass ends in it.
+    fn announce(&self, plan: &RoundPlan) -> Next {
         if plan.rows.is_empty() {
-            return None;
+            return Next::Unknown;
         }
-        let (id, pass) = self.running.iter().find_map(|s| match &s.phase {
+        let Some((id, pass)) = self.running.iter().find_map(|s| match &s.phase {
             Phase::Prefilling { pass, .. } if !pass.images_pending() => Some((s.id, pass)),
             _ => None,
-        })?;
+        }) else {
+            return Next::Unknown;
+        };
         let pos = plan.chunk.filter(|c| c.stream == id).map_or(pass.pos(), |c| c.end);
         if pos >= pass.plan().prompt_len {
-            return None;
+            return Next::Unknown;
         }
         let decode_rows = plan.rows.iter().map(|r| r.tokens.len()).sum();
         let decode_ctx = plan.at.iter().map(|&at| self.running[at].len + 1).sum();
-        match self.budget(id, pos, pass.plan(), Shape { decode_rows, decode_ctx, ..Shape::default() }) {
-            Budget::Chunk(Some(rows)) => Some((id, pos, pass.plan().chunk_end_capped(pos, Some(rows)))),
-            _ => None,
+        // A plan without the chunk times the decode rows alone: the pacer
+        // need not ask for that again in the round after.
+        let timed = plan.chunk.is_none();
+        match self.budget_with(id, pos, pass.plan(), Shape { decode_rows, decode_ctx, ..Shape::default() }, timed) {
+            Budget::Chunk(Some(rows)) => Next::Chunk(id, pos, pass.plan().chunk_end_capped(pos, Some(rows))),
+            Budget::Measure => Next::Plain,
+            _ => Next::Unknown,
         }
     }
 
@@ -178,7 +202,11 @@ impl Core {
         let dim = self.drafter.as_ref().map_or(0, |_| self.caps.feature_dim);
         let mut features = Vec::new();
         let mut picked = None;
-        self.announced = self.announce(&plan);
+        let announced = self.announce(&plan);
+        self.announced = match announced {
+            Next::Chunk(id, start, end) => Some((id, start, end)),
+            _ => None,
+        };
         if plan.chunk.is_none() && !plan.rows.is_empty() {
             // The prefill's chunk waited this round (named or not): it
             // waits no more.
@@ -193,6 +221,7 @@ impl Core {
             Phase::Prefilling { pass, .. } => Some((id, start, end, pass.prompt().clone(), pass.wants_logits_at(end))),
             _ => None,
         });
+        let next_plain = announced == Next::Plain;
         let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
         let picks_on_device = matches!(plan.pick, Pick::Argmax | Pick::TopK(_));
         let pick_masks = picks_on_device.then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
@@ -200,7 +229,7 @@ impl Core {
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out = self.backend.round(Step { next_chunk, masks, ..Step::new(&plan.rows, None, plan.pick) });
+                let out = self.backend.round(Step { next_chunk, next_plain, masks, ..Step::new(&plan.rows, None, plan.pick) });
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -217,7 +246,7 @@ impl Core {
                     pass.step(backend, drafter)
                 } else {
                     pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
-                        let out = b.round(Step { next_chunk, masks, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
+                        let out = b.round(Step { next_chunk, next_plain, masks, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
                         features = leading_features(b, decode_rows * dim);
                         let (p, logits) = match out {
                             Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),

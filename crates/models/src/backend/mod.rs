@@ -48,6 +48,20 @@ use layout::WindowGroup;
 use picks::{empty, launched_rows, merge, resolve, select};
 use rows::{image_rows, RowArrays};
 
+/// What a step says of the round after it (`Step::next_chunk`,
+/// `Step::next_plain`).
+#[derive(Clone, Copy)]
+struct NextRound<'c> {
+    chunk: Option<(StreamId, Chunk<'c>)>,
+    plain: bool,
+}
+
+impl<'c> NextRound<'c> {
+    fn of(step: &Step<'c>) -> NextRound<'c> {
+        NextRound { chunk: step.next_chunk, plain: step.next_plain }
+    }
+}
+
 /// Forwards whose streams each run at most this many rows (decode, drafts)
 /// are keyed for replay, and so are those that add a prompt chunk of a
 /// replayed size up to [`REPLAY_CHUNK_ROWS`] (the sizes the lane's
@@ -528,17 +542,17 @@ impl<D: Device> ModelBackend<D> {
     }
 
     /// One forward for `rows` and the chunk: the decode rows' picks, and
-    /// the chunk's last-row logits when asked. `next`: the chunk named for
-    /// the next round; `allow_ahead`: the round after may be launched ahead
-    /// (see [`ModelBackend::may_launch_ahead`]).
+    /// the chunk's last-row logits when asked. `next`: what the step says
+    /// of the next round (`Step::next_chunk`, `Step::next_plain`), `None`
+    /// where the round after may not be launched ahead (see
+    /// [`ModelBackend::may_launch_ahead`]).
     fn run(
         &mut self,
         rows: &[DecodeRow],
         chunk: Option<(StreamId, Chunk<'_>)>,
         pick: Pick,
         masks: Option<&dyn RoundMasks>,
-        next: Option<(StreamId, Chunk<'_>)>,
-        allow_ahead: bool,
+        next: Option<NextRound<'_>>,
     ) -> Result<RoundOut> {
         let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
@@ -564,30 +578,23 @@ impl<D: Device> ModelBackend<D> {
         }
         // Asked now, with the forward on its way.
         let (pick, allowed) = resolve(pick, masks, total, self.model.vocab());
-        let ahead = self.ahead(rows, chunk.is_some(), pick, next, allow_ahead);
+        let ahead = next.and_then(|n| self.ahead(rows, chunk.is_some(), pick, n));
         let picked = self.pick_rows(rows, pick, allowed.as_deref(), ahead)?;
         Ok(RoundOut { picked, chunk_logits })
     }
 
     /// What to start ahead after a round of `rows` (with a chunk or not):
     /// `Some(next)` to launch the round after with the chunk named for it,
-    /// or with decode rows alone where no pass is under way (during one,
-    /// the next round will likely carry a chunk, and one started without
-    /// it would serve only part of it).
-    fn ahead<'c>(
-        &mut self,
-        rows: &[DecodeRow],
-        chunk: bool,
-        pick: Pick,
-        next: Option<(StreamId, Chunk<'c>)>,
-        allow: bool,
-    ) -> Option<Option<(StreamId, Chunk<'c>)>> {
-        if !allow || pick != Pick::Argmax || !self.may_launch_ahead(rows) || self.sitting_out(rows) {
+    /// or with decode rows alone where the step says so or no pass is
+    /// under way (during one, the next round will likely carry a chunk, and
+    /// one started without it would serve only part of it).
+    fn ahead<'c>(&mut self, rows: &[DecodeRow], chunk: bool, pick: Pick, next: NextRound<'c>) -> Option<Option<(StreamId, Chunk<'c>)>> {
+        if pick != Pick::Argmax || !self.may_launch_ahead(rows) || self.sitting_out(rows) {
             return None;
         }
         match next {
-            Some(n) => self.ahead_chunk_ready(n).then_some(Some(n)),
-            None => (!chunk && !self.chunk_last).then_some(None),
+            NextRound { chunk: Some(n), .. } => self.ahead_chunk_ready(n).then_some(Some(n)),
+            NextRound { chunk: None, plain } => (plain || (!chunk && !self.chunk_last)).then_some(None),
         }
     }
 
@@ -665,12 +672,12 @@ impl<D: Device> ModelBackend<D> {
         let launched = self.launched.as_ref().map_or(0, |l| l.rows.len());
         let served = self.take_launched(step)?;
         let out = if served.is_empty() {
-            self.run(step.rows, step.chunk, step.pick, step.masks, step.next_chunk, true)?
+            self.run(step.rows, step.chunk, step.pick, step.masks, Some(NextRound::of(step)))?
         } else if served.len() == step.rows.len() && launched == served.len() && step.chunk.is_none() && served.iter().all(|&(i, j)| i == j) {
             // The very round launched ahead: pick its rows (and launch the next).
             let total = step.rows.iter().map(|r| r.tokens.len()).sum();
             let (pick, allowed) = resolve(step.pick, step.masks, total, self.model.vocab());
-            let ahead = self.ahead(step.rows, false, pick, step.next_chunk, true);
+            let ahead = self.ahead(step.rows, false, pick, NextRound::of(step));
             RoundOut { picked: self.pick_rows(step.rows, pick, allowed.as_deref(), ahead)?, chunk_logits: None }
         } else {
             // Part of the round was launched ahead; the rest (and the chunk)
@@ -681,7 +688,7 @@ impl<D: Device> ModelBackend<D> {
             let vocab = self.model.vocab();
             let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
             let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
-            let second = self.run(&rest, step.chunk, pick, None, None, false)?;
+            let second = self.run(&rest, step.chunk, pick, None, None)?;
             let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
             RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
         };

@@ -242,10 +242,11 @@ pub struct Step<'a> {
     /// The next step still says what runs: a round started for nothing
     /// leaves nothing behind.
     pub next_chunk: Option<(StreamId, Chunk<'a>)>,
-    /// The next round will carry no prompt chunk though a prompt pass is
-    /// under way (the engine times its decode rows alone): such a backend
-    /// may start it too. Without this, a round started mid-pass without a
-    /// chunk would likely serve only part of the next one.
+    /// The next round will carry no prompt chunk (none is under way, or
+    /// the engine times the decode rows alone mid-pass): such a backend
+    /// may start it even right after a round with a chunk, where a round
+    /// started without one would otherwise likely serve only part of the
+    /// next.
     pub next_plain: bool,
     /// Guided rows of an argmax round: where the backend finds their masks
     /// when it picks (see [`RoundMasks`]).

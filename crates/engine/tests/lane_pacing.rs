@@ -216,7 +216,7 @@ fn each_shared_round_names_the_chunk_the_next_round_runs() {
 /// rounds. Each such round mid-pass is said (`next_plain`) by the round
 /// before it, and names the chunk after it, so a backend that launches
 /// rounds ahead starts both (on the H100 one started afresh cost a third
-/// of a round more, twice in every ten).
+/// of a round more, twice in every ten); so are the rounds after the pass.
 #[test]
 fn a_plain_round_mid_pass_is_said_a_round_before_and_names_the_next_chunk() {
     let calls = paced_ahead(None, Some(0.3), 64, 4096, Vec::new(), true, cost);
@@ -234,6 +234,8 @@ fn a_plain_round_mid_pass_is_said_a_round_before_and_names_the_next_chunk() {
         assert_eq!(rounds[i + 1].chunk(), Some(named));
     }
     assert!(plain >= 2, "{plain} plain rounds mid-pass");
+    // Past the pass, no prompt is under way: each round says so.
+    assert!(rounds[last + 1..].iter().all(|c| matches!(c, Call::Round { next_plain: true, .. })), "{:?}", &rounds[last + 1..]);
     // No round says a plain one that does not come.
     for w in rounds.windows(2) {
         if let Call::Round { next_plain: true, .. } = w[0] {

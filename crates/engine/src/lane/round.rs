@@ -30,7 +30,8 @@ const MAX_OVERHEAD: f64 = 2e-3;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Next {
     Unknown,
-    /// The decode rows alone, timed by the pacer mid-pass.
+    /// The decode rows alone: no prompt is under way, or the pacer times
+    /// them mid-pass.
     Plain,
     /// A prompt chunk: its stream, start and end.
     Chunk(StreamId, usize, usize),
@@ -166,11 +167,17 @@ impl Core {
     /// What the round after `plan` will carry if its decode rows come as
     /// planned (the same streams, a token further): the prompt pass's next
     /// chunk after `plan`'s, sized now (a round early) by the pacer, or
-    /// [`Next::Plain`] where the pacer will time the decode rows alone.
-    /// Unknown when `plan` decodes nothing or the pass ends in it.
+    /// [`Next::Plain`] where the pacer will time the decode rows alone, or
+    /// no prompt is being prefilled at all (a prompt that arrives waits a
+    /// round for a backend that started the next round without it: see
+    /// `Budget::Name`). Unknown when `plan` decodes nothing or the pass
+    /// ends in it.
     fn announce(&self, plan: &RoundPlan) -> Next {
         if plan.rows.is_empty() {
             return Next::Unknown;
+        }
+        if !self.running.iter().any(|s| matches!(s.phase, Phase::Prefilling { .. })) {
+            return Next::Plain;
         }
         let Some((id, pass)) = self.running.iter().find_map(|s| match &s.phase {
             Phase::Prefilling { pass, .. } if !pass.images_pending() => Some((s.id, pass)),

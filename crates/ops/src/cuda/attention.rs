@@ -32,6 +32,17 @@ pub(super) struct AttnFns {
     prefill_combine: usize,
 }
 
+/// One attention op's operands but its output.
+#[derive(Clone, Copy)]
+struct Call<'a, 's> {
+    q: &'a CudaTensor,
+    kv: &'a CudaKv,
+    layer: usize,
+    seqs: &'a [AttnSeq<'s>],
+    scale: f32,
+    softcap: Option<f32>,
+}
+
 /// The modules compiled so far, and the split-KV scratch.
 pub(super) struct Attn {
     fns: HashMap<(usize, usize), AttnFns>,
@@ -113,22 +124,13 @@ impl Cuda {
         out: &mut CudaTensor,
     ) -> Result<()> {
         self.other(|| {
-            self.attention_cmds(q, kv, layer, seqs, scale, softcap, out)?;
+            self.attention_cmds(Call { q, kv, layer, seqs, scale, softcap }, out)?;
             Ok(Io { reads: vec![q.fptr()], writes: vec![out.fptr()], bf: vec![out.fptr()] })
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn attention_cmds(
-        &self,
-        q: &CudaTensor,
-        kv: &CudaKv,
-        layer: usize,
-        seqs: &[AttnSeq<'_>],
-        scale: f32,
-        softcap: Option<f32>,
-        out: &mut CudaTensor,
-    ) -> Result<()> {
+    fn attention_cmds(&self, c: Call<'_, '_>, out: &mut CudaTensor) -> Result<()> {
+        let Call { q, kv, layer, seqs, .. } = c;
         let shape = *kv.spec.layers.get(layer).ok_or_else(|| anyhow!("attention: layer {layer} not in the KV pool"))?;
         let (hd, kvh) = (shape.head_dim, shape.kv_heads);
         ensure!(hd % 16 == 0 && hd <= 512, "attention: head dim {hd} is not supported on CUDA (a multiple of 16, at most 512)");
@@ -151,11 +153,11 @@ impl Cuda {
             // the decode rows' split scratch is the second one).
             let (short, long): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().partition(|s| s.q_len <= few);
             let o = &*out;
-            return self.branches(&mut [&mut || self.attention_launches(q, kv, layer, &long, scale, softcap, o, 0), &mut || {
-                self.attention_launches(q, kv, layer, &short, scale, softcap, o, 1)
+            return self.branches(&mut [&mut || self.attention_launches(Call { seqs: &long, ..c }, o, 0), &mut || {
+                self.attention_launches(Call { seqs: &short, ..c }, o, 1)
             }]);
         }
-        self.attention_launches(q, kv, layer, seqs, scale, softcap, out, 0)
+        self.attention_launches(c, out, 0)
     }
 
     /// Up to how many query rows a sequence takes the split-KV decode
@@ -172,18 +174,8 @@ impl Cuda {
     /// The launches of [`Self::attention_cmds`] for `seqs`, all of one
     /// kind (decode rows, or prompt chunks past [`Self::few_rows`]), with
     /// split scratch `scratch` (0 or 1: two launches side by side need two).
-    #[allow(clippy::too_many_arguments)]
-    fn attention_launches(
-        &self,
-        q: &CudaTensor,
-        kv: &CudaKv,
-        layer: usize,
-        seqs: &[AttnSeq<'_>],
-        scale: f32,
-        softcap: Option<f32>,
-        out: &CudaTensor,
-        scratch: usize,
-    ) -> Result<()> {
+    fn attention_launches(&self, c: Call<'_, '_>, out: &CudaTensor, scratch: usize) -> Result<()> {
+        let Call { q, kv, layer, seqs, scale, softcap } = c;
         let shape = kv.spec.layers[layer];
         let (hd, kvh) = (shape.head_dim, shape.kv_heads);
         let heads = q.cols / hd;

@@ -17,8 +17,9 @@ use crate::drafter::Drafter;
 pub struct CutPlan {
     /// Rows in the prompt.
     pub prompt_len: usize,
-    /// The prompt chunk cap: cuts fall every `chunk_tokens` rows counted
-    /// from `planned_start`.
+    /// The prompt chunk cap: where cuts are not free, they fall every
+    /// `chunk_tokens` rows counted from `planned_start`; where they are, a
+    /// chunk takes at most `chunk_tokens` rows.
     pub chunk_tokens: usize,
     /// Where the pass begins (after a restored prefix; 0 without one).
     pub planned_start: usize,
@@ -62,11 +63,19 @@ impl CutPlan {
 /// The scheduling policy's one place for cuts: the end of the chunk that
 /// starts at `pos`, the nearest of
 /// * the prompt end,
-/// * the next multiple of `chunk_tokens` past `planned_start` (the grid is
-///   anchored at the planned start, so a capped or resumed pass stays on it),
+/// * where cuts are not free, the next multiple of `chunk_tokens` past
+///   `planned_start` (the grid is anchored at the planned start, so a
+///   resumed pass stays on it and cuts where the whole pass would); where
+///   they are, `pos + chunk_tokens`,
 /// * the next kept mark after `pos`,
-/// * `pos + max_rows`, only when the backend is `chunk_invariant` (a backend
-///   that is not keeps the whole pass's cuts, always).
+/// * `pos + max_rows`, only where cuts are free (see
+///   `Capabilities::free_cuts`; a backend whose results depend on them
+///   keeps the whole pass's cuts, always).
+///
+/// Free cuts keep no grid: paced chunks off it ended in a remainder at
+/// each grid line, run as a round or two of a few rows (on the H100, an
+/// 1800-token arrival beside six streams: 64, 8 and 2 rows at the first
+/// line, ~6 rounds in all).
 ///
 /// Always returns more than `pos` while `pos < prompt_len`.
 pub fn chunk_end(pos: usize, prompt_len: usize, chunk_tokens: usize, planned_start: usize, marks: &[usize], max_rows: Option<usize>, free_cuts: bool) -> usize {
@@ -75,7 +84,13 @@ pub fn chunk_end(pos: usize, prompt_len: usize, chunk_tokens: usize, planned_sta
     }
     let chunk = chunk_tokens.max(1);
     let mut end = prompt_len;
-    let grid = if pos < planned_start { planned_start } else { planned_start + ((pos - planned_start) / chunk + 1) * chunk };
+    let grid = if free_cuts {
+        pos + chunk
+    } else if pos < planned_start {
+        planned_start
+    } else {
+        planned_start + ((pos - planned_start) / chunk + 1) * chunk
+    };
     end = end.min(grid);
     if let Some(&m) = marks.iter().find(|&&m| m > pos) {
         end = end.min(m);
@@ -309,7 +324,7 @@ mod tests {
         p.images = vec![(6, 14), (20, 36)];
         // Before an image the cut moves back to its start; at it, on to its end,
         // whatever the cap, the grid or a mark inside it say.
-        assert_eq!(p.cuts_from(0), vec![3, 6, 14, 16, 19, 20, 36, 39, 40]);
+        assert_eq!(p.cuts_from(0), vec![3, 6, 14, 17, 20, 36, 39, 40]);
         p.free_cuts = false;
         assert_eq!(p.cuts_from(0), vec![6, 14, 16, 20, 36, 40]);
         // A pass that starts inside an image (its first rows cached) runs the rest of it first.
@@ -331,8 +346,11 @@ mod tests {
     #[test]
     fn max_rows_applies_only_where_cuts_are_free() {
         assert_eq!(plan(10, 8, 0, &[], Some(3), false).cuts_from(0), vec![8, 10]);
-        // Capped steps come back to the grid: 8 stays a cut.
-        assert_eq!(plan(10, 8, 0, &[], Some(3), true).cuts_from(0), vec![3, 6, 8, 10]);
+        // Free cuts keep no grid: capped steps leave no remainder at 8.
+        assert_eq!(plan(10, 8, 0, &[], Some(3), true).cuts_from(0), vec![3, 6, 9, 10]);
+        // Marks still cut, and chunk_tokens caps a chunk from where it starts.
+        assert_eq!(plan(20, 8, 0, &[5], Some(6), true).cuts_from(0), vec![5, 11, 17, 20]);
+        assert_eq!(plan(20, 8, 0, &[5], None, true).cuts_from(0), vec![5, 13, 20]);
     }
 
     #[test]

@@ -84,14 +84,14 @@ pub fn chunk_end(pos: usize, prompt_len: usize, chunk_tokens: usize, planned_sta
     }
     let chunk = chunk_tokens.max(1);
     let mut end = prompt_len;
-    let grid = if free_cuts {
+    let capped = if free_cuts {
         pos + chunk
     } else if pos < planned_start {
         planned_start
     } else {
         planned_start + ((pos - planned_start) / chunk + 1) * chunk
     };
-    end = end.min(grid);
+    end = end.min(capped);
     if let Some(&m) = marks.iter().find(|&&m| m > pos) {
         end = end.min(m);
     }

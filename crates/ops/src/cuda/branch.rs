@@ -35,16 +35,31 @@ pub(super) struct Sides {
 }
 
 impl Sides {
-    /// `SIDES` side streams in context `ctx`.
+    /// `SIDES` side streams in context `ctx` (what was made before an
+    /// error is freed).
     pub fn new(ctx: usize) -> Result<Sides> {
         let event = || drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map(|e| e as usize).map_err(|e| anyhow!("cuEventCreate: {e:?}"));
-        let mut sides = Vec::with_capacity(SIDES);
+        let mut s = Sides { sides: Vec::with_capacity(SIDES), fork: event()? };
         for _ in 0..SIDES {
             let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| anyhow!("cuStreamCreate: {e:?}"))? as usize;
-            let (cublas, ws) = gemm::create(ctx, stream)?;
-            sides.push(Side { stream, cublas, _ws: ws, done: event()? });
+            let made = gemm::create(ctx, stream).and_then(|(cublas, ws)| match event() {
+                Ok(done) => Ok(Side { stream, cublas, _ws: ws, done }),
+                Err(e) => {
+                    unsafe { gemm::destroy(cublas) };
+                    Err(e)
+                }
+            });
+            match made {
+                Ok(side) => s.sides.push(side),
+                Err(e) => {
+                    unsafe {
+                        let _ = drv::stream::destroy(stream as sys::CUstream);
+                    }
+                    return Err(e);
+                }
+            }
         }
-        Ok(Sides { sides, fork: event()? })
+        Ok(s)
     }
 
     /// None: branches run one after another.

@@ -149,7 +149,15 @@ impl Cuda {
         let mut prof = profile::Profile::default();
         let fns = kernels::Fns::load(&m, &mut prof.names)?;
         let (cublas, cublas_ws) = gemm::create(raw_ctx, stream)?;
-        let sides = if tuning.branches { branch::Sides::new(raw_ctx)? } else { branch::Sides::none() };
+        // Branches only speed rounds up: without their streams, rounds run
+        // one command after another.
+        let sides = match tuning.branches.then(|| branch::Sides::new(raw_ctx)).transpose() {
+            Ok(s) => s.unwrap_or_else(branch::Sides::none),
+            Err(e) => {
+                tracing::warn!("no side streams for branches ({e:#}): a round's commands run one after another");
+                branch::Sides::none()
+            }
+        };
         let arena = DevBuf::new(raw_ctx, arena::ARENA_WORDS * 4)?;
         Ok(Cuda {
             inner: Arc::new(Inner {

@@ -110,6 +110,11 @@ pub struct Fill {
     pub blocks_cached: usize,
     /// Cached blocks evicted so far to make room (a running count).
     pub blocks_evicted: u64,
+    /// Of `blocks_used`, those held past streams' lengths: given early for
+    /// rows not written yet (a round started ahead, a chunk named for the
+    /// next round). The lane's plan counts the blocks those rows need, so
+    /// for it these are free ([`Fill::blocks_free`]).
+    pub blocks_ahead: usize,
     /// Tokens per KV block.
     pub block_tokens: usize,
     /// Stream state slots in use, and how many there are.
@@ -151,9 +156,11 @@ impl Fill {
         self.slots_used < self.slots_total && self.blocks_used + self.blocks_for(tokens) <= self.blocks_total
     }
 
-    /// Blocks not in use (cached ones included: they give way).
+    /// Blocks not in use (cached ones included: they give way), and those
+    /// given ahead: the blocks a round's plan may count on for the rows it
+    /// adds.
     pub fn blocks_free(&self) -> usize {
-        self.blocks_total.saturating_sub(self.blocks_used)
+        self.blocks_total.saturating_sub(self.blocks_used) + self.blocks_ahead.min(self.blocks_used)
     }
 }
 

@@ -1233,8 +1233,8 @@ mod ahead_on_cpu {
     }
 
     /// Each round's picks (and chunk logits) as text, with the blocks in
-    /// use after it and the streams open.
-    fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<(String, usize, usize)> {
+    /// use after it, the streams open, and the blocks free for the plan.
+    fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<(String, usize, usize, usize)> {
         let vocab = VOCAB;
         let (mut be, mut next, mut lens) = three_streams(dev);
         let prompt = |s: u64, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % vocab as u32).collect() };
@@ -1278,7 +1278,7 @@ mod ahead_on_cpu {
             let out = be.round(Step::new(&rows, step_chunk, pick)).unwrap();
             if let Some((s, p)) = &chunk {
                 let l = out.chunk_logits.as_ref().unwrap();
-                log.push((format!("round {round}: chunk logits {:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), 0, 0));
+                log.push((format!("round {round}: chunk logits {:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), 0, 0, 0));
                 next.insert(*s, argmax(l) as u32);
                 *lens.get_mut(s).unwrap() += p.len();
             }
@@ -1297,6 +1297,7 @@ mod ahead_on_cpu {
                 format!("round {round}: rows {:?}: {picked}", rows.iter().map(|r| (r.stream, r.tokens.clone())).collect::<Vec<_>>()),
                 be.fill().blocks_used,
                 next.len(),
+                be.fill().blocks_free(),
             ));
             let mut at = 0;
             for r in &rows {
@@ -1317,11 +1318,13 @@ mod ahead_on_cpu {
         let on = drive(AheadCpu(Cpu::new(Some(1)), true), script);
         let off = drive(AheadCpu(Cpu::new(Some(1)), false), script);
         assert_eq!(on.len(), off.len());
-        for ((a, used_on, open), (b, used_off, _)) in on.iter().zip(&off) {
+        for ((a, used_on, open, free_on), (b, used_off, _, free_off)) in on.iter().zip(&off) {
             assert_eq!(a, b, "ahead on and off differ");
             // A round launched ahead holds the blocks of its rows: at most
-            // one more a stream (one whose blocks were full).
+            // one more a stream (one whose blocks were full). The lane's
+            // plan counts those rows' blocks, so it sees them free.
             assert!(used_off <= used_on && *used_on <= used_off + open, "{a}: {used_on} blocks used with ahead on, {used_off} off ({open} streams)");
+            assert_eq!(free_on, free_off, "{a}: blocks free for the plan with ahead on and off");
         }
         assert!(on.iter().zip(&off).any(|(a, b)| a.1 > b.1), "no round launched ahead past a block's end");
     }

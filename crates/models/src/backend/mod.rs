@@ -742,6 +742,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             blocks_total: self.pool.total(),
             blocks_cached: self.pool.cached(),
             blocks_evicted: self.pool.evicted(),
+            blocks_ahead: self.streams.values().map(|s| s.table.blocks.len().saturating_sub(s.len.div_ceil(self.cfg.block_tokens))).sum(),
             block_tokens: self.cfg.block_tokens,
             slots_used: self.streams.len(),
             slots_total: self.cfg.max_streams,

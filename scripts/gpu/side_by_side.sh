@@ -18,7 +18,7 @@
 # media/ or benches/ (8.7 MB as .tar.xz without them; the build script
 # must then unpack with `tar xf`).
 # Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
-# serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6), PROBE_SWITCH,
+# serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6), PROBE_SWITCH, PROBE,
 # MODELS ("smollm2 llama1b"); BRAID_ONLY=1 skips the bench and llama.cpp
 # (a quick look at braid's stall alone).
 set -uo pipefail
@@ -38,9 +38,16 @@ done
 # probe ENGINE MODEL PORT SEED: the stall scenario against the server on PORT.
 # PROBE_SWITCH (seconds): the probe's threads switch the GIL that often
 # (Python's default, 5 ms, lets one thread parsing a token hold the others'
-# clocks back by up to that: gaps the server never made).
+# clocks back by up to that: gaps the server never made). PROBE=select runs
+# scripts/bench/stall_select.py instead: the same scenario and figures, all
+# streams read by one thread.
 probe() {
   for _ in $(seq 1 240); do curl -sf "127.0.0.1:$3/health" > /dev/null && break; sleep 0.5; done
+  if [ "${PROBE:-}" = select ]; then
+    timeout 150 python3 scripts/bench/stall_select.py "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
+      --ignore-eos --seed "$4" --label "$1 $2" 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
+    return
+  fi
   timeout 150 python3 -c 'import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name="__main__")' \
     "${PROBE_SWITCH:-0.005}" "$PEER/stall_probe.py" "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
     --ignore-eos on --seed "$4" --label "$1 $2" --timeout 120 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"

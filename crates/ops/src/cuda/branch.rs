@@ -8,7 +8,7 @@
 //! side by side they overlap. Under graph capture the fork and join are
 //! edges of the graph, so a replayed round pays nothing for them.
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, ensure, Result};
 use cudarc::driver::{result as drv, sys};
 
 use super::exec::Cmd;
@@ -118,27 +118,24 @@ impl Cuda {
         self.emit(Cmd::Branch(branches))
     }
 
-    /// Run a [`Cmd::Branch`]: the side streams wait for the device's stream,
-    /// each runs its branch while the device's stream runs the first, and
-    /// the device's stream then waits for every side.
+    /// Run a [`Cmd::Branch`] (built by [`Cuda::branches`]: at most one
+    /// branch a side stream besides the first): the side streams wait for
+    /// the device's stream, each runs its branch while the device's stream
+    /// runs the first, and the device's stream then waits for every side.
     pub(super) fn run_branches(&self, branches: &[Vec<Cmd>]) -> Result<()> {
         let main = self.stream() as sys::CUstream;
         let sides = &self.inner.sides;
-        let n = branches.len().saturating_sub(1).min(sides.sides.len());
-        if n == 0 {
-            return branches.iter().flatten().try_for_each(|c| self.execute_on(c, None));
-        }
+        let n = branches.len().saturating_sub(1);
+        ensure!(n <= sides.sides.len(), "{} branches for {} side streams", branches.len(), sides.sides.len());
         unsafe { cu(drv::event::record(sides.fork as sys::CUevent, main), "fork event")? };
-        for (b, s) in branches[1..=n].iter().zip(&sides.sides) {
+        for (b, s) in branches.iter().skip(1).zip(&sides.sides) {
             unsafe {
                 cu(drv::stream::wait_event(s.stream as sys::CUstream, sides.fork as sys::CUevent, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), "fork wait")?
             };
             b.iter().try_for_each(|c| self.execute_on(c, Some(s)))?;
             unsafe { cu(drv::event::record(s.done as sys::CUevent, s.stream as sys::CUstream), "join event")? };
         }
-        // Branches past the side streams' count (none, as `branches` builds
-        // them) run on the device's stream after the first.
-        branches[0].iter().chain(branches[n + 1..].iter().flatten()).try_for_each(|c| self.execute_on(c, None))?;
+        branches.first().into_iter().flatten().try_for_each(|c| self.execute_on(c, None))?;
         for s in &sides.sides[..n] {
             unsafe { cu(drv::stream::wait_event(main, s.done as sys::CUevent, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), "join wait")? };
         }

@@ -151,12 +151,13 @@ impl Cuda {
         let (cublas, cublas_ws) = gemm::create(raw_ctx, stream)?;
         // Branches only speed rounds up: without their streams, rounds run
         // one command after another.
-        let sides = match tuning.branches.then(|| branch::Sides::new(raw_ctx)).transpose() {
-            Ok(s) => s.unwrap_or_else(branch::Sides::none),
-            Err(e) => {
+        let sides = if tuning.branches {
+            branch::Sides::new(raw_ctx).unwrap_or_else(|e| {
                 tracing::warn!("no side streams for branches ({e:#}): a round's commands run one after another");
                 branch::Sides::none()
-            }
+            })
+        } else {
+            branch::Sides::none()
         };
         let arena = DevBuf::new(raw_ctx, arena::ARENA_WORDS * 4)?;
         Ok(Cuda {

@@ -113,7 +113,7 @@ impl Core {
         let budget = prefill.as_ref().map_or(Budget::Chunk(None), |p| match self.announced {
             // The last round named this chunk as the next: keep to it.
             Some((id, start, end)) if id == p.id && start == p.pos => Budget::Chunk(Some(end - start)),
-            _ => match self.budget(p.id, p.pos, p.cuts, next) {
+            _ => match self.budget(p.id, p.pos, p.cuts, next, false) {
                 // Not named, beside a round the backend started without it
                 // (on the H200 a first 32-row chunk so made a 4.4-5.1 ms
                 // gap, and the unlaunched round after it 2.9 ms, against
@@ -148,13 +148,9 @@ impl Core {
     /// The pacer's budget for the chunk of `stream`'s pass (cut by `cuts`)
     /// from `pos`, beside decode rows of shape `next`, kept to the sizes
     /// the backend replays within the rows to the pass's next cut.
-    fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape) -> Budget {
-        self.budget_with(stream, pos, cuts, next, false)
-    }
-
-    /// [`Self::budget`], where `timed`: a plain round of the decode rows
-    /// runs before this chunk's (see [`Pacer::budget`]).
-    fn budget_with(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape, timed: bool) -> Budget {
+    /// `timed`: a plain round of the decode rows runs before this chunk's
+    /// (see [`Pacer::budget`]).
+    fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape, timed: bool) -> Budget {
         let b = self.pacer.budget(stream, pos, next, timed);
         let replayed = self.pacer.replayed_rows(self.caps.replayed_chunk_rows);
         let left = cuts.chunk_end_capped(pos, None) - pos;
@@ -194,7 +190,7 @@ impl Core {
         // A plan without the chunk times the decode rows alone: the pacer
         // need not ask for that again in the round after.
         let timed = plan.chunk.is_none();
-        match self.budget_with(id, pos, pass.plan(), Shape { decode_rows, decode_ctx, ..Shape::default() }, timed) {
+        match self.budget(id, pos, pass.plan(), Shape { decode_rows, decode_ctx, ..Shape::default() }, timed) {
             Budget::Chunk(Some(rows)) => Next::Chunk(id, pos, pass.plan().chunk_end_capped(pos, Some(rows))),
             Budget::Measure => Next::Plain,
             _ => Next::Unknown,

@@ -296,11 +296,16 @@ fn patched_mmproj(v: &Vision, name: &str, from: &[u8], to: &[u8]) -> std::path::
     let mut bytes = std::fs::read(v.fx.dir.join("mmproj-f32.gguf")).unwrap();
     let at = bytes.windows(from.len()).position(|w| w == from).expect("the pattern is in the mmproj");
     bytes[at..at + to.len()].copy_from_slice(to);
-    let dir = std::env::temp_dir().join(format!("braid-mmproj-{}", std::process::id()));
+    let dir = scratch();
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     std::fs::write(&path, bytes).unwrap();
     path
+}
+
+/// This process's scratch folder for patched mmproj files.
+fn scratch() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("braid-mmproj-{}", std::process::id()))
 }
 
 fn open_err(model: &std::path::Path, mmproj: &std::path::Path) -> String {
@@ -336,4 +341,5 @@ fn a_wrong_mmproj_is_refused_by_name() {
     // Another projector.
     let e = open_err(&text, &patched_mmproj(&v, "idefics.gguf", b"gemma3", b"ldfics"));
     assert!(e.contains("projector is 'ldfics'"), "{e}");
+    let _ = std::fs::remove_dir_all(scratch());
 }

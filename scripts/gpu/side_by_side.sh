@@ -20,7 +20,9 @@
 # Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
 # serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6), PROBE_SWITCH, PROBE,
 # MODELS ("smollm2 llama1b"); BRAID_ONLY=1 skips the bench and llama.cpp
-# (a quick look at braid's stall alone).
+# (a quick look at braid's stall alone); PEER_ONLY=1 skips braid (llama.cpp
+# in one call, braid in the next on the same warm machine, each with its
+# own OUT; side_by_side.py reads their stall.jsonl files joined).
 set -uo pipefail
 PEER=${PEER:-.peer}
 OUT=${OUT:-/tmp/side-by-side}
@@ -55,9 +57,10 @@ probe() {
 
 # braid: decode through the lane at each stream count, prefill, then serve.
 MODELS=${MODELS:-smollm2 llama1b}
-[ "${BRAID_ONLY:-}" = 1 ] || timeout 240 $B/braid bench --device cuda -m "$M/rand-llama1b.gguf" --pp 2048 --tg 128 -r 3 --streams 1,8,32,64 --json \
+[ "${BRAID_ONLY:-}" = 1 ] || [ "${PEER_ONLY:-}" = 1 ] || timeout 240 $B/braid bench --device cuda -m "$M/rand-llama1b.gguf" --pp 2048 --tg 128 -r 3 --streams 1,8,32,64 --json \
   > "$OUT/braid-bench.json" 2> "$OUT/braid-bench.log"
-for mod in $MODELS; do
+[ "${PEER_ONLY:-}" = 1 ] && MODELS_BRAID="" || MODELS_BRAID=$MODELS
+for mod in $MODELS_BRAID; do
   for seed in $SEEDS; do
     # shellcheck disable=SC2086
     # The lane's round trace too: scripts/gpu/gaps.py reads the arrival

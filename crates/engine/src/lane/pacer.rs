@@ -13,13 +13,22 @@
 //!   chunks grow by half at most past the largest it has seen.
 //!   A round the target cannot hold (the decode rows alone exceed it) is
 //!   counted and said once in the log.
-//! * **A share of a plain round** (`LaneConfig::prefill_share`): each chunk's
-//!   rows add about that fraction to the decode rows' round, steered by the
-//!   last chunk's measured cost. A fixed cost of sharing a round at all
-//!   (on a GPU, the round runs eagerly instead of replaying its graph) is
-//!   paid by any chunk, so it is told apart (from the pass's first chunk
-//!   and its last) and not counted against the share: counted, it held
-//!   every chunk to one row and an 1800-token prompt to 1800 rounds.
+//! * **A share of a plain round** (`LaneConfig::prefill_share`):
+//!   * on a backend that replays a few chunk sizes (a GPU's graphs), the
+//!     largest size whose round adds at most that fraction to a plain
+//!     round, read from what each size has added ([`Pacer::sized`]): the
+//!     warm-up's timed rounds, then the pass's own rounds as its chunks
+//!     move on (attention grows with the position). A chunk's cost there
+//!     steps where kernels change (on the H100, Llama-1B's shape beside six
+//!     streams: 16 rows +0.3 ms, 24 rows +0.59, 32 rows +0.62), which a
+//!     steering that scales the last chunk by its cost overshot and
+//!     undershot by turns;
+//!   * elsewhere (the CPU) each chunk's rows add about that fraction,
+//!     steered by the last chunk's measured cost. A fixed cost of sharing a
+//!     round at all is paid by any chunk, so it is told apart (from the
+//!     pass's first chunk and its last) and not counted against the share:
+//!     counted, it held every chunk to one row and an 1800-token prompt to
+//!     1800 rounds.
 //!
 //! Only where the cut sizes are free (see `Capabilities`: a chunk-invariant
 //! backend, or one whose results depend on the batch anyway) does the
@@ -40,60 +49,24 @@ const FIRST_STEP_ROWS: usize = 1;
 /// plain round's time grows with the decoding streams' contexts.
 const REMEASURE_EVERY: usize = 8;
 
-/// The largest replayed chunk under `prefill_share`: on the H200 a
-/// budget of ~91 rows rounded up to 128 (+1.2 ms on a 1.5 ms round of six
-/// streams, against a share of 0.3), and the lane's largest gap during an
-/// 1800-token arrival went from 1.5–1.8x the usual one to 1.7–2.1x.
-const SHARE_REPLAYED_ROWS: usize = 64;
-
-/// Under `prefill_share`, a replayed size is passed over for the next one
-/// down while every chunk of it beside decode rows added more than this
-/// many times the share. The share's steering takes a chunk's cost as linear
-/// in its rows, but on a GPU it steps where kernels change: on the H100,
-/// SmolLM2's shape beside six streams, a 16-row chunk added 0.2 ms to a
-/// 1.15 ms round and a 32-row one 0.9 ms (cuBLAS past the skinny GEMM's
-/// rows, the prefill attention past the decode kernel's), and the steering
-/// went back and forth between them (the largest gap 2.3x the usual).
-const DEAR: f64 = 2.0;
-
-/// A replayed size whose least cost seen is within this factor of the
-/// next size's up gives way to it under a share: on the H100, Llama-1B's
-/// shape beside six streams, 24 rows added 0.59 ms to a round and 32 rows
-/// 0.61–0.63 (from 17 rows the chunk takes the prefill attention).
-const SAME_COST: f64 = 1.1;
-
 /// Rounds with a chunk the cost model needs before a target trusts it;
 /// until then chunks probe, doubling while rounds stay within the target.
 const TRUSTED_AFTER: usize = 6;
 
 /// `budget` kept to the chunk sizes a backend replays ([`replayed_size`]
 /// up to `replayed`; see `Capabilities::replayed_chunk_rows`) where the
-/// chunk shares its round with decode rows and would fit one: the size
-/// nearest the budget (in ratio), within the `left` rows before the pass's
-/// next cut, so its last chunks too (a remainder of 37 rows runs as 32, 4
-/// and 1). A larger budget is held to `replayed`: a chunk run afresh cost
-/// more than its rows (on the H200, 11–23 ms for 48–322 rows beside six
-/// decoding streams, against ~3 ms for a replayed 64).
-///
-/// Nearest, not the largest within: the pacer grows a chunk by half at
-/// most, and rounded down, half again of 4 rows stayed 4 (on the H200 an
-/// 1800-token prompt took 441 rounds of 4 rows). But `within` (a latency
-/// target, whose budget is the most rows its cost model holds within it):
-/// the largest size within, since the next one up passes the target.
-pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize, within: bool) -> Budget {
+/// chunk shares its round with decode rows: the largest size within the
+/// budget and the `left` rows before the pass's next cut, so its last
+/// chunks too (a remainder of 37 rows runs as 32, 4 and 1). A larger budget
+/// is held to `replayed`: a chunk run afresh cost more than its rows (on
+/// the H200, 11–23 ms for 48–322 rows beside six decoding streams, against
+/// ~3 ms for a replayed 64).
+pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize) -> Budget {
     match budget {
-        Budget::Chunk(rows) if decoding && replayed > 0 => {
-            let Some(rows) = rows else { return budget };
-            let r = rows.min(left).min(replayed);
-            if r == 0 {
-                return budget;
-            }
-            let down = replayed_sizes(r).next().expect("1 is a replayed size");
-            let up = size_up(down);
-            // Up when r ≥ √(down·up), where the prompt and the sizes allow.
-            let nearer_up = !within && r * r >= down * up && up <= left && up <= replayed;
-            Budget::Chunk(Some(if nearer_up { up } else { down }))
-        }
+        Budget::Chunk(Some(rows)) if decoding && replayed > 0 => match rows.min(left).min(replayed) {
+            0 => budget,
+            r => Budget::Chunk(replayed_sizes(r).next()),
+        },
         b => b,
     }
 }
@@ -101,6 +74,11 @@ pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed:
 /// The next replayed size past `rows`.
 fn size_up(rows: usize) -> usize {
     (rows + 1..).find(|&n| replayed_size(n)).expect("sizes go on")
+}
+
+/// The replayed sizes up to `most`, smallest first.
+fn sizes_up_to(most: usize) -> impl Iterator<Item = usize> {
+    (1..=most).filter(|&n| replayed_size(n))
 }
 
 /// How many prompt rows the next round may take.
@@ -247,6 +225,9 @@ pub(super) struct Pacer {
     model: CostModel,
     /// Moving average of a plain round's seconds (0: none measured yet).
     plain_secs: f64,
+    /// The same by the round's decode rows: what a size adds is read
+    /// against a plain round of as many rows (streams come and go).
+    plain_by_rows: HashMap<usize, f64>,
     /// Moving average of the loop's own time per round.
     overhead: f64,
     /// Moving average of how far rounds with a chunk ran past the model's
@@ -259,10 +240,18 @@ pub(super) struct Pacer {
     first: Option<(StreamId, usize, f64)>,
     /// Rounds shared with a chunk since the last plain one.
     shared_since_plain: usize,
+    /// The backend's largest replayed chunk (0: it replays none), which a
+    /// share reads as sizes to choose from ([`Pacer::sized`]).
+    replayed: usize,
     /// The least a chunk of each size beside decode rows has added to its
-    /// round, as a fraction of a plain round (warm-up rounds and those run);
-    /// see [`DEAR`].
+    /// round, as a fraction of a plain round (warm-up rounds and those run).
     added: HashMap<usize, f64>,
+    /// The current pass's stream, and what each size added in its last
+    /// round of this pass (a pass's first chunk aside: it can be dearer once).
+    pass: Option<(StreamId, HashMap<usize, f64>)>,
+    /// How much dearer the pass's last chunk was than its size's least:
+    /// sizes not run in this pass are expected to have grown as much.
+    growth: f64,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
     /// Image-encoding steps beside decoding streams, by kind: the last
@@ -299,12 +288,16 @@ impl Pacer {
             max_rows,
             model: CostModel::default(),
             plain_secs: 0.0,
+            plain_by_rows: HashMap::new(),
             overhead: 0.0,
             under: 0.0,
             last: None,
             first: None,
             shared_since_plain: 0,
+            replayed: 0,
             added: HashMap::new(),
+            pass: None,
+            growth: 1.0,
             target_misses: Cell::new(0),
             encoded: HashMap::new(),
             next_kind: 0,
@@ -334,39 +327,38 @@ impl Pacer {
         self.added.entry(rows).and_modify(|a| *a = a.min(f)).or_insert(f);
     }
 
-    /// `rows` (a replayed size), or under a share the largest size below it
-    /// whose least cost seen is within [`DEAR`] times the share (1 at least);
-    /// then, while the next replayed size up (at most `most`) has cost no
-    /// more than [`SAME_COST`] times as much, that one: the same gap, more
-    /// rows.
-    pub fn affordable(&self, rows: usize, most: usize) -> usize {
-        let Some(share) = self.share else { return rows };
-        let dear = |n: &usize| self.added.get(n).is_some_and(|&f| f > DEAR * share);
-        let mut n = replayed_sizes(rows).find(|n| !dear(n)).unwrap_or(1);
-        while let Some(up) = Some(size_up(n)).filter(|&m| m <= most) {
-            match (self.added.get(&n), self.added.get(&up)) {
-                (Some(&a), Some(&b)) if b <= a * SAME_COST && !dear(&up) => n = up,
-                _ => break,
-            }
-        }
-        n
+    /// The backend replays chunks of up to `rows` rows
+    /// (`Capabilities::replayed_chunk_rows`; 0: none).
+    pub fn replaying(mut self, rows: usize) -> Pacer {
+        self.replayed = rows;
+        self
     }
 
-    /// Whether a latency target sizes the chunks (see [`to_replayed`]'s
-    /// `within`).
-    pub fn targeted(&self) -> bool {
-        self.target.is_some()
+    /// Whether a share picks among replayed sizes ([`Pacer::sized`]).
+    fn picks_sizes(&self) -> bool {
+        self.share.is_some() && self.replayed > 0
     }
 
-    /// The largest replayed chunk this pacer asks for, of the `replayed`
-    /// the backend offers: all of them under a target, which predicts each
-    /// size's cost; at most [`SHARE_REPLAYED_ROWS`] under a share, whose
-    /// steering rounds a budget to the nearest replayed size.
-    pub fn replayed_rows(&self, replayed: usize) -> usize {
-        if self.target.is_some() {
-            replayed
+    /// Under a share on a replaying backend: the largest replayed size
+    /// expected to add at most the share to a plain round. A size's
+    /// expectation is what it added in its last round of `stream`'s pass,
+    /// or, not run in this pass, its least seen grown as the pass's last
+    /// chunk has. A pass's first chunk keeps to half the share: nothing of
+    /// the pass is known yet (what the warm-up timed ran at short contexts),
+    /// and its round was not started ahead. Past the largest size within,
+    /// the next one up when nothing is known of it (one size a round: a
+    /// backend not timed before serving probes up from one row); none
+    /// within, one row.
+    pub fn sized(&self, stream: StreamId, share: f64) -> usize {
+        let this_pass = self.pass.as_ref().filter(|p| p.0 == stream).map(|p| &p.1);
+        let (growth, share) = if this_pass.is_some() { (self.growth, share) } else { (1.0, share / 2.0) };
+        let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| self.added.get(&n).map(|a| a * growth));
+        let within = sizes_up_to(self.replayed).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
+        let probe = size_up(within.unwrap_or(0));
+        if probe <= self.replayed && expected(probe).is_none() {
+            probe
         } else {
-            replayed.min(SHARE_REPLAYED_ROWS)
+            within.unwrap_or(1)
         }
     }
 
@@ -386,6 +378,15 @@ impl Pacer {
             return Budget::Chunk(Some(self.cap(self.target_rows(stream, start, next, target))));
         }
         let Some(share) = self.share.filter(|_| decoding) else { return Budget::Chunk(self.max_rows) };
+        if self.picks_sizes() {
+            // A plain round of as many decode rows timed before serves the
+            // pass whole: its rounds grow with the streams' contexts, so it
+            // errs short.
+            if !timed && !self.plain_by_rows.contains_key(&next.decode_rows) {
+                return Budget::Measure;
+            }
+            return Budget::Chunk(Some(self.cap(self.sized(stream, share))));
+        }
         // Timed in the round before, the plain round's time is the last
         // one known until then (none yet: the steering's least).
         if !timed && (self.plain_secs == 0.0 || self.shared_since_plain >= REMEASURE_EVERY) {
@@ -569,6 +570,8 @@ impl Pacer {
         match r.chunk {
             None if decode > 0 => {
                 self.plain_secs = ema(self.plain_secs, r.secs);
+                let p = self.plain_by_rows.entry(decode).or_insert(0.0);
+                *p = ema(*p, r.secs);
                 self.shared_since_plain = 0;
             }
             None => {}
@@ -582,9 +585,22 @@ impl Pacer {
                 }
                 self.last = Some((id, rows, added, r.secs));
                 self.shared_since_plain += 1;
+                if self.pass.as_ref().is_none_or(|p| p.0 != id) {
+                    self.pass = Some((id, HashMap::new()));
+                    self.growth = 1.0;
+                }
                 // Not a pass's first chunk: it can be dearer once.
                 if self.plain_secs > 0.0 && !first {
-                    self.saw_added(rows, added / self.plain_secs);
+                    // Against a plain round of as many rows, where one ran.
+                    let f = match self.plain_by_rows.get(&decode).filter(|_| self.picks_sizes()) {
+                        Some(&p) => (r.secs - p).max(0.1 * r.secs) / p,
+                        None => added / self.plain_secs,
+                    };
+                    self.saw_added(rows, f);
+                    self.growth = (f / self.added[&rows]).max(1.0);
+                    if let Some((_, seen)) = &mut self.pass {
+                        seen.insert(rows, f);
+                    }
                 }
             }
         }

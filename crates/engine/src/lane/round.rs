@@ -119,7 +119,10 @@ impl Core {
                 // gap, and the unlaunched round after it 2.9 ms, against
                 // 1.9 ms for a named one): named now, run in the next round.
                 Budget::Chunk(Some(rows))
-                    if self.caps.launches_ahead && next.decode_rows > 0 && rows <= self.caps.replayed_chunk_rows && self.held != Some((p.id, p.pos)) =>
+                    if self.caps.launches_ahead
+                        && next.decode_rows > 0
+                        && (self.caps.replayed_chunk_rows == 0 || rows <= self.caps.replayed_chunk_rows)
+                        && self.held != Some((p.id, p.pos)) =>
                 {
                     Budget::Name
                 }
@@ -152,12 +155,8 @@ impl Core {
     /// (see [`Pacer::budget`]).
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape, timed: bool) -> Budget {
         let b = self.pacer.budget(stream, pos, next, timed);
-        let replayed = self.pacer.replayed_rows(self.caps.replayed_chunk_rows);
         let left = cuts.chunk_end_capped(pos, None) - pos;
-        match to_replayed(b, left, next.decode_rows > 0, replayed, self.pacer.targeted()) {
-            Budget::Chunk(Some(rows)) if next.decode_rows > 0 && replayed > 0 => Budget::Chunk(Some(self.pacer.affordable(rows, left.min(replayed)))),
-            b => b,
-        }
+        to_replayed(b, left, next.decode_rows > 0, self.caps.replayed_chunk_rows)
     }
 
     /// What the round after `plan` will carry if its decode rows come as

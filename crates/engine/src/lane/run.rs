@@ -80,7 +80,7 @@ impl Core {
             0 => 16,
             b => b,
         };
-        let mut pacer = Pacer::new(cfg.itl_target, cfg.prefill_share, cfg.max_rows, caps.free_cuts());
+        let mut pacer = Pacer::new(cfg.itl_target, cfg.prefill_share, cfg.max_rows, caps.free_cuts()).replaying(caps.replayed_chunk_rows);
         pacer.learn(&cfg.round_costs);
         Core {
             mask_workers: MaskWorkers::new(cfg.mask_threads, wake),

@@ -215,18 +215,17 @@ fn a_target_the_decode_rows_alone_exceed_still_moves_the_newcomer() {
 /// graph) plus 7 µs a prompt row. Returns the chunk sizes of an
 /// 1800-row pass and each shared round's seconds.
 fn shared_pass_with_a_fixed_cost(share: f32) -> (Vec<usize>, Vec<f64>) {
-    shared_pass(share, 1.4e-3, 0.5e-3, 7e-6, 0)
+    shared_pass(share, 1.4e-3, 0.5e-3, 7e-6)
 }
 
 /// An 1800-row pass under `prefill_share` beside 4 streams whose plain
 /// round takes `plain_s`; a round with a chunk adds `fixed_s` and `row_s` a
-/// prompt row; budgets kept to the sizes replayed up to `replayed` (0:
-/// any size). Returns the chunk sizes and each shared round's seconds.
-fn shared_pass(share: f32, plain_s: f64, fixed_s: f64, row_s: f64, replayed: usize) -> (Vec<usize>, Vec<f64>) {
+/// prompt row. Returns the chunk sizes and each shared round's seconds.
+fn shared_pass(share: f32, plain_s: f64, fixed_s: f64, row_s: f64) -> (Vec<usize>, Vec<f64>) {
     let mut p = Pacer::new(None, Some(share), None, true);
     let (mut pos, mut rows, mut secs) = (0, Vec::new(), Vec::new());
     while pos < 1800 && rows.len() < 5000 {
-        match to_replayed(p.budget(3, pos, four(), false), 1800 - pos, true, replayed, p.targeted()) {
+        match p.budget(3, pos, four(), false) {
             Budget::Measure => p.ran(plain(plain_s)),
             Budget::Chunk(Some(r)) => {
                 let r = r.min(1800 - pos);
@@ -257,26 +256,18 @@ fn a_fixed_cost_of_sharing_a_round_does_not_hold_chunks_to_one_row() {
 
 #[test]
 fn shared_chunks_keep_to_the_replayed_sizes() {
-    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64, false);
-    // Within the replayed sizes: the one nearest the budget, within the prompt.
-    assert_eq!(r(Some(40), 1000, true), Budget::Chunk(Some(48)));
-    assert_eq!(r(Some(38), 1000, true), Budget::Chunk(Some(32)));
-    assert_eq!(r(Some(50), 1000, true), Budget::Chunk(Some(48)));
-    assert_eq!(r(Some(56), 1000, true), Budget::Chunk(Some(64)));
-    // Past 32 rows three halves of a power of two replay too.
-    let wide = |rows: usize, within: bool| to_replayed(Budget::Chunk(Some(rows)), 1000, true, 256, within);
-    assert_eq!(wide(100, false), Budget::Chunk(Some(96)));
-    assert_eq!(wide(106, false), Budget::Chunk(Some(112)));
-    assert_eq!(wide(150, false), Budget::Chunk(Some(160)));
-    assert_eq!(wide(300, false), Budget::Chunk(Some(256)));
-    // Under a target, the largest size within the budget.
-    assert_eq!(wide(110, true), Budget::Chunk(Some(96)));
-    assert_eq!(wide(255, true), Budget::Chunk(Some(224)));
-    assert_eq!(wide(7, true), Budget::Chunk(Some(4)));
+    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64);
+    // Within the replayed sizes: the largest within the budget and the prompt.
+    assert_eq!(r(Some(40), 1000, true), Budget::Chunk(Some(32)));
+    assert_eq!(r(Some(63), 1000, true), Budget::Chunk(Some(48)));
     assert_eq!(r(Some(64), 1000, true), Budget::Chunk(Some(64)));
+    assert_eq!(r(Some(64), 30, true), Budget::Chunk(Some(24)));
     assert_eq!(r(Some(1), 1000, true), Budget::Chunk(Some(1)));
-    // Growing by half from a power of two reaches the next one (4 -> 7 -> 8).
-    assert_eq!(r(Some(4 + 4 / 2 + 1), 1000, true), Budget::Chunk(Some(8)));
+    // Past 32 rows three halves of a power of two replay too.
+    let wide = |rows: usize| to_replayed(Budget::Chunk(Some(rows)), 1000, true, 256);
+    assert_eq!(wide(110), Budget::Chunk(Some(96)));
+    assert_eq!(wide(255), Budget::Chunk(Some(224)));
+    assert_eq!(wide(300), Budget::Chunk(Some(256)));
     // A remainder runs as replayed sizes: 37 = 32 + 4 + 1.
     let mut left = 37;
     let mut sizes = Vec::new();
@@ -291,23 +282,112 @@ fn shared_chunks_keep_to_the_replayed_sizes() {
     // The pass's own cuts, chunks alone, and backends that replay nothing keep the budget.
     assert_eq!(r(None, 1000, true), Budget::Chunk(None));
     assert_eq!(r(Some(50), 1000, false), Budget::Chunk(Some(50)));
-    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0, true), Budget::Chunk(Some(50)));
-    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64, true), Budget::Measure);
+    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0), Budget::Chunk(Some(50)));
+    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64), Budget::Measure);
+}
+
+/// Llama-1B's shape on the H100 beside six streams: a plain round of
+/// 1.47 ms, and what each replayed chunk size adds (ms) at the warm-up's
+/// short contexts.
+const H100_LLAMA: [(usize, f64); 9] = [(1, 0.05), (2, 0.08), (4, 0.1), (8, 0.15), (16, 0.25), (24, 0.55), (32, 0.58), (48, 0.66), (64, 0.72)];
+
+/// A pacer under `share` on a backend replaying up to 64 rows, told the
+/// warm-up's rounds of six streams (`added`: rows, ms).
+fn warmed(share: f32, added: &[(usize, f64)]) -> Pacer {
+    let mut p = Pacer::new(None, Some(share), None, true).replaying(64);
+    let six = |rows: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: rows, chunk_start: 0, secs: (1.47 + ms) * 1e-3 };
+    let mut rounds = vec![six(0, 0.0)];
+    rounds.extend(added.iter().map(|&(rows, ms)| six(rows, ms)));
+    p.learn(&rounds);
+    p.ran(Ran { shape: Shape { decode_rows: 6, ..four() }, chunk: None, secs: 1.47e-3, overhead: 0.0 });
+    p
+}
+
+/// An `len`-row pass of stream 3 under `p`, a round with `rows` rows at
+/// `pos` adding `added(rows, pos)` ms to a 1.47 ms plain round. Returns
+/// each round's chunk rows (0: a plain round).
+fn sized_pass(p: &mut Pacer, len: usize, added: impl Fn(usize, usize) -> f64) -> Vec<usize> {
+    let six = Shape { decode_rows: 6, ..four() };
+    let (mut pos, mut rounds) = (0, Vec::new());
+    while pos < len && rounds.len() < 1000 {
+        match to_replayed(p.budget(3, pos, six, false), len - pos, true, 64) {
+            Budget::Chunk(Some(r)) => {
+                p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (1.47 + added(r, pos)) * 1e-3, overhead: 0.0 });
+                rounds.push(r);
+                pos += r;
+            }
+            b => panic!("a share on a replaying backend gives a size: {b:?}"),
+        }
+    }
+    rounds
+}
+
+fn h100_llama(rows: usize) -> f64 {
+    H100_LLAMA.iter().find(|r| r.0 == rows).map_or(1.0, |r| r.1)
 }
 
 #[test]
-fn replayed_sizes_still_grow_past_a_fixed_cost() {
-    // The H200's measured shape (6 streams of the Llama-1B shape): a plain
-    // round 1.47 ms, a chunk adds 0.34 ms and ~18 µs a row, and chunks of
-    // a power of two up to 64 rows replay. Rounded down, growth by half
-    // held every chunk at 4 rows (441 rounds).
-    let (rows, secs) = shared_pass(0.15, 1.47e-3, 0.34e-3, 18e-6, 64);
-    assert!(rows.iter().all(|r| r.is_power_of_two()), "sizes {rows:?}");
-    assert!(rows.len() < 200, "an 1800-row pass took {} chunks: {:?}", rows.len(), &rows[..30.min(rows.len())]);
-    let late = &rows[rows.len() / 2..rows.len() - 4];
-    assert!(late.iter().all(|&r| (8..=32).contains(&r)), "chunk sizes once steered: {late:?}");
-    let worst = secs.iter().fold(0.0f64, |a, &b| a.max(b));
-    assert!(worst <= 1.47e-3 + 0.34e-3 + 0.22e-3 * 2.5, "a shared round took {:.3} ms", worst * 1e3);
+fn a_share_on_a_replaying_backend_takes_the_largest_size_within_it() {
+    // 0.45 of 1.47 ms is 0.66 ms: 48 rows; a pass's first chunk half that (16 rows).
+    let mut p = warmed(0.45, &H100_LLAMA);
+    let rounds = sized_pass(&mut p, 1800, |rows, _| h100_llama(rows));
+    assert_eq!(rounds[0], 16, "{rounds:?}");
+    assert!(rounds[1..rounds.len() - 3].iter().all(|&r| r == 48), "{rounds:?}");
+    // No plain rounds mid-pass: the one before it serves it whole.
+    assert!(!rounds.contains(&0));
+    // At 0.3 (0.44 ms) the step from 16 rows to 24 is not taken.
+    let mut p = warmed(0.3, &H100_LLAMA);
+    let rounds = sized_pass(&mut p, 800, |rows, _| h100_llama(rows));
+    assert!(rounds[1..rounds.len() - 3].iter().all(|&r| r == 16), "{rounds:?}");
+}
+
+#[test]
+fn sizes_that_grow_past_the_share_with_the_position_give_way() {
+    // 48 rows add 0.60 ms at position 0 and 0.1 ms more each thousand
+    // positions on: past the share's 0.66 ms from ~600 rows in.
+    let base = |rows: usize| if rows == 48 { 0.60 } else { h100_llama(rows) };
+    let grows = |rows: usize, pos: usize| base(rows) + 0.1 * pos as f64 / 1000.0;
+    let mut p = warmed(0.45, &H100_LLAMA.map(|(r, _)| (r, base(r))));
+    let rounds = sized_pass(&mut p, 1800, grows);
+    let (mut pos, mut over) = (rounds[0], Vec::new());
+    for &r in &rounds[1..] {
+        if grows(r, pos) > 0.45 * 1.47 {
+            over.push(r);
+        }
+        pos += r;
+    }
+    // Each size passes the share once at most, and then gives way to a
+    // smaller one for the rest of the pass.
+    let mut sizes = over.clone();
+    sizes.dedup();
+    assert_eq!(sizes.len(), over.len(), "a size over the share twice: {over:?} in {rounds:?}");
+    assert!(rounds[1..rounds.len() - 3].windows(2).all(|w| w[1] <= w[0]), "{rounds:?}");
+    assert!(rounds[1] == 48 && rounds.contains(&32), "{rounds:?}");
+}
+
+#[test]
+fn without_a_warm_up_a_share_probes_up_one_size_a_round() {
+    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
+    p.ran(Ran { shape: Shape { decode_rows: 6, ..four() }, chunk: None, secs: 1.47e-3, overhead: 0.0 });
+    let rounds = sized_pass(&mut p, 1000, |rows, _| h100_llama(rows));
+    // 1 (the first, not learnt from), then 1, 2, 4, ... up to the first
+    // size past the share (64, once), then 48.
+    assert_eq!(&rounds[..9], &[1, 1, 2, 4, 8, 16, 24, 32, 48], "{rounds:?}");
+    assert_eq!(rounds.iter().filter(|&&r| r == 64).count(), 1, "{rounds:?}");
+    assert!(rounds[10..rounds.len() - 3].iter().all(|&r| r == 48), "{rounds:?}");
+}
+
+#[test]
+fn a_new_pass_starts_from_the_sizes_least_costs_again() {
+    let grows = |rows: usize, pos: usize| h100_llama(rows) + 0.15 * pos as f64 / 1000.0;
+    let mut p = warmed(0.45, &H100_LLAMA);
+    let first = sized_pass(&mut p, 1800, grows);
+    assert!(first[first.len() - 4] < 48, "{first:?}");
+    // Another stream's pass: its second chunk is 48 rows again.
+    let six = Shape { decode_rows: 6, ..four() };
+    let Budget::Chunk(Some(a)) = p.budget(4, 0, six, false) else { panic!("a size") };
+    p.ran(Ran { shape: Shape { chunk_rows: a, ..six }, chunk: Some(4), secs: (1.47 + h100_llama(a)) * 1e-3, overhead: 0.0 });
+    assert_eq!(p.budget(4, a, six, false), Budget::Chunk(Some(48)));
 }
 
 #[test]
@@ -349,37 +429,4 @@ fn image_steps_under_a_target_take_the_room_the_decode_rows_leave() {
     p.encoded(800, 0.008, 0, true);
     let b = p.encode_budget(four()).unwrap();
     assert!((900..=1000).contains(&b), "then what fits: {b}");
-}
-
-#[test]
-fn a_size_that_costs_as_much_as_the_next_gives_way_to_it() {
-    // Llama-1B's shape on the H100 beside six streams: a 1.55 ms plain
-    // round; 16 rows add 0.30 ms, 24 rows 0.59 and 32 rows 0.62 (the
-    // prefill attention from 17 rows), 48 rows 0.69.
-    let told = |added: &[(usize, f64)]| {
-        let mut p = Pacer::new(None, Some(0.3), None, true);
-        let mut rounds = vec![RoundCost { decode_rows: 6, decode_ctx: 6000, chunk_rows: 0, chunk_start: 0, secs: 1.55e-3 }];
-        rounds.extend(added.iter().map(|&(rows, ms)| RoundCost {
-            decode_rows: 6,
-            decode_ctx: 6000,
-            chunk_rows: rows,
-            chunk_start: 0,
-            secs: 1.55e-3 + ms * 1e-3,
-        }));
-        p.learn(&rounds);
-        p
-    };
-    let llama = told(&[(16, 0.30), (24, 0.59), (32, 0.62), (48, 0.69), (64, 0.74)]);
-    assert_eq!(llama.affordable(24, 64), 32, "24 rows cost about what 32 do");
-    assert_eq!(llama.affordable(24, 24), 24, "not past the rows the pass has left");
-    assert_eq!(llama.affordable(16, 64), 16, "32 rows cost twice what 16 do");
-    // Each step up costs at most 10% more: the share's own limit (DEAR
-    // times 0.3 of a plain round, 0.93 ms) still holds.
-    let flat = told(&[(24, 0.5), (32, 0.52), (48, 0.56), (64, 0.6), (80, 0.95)]);
-    assert_eq!(flat.affordable(24, 256), 64, "80 rows are dear");
-    // SmolLM2's shape: 16 rows 0.21, 24 rows 0.35, 32 rows 0.62.
-    let smol = told(&[(16, 0.21), (24, 0.35), (32, 0.62)]);
-    assert_eq!(smol.affordable(24, 64), 24);
-    // A size not timed yet does not move.
-    assert_eq!(told(&[(24, 0.59)]).affordable(24, 64), 24);
 }

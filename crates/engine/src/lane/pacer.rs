@@ -348,14 +348,18 @@ impl Pacer {
     /// and its round was not started ahead. Past the largest size within,
     /// the next one up when nothing is known of it (one size a round: a
     /// backend not timed before serving probes up from one row); none
-    /// within, one row.
-    pub fn sized(&self, stream: StreamId, share: f64) -> usize {
+    /// within, one row. Sizes past `left` (the rows before the pass's next
+    /// cut) are not asked for: a pass's last rows run as the sizes within
+    /// (on the H100 a 32-row remainder of an arrival, which SmolLM2's shape
+    /// runs in the decode attention, cost more than 64 rows did).
+    pub fn sized(&self, stream: StreamId, share: f64, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.0 == stream).map(|p| &p.1);
         let (growth, share) = if this_pass.is_some() { (self.growth, share) } else { (1.0, share / 2.0) };
         let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| self.added.get(&n).map(|a| a * growth));
-        let within = sizes_up_to(self.replayed).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
+        let most = self.replayed.min(left);
+        let within = sizes_up_to(most).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
         let probe = size_up(within.unwrap_or(0));
-        if probe <= self.replayed && expected(probe).is_none() {
+        if probe <= most && expected(probe).is_none() {
             probe
         } else {
             within.unwrap_or(1)
@@ -371,8 +375,9 @@ impl Pacer {
     /// The budget for the next chunk of `stream`'s pass, which would start
     /// at `start` beside the decode rows of `next` (none: it runs alone).
     /// `timed`: a round of the decode rows alone runs before it (it times
-    /// them, so no [`Budget::Measure`] is asked for again).
-    pub fn budget(&self, stream: StreamId, start: usize, next: Shape, timed: bool) -> Budget {
+    /// them, so no [`Budget::Measure`] is asked for again). `left`: the
+    /// rows before the pass's next cut.
+    pub fn budget(&self, stream: StreamId, start: usize, next: Shape, timed: bool, left: usize) -> Budget {
         let decoding = next.decode_rows > 0;
         if let (Some(target), true) = (self.target, decoding) {
             return Budget::Chunk(Some(self.cap(self.target_rows(stream, start, next, target))));
@@ -385,7 +390,7 @@ impl Pacer {
             if !timed && !self.plain_by_rows.contains_key(&next.decode_rows) {
                 return Budget::Measure;
             }
-            return Budget::Chunk(Some(self.cap(self.sized(stream, share))));
+            return Budget::Chunk(Some(self.cap(self.sized(stream, share, left))));
         }
         // Timed in the round before, the plain round's time is the last
         // one known until then (none yet: the steering's least).

@@ -154,8 +154,8 @@ impl Core {
     /// `timed`: a plain round of the decode rows runs before this chunk's
     /// (see [`Pacer::budget`]).
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape, timed: bool) -> Budget {
-        let b = self.pacer.budget(stream, pos, next, timed);
         let left = cuts.chunk_end_capped(pos, None) - pos;
+        let b = self.pacer.budget(stream, pos, next, timed, left);
         to_replayed(b, left, next.decode_rows > 0, self.caps.replayed_chunk_rows)
     }
 

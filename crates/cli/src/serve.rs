@@ -63,8 +63,9 @@ pub struct ServeArgs {
     /// While other streams decode, size each prefill step (run inside their
     /// decode round) to add about this fraction to the round: lower keeps
     /// their tokens flowing evenly, higher gives a new prompt its first
-    /// token sooner. 0 = whole chunks [default: 0.15 on the CPU; 0.3 on a
-    /// GPU, where a chunk beside the decode rows is at most 64 rows].
+    /// token sooner. 0 = whole chunks [default: 0.15 on the CPU; 0.45 on a
+    /// GPU, where a step is the largest chunk size the GPU replays whose
+    /// round has added at most that].
     #[arg(long)]
     pub prefill_share: Option<f32>,
     /// Hold every decoding stream's inter-token gap under this many
@@ -332,9 +333,11 @@ async fn start_lane(a: &ServeArgs, path: &Path) -> Result<(Lane, ModelInfo, Summ
     config.round_costs = round_costs;
     config.chunk_tokens = a.chunk.max(1);
     config.max_rows = a.max_rows;
-    // On the H200 a 64-row chunk beside six decode rows added ~25% to their
-    // round: 0.3 lets chunks reach it, 0.15 held them near 32 (twice the rounds).
-    let share = a.prefill_share.unwrap_or(if gpu { 0.3 } else { 0.15 });
+    // On a GPU the share counts a chunk's whole cost (on the H100, Llama-1B's
+    // shape beside six streams: 48 rows add ~0.45 of a plain round, 64 rows
+    // ~0.5): the promise's 1.5x, with room for noise. On the CPU a chunk row
+    // costs what a decode row does, so a larger share slows the others more.
+    let share = a.prefill_share.unwrap_or(if gpu { 0.45 } else { 0.15 });
     config.prefill_share = (share > 0.0).then_some(share);
     config.itl_target = load::itl_target(a.itl_target)?;
     config.max_running = streams;

@@ -243,9 +243,10 @@ pub(super) struct Pacer {
     /// The backend's largest replayed chunk (0: it replays none), which a
     /// share reads as sizes to choose from ([`Pacer::sized`]).
     replayed: usize,
-    /// The least a chunk of each size beside decode rows has added to its
-    /// round, as a fraction of a plain round (warm-up rounds and those run).
-    added: HashMap<usize, f64>,
+    /// The least a chunk of each size has added beside each count of
+    /// decode rows, as a fraction of a plain round of as many rows (the
+    /// warm-up's rounds and those run), keyed (decode rows, chunk rows).
+    added: HashMap<(usize, usize), f64>,
     /// The current pass's stream, and what each size added in its last
     /// round of this pass (a pass's first chunk aside: it can be dearer once).
     pass: Option<(StreamId, HashMap<usize, f64>)>,
@@ -315,16 +316,23 @@ impl Pacer {
                 continue;
             }
             if let Some(p) = rounds.iter().find(|p| p.chunk_rows == 0 && p.decode_rows == r.decode_rows && p.decode_rows > 0) {
-                self.saw_added(r.chunk_rows, (r.secs - p.secs) / p.secs.max(1e-9));
+                self.saw_added(r.decode_rows, r.chunk_rows, (r.secs - p.secs) / p.secs.max(1e-9));
             }
         }
     }
 
-    /// A chunk of `rows` beside decode rows added `f` of a plain round to
-    /// its round: the least seen per size counts (a step shows in every
+    /// A chunk of `rows` beside `decode` decode rows added `f` of a plain
+    /// round to its round: the least seen counts (a step shows in every
     /// round, a spike in one, and must not bar a size for good).
-    fn saw_added(&mut self, rows: usize, f: f64) {
-        self.added.entry(rows).and_modify(|a| *a = a.min(f)).or_insert(f);
+    fn saw_added(&mut self, decode: usize, rows: usize, f: f64) {
+        self.added.entry((decode, rows)).and_modify(|a| *a = a.min(f)).or_insert(f);
+    }
+
+    /// The least a chunk of `rows` has added beside `decode` decode rows,
+    /// or beside the nearest count seen with it (the warm-up times a few).
+    fn least_added(&self, decode: usize, rows: usize) -> Option<f64> {
+        let near = self.added.iter().filter(|((_, n), _)| *n == rows).min_by_key(|((d, _), _)| d.abs_diff(decode));
+        near.map(|(_, &f)| f)
     }
 
     /// The backend replays chunks of up to `rows` rows
@@ -352,10 +360,10 @@ impl Pacer {
     /// cut) are not asked for: a pass's last rows run as the sizes within
     /// (on the H100 a 32-row remainder of an arrival, which SmolLM2's shape
     /// runs in the decode attention, cost more than 64 rows did).
-    pub fn sized(&self, stream: StreamId, share: f64, left: usize) -> usize {
+    pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.0 == stream).map(|p| &p.1);
         let (growth, share) = if this_pass.is_some() { (self.growth, share) } else { (1.0, share / 2.0) };
-        let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| self.added.get(&n).map(|a| a * growth));
+        let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| self.least_added(decode, n).map(|a| a * growth));
         let most = self.replayed.min(left);
         let within = sizes_up_to(most).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
         let probe = size_up(within.unwrap_or(0));
@@ -390,7 +398,7 @@ impl Pacer {
             if !timed && !self.plain_by_rows.contains_key(&next.decode_rows) {
                 return Budget::Measure;
             }
-            return Budget::Chunk(Some(self.cap(self.sized(stream, share, left))));
+            return Budget::Chunk(Some(self.cap(self.sized(stream, share, next.decode_rows, left))));
         }
         // Timed in the round before, the plain round's time is the last
         // one known until then (none yet: the steering's least).
@@ -601,8 +609,8 @@ impl Pacer {
                         Some(&p) => (r.secs - p).max(0.1 * r.secs) / p,
                         None => added / self.plain_secs,
                     };
-                    self.saw_added(rows, f);
-                    self.growth = (f / self.added[&rows]).max(1.0);
+                    self.saw_added(decode, rows, f);
+                    self.growth = (f / self.added[&(decode, rows)]).max(1.0);
                     if let Some((_, seen)) = &mut self.pass {
                         seen.insert(rows, f);
                     }

@@ -446,3 +446,26 @@ fn a_pass_ends_in_the_sizes_within_the_share() {
     assert_eq!(p.budget(3, a, six, false, 20), Budget::Chunk(Some(16)));
     assert_eq!(p.budget(3, a, six, false, 4), Budget::Chunk(Some(4)));
 }
+
+#[test]
+fn what_a_size_adds_is_read_beside_as_many_decode_rows() {
+    // 64 rows add half of a one-stream round but a tenth of a 32-stream
+    // one: beside 30 decode rows the 32-stream rounds count.
+    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
+    let round = |d: usize, c: usize, ms: f64| RoundCost { decode_rows: d, decode_ctx: 9 * d, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
+    p.learn(&[round(1, 0, 1.0), round(1, 32, 1.3), round(1, 64, 1.5), round(32, 0, 3.0), round(32, 32, 3.2), round(32, 64, 3.3)]);
+    for d in [1, 30] {
+        p.ran(Ran { shape: Shape { decode_rows: d, ..four() }, chunk: None, secs: if d == 1 { 1e-3 } else { 3e-3 }, overhead: 0.0 });
+    }
+    // A pass's second chunk (its first at half the share).
+    let second = |p: &mut Pacer, d: usize, id: StreamId| {
+        let shape = Shape { decode_rows: d, ..four() };
+        let Budget::Chunk(Some(a)) = p.budget(id, 0, shape, false, 1000) else { panic!("a size") };
+        p.ran(Ran { shape: Shape { chunk_rows: a, ..shape }, chunk: Some(id), secs: 1.0, overhead: 0.0 });
+        p.budget(id, a, shape, false, 1000)
+    };
+    assert_eq!(second(&mut p, 30, 5), Budget::Chunk(Some(64)));
+    // Beside one, 64 rows pass the share; 32 are within, and 48, never
+    // timed, are tried.
+    assert_eq!(second(&mut p, 1, 6), Budget::Chunk(Some(48)));
+}

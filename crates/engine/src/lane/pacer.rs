@@ -250,8 +250,13 @@ pub(super) struct Pacer {
     /// The current pass's stream, and what each size added in its last
     /// round of this pass (a pass's first chunk aside: it can be dearer once).
     pass: Option<(StreamId, HashMap<usize, f64>)>,
-    /// How much dearer the pass's last chunk was than its size's least:
-    /// sizes not run in this pass are expected to have grown as much.
+    /// What each size had added at the current pass's start (`added`
+    /// then), and how much dearer or cheaper the pass's last chunk was than
+    /// that: sizes not run in this pass are expected to differ alike. The
+    /// warm-up times each size once, at short contexts: on the H100 its
+    /// figures for SmolLM2's shape read twice what a pass's 16-row chunks
+    /// cost, and held every chunk to 16 rows while 24 would have done.
+    pass_base: HashMap<(usize, usize), f64>,
     growth: f64,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
@@ -298,6 +303,7 @@ impl Pacer {
             replayed: 0,
             added: HashMap::new(),
             pass: None,
+            pass_base: HashMap::new(),
             growth: 1.0,
             target_misses: Cell::new(0),
             encoded: HashMap::new(),
@@ -328,10 +334,11 @@ impl Pacer {
         self.added.entry((decode, rows)).and_modify(|a| *a = a.min(f)).or_insert(f);
     }
 
-    /// The least a chunk of `rows` has added beside `decode` decode rows,
-    /// or beside the nearest count seen with it (the warm-up times a few).
-    fn least_added(&self, decode: usize, rows: usize) -> Option<f64> {
-        let near = self.added.iter().filter(|((_, n), _)| *n == rows).min_by_key(|((d, _), _)| d.abs_diff(decode));
+    /// In `added` (or a snapshot of it), what a chunk of `rows` added
+    /// beside `decode` decode rows, or beside the nearest count seen with it
+    /// (the warm-up times a few).
+    fn least_added(added: &HashMap<(usize, usize), f64>, decode: usize, rows: usize) -> Option<f64> {
+        let near = added.iter().filter(|((_, n), _)| *n == rows).min_by_key(|((d, _), _)| d.abs_diff(decode));
         near.map(|(_, &f)| f)
     }
 
@@ -350,8 +357,8 @@ impl Pacer {
     /// Under a share on a replaying backend: the largest replayed size
     /// expected to add at most the share to a plain round. A size's
     /// expectation is what it added in its last round of `stream`'s pass,
-    /// or, not run in this pass, its least seen grown as the pass's last
-    /// chunk has. A pass's first chunk keeps to half the share: nothing of
+    /// or, not run in this pass, its least seen before the pass scaled as
+    /// the pass's last chunk's was. A pass's first chunk keeps to half the share: nothing of
     /// the pass is known yet (what the warm-up timed ran at short contexts),
     /// and its round was not started ahead. Past the largest size within,
     /// the next one up when nothing is known of it (one size a round: a
@@ -363,7 +370,8 @@ impl Pacer {
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.0 == stream).map(|p| &p.1);
         let (growth, share) = if this_pass.is_some() { (self.growth, share) } else { (1.0, share / 2.0) };
-        let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| self.least_added(decode, n).map(|a| a * growth));
+        let base = if this_pass.is_some() { &self.pass_base } else { &self.added };
+        let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| Self::least_added(base, decode, n).map(|a| a * growth));
         let most = self.replayed.min(left);
         let within = sizes_up_to(most).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
         let probe = size_up(within.unwrap_or(0));
@@ -600,6 +608,7 @@ impl Pacer {
                 self.shared_since_plain += 1;
                 if self.pass.as_ref().is_none_or(|p| p.0 != id) {
                     self.pass = Some((id, HashMap::new()));
+                    self.pass_base = self.added.clone();
                     self.growth = 1.0;
                 }
                 // Not a pass's first chunk: it can be dearer once.
@@ -610,7 +619,9 @@ impl Pacer {
                         None => added / self.plain_secs,
                     };
                     self.saw_added(decode, rows, f);
-                    self.growth = (f / self.added[&(decode, rows)]).max(1.0);
+                    if let Some(b) = Self::least_added(&self.pass_base, decode, rows) {
+                        self.growth = (f / b.max(1e-6)).clamp(0.25, 4.0);
+                    }
                     if let Some((_, seen)) = &mut self.pass {
                         seen.insert(rows, f);
                     }

@@ -469,3 +469,15 @@ fn what_a_size_adds_is_read_beside_as_many_decode_rows() {
     // timed, are tried.
     assert_eq!(second(&mut p, 1, 6), Budget::Chunk(Some(48)));
 }
+
+#[test]
+fn a_warm_up_that_read_dear_does_not_hold_a_pass_small() {
+    // The warm-up read every size at twice what the pass's chunks cost:
+    // once a chunk of the pass shows it, the sizes it did not run are
+    // expected at half their warm-up figures too.
+    let dear = H100_LLAMA.map(|(r, ms)| (r, 2.0 * ms));
+    let mut p = warmed(0.5, &dear);
+    let rounds = sized_pass(&mut p, 1800, |rows, _| h100_llama(rows));
+    assert_eq!(&rounds[..3], &[8, 16, 64], "{rounds:?}");
+    assert!(rounds[3..rounds.len() - 1].iter().all(|&r| r == 64), "{rounds:?}");
+}

@@ -355,23 +355,38 @@ impl Pacer {
     }
 
     /// Under a share on a replaying backend: the largest replayed size
-    /// expected to add at most the share to a plain round. A size's
-    /// expectation is what it added in its last round of `stream`'s pass,
-    /// or, not run in this pass, its least seen before the pass scaled as
-    /// the pass's last chunk's was. A pass's first chunk keeps to half the share: nothing of
-    /// the pass is known yet (what the warm-up timed ran at short contexts),
-    /// and its round was not started ahead. Past the largest size within,
-    /// the next one up when nothing is known of it (one size a round: a
-    /// backend not timed before serving probes up from one row); none
-    /// within, one row. Sizes past `left` (the rows before the pass's next
-    /// cut) are not asked for: a pass's last rows run as the sizes within
-    /// (on the H100 a 32-row remainder of an arrival, which SmolLM2's shape
-    /// runs in the decode attention, cost more than 64 rows did).
+    /// expected to add at most the share to a plain round.
+    ///
+    /// A size's expectation is what it added in its last round of
+    /// `stream`'s pass; not run in this pass, its least seen before the pass,
+    /// scaled as the pass's last chunk's was, but scaled down (cheaper than
+    /// seen) only up to one size past the largest the pass has run within
+    /// the share: the
+    /// warm-up's figures are not off alike for every size (on the H100 they
+    /// read SmolLM2's 16-row chunks at twice their cost, and scaled down by
+    /// that, sizes up to 256 rows were tried one after another, each past
+    /// the share). So a pass climbs a size at a time where the warm-up read
+    /// dear.
+    ///
+    /// A pass's first chunk keeps to half the share: nothing of the pass is
+    /// known yet (the warm-up timed short contexts), and its round was not
+    /// started ahead. Past the largest size within, the next one up when
+    /// nothing is known of it (a backend not timed before serving probes up
+    /// from one row); none within, one row. Sizes past `left` (the rows
+    /// before the pass's next cut) are not asked for: a pass's last rows run
+    /// as the sizes within (on the H100 a 32-row remainder of an arrival,
+    /// which SmolLM2's shape runs in the decode attention, cost more than 64
+    /// rows did).
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.0 == stream).map(|p| &p.1);
         let (growth, share) = if this_pass.is_some() { (self.growth, share) } else { (1.0, share / 2.0) };
         let base = if this_pass.is_some() { &self.pass_base } else { &self.added };
-        let expected = |n: usize| this_pass.and_then(|p| p.get(&n).copied()).or_else(|| Self::least_added(base, decode, n).map(|a| a * growth));
+        let ran_within = this_pass.and_then(|p| p.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max());
+        let next_up = size_up(ran_within.unwrap_or(0));
+        let expected = |n: usize| {
+            let scale = if n <= next_up { growth } else { growth.max(1.0) };
+            this_pass.and_then(|p| p.get(&n).copied()).or_else(|| Self::least_added(base, decode, n).map(|a| a * scale))
+        };
         let most = self.replayed.min(left);
         let within = sizes_up_to(most).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
         let probe = size_up(within.unwrap_or(0));

@@ -361,12 +361,11 @@ impl Pacer {
     /// `stream`'s pass; not run in this pass, its least seen before the pass,
     /// scaled as the pass's last chunk's was, but scaled down (cheaper than
     /// seen) only up to one size past the largest the pass has run within
-    /// the share: the
-    /// warm-up's figures are not off alike for every size (on the H100 they
-    /// read SmolLM2's 16-row chunks at twice their cost, and scaled down by
-    /// that, sizes up to 256 rows were tried one after another, each past
-    /// the share). So a pass climbs a size at a time where the warm-up read
-    /// dear.
+    /// the share: the warm-up's figures are not off alike for every size (on
+    /// the H100 they read SmolLM2's 16-row chunks at twice their cost, and
+    /// scaled down by that, sizes up to 256 rows were tried one after
+    /// another, each past the share). So a pass climbs a size at a time
+    /// where the warm-up read dear.
     ///
     /// A pass's first chunk keeps to half the share: nothing of the pass is
     /// known yet (the warm-up timed short contexts), and its round was not

@@ -45,8 +45,9 @@ use crate::backend::{replayed_size, replayed_sizes, StreamId};
 /// the others' round (the steering grows it by half at most per chunk).
 const FIRST_STEP_ROWS: usize = 1;
 
-/// Under `prefill_share`, a plain round every this many shared ones: the
-/// plain round's time grows with the decoding streams' contexts.
+/// Under `prefill_share` on a backend that replays no chunk sizes, a plain
+/// round every this many shared ones: the plain round's time grows with the
+/// decoding streams' contexts.
 const REMEASURE_EVERY: usize = 8;
 
 /// Rounds with a chunk the cost model needs before a target trusts it;
@@ -338,7 +339,8 @@ impl Pacer {
     /// beside `decode` decode rows, or beside the nearest count seen with it
     /// (the warm-up times a few).
     fn least_added(added: &HashMap<(usize, usize), f64>, decode: usize, rows: usize) -> Option<f64> {
-        let near = added.iter().filter(|((_, n), _)| *n == rows).min_by_key(|((d, _), _)| d.abs_diff(decode));
+        // Ties to the fewer rows, so the choice does not hang on the map's order.
+        let near = added.iter().filter(|((_, n), _)| *n == rows).min_by_key(|((d, _), _)| (d.abs_diff(decode), *d));
         near.map(|(_, &f)| f)
     }
 

@@ -2,8 +2,9 @@
 """The gaps between braid's rounds, from a `braid serve` log written with
 RUST_LOG=info,braid_engine::lane::round=trace: each decoding round's call
 plus the loop's own time before it. Prints the median, p99 and largest, the
-chunk sizes run, and the rounds around the largest gaps (where a stall goes
-before the client sees it). Usage: gaps.py SERVE.LOG"""
+chunk sizes run, the rounds around the largest gaps (where a stall goes
+before the client sees it), and the arrival's rounds by chunk size, then
+its summary (the last line). Usage: gaps.py SERVE.LOG"""
 import re
 import statistics
 import sys
@@ -48,5 +49,13 @@ if runs:
     before = sorted(rows[i][2] + rows[i][3] for i in range(max(0, a - 400), a) if rows[i][0] > 0 and rows[i][1] == 0)
     if before and during:
         usual = before[len(before) // 2]
+        # What each chunk size's rounds took in it (the pacer's choices and
+        # their costs), before the summary line.
+        by_size = {}
+        for i in range(a, b + 1):
+            if rows[i][0] > 0:
+                by_size.setdefault(rows[i][1], []).append(rows[i][2] + rows[i][3])
+        print("arrival rounds by chunk rows (n, median, max ms):",
+              " ".join(f"{c}:{len(v)},{statistics.median(v):.2f},{max(v):.2f}" for c, v in sorted(by_size.items())))
         print(f"arrival: rounds {a}-{b}, {sum(rows[i][1] for i in run)} prompt rows, largest gap {max(during):.3f} ms "
               f"over the usual {usual:.3f} (ratio {max(during) / usual:.2f}), {len(during)} rounds")

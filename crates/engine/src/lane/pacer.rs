@@ -315,15 +315,20 @@ impl Pacer {
 
     /// Start the cost model, and what each chunk size adds, from rounds
     /// timed before serving.
+    /// A chunk's round is read against the last plain round of as many
+    /// decode rows before it (the warm-up times a plain round, then the
+    /// chunks beside it, once or more).
     pub fn learn(&mut self, rounds: &[RoundCost]) {
+        let mut plain: HashMap<usize, f64> = HashMap::new();
         for r in rounds {
             let shape = Shape { decode_rows: r.decode_rows, decode_ctx: r.decode_ctx, chunk_rows: r.chunk_rows, chunk_start: r.chunk_start };
             self.model.observe(&shape, r.secs);
             if r.chunk_rows == 0 {
+                plain.insert(r.decode_rows, r.secs);
                 continue;
             }
-            if let Some(p) = rounds.iter().find(|p| p.chunk_rows == 0 && p.decode_rows == r.decode_rows && p.decode_rows > 0) {
-                self.saw_added(r.decode_rows, r.chunk_rows, (r.secs - p.secs) / p.secs.max(1e-9));
+            if let Some(&p) = plain.get(&r.decode_rows).filter(|_| r.decode_rows > 0) {
+                self.saw_added(r.decode_rows, r.chunk_rows, (r.secs - p) / p.max(1e-9));
             }
         }
     }

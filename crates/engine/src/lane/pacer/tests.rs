@@ -497,3 +497,14 @@ fn a_warm_up_dear_for_small_sizes_only_costs_one_round_past_the_share() {
     assert!(over <= 1, "{over} rounds past the share: {rounds:?}");
     assert!(rounds[4..rounds.len() - 3].iter().all(|&r| r == 24), "{rounds:?}");
 }
+
+#[test]
+fn a_timed_chunk_is_read_against_the_plain_round_before_it() {
+    // Two timed passes of a warm-up, the second on a slower device: each
+    // chunk against its own pass's plain round, and the least kept.
+    let round = |c: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
+    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
+    p.learn(&[round(0, 1.0), round(64, 1.5), round(0, 2.0), round(64, 2.4)]);
+    let f = Pacer::least_added(&p.added, 6, 64).expect("64 rows timed");
+    assert!((f - 0.2).abs() < 1e-9, "{f}");
+}

@@ -77,11 +77,6 @@ fn size_up(rows: usize) -> usize {
     (rows + 1..).find(|&n| replayed_size(n)).expect("sizes go on")
 }
 
-/// The replayed sizes up to `most`, smallest first.
-fn sizes_up_to(most: usize) -> impl Iterator<Item = usize> {
-    (1..=most).filter(|&n| replayed_size(n))
-}
-
 /// How many prompt rows the next round may take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Budget {
@@ -394,7 +389,7 @@ impl Pacer {
             this_pass.and_then(|p| p.get(&n).copied()).or_else(|| Self::least_added(base, decode, n).map(|a| a * scale))
         };
         let most = self.replayed.min(left);
-        let within = sizes_up_to(most).filter(|&n| expected(n).is_some_and(|f| f <= share)).last();
+        let within = replayed_sizes(most).find(|&n| expected(n).is_some_and(|f| f <= share));
         let probe = size_up(within.unwrap_or(0));
         if probe <= most && expected(probe).is_none() {
             probe

@@ -7,6 +7,8 @@ cd "$(dirname "$0")/../.."
 mkdir -p .device-bin
 cargo build --release -p braid-models --features cuda --example gpu_bench
 cp target/release/examples/gpu_bench .device-bin/
+cargo build --release -p braid-server --example stall_probe
+cp target/release/examples/stall_probe .device-bin/
 # Test executables (cargo names them by hash: ask cargo which).
 for t in "braid-ops cuda_ops" "braid-models cuda_models"; do
   set -- $t
@@ -17,5 +19,5 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$2" | tail -1)
   cp "$exe" ".device-bin/$2"
 done
-strip .device-bin/gpu_bench .device-bin/cuda_ops .device-bin/cuda_models
+strip .device-bin/gpu_bench .device-bin/stall_probe .device-bin/cuda_ops .device-bin/cuda_models
 ls -la .device-bin

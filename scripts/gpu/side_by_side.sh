@@ -42,9 +42,15 @@ done
 # (Python's default, 5 ms, lets one thread parsing a token hold the others'
 # clocks back by up to that: gaps the server never made). PROBE=select runs
 # scripts/bench/stall_select.py instead: the same scenario and figures, all
-# streams read by one thread.
+# streams read by one thread; PROBE=rust, .device-bin/stall_probe (the
+# server crate's example: a thread per stream, no interpreter).
 probe() {
   for _ in $(seq 1 240); do curl -sf "127.0.0.1:$3/health" > /dev/null && break; sleep 0.5; done
+  if [ "${PROBE:-}" = rust ]; then
+    timeout 150 $B/stall_probe "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
+      --ignore-eos --seed "$4" --label "$1 $2" 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
+    return
+  fi
   if [ "${PROBE:-}" = select ]; then
     timeout 150 python3 scripts/bench/stall_select.py "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
       --ignore-eos --seed "$4" --label "$1 $2" 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"

@@ -9,7 +9,7 @@
 //! `cargo run --release -p braid-server --example stall_probe -- URL
 //! [--streams 6] [--gen 4000] [--short-tokens 32] [--long-tokens 1800]
 //! [--newcomer-max-tokens 16] [--arrival-after 2] [--ignore-eos] [--seed 1]
-//! [--label TEXT] [--timeout 120]`. Loopback URLs only; the last line
+//! [--label TEXT] [--timeout 120] [--dump FILE]`. Loopback URLs only; the last line
 //! printed is the JSON object.
 
 use std::io::{Read, Write};
@@ -56,6 +56,9 @@ struct Opts {
     seed: u64,
     label: String,
     timeout: f64,
+    /// Write every stream's token times here (JSON), to line them up
+    /// against the server's round trace.
+    dump: Option<String>,
 }
 
 fn parse() -> Result<Opts> {
@@ -78,6 +81,7 @@ fn parse() -> Result<Opts> {
         seed: 1,
         label: String::new(),
         timeout: 120.0,
+        dump: None,
     };
     while let Some(a) = args.next() {
         let mut val = || args.next().ok_or_else(|| anyhow!("{a} needs a value"));
@@ -91,6 +95,7 @@ fn parse() -> Result<Opts> {
             "--seed" => o.seed = val()?.parse()?,
             "--label" => o.label = val()?,
             "--timeout" => o.timeout = val()?.parse()?,
+            "--dump" => o.dump = Some(val()?),
             "--ignore-eos" => o.ignore_eos = true,
             other => bail!("unknown option {other}"),
         }
@@ -263,10 +268,14 @@ fn main() -> Result<()> {
     stop.store(true, Ordering::Relaxed);
     let t_first = nc.times.lock().unwrap().first().copied();
     let (mut base, mut during, mut gaps, mut counts) = (vec![], vec![], vec![], vec![]);
+    let mut all = vec![];
+    // The largest gap during the arrival and when it began (ms after the newcomer was sent).
+    let mut worst_at = (0.0f64, 0.0f64);
     for s in bg {
         let _ = s.handle.join();
         let t = s.times.lock().unwrap();
         counts.push(t.len());
+        all.push(t.clone());
         for w in t.windows(2) {
             let g = (w[1] - w[0]) * 1e3;
             gaps.push(g);
@@ -274,6 +283,9 @@ fn main() -> Result<()> {
                 base.push(g);
             } else if t_first.is_some_and(|f| w[0] < f) {
                 during.push(g);
+                if g > worst_at.0 {
+                    worst_at = (g, (w[0] - nc_sent) * 1e3);
+                }
             }
         }
     }
@@ -287,10 +299,16 @@ fn main() -> Result<()> {
         "baseline_median_gap_ms": usual.map(round3),
         "max_gap_in_prefill_ms": worst.map(round3),
         "stall_ratio": usual.zip(worst).map(|(u, w)| round3(w / u)),
+        "max_gap_starts_ms": round3(worst_at.1),
         "p99_gap_ms": (!gaps.is_empty()).then(|| round3(pct(&gaps, 99.0))),
         "newcomer_ttft_ms": t_first.map(|f| round3((f - nc_sent) * 1e3)),
         "bg_tokens": counts,
     });
+    if let Some(path) = &o.dump {
+        // Seconds since the probe's start; `unix_start` puts them on the wall clock.
+        let unix_start = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64() - t0.elapsed().as_secs_f64();
+        std::fs::write(path, json!({"unix_start": unix_start, "newcomer_sent": nc_sent, "newcomer_first": t_first, "streams": all}).to_string())?;
+    }
     println!("{out}");
     Ok(())
 }

@@ -786,9 +786,11 @@ impl Run {
                 out.push_back(sse(&e.body()));
             }
             Update::Token { index, text, logprob } => {
-                if text.is_empty() && logprob.is_none() {
-                    return;
-                }
+                // A frame a token, its text empty while its bytes end inside
+                // a character (the token completing it carries the text): a
+                // client sees the stream advance every round. Random-weight
+                // models pick such tokens often; without their frames, a
+                // stall probe read two rounds where the lane ran one.
                 let choice = match self.endpoint {
                     Endpoint::Chat => json!({
                         "index": index,

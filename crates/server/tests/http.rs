@@ -194,6 +194,29 @@ async fn completion_stream_frames() {
     server.shutdown().await.unwrap();
 }
 
+/// Every token gets its frame, also one whose bytes end inside a
+/// character (its text comes with the token that completes it): a client
+/// sees each stream advance every round, whatever the text.
+#[tokio::test]
+async fn a_token_whose_text_is_held_back_still_gets_its_frame() {
+    let reply = "n\u{e9}\u{2713}";
+    let lane = FakeLane::with_reply(8, 8, Duration::from_millis(1), reply);
+    let server = start_with(config(), lane, true).await;
+    let addr = server.local_addr();
+    let mut open = post_stream(addr, "/v1/completions", &json!({"prompt": "x", "max_tokens": 6, "stream": true})).await;
+    let events = open.events().await;
+    let texts: Vec<&str> = events.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, ["n", "", "\u{e9}", "", "", "\u{2713}", ""], "a frame a token, then the finish");
+    assert_eq!(stream_texts(&events, 1), vec![reply]);
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 6, "stream": true});
+    let mut open = post_stream(addr, "/v1/chat/completions", &body).await;
+    let events = open.events().await;
+    // The role announcement, six tokens, the finish.
+    assert_eq!(events.len(), 8);
+    assert_eq!(stream_texts(&events, 1), vec![reply]);
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn logprobs_shapes() {
     let (server, lane) = start().await;

@@ -73,10 +73,18 @@ pub struct FakeLane {
     pub seen: Mutex<Vec<Request>>,
     /// Set to play a lane that stopped for good.
     pub dead: AtomicBool,
+    /// What each stream writes (REPLY unless `with_reply`).
+    reply: &'static str,
 }
 
 impl FakeLane {
     pub fn new(max_running: usize, queue: usize, tick: Duration) -> Arc<FakeLane> {
+        FakeLane::with_reply(max_running, queue, tick, REPLY)
+    }
+
+    /// A lane whose streams write `reply` a byte a token; a token that
+    /// leaves a character incomplete has empty text, as the real lane's.
+    pub fn with_reply(max_running: usize, queue: usize, tick: Duration, reply: &'static str) -> Arc<FakeLane> {
         Arc::new(FakeLane {
             max_running,
             queue,
@@ -85,6 +93,7 @@ impl FakeLane {
             cancelled: Arc::default(),
             seen: Mutex::new(Vec::new()),
             dead: AtomicBool::new(false),
+            reply,
         })
     }
 
@@ -109,7 +118,7 @@ impl Generator for FakeLane {
         self.seen.lock().unwrap().push(req.clone());
         let state = self.state.clone();
         let cancelled = self.cancelled.clone();
-        let (max_running, tick) = (self.max_running, self.tick);
+        let (max_running, tick, reply) = (self.max_running, self.tick, self.reply);
         std::thread::spawn(move || {
             let (lock, cv) = &*state;
             // Wait for a running slot; leave the queue if the client left.
@@ -132,8 +141,9 @@ impl Generator for FakeLane {
                 cv.notify_all();
             };
             sink.send(Event::Started { cached_tokens: 0 });
-            let bytes = REPLY.as_bytes();
+            let bytes = reply.as_bytes();
             let mut n = 0;
+            let mut partial = Vec::new();
             let reason = loop {
                 if Some(n) == req.stop.max_tokens {
                     break FinishReason::Length;
@@ -144,12 +154,17 @@ impl Generator for FakeLane {
                 }
                 std::thread::sleep(tick);
                 let b = bytes[n % bytes.len()];
-                let ev = Event::Token {
-                    id: b as u32,
-                    text: (b as char).to_string(),
-                    logprob: req.logprobs.map(|_| -0.25),
-                    top: vec![(b as u32, -0.25), (b'?' as u32, -2.0), (EOS, -3.0)],
+                partial.push(b);
+                let text = match std::str::from_utf8(&partial) {
+                    Ok(t) => t.to_string(),
+                    Err(e) if e.error_len().is_none() => String::new(),
+                    Err(_) => String::from_utf8_lossy(&partial).into_owned(),
                 };
+                if !text.is_empty() {
+                    partial.clear();
+                }
+                let ev =
+                    Event::Token { id: b as u32, text, logprob: req.logprobs.map(|_| -0.25), top: vec![(b as u32, -0.25), (b'?' as u32, -2.0), (EOS, -3.0)] };
                 if !sink.send(ev) {
                     cancelled.fetch_add(1, Ordering::Relaxed);
                     leave();

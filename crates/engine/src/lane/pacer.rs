@@ -254,6 +254,9 @@ pub(super) struct Pacer {
     /// cost, and held every chunk to 16 rows while 24 would have done.
     pass_base: HashMap<(usize, usize), f64>,
     growth: f64,
+    /// The pass's last shared round was set aside as a spike (see
+    /// [`SPIKE`]); a second in a row is believed.
+    spiked: bool,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
     /// Image-encoding steps beside decoding streams, by kind: the last
@@ -265,6 +268,20 @@ pub(super) struct Pacer {
     /// whatever the backend's cuts (their rows never depend on the steps).
     encode_pacing: (Option<f64>, Option<f64>),
 }
+
+/// A shared round whose chunk added more than `.0` times what its size was
+/// expected to, and more than `.1` of a plain round over it, is set aside
+/// once: a round not replayed, or the machine's hiccup (on the H100 one
+/// 24-row round of SmolLM2's shape took 3.9 ms against 1.4; read as the
+/// size's cost, it held the rest of the pass to one-row chunks).
+const SPIKE: (f64, f64) = (2.0, 0.25);
+
+/// How much dearer than before the pass a pass's chunk shows its sizes to
+/// run is read as (added + this) / (before + this), in plain rounds: a
+/// one-row chunk's share is small and noisy, and its ratio alone (0.2
+/// against 0.05) scaled every size by four. (Cheaper is read as it is:
+/// sizes are then expected cheaper only up to one past those run.)
+const GROWTH_FLOOR: f64 = 0.1;
 
 /// Moving average that follows changes within a few samples.
 fn ema(old: f64, new: f64) -> f64 {
@@ -301,6 +318,7 @@ impl Pacer {
             pass: None,
             pass_base: HashMap::new(),
             growth: 1.0,
+            spiked: false,
             target_misses: Cell::new(0),
             encoded: HashMap::new(),
             next_kind: 0,
@@ -626,6 +644,7 @@ impl Pacer {
                     self.pass = Some((id, HashMap::new()));
                     self.pass_base = self.added.clone();
                     self.growth = 1.0;
+                    self.spiked = false;
                 }
                 // Not a pass's first chunk: it can be dearer once.
                 if self.plain_secs > 0.0 && !first {
@@ -634,9 +653,17 @@ impl Pacer {
                         Some(&p) => (r.secs - p).max(0.1 * r.secs) / p,
                         None => added / self.plain_secs,
                     };
+                    let base = Self::least_added(&self.pass_base, decode, rows);
+                    let expected = self.pass.as_ref().and_then(|p| p.1.get(&rows).copied()).or(base.map(|b| b * self.growth));
+                    if self.picks_sizes() && !self.spiked && expected.is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1) {
+                        self.spiked = true;
+                        return;
+                    }
+                    self.spiked = false;
                     self.saw_added(decode, rows, f);
-                    if let Some(b) = Self::least_added(&self.pass_base, decode, rows) {
-                        self.growth = (f / b.max(1e-6)).clamp(0.25, 4.0);
+                    if let Some(b) = base {
+                        let ratio = if f > b { (f + GROWTH_FLOOR) / (b + GROWTH_FLOOR) } else { f / b.max(1e-6) };
+                        self.growth = ratio.clamp(0.25, 4.0);
                     }
                     if let Some((_, seen)) = &mut self.pass {
                         seen.insert(rows, f);

@@ -600,6 +600,12 @@ fn prefill_attention_against_f64() {
         // divides), and a window cutting into a split chunk's keys.
         Case { bt: 24, heads: 32, kv_heads: 8, hd: 64, window: None, softcap: None, seqs: vec![(3, 900), (64, 1064)] },
         Case { bt: 16, heads: 8, kv_heads: 2, hd: 64, window: Some(700), softcap: None, seqs: vec![(50, 2500)] },
+        // Packed rows (a query row and one of its KV head's heads) that
+        // are no power of two a row (SmolLM2's 9 heads over 3), and one
+        // head a KV head (packing changes nothing), beside other chunks.
+        Case { bt: 16, heads: 9, kv_heads: 3, hd: 64, window: None, softcap: None, seqs: vec![(24, 1000), (37, 37), (100, 400)] },
+        Case { bt: 16, heads: 4, kv_heads: 4, hd: 128, window: Some(90), softcap: None, seqs: vec![(70, 600), (19, 19)] },
+        Case { bt: 16, heads: 12, kv_heads: 2, hd: 64, window: Some(33), softcap: None, seqs: vec![(45, 1200)] },
     ];
     for c in &cases {
         run_attention_case(&d, &mut r, c, 1.5e-2);

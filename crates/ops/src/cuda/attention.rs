@@ -179,13 +179,16 @@ impl Cuda {
         let shape = kv.spec.layers[layer];
         let (hd, kvh) = (shape.head_dim, shape.kv_heads);
         let heads = q.cols / hd;
-        let fns = self.attn_fns(hd, heads / kvh)?;
+        let g = heads / kvh;
+        let fns = self.attn_fns(hd, g)?;
         let (f_dec, f_comb, f_pre) = (fns.decode, fns.combine, fns.prefill);
         let bt = kv.spec.block_tokens;
         let max_q = seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
         let prefill = f_pre.is_some() && max_q > self.few_rows(kvh);
         // Metadata: per sequence [q_start, q_len, kv_len, window, table offset],
-        // then the work list (rows or 64-row tiles), then the block tables.
+        // then the work list (rows, or tiles of 64 packed rows: a packed row
+        // is a query row and one of its KV head's g query heads), then the
+        // block tables.
         let mut meta: Vec<u32> = Vec::with_capacity(seqs.len() * 8);
         let mut bt_off = 0usize;
         for s in seqs {
@@ -198,7 +201,7 @@ impl Cuda {
         let mut work = 0usize;
         for (si, s) in seqs.iter().enumerate() {
             if prefill {
-                for t in (0..s.q_len).step_by(PREFILL_ROWS) {
+                for t in (0..s.q_len * g).step_by(PREFILL_ROWS) {
                     meta.extend([si as u32, t as u32]);
                     work += 1;
                 }
@@ -220,8 +223,9 @@ impl Cuda {
         // Both kernels open with the query and the paged cache (the grid and
         // block are set apart from the arguments, so the order is free).
         let paged = |f: usize| self.launch(f).ptr(q.fptr()).int(q.cols).ptr(kc).ptr(vc).i32(kv_w).int(bt).ptr(mp).int(off_list).int(off_bt);
-        // A split launch's merge: one block of hd threads per (item, head).
-        let combine = |f: usize, items: usize, nsplit: usize, part: u64| {
+        // A split launch's merge: one block of hd threads per (item, head):
+        // a decode row and query head, or a packed tile row and KV head.
+        let combine = |f: usize, items: usize, heads: usize, nsplit: usize, part: u64| {
             let out_ptrs = (out.fptr(), out.bptr());
             self.launch(f)
                 .grid((items as u32, heads as u32, 1))
@@ -241,14 +245,14 @@ impl Cuda {
             // Split the keys when the tiles alone leave the GPU mostly idle.
             // The count depends on the shape only (a split past the keys
             // walks none), so a recorded chunk's graph serves every position.
-            // A tile and head's splits as one cluster (at most 8 blocks)
+            // A tile and KV head's splits as one cluster (at most 8 blocks)
             // merge in shared memory.
-            let ctas = work * heads;
+            let ctas = work * kvh;
             let max = if fns.prefill_cl.is_some() { self.inner.tuning.attn_prefill_splits.min(8) } else { self.inner.tuning.attn_prefill_splits };
             let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max.max(1));
             let cluster = fns.prefill_cl.filter(|_| nsplit > 1);
-            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * PREFILL_ROWS * heads * nsplit * (hd + 2) * 4)? } else { 0 };
-            let grid = if cluster.is_some() { (nsplit as u32, heads as u32, work as u32) } else { (work as u32, heads as u32, nsplit as u32) };
+            let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * PREFILL_ROWS * kvh * nsplit * (hd + 2) * 4)? } else { 0 };
+            let grid = if cluster.is_some() { (nsplit as u32, kvh as u32, work as u32) } else { (work as u32, kvh as u32, nsplit as u32) };
             paged(cluster.unwrap_or(f))
                 .grid(grid)
                 .block(128)
@@ -261,7 +265,7 @@ impl Cuda {
                 .ptr(part)
                 .run()?;
             if nsplit > 1 && cluster.is_none() {
-                combine(fns.prefill_combine, work * PREFILL_ROWS, nsplit, part)?;
+                combine(fns.prefill_combine, work * PREFILL_ROWS, kvh, nsplit, part)?;
             }
         } else {
             // Split the keys so the launch fills the GPU; the split count
@@ -289,7 +293,7 @@ impl Cuda {
                 .ptr(part)
                 .run()?;
             if nsplit > 1 && cluster.is_none() {
-                combine(f_comb, work, nsplit, part)?;
+                combine(f_comb, work, heads, nsplit, part)?;
             }
         }
         Ok(())

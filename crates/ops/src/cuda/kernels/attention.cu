@@ -296,8 +296,12 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 #if __CUDA_ARCH__ >= 800 && HD <= 256
 // Prefill attention on tensor cores (HD 256 at most: a warp keeps 16 rows
 // of output in registers) (mma.sync m16n8k16, bf16 in, f32
-// accumulate): one block of 4 warps per (64 query rows of one sequence,
-// query head); each warp owns 16 rows. K and V tiles of PF_KT keys are
+// accumulate): one block of 4 warps per (64 packed query rows of one
+// sequence, KV head); each warp owns 16 of them. A packed row is a (query
+// row, query head of the KV head) pair, row-major: packed row p is row
+// p / G of head p % G. The G heads sharing a KV head thus share its K and V
+// tiles, and a short chunk fills its tile (24 rows of 4 heads: 96 packed
+// rows, 2 tiles, where one tile per head left 40 of 64 rows idle). K and V tiles of PF_KT keys are
 // gathered from the paged pool into shared memory by cp.async, two tiles in
 // flight (the next tile's loads run under this tile's products: without
 // that, a 64-row chunk at 1000 keys was latency-bound at ~22 µs a layer on
@@ -347,32 +351,36 @@ __device__ __forceinline__ void attn_prefill_body(
     bf16_t (*Vs)[PF_KT * PF_KP] = KVs[1];
     const float LOG2E = 1.4426950408889634f;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
-    // The cluster's blocks (the splits of one tile and head) lie along x.
+    // The cluster's blocks (the splits of one tile and KV head) lie along x.
     const int tile = CL ? blockIdx.z : blockIdx.x, split = CL ? blockIdx.x : blockIdx.z;
-    const int h = blockIdx.y, kvh = h / G;
+    const int kvh = blockIdx.y;
     const unsigned s = meta[off_tiles + 2 * tile];
-    const int i0 = meta[off_tiles + 2 * tile + 1];
+    const int i0 = meta[off_tiles + 2 * tile + 1];  // packed
     const unsigned* st = meta + 5 * s;
     const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
+    const int n_packed = q_len * G;
     const unsigned* blocks = meta + off_bt + st[4];
     const int base_pos = kv_len - q_len;
-    const int r0 = i0 + warp * 16 + gid, r1 = r0 + 8;
+    // This lane's two packed rows: their query rows and heads.
+    const int pr0 = i0 + warp * 16 + gid, pr1 = pr0 + 8;
+    const int r0 = pr0 / G, r1 = pr1 / G;
+    const int h0 = kvh * G + pr0 % G, h1 = kvh * G + pr1 % G;
     const int p0 = base_pos + r0, p1 = base_pos + r1;
     const int lo0 = window > 0 ? max(0, p0 + 1 - window) : 0;
     const int lo1 = window > 0 ? max(0, p1 + 1 - window) : 0;
-    const int last_row = min(i0 + PF_BQ - 1, q_len - 1);
+    const int last_row = min(i0 + PF_BQ - 1, n_packed - 1) / G;
     const int key_hi = base_pos + last_row;  // inclusive
     // Tiles start at the tile's first row's window (blocks before it may be
     // let go, their entries stand-ins: never loaded); later rows mask more.
-    const int key_lo = window > 0 ? max(0, base_pos + i0 + 1 - window) : 0;
+    const int key_lo = window > 0 ? max(0, base_pos + i0 / G + 1 - window) : 0;
     // This warp's rows: first and last position, smallest and largest window start.
-    const int wr_first = i0 + warp * 16;
-    const bool warp_active = wr_first < q_len;
-    const int wr_last = min(wr_first + 15, q_len - 1);
+    const int wpk_first = i0 + warp * 16;
+    const bool warp_active = wpk_first < n_packed;
+    const int wr_first = wpk_first / G, wr_last = min(wpk_first + 15, n_packed - 1) / G;
     const int wp_first = base_pos + wr_first, wp_last = base_pos + wr_last;
     const int wlo_first = window > 0 ? max(0, wp_first + 1 - window) : 0;
     const int wlo_last = window > 0 ? max(0, wp_last + 1 - window) : 0;
-    const bool warp_rows_full = wr_first + 15 < q_len;
+    const bool warp_rows_full = wpk_first + 15 < n_packed;
 
     // This split's key tiles (all of them when nsplit is 1).
     const int ktiles = (key_hi - key_lo) / PF_KT + 1, per = (ktiles + nsplit - 1) / nsplit;
@@ -420,8 +428,8 @@ __device__ __forceinline__ void attn_prefill_body(
 
     unsigned qa[HD / 16][4];
     {
-        const float* q0 = q + (long)(q_start + min(r0, q_len - 1)) * q_cols + h * HD;
-        const float* q1 = q + (long)(q_start + min(r1, q_len - 1)) * q_cols + h * HD;
+        const float* q0 = q + (long)(q_start + min(r0, q_len - 1)) * q_cols + h0 * HD;
+        const float* q1 = q + (long)(q_start + min(r1, q_len - 1)) * q_cols + h1 * HD;
         #pragma unroll
         for (int ks = 0; ks < HD / 16; ks++) {
             const int c = ks * 16 + tig * 2;
@@ -533,17 +541,17 @@ __device__ __forceinline__ void attn_prefill_body(
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     if (nsplit > 1) {
-        // Partials by (tile row, head, split): o unnormalised, m in natural
+        // Partials by (packed tile row, KV head, split): o unnormalised, m in natural
         // units (as attn_decode leaves them), l. In a cluster, this block's
         // tile rows in its shared memory (every warp is past its last tile:
         // the loop ends on a barrier).
         float* cp = (float*)&KVs[0][0][0];
         #pragma unroll
         for (int half = 0; half < 2; half++) {
-            const int r = half ? r1 : r0;
-            if (!CL && r >= q_len) continue;
-            const long z = (long)tile * PF_BQ + (r - i0);
-            float* pp = CL ? cp + (r - i0) * (HD + 2) : part + ((z * gridDim.y + h) * nsplit + split) * (HD + 2);
+            const int pr = half ? pr1 : pr0;
+            if (!CL && pr >= n_packed) continue;
+            const long z = (long)tile * PF_BQ + (pr - i0);
+            float* pp = CL ? cp + (pr - i0) * (HD + 2) : part + ((z * gridDim.y + kvh) * nsplit + split) * (HD + 2);
             #pragma unroll
             for (int nt = 0; nt < HD / 8; nt++) {
                 const int d = nt * 8 + tig * 2;
@@ -557,8 +565,10 @@ __device__ __forceinline__ void attn_prefill_body(
             }
         }
         if (CL) {
-            const int rows_here = q_len - i0;
-            cl_merge(cp, PF_BQ, split, nsplit, [&](int r) { return r < rows_here ? (long)(q_start + i0 + r) * q_cols + h * HD : -1L; }, out, out_bf);
+            cl_merge(cp, PF_BQ, split, nsplit, [&](int r) {
+                const int p = i0 + r;
+                return p < n_packed ? (long)(q_start + p / G) * q_cols + (kvh * G + p % G) * HD : -1L;
+            }, out, out_bf);
         }
         return;
     }
@@ -567,12 +577,12 @@ __device__ __forceinline__ void attn_prefill_body(
     for (int nt = 0; nt < HD / 8; nt++) {
         const int d = nt * 8 + tig * 2;
         if (r0 < q_len) {
-            const long off = (long)(q_start + r0) * q_cols + h * HD + d;
+            const long off = (long)(q_start + r0) * q_cols + h0 * HD + d;
             out[off] = o[nt][0] * inv0; out[off + 1] = o[nt][1] * inv0;
             out_bf[off] = f2bf(o[nt][0] * inv0); out_bf[off + 1] = f2bf(o[nt][1] * inv0);
         }
         if (r1 < q_len) {
-            const long off = (long)(q_start + r1) * q_cols + h * HD + d;
+            const long off = (long)(q_start + r1) * q_cols + h1 * HD + d;
             out[off] = o[nt][2] * inv1; out[off + 1] = o[nt][3] * inv1;
             out_bf[off] = f2bf(o[nt][2] * inv1); out_bf[off + 1] = f2bf(o[nt][3] * inv1);
         }
@@ -590,16 +600,16 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill(PF_ARGS) {
 extern "C" __global__ void __launch_bounds__(PF_THREADS) attn_prefill_cl(PF_ARGS) { attn_prefill_body<true>(PF_PASS); }
 #endif
 
-// Merge attn_prefill's key splits: one block of HD threads per (tile row,
-// head); rows past their sequence's end have no partials.
+// Merge attn_prefill's key splits: one block of HD threads per (packed
+// tile row, KV head); packed rows past their sequence's end have no partials.
 extern "C" __global__ void attn_prefill_combine(const float* __restrict__ part, const unsigned* __restrict__ meta, int off_tiles,
-                                                int nsplit, int heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
+                                                int nsplit, int kv_heads, int q_cols, float* __restrict__ out, bf16_t* __restrict__ out_bf) {
     PDL_ENTRY();
-    const int z = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const int z = blockIdx.x, kvh = blockIdx.y, d = threadIdx.x;
     const unsigned s = meta[off_tiles + 2 * (z / PF_BQ)];
-    const int i = meta[off_tiles + 2 * (z / PF_BQ) + 1] + z % PF_BQ;
-    if (i >= (int)meta[5 * s + 1]) return;
-    const int row = meta[5 * s] + i;
-    merge_splits(part + ((long)z * heads + h) * nsplit * (HD + 2), nsplit, d, out, out_bf, (long)row * q_cols + h * HD + d);
+    const int p = meta[off_tiles + 2 * (z / PF_BQ) + 1] + z % PF_BQ;
+    if (p >= (int)meta[5 * s + 1] * G) return;
+    const long row = meta[5 * s] + p / G;
+    merge_splits(part + ((long)z * kv_heads + kvh) * nsplit * (HD + 2), nsplit, d, out, out_bf, row * q_cols + (kvh * G + p % G) * HD + d);
 }
 #endif

@@ -163,11 +163,18 @@ impl Events {
             self.body.append(&mut self.raw);
         }
         let mut tokens = 0;
+        // Events end at a blank line (bytes: a character split between
+        // reads stays whole until its event is complete).
         loop {
-            let text = String::from_utf8_lossy(&self.body).replace("\r\n", "\n");
-            let Some(end) = text.find("\n\n") else { break };
-            let event = text[..end].to_string();
-            self.body = text.as_bytes()[end + 2..].to_vec();
+            let (lf, crlf) = (find(&self.body, b"\n\n"), find(&self.body, b"\r\n\r\n"));
+            let (end, sep) = match (lf, crlf) {
+                (Some(a), Some(b)) if b < a => (b, 4),
+                (Some(a), _) => (a, 2),
+                (None, Some(b)) => (b, 4),
+                (None, None) => break,
+            };
+            let event = String::from_utf8_lossy(&self.body[..end]).into_owned();
+            self.body.drain(..end + sep);
             for line in event.lines() {
                 let Some(data) = line.strip_prefix("data:") else { continue };
                 let data = data.trim();

@@ -6,6 +6,8 @@
 # newcomer's TTFT. One row per (setting, seed):
 #   scripts/stall_cpu.sh [STREAMS] [GEN] [LONG] [SEEDS] -- [SERVE FLAGS...] [-- SERVE FLAGS...]
 # e.g. scripts/stall_cpu.sh 6 600 1800 "1 2 3" -- --prefill-share 0.15 -- --itl-target 30
+# PROBE=rust runs the server crate's stall_probe example instead (build it
+# first: cargo build --release -p braid-server --example stall_probe).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PROBE=${PROBE:-../shared/bench/stall_probe.py}
@@ -23,7 +25,11 @@ run_setting() {
     local pid=$!
     for _ in $(seq 100); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.2; done
     local j
-    j=$(python3 "$PROBE" "http://127.0.0.1:$port" --streams "$streams" --gen "$gen" --long-tokens "$long" --ignore-eos on --seed "$s" 2>/dev/null | tail -1)
+    if [ "$PROBE" = rust ]; then
+      j=$(./target/release/examples/stall_probe "http://127.0.0.1:$port" --streams "$streams" --gen "$gen" --long-tokens "$long" --ignore-eos --seed "$s" 2>/dev/null | tail -1)
+    else
+      j=$(python3 "$PROBE" "http://127.0.0.1:$port" --streams "$streams" --gen "$gen" --long-tokens "$long" --ignore-eos on --seed "$s" 2>/dev/null | tail -1)
+    fi
     kill "$pid"; wait "$pid" 2>/dev/null
     python3 - "$j" "${flags[*]:-defaults}" "$s" <<'PY'
 import json, sys

@@ -269,8 +269,15 @@ fn main() -> Result<()> {
     thread::sleep(Duration::from_secs_f64(o.arrival_after));
     let nc = start(&o, &payload(&o, text(words(o.long_tokens), o.seed * 31 + 500), o.newcomer_max_tokens, true), t0, stop.clone())?;
     let nc_sent = nc.sent;
+    while !nc.handle.is_finished() {
+        if t0.elapsed() > deadline {
+            stop.store(true, Ordering::Relaxed);
+            bail!("the newcomer did not finish within {} s", o.timeout);
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
     nc.handle.join().map_err(|_| anyhow!("newcomer thread panicked"))??;
-    // Keep the background a little past the newcomer's first token, then stop.
+    // Keep the background a little past the newcomer's last token, then stop.
     thread::sleep(Duration::from_millis(200));
     stop.store(true, Ordering::Relaxed);
     let t_first = nc.times.lock().unwrap().first().copied();

@@ -97,13 +97,14 @@ impl Cuda {
 
     /// The split-KV scratch, at least `need` bytes (the launches that use
     /// it run one after another on the stream). Made once at the most any
-    /// split launch asks: a split runs fewer than 4 blocks an SM (prefill,
+    /// split launch asks: a split runs fewer than twice
+    /// `attn_prefill_blocks_per_sm` (4 by default) blocks an SM (prefill,
     /// of 64 rows each; decode, 16 heads a KV head at most, fewer than 8),
     /// so it never moves. Grown on demand, the first 445-row chunk after
     /// start-up moved it, and every chunk size the warm-up recorded was
     /// recorded again in the next pass (2–7 ms gaps on the H200).
     fn attn_part(&self, scratch: usize, need: usize) -> Result<u64> {
-        let most = PREFILL_ROWS * 4 * self.inner.sms * (256 + 2) * 4;
+        let most = PREFILL_ROWS * (2 * self.inner.tuning.attn_prefill_blocks_per_sm).max(4) * self.inner.sms * (256 + 2) * 4;
         let mut st = self.st();
         let part = &mut st.attn.part[scratch];
         if part.bytes < need {
@@ -249,7 +250,7 @@ impl Cuda {
             // merge in shared memory.
             let ctas = work * kvh;
             let max = if fns.prefill_cl.is_some() { self.inner.tuning.attn_prefill_splits.min(8) } else { self.inner.tuning.attn_prefill_splits };
-            let nsplit = (2 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max.max(1));
+            let nsplit = (self.inner.tuning.attn_prefill_blocks_per_sm * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max.max(1));
             let cluster = fns.prefill_cl.filter(|_| nsplit > 1);
             let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * PREFILL_ROWS * kvh * nsplit * (hd + 2) * 4)? } else { 0 };
             let grid = if cluster.is_some() { (nsplit as u32, kvh as u32, work as u32) } else { (work as u32, kvh as u32, nsplit as u32) };

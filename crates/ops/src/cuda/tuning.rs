@@ -52,6 +52,11 @@ pub struct Tuning {
     /// Most key splits of the prefill attention (1: none), used when its
     /// tiles alone leave most SMs idle (a short chunk at a long context).
     pub attn_prefill_splits: usize,
+    /// The blocks an SM the prefill attention's key splits aim at (1–16).
+    /// ncu (H100, a 24-row chunk at ~1000 keys, 2 an SM): 4–8 warps an SM,
+    /// each issuing its instructions one after another; more blocks (with
+    /// `attn_prefill_splits` past 8, so no cluster merge) is the experiment.
+    pub attn_prefill_blocks_per_sm: usize,
     /// The decode attention merges its key splits inside a thread-block
     /// cluster (Hopper on): no combine launch.
     pub attn_cluster: bool,
@@ -100,6 +105,7 @@ impl Default for Tuning {
             attn_max_splits: 16,
             attn_prefill_from: 17,
             attn_prefill_splits: 8,
+            attn_prefill_blocks_per_sm: 2,
             attn_cluster: true,
             pdl: true,
             pdl_early: true,
@@ -138,6 +144,7 @@ impl Tuning {
             attn_max_splits: self.attn_max_splits.clamp(1, 64),
             attn_prefill_from: self.attn_prefill_from.max(2),
             attn_prefill_splits: self.attn_prefill_splits.clamp(1, 64),
+            attn_prefill_blocks_per_sm: self.attn_prefill_blocks_per_sm.clamp(1, 16),
             ..self
         }
     }
@@ -145,7 +152,7 @@ impl Tuning {
     /// The defaults, each overridden by its `BRAID_CUDA_*` variable: a
     /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
     /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_PDL_PER_SM`, `_ATTN_SPLITS`,
-    /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`,
+    /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`, `_ATTN_PREFILL_BLOCKS`,
     /// `_ATTN_CLUSTER`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
     /// `_BRANCHES`, `_GRAPHS`).
@@ -164,6 +171,7 @@ impl Tuning {
             attn_max_splits: num("ATTN_SPLITS", d.attn_max_splits),
             attn_prefill_from: num("ATTN_PREFILL_FROM", d.attn_prefill_from),
             attn_prefill_splits: num("ATTN_PREFILL_SPLITS", d.attn_prefill_splits),
+            attn_prefill_blocks_per_sm: num("ATTN_PREFILL_BLOCKS", d.attn_prefill_blocks_per_sm),
             attn_cluster: on("ATTN_CLUSTER", d.attn_cluster),
             pdl: on("PDL", d.pdl),
             pdl_early: on("PDL_EARLY", d.pdl_early),

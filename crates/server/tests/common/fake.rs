@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use braid_engine::{Event, EventSink, Fill, FinishReason, LaneStats, Request, SubmitError, Timing, Usage};
+use braid_engine::{Event, EventSink, Fill, FinishReason, LaneStats, Request, SubmitError, TextStops, Timing, Usage};
 use braid_formats::template::ChatTemplate;
 use braid_formats::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use braid_server::{Generator, ModelInfo, Ticket};
@@ -143,7 +143,7 @@ impl Generator for FakeLane {
             sink.send(Event::Started { cached_tokens: 0 });
             let bytes = reply.as_bytes();
             let mut n = 0;
-            let mut partial = Vec::new();
+            let mut text = TextStops::new(&[]);
             let reason = loop {
                 if Some(n) == req.stop.max_tokens {
                     break FinishReason::Length;
@@ -154,17 +154,12 @@ impl Generator for FakeLane {
                 }
                 std::thread::sleep(tick);
                 let b = bytes[n % bytes.len()];
-                partial.push(b);
-                let text = match std::str::from_utf8(&partial) {
-                    Ok(t) => t.to_string(),
-                    Err(e) if e.error_len().is_none() => String::new(),
-                    Err(_) => String::from_utf8_lossy(&partial).into_owned(),
+                let ev = Event::Token {
+                    id: b as u32,
+                    text: text.push(&[b]).text,
+                    logprob: req.logprobs.map(|_| -0.25),
+                    top: vec![(b as u32, -0.25), (b'?' as u32, -2.0), (EOS, -3.0)],
                 };
-                if !text.is_empty() {
-                    partial.clear();
-                }
-                let ev =
-                    Event::Token { id: b as u32, text, logprob: req.logprobs.map(|_| -0.25), top: vec![(b as u32, -0.25), (b'?' as u32, -2.0), (EOS, -3.0)] };
                 if !sink.send(ev) {
                     cancelled.fetch_add(1, Ordering::Relaxed);
                     leave();

@@ -243,20 +243,8 @@ pub(super) struct Pacer {
     /// decode rows, as a fraction of a plain round of as many rows (the
     /// warm-up's rounds and those run), keyed (decode rows, chunk rows).
     added: HashMap<(usize, usize), f64>,
-    /// The current pass's stream, and what each size added in its last
-    /// round of this pass (a pass's first chunk aside: it can be dearer once).
-    pass: Option<(StreamId, HashMap<usize, f64>)>,
-    /// What each size had added at the current pass's start (`added`
-    /// then), and how much dearer or cheaper the pass's last chunk was than
-    /// that: sizes not run in this pass are expected to differ alike. The
-    /// warm-up times each size once, at short contexts: on the H100 its
-    /// figures for SmolLM2's shape read twice what a pass's 16-row chunks
-    /// cost, and held every chunk to 16 rows while 24 would have done.
-    pass_base: HashMap<(usize, usize), f64>,
-    growth: f64,
-    /// The pass's last shared round was set aside as a spike (see
-    /// [`SPIKE`]); a second in a row is believed.
-    spiked: bool,
+    /// What the current pass's chunks have shown (see [`PassCosts`]).
+    pass: Option<PassCosts>,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
     /// Image-encoding steps beside decoding streams, by kind: the last
@@ -282,6 +270,35 @@ const SPIKE: (f64, f64) = (2.0, 0.25);
 /// against 0.05) scaled every size by four. (Cheaper is read as it is:
 /// sizes are then expected cheaper only up to one past those run.)
 const GROWTH_FLOOR: f64 = 0.1;
+
+/// What a pass's shared chunks have added, kept from its first to its last.
+#[derive(Clone, Debug)]
+struct PassCosts {
+    stream: StreamId,
+    /// What each size added in its last round of this pass (a pass's first
+    /// chunk aside: it can be dearer once).
+    seen: HashMap<usize, f64>,
+    /// What each size had added at the pass's start (`Pacer::added` then),
+    /// and how much dearer or cheaper the pass's last chunk was than that:
+    /// sizes not run in this pass are expected to differ alike. The warm-up
+    /// times each size once, at short contexts: on the H100 its figures for
+    /// SmolLM2's shape read twice what a pass's 16-row chunks cost, and held
+    /// every chunk to 16 rows while 24 would have done.
+    base: HashMap<(usize, usize), f64>,
+    growth: f64,
+    /// The last shared round was set aside as a spike (see [`SPIKE`]); a
+    /// second in a row is believed.
+    spiked: bool,
+}
+
+impl PassCosts {
+    /// What a chunk of `rows` beside `decode` decode rows is expected to
+    /// add: its last round in this pass, else its figure before the pass
+    /// times `scale`.
+    fn expected(&self, decode: usize, rows: usize, scale: f64) -> Option<f64> {
+        self.seen.get(&rows).copied().or_else(|| Pacer::least_added(&self.base, decode, rows).map(|a| a * scale))
+    }
+}
 
 /// Moving average that follows changes within a few samples.
 fn ema(old: f64, new: f64) -> f64 {
@@ -316,9 +333,6 @@ impl Pacer {
             replayed: 0,
             added: HashMap::new(),
             pass: None,
-            pass_base: HashMap::new(),
-            growth: 1.0,
-            spiked: false,
             target_misses: Cell::new(0),
             encoded: HashMap::new(),
             next_kind: 0,
@@ -397,14 +411,13 @@ impl Pacer {
     /// which SmolLM2's shape runs in the decode attention, cost more than 64
     /// rows did).
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
-        let this_pass = self.pass.as_ref().filter(|p| p.0 == stream).map(|p| &p.1);
-        let (growth, share) = if this_pass.is_some() { (self.growth, share) } else { (1.0, share / 2.0) };
-        let base = if this_pass.is_some() { &self.pass_base } else { &self.added };
-        let ran_within = this_pass.and_then(|p| p.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max());
+        let this_pass = self.pass.as_ref().filter(|p| p.stream == stream);
+        let share = if this_pass.is_some() { share } else { share / 2.0 };
+        let ran_within = this_pass.and_then(|p| p.seen.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max());
         let next_up = size_up(ran_within.unwrap_or(0));
-        let expected = |n: usize| {
-            let scale = if n <= next_up { growth } else { growth.max(1.0) };
-            this_pass.and_then(|p| p.get(&n).copied()).or_else(|| Self::least_added(base, decode, n).map(|a| a * scale))
+        let expected = |n: usize| match this_pass {
+            Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }),
+            None => Self::least_added(&self.added, decode, n),
         };
         let most = self.replayed.min(left);
         let within = replayed_sizes(most).find(|&n| expected(n).is_some_and(|f| f <= share));
@@ -640,11 +653,8 @@ impl Pacer {
                 }
                 self.last = Some((id, rows, added, r.secs));
                 self.shared_since_plain += 1;
-                if self.pass.as_ref().is_none_or(|p| p.0 != id) {
-                    self.pass = Some((id, HashMap::new()));
-                    self.pass_base = self.added.clone();
-                    self.growth = 1.0;
-                    self.spiked = false;
+                if self.pass.as_ref().is_none_or(|p| p.stream != id) {
+                    self.pass = Some(PassCosts { stream: id, seen: HashMap::new(), base: self.added.clone(), growth: 1.0, spiked: false });
                 }
                 // Not a pass's first chunk: it can be dearer once.
                 if self.plain_secs > 0.0 && !first {
@@ -653,21 +663,20 @@ impl Pacer {
                         Some(&p) => (r.secs - p).max(0.1 * r.secs) / p,
                         None => added / self.plain_secs,
                     };
-                    let base = Self::least_added(&self.pass_base, decode, rows);
-                    let expected = self.pass.as_ref().and_then(|p| p.1.get(&rows).copied()).or(base.map(|b| b * self.growth));
-                    if self.picks_sizes() && !self.spiked && expected.is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1) {
-                        self.spiked = true;
+                    let picks_sizes = self.picks_sizes();
+                    let pass = self.pass.as_mut().expect("a pass was just opened");
+                    let spike = pass.expected(decode, rows, pass.growth).is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1);
+                    if picks_sizes && !pass.spiked && spike {
+                        pass.spiked = true;
                         return;
                     }
-                    self.spiked = false;
-                    self.saw_added(decode, rows, f);
-                    if let Some(b) = base {
+                    pass.spiked = false;
+                    if let Some(b) = Self::least_added(&pass.base, decode, rows) {
                         let ratio = if f > b { (f + GROWTH_FLOOR) / (b + GROWTH_FLOOR) } else { f / b.max(1e-6) };
-                        self.growth = ratio.clamp(0.25, 4.0);
+                        pass.growth = ratio.clamp(0.25, 4.0);
                     }
-                    if let Some((_, seen)) = &mut self.pass {
-                        seen.insert(rows, f);
-                    }
+                    pass.seen.insert(rows, f);
+                    self.saw_added(decode, rows, f);
                 }
             }
         }

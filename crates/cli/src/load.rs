@@ -563,6 +563,7 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
     if most == 0 || streams == 0 || tokens.len() < most {
         return Ok(Vec::new());
     }
+    tracing::debug!(graphs = recorded_graphs(streams, most), streams, most, "recording the rounds a served arrival takes");
     let id = u64::MAX;
     // Every stream a round may hold decodes once first, so the logits
     // rows are as large as they will grow.
@@ -614,6 +615,15 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
     backend.forget(id);
     bgs.iter().for_each(|&b| backend.forget(b));
     r
+}
+
+/// About how many graphs [`record_rounds`] records for `streams` and
+/// chunks up to `most` rows: per stream count a plain round and each
+/// replayed chunk beside it, with and without its logits; each chunk alone;
+/// the round of every stream.
+fn recorded_graphs(streams: usize, most: usize) -> usize {
+    let chunks = 2 * braid_engine::replayed_sizes(most).count();
+    streams * (1 + chunks) + chunks + 1
 }
 
 /// A warm-up round of `rows` (the first streams of `lens`, their lengths)
@@ -676,5 +686,19 @@ mod tests {
         assert!(c.iter().all(|&(s, n, _)| s + n <= 1000));
         assert!(c.iter().filter(|c| c.0 == 0).count() > 1);
         assert!(c.windows(2).all(|w| w[1].0 == 0 || w[1].0 == w[0].0 + w[0].1));
+    }
+
+    /// The device keeps every graph the warm-up records, with room to spare
+    /// for the shapes it does not (more streams, other chunks): a cache
+    /// smaller than the warm-up evicted its first recordings, the rounds of
+    /// the most streams, and an arrival beside 32 streams recorded them
+    /// again while serving.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_graph_cache_holds_what_the_warm_up_records() {
+        use super::{recorded_graphs, RECORDED_STREAMS};
+        let most = braid_engine::replayed_sizes(braid_models::REPLAY_CHUNK_ROWS).next().unwrap();
+        let n = recorded_graphs(RECORDED_STREAMS, most);
+        assert!(n + n / 4 <= braid_ops::cuda::MAX_GRAPHS, "{n} graphs against a cache of {}", braid_ops::cuda::MAX_GRAPHS);
     }
 }

@@ -47,6 +47,7 @@ use cudarc::driver::{result as drv, sys, CudaContext};
 use crate::{Act, AttnSeq, Device, DeviceCaps, Forward, KvDtype, KvPoolSpec, Map, MoeOps, Rope, RowPick, RowPicked};
 use rt::{cu, DevBuf};
 
+pub use exec::MAX_GRAPHS;
 pub use rt::{check_libraries, kernel_cache_dir};
 pub use tensor::{CudaKv, CudaTensor, CudaWeight};
 pub use tuning::Tuning;

@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .device-bin
-cargo build --release -p braid-models --features cuda --example gpu_bench
+# The server with the BRAID_CUDA_* knobs read (docs/CUDA.md), for the stall
+# scenario (side_by_side.sh); TUNING=0 builds it as released.
+[ "${TUNING:-1}" = 0 ] && feat=() || feat=(--features braid-ops/cuda-tuning)
+cargo build --release -p braid "${feat[@]}"
+cp target/release/braid .device-bin/
+cargo build --release -p braid-models --features cuda "${feat[@]}" --example gpu_bench
 cp target/release/examples/gpu_bench .device-bin/
 cargo build --release -p braid-server --example stall_probe
 cp target/release/examples/stall_probe .device-bin/
@@ -19,5 +24,15 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$2" | tail -1)
   cp "$exe" ".device-bin/$2"
 done
-strip .device-bin/gpu_bench .device-bin/stall_probe .device-bin/cuda_ops .device-bin/cuda_models
+strip .device-bin/braid .device-bin/gpu_bench .device-bin/stall_probe .device-bin/cuda_ops .device-bin/cuda_models
+# Compressed, they and the working tree fit the device tool's carry
+# (64 MiB); scripts/gpu/unpack.sh restores them there.
+python3 - <<'PY'
+import lzma, os
+for f in ["braid", "gpu_bench", "stall_probe", "cuda_ops", "cuda_models"]:
+    p = os.path.join(".device-bin", f)
+    with open(p, "rb") as src, lzma.open(p + ".xz", "wb") as dst:
+        dst.write(src.read())
+    os.remove(p)
+PY
 ls -la .device-bin

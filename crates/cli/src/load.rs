@@ -547,7 +547,8 @@ const CHUNKS_SPAN: usize = 14;
 /// On a backend that replays recorded forwards: the rounds a served
 /// arrival takes, recorded now — 1 to 32 streams decoding, alone and beside
 /// a prompt chunk of every replayed size (with and without the chunk's
-/// logits), and each such chunk alone. Recorded on first use instead, each
+/// logits), each such chunk alone, and the rounds of more streams, up to
+/// every slot but one, alone. Recorded on first use instead, each
 /// cost a decoding stream a 3–5 ms gap on the H200. Largest first, so no
 /// later buffer growth moves what the recordings read. For the stream
 /// counts of [`TIMED_STREAMS`] the rounds are then replayed twice more and
@@ -563,11 +564,11 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
     if most == 0 || streams == 0 || tokens.len() < most {
         return Ok(Vec::new());
     }
-    tracing::debug!(graphs = recorded_graphs(streams, most), streams, most, "recording the rounds a served arrival takes");
     let id = u64::MAX;
     // Every stream a round may hold decodes once first, so the logits
     // rows are as large as they will grow.
     let widest = slots.saturating_sub(1).min(caps.max_batch.saturating_sub(1)).max(streams);
+    tracing::debug!(graphs = recorded_graphs(streams, widest, most), streams, widest, most, "recording the rounds a served arrival takes");
     let bgs: Vec<u64> = (1..=widest as u64).map(|i| id - i).collect();
     let r = (|| -> Result<Vec<RoundCost>> {
         open_short(backend, &bgs, tokens)?;
@@ -582,6 +583,13 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
         backend.forget(id);
         // The decoding streams' lengths: 8 tokens, then the round above.
         let mut lens = vec![9usize; bgs.len()];
+        // Past 32 streams the plain rounds alone (beside a chunk too, every
+        // count and size would double the recordings): a 33rd stream
+        // joining would otherwise record its round while serving.
+        for n in (streams + 1..=widest).rev() {
+            let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n % tokens.len()]] }).collect();
+            timed_round(backend, &rows, None, &mut lens, None)?;
+        }
         let mut costs = Vec::new();
         let chunks = replayed_chunks(most, tokens.len());
         for n in (1..=streams).rev() {
@@ -617,13 +625,14 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
     r
 }
 
-/// About how many graphs [`record_rounds`] records for `streams` and
-/// chunks up to `most` rows: per stream count a plain round and each
-/// replayed chunk beside it, with and without its logits; each chunk alone;
-/// the round of every stream.
-fn recorded_graphs(streams: usize, most: usize) -> usize {
+/// About how many graphs [`record_rounds`] records for `streams` (up to
+/// `widest` alone) and chunks up to `most` rows: per stream count a plain
+/// round and each replayed chunk beside it, with and without its logits;
+/// each chunk alone; the plain rounds of more streams; the round of every
+/// stream.
+fn recorded_graphs(streams: usize, widest: usize, most: usize) -> usize {
     let chunks = 2 * braid_engine::replayed_sizes(most).count();
-    streams * (1 + chunks) + chunks + 1
+    streams * (1 + chunks) + chunks + widest.saturating_sub(streams) + 1
 }
 
 /// A warm-up round of `rows` (the first streams of `lens`, their lengths)
@@ -688,6 +697,46 @@ mod tests {
         assert!(c.windows(2).all(|w| w[1].0 == 0 || w[1].0 == w[0].0 + w[0].1));
     }
 
+    /// The warm-up runs each shape a served arrival takes, so a device that
+    /// records rounds has them before any client waits: 1–32 streams alone
+    /// and beside every replayed chunk size (with and without its logits),
+    /// each size alone, and past 32 streams the plain rounds, up to every
+    /// slot but the newcomer's.
+    #[test]
+    fn the_warm_up_runs_each_shape_a_served_arrival_takes() {
+        use braid_engine::fake::{Call, CallLog, FakeBackend, FakeConfig};
+        use braid_engine::Picks;
+        use std::collections::HashSet;
+        let mut cfg = FakeConfig { slots_total: 40, blocks_total: 1 << 16, ..FakeConfig::default() };
+        cfg.caps.replayed_chunk_rows = 16;
+        cfg.caps.picks = Picks { argmax: true, top_k: 0 };
+        let log = CallLog::default();
+        let mut be = FakeBackend::new(cfg, log.clone());
+        super::warm_up(&mut be, "cuda", 64).unwrap();
+        // (decode rows, the chunk's rows and whether it wanted logits)
+        let mut seen = HashSet::new();
+        for c in log.snapshot() {
+            match &c {
+                Call::Round { rows, chunk, .. } => seen.insert((rows.len(), chunk.as_ref().map(|c| (c.tokens.len(), c.want_logits)))),
+                Call::Prefill(c) => seen.insert((0, Some((c.tokens.len(), c.want_logits)))),
+                _ => false,
+            };
+        }
+        let sizes: Vec<usize> = braid_engine::replayed_sizes(16).collect();
+        for n in 0..=32 {
+            assert!(n == 0 || seen.contains(&(n, None)), "{n} streams alone");
+            for &s in &sizes {
+                for logits in [false, true] {
+                    assert!(seen.contains(&(n, Some((s, logits)))), "{n} streams beside {s} rows (logits {logits})");
+                }
+            }
+        }
+        for n in 33..=39 {
+            assert!(seen.contains(&(n, None)), "{n} streams alone");
+        }
+        assert!(!seen.iter().any(|&(n, _)| n > 39), "a round of every slot leaves the newcomer none");
+    }
+
     /// The device keeps every graph the warm-up records, with room to spare
     /// for the shapes it does not (more streams, other chunks): a cache
     /// smaller than the warm-up evicted its first recordings, the rounds of
@@ -698,7 +747,8 @@ mod tests {
     fn the_graph_cache_holds_what_the_warm_up_records() {
         use super::{recorded_graphs, RECORDED_STREAMS};
         let most = braid_engine::replayed_sizes(braid_models::REPLAY_CHUNK_ROWS).next().unwrap();
-        let n = recorded_graphs(RECORDED_STREAMS, most);
+        // A GPU server's default: 64 running streams, one slot kept for an arrival.
+        let n = recorded_graphs(RECORDED_STREAMS, 63, most);
         assert!(n + n / 4 <= braid_ops::cuda::MAX_GRAPHS, "{n} graphs against a cache of {}", braid_ops::cuda::MAX_GRAPHS);
     }
 }

@@ -94,7 +94,7 @@ impl Cmd {
 }
 
 /// Recorded graphs kept at most: more than the serve warm-up records
-/// (~1,150 at 32 streams and chunks up to 256 rows), or it evicts its own
+/// (~1,190 at a GPU server's 64 slots, chunks up to 256 rows), or it evicts its own
 /// first recordings. At 1,024 those were the rounds of 29–32 streams
 /// beside a chunk: on the H100, an arrival beside 32 streams then recorded
 /// them while serving, rounds of 28–57 ms against a usual 2.1.

@@ -568,7 +568,10 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
     // Every stream a round may hold decodes once first, so the logits
     // rows are as large as they will grow.
     let widest = slots.saturating_sub(1).min(caps.max_batch.saturating_sub(1)).max(streams);
-    tracing::debug!(graphs = recorded_graphs(streams, widest, most), streams, widest, most, "recording the rounds a served arrival takes");
+    let t0 = std::time::Instant::now();
+    // Tens of seconds on a GPU: said, so a server that is listening but not
+    // yet ready does not look stuck.
+    tracing::info!(graphs = recorded_graphs(streams, widest, most), streams, widest, "recording the rounds a served arrival takes");
     let bgs: Vec<u64> = (1..=widest as u64).map(|i| id - i).collect();
     let r = (|| -> Result<Vec<RoundCost>> {
         open_short(backend, &bgs, tokens)?;
@@ -617,7 +620,11 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
                 }
                 backend.forget(id);
             }
+            if n % 8 == 0 {
+                tracing::info!(streams = n, secs = t0.elapsed().as_secs(), "recorded the rounds of {n} streams and more");
+            }
         }
+        tracing::info!(secs = format!("{:.1}", t0.elapsed().as_secs_f64()), "recorded the rounds a served arrival takes");
         Ok(costs)
     })();
     backend.forget(id);

@@ -586,17 +586,19 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
         backend.forget(id);
         // The decoding streams' lengths: 8 tokens, then the round above.
         let mut lens = vec![9usize; bgs.len()];
+        // The first `n` decoding streams' rows, each fed one token.
+        let rows_of =
+            |n: usize| -> Vec<_> { bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n % tokens.len()]] }).collect() };
         // Past 32 streams the plain rounds alone (beside a chunk too, every
         // count and size would double the recordings): a 33rd stream
         // joining would otherwise record its round while serving.
         for n in (streams + 1..=widest).rev() {
-            let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n % tokens.len()]] }).collect();
-            timed_round(backend, &rows, None, &mut lens, None)?;
+            timed_round(backend, &rows_of(n), None, &mut lens, None)?;
         }
         let mut costs = Vec::new();
         let chunks = replayed_chunks(most, tokens.len());
         for n in (1..=streams).rev() {
-            let rows: Vec<_> = bgs[..n].iter().map(|&b| braid_engine::DecodeRow { stream: b, tokens: vec![tokens[n]] }).collect();
+            let rows = rows_of(n);
             // Recorded on the first pass, then (for some stream counts)
             // replayed and timed twice for the pacer, which keeps each
             // size's least: one sample flipped a size past a share of 0.45
@@ -638,7 +640,7 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
 /// each chunk alone; the plain rounds of more streams; the round of every
 /// stream.
 fn recorded_graphs(streams: usize, widest: usize, most: usize) -> usize {
-    let chunks = 2 * braid_engine::replayed_sizes(most).count();
+    let chunks = replayed_chunks(most, usize::MAX).len();
     streams * (1 + chunks) + chunks + widest.saturating_sub(streams) + 1
 }
 

@@ -24,12 +24,13 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$2" | tail -1)
   cp "$exe" ".device-bin/$2"
 done
-strip .device-bin/braid .device-bin/gpu_bench .device-bin/stall_probe .device-bin/cuda_ops .device-bin/cuda_models
+progs=(braid gpu_bench stall_probe cuda_ops cuda_models)
+(cd .device-bin && strip "${progs[@]}")
 # Compressed, they and the working tree fit the device tool's carry
 # (64 MiB); scripts/gpu/unpack.sh restores them there.
-python3 - <<'PY'
-import lzma, os
-for f in ["braid", "gpu_bench", "stall_probe", "cuda_ops", "cuda_models"]:
+python3 - "${progs[@]}" <<'PY'
+import lzma, os, sys
+for f in sys.argv[1:]:
     p = os.path.join(".device-bin", f)
     with open(p, "rb") as src, lzma.open(p + ".xz", "wb") as dst:
         dst.write(src.read())

@@ -47,13 +47,14 @@ done
 # server crate's example: a thread per stream, no interpreter).
 probe() {
   for _ in $(seq 1 240); do curl -sf "127.0.0.1:$3/health" > /dev/null && break; sleep 0.5; done
-  if [ "${PROBE:-}" = rust ]; then
-    timeout 150 $B/stall_probe "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
-      --ignore-eos --seed "$4" --label "$1 $2" 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
-    return
-  fi
-  if [ "${PROBE:-}" = select ]; then
-    timeout 150 python3 scripts/bench/stall_select.py "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
+  # The Rust and the one-thread probes take the same arguments.
+  local prog=()
+  case "${PROBE:-}" in
+    rust) prog=("$B/stall_probe") ;;
+    select) prog=(python3 scripts/bench/stall_select.py) ;;
+  esac
+  if [ ${#prog[@]} -gt 0 ]; then
+    timeout 150 "${prog[@]}" "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
       --ignore-eos --seed "$4" --label "$1 $2" 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
     return
   fi

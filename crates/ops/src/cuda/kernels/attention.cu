@@ -31,7 +31,22 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
     return v;
 }
+// Two floats (8-byte aligned) of block `rank`'s shared memory.
+__device__ __forceinline__ float2 ld_cluster2(const float* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+    float2 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(r) : "memory");
+    return v;
+}
 #endif
+// 2^x on the SFU, subnormal results flushed to zero (2^-inf = 0): exp2f
+// adds a range check and a rescale around each one.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // 16 bytes global -> shared without registers (Ampere on).
 __device__ __forceinline__ void copy16_async(uint4* dst, const uint4* src) {
@@ -59,35 +74,45 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
                                          float* __restrict__ out, bf16_t* __restrict__ out_bf) {
 #if __CUDA_ARCH__ >= 900
     cluster_sync();
-    for (int idx = split * blockDim.x + threadIdx.x; idx < items * HD; idx += nsplit * blockDim.x) {
-        const int it = idx / HD, d = idx % HD;
+    // Two outputs a step: the splits' m and l are loaded and weighed once
+    // for both (a step per output spent a seventh of attn_prefill_cl's
+    // instructions here, at 5 splits).
+    for (int idx = split * blockDim.x + threadIdx.x; idx < items * (HD / 2); idx += nsplit * blockDim.x) {
+        const int it = idx / (HD / 2), d = idx % (HD / 2) * 2;
         const long o = off(it);
         if (o < 0) continue;
         const float* pg = cp + it * (HD + 2);
-        float ms[8], ls[8], as[8];
+        float ms[8], ls[8];
+        float2 as[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) {
             if (k < nsplit) {
                 ms[k] = ld_cluster(pg + HD, k);
                 ls[k] = ld_cluster(pg + HD + 1, k);
-                as[k] = ld_cluster(pg + d, k);
+                as[k] = ld_cluster2(pg + d, k);
             }
         }
         float M = NEG_INF;
         #pragma unroll
         for (int k = 0; k < 8; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
-        float L = 0.f, acc = 0.f;
+        // A split with no keys has m = -inf: weight 2^-inf = 0 (and with
+        // every split empty, M is -inf and L stays 0).
+        const float Mb = M == NEG_INF ? 0.f : M;
+        float L = 0.f, a0 = 0.f, a1 = 0.f;
         #pragma unroll
         for (int k = 0; k < 8; k++) {
-            if (k < nsplit && ms[k] != NEG_INF) {
-                const float w = __expf(ms[k] - M);
+            if (k < nsplit) {
+                const float w = ex2((ms[k] - Mb) * 1.4426950408889634f);
                 L += w * ls[k];
-                acc += w * as[k];
+                a0 += w * as[k].x;
+                a1 += w * as[k].y;
             }
         }
-        const float v = L > 0.f ? acc / L : 0.f;
-        out[o + d] = v;
-        out_bf[o + d] = f2bf(v);
+        const float inv = L > 0.f ? __frcp_rn(L) : 0.f;
+        out[o + d] = a0 * inv;
+        out[o + d + 1] = a1 * inv;
+        out_bf[o + d] = f2bf(a0 * inv);
+        out_bf[o + d + 1] = f2bf(a1 * inv);
     }
     cluster_sync();
 #endif
@@ -471,43 +496,60 @@ __device__ __forceinline__ void attn_prefill_body(
                     mma16816(sacc[nt], qa[ks], b0, b1);
                 }
             }
+            // Scores in log2 units; the softcap (uniform) and the mask (a
+            // warp's edge tiles only) as loops of their own, so the usual
+            // tile pays one multiply a score.
+            if (softcap > 0.f) {
+                #pragma unroll
+                for (int nt = 0; nt < PF_KT / 8; nt++) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) sacc[nt][e] = softcap * tanhf(sacc[nt][e] * scale / softcap) * LOG2E;
+                }
+            } else {
+                const float sl = scale * LOG2E;
+                #pragma unroll
+                for (int nt = 0; nt < PF_KT / 8; nt++) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) sacc[nt][e] *= sl;
+                }
+            }
+            if (!full) {
+                #pragma unroll
+                for (int nt = 0; nt < PF_KT / 8; nt++) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const bool top = e < 2;
+                        const int key = kb + nt * 8 + tig * 2 + (e & 1);
+                        const bool ok = (top ? r0 : r1) < q_len && key <= (top ? p0 : p1) && key >= (top ? lo0 : lo1);
+                        if (!ok) sacc[nt][e] = NEG_INF;
+                    }
+                }
+            }
             float mx0 = NEG_INF, mx1 = NEG_INF;
             #pragma unroll
             for (int nt = 0; nt < PF_KT / 8; nt++) {
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const bool top = e < 2;
-                    float v = sacc[nt][e] * scale;
-                    if (softcap > 0.f) v = softcap * tanhf(v / softcap);
-                    v *= LOG2E;
-                    if (!full) {
-                        const int key = kb + nt * 8 + tig * 2 + (e & 1);
-                        const bool ok = (top ? r0 : r1) < q_len && key <= (top ? p0 : p1) && key >= (top ? lo0 : lo1);
-                        v = ok ? v : NEG_INF;
-                    }
-                    sacc[nt][e] = v;
-                    if (top) mx0 = fmaxf(mx0, v); else mx1 = fmaxf(mx1, v);
-                }
+                mx0 = fmaxf(mx0, fmaxf(sacc[nt][0], sacc[nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(sacc[nt][2], sacc[nt][3]));
             }
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
             const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-            const float c0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
-            const float c1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
+            // A row with no key yet (n = -inf) subtracts 0: its scores, and
+            // its old m, are -inf, and 2^-inf = 0 (o and l are 0 already).
+            const float b0 = n0 == NEG_INF ? 0.f : n0, b1 = n1 == NEG_INF ? 0.f : n1;
+            const float c0 = ex2(m0 - b0), c1 = ex2(m1 - b1);
             m0 = n0; m1 = n1;
             float s0 = 0.f, s1 = 0.f;
             #pragma unroll
             for (int nt = 0; nt < PF_KT / 8; nt++) {
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const bool top = e < 2;
-                    const float v = sacc[nt][e];
-                    const float p = v == NEG_INF ? 0.f : exp2f(v - (top ? n0 : n1));
-                    sacc[nt][e] = p;
-                    if (top) s0 += p; else s1 += p;
-                }
+                sacc[nt][0] = ex2(sacc[nt][0] - b0);
+                sacc[nt][1] = ex2(sacc[nt][1] - b0);
+                sacc[nt][2] = ex2(sacc[nt][2] - b1);
+                sacc[nt][3] = ex2(sacc[nt][3] - b1);
+                s0 += sacc[nt][0] + sacc[nt][1];
+                s1 += sacc[nt][2] + sacc[nt][3];
             }
             l0 = l0 * c0 + s0;
             l1 = l1 * c1 + s1;

@@ -496,12 +496,18 @@ fn rounds_with_a_named_chunk_started_ahead_equal_eager() {
         let hits = dev.ahead_hits();
         let (mut be, mut last) = three_prompted_streams(&dev);
         be.open(9).unwrap();
-        let (mut out, mut pos, mut first) = (Vec::new(), 0, None);
+        let (mut out, mut pos, mut first, mut last_ahead) = (Vec::new(), 0, None, 0);
         for (i, &n) in runs_rows.iter().enumerate() {
             let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
-            let chunk = Chunk { start: pos, tokens: &p[pos..pos + n], want_logits: pos + n == p.len() };
+            // The first chunk wants logits too: the logits buffer then holds
+            // the row the last chunk adds, so that one can start ahead.
+            let chunk = Chunk { start: pos, tokens: &p[pos..pos + n], want_logits: pos + n == p.len() || i == 0 };
             let next = named[i].map(|m| Chunk { start: pos + n, tokens: &p[pos + n..pos + n + m], want_logits: pos + n + m == p.len() });
+            let before = dev.ahead_hits().1;
             let o = be.round(Step { next_chunk: next.map(|c| (9, c)), ..Step::new(&rows, Some((9, chunk)), Pick::Argmax) }).unwrap();
+            if i + 1 == runs_rows.len() {
+                last_ahead = dev.ahead_hits().1 - before;
+            }
             if let Some(l) = &o.chunk_logits {
                 first = Some(argmax(l) as u32);
             }
@@ -523,6 +529,7 @@ fn rounds_with_a_named_chunk_started_ahead_equal_eager() {
             // first could not start ahead (stream 1 filled its block, whose
             // next is given only with the round that needs it).
             assert!(in_pass >= 2, "only {in_pass} rounds with a chunk were launched ahead");
+            assert_eq!(last_ahead, 1, "the last chunk, which wants logits, was not launched ahead");
             assert!(launched > in_pass, "no decode round after the pass was launched ahead");
         }
         runs.push(out);

@@ -212,6 +212,9 @@ pub struct ModelBackend<D: Device> {
     last_rows: Vec<StreamId>,
     /// One row of logits gathered from `scratch.logits` (a chunk's last row).
     row: D::Tensor,
+    /// The most logits rows a forward has left: `scratch.logits` holds
+    /// that many without moving (tensors only grow).
+    logit_rows_held: usize,
     /// Width of one tapped layer's rows (0: no taps; see `set_feature_layers`).
     tap_width: usize,
     /// The last forward's feature rows: every row's tapped layers side by
@@ -268,6 +271,7 @@ impl<D: Device> ModelBackend<D> {
             next_mark: 1,
             launched: None,
             chunk_last: false,
+            logit_rows_held: 0,
             last_rows: Vec::new(),
             row,
             tap_width: 0,
@@ -440,8 +444,12 @@ impl<D: Device> ModelBackend<D> {
             self.images.get_mut(&id).expect("lent above").rows = std::mem::take(&mut self.scratch.images);
         }
         ran?;
+        // A forward found launched ahead ran no host code: its logits keep
+        // the shape the round before's pick gave them (`pick_rows`).
+        self.dev.resize(&mut self.scratch.logits, logit_rows.len(), self.model.vocab());
         let rows = batch.tokens.len();
         drop(batch);
+        self.logit_rows_held = self.logit_rows_held.max(logit_rows.len());
         self.collect_features(rows)?;
         for &(id, toks) in parts {
             let st = self.streams.get_mut(&id).expect("checked by reserve_step");
@@ -476,18 +484,20 @@ impl<D: Device> ModelBackend<D> {
             })
     }
 
-    /// Whether the chunk named for the next round can start with it: its
-    /// stream is where the chunk starts, the chunk is a size that replays
-    /// (a forward run afresh would not find it started), it holds no image
-    /// rows, it wants no logits (its row would reshape the logits this
-    /// round's pick reads), and its blocks can be given now.
-    fn ahead_chunk_ready(&mut self, (stream, c): (StreamId, Chunk<'_>)) -> bool {
+    /// Whether the chunk named for the next round can start with it after
+    /// `rows`: its stream is where the chunk starts, the chunk is a size
+    /// that replays (a forward run afresh would not find it started), it
+    /// holds no image rows, and its blocks can be given now. A chunk that
+    /// wants logits adds a logits row: only where `scratch.logits` already
+    /// holds it, since a grown buffer would lose this round's logits before
+    /// its pick reads them.
+    fn ahead_chunk_ready(&mut self, rows: &[DecodeRow], (stream, c): (StreamId, Chunk<'_>)) -> bool {
         let vocab = self.model.vocab();
         let ok = self.streams.get(&stream).is_some_and(|s| s.len == c.start)
             && replayed_size(c.tokens.len())
             && c.tokens.len() <= REPLAY_CHUNK_ROWS
             && !self.images.contains_key(&stream)
-            && !c.want_logits
+            && (!c.want_logits || rows.len() < self.logit_rows_held)
             && c.tokens.iter().all(|&t| (t as usize) < vocab);
         ok && self.reserve(stream, c.start + c.tokens.len()).is_ok()
     }
@@ -518,6 +528,9 @@ impl<D: Device> ModelBackend<D> {
         let n = self.dev.shape(&self.scratch.logits).0;
         if let Some(next) = ahead {
             self.prepare_ahead(rows, next);
+            // A named chunk that wants logits left one more row's shape
+            // (its buffer held it: `ahead_chunk_ready`).
+            self.dev.resize(&mut self.scratch.logits, n, self.model.vocab());
         }
         let picked = match pick {
             Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),
@@ -593,7 +606,7 @@ impl<D: Device> ModelBackend<D> {
             return None;
         }
         match next {
-            NextRound { chunk: Some(n), .. } => self.ahead_chunk_ready(n).then_some(Some(n)),
+            NextRound { chunk: Some(n), .. } => self.ahead_chunk_ready(rows, n).then_some(Some(n)),
             NextRound { chunk: None, plain } => (plain || (!chunk && !self.chunk_last)).then_some(None),
         }
     }

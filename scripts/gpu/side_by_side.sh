@@ -74,7 +74,7 @@ for mod in $MODELS_BRAID; do
     # The lane's round trace too: scripts/gpu/gaps.py reads the arrival
     # from it as the server saw it (the probe's own clock adds its threads').
     # Graphs recorded after the warm-up (exec=debug) name rounds run eagerly.
-    RUST_LOG=info,braid_engine::lane::round=trace,braid_ops::cuda::exec=debug $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
+    RUST_LOG=info,braid_engine::lane::round=trace,braid_engine::lane::pacer=debug,braid_ops::cuda::exec=debug $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
       > "$OUT/braid-serve-$mod-$seed.log" 2>&1 &
     sp=$!
     probe braid $mod 8088 "$seed"

@@ -358,6 +358,11 @@ impl Pacer {
                 self.saw_added(r.decode_rows, r.chunk_rows, (r.secs - p) / p.max(1e-9));
             }
         }
+        // What a pass's first sizes start from: read against what its
+        // chunks then add (the "round with a prompt chunk" lines).
+        let mut added: Vec<_> = self.added.iter().map(|(&(d, n), &f)| (d, n, (f * 1e3).round() / 1e3)).collect();
+        added.sort_unstable_by_key(|a| (a.0, a.1));
+        tracing::debug!(?added, "what each chunk size added to a plain round in the warm-up (decode rows, chunk rows, fraction)");
     }
 
     /// A chunk of `rows` beside `decode` decode rows added `f` of a plain

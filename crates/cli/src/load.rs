@@ -718,7 +718,7 @@ mod tests {
         use std::collections::HashSet;
         let mut cfg = FakeConfig { slots_total: 40, blocks_total: 1 << 16, ..FakeConfig::default() };
         cfg.caps.replayed_chunk_rows = 16;
-        cfg.caps.picks = Picks { argmax: true, top_k: 0 };
+        cfg.caps.picks = Picks { argmax: true, top_k: 0, ..Picks::default() };
         let log = CallLog::default();
         let mut be = FakeBackend::new(cfg, log.clone());
         super::warm_up(&mut be, "cuda", 64).unwrap();

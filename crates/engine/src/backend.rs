@@ -31,6 +31,36 @@ pub struct Picks {
     pub argmax: bool,
     /// Most candidates per row [`Pick::TopK`] returns (0: not offered).
     pub top_k: usize,
+    /// [`Step::penalties`] are applied before an argmax or top-k pick, so
+    /// a penalised stream's row need not come back whole.
+    pub penalties: bool,
+}
+
+/// A sampler's penalty on one logit of a round's decode token rows (see
+/// [`Step::penalties`]): the repetition penalty first (a positive logit
+/// divided by `repeat`, any other multiplied; 1: none), then `sub`
+/// subtracted (presence and frequency), in f32, as
+/// [`crate::Sampler`] applies them to a whole row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Penalty {
+    /// The token row, counted over the round's decode rows.
+    pub row: u32,
+    pub token: u32,
+    pub repeat: f32,
+    pub sub: f32,
+}
+
+impl Penalty {
+    pub fn apply(&self, l: f32) -> f32 {
+        let l = if self.repeat == 1.0 {
+            l
+        } else if l > 0.0 {
+            l / self.repeat
+        } else {
+            l * self.repeat
+        };
+        l - self.sub
+    }
 }
 
 /// What a backend declares about itself.
@@ -258,12 +288,16 @@ pub struct Step<'a> {
     /// Guided rows of an argmax round: where the backend finds their masks
     /// when it picks (see [`RoundMasks`]).
     pub masks: Option<&'a dyn RoundMasks>,
+    /// The penalised streams' penalties, applied before an argmax or top-k
+    /// pick where [`Picks::penalties`] says so (a round whose rows come
+    /// back whole returns them raw: the host applies them).
+    pub penalties: &'a [Penalty],
 }
 
 impl<'a> Step<'a> {
     /// A step that names no next chunk and has no masks.
     pub fn new(rows: &'a [DecodeRow], chunk: Option<(StreamId, Chunk<'a>)>, pick: Pick) -> Step<'a> {
-        Step { rows, chunk, pick, next_chunk: None, next_plain: false, masks: None }
+        Step { rows, chunk, pick, next_chunk: None, next_plain: false, masks: None, penalties: &[] }
     }
 }
 

@@ -296,6 +296,12 @@ impl FakeBackend {
             Pick::Argmax => ensure!(caps.picks.argmax, "argmax picks are not declared by this fake"),
             Pick::TopK(k) => ensure!(k >= 1 && k <= caps.picks.top_k, "top-{k} picks are not declared by this fake (top_k {})", caps.picks.top_k),
         }
+        let token_rows: usize = step.rows.iter().map(|r| r.tokens.len()).sum();
+        ensure!(step.penalties.is_empty() || caps.picks.penalties, "penalties are not declared by this fake");
+        ensure!(
+            step.penalties.iter().all(|p| (p.row as usize) < token_rows && (p.token as usize) < caps.vocab_size),
+            "a penalty outside the round's {token_rows} token rows"
+        );
         let mut parts: Vec<(StreamId, &[u32], Option<usize>)> = step.rows.iter().map(|r| (r.stream, &r.tokens[..], None)).collect();
         if let Some((stream, c)) = &step.chunk {
             ensure!(!c.tokens.is_empty(), "empty chunk");
@@ -397,6 +403,13 @@ impl FakeBackend {
         if let Some(Some(masks)) = &masks {
             // The pick below is within each guided row's mask.
             logits.chunks_mut(vocab).zip(masks).for_each(|(row, m)| m.iter().for_each(|m| m.apply(row)));
+        }
+        if step.pick != Pick::Logits && !matches!(masks, Some(None)) {
+            // Picked here: after the penalties (rows that come back whole come raw).
+            for p in step.penalties {
+                let l = &mut logits[p.row as usize * vocab + p.token as usize];
+                *l = p.apply(*l);
+            }
         }
         let picked = match (step.pick, masks) {
             (Pick::Logits, _) | (_, Some(None)) => Picked::Logits(logits),

@@ -52,7 +52,7 @@ pub mod sampling;
 pub mod stop;
 
 pub use backend::{
-    image_token_ids, replayed_size, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage,
+    image_token_ids, replayed_size, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks, PromptImage,
     RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 pub use blocks::{window_start, Attached, BlockId, BlockPool, BlockTable};

@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::backend::Penalty;
 use crate::guide::{Guide, TokenMask};
 use crate::rng::Rng;
 
@@ -362,42 +363,34 @@ impl Sampler {
     /// Apply repetition / presence / frequency penalties in place; only the
     /// logits of tokens in the history change.
     pub fn apply_penalties(&self, logits: &mut [f32]) {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            for &t in self.window_counts.keys() {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                }
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            for (&t, &c) in &self.completion_counts {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= p.presence_penalty + c as f32 * p.frequency_penalty;
-                }
+        let mut penalties = Vec::new();
+        self.penalties(0, &mut penalties);
+        for e in penalties {
+            if let Some(l) = logits.get_mut(e.token as usize) {
+                *l = e.apply(*l);
             }
         }
     }
 
-    /// Whether [`Sampler::sample`] would just take the row's argmax: greedy
-    /// with no penalty and no guide (so a backend may pick the token where
-    /// the logits are, see `Pick::Argmax`).
-    pub fn plain_greedy(&self) -> bool {
-        self.params.is_greedy() && self.unchanged_row()
-    }
-
-    /// Greedy within a guide's mask, no penalty: the row's largest allowed
-    /// logit is the token.
-    pub fn greedy_within_guide(&self) -> bool {
-        self.params.is_greedy() && self.params.guide.is_some() && self.unpenalised()
-    }
-
-    /// Sampled at a temperature from the top `k` of a guide's mask, no
-    /// penalty: the `k` largest allowed logits hold the candidates
-    /// (`None` when the sampler needs the whole row).
-    pub fn top_within_guide(&self) -> Option<usize> {
+    /// The penalties of this stream's next row, as token row `row` of a
+    /// round, into `out`: one per token whose logit they change (the
+    /// repetition penalty over the window, presence and frequency over the
+    /// completion).
+    pub fn penalties(&self, row: u32, out: &mut Vec<Penalty>) {
         let p = &self.params;
-        (!p.is_greedy() && p.guide.is_some() && self.unpenalised() && p.top_k > 0).then_some(p.top_k)
+        let repeat = |t: &u32| if self.window_counts.contains_key(t) { p.repetition_penalty } else { 1.0 };
+        let sub = |t: &u32| match self.completion_counts.get(t) {
+            Some(&c) if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 => p.presence_penalty + c as f32 * p.frequency_penalty,
+            _ => 0.0,
+        };
+        let window = self.window_counts.keys().filter(|&t| p.repetition_penalty != 1.0 || sub(t) != 0.0);
+        let completion_only = self.completion_counts.keys().filter(|&t| !self.window_counts.contains_key(t) && sub(t) != 0.0);
+        out.extend(window.chain(completion_only).map(|t| Penalty { row, token: *t, repeat: repeat(t), sub: sub(t) }));
+    }
+
+    /// Penalties change this stream's logits.
+    pub fn penalised(&self) -> bool {
+        !self.unpenalised()
     }
 
     /// No penalty changes the logits and no guide masks them: the row's

@@ -101,8 +101,8 @@ fn drafting_is_lossless_under_every_pick() {
             })
             .collect()
     };
-    let argmax = Picks { argmax: true, top_k: 0 };
-    let top_k = Picks { argmax: false, top_k: 8 };
+    let argmax = Picks { argmax: true, top_k: 0, ..Picks::default() };
+    let top_k = Picks { argmax: false, top_k: 8, ..Picks::default() };
     let cases = [
         (Picks::default(), false, Pick::Logits),
         (argmax, false, Pick::Argmax),

@@ -89,11 +89,11 @@ fn sampled_guided_rows_take_their_top_k_within_their_masks_on_the_device() {
         (out_b.tokens, with_b, lane.stats().mask_waits)
     };
     // The host's: a backend that picks nothing gets every row as logits.
-    let (host, rounds, _) = run(Picks { argmax: false, top_k: 0 }, None);
+    let (host, rounds, _) = run(Picks { argmax: false, top_k: 0, ..Picks::default() }, None);
     assert!(rounds.iter().all(|&p| p == Pick::Logits));
     assert_ne!(host, fake_guided(&prompt(6, 54), 24, 64, EVERY), "sampling at 0.8 should leave the greedy path");
     for delay in [None, Some(Duration::from_millis(5))] {
-        let (tokens, rounds, waits) = run(Picks { argmax: true, top_k: 8 }, delay);
+        let (tokens, rounds, waits) = run(Picks { argmax: true, top_k: 8, ..Picks::default() }, delay);
         assert_eq!(tokens, host, "delay {delay:?}");
         assert!(rounds.len() >= 23, "{} rounds with the guided stream", rounds.len());
         assert!(rounds.iter().all(|&p| p == Pick::TopK(5)), "a round with the guided stream asked for {rounds:?}");
@@ -112,7 +112,7 @@ fn sampled_guided_rows_take_their_top_k_within_their_masks_on_the_device() {
 fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
     for delay in [None, Some(Duration::from_millis(5))] {
         let mut fc = slow();
-        fc.caps.picks = Picks { argmax: true, top_k: 8 };
+        fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
         let (lane, log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
         let g = FakeGrammar { delay, ..grammar() };
         let (pa, pb) = (prompt(3, 58), prompt(6, 59));
@@ -144,7 +144,7 @@ fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
 #[test]
 fn a_pick_asked_at_once_waits_a_little_for_a_mask_on_its_way() {
     let mut fc = slow();
-    fc.caps.picks = Picks { argmax: true, top_k: 8 };
+    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
     fc.masks_first = true;
     let missing = fc.masks_missing.clone();
     let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });

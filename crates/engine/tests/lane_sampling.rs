@@ -62,7 +62,7 @@ fn greedy_rounds_go_to_the_backend_only_when_every_row_allows() {
 #[test]
 fn a_rounds_pick_is_the_least_that_every_row_allows() {
     let mut fc = slow();
-    fc.caps.picks = Picks { argmax: true, top_k: 8 };
+    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
     let (lane, log) = lane_with_drafter(fc, LaneConfig { chunk_tokens: 4, ..no_marks() }, 3);
     let pa = prompt(3, 22);
     let a = decoding(&lane, pa.clone(), LONG);
@@ -130,6 +130,46 @@ fn top_k_rounds_draw_the_host_samplers_tokens() {
         let (_, tops, rounds) = run(64, vec![r]);
         assert!(tops.is_empty() && rounds == 0);
     }
+}
+
+// A backend that applies penalties before it picks gets the rounds of
+// penalised streams (greedy and top-k, repetition, presence and frequency
+// penalties) as argmax and top-k rounds, and the tokens are those of
+// penalising and sampling whole rows on the host, seed for seed.
+#[test]
+fn penalised_streams_pick_where_the_logits_are_and_draw_the_hosts_tokens() {
+    let penalised = |seed: Option<u64>, top_k: usize, p: &[u32]| {
+        let mut r = greedy(p.to_vec(), 24);
+        r.sampling.repetition_penalty = 1.3;
+        r.sampling.presence_penalty = 0.7;
+        r.sampling.frequency_penalty = 0.3;
+        if let Some(seed) = seed {
+            r.sampling = SamplingParams { temperature: 1.5, top_k, seed: Some(seed), ..r.sampling };
+        }
+        r
+    };
+    let run = |picks: Picks| {
+        let mut fc = FakeConfig::default();
+        fc.caps.picks = picks;
+        let (lane, log) = lane(fc, no_marks());
+        let (p1, p2) = (prompt(9, 41), prompt(13, 42));
+        let reqs = vec![penalised(None, 0, &p1), penalised(Some(5), 6, &p2), penalised(Some(6), 3, &p1), greedy(p2.clone(), 24)];
+        let subs: Vec<_> = reqs.into_iter().map(|r| lane.submit(r).unwrap()).collect();
+        let tokens: Vec<Vec<u32>> = subs.iter().map(|s| drain(s).tokens).collect();
+        (tokens, log.picks())
+    };
+    let (host, host_picks) = run(Picks::default());
+    assert!(host_picks.iter().all(|&p| p == Pick::Logits));
+    let (dev, dev_picks) = run(Picks { argmax: true, top_k: 8, penalties: true });
+    assert_eq!(dev, host, "penalties applied before the pick changed the tokens");
+    assert!(dev_picks.iter().filter(|&&p| p == Pick::TopK(6)).count() >= 10, "{dev_picks:?}");
+    assert!(!dev_picks.contains(&Pick::Logits), "{dev_picks:?}");
+    // The penalties bite: the penalised greedy stream is not the plain one.
+    assert_ne!(dev[0], oracle(&prompt(9, 41), 24, 64));
+    // Without penalties declared, a penalised stream's rows come back whole
+    // (the plain greedy stream, alone at the end, is picked).
+    let (_, picks) = run(Picks { argmax: true, top_k: 8, penalties: false });
+    assert!(!picks.iter().any(|p| matches!(p, Pick::TopK(_))) && picks.iter().filter(|&&p| p == Pick::Logits).count() >= 20, "{picks:?}");
 }
 
 #[test]

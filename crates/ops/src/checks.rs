@@ -110,3 +110,14 @@ pub(crate) fn allowed_bits(bits: &[u32], rows: usize, cols: usize) -> Result<usi
     ensure!(bits.len() == rows * words, "{} mask words for {rows} rows of {cols} columns", bits.len());
     Ok(words)
 }
+
+/// `Device::pick`'s penalties against `rows` rows of `cols` columns: each
+/// names a value of them, and one value at most once (applied twice, a
+/// device's order would matter).
+pub(crate) fn penalties(penalties: &[crate::Penalty], rows: usize, cols: usize) -> Result<()> {
+    ensure!(penalties.iter().all(|p| (p.row as usize) < rows && (p.col as usize) < cols), "a penalty outside {rows} rows of {cols} columns");
+    let mut seen: Vec<(u32, u32)> = penalties.iter().map(|p| (p.row, p.col)).collect();
+    seen.sort_unstable();
+    ensure!(seen.windows(2).all(|w| w[0] != w[1]), "two penalties on one value");
+    Ok(())
+}

@@ -241,6 +241,33 @@ pub enum Map {
     Relu2,
 }
 
+/// A change [`Device::pick`] makes to one value before it picks (a
+/// sampler's penalties): llama.cpp's repetition penalty first (a positive
+/// value divided by `repeat`, any other multiplied; 1: none), then `sub`
+/// subtracted (OpenAI's presence and frequency penalties). Laid out as the
+/// CUDA kernel reads it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct Penalty {
+    pub row: u32,
+    pub col: u32,
+    pub repeat: f32,
+    pub sub: f32,
+}
+
+impl Penalty {
+    pub fn apply(&self, x: f32) -> f32 {
+        let x = if self.repeat == 1.0 {
+            x
+        } else if x > 0.0 {
+            x / self.repeat
+        } else {
+            x * self.repeat
+        };
+        x - self.sub
+    }
+}
+
 /// What [`Device::pick`] finds in each row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RowPick<'a> {
@@ -409,8 +436,10 @@ pub trait Device: Send + Sync + 'static {
     fn zero_rows(&self, t: &mut Self::Tensor, rows: &[u32]);
 
     // ---- sampling where the logits are ----
-    /// Each row's argmax or top-k (see [`RowPick`]). The default downloads
-    /// the rows; `DeviceCaps` says what a device finds where they are.
+    /// Each row's argmax or top-k (see [`RowPick`]) after `penalties`
+    /// change the values they name (a device may change them in place: the
+    /// rows are then left penalised). The default downloads the rows;
+    /// `DeviceCaps` says what a device finds where they are.
     /// `launch_ahead`: after an argmax, launch at once (with these tokens,
     /// on the device) the forward [`Device::forward_ahead`] prepared, so it
     /// runs while the caller handles them; [`Device::forward`] of it then
@@ -418,10 +447,15 @@ pub trait Device: Send + Sync + 'static {
     /// after them (a prompt chunk's) stay as prepared. Use it only where
     /// such a forward, when another comes instead, leaves nothing that
     /// matters (attention KV past each stream's length; no recurrent state).
-    fn pick(&self, x: &Self::Tensor, pick: RowPick<'_>, launch_ahead: bool) -> Result<RowPicked> {
+    fn pick(&self, x: &Self::Tensor, pick: RowPick<'_>, penalties: &[Penalty], launch_ahead: bool) -> Result<RowPicked> {
         let _ = launch_ahead;
         let (rows, cols) = self.shape(x);
-        let data = self.download(x)?;
+        let mut data = self.download(x)?;
+        checks::penalties(penalties, rows, cols)?;
+        for p in penalties {
+            let v = &mut data[p.row as usize * cols + p.col as usize];
+            *v = p.apply(*v);
+        }
         Ok(match pick {
             RowPick::Argmax => RowPicked::Argmax((0..rows).map(|r| argmax_host(&data[r * cols..(r + 1) * cols])).collect()),
             RowPick::ArgmaxAllowed(bits) => {

@@ -13,7 +13,7 @@
 use braid_ops::cpu::Cpu;
 use braid_ops::cuda::{Cuda, CudaKv, Tuning};
 use braid_ops::{
-    Act, AttnSeq, BlockSparse, DeltaShape, Device, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, RecurrentOps, Rope, RowPick, RowPicked,
+    Act, AttnSeq, BlockSparse, DeltaShape, Device, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, Penalty, RecurrentOps, Rope, RowPick, RowPicked,
     SparseAttentionOps, SsmShape, StateSeq,
 };
 use half::bf16;
@@ -361,12 +361,12 @@ fn embedding_and_argmax() {
         let t = d.upload(&logits, rows, cols).unwrap();
         let want: Vec<u32> = logits.chunks(cols).map(braid_ops::argmax_host).collect();
         assert_eq!(d.argmax(&t).unwrap(), want, "argmax of {rows}x{cols}");
-        match d.pick(&t, RowPick::Argmax, false).unwrap() {
+        match d.pick(&t, RowPick::Argmax, &[], false).unwrap() {
             RowPicked::Argmax(got) => assert_eq!(got, want, "pick(Argmax) of {rows}x{cols}"),
             other => panic!("pick(Argmax) answered {other:?}"),
         }
         // No forward prepared ahead: launching ahead is a plain argmax.
-        match d.pick(&t, RowPick::Argmax, true).unwrap() {
+        match d.pick(&t, RowPick::Argmax, &[], true).unwrap() {
             RowPicked::Argmax(got) => assert_eq!(got, want, "pick(Argmax, launch ahead) of {rows}x{cols}"),
             other => panic!("pick(Argmax) answered {other:?}"),
         }
@@ -393,7 +393,7 @@ fn embedding_and_argmax() {
         let t = d.upload(&logits, rows, cols).unwrap();
         let want: Vec<u32> = (0..rows).map(|r| braid_ops::argmax_allowed_host(&logits[r * cols..(r + 1) * cols], &bits[r * words..(r + 1) * words])).collect();
         for ahead in [false, true] {
-            match d.pick(&t, RowPick::ArgmaxAllowed(&bits), ahead).unwrap() {
+            match d.pick(&t, RowPick::ArgmaxAllowed(&bits), &[], ahead).unwrap() {
                 RowPicked::Argmax(got) => assert_eq!(got, want, "pick(ArgmaxAllowed, ahead {ahead}) of {rows}x{cols}"),
                 other => panic!("pick(ArgmaxAllowed) answered {other:?}"),
             }
@@ -425,7 +425,7 @@ fn top_k_rows_equal_the_hosts() {
         for k in [1usize, 5, 64] {
             let k = k.min(cols);
             let want = braid_ops::top_k_host(&x, cols, k);
-            match d.pick(&g, RowPick::TopK(k), false).unwrap() {
+            match d.pick(&g, RowPick::TopK(k), &[], false).unwrap() {
                 RowPicked::TopK(got) => assert_eq!(got, want, "top-{k} of {rows} rows of {cols}"),
                 other => panic!("pick(TopK) answered {other:?}"),
             }
@@ -445,12 +445,62 @@ fn top_k_rows_equal_the_hosts() {
         for k in [1usize, 5, 64] {
             let k = k.min(cols);
             let want = braid_ops::top_k_allowed_host(x.clone(), cols, k, &bits).unwrap();
-            match d.pick(&g, RowPick::TopKAllowed(k, &bits), false).unwrap() {
+            match d.pick(&g, RowPick::TopKAllowed(k, &bits), &[], false).unwrap() {
                 RowPicked::TopK(got) => assert_eq!(got, want, "masked top-{k} of {rows} rows of {cols}"),
                 other => panic!("pick(TopKAllowed) answered {other:?}"),
             }
         }
     }
+}
+
+/// Penalties applied where the logits are give the values, the argmax and
+/// the top k that `Penalty::apply` on the host's copy gives, bit for bit
+/// (a sampler's penalties then pick on the device as on the host): the
+/// repetition penalty on positive, negative, zero, NaN and infinite values,
+/// a subtraction alone, both, and an entry that changes nothing.
+#[test]
+fn penalties_before_a_pick_equal_the_hosts() {
+    let Some(d) = gpu() else { return };
+    let mut r = Rng(seed());
+    let (rows, cols) = (3usize, 50_000usize);
+    let mut x = r.vec(rows * cols, 8.0);
+    let specials = [0.0f32, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 7.9, -7.9];
+    let mut penalties = Vec::new();
+    for row in 0..rows as u32 {
+        for i in 0..300u32 {
+            let col = (i * 163 + row * 7) % cols as u32;
+            if let Some(&v) = specials.get(i as usize) {
+                x[row as usize * cols + col as usize] = v;
+            }
+            let (repeat, sub) = match i % 4 {
+                0 => (1.3, 0.0),
+                1 => (1.0, 0.4 + i as f32 * 0.1),
+                2 => (0.8, 1.5),
+                _ => (1.0, 0.0),
+            };
+            penalties.push(Penalty { row, col, repeat, sub });
+        }
+    }
+    let mut want = x.clone();
+    for p in &penalties {
+        let v = &mut want[p.row as usize * cols + p.col as usize];
+        *v = p.apply(*v);
+    }
+    for pick in [RowPick::Argmax, RowPick::TopK(40)] {
+        let g = d.upload(&x, rows, cols).unwrap();
+        let got = d.pick(&g, pick, &penalties, false).unwrap();
+        let host = match pick {
+            RowPick::TopK(k) => RowPicked::TopK(braid_ops::top_k_host(&want, cols, k)),
+            _ => RowPicked::Argmax(want.chunks(cols).map(|row| braid_ops::top_k_host(row, cols, 1)[0][0].0).collect()),
+        };
+        assert_eq!(got, host, "{pick:?} after penalties");
+        let left = d.download(&g).unwrap();
+        assert!(left.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "the penalised values differ from the host's");
+    }
+    // A penalty outside the rows is refused, not written.
+    let g = d.upload(&x, rows, cols).unwrap();
+    let bad = [Penalty { row: rows as u32, col: 0, repeat: 2.0, sub: 0.0 }];
+    assert!(d.pick(&g, RowPick::Argmax, &bad, false).is_err());
 }
 
 struct Case {
@@ -1783,7 +1833,7 @@ fn forwards_prepared_and_launched_ahead_equal_eager() {
     let mut eager = MiniRun::new(&eager_dev, &host, true, &lens);
     // The first argmax on a device makes its key buffer: an allocation,
     // which retires whatever was prepared ahead. Make it now.
-    d.pick(&ahead.s.logits, RowPick::Argmax, false).unwrap();
+    d.pick(&ahead.s.logits, RowPick::Argmax, &[], false).unwrap();
     let mut toks: Vec<u32> = vec![1, 2, 3];
     let (hits0, launched0) = d.ahead_hits();
     let (mut want_hits, mut want_launched) = (0u64, 0u64);
@@ -1814,7 +1864,7 @@ fn forwards_prepared_and_launched_ahead_equal_eager() {
                 Ok(())
             });
         }
-        let picked = match d.pick(&ahead.s.logits, RowPick::Argmax, launch).unwrap() {
+        let picked = match d.pick(&ahead.s.logits, RowPick::Argmax, &[], launch).unwrap() {
             RowPicked::Argmax(t) => t,
             other => panic!("pick(Argmax) answered {other:?}"),
         };

@@ -18,13 +18,13 @@ use crate::sampling::Sampler;
 /// What sampling a stream's token rows need from a round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Need {
-    /// The argmax alone (plain greedy, no logprobs).
+    /// The argmax alone (greedy, no logprobs; after its penalties).
     Argmax,
-    /// The row's `k` largest logits (no penalty, no logprobs).
+    /// The row's `k` largest logits (no logprobs; after its penalties).
     Top(usize),
-    /// [`Need::Argmax`], [`Need::Top`] within the stream's mask (guided,
-    /// no penalty): picked where the backend picks (it asks for the masks
-    /// then), else the row.
+    /// [`Need::Argmax`], [`Need::Top`] within the stream's mask (guided):
+    /// picked where the backend picks (it asks for the masks then), else
+    /// the row.
     MaskedArgmax,
     MaskedTop(usize),
     /// The whole row.
@@ -32,17 +32,19 @@ pub(super) enum Need {
 }
 
 impl Need {
-    pub fn of(sampler: &Sampler, logprobs: Option<usize>) -> Need {
-        if logprobs.is_some() {
-            Need::Logits
-        } else if sampler.plain_greedy() {
-            Need::Argmax
-        } else if sampler.greedy_within_guide() {
-            Need::MaskedArgmax
-        } else if let Some(k) = sampler.top_within_guide() {
-            Need::MaskedTop(k)
-        } else {
-            sampler.needs_only_top().map_or(Need::Logits, Need::Top)
+    /// `penalties_picked`: the backend applies the stream's penalties
+    /// before it picks (`Picks::penalties`), and its row this round is one
+    /// (a draft's rows would each need the drafts before them counted).
+    pub fn of(sampler: &Sampler, logprobs: Option<usize>, penalties_picked: bool) -> Need {
+        if logprobs.is_some() || (sampler.penalised() && !penalties_picked) {
+            return Need::Logits;
+        }
+        match (sampler.params().is_greedy(), sampler.params().guide.is_some(), sampler.params().top_k) {
+            (true, false, _) => Need::Argmax,
+            (true, true, _) => Need::MaskedArgmax,
+            (false, _, 0) => Need::Logits,
+            (false, false, k) => Need::Top(k),
+            (false, true, k) => Need::MaskedTop(k),
         }
     }
 }
@@ -473,7 +475,7 @@ mod tests {
     #[test]
     fn the_pick_is_the_least_that_every_stream_allows() {
         let needs = |ns: &[Need]| -> Vec<Decoder<'static>> { ns.iter().enumerate().map(|(i, &n)| Decoder { need: n, ..dec(i, 3, &[]) }).collect() };
-        let both = Picks { argmax: true, top_k: 16 };
+        let both = Picks { argmax: true, top_k: 16, ..Picks::default() };
         let pick_of = |ns: &[Need], picks: Picks| {
             let mut v = view(needs(ns), None);
             v.picks = picks;
@@ -481,14 +483,17 @@ mod tests {
         };
         use Need::*;
         assert_eq!(pick_of(&[Argmax, Argmax], both), Pick::Argmax);
-        assert_eq!(pick_of(&[Argmax, Argmax], Picks { argmax: false, top_k: 16 }), Pick::TopK(1));
+        assert_eq!(pick_of(&[Argmax, Argmax], Picks { argmax: false, top_k: 16, ..Picks::default() }), Pick::TopK(1));
         assert_eq!(pick_of(&[Argmax, Top(5), Top(12)], both), Pick::TopK(12));
         assert_eq!(pick_of(&[Argmax, Top(17)], both), Pick::Logits, "k past what the backend returns");
-        assert_eq!(pick_of(&[Argmax, Top(64)], Picks { argmax: true, top_k: 100 }), Pick::Logits, "k not below the vocabulary");
+        assert_eq!(pick_of(&[Argmax, Top(64)], Picks { argmax: true, top_k: 100, ..Picks::default() }), Pick::Logits, "k not below the vocabulary");
         assert_eq!((pick_of(&[Argmax, Logits], both), pick_of(&[Argmax], Picks::default())), (Pick::Logits, Pick::Logits));
         // Guided rows are picked where the backend picks (a greedy one's top 1 within its mask is its masked argmax).
         assert_eq!((pick_of(&[Argmax, MaskedArgmax], both), pick_of(&[MaskedArgmax, Top(5)], both)), (Pick::Argmax, Pick::TopK(5)));
-        assert_eq!((pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16 }), pick_of(&[MaskedTop(12), Argmax], both)), (Pick::TopK(1), Pick::TopK(12)));
+        assert_eq!(
+            (pick_of(&[MaskedArgmax], Picks { argmax: false, top_k: 16, ..Picks::default() }), pick_of(&[MaskedTop(12), Argmax], both)),
+            (Pick::TopK(1), Pick::TopK(12))
+        );
         assert_eq!((pick_of(&[MaskedTop(40)], both), pick_of(&[MaskedTop(3), Logits], both)), (Pick::Logits, Pick::Logits));
         // Drafts and a chunk leave the pick as it is.
         let c = cuts(20, 8, false);

@@ -17,7 +17,7 @@ use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
 use super::stream::{sample_row, Phase};
 use super::FinishReason;
-use crate::backend::{Backend, Chunk, Pick, Picked, RoundMasks, Step, StreamId};
+use crate::backend::{Backend, Chunk, Penalty, Pick, Picked, RoundMasks, Step, StreamId};
 use crate::pass::{CutPlan, StepOutcome};
 use crate::sampling::Sampled;
 
@@ -98,9 +98,16 @@ impl Core {
     fn view(&self) -> LaneView<'_> {
         let decoding: Vec<Decoder<'_>> = (self.running.iter().enumerate())
             .filter_map(|(at, s)| match &s.phase {
-                Phase::Decoding { last, draft } => {
-                    Some(Decoder { at, id: s.id, last: *last, len: s.len, room: s.room(), draft, max_draft: s.draft_tokens, need: s.need() })
-                }
+                Phase::Decoding { last, draft } => Some(Decoder {
+                    at,
+                    id: s.id,
+                    last: *last,
+                    len: s.len,
+                    room: s.room(),
+                    draft,
+                    max_draft: s.draft_tokens,
+                    need: s.need(self.caps.picks.penalties && draft.is_empty()),
+                }),
                 _ => None,
             })
             .collect();
@@ -196,6 +203,22 @@ impl Core {
         }
     }
 
+    /// The penalised streams' penalties for a round of `plan` picked where
+    /// the logits are: each on its stream's token row (one: a penalised
+    /// stream drafts no rows then, see `Need::of`).
+    fn penalties(&self, plan: &RoundPlan) -> Vec<Penalty> {
+        let mut out = Vec::new();
+        let mut row = 0;
+        for (r, &at) in plan.rows.iter().zip(&plan.at) {
+            let sampler = &self.running[at].sampler;
+            if sampler.penalised() {
+                sampler.penalties(row, &mut out);
+            }
+            row += r.tokens.len() as u32;
+        }
+        out
+    }
+
     /// Run `plan` (not empty) and hand its results to its streams.
     pub(super) fn run_round(&mut self, plan: RoundPlan) {
         let decode_rows: usize = plan.rows.iter().map(|r| r.tokens.len()).sum();
@@ -228,10 +251,11 @@ impl Core {
         let picks_on_device = matches!(plan.pick, Pick::Argmax | Pick::TopK(_));
         let pick_masks = picks_on_device.then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
         let masks = pick_masks.as_ref().map(|m| m as &dyn RoundMasks);
+        let penalties = if picks_on_device { self.penalties(&plan) } else { Vec::new() };
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out = self.backend.round(Step { next_chunk, next_plain, masks, ..Step::new(&plan.rows, None, plan.pick) });
+                let out = self.backend.round(Step { next_chunk, next_plain, masks, penalties: &penalties, ..Step::new(&plan.rows, None, plan.pick) });
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -248,7 +272,8 @@ impl Core {
                     pass.step(backend, drafter)
                 } else {
                     pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
-                        let out = b.round(Step { next_chunk, next_plain, masks, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
+                        let out =
+                            b.round(Step { next_chunk, next_plain, masks, penalties: &penalties, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
                         features = leading_features(b, decode_rows * dim);
                         let (p, logits) = match out {
                             Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),

@@ -176,9 +176,9 @@ impl Stream {
         self.max_total.saturating_sub(self.prompt.len() + self.completion)
     }
 
-    /// What sampling this stream's rows needs from a round.
-    pub fn need(&self) -> Need {
-        Need::of(&self.sampler, self.logprobs)
+    /// What sampling this stream's rows needs from a round (see `Need::of`).
+    pub fn need(&self, penalties_picked: bool) -> Need {
+        Need::of(&self.sampler, self.logprobs, penalties_picked)
     }
 
     /// Record one sampled token and tell the caller; true when the stream

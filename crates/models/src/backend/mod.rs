@@ -32,8 +32,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    replayed_size, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Pick, Picked, Picks, PromptImage,
-    RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
+    replayed_size, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks,
+    PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 use braid_ops::{Device, Forward, KvDtype, RowPick, RowPicked};
 
@@ -521,10 +521,19 @@ impl<D: Device> ModelBackend<D> {
     }
 
     /// `pick` of the logits rows (one per decode token row), on the device
-    /// where it can; with `ahead` (an argmax), the round after `rows` (with
-    /// its named chunk, if any) is prepared and launched on the device with
-    /// the tokens picked.
-    fn pick_rows(&mut self, rows: &[DecodeRow], pick: Pick, allowed: Option<&[u32]>, ahead: Option<Option<(StreamId, Chunk<'_>)>>) -> Result<Picked> {
+    /// where it can, after `penalties` (whole rows come back raw); with
+    /// `ahead` (an argmax), the round after `rows` (with its named chunk, if
+    /// any) is prepared and launched on the device with the tokens picked.
+    fn pick_rows(
+        &mut self,
+        rows: &[DecodeRow],
+        pick: Pick,
+        allowed: Option<&[u32]>,
+        penalties: &[Penalty],
+        ahead: Option<Option<(StreamId, Chunk<'_>)>>,
+    ) -> Result<Picked> {
+        let penalties: Vec<braid_ops::Penalty> =
+            penalties.iter().map(|p| braid_ops::Penalty { row: p.row, col: p.token, repeat: p.repeat, sub: p.sub }).collect();
         let n = self.dev.shape(&self.scratch.logits).0;
         if let Some(next) = ahead {
             self.prepare_ahead(rows, next);
@@ -534,14 +543,14 @@ impl<D: Device> ModelBackend<D> {
         }
         let picked = match pick {
             Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),
-            Pick::Argmax => match self.dev.pick(&self.scratch.logits, allowed.map_or(RowPick::Argmax, RowPick::ArgmaxAllowed), ahead.is_some())? {
+            Pick::Argmax => match self.dev.pick(&self.scratch.logits, allowed.map_or(RowPick::Argmax, RowPick::ArgmaxAllowed), &penalties, ahead.is_some())? {
                 RowPicked::Argmax(t) => Picked::Tokens(t),
                 RowPicked::TopK(_) => bail!("the device answered an argmax with top-k candidates"),
             },
             Pick::TopK(k) => {
                 ensure!((1..=self.dev.caps().top_k).contains(&k), "top-{k} candidates are not found on this device");
                 let pick = allowed.map_or(RowPick::TopK(k), |a| RowPick::TopKAllowed(k, a));
-                match self.dev.pick(&self.scratch.logits, pick, false)? {
+                match self.dev.pick(&self.scratch.logits, pick, &penalties, false)? {
                     RowPicked::TopK(t) => Picked::Top(t),
                     RowPicked::Argmax(_) => bail!("the device answered a top-k with argmax tokens"),
                 }
@@ -555,16 +564,17 @@ impl<D: Device> ModelBackend<D> {
     }
 
     /// One forward for `rows` and the chunk: the decode rows' picks, and
-    /// the chunk's last-row logits when asked. `next`: what the step says
-    /// of the next round (`Step::next_chunk`, `Step::next_plain`), `None`
-    /// where the round after may not be launched ahead (see
-    /// [`ModelBackend::may_launch_ahead`]).
+    /// the chunk's last-row logits when asked (`penalties`: the step's).
+    /// `next`: what the step says of the next round (`Step::next_chunk`,
+    /// `Step::next_plain`), `None` where the round after may not be
+    /// launched ahead (see [`ModelBackend::may_launch_ahead`]).
     fn run(
         &mut self,
         rows: &[DecodeRow],
         chunk: Option<(StreamId, Chunk<'_>)>,
         pick: Pick,
         masks: Option<&dyn RoundMasks>,
+        penalties: &[Penalty],
         next: Option<NextRound<'_>>,
     ) -> Result<RoundOut> {
         let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
@@ -592,7 +602,7 @@ impl<D: Device> ModelBackend<D> {
         // Asked now, with the forward on its way.
         let (pick, allowed) = resolve(pick, masks, total, self.model.vocab());
         let ahead = next.and_then(|n| self.ahead(rows, chunk.is_some(), pick, n));
-        let picked = self.pick_rows(rows, pick, allowed.as_deref(), ahead)?;
+        let picked = self.pick_rows(rows, pick, allowed.as_deref(), penalties, ahead)?;
         Ok(RoundOut { picked, chunk_logits })
     }
 
@@ -685,23 +695,24 @@ impl<D: Device> ModelBackend<D> {
         let launched = self.launched.as_ref().map_or(0, |l| l.rows.len());
         let served = self.take_launched(step)?;
         let out = if served.is_empty() {
-            self.run(step.rows, step.chunk, step.pick, step.masks, Some(NextRound::of(step)))?
+            self.run(step.rows, step.chunk, step.pick, step.masks, step.penalties, Some(NextRound::of(step)))?
         } else if served.len() == step.rows.len() && launched == served.len() && step.chunk.is_none() && served.iter().all(|&(i, j)| i == j) {
             // The very round launched ahead: pick its rows (and launch the next).
             let total = step.rows.iter().map(|r| r.tokens.len()).sum();
             let (pick, allowed) = resolve(step.pick, step.masks, total, self.model.vocab());
             let ahead = self.ahead(step.rows, false, pick, NextRound::of(step));
-            RoundOut { picked: self.pick_rows(step.rows, pick, allowed.as_deref(), ahead)?, chunk_logits: None }
+            RoundOut { picked: self.pick_rows(step.rows, pick, allowed.as_deref(), step.penalties, ahead)?, chunk_logits: None }
         } else {
             // Part of the round was launched ahead; the rest (and the chunk)
-            // run now. Guided rows take logits here (the lane masks them):
-            // a rare round, not worth splitting their masks.
-            let pick = if step.masks.is_some() { Pick::Logits } else { step.pick };
-            let all = self.pick_rows(&[], pick, None, None)?;
+            // run now. Guided or penalised rows take logits here (the lane
+            // masks and penalises them): a rare round, not worth splitting
+            // their masks and penalties.
+            let pick = if step.masks.is_some() || !step.penalties.is_empty() { Pick::Logits } else { step.pick };
+            let all = self.pick_rows(&[], pick, None, &[], None)?;
             let vocab = self.model.vocab();
             let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
             let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
-            let second = self.run(&rest, step.chunk, pick, None, None)?;
+            let second = self.run(&rest, step.chunk, pick, None, &[], None)?;
             let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
             RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
         };
@@ -743,7 +754,8 @@ impl<D: Device> Backend for ModelBackend<D> {
             vocab_size: self.model.vocab(),
             images: self.model.vision().is_some(),
             feature_dim: self.scratch.taps.len() * self.tap_width,
-            picks: Picks { argmax: caps.argmax, top_k: caps.top_k },
+            // Every device's pick applies penalties (the default on the rows it downloads).
+            picks: Picks { argmax: caps.argmax, top_k: caps.top_k, penalties: true },
             replayed_chunk_rows: if caps.replays { REPLAY_CHUNK_ROWS } else { 0 },
             launches_ahead: caps.ahead && self.rewindable && self.tap_width == 0,
         }

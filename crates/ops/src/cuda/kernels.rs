@@ -107,6 +107,7 @@ base_kernels!(
     topk_chunks,
     scale_cols,
     topk_merge,
+    penalize,
     gemm_skinny,
     gemm_skinny_gated;
     gemv: gemv,

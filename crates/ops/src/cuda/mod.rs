@@ -44,7 +44,7 @@ use anyhow::{anyhow, bail, ensure, Result};
 use braid_formats::TensorView;
 use cudarc::driver::{result as drv, sys, CudaContext};
 
-use crate::{Act, AttnSeq, Device, DeviceCaps, Forward, KvDtype, KvPoolSpec, Map, MoeOps, Rope, RowPick, RowPicked};
+use crate::{Act, AttnSeq, Device, DeviceCaps, Forward, KvDtype, KvPoolSpec, Map, MoeOps, Penalty, Rope, RowPick, RowPicked};
 use rt::{cu, DevBuf};
 
 pub use exec::MAX_GRAPHS;
@@ -435,7 +435,8 @@ impl Device for Cuda {
         self.op(|| self.try_zero_rows(t, rows))
     }
 
-    fn pick(&self, x: &CudaTensor, pick: RowPick<'_>, launch_ahead: bool) -> Result<RowPicked> {
+    fn pick(&self, x: &CudaTensor, pick: RowPick<'_>, penalties: &[Penalty], launch_ahead: bool) -> Result<RowPicked> {
+        self.penalize(x, penalties)?;
         Ok(match pick {
             RowPick::Argmax => RowPicked::Argmax(self.argmax_then(x, None, launch_ahead)?),
             RowPick::ArgmaxAllowed(bits) => RowPicked::Argmax(self.argmax_then(x, Some(bits), launch_ahead)?),

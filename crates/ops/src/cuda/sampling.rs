@@ -7,6 +7,7 @@ use cudarc::driver::{result as drv, sys};
 
 use super::rt::{cu, DevBuf};
 use super::{Cuda, CudaTensor};
+use crate::Penalty;
 
 /// Most candidates `top_k` finds per row, and the keys one block sorts.
 pub(super) const TOPK_MAX: usize = 64;
@@ -31,6 +32,8 @@ pub(super) struct Scratch {
     /// `top_k`'s chunk candidates and each row's k best.
     topk_part: DevBuf,
     topk_out: DevBuf,
+    /// The penalties of a pick (grown as needed).
+    penalty_buf: DevBuf,
     ids_back: Option<IdsBack>,
 }
 
@@ -42,6 +45,7 @@ impl Scratch {
             allow_buf: DevBuf::empty(ctx),
             topk_part: DevBuf::empty(ctx),
             topk_out: DevBuf::empty(ctx),
+            penalty_buf: DevBuf::empty(ctx),
             ids_back: None,
         }
     }
@@ -148,6 +152,28 @@ impl Cuda {
             }
         }
         Ok(out)
+    }
+
+    /// `Device::pick`'s penalties, applied in place to `t`'s values (one
+    /// thread an entry) before the pick's kernels read them.
+    pub(super) fn penalize(&self, t: &CudaTensor, penalties: &[Penalty]) -> Result<()> {
+        if penalties.is_empty() {
+            return Ok(());
+        }
+        crate::checks::penalties(penalties, t.rows, t.cols)?;
+        // `Penalty` is `repr(C)`: four 4-byte fields, as the kernel reads them.
+        let words: Vec<u32> = penalties.iter().flat_map(|p| [p.row, p.col, p.repeat.to_bits(), p.sub.to_bits()]).collect();
+        let buf = {
+            let mut st = self.st();
+            let buf = &mut st.sampling.penalty_buf;
+            if buf.bytes < words.len() * 4 {
+                *buf = DevBuf::new(self.ctx(), (words.len() * 4).max(1 << 14))?;
+            }
+            buf.ptr
+        };
+        unsafe { cu(drv::memcpy_htod_async(buf, &words, self.stream() as sys::CUstream), "penalty upload")? };
+        let n = penalties.len();
+        self.launch(self.inner.fns.penalize).blocks(n.div_ceil(256)).block(256).ptr(t.fptr()).int(t.cols).ptr(buf).int(n).run()
     }
 
     /// A masked pick's allowed-column bits on the device (0: none), in a

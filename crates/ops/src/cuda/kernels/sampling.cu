@@ -122,3 +122,19 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
         if (threadIdx.x == 0) *done = 0u;
     }
 }
+
+// A sampler's penalties, in place before a pick: each entry names a value
+// (row, column; one entry per value) and changes it as `Penalty::apply`
+// does, in the same f32 operations, so the pick sees what the host's
+// sampler would.
+struct Penalty { unsigned row, col; float repeat, sub; };
+extern "C" __global__ void penalize(float* __restrict__ x, int cols, const Penalty* __restrict__ p, int n) {
+    PDL_ENTRY();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const Penalty e = p[i];
+    float* v = x + (long)e.row * cols + e.col;
+    float a = *v;
+    if (e.repeat != 1.0f) a = a > 0.0f ? a / e.repeat : a * e.repeat;
+    *v = a - e.sub;
+}

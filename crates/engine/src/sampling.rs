@@ -390,19 +390,14 @@ impl Sampler {
 
     /// Penalties change this stream's logits.
     pub fn penalised(&self) -> bool {
-        !self.unpenalised()
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
     }
 
     /// No penalty changes the logits and no guide masks them: the row's
     /// largest logits are the ones sampled from.
     fn unchanged_row(&self) -> bool {
-        self.unpenalised() && self.params.guide.is_none()
-    }
-
-    /// No penalty changes the logits.
-    fn unpenalised(&self) -> bool {
-        let p = &self.params;
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        !self.penalised() && self.params.guide.is_none()
     }
 
     /// Pick the next token from one logits row (the row is used as scratch

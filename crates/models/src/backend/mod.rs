@@ -577,6 +577,11 @@ impl<D: Device> ModelBackend<D> {
         penalties: &[Penalty],
         next: Option<NextRound<'_>>,
     ) -> Result<RoundOut> {
+        // Nothing to run (a round launched ahead served every row): no
+        // forward, which on a GPU would record an empty graph.
+        if rows.is_empty() && chunk.is_none() {
+            return Ok(RoundOut { picked: empty(pick), chunk_logits: None });
+        }
         let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
         let mut logit_rows: Vec<usize> = (0..total).collect();

@@ -8,7 +8,8 @@ calls, each carrying one slice in a git-ignored folder:
   here:   scripts/gpu/slices.py split FILE OUT [--mb 60]
           (OUT/NAME.000, .001, ... and OUT/NAME.sha256)
   a call: cp OUT/NAME.003 .slice/  (only that slice), carry [".slice"],
-          run `scripts/gpu/slices.py add .slice DEST`
+          run `scripts/gpu/slices.py add .slice .joined/NAME` (DEST in an
+          ignored folder that is not carried: a carried one is replaced)
   last:   the call with NAME.sha256 in .slice: `add` checks the whole file.
 
 `add` appends a slice only if it is the next one DEST lacks (a repeated

@@ -38,6 +38,7 @@ def split(path, out, mb):
 
 
 def add(folder, dest):
+    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     done = dest + ".slices"
     have = int(open(done).read()) if os.path.exists(done) else 0
     for entry in sorted(os.listdir(folder)):

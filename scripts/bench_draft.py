@@ -12,6 +12,8 @@ accepted / proposed), and checks every drafted output equals the plain one.
       --draft ~/.cache/braid/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --tokens 2,4,6 --reps 3
   scripts/bench_draft.py --model ~/.cache/braid/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
       --ngram --prompts edit -n 256
+  scripts/bench_draft.py --device cuda --braid .device-bin/braid --model .joined/1.5b.gguf \
+      --draft .joined/0.5b.gguf --tokens 4,6 (on the GPU machine: scripts/gpu/slices.py)
 
 `--prompts edit` asks for a given function back with one change (prompt
 lookup's case: the reply copies its input); `write` (default) asks for new
@@ -63,7 +65,7 @@ DRAFTS = re.compile(r"\[drafts: (\d+) proposed, (\d+) accepted, ([0-9.]+) tokens
 
 
 def run(braid, args, prompt, extra):
-    cmd = [braid, "run", "-m", args.model, "--device", "cpu", "--chat", "--temperature", "0", "-n", str(args.n), *extra, prompt]
+    cmd = [braid, "run", "-m", args.model, "--device", args.device, "--chat", "--temperature", "0", "-n", str(args.n), *extra, prompt]
     if args.threads:
         cmd[2:2] = ["-t", str(args.threads)]
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -80,6 +82,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--braid", default=os.path.join(os.path.dirname(__file__), "..", "target", "release", "braid"))
     ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cpu", help="braid's --device (cuda: on the GPU machine, with --braid .device-bin/braid)")
     ap.add_argument("--draft", help="a draft model (GGUF) to run with --draft-model")
     ap.add_argument("--ngram", action="store_true", help="also run with --drafter ngram")
     ap.add_argument("--prompts", choices=["write", "edit"], default="write")

@@ -399,12 +399,16 @@ impl Pacer {
     /// A size's expectation is what it added in its last round of
     /// `stream`'s pass; not run in this pass, its least seen before the pass,
     /// scaled as the pass's last chunk's was, but scaled down (cheaper than
-    /// seen) only up to one size past the largest the pass has run within
-    /// the share: the warm-up's figures are not off alike for every size (on
-    /// the H100 they read SmolLM2's 16-row chunks at twice their cost, and
-    /// scaled down by that, sizes up to 256 rows were tried one after
-    /// another, each past the share). So a pass climbs a size at a time
-    /// where the warm-up read dear.
+    /// seen) only up to one size past the largest the pass has run: the
+    /// warm-up's figures are not off alike for every size (on the H100 they
+    /// read SmolLM2's 16-row chunks at twice their cost, and scaled down by
+    /// that, sizes up to 256 rows were tried one after another, each past
+    /// the share). So a pass climbs a size at a time where the warm-up read
+    /// dear, and past one size that ran over the share (on the H100
+    /// SmolLM2's 32 rows cost more than its 48: counted from the largest
+    /// size within, a pass tried 32 once and stayed at 24, 77 rounds for
+    /// 1800 rows), but not past two (where sizes grow dearer as they
+    /// should, the second over-share round is the last).
     ///
     /// A pass's first chunk keeps to half the share: nothing of the pass is
     /// known yet (the warm-up timed short contexts), and its round was not
@@ -418,8 +422,13 @@ impl Pacer {
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.stream == stream);
         let share = if this_pass.is_some() { share } else { share / 2.0 };
-        let ran_within = this_pass.and_then(|p| p.seen.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max());
-        let next_up = size_up(ran_within.unwrap_or(0));
+        // Climbed from the largest size run within the share, or past one
+        // that ran over it while no second size above that has.
+        let next_up = this_pass.map_or(size_up(0), |p| {
+            let within = p.seen.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max().unwrap_or(0);
+            let over: Vec<usize> = p.seen.iter().filter(|(&n, &f)| f > share && n > within).map(|(&n, _)| n).collect();
+            size_up(if over.len() == 1 { over[0] } else { within })
+        });
         let expected = |n: usize| match this_pass {
             Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }),
             None => Self::least_added(&self.added, decode, n),

@@ -485,17 +485,19 @@ fn a_warm_up_that_read_dear_does_not_hold_a_pass_small() {
 }
 
 #[test]
-fn a_warm_up_dear_for_small_sizes_only_costs_one_round_past_the_share() {
+fn a_warm_up_dear_for_small_sizes_only_costs_two_rounds_past_the_share() {
     // SmolLM2's shape on the H100: the warm-up read 16 and 24 rows at twice
-    // their cost, the rest as they are; 32 rows pass the share (0.66 ms).
+    // their cost, the rest as they are; 32 rows pass the share (0.66 ms),
+    // and so does every size above it. One size past one that ran over is
+    // tried (it may be cheaper: `a_size_dearer_than_the_next_...`), no more.
     let cost = [(1, 0.05), (2, 0.06), (4, 0.08), (8, 0.1), (16, 0.17), (24, 0.3), (32, 0.72), (48, 0.8), (64, 0.9)];
     let told = cost.map(|(r, ms)| (r, if r <= 24 { 2.0 * ms } else { ms }));
     let mut p = warmed(0.45, &told);
     let actual = |rows: usize, _| cost.iter().find(|c| c.0 == rows).map_or(1.0, |c| c.1);
     let rounds = sized_pass(&mut p, 1800, actual);
     let over = rounds[1..].iter().filter(|&&r| actual(r, 0) > 0.45 * 1.47).count();
-    assert!(over <= 1, "{over} rounds past the share: {rounds:?}");
-    assert!(rounds[4..rounds.len() - 3].iter().all(|&r| r == 24), "{rounds:?}");
+    assert!(over <= 2, "{over} rounds past the share: {rounds:?}");
+    assert!(rounds[5..rounds.len() - 3].iter().all(|&r| r == 24), "{rounds:?}");
 }
 
 #[test]
@@ -548,4 +550,25 @@ fn a_dear_one_row_chunk_does_not_scale_every_size_by_its_ratio() {
     let ones = rounds[3..rounds.len() - 3].iter().filter(|&&r| r == 1).count();
     assert!(ones <= 1, "{ones} one-row chunks: {rounds:?}");
     assert!(rounds[rounds.len() / 2..rounds.len() - 3].iter().all(|&r| r >= 24), "{rounds:?}");
+}
+
+/// A pass on a device whose 32-row chunk runs dearer than its 48 (SmolLM2's
+/// shape on the H100: 32 rows take another kernel), what each size adds
+/// beside six streams (ms over a 1.47 ms plain round), and the warm-up's
+/// figures dearer by a fixed 0.3 ms (rounds not started ahead: the host's
+/// part shows).
+const DEAR_32: [(usize, f64); 9] = [(1, 0.05), (2, 0.06), (4, 0.08), (8, 0.1), (16, 0.2), (24, 0.35), (32, 0.75), (48, 0.45), (64, 0.6)];
+
+#[test]
+fn a_size_dearer_than_the_next_does_not_hold_a_pass_below_it() {
+    let served = |rows: usize, _| DEAR_32.iter().find(|r| r.0 == rows).map_or(1.0, |r| r.1);
+    let mut p = warmed(0.45, &DEAR_32.map(|(r, ms)| (r, ms + 0.3)));
+    let rounds = sized_pass(&mut p, 1800, served);
+    // 64 rows add 0.6 ms, within the share's 0.66: most of the pass runs them.
+    let at_64 = rounds.iter().filter(|&&r| r == 64).count();
+    assert!(at_64 * 64 > 1200, "{rounds:?}");
+    // Each size past the share runs once at most.
+    for size in [32, 80] {
+        assert!(rounds.iter().filter(|&&r| r == size).count() <= 1, "{rounds:?}");
+    }
 }

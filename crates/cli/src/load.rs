@@ -511,6 +511,10 @@ const RECORDED_STREAMS: usize = 32;
 /// the start of the pacer's cost model (`LaneConfig::round_costs`).
 const TIMED_STREAMS: [usize; 8] = [1, 2, 4, 6, 8, 12, 16, 32];
 
+/// Passes of those counts' rounds timed as served ([`served_pass`]), on a
+/// backend that starts rounds ahead.
+const SERVED_PASSES: usize = 2;
+
 /// The chunks for [`record_rounds`] as `(start, rows, want_logits)`: each
 /// replayed size from `most` down to 1, without and then with its logits,
 /// back to back in a pass of at most `limit` tokens; a chunk that would
@@ -605,9 +609,10 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
             // on one H100 server of three (48 rows beside six streams of
             // Llama-1B's shape, 0.43 of a plain round in gpu_bench).
             let passes = if TIMED_STREAMS.contains(&n) { 3 } else { 1 };
+            let served_passes = if passes > 1 && caps.launches_ahead { SERVED_PASSES } else { 0 };
             // The decoding streams grow a token a round: started again
             // where this count's rounds would pass the context.
-            if lens[0] + passes * (1 + chunks.len()) > caps.max_context {
+            if lens[0] + passes * (1 + chunks.len()) + served_passes * (2 + chunks.len()) > caps.max_context {
                 bgs[..n].iter().for_each(|&b| backend.forget(b));
                 open_short(backend, &bgs[..n], tokens)?;
                 lens[..n].iter_mut().for_each(|l| *l = 8);
@@ -621,6 +626,14 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
                     timed_round(backend, &rows, Some((id, chunk)), &mut lens, timed.as_deref_mut())?;
                 }
                 backend.forget(id);
+            }
+            // Timed as served too, each round started ahead by the one
+            // before: the rounds above wait on their host work, which a
+            // served round's predecessor has done (the pacer keeps each
+            // size's least, so a chain that fails to start its rounds ahead
+            // costs nothing).
+            for _ in 0..served_passes {
+                served_pass(backend, &rows, id, tokens, &chunks, &mut lens, &mut costs)?;
             }
             if n % 8 == 0 {
                 tracing::info!(streams = n, secs = t0.elapsed().as_secs(), "recorded the rounds of {n} streams and more");
@@ -642,6 +655,52 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
 fn recorded_graphs(streams: usize, widest: usize, most: usize) -> usize {
     let chunks = replayed_chunks(most, usize::MAX).len();
     streams * (1 + chunks) + chunks + widest.saturating_sub(streams) + 1
+}
+
+/// One pass of [`record_rounds`]'s chunks beside `rows` as a served
+/// arrival runs them: a plain round starts a second ahead (timed as the
+/// plain one), which names the first chunk, and so on, each round fed the
+/// tokens the one before picked, so the round started ahead is the one
+/// asked for. Each timed call into `costs`. (A chunk that starts a pass
+/// of `chunks` again reopens its stream, so it starts afresh: its other
+/// variant, with or without logits, starts ahead.)
+fn served_pass(
+    backend: &mut dyn Backend,
+    rows: &[DecodeRow],
+    id: u64,
+    tokens: &[u32],
+    chunks: &[(usize, usize, bool)],
+    lens: &mut [usize],
+    costs: &mut Vec<RoundCost>,
+) -> Result<()> {
+    let chunk_at =
+        |i: usize| chunks.get(i).map(|&(start, size, want_logits)| (id, braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits }));
+    let mut rows = rows.to_vec();
+    // Open before the round that names its first chunk, so that one starts ahead too.
+    reopen_at(backend, id, 0)?;
+    // Rounds: the untimed plain one, the timed plain one, then each chunk.
+    for i in 0..chunks.len() + 2 {
+        let chunk = i.checked_sub(2).and_then(chunk_at);
+        if let Some((_, c)) = chunk.filter(|_| i > 2) {
+            reopen_at(backend, id, c.start)?;
+        }
+        let next_chunk = i.checked_sub(1).and_then(chunk_at);
+        let step = braid_engine::Step { next_chunk, next_plain: i == 0, ..braid_engine::Step::new(&rows, chunk, braid_engine::Pick::Argmax) };
+        let t = std::time::Instant::now();
+        let out = backend.round(step)?;
+        let secs = t.elapsed().as_secs_f64();
+        let n = rows.len();
+        if i > 0 {
+            let (chunk_rows, chunk_start) = chunk.map_or((0, 0), |(_, c)| (c.tokens.len(), c.start));
+            costs.push(RoundCost { decode_rows: n, decode_ctx: lens[..n].iter().sum(), chunk_rows, chunk_start, secs });
+        }
+        lens[..n].iter_mut().for_each(|l| *l += 1);
+        if let braid_engine::Picked::Tokens(t) = out.picked {
+            rows.iter_mut().zip(t).for_each(|(r, t)| r.tokens = vec![t]);
+        }
+    }
+    backend.forget(id);
+    Ok(())
 }
 
 /// A warm-up round of `rows` (the first streams of `lens`, their lengths)
@@ -744,6 +803,46 @@ mod tests {
             assert!(seen.contains(&(n, None)), "{n} streams alone");
         }
         assert!(!seen.iter().any(|&(n, _)| n > 39), "a round of every slot leaves the newcomer none");
+    }
+
+    /// On a backend that starts rounds ahead, the timed counts' rounds are
+    /// timed as served too: a plain round asks for the next one plain
+    /// ahead, then each round names the next one's chunk, and is fed what
+    /// the one before picked (so the round started ahead is the one asked
+    /// for); each of those rounds, the first aside, gives the pacer a cost.
+    #[test]
+    fn the_warm_up_times_rounds_as_served_where_they_start_ahead() {
+        use super::{replayed_chunks, SERVED_PASSES, TIMED_STREAMS};
+        use braid_engine::fake::{Call, CallLog, FakeBackend, FakeConfig};
+        use braid_engine::Picks;
+        let costs_with = |ahead: bool| {
+            let mut cfg = FakeConfig { slots_total: 40, blocks_total: 1 << 16, ..FakeConfig::default() };
+            cfg.caps.replayed_chunk_rows = 16;
+            cfg.caps.launches_ahead = ahead;
+            cfg.caps.picks = Picks { argmax: true, top_k: 0, ..Picks::default() };
+            let log = CallLog::default();
+            let mut be = FakeBackend::new(cfg, log.clone());
+            let costs = super::warm_up(&mut be, "cuda", 64).unwrap();
+            (costs, log.snapshot().into_iter().filter(|c| matches!(c, Call::Round { .. })).collect::<Vec<Call>>())
+        };
+        let chunks = replayed_chunks(16, usize::MAX).len();
+        let (plain_costs, plain_rounds) = costs_with(false);
+        assert!(!plain_rounds.iter().any(|c| matches!(c, Call::Round { next_plain: true, .. })));
+        let (costs, rounds) = costs_with(true);
+        assert_eq!(costs.len(), plain_costs.len() + TIMED_STREAMS.len() * SERVED_PASSES * (1 + chunks));
+        let starts: Vec<usize> = (0..rounds.len()).filter(|&i| matches!(rounds[i], Call::Round { next_plain: true, .. })).collect();
+        assert_eq!(starts.len(), TIMED_STREAMS.len() * SERVED_PASSES);
+        for &k in &starts {
+            let pass = &rounds[k..k + chunks + 2];
+            let Call::Round { chunk: None, .. } = &pass[1] else { panic!("the second round is plain: {:?}", pass[1]) };
+            for w in pass[1..].windows(2) {
+                let (Call::Round { next_chunk, .. }, Call::Round { chunk, .. }) = (&w[0], &w[1]) else { unreachable!() };
+                assert_eq!(next_chunk, chunk, "a round names the next one's chunk");
+            }
+            // Fed the picks: the tokens move from round to round.
+            let fed: std::collections::HashSet<&Vec<u32>> = pass.iter().map(|c| &c.rows()[0].1).collect();
+            assert!(fed.len() > chunks / 2, "{} different tokens fed in {} rounds", fed.len(), pass.len());
+        }
     }
 
     /// The device keeps every graph the warm-up records, with room to spare

@@ -597,7 +597,7 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
         // count and size would double the recordings): a 33rd stream
         // joining would otherwise record its round while serving.
         for n in (streams + 1..=widest).rev() {
-            timed_round(backend, &rows_of(n), None, &mut lens, None)?;
+            timed_round(backend, argmax_step(&rows_of(n), None), &mut lens, None)?;
         }
         let mut costs = Vec::new();
         let chunks = replayed_chunks(most, tokens.len());
@@ -619,11 +619,11 @@ fn record_rounds(backend: &mut dyn Backend, tokens: &[u32]) -> Result<Vec<RoundC
             }
             for pass in 0..passes {
                 let mut timed = (pass > 0).then_some(&mut costs);
-                timed_round(backend, &rows, None, &mut lens, timed.as_deref_mut())?;
+                timed_round(backend, argmax_step(&rows, None), &mut lens, timed.as_deref_mut())?;
                 for &(start, size, want_logits) in &chunks {
                     reopen_at(backend, id, start)?;
                     let chunk = braid_engine::Chunk { start, tokens: &tokens[start..start + size], want_logits };
-                    timed_round(backend, &rows, Some((id, chunk)), &mut lens, timed.as_deref_mut())?;
+                    timed_round(backend, argmax_step(&rows, Some((id, chunk))), &mut lens, timed.as_deref_mut())?;
                 }
                 backend.forget(id);
             }
@@ -684,18 +684,8 @@ fn served_pass(
         if let Some((_, c)) = chunk.filter(|_| i > 2) {
             reopen_at(backend, id, c.start)?;
         }
-        let next_chunk = i.checked_sub(1).and_then(chunk_at);
-        let step = braid_engine::Step { next_chunk, next_plain: i == 0, ..braid_engine::Step::new(&rows, chunk, braid_engine::Pick::Argmax) };
-        let t = std::time::Instant::now();
-        let out = backend.round(step)?;
-        let secs = t.elapsed().as_secs_f64();
-        let n = rows.len();
-        if i > 0 {
-            let (chunk_rows, chunk_start) = chunk.map_or((0, 0), |(_, c)| (c.tokens.len(), c.start));
-            costs.push(RoundCost { decode_rows: n, decode_ctx: lens[..n].iter().sum(), chunk_rows, chunk_start, secs });
-        }
-        lens[..n].iter_mut().for_each(|l| *l += 1);
-        if let braid_engine::Picked::Tokens(t) = out.picked {
+        let step = braid_engine::Step { next_chunk: i.checked_sub(1).and_then(chunk_at), next_plain: i == 0, ..argmax_step(&rows, chunk) };
+        if let braid_engine::Picked::Tokens(t) = timed_round(backend, step, lens, (i > 0).then_some(&mut *costs))? {
             rows.iter_mut().zip(t).for_each(|(r, t)| r.tokens = vec![t]);
         }
     }
@@ -703,25 +693,30 @@ fn served_pass(
     Ok(())
 }
 
-/// A warm-up round of `rows` (the first streams of `lens`, their lengths)
-/// and `chunk`, its backend call's time into `costs` if given.
+/// A step of `rows` beside `chunk`, picking each row's argmax.
+fn argmax_step<'a>(rows: &'a [DecodeRow], chunk: Option<(u64, braid_engine::Chunk<'a>)>) -> braid_engine::Step<'a> {
+    braid_engine::Step::new(rows, chunk, braid_engine::Pick::Argmax)
+}
+
+/// A warm-up round, `step` (an argmax of its rows beside its chunk): its
+/// backend call's time into `costs` if given, its rows' streams (the first
+/// of `lens`, their lengths) a token longer. Returns what it picked.
 fn timed_round(
     backend: &mut dyn Backend,
-    rows: &[DecodeRow],
-    chunk: Option<(u64, braid_engine::Chunk<'_>)>,
+    step: braid_engine::Step<'_>,
     lens: &mut [usize],
     costs: Option<&mut Vec<RoundCost>>,
-) -> Result<()> {
+) -> Result<braid_engine::Picked> {
+    let (n, chunk) = (step.rows.len(), step.chunk);
     let t = std::time::Instant::now();
-    backend.round(braid_engine::Step::new(rows, chunk, braid_engine::Pick::Argmax))?;
+    let out = backend.round(step)?;
     let secs = t.elapsed().as_secs_f64();
-    let n = rows.len();
     if let Some(costs) = costs {
         let (chunk_rows, chunk_start) = chunk.map_or((0, 0), |(_, c)| (c.tokens.len(), c.start));
         costs.push(RoundCost { decode_rows: n, decode_ctx: lens[..n].iter().sum(), chunk_rows, chunk_start, secs });
     }
     lens[..n].iter_mut().for_each(|l| *l += 1);
-    Ok(())
+    Ok(out.picked)
 }
 
 #[cfg(test)]

@@ -8,6 +8,8 @@
 # e.g. scripts/stall_cpu.sh 6 600 1800 "1 2 3" -- --prefill-share 0.15 -- --itl-target 30
 # PROBE=rust runs the server crate's stall_probe example instead (build it
 # first: cargo build --release -p braid-server --example stall_probe).
+# NICE=10 runs the server behind the probe, which shares these two cores
+# (else the probe's threads, waiting for a core, add gaps the lane never made).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PROBE=${PROBE:-../shared/bench/stall_probe.py}
@@ -21,7 +23,7 @@ echo "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
 run_setting() {
   local flags=("$@")
   for s in $seeds; do
-    "$braid" serve --device cpu --port "$port" "${flags[@]}" >/tmp/braid-stall-serve.log 2>&1 &
+    nice -n "${NICE:-0}" "$braid" serve --device cpu --port "$port" "${flags[@]}" >/tmp/braid-stall-serve.log 2>&1 &
     local pid=$!
     for _ in $(seq 100); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.2; done
     local j

@@ -445,8 +445,9 @@ impl<D: Device> ModelBackend<D> {
         }
         ran?;
         // A forward found launched ahead ran no host code: its logits keep
-        // the shape the round before's pick gave them (`pick_rows`).
-        self.dev.resize(&mut self.scratch.logits, logit_rows.len(), self.model.vocab());
+        // the rows the round before's pick gave them (`pick_rows`).
+        let cols = self.dev.shape(&self.scratch.logits).1;
+        self.dev.resize(&mut self.scratch.logits, logit_rows.len(), cols);
         let rows = batch.tokens.len();
         drop(batch);
         self.logit_rows_held = self.logit_rows_held.max(logit_rows.len());
@@ -539,7 +540,8 @@ impl<D: Device> ModelBackend<D> {
             self.prepare_ahead(rows, next);
             // A named chunk that wants logits left one more row's shape
             // (its buffer held it: `ahead_chunk_ready`).
-            self.dev.resize(&mut self.scratch.logits, n, self.model.vocab());
+            let cols = self.dev.shape(&self.scratch.logits).1;
+            self.dev.resize(&mut self.scratch.logits, n, cols);
         }
         let picked = match pick {
             Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),

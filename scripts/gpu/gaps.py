@@ -11,7 +11,11 @@ import sys
 from collections import Counter
 pat = re.compile(r'decode_rows=(\d+) chunk_rows=(\d+)(?: \w+=\S+)*? ms=([\d.]+) overhead_ms=([\d.]+)')
 rows = []
+# The pacer's warm-up table: (decode rows, chunk rows, fraction of a plain round added).
+warm = []
 for line in open(sys.argv[1], errors='replace'):
+    if 'what each chunk size added' in line:
+        warm = [(int(d), int(n), float(f)) for d, n, f in re.findall(r'\((\d+), (\d+), (-?[\d.]+)\)', line)]
     m = pat.search(line)
     if m:
         d, c, ms, ov = int(m[1]), int(m[2]), float(m[3]), float(m[4])
@@ -57,5 +61,14 @@ if runs:
                 by_size.setdefault(rows[i][1], []).append(rows[i][2] + rows[i][3])
         print("arrival rounds by chunk rows (n, median, max ms):",
               " ".join(f"{c}:{len(v)},{statistics.median(v):.2f},{max(v):.2f}" for c, v in sorted(by_size.items())))
+        # Beside it, what the warm-up told the pacer each size adds (its
+        # debug line, with braid_engine::lane::pacer=debug), for the
+        # arrival's count of decode rows, and what each added here.
+        decode = rows[a][0]
+        if warm:
+            told = {n: f for d, n, f in warm if d == decode}
+            print(f"chunk rows: warm-up's / this arrival's fraction added beside {decode} decode rows:",
+                  " ".join(f"{n}:{f:.2f}/{statistics.median(by_size[n]) / usual - 1:.2f}" if n in by_size else f"{n}:{f:.2f}/-"
+                           for n, f in sorted(told.items())))
         print(f"arrival: rounds {a}-{b}, {sum(rows[i][1] for i in run)} prompt rows, largest gap {max(during):.3f} ms "
               f"over the usual {usual:.3f} (ratio {max(during) / usual:.2f}), {len(during)} rounds")

@@ -110,17 +110,58 @@ pub struct Sampled {
     pub top: Vec<(u32, f32)>,
 }
 
-/// One stream's sampler: its parameters, RNG and token history.
-#[derive(Clone, Debug)]
-pub struct Sampler {
-    params: SamplingParams,
-    rng: Rng,
+/// The tokens a stream's penalties read.
+#[derive(Clone, Debug, Default)]
+struct History {
     /// The last `repetition_window` tokens of prompt + completion, and how
     /// often each occurs in them.
     window: VecDeque<u32>,
     window_counts: HashMap<u32, u32>,
     /// How often each token occurs in the completion.
     completion_counts: HashMap<u32, u32>,
+}
+
+impl History {
+    fn push_window(&mut self, token: u32, window: usize) {
+        self.window.push_back(token);
+        *self.window_counts.entry(token).or_insert(0) += 1;
+        if window > 0 && self.window.len() > window {
+            if let Some(old) = self.window.pop_front() {
+                if let Some(c) = self.window_counts.get_mut(&old) {
+                    *c -= 1;
+                    if *c == 0 {
+                        self.window_counts.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, token: u32, window: usize) {
+        self.push_window(token, window);
+        *self.completion_counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// `p`'s penalties on this history, as token row `row`: one per token
+    /// whose logit they change.
+    fn penalties(&self, p: &SamplingParams, row: u32, out: &mut Vec<Penalty>) {
+        let repeat = |t: &u32| if self.window_counts.contains_key(t) { p.repetition_penalty } else { 1.0 };
+        let sub = |t: &u32| match self.completion_counts.get(t) {
+            Some(&c) if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 => p.presence_penalty + c as f32 * p.frequency_penalty,
+            _ => 0.0,
+        };
+        let window = self.window_counts.keys().filter(|&t| p.repetition_penalty != 1.0 || sub(t) != 0.0);
+        let completion_only = self.completion_counts.keys().filter(|&t| !self.window_counts.contains_key(t) && sub(t) != 0.0);
+        out.extend(window.chain(completion_only).map(|t| Penalty { row, token: *t, repeat: repeat(t), sub: sub(t) }));
+    }
+}
+
+/// One stream's sampler: its parameters, RNG and token history.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    history: History,
     /// Per-token weights of the last draw (reused to avoid an allocation
     /// per token).
     scratch: Vec<f32>,
@@ -315,21 +356,13 @@ impl Sampler {
     /// penalty sees its tail).
     pub fn new(params: &SamplingParams, prompt: &[u32]) -> Sampler {
         let seed = params.seed.unwrap_or_else(Rng::fresh_seed);
-        let mut s = Sampler {
-            params: params.clone(),
-            rng: Rng::new(seed),
-            window: VecDeque::new(),
-            window_counts: HashMap::new(),
-            completion_counts: HashMap::new(),
-            scratch: Vec::new(),
-            blocks: Vec::new(),
-        };
+        let mut s = Sampler { params: params.clone(), rng: Rng::new(seed), history: History::default(), scratch: Vec::new(), blocks: Vec::new() };
         let from = match s.params.repetition_window {
             0 => 0,
             w => prompt.len().saturating_sub(w),
         };
         for &t in &prompt[from..] {
-            s.push_window(t);
+            s.history.push_window(t, s.params.repetition_window);
         }
         s
     }
@@ -338,26 +371,9 @@ impl Sampler {
         &self.params
     }
 
-    fn push_window(&mut self, token: u32) {
-        self.window.push_back(token);
-        *self.window_counts.entry(token).or_insert(0) += 1;
-        let w = self.params.repetition_window;
-        if w > 0 && self.window.len() > w {
-            if let Some(old) = self.window.pop_front() {
-                if let Some(c) = self.window_counts.get_mut(&old) {
-                    *c -= 1;
-                    if *c == 0 {
-                        self.window_counts.remove(&old);
-                    }
-                }
-            }
-        }
-    }
-
     /// Record `token` as the completion's newest token (for penalties).
     pub fn accept(&mut self, token: u32) {
-        self.push_window(token);
-        *self.completion_counts.entry(token).or_insert(0) += 1;
+        self.history.accept(token, self.params.repetition_window);
     }
 
     /// Apply repetition / presence / frequency penalties in place; only the
@@ -377,15 +393,18 @@ impl Sampler {
     /// repetition penalty over the window, presence and frequency over the
     /// completion).
     pub fn penalties(&self, row: u32, out: &mut Vec<Penalty>) {
-        let p = &self.params;
-        let repeat = |t: &u32| if self.window_counts.contains_key(t) { p.repetition_penalty } else { 1.0 };
-        let sub = |t: &u32| match self.completion_counts.get(t) {
-            Some(&c) if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 => p.presence_penalty + c as f32 * p.frequency_penalty,
-            _ => 0.0,
-        };
-        let window = self.window_counts.keys().filter(|&t| p.repetition_penalty != 1.0 || sub(t) != 0.0);
-        let completion_only = self.completion_counts.keys().filter(|&t| !self.window_counts.contains_key(t) && sub(t) != 0.0);
-        out.extend(window.chain(completion_only).map(|t| Penalty { row, token: *t, repeat: repeat(t), sub: sub(t) }));
+        self.history.penalties(&self.params, row, out);
+    }
+
+    /// [`Sampler::penalties`] of a draft's row: the row after `drafted`
+    /// more tokens, as if accepted.
+    pub fn penalties_after(&self, drafted: &[u32], row: u32, out: &mut Vec<Penalty>) {
+        if drafted.is_empty() {
+            return self.penalties(row, out);
+        }
+        let mut h = self.history.clone();
+        drafted.iter().for_each(|&t| h.accept(t, self.params.repetition_window));
+        h.penalties(&self.params, row, out);
     }
 
     /// Penalties change this stream's logits.
@@ -420,8 +439,13 @@ impl Sampler {
         // off the raw row before penalties change it; only the penalised
         // tokens' raw values need saving (the rest of the row stays raw).
         let raw = logprobs.map(|n| {
-            let touched: Vec<(u32, f32)> =
-                self.window_counts.keys().chain(self.completion_counts.keys()).filter_map(|&t| logits.get(t as usize).map(|&l| (t, l))).collect();
+            let touched: Vec<(u32, f32)> = self
+                .history
+                .window_counts
+                .keys()
+                .chain(self.history.completion_counts.keys())
+                .filter_map(|&t| logits.get(t as usize).map(|&l| (t, l)))
+                .collect();
             (log_sum_exp(logits), top_n(logits, n), touched)
         });
         self.apply_penalties(logits);

@@ -101,21 +101,37 @@ fn drafting_is_lossless_under_every_pick() {
             })
             .collect()
     };
+    // Penalised too: a draft's rows are each penalised with the drafts
+    // before them counted, where the backend picks.
+    let penalised = |top5: bool| -> Vec<Request> {
+        let mut reqs = set(top5);
+        for r in &mut reqs {
+            r.sampling.repetition_penalty = 1.3;
+            r.sampling.presence_penalty = 0.5;
+            r.sampling.frequency_penalty = 0.2;
+        }
+        reqs
+    };
     let argmax = Picks { argmax: true, top_k: 0, ..Picks::default() };
     let top_k = Picks { argmax: false, top_k: 8, ..Picks::default() };
+    let with_penalties = |p: Picks| Picks { penalties: true, ..p };
     let cases = [
-        (Picks::default(), false, Pick::Logits),
-        (argmax, false, Pick::Argmax),
-        (top_k, false, Pick::TopK(1)),
-        (top_k, true, Pick::TopK(5)),
-        (argmax, true, Pick::Logits),
+        (Picks::default(), false, false, Pick::Logits),
+        (argmax, false, false, Pick::Argmax),
+        (top_k, false, false, Pick::TopK(1)),
+        (top_k, true, false, Pick::TopK(5)),
+        (argmax, true, false, Pick::Logits),
+        (with_penalties(argmax), false, true, Pick::Argmax),
+        (with_penalties(top_k), true, true, Pick::TopK(5)),
+        (argmax, false, true, Pick::Logits),
     ];
-    for (picks, top5, want) in cases {
+    for (picks, top5, penalties, want) in cases {
+        let requests = || if penalties { penalised(top5) } else { set(top5) };
         let run = |picks: Picks, drafter: bool| {
             let mut fc = FakeConfig::default();
             fc.caps.picks = picks;
             let (lane, log) = if drafter { lane_with_drafter(fc, no_marks(), 3) } else { lane(fc, no_marks()) };
-            let hs: Vec<StreamHandle> = set(top5).into_iter().map(|r| lane.submit(r).unwrap()).collect();
+            let hs: Vec<StreamHandle> = requests().into_iter().map(|r| lane.submit(r).unwrap()).collect();
             let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
             (outs, lane.stats(), log)
         };
@@ -349,4 +365,38 @@ fn sampling_with_drafts_follows_the_targets_distribution() {
     check("second token after the second likeliest first", &[t1b], &|o| (o[0] == t1b).then_some(o[1]));
     let t2 = top(1, &[t1]);
     check("third token after the likeliest two", &[t1, t2], &|o| (o[..2] == [t1, t2]).then_some(o[2]));
+}
+
+// A penalised stream's draft rows are each picked with the drafts before
+// them in its history, as the host's sampler, verifying them one by one,
+// has them: on a small vocabulary, where a draft's next token is often one
+// just drafted, the tokens are those of a lane with neither drafter nor
+// picks.
+#[test]
+fn penalised_draft_rows_count_the_drafts_before_them() {
+    let vocab = 12;
+    let reqs = || -> Vec<Request> {
+        (0..3u32)
+            .map(|i| {
+                let mut r = greedy(prompt(6, 40 + i).iter().map(|t| t % vocab as u32).collect(), 40);
+                r.sampling.presence_penalty = 0.6;
+                r.sampling.repetition_window = 4;
+                r
+            })
+            .collect()
+    };
+    let run = |picks: Picks, drafter: bool| {
+        let mut fc = FakeConfig::default();
+        fc.caps.vocab_size = vocab;
+        fc.caps.picks = picks;
+        let (lane, log) = if drafter { lane_with_drafter(fc, no_marks(), 0) } else { lane(fc, no_marks()) };
+        let hs: Vec<StreamHandle> = reqs().into_iter().map(|r| lane.submit(r).unwrap()).collect();
+        let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
+        (outs, lane.stats(), log)
+    };
+    let (plain, _, _) = run(Picks::default(), false);
+    let (drafted, stats, log) = run(Picks { argmax: true, top_k: 0, penalties: true }, true);
+    assert_eq!(plain, drafted);
+    assert!(stats.draft_accepted > 0, "the drafter was never right");
+    assert!(log.picks().iter().all(|&p| p == Pick::Argmax));
 }

@@ -33,8 +33,8 @@ pub(super) enum Need {
 
 impl Need {
     /// `penalties_picked`: the backend applies the stream's penalties
-    /// before it picks (`Picks::penalties`), and its row this round is one
-    /// (a draft's rows would each need the drafts before them counted).
+    /// before it picks (`Picks::penalties`; a draft's rows with the drafts
+    /// before each counted).
     pub fn of(sampler: &Sampler, logprobs: Option<usize>, penalties_picked: bool) -> Need {
         if logprobs.is_some() || (sampler.penalised() && !penalties_picked) {
             return Need::Logits;

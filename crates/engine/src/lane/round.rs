@@ -106,7 +106,7 @@ impl Core {
                     room: s.room(),
                     draft,
                     max_draft: s.draft_tokens,
-                    need: s.need(self.caps.picks.penalties && draft.is_empty()),
+                    need: s.need(self.caps.picks.penalties),
                 }),
                 _ => None,
             })
@@ -204,15 +204,18 @@ impl Core {
     }
 
     /// The penalised streams' penalties for a round of `plan` picked where
-    /// the logits are: each on its stream's token row (one: a penalised
-    /// stream drafts no rows then, see `Need::of`).
+    /// the logits are, on each of their token rows: a draft's row counts
+    /// the drafts before it, as verifying them accepts them.
     fn penalties(&self, plan: &RoundPlan) -> Vec<Penalty> {
         let mut out = Vec::new();
         let mut row = 0;
         for (r, &at) in plan.rows.iter().zip(&plan.at) {
             let sampler = &self.running[at].sampler;
             if sampler.penalised() {
-                sampler.penalties(row, &mut out);
+                // tokens[0] is the last token, accepted already; tokens[1..] the drafts.
+                for j in 0..r.tokens.len() {
+                    sampler.penalties_after(&r.tokens[1..=j], row + j as u32, &mut out);
+                }
             }
             row += r.tokens.len() as u32;
         }

@@ -82,6 +82,19 @@ fn drafting_is_lossless() {
     }
 }
 
+/// `reqs` through a lane on a fake of `fc`, with a drafter wrong every
+/// `wrong_every` positions (0: never) or none: each stream's tokens, the
+/// lane's stats and the call log.
+fn run_requests(fc: FakeConfig, wrong_every: Option<usize>, reqs: Vec<Request>) -> (Vec<Vec<u32>>, braid_engine::LaneStats, CallLog) {
+    let (lane, log) = match wrong_every {
+        Some(w) => lane_with_drafter(fc, no_marks(), w),
+        None => lane(fc, no_marks()),
+    };
+    let hs: Vec<StreamHandle> = reqs.into_iter().map(|r| lane.submit(r).unwrap()).collect();
+    let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
+    (outs, lane.stats(), log)
+}
+
 // Drafts ride in every pick: verified from the backend's argmax, from its
 // top-k candidates (the same token and the same random draw as sampling
 // the whole row) or from logits, and the tokens are those of a lane with
@@ -127,16 +140,10 @@ fn drafting_is_lossless_under_every_pick() {
     ];
     for (picks, top5, penalties, want) in cases {
         let requests = || if penalties { penalised(top5) } else { set(top5) };
-        let run = |picks: Picks, drafter: bool| {
-            let mut fc = FakeConfig::default();
-            fc.caps.picks = picks;
-            let (lane, log) = if drafter { lane_with_drafter(fc, no_marks(), 3) } else { lane(fc, no_marks()) };
-            let hs: Vec<StreamHandle> = requests().into_iter().map(|r| lane.submit(r).unwrap()).collect();
-            let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
-            (outs, lane.stats(), log)
-        };
-        let (plain, _, _) = run(Picks::default(), false);
-        let (drafted, stats, log) = run(picks, true);
+        let (plain, _, _) = run_requests(FakeConfig::default(), None, requests());
+        let mut fc = FakeConfig::default();
+        fc.caps.picks = picks;
+        let (drafted, stats, log) = run_requests(fc, Some(3), requests());
         assert_eq!(plain, drafted, "{want:?}");
         assert!(stats.draft_accepted > 0, "{want:?}: the drafter was never right");
         assert!(stats.draft_accepted < stats.draft_proposed, "{want:?}: the drafter was never wrong");
@@ -385,17 +392,11 @@ fn penalised_draft_rows_count_the_drafts_before_them() {
             })
             .collect()
     };
-    let run = |picks: Picks, drafter: bool| {
-        let mut fc = FakeConfig::default();
-        fc.caps.vocab_size = vocab;
-        fc.caps.picks = picks;
-        let (lane, log) = if drafter { lane_with_drafter(fc, no_marks(), 0) } else { lane(fc, no_marks()) };
-        let hs: Vec<StreamHandle> = reqs().into_iter().map(|r| lane.submit(r).unwrap()).collect();
-        let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
-        (outs, lane.stats(), log)
-    };
-    let (plain, _, _) = run(Picks::default(), false);
-    let (drafted, stats, log) = run(Picks { argmax: true, top_k: 0, penalties: true }, true);
+    let mut fc = FakeConfig::default();
+    fc.caps.vocab_size = vocab;
+    let (plain, _, _) = run_requests(fc.clone(), None, reqs());
+    fc.caps.picks = Picks { argmax: true, top_k: 0, penalties: true };
+    let (drafted, stats, log) = run_requests(fc, Some(0), reqs());
     assert_eq!(plain, drafted);
     assert!(stats.draft_accepted > 0, "the drafter was never right");
     assert!(log.picks().iter().all(|&p| p == Pick::Argmax));

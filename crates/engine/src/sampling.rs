@@ -396,15 +396,19 @@ impl Sampler {
         self.history.penalties(&self.params, row, out);
     }
 
-    /// [`Sampler::penalties`] of a draft's row: the row after `drafted`
-    /// more tokens, as if accepted.
-    pub fn penalties_after(&self, drafted: &[u32], row: u32, out: &mut Vec<Penalty>) {
-        if drafted.is_empty() {
-            return self.penalties(row, out);
+    /// [`Sampler::penalties`] of a decode row carrying `drafts`: its token
+    /// rows from `row` on, each after the drafts before it, as if accepted
+    /// (as verifying them accepts them).
+    pub fn row_penalties(&self, drafts: &[u32], row: u32, out: &mut Vec<Penalty>) {
+        self.penalties(row, out);
+        if drafts.is_empty() {
+            return;
         }
         let mut h = self.history.clone();
-        drafted.iter().for_each(|&t| h.accept(t, self.params.repetition_window));
-        h.penalties(&self.params, row, out);
+        for (j, &t) in drafts.iter().enumerate() {
+            h.accept(t, self.params.repetition_window);
+            h.penalties(&self.params, row + 1 + j as u32, out);
+        }
     }
 
     /// Penalties change this stream's logits.

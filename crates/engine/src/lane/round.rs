@@ -213,9 +213,7 @@ impl Core {
             let sampler = &self.running[at].sampler;
             if sampler.penalised() {
                 // tokens[0] is the last token, accepted already; tokens[1..] the drafts.
-                for j in 0..r.tokens.len() {
-                    sampler.penalties_after(&r.tokens[1..=j], row + j as u32, &mut out);
-                }
+                sampler.row_penalties(&r.tokens[1..], row, &mut out);
             }
             row += r.tokens.len() as u32;
         }

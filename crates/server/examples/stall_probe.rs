@@ -311,6 +311,13 @@ fn main() -> Result<()> {
     }
     let usual = (!base.is_empty()).then(|| pct(&base, 50.0));
     let worst = during.iter().copied().reduce(f64::max);
+    // The largest gap in a window as long as the arrival's, just before it:
+    // what the streams' gaps reach with no arrival (the client's and the
+    // server's own jitter), beside `max_gap_in_prefill_ms`.
+    let quiet = t_first.map(|f| {
+        let from = nc_sent - (f - nc_sent);
+        all.iter().flat_map(|t| t.windows(2)).filter(|w| w[0] >= from && w[1] <= nc_sent).map(|w| (w[1] - w[0]) * 1e3).fold(0.0, f64::max)
+    });
     let out = json!({
         "label": o.label,
         "seed": o.seed,
@@ -318,6 +325,7 @@ fn main() -> Result<()> {
         "streams": o.streams,
         "baseline_median_gap_ms": usual.map(round3),
         "max_gap_in_prefill_ms": worst.map(round3),
+        "max_gap_before_ms": quiet.map(round3),
         "stall_ratio": usual.zip(worst).map(|(u, w)| round3(w / u)),
         "max_gap_starts_ms": round3(worst_at.1),
         "p99_gap_ms": (!gaps.is_empty()).then(|| round3(pct(&gaps, 99.0))),

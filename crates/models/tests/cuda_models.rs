@@ -1354,11 +1354,12 @@ mod ahead_on_cpu {
     /// A stream still open that sits a round out (a guided stream waiting
     /// for its mask) keeps the round after from being launched ahead: the
     /// stream likely rejoins, and a round launched without it would serve
-    /// that round only in part (two forwards). A stream that left does not.
+    /// that round only in part (two forwards). A stream that left does
+    /// not, nor rows asked in another order.
     #[test]
     fn no_round_is_launched_ahead_while_an_open_stream_sits_out() {
         let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
-        let mut round = |be: &mut ModelBackend<AheadCpu>, streams: &[StreamId], pick: Pick| -> bool {
+        let round = |be: &mut ModelBackend<AheadCpu>, next: &mut HashMap<StreamId, u32>, streams: &[StreamId], pick: Pick| -> bool {
             let rows: Vec<DecodeRow> = streams.iter().map(|&s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
             let firsts: Vec<u32> = match be.round(Step::new(&rows, None, pick)).unwrap().picked {
                 Picked::Tokens(t) => t,
@@ -1371,15 +1372,27 @@ mod ahead_on_cpu {
             be.launched_ahead()
         };
         // (The first round follows the prompts' chunks: nothing launched.)
-        round(&mut be, &[0, 1, 2], Pick::Argmax);
-        assert!(round(&mut be, &[0, 1, 2], Pick::Argmax), "the same streams again: launched ahead");
+        round(&mut be, &mut next, &[0, 1, 2], Pick::Argmax);
+        assert!(round(&mut be, &mut next, &[0, 1, 2], Pick::Argmax), "the same streams again: launched ahead");
         // A guided stream's rounds: all the rows' logits (nothing launched),
         // then a greedy round while it waits for its mask.
-        assert!(!round(&mut be, &[0, 1, 2], Pick::Logits));
-        assert!(!round(&mut be, &[1, 2], Pick::Argmax), "stream 0 sits out, still open: not launched ahead");
-        assert!(!round(&mut be, &[0, 1, 2], Pick::Logits));
+        assert!(!round(&mut be, &mut next, &[0, 1, 2], Pick::Logits));
+        assert!(!round(&mut be, &mut next, &[1, 2], Pick::Argmax), "stream 0 sits out, still open: not launched ahead");
+        assert!(!round(&mut be, &mut next, &[0, 1, 2], Pick::Logits));
         be.forget(0);
-        assert!(round(&mut be, &[1, 2], Pick::Argmax), "stream 0 left: the others go on launched ahead");
+        assert!(round(&mut be, &mut next, &[1, 2], Pick::Argmax), "stream 0 left: the others go on launched ahead");
+        // One leaving after a round was launched for it: that round serves
+        // the others, and the round after them is launched too.
+        assert!(round(&mut be, &mut next, &[1, 2], Pick::Argmax));
+        be.forget(1);
+        assert!(round(&mut be, &mut next, &[2], Pick::Argmax), "stream 1 left after a round launched with it: the next still launched ahead");
+        // Or the rows asked in another order than launched.
+        be.open(1).unwrap();
+        let l = be.prefill_step(1, Chunk { start: 0, tokens: &[5, 6, 7], want_logits: true }).unwrap().unwrap();
+        next.insert(1, argmax(&l) as u32);
+        round(&mut be, &mut next, &[1, 2], Pick::Argmax);
+        assert!(round(&mut be, &mut next, &[1, 2], Pick::Argmax));
+        assert!(round(&mut be, &mut next, &[2, 1], Pick::Argmax), "the same rows reversed: launched ahead");
     }
 
     /// Masks given once, or late (None: the round returns logits).

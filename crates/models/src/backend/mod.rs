@@ -544,8 +544,19 @@ impl<D: Device> ModelBackend<D> {
         let served = self.take_launched(step)?;
         let out = if served.is_empty() {
             self.run(step.rows, step.chunk, step.pick, step.masks, step.penalties, Some(NextRound::of(step)))?
-        } else if served.len() == step.rows.len() && launched == served.len() && step.chunk.is_none() && served.iter().all(|&(i, j)| i == j) {
-            // The very round launched ahead: pick its rows (and launch the next).
+        } else if served.len() == step.rows.len() && step.chunk.is_none() {
+            // Every row asked for was launched: the round launched ahead,
+            // or it with rows no longer asked for (a stream gone, one
+            // sitting out) or in another order. Its logits are put in the
+            // step's order on the device, and the round goes on as the very
+            // round launched: picked there, the next launched ahead (else a
+            // stream leaving left the next round to run cold: 1.3-1.7 ms
+            // against 1.07 on the H100).
+            if launched != served.len() || served.iter().any(|&(i, j)| i != j) {
+                let from: Vec<usize> = served.iter().map(|&(_, j)| j).collect();
+                self.dev.gather_rows(&self.scratch.logits, &from, &mut self.row);
+                self.dev.gather_rows(&self.row, &(0..from.len()).collect::<Vec<_>>(), &mut self.scratch.logits);
+            }
             let total = step.rows.iter().map(|r| r.tokens.len()).sum();
             let (pick, allowed) = resolve(step.pick, step.masks, total, self.model.vocab());
             let ahead = self.ahead(step.rows, false, pick, NextRound::of(step));

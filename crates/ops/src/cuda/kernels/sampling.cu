@@ -135,6 +135,8 @@ extern "C" __global__ void penalize(float* __restrict__ x, int cols, const Penal
     const Penalty e = p[i];
     float* v = x + (long)e.row * cols + e.col;
     float a = *v;
-    if (e.repeat != 1.0f) a = a > 0.0f ? a / e.repeat : a * e.repeat;
-    *v = a - e.sub;
+    // Rounded as written: left to itself the compiler fuses a * repeat - sub
+    // into one FMA, a rounding the host does not make.
+    if (e.repeat != 1.0f) a = a > 0.0f ? __fdiv_rn(a, e.repeat) : __fmul_rn(a, e.repeat);
+    *v = __fsub_rn(a, e.sub);
 }

@@ -498,7 +498,12 @@ fn penalties_before_a_pick_equal_the_hosts() {
         // (A NaN stays a NaN; the GPU's arithmetic does not keep its payload.)
         let same = |(a, b): (&f32, &f32)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
         let differ: Vec<usize> = (0..x.len()).filter(|&i| !same((&left[i], &want[i]))).collect();
-        assert!(differ.is_empty(), "the penalised values differ from the host's at {} places, e.g. {:?}", differ.len(), differ.iter().take(3).map(|&i| (i, x[i], left[i], want[i])).collect::<Vec<_>>());
+        assert!(
+            differ.is_empty(),
+            "the penalised values differ from the host's at {} places, e.g. {:?}",
+            differ.len(),
+            differ.iter().take(3).map(|&i| (i, x[i], left[i], want[i])).collect::<Vec<_>>()
+        );
     }
     // A penalty outside the rows is refused, not written.
     let g = d.upload(&x, rows, cols).unwrap();

@@ -245,6 +245,9 @@ pub(super) struct Pacer {
     added: HashMap<(usize, usize), f64>,
     /// What the current pass's chunks have shown (see [`PassCosts`]).
     pass: Option<PassCosts>,
+    /// The chunk of the round about to run, its stream and rows, until
+    /// that round's cost comes (see [`Pacer::starting`]).
+    in_flight: Option<(StreamId, usize)>,
     /// Rounds whose decode rows alone the model predicted past the target.
     target_misses: Cell<u64>,
     /// Image-encoding steps beside decoding streams, by kind: the last
@@ -333,6 +336,7 @@ impl Pacer {
             replayed: 0,
             added: HashMap::new(),
             pass: None,
+            in_flight: None,
             target_misses: Cell::new(0),
             encoded: HashMap::new(),
             next_kind: 0,
@@ -408,7 +412,10 @@ impl Pacer {
     /// SmolLM2's 32 rows cost more than its 48: counted from the largest
     /// size within, a pass tried 32 once and stayed at 24, 77 rounds for
     /// 1800 rows), but not past two (where sizes grow dearer as they
-    /// should, the second over-share round is the last).
+    /// should, the second over-share round is the last). The lane sizes a
+    /// chunk a round ahead, while the one before it runs: that one counts
+    /// as run within the share if it was expected to, until a size runs
+    /// over (else each size ran twice on the way up).
     ///
     /// A pass's first chunk keeps to half the share: nothing of the pass is
     /// known yet (the warm-up timed short contexts), and its round was not
@@ -427,7 +434,21 @@ impl Pacer {
         let next_up = this_pass.map_or(size_up(0), |p| {
             let within = p.seen.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max().unwrap_or(0);
             let over: Vec<usize> = p.seen.iter().filter(|(&n, &f)| f > share && n > within).map(|(&n, _)| n).collect();
-            size_up(if over.len() == 1 { over[0] } else { within })
+            // The size running now, new to the pass and expected within
+            // the share, counts as within while no size above those has
+            // run over it: a chunk is sized a round ahead, before the one
+            // running has shown its cost, so without it each size ran
+            // twice before the next was tried.
+            let running = self
+                .in_flight
+                .filter(|&(s, n)| s == stream && n > within && over.is_empty() && !p.seen.contains_key(&n))
+                .map(|(_, n)| n)
+                .filter(|&n| p.expected(decode, n, p.growth).is_some_and(|f| f <= share));
+            size_up(match (over.len(), running) {
+                (1, _) => over[0],
+                (_, Some(n)) => n,
+                _ => within,
+            })
         });
         let expected = |n: usize| match this_pass {
             Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }),
@@ -622,7 +643,14 @@ impl Pacer {
     }
 
     /// Take in what a round ran.
+    /// The round about to run carries this chunk (stream, rows), or none:
+    /// [`Pacer::sized`] climbs past it before its cost comes.
+    pub fn starting(&mut self, chunk: Option<(StreamId, usize)>) {
+        self.in_flight = chunk;
+    }
+
     pub fn ran(&mut self, r: Ran) {
+        self.in_flight = None;
         if r.shape.chunk_rows > 0 {
             tracing::debug!(
                 decode_rows = r.shape.decode_rows,

@@ -228,6 +228,7 @@ impl Core {
         let dim = self.drafter.as_ref().map_or(0, |_| self.caps.feature_dim);
         let mut features = Vec::new();
         let mut picked = None;
+        self.pacer.starting(plan.chunk.map(|c| (c.stream, c.end - c.start)));
         let announced = self.announce(&plan);
         self.announced = match announced {
             Next::Chunk(id, start, end) => Some((id, start, end)),

@@ -572,3 +572,55 @@ fn a_size_dearer_than_the_next_does_not_hold_a_pass_below_it() {
         assert!(rounds.iter().filter(|&&r| r == size).count() <= 1, "{rounds:?}");
     }
 }
+
+/// [`sized_pass`] as the lane runs a pass: each chunk sized a round ahead
+/// (named for the next round), while the one before it is still running
+/// (told to the pacer with [`Pacer::starting`] when `told`).
+fn named_pass(p: &mut Pacer, len: usize, told: bool, added: impl Fn(usize) -> f64) -> Vec<usize> {
+    let six = Shape { decode_rows: 6, ..four() };
+    let size = |p: &Pacer, pos: usize| match to_replayed(p.budget(3, pos, six, false, len - pos), len - pos, true, 128) {
+        Budget::Chunk(Some(r)) => r,
+        b => panic!("a share on a replaying backend gives a size: {b:?}"),
+    };
+    let (mut pos, mut rounds) = (0, Vec::new());
+    let mut next = size(p, 0);
+    while pos < len && rounds.len() < 1000 {
+        let r = next;
+        if told {
+            p.starting(Some((3, r)));
+        }
+        if pos + r < len {
+            next = size(p, pos + r);
+        }
+        p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (1.47 + added(r)) * 1e-3, overhead: 0.0 });
+        rounds.push(r);
+        pos += r;
+    }
+    rounds
+}
+
+#[test]
+fn a_pass_sized_a_round_ahead_climbs_a_size_a_round() {
+    // The warm-up read every size at twice what it adds served (as on the
+    // H200 for SmolLM2's shape): a pass climbs from its first chunk, one
+    // size past the largest it has run. Sized a round ahead, the largest
+    // run is a round old: told the chunk running, the pass climbs past it
+    // too, instead of running each size twice.
+    let served = |rows: usize| 0.1 + 0.004 * rows as f64;
+    let sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128];
+    let table: Vec<(usize, f64)> = sizes.iter().map(|&r| (r, 2.0 * served(r))).collect();
+    let warmed128 = || {
+        let mut p = warmed(0.45, &table);
+        p.replayed = 128;
+        p
+    };
+    let climb = |rounds: &[usize]| rounds.iter().position(|&r| r == 128).expect("the pass reaches 128 rows");
+    let told = named_pass(&mut warmed128(), 1800, true, served);
+    let untold = named_pass(&mut warmed128(), 1800, false, served);
+    // (The first two chunks are sized before the pass has shown a cost.)
+    assert!(told[1..=climb(&told)].windows(2).all(|w| w[1] > w[0]), "a size ran twice on the way up: {told:?}");
+    assert!(climb(&told) < climb(&untold), "told {told:?}, untold {untold:?}");
+    // No round past the share either way (0.45 of 1.47 ms).
+    assert!(told.iter().all(|&r| served(r) <= 0.45 * 1.47), "{told:?}");
+    assert!(told.len() < untold.len(), "told {} rounds, untold {}", told.len(), untold.len());
+}

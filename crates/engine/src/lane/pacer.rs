@@ -642,13 +642,13 @@ impl Pacer {
         }
     }
 
-    /// Take in what a round ran.
     /// The round about to run carries this chunk (stream, rows), or none:
     /// [`Pacer::sized`] climbs past it before its cost comes.
     pub fn starting(&mut self, chunk: Option<(StreamId, usize)>) {
         self.in_flight = chunk;
     }
 
+    /// Take in what a round ran.
     pub fn ran(&mut self, r: Ran) {
         self.in_flight = None;
         if r.shape.chunk_rows > 0 {

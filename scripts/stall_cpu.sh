@@ -18,8 +18,8 @@ shift 4 || true
 [ "${1:-}" = "--" ] && shift
 port=${PORT:-8133}
 braid=${BRAID:-./target/release/braid}
-echo "| serve flags | seed | usual gap ms | largest gap ms | ratio | p99 gap ms | TTFT ms |"
-echo "| --- | --- | ---: | ---: | ---: | ---: | ---: |"
+echo "| serve flags | seed | usual gap ms | largest gap ms | ratio | p99 gap ms | TTFT ms | largest before ms |"
+echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 run_setting() {
   local flags=("$@")
   for s in $seeds; do
@@ -36,7 +36,11 @@ run_setting() {
     python3 - "$j" "${flags[*]:-defaults}" "$s" <<'PY'
 import json, sys
 j = json.loads(sys.argv[1])
-print(f"| {sys.argv[2]} | {sys.argv[3]} | {j['baseline_median_gap_ms']:.1f} | {j['max_gap_in_prefill_ms']:.1f} | {j['stall_ratio']:.2f} | {j['p99_gap_ms']:.1f} | {j['newcomer_ttft_ms']:.0f} |")
+# The largest gap of a quiet window as long as the arrival, just before it
+# (the Rust probe's; the machine's own spread): '-' from the Python probe.
+before = j.get('max_gap_before_ms')
+before = f"{before:.1f}" if before is not None else "-"
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {j['baseline_median_gap_ms']:.1f} | {j['max_gap_in_prefill_ms']:.1f} | {j['stall_ratio']:.2f} | {j['p99_gap_ms']:.1f} | {j['newcomer_ttft_ms']:.0f} | {before} |")
 PY
   done
 }

@@ -1406,8 +1406,9 @@ mod ahead_on_cpu {
 
     /// Guided greedy rows picked within their masks by the device's argmax
     /// equal the host's masked argmax of the same rounds' logits, rounds
-    /// launched ahead as without masks; a late mask makes the round return
-    /// its logits and launch nothing ahead.
+    /// launched ahead as without masks, also once another stream has left;
+    /// a late mask makes the round return its logits and launch nothing
+    /// ahead.
     #[test]
     fn masked_argmax_rounds_pick_what_the_host_would() {
         let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));

@@ -70,5 +70,9 @@ if runs:
             print(f"chunk rows: warm-up's / this arrival's fraction added beside {decode} decode rows:",
                   " ".join(f"{n}:{f:.2f}/{statistics.median(by_size[n]) / usual - 1:.2f}" if n in by_size else f"{n}:{f:.2f}/-"
                            for n, f in sorted(told.items())))
+        # The largest gap of as many decoding rounds just before (the quiet
+        # window the probe's max_gap_before_ms reads from the client's side).
+        quiet = [rows[i][2] + rows[i][3] for i in range(max(0, a - 1 - len(during)), a - 1) if rows[i][0] > 0]
+        quiet_s = f", {max(quiet):.3f} in as many rounds before it" if quiet else ""
         print(f"arrival: rounds {a}-{b}, {sum(rows[i][1] for i in run)} prompt rows, largest gap {max(during):.3f} ms "
-              f"over the usual {usual:.3f} (ratio {max(during) / usual:.2f}), {len(during)} rounds")
+              f"over the usual {usual:.3f} (ratio {max(during) / usual:.2f}), {len(during)} rounds{quiet_s}")

@@ -367,6 +367,11 @@ impl Pacer {
         let mut added: Vec<_> = self.added.iter().map(|(&(d, n), &f)| (d, n, (f * 1e3).round() / 1e3)).collect();
         added.sort_unstable_by_key(|a| (a.0, a.1));
         tracing::debug!(?added, "what each chunk size added to a plain round in the warm-up (decode rows, chunk rows, fraction)");
+        // The plain rounds those fractions are of (the warm-up's contexts
+        // are short; an arrival's plain rounds run at longer ones).
+        let mut plain: Vec<_> = plain.into_iter().map(|(d, s)| (d, (s * 1e6).round() / 1e3)).collect();
+        plain.sort_unstable_by_key(|p| p.0);
+        tracing::debug!(?plain, "the warm-up's plain rounds (decode rows, ms)");
     }
 
     /// A chunk of `rows` beside `decode` decode rows added `f` of a plain

@@ -240,8 +240,11 @@ pub(super) struct Pacer {
     /// share reads as sizes to choose from ([`Pacer::sized`]).
     replayed: usize,
     /// The least a chunk of each size has added beside each count of
-    /// decode rows, as a fraction of a plain round of as many rows (the
-    /// warm-up's rounds and those run), keyed (decode rows, chunk rows).
+    /// decode rows, in seconds (the warm-up's rounds and those run), keyed
+    /// (decode rows, chunk rows). Read as a fraction of the plain round
+    /// at the time: the warm-up times short contexts, whose plain rounds
+    /// are shorter than an arrival's (kept as fractions, its figures read
+    /// SmolLM2's sizes 1.3-2x dear on the H200).
     added: HashMap<(usize, usize), f64>,
     /// What the current pass's chunks have shown (see [`PassCosts`]).
     pass: Option<PassCosts>,
@@ -296,10 +299,10 @@ struct PassCosts {
 
 impl PassCosts {
     /// What a chunk of `rows` beside `decode` decode rows is expected to
-    /// add: its last round in this pass, else its figure before the pass
-    /// times `scale`.
-    fn expected(&self, decode: usize, rows: usize, scale: f64) -> Option<f64> {
-        self.seen.get(&rows).copied().or_else(|| Pacer::least_added(&self.base, decode, rows).map(|a| a * scale))
+    /// add, as a fraction of a plain round of `plain` seconds: its last
+    /// round in this pass, else its figure before the pass times `scale`.
+    fn expected(&self, decode: usize, rows: usize, scale: f64, plain: f64) -> Option<f64> {
+        self.seen.get(&rows).copied().or_else(|| Pacer::least_added(&self.base, decode, rows).map(|a| a / plain * scale))
     }
 }
 
@@ -359,12 +362,12 @@ impl Pacer {
                 continue;
             }
             if let Some(&p) = plain.get(&r.decode_rows).filter(|_| r.decode_rows > 0) {
-                self.saw_added(r.decode_rows, r.chunk_rows, (r.secs - p) / p.max(1e-9));
+                self.saw_added(r.decode_rows, r.chunk_rows, r.secs - p);
             }
         }
         // What a pass's first sizes start from: read against what its
         // chunks then add (the "round with a prompt chunk" lines).
-        let mut added: Vec<_> = self.added.iter().map(|(&(d, n), &f)| (d, n, (f * 1e3).round() / 1e3)).collect();
+        let mut added: Vec<_> = self.added.iter().filter_map(|(&(d, n), &a)| plain.get(&d).map(|&p| (d, n, (a / p.max(1e-9) * 1e3).round() / 1e3))).collect();
         added.sort_unstable_by_key(|a| (a.0, a.1));
         tracing::debug!(?added, "what each chunk size added to a plain round in the warm-up (decode rows, chunk rows, fraction)");
         // The plain rounds those fractions are of (the warm-up's contexts
@@ -374,11 +377,17 @@ impl Pacer {
         tracing::debug!(?plain, "the warm-up's plain rounds (decode rows, ms)");
     }
 
-    /// A chunk of `rows` beside `decode` decode rows added `f` of a plain
-    /// round to its round: the least seen counts (a step shows in every
-    /// round, a spike in one, and must not bar a size for good).
-    fn saw_added(&mut self, decode: usize, rows: usize, f: f64) {
-        self.added.entry((decode, rows)).and_modify(|a| *a = a.min(f)).or_insert(f);
+    /// A chunk of `rows` beside `decode` decode rows added `secs` to its
+    /// round: the least seen counts (a step shows in every round, a spike
+    /// in one, and must not bar a size for good).
+    fn saw_added(&mut self, decode: usize, rows: usize, secs: f64) {
+        self.added.entry((decode, rows)).and_modify(|a| *a = a.min(secs)).or_insert(secs);
+    }
+
+    /// The plain round a chunk beside `decode` decode rows is read against:
+    /// the last of as many rows, else the last of any (none yet: 0).
+    fn plain_of(&self, decode: usize) -> f64 {
+        self.plain_by_rows.get(&decode).copied().filter(|&p| p > 0.0).unwrap_or(self.plain_secs)
     }
 
     /// In `added` (or a snapshot of it), what a chunk of `rows` added
@@ -434,6 +443,8 @@ impl Pacer {
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.stream == stream);
         let share = if this_pass.is_some() { share } else { share / 2.0 };
+        // What sizes added before, read against the plain round now.
+        let plain = self.plain_of(decode).max(1e-9);
         // Climbed from the largest size run within the share, or past one
         // that ran over it while no second size above that has.
         let next_up = this_pass.map_or(size_up(0), |p| {
@@ -448,7 +459,7 @@ impl Pacer {
                 .in_flight
                 .filter(|&(s, n)| s == stream && n > within && over.is_empty() && !p.seen.contains_key(&n))
                 .map(|(_, n)| n)
-                .filter(|&n| p.expected(decode, n, p.growth).is_some_and(|f| f <= share));
+                .filter(|&n| p.expected(decode, n, p.growth, plain).is_some_and(|f| f <= share));
             size_up(match (over.len(), running) {
                 (1, _) => over[0],
                 (_, Some(n)) => n,
@@ -456,8 +467,8 @@ impl Pacer {
             })
         });
         let expected = |n: usize| match this_pass {
-            Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }),
-            None => Self::least_added(&self.added, decode, n),
+            Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }, plain),
+            None => Self::least_added(&self.added, decode, n).map(|a| a / plain),
         };
         let most = self.replayed.min(left);
         let within = replayed_sizes(most).find(|&n| expected(n).is_some_and(|f| f <= share));
@@ -706,24 +717,24 @@ impl Pacer {
                 // Not a pass's first chunk: it can be dearer once.
                 if self.plain_secs > 0.0 && !first {
                     // Against a plain round of as many rows, where one ran.
-                    let f = match self.plain_by_rows.get(&decode).filter(|_| self.picks_sizes()) {
-                        Some(&p) => (r.secs - p).max(0.1 * r.secs) / p,
-                        None => added / self.plain_secs,
+                    let (f, plain) = match self.plain_by_rows.get(&decode).filter(|_| self.picks_sizes()) {
+                        Some(&p) => ((r.secs - p).max(0.1 * r.secs) / p, p),
+                        None => (added / self.plain_secs, self.plain_secs),
                     };
                     let picks_sizes = self.picks_sizes();
                     let pass = self.pass.as_mut().expect("a pass was just opened");
-                    let spike = pass.expected(decode, rows, pass.growth).is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1);
+                    let spike = pass.expected(decode, rows, pass.growth, plain).is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1);
                     if picks_sizes && !pass.spiked && spike {
                         pass.spiked = true;
                         return;
                     }
                     pass.spiked = false;
-                    if let Some(b) = Self::least_added(&pass.base, decode, rows) {
+                    if let Some(b) = Self::least_added(&pass.base, decode, rows).map(|a| a / plain) {
                         let ratio = if f > b { (f + GROWTH_FLOOR) / (b + GROWTH_FLOOR) } else { f / b.max(1e-6) };
                         pass.growth = ratio.clamp(0.25, 4.0);
                     }
                     pass.seen.insert(rows, f);
-                    self.saw_added(decode, rows, f);
+                    self.saw_added(decode, rows, f * plain);
                 }
             }
         }

@@ -503,12 +503,29 @@ fn a_warm_up_dear_for_small_sizes_only_costs_two_rounds_past_the_share() {
 #[test]
 fn a_timed_chunk_is_read_against_the_plain_round_before_it() {
     // Two timed passes of a warm-up, the second on a slower device: each
-    // chunk against its own pass's plain round, and the least kept.
+    // chunk against its own pass's plain round (0.5 and 0.4 ms, not 1.4
+    // against the first's), and the least kept.
     let round = |c: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
     let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
     p.learn(&[round(0, 1.0), round(64, 1.5), round(0, 2.0), round(64, 2.4)]);
-    let f = Pacer::least_added(&p.added, 6, 64).expect("64 rows timed");
-    assert!((f - 0.2).abs() < 1e-9, "{f}");
+    let a = Pacer::least_added(&p.added, 6, 64).expect("64 rows timed");
+    assert!((a - 0.4e-3).abs() < 1e-9, "{a}");
+}
+
+#[test]
+fn what_a_size_added_in_the_warm_up_is_read_against_the_plain_round_now() {
+    // The warm-up's plain round took 1.0 ms (short contexts) and 48 rows
+    // added 0.5 ms (half of it); at an arrival the plain round takes 1.5
+    // ms, so 48 rows are a third of it, within a share of 0.4 (and, in a
+    // pass's first chunk, of half that: 24 rows, 0.18 ms).
+    let round = |c: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
+    let mut p = Pacer::new(None, Some(0.4), None, true).replaying(64);
+    p.learn(&[round(0, 1.0), round(16, 1.15), round(24, 1.18), round(32, 1.4), round(48, 1.5), round(64, 1.7)]);
+    let six = Shape { decode_rows: 6, ..four() };
+    p.ran(Ran { shape: six, chunk: None, secs: 1.5e-3, overhead: 0.0 });
+    assert_eq!(p.budget(3, 0, six, false, usize::MAX), Budget::Chunk(Some(24)), "a pass's first chunk: 0.2 of 1.5 ms");
+    p.ran(Ran { shape: Shape { chunk_rows: 24, ..six }, chunk: Some(3), secs: 1.68e-3, overhead: 0.0 });
+    assert_eq!(p.budget(3, 24, six, false, usize::MAX), Budget::Chunk(Some(48)), "then 48 rows: 0.5 ms of 1.5");
 }
 
 /// A pass on Llama-1B's H100 costs where the rounds `at` (counting from

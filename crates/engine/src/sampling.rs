@@ -144,15 +144,15 @@ impl History {
 
     /// `p`'s penalties on this history, as token row `row`: one per token
     /// whose logit they change.
-    fn penalties(&self, p: &SamplingParams, row: u32, out: &mut Vec<Penalty>) {
-        let repeat = |t: &u32| if self.window_counts.contains_key(t) { p.repetition_penalty } else { 1.0 };
-        let sub = |t: &u32| match self.completion_counts.get(t) {
+    fn penalties<'a>(&'a self, p: &'a SamplingParams, row: u32) -> impl Iterator<Item = Penalty> + 'a {
+        let repeat = move |t: &u32| if self.window_counts.contains_key(t) { p.repetition_penalty } else { 1.0 };
+        let sub = move |t: &u32| match self.completion_counts.get(t) {
             Some(&c) if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 => p.presence_penalty + c as f32 * p.frequency_penalty,
             _ => 0.0,
         };
-        let window = self.window_counts.keys().filter(|&t| p.repetition_penalty != 1.0 || sub(t) != 0.0);
-        let completion_only = self.completion_counts.keys().filter(|&t| !self.window_counts.contains_key(t) && sub(t) != 0.0);
-        out.extend(window.chain(completion_only).map(|t| Penalty { row, token: *t, repeat: repeat(t), sub: sub(t) }));
+        let window = self.window_counts.keys().filter(move |&t| p.repetition_penalty != 1.0 || sub(t) != 0.0);
+        let completion_only = self.completion_counts.keys().filter(move |&t| !self.window_counts.contains_key(t) && sub(t) != 0.0);
+        window.chain(completion_only).map(move |t| Penalty { row, token: *t, repeat: repeat(t), sub: sub(t) })
     }
 }
 
@@ -379,9 +379,7 @@ impl Sampler {
     /// Apply repetition / presence / frequency penalties in place; only the
     /// logits of tokens in the history change.
     pub fn apply_penalties(&self, logits: &mut [f32]) {
-        let mut penalties = Vec::new();
-        self.penalties(0, &mut penalties);
-        for e in penalties {
+        for e in self.history.penalties(&self.params, 0) {
             if let Some(l) = logits.get_mut(e.token as usize) {
                 *l = e.apply(*l);
             }
@@ -393,7 +391,7 @@ impl Sampler {
     /// repetition penalty over the window, presence and frequency over the
     /// completion).
     pub fn penalties(&self, row: u32, out: &mut Vec<Penalty>) {
-        self.history.penalties(&self.params, row, out);
+        out.extend(self.history.penalties(&self.params, row));
     }
 
     /// [`Sampler::penalties`] of a decode row carrying `drafts`: its token
@@ -407,7 +405,7 @@ impl Sampler {
         let mut h = self.history.clone();
         for (j, &t) in drafts.iter().enumerate() {
             h.accept(t, self.params.repetition_window);
-            h.penalties(&self.params, row + 1 + j as u32, out);
+            out.extend(h.penalties(&self.params, row + 1 + j as u32));
         }
     }
 

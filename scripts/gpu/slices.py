@@ -15,6 +15,10 @@ calls, each carrying one slice in a git-ignored folder:
 `add` appends a slice only if it is the next one DEST lacks (a repeated
 or skipped call is refused, not joined twice), and with the checksum it
 verifies DEST and reports its size; a mismatch removes DEST.
+
+The 64 MiB covers the whole working tree that travels, tracked files
+included (~42 MB at stop 47, mostly testdata/fixtures), so the default
+60 MiB slice does not fit beside it: pass --mb for what is left (~20).
 """
 import argparse
 import hashlib

@@ -71,7 +71,15 @@ impl Cuda {
         let m = rt::compile_and_load(&kernels::attention_source(&self.inner.tuning, hd, g), &self.inner.arch)?;
         let f = AttnFns {
             decode: m.func("attn_decode")?,
-            decode_cl: if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster { Some(m.func("attn_decode_cl")?) } else { None },
+            decode_cl: if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster {
+                let f = m.func("attn_decode_cl")?;
+                if self.inner.tuning.attn_cluster_max > 8 {
+                    rt::allow_large_clusters(f)?;
+                }
+                Some(f)
+            } else {
+                None
+            },
             combine: m.func("attn_combine")?,
             // Past head dim 256 every row takes the decode kernel (see attention.cu).
             prefill: if self.inner.cc.0 >= 8 && hd <= 256 { Some(m.func("attn_prefill")?) } else { None },
@@ -275,9 +283,13 @@ impl Cuda {
             // block per KV head walking 200 keys took 14.8 µs against 6.4 +
             // 4.2 for the split and its combine.)
             let ctas = work * kvh;
-            // A row and KV head's splits as one cluster (at most 8 blocks,
-            // the portable cluster size) merge in shared memory.
-            let max = if fns.decode_cl.is_some() { self.inner.tuning.attn_max_splits.min(8) } else { self.inner.tuning.attn_max_splits };
+            // A row and KV head's splits as one cluster (at most
+            // `attn_cluster_max` blocks) merge in shared memory.
+            let max = if fns.decode_cl.is_some() {
+                self.inner.tuning.attn_max_splits.min(self.inner.tuning.attn_cluster_max)
+            } else {
+                self.inner.tuning.attn_max_splits
+            };
             let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
             let cluster = fns.decode_cl.filter(|_| nsplit > 1);
             let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * heads * nsplit * (hd + 2) * 4)? } else { 0 };

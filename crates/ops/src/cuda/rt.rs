@@ -223,6 +223,13 @@ pub fn kernel_cache_dir() -> PathBuf {
     braid_formats::cache::cache_dir().join("cuda-kernels")
 }
 
+/// Lets kernel `f` launch in clusters past the portable 8 blocks (Hopper
+/// takes 16).
+pub fn allow_large_clusters(f: usize) -> Result<()> {
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
+    unsafe { sys::cuFuncSetAttribute(f as sys::CUfunction, attr, 1) }.result().map_err(|e| anyhow!("non-portable cluster sizes: {e:?}"))
+}
+
 /// A loaded module and the functions asked of it.
 pub struct Module {
     pub module: usize,

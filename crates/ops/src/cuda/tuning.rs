@@ -60,6 +60,9 @@ pub struct Tuning {
     /// The decode attention merges its key splits inside a thread-block
     /// cluster (Hopper on): no combine launch.
     pub attn_cluster: bool,
+    /// Most blocks in such a cluster (2–16): past 8, the portable size,
+    /// the decode kernel asks for Hopper's non-portable cluster sizes.
+    pub attn_cluster_max: usize,
     /// Programmatic dependent launch (Hopper on): a kernel's blocks start
     /// while the one before it finishes.
     pub pdl: bool,
@@ -107,6 +110,7 @@ impl Default for Tuning {
             attn_prefill_splits: 8,
             attn_prefill_blocks_per_sm: 2,
             attn_cluster: true,
+            attn_cluster_max: 8,
             pdl: true,
             pdl_early: true,
             norm_fold: true,
@@ -145,6 +149,7 @@ impl Tuning {
             attn_prefill_from: self.attn_prefill_from.max(2),
             attn_prefill_splits: self.attn_prefill_splits.clamp(1, 64),
             attn_prefill_blocks_per_sm: self.attn_prefill_blocks_per_sm.clamp(1, 16),
+            attn_cluster_max: self.attn_cluster_max.clamp(2, 16),
             ..self
         }
     }
@@ -153,7 +158,7 @@ impl Tuning {
     /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
     /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_PDL_PER_SM`, `_ATTN_SPLITS`,
     /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`, `_ATTN_PREFILL_BLOCKS`,
-    /// `_ATTN_CLUSTER`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
+    /// `_ATTN_CLUSTER`, `_ATTN_CLUSTER_MAX`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
     /// `_BRANCHES`, `_GRAPHS`).
     #[cfg(feature = "cuda-tuning")]
@@ -173,6 +178,7 @@ impl Tuning {
             attn_prefill_splits: num("ATTN_PREFILL_SPLITS", d.attn_prefill_splits),
             attn_prefill_blocks_per_sm: num("ATTN_PREFILL_BLOCKS", d.attn_prefill_blocks_per_sm),
             attn_cluster: on("ATTN_CLUSTER", d.attn_cluster),
+            attn_cluster_max: num("ATTN_CLUSTER_MAX", d.attn_cluster_max),
             pdl: on("PDL", d.pdl),
             pdl_early: on("PDL_EARLY", d.pdl_early),
             norm_fold: on("NORM_FOLD", d.norm_fold),

@@ -129,6 +129,12 @@ fn decode_attention_against_f64() {
     for c in &cases {
         run_attention_case(&d, &mut r, c, 1e-4);
     }
+    // Clusters past the portable 8 blocks (Hopper): more key splits, merged
+    // in the cluster as before.
+    let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..d.tuning().clone() }).unwrap();
+    for c in &cases {
+        run_attention_case(&wide, &mut r, c, 1e-4);
+    }
 }
 
 #[test]

@@ -82,10 +82,10 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
         const long o = off(it);
         if (o < 0) continue;
         const float* pg = cp + it * (HD + 2);
-        float ms[8], ls[8];
-        float2 as[8];
+        float ms[CL_MAX], ls[CL_MAX];
+        float2 as[CL_MAX];
         #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < CL_MAX; k++) {
             if (k < nsplit) {
                 ms[k] = ld_cluster(pg + HD, k);
                 ls[k] = ld_cluster(pg + HD + 1, k);
@@ -94,13 +94,13 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
         }
         float M = NEG_INF;
         #pragma unroll
-        for (int k = 0; k < 8; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
+        for (int k = 0; k < CL_MAX; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
         // A split with no keys has m = -inf: weight 2^-inf = 0 (and with
         // every split empty, M is -inf and L stays 0).
         const float Mb = M == NEG_INF ? 0.f : M;
         float L = 0.f, a0 = 0.f, a1 = 0.f;
         #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < CL_MAX; k++) {
             if (k < nsplit) {
                 const float w = ex2((ms[k] - Mb) * 1.4426950408889634f);
                 L += w * ls[k];

@@ -138,7 +138,11 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    // A worker a core (tokio's default; `TOKIO_WORKER_THREADS` sets it):
+    // a round's tokens go out on as many connections at once, where two
+    // workers wrote 32 streams' frames one after another. The workers sleep
+    // between rounds, so on the CPU they take little from the forward.
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         // An empty key would turn authentication off without a word.
         let empty_env = std::env::var_os("BRAID_API_KEY").is_some_and(|v| v.is_empty());

@@ -138,10 +138,10 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    // A worker a core (tokio's default; `TOKIO_WORKER_THREADS` sets it):
-    // a round's tokens go out on as many connections at once, where two
-    // workers wrote 32 streams' frames one after another. The workers sleep
-    // between rounds, so on the CPU they take little from the forward.
+    // A worker a core (tokio's default; `TOKIO_WORKER_THREADS` sets it), so
+    // a round's frames for many streams go out side by side rather than
+    // through two workers. They sleep between rounds: on the CPU they take
+    // little from the forward.
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         // An empty key would turn authentication off without a word.

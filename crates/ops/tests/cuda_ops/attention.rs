@@ -126,14 +126,13 @@ fn decode_attention_against_f64() {
         Case { bt: 16, heads: 8, kv_heads: 1, hd: 512, window: None, softcap: None, seqs: vec![(1, 1), (1, 900), (3, 40), (130, 300)] },
         Case { bt: 16, heads: 16, kv_heads: 2, hd: 512, window: Some(64), softcap: Some(30.0), seqs: vec![(1, 500), (70, 200)] },
     ];
-    for c in &cases {
-        run_attention_case(&d, &mut r, c, 1e-4);
-    }
-    // Clusters past the portable 8 blocks (Hopper): more key splits, merged
-    // in the cluster as before.
+    // Also with clusters past the portable 8 blocks (Hopper): more key
+    // splits, merged in the cluster as before.
     let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..d.tuning().clone() }).unwrap();
-    for c in &cases {
-        run_attention_case(&wide, &mut r, c, 1e-4);
+    for dev in [&d, &wide] {
+        for c in &cases {
+            run_attention_case(dev, &mut r, c, 1e-4);
+        }
     }
 }
 

@@ -285,6 +285,12 @@ pub struct Step<'a> {
     /// started without one would otherwise likely serve only part of the
     /// next.
     pub next_plain: bool,
+    /// Some stream of this round will likely feed a draft in the next (a
+    /// drafter is proposing for it): a round started ahead, one token a
+    /// stream, would serve only part of that round, and the device would
+    /// run it before the round asked for (twice a round's time), so such a
+    /// backend starts none.
+    pub next_drafts: bool,
     /// Guided rows of an argmax round: where the backend finds their masks
     /// when it picks (see [`RoundMasks`]).
     pub masks: Option<&'a dyn RoundMasks>,
@@ -297,7 +303,7 @@ pub struct Step<'a> {
 impl<'a> Step<'a> {
     /// A step that names no next chunk and has no masks.
     pub fn new(rows: &'a [DecodeRow], chunk: Option<(StreamId, Chunk<'a>)>, pick: Pick) -> Step<'a> {
-        Step { rows, chunk, pick, next_chunk: None, next_plain: false, masks: None, penalties: &[] }
+        Step { rows, chunk, pick, next_chunk: None, next_plain: false, next_drafts: false, masks: None, penalties: &[] }
     }
 }
 

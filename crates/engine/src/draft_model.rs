@@ -230,6 +230,10 @@ impl Drafter for DraftModel {
         }
     }
 
+    fn may_propose(&self, stream: StreamId) -> bool {
+        self.streams.get(&stream).is_some_and(|s| !s.broken && !s.gate.skipping()) && self.behind(stream) <= CATCH_UP
+    }
+
     fn forget(&mut self, stream: StreamId) {
         if self.streams.remove(&stream).is_some() {
             self.backend.forget(stream);

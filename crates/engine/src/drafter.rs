@@ -31,6 +31,14 @@ pub trait Drafter: Send {
     /// but not yet fed). May be empty; the lane trims it to its budget.
     fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32>;
 
+    /// Whether the next [`Drafter::propose`] for `stream` may give tokens
+    /// (false: it will surely give none, e.g. its [`Gate`] is skipping
+    /// rounds). The lane tells a backend that starts rounds ahead whether
+    /// drafts are likely next ([`crate::Step::next_drafts`]).
+    fn may_propose(&self, _stream: StreamId) -> bool {
+        true
+    }
+
     /// The stream is gone; drop its state.
     fn forget(&mut self, stream: StreamId);
 
@@ -109,6 +117,12 @@ impl Gate {
         self.budget
     }
 
+    /// Whether the next [`Gate::allow`] gives 0 (a streak of misses is
+    /// being sat out).
+    pub fn skipping(&self) -> bool {
+        self.skip > 0
+    }
+
     /// The proposal made holds `n` tokens.
     pub fn proposed(&mut self, n: usize) {
         self.proposed = n;
@@ -141,7 +155,10 @@ mod tests {
         g.proposed(1);
         g.absorbed(1);
         // Two misses in a row: two rounds skipped, then it tries again.
-        assert_eq!((g.allow(), g.allow(), g.allow()), (0, 0, 1));
+        assert!(g.skipping());
+        assert_eq!((g.allow(), g.allow()), (0, 0));
+        assert!(!g.skipping(), "the next allowance is not 0");
+        assert_eq!(g.allow(), 1);
         // Two more: four rounds skipped.
         g.proposed(1);
         g.absorbed(1);

@@ -57,13 +57,15 @@ pub enum Call {
     Prefill(ChunkCall),
     /// `round`: each decode row's stream and tokens in order, the chunk
     /// that shared the forward, what was picked per token row, and what
-    /// it said of the next round (`Step::next_chunk`, `Step::next_plain`).
+    /// it said of the next round (`Step::next_chunk`, `Step::next_plain`,
+    /// `Step::next_drafts`).
     Round {
         rows: Vec<(StreamId, Vec<u32>)>,
         chunk: Option<ChunkCall>,
         pick: Pick,
         next_chunk: Option<ChunkCall>,
         next_plain: bool,
+        next_drafts: bool,
     },
     CancelPrefill(StreamId),
     KeepMark {
@@ -460,7 +462,14 @@ impl Backend for FakeBackend {
     fn round(&mut self, step: Step<'_>) -> Result<RoundOut> {
         let rows = step.rows.iter().map(|r: &DecodeRow| (r.stream, r.tokens.clone())).collect();
         let chunk = step.chunk.map(|(s, c)| chunk_call(s, &c));
-        self.log.push(Call::Round { rows, chunk, pick: step.pick, next_chunk: step.next_chunk.map(|(s, c)| chunk_call(s, &c)), next_plain: step.next_plain });
+        self.log.push(Call::Round {
+            rows,
+            chunk,
+            pick: step.pick,
+            next_chunk: step.next_chunk.map(|(s, c)| chunk_call(s, &c)),
+            next_plain: step.next_plain,
+            next_drafts: step.next_drafts,
+        });
         self.run(step)
     }
 

@@ -96,6 +96,10 @@ impl Drafter for PromptLookup {
         out
     }
 
+    fn may_propose(&self, stream: StreamId) -> bool {
+        self.streams.get(&stream).is_none_or(|s| !s.gate.skipping())
+    }
+
     fn forget(&mut self, stream: StreamId) {
         self.streams.remove(&stream);
     }
@@ -131,12 +135,17 @@ mod tests {
         assert_eq!(d.propose(1, 1), vec![2, 1]);
         d.absorb(1, &[1], &[]);
         assert_eq!(d.propose(1, 2), vec![1], "nothing accepted: one token next");
+        assert!(d.may_propose(1));
         d.absorb(1, &[2], &[]);
-        // Rejected twice in a row: two rounds propose nothing, then it tries again.
+        // Rejected twice in a row: two rounds propose nothing (and it says
+        // so before each), then it tries again.
+        assert!(!d.may_propose(1));
         assert_eq!(d.propose(1, 1), Vec::<u32>::new());
         d.absorb(1, &[1], &[]);
+        assert!(!d.may_propose(1));
         assert_eq!(d.propose(1, 2), Vec::<u32>::new());
         d.absorb(1, &[2], &[]);
+        assert!(d.may_propose(1));
         assert_eq!(d.propose(1, 1), vec![2]);
         // An accepted draft resets the count (and doubles the budget).
         d.absorb(1, &[1, 2], &[]);

@@ -401,3 +401,44 @@ fn penalised_draft_rows_count_the_drafts_before_them() {
     assert!(stats.draft_accepted > 0, "the drafter was never right");
     assert!(log.picks().iter().all(|&p| p == Pick::Argmax));
 }
+
+/// What each round with decode rows said of the next (`Step::next_drafts`).
+fn said_drafts_next(log: &CallLog) -> Vec<bool> {
+    log.snapshot()
+        .iter()
+        .filter_map(|c| if let Call::Round { rows, next_drafts, .. } = c { (!rows.is_empty()).then_some(*next_drafts) } else { None })
+        .collect()
+}
+
+// A round says whether the next will likely carry drafts, so a backend that
+// starts rounds ahead (one token a stream) starts none that the device
+// would run for nothing: with a drafter proposing, every round of a
+// drafting stream says so; none without a drafter, for a stream that keeps
+// it off, or while more streams decode than draft.
+#[test]
+fn a_round_says_when_drafts_come_next() {
+    let (drafting, log) = lane_with_drafter(FakeConfig::default(), no_marks(), 3);
+    drain(&drafting.submit(greedy(prompt(9, 3), 20)).unwrap());
+    let said = said_drafts_next(&log);
+    assert!(!said.is_empty() && said.iter().all(|&d| d), "{said:?}");
+    let drafted = log.snapshot().iter().filter(|c| c.rows().iter().any(|r| r.1.len() > 1)).count();
+    assert!(drafted > 0, "the drafter's proposals never ran");
+
+    let (plain, log) = lane(FakeConfig::default(), no_marks());
+    drain(&plain.submit(greedy(prompt(9, 3), 20)).unwrap());
+    assert!(said_drafts_next(&log).iter().all(|&d| !d));
+
+    let (off, log) = lane_with_drafter(FakeConfig::default(), no_marks(), 3);
+    drain(&off.submit(Request { draft_tokens: Some(0), ..greedy(prompt(9, 3), 20) }).unwrap());
+    let said = said_drafts_next(&log);
+    assert!(!said.is_empty() && said.iter().all(|&d| !d), "{said:?}");
+
+    // Three streams at once, one drafting at most: rounds of all three say no.
+    let lc = LaneConfig { draft_max_streams: 1, ..no_marks() };
+    let (busy, log) = lane_with_drafter(FakeConfig::default(), lc, 3);
+    let hs: Vec<StreamHandle> = (0..3).map(|i| busy.submit(greedy(prompt(9, 3 + i), 30)).unwrap()).collect();
+    hs.iter().for_each(|h| drop(drain(h)));
+    let rounds: Vec<Call> = log.snapshot().into_iter().filter(|c| c.rows().len() == 3).collect();
+    assert!(!rounds.is_empty());
+    assert!(rounds.iter().all(|c| matches!(c, Call::Round { next_drafts: false, .. })), "{rounds:?}");
+}

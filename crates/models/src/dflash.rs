@@ -616,6 +616,10 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
         }
     }
 
+    fn may_propose(&self, stream: StreamId) -> bool {
+        self.streams.get(&stream).is_none_or(|s| !s.gate.skipping())
+    }
+
     fn forget(&mut self, stream: StreamId) {
         if let Some(st) = self.streams.remove(&stream) {
             self.free.extend(st.blocks);

@@ -249,6 +249,7 @@ impl Core {
             _ => None,
         });
         let next_plain = announced == Next::Plain;
+        let next_drafts = self.drafts_next(&plan);
         let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
         let picks_on_device = matches!(plan.pick, Pick::Argmax | Pick::TopK(_));
         let pick_masks = picks_on_device.then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
@@ -257,7 +258,8 @@ impl Core {
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out = self.backend.round(Step { next_chunk, next_plain, masks, penalties: &penalties, ..Step::new(&plan.rows, None, plan.pick) });
+                let out =
+                    self.backend.round(Step { next_chunk, next_plain, next_drafts, masks, penalties: &penalties, ..Step::new(&plan.rows, None, plan.pick) });
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -274,8 +276,15 @@ impl Core {
                     pass.step(backend, drafter)
                 } else {
                     pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
-                        let out =
-                            b.round(Step { next_chunk, next_plain, masks, penalties: &penalties, ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick) });
+                        let step = Step {
+                            next_chunk,
+                            next_plain,
+                            next_drafts,
+                            masks,
+                            penalties: &penalties,
+                            ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick)
+                        };
+                        let out = b.round(step);
                         features = leading_features(b, decode_rows * dim);
                         let (p, logits) = match out {
                             Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),
@@ -530,6 +539,13 @@ impl Core {
         } else {
             0
         }
+    }
+
+    /// Whether a stream of `plan` will likely feed a draft in the next
+    /// round: the drafter proposes after this one and may give it tokens.
+    fn drafts_next(&self, plan: &RoundPlan) -> bool {
+        let Some(d) = self.drafter.as_deref() else { return false };
+        self.proposing(0) && plan.at.iter().map(|&at| &self.running[at]).any(|s| s.draft_tokens > 0 && d.may_propose(s.id))
     }
 
     /// Whether streams ask the drafter for proposals now: not while more

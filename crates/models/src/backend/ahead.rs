@@ -11,16 +11,17 @@ use super::rows::RowArrays;
 use super::{ModelBackend, StreamState, REPLAY_CHUNK_ROWS};
 
 /// What a step says of the round after it (`Step::next_chunk`,
-/// `Step::next_plain`).
+/// `Step::next_plain`, `Step::next_drafts`).
 #[derive(Clone, Copy)]
 pub(super) struct NextRound<'c> {
     chunk: Option<(StreamId, Chunk<'c>)>,
     plain: bool,
+    drafts: bool,
 }
 
 impl<'c> NextRound<'c> {
     pub(super) fn of(step: &Step<'c>) -> NextRound<'c> {
-        NextRound { chunk: step.next_chunk, plain: step.next_plain }
+        NextRound { chunk: step.next_chunk, plain: step.next_plain, drafts: step.next_drafts }
     }
 }
 
@@ -103,14 +104,16 @@ impl<D: Device> ModelBackend<D> {
     /// `Some(next)` to launch the round after with the chunk named for it,
     /// or with decode rows alone where the step says so or no pass is
     /// under way (during one, the next round will likely carry a chunk, and
-    /// one started without it would serve only part of it).
+    /// one started without it would serve only part of it). Nothing where
+    /// the next round will likely carry drafts: one token a stream would
+    /// serve only part of it.
     pub(super) fn ahead<'c>(&mut self, rows: &[DecodeRow], chunk: bool, pick: Pick, next: NextRound<'c>) -> Option<Option<(StreamId, Chunk<'c>)>> {
-        if pick != Pick::Argmax || !self.may_launch_ahead(rows) || self.sitting_out(rows) {
+        if pick != Pick::Argmax || next.drafts || !self.may_launch_ahead(rows) || self.sitting_out(rows) {
             return None;
         }
         match next {
             NextRound { chunk: Some(n), .. } => self.ahead_chunk_ready(rows, n).then_some(Some(n)),
-            NextRound { chunk: None, plain } => (plain || (!chunk && !self.chunk_last)).then_some(None),
+            NextRound { chunk: None, plain, .. } => (plain || (!chunk && !self.chunk_last)).then_some(None),
         }
     }
 

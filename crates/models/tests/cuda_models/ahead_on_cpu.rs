@@ -305,6 +305,29 @@ fn no_round_is_launched_ahead_while_an_open_stream_sits_out() {
     assert!(round(&mut be, &mut next, &[2, 1], Pick::Argmax), "the same rows reversed: launched ahead");
 }
 
+/// A step that says drafts likely come next (`Step::next_drafts`) starts
+/// no round ahead: one token a stream would serve only part of the next
+/// round, run before it on the device. The step after, saying none, does.
+#[test]
+fn no_round_is_launched_ahead_when_drafts_come_next() {
+    let (mut be, next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
+    let mut next = next;
+    let mut round = |drafts: bool| -> bool {
+        let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
+        let Picked::Tokens(t) = be.round(Step { next_drafts: drafts, ..Step::new(&rows, None, Pick::Argmax) }).unwrap().picked else {
+            panic!("an argmax round")
+        };
+        for (s, t) in t.into_iter().enumerate() {
+            next.insert(s as StreamId, t);
+        }
+        be.launched_ahead()
+    };
+    round(false);
+    assert!(round(false), "greedy rounds of the same streams: launched ahead");
+    assert!(!round(true), "drafts likely next: nothing launched");
+    assert!(round(false));
+}
+
 /// Masks given once, or late (None: the round returns logits).
 struct Masks(Option<Vec<Option<TokenMask>>>);
 

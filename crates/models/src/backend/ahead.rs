@@ -54,8 +54,6 @@ impl<D: Device> ModelBackend<D> {
     fn may_launch_ahead(&mut self, rows: &[DecodeRow]) -> bool {
         self.dev.caps().ahead
             && self.rewindable
-            // A round launched ahead would leave its features, not the round's.
-            && self.tap_width == 0
             && !rows.is_empty()
             && rows.iter().all(|r| r.tokens.len() == 1 && self.streams.contains_key(&r.stream))
             && rows.iter().all(|r| {

@@ -47,7 +47,7 @@ mod rows;
 use ahead::{Launched, NextRound};
 pub use layout::KvLayout;
 use layout::WindowGroup;
-use picks::{empty, launched_rows, merge, resolve, select};
+use picks::{empty, launched_rows, merge, merge_rows, resolve, select, select_rows};
 use rows::{image_rows, RowArrays};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
@@ -276,6 +276,11 @@ impl<D: Device> ModelBackend<D> {
         // A round launched ahead ran without the taps.
         self.drop_launched();
         Ok(())
+    }
+
+    /// The width of a feature row: every tap side by side (0: no taps).
+    fn feature_dim(&self) -> usize {
+        self.scratch.taps.len() * self.tap_width
     }
 
     /// The tapped rows of the forward just run, side by side on the host.
@@ -556,6 +561,9 @@ impl<D: Device> ModelBackend<D> {
                 let from: Vec<usize> = served.iter().map(|&(_, j)| j).collect();
                 self.dev.gather_rows(&self.scratch.logits, &from, &mut self.row);
                 self.dev.gather_rows(&self.row, &(0..from.len()).collect::<Vec<_>>(), &mut self.scratch.logits);
+                if self.tap_width > 0 {
+                    self.features = select_rows(&self.features, from.into_iter(), self.feature_dim());
+                }
             }
             let total = step.rows.iter().map(|r| r.tokens.len()).sum();
             let (pick, allowed) = resolve(step.pick, step.masks, total, self.model.vocab());
@@ -570,9 +578,18 @@ impl<D: Device> ModelBackend<D> {
             let all = self.pick_rows(&[], pick, None, &[], None)?;
             let vocab = self.model.vocab();
             let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
+            let (fw, launched_features) = (self.feature_dim(), std::mem::take(&mut self.features));
             let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
             let second = self.run(&rest, step.chunk, pick, None, &[], None)?;
             let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
+            if fw > 0 {
+                // The step's rows in order, then the chunk's (the second forward's last).
+                let rest_rows: usize = rest.iter().map(|r| r.tokens.len()).sum();
+                let chunk = self.features.split_off(rest_rows * fw);
+                let first = select_rows(&launched_features, served.iter().map(|&(_, j)| j), fw);
+                self.features = merge_rows(step.rows, &served_rows, first, std::mem::take(&mut self.features), fw);
+                self.features.extend(chunk);
+            }
             RoundOut { picked: merge(step.rows, &served_rows, first, second.picked, vocab), chunk_logits: second.chunk_logits }
         };
         self.chunk_last = step.chunk.is_some();
@@ -599,11 +616,11 @@ impl<D: Device> Backend for ModelBackend<D> {
             max_context: self.cfg.context,
             vocab_size: self.model.vocab(),
             images: self.model.vision().is_some(),
-            feature_dim: self.scratch.taps.len() * self.tap_width,
+            feature_dim: self.feature_dim(),
             // Every device's pick applies penalties (the default on the rows it downloads).
             picks: Picks { argmax: caps.argmax, top_k: caps.top_k, penalties: true },
             replayed_chunk_rows: if caps.replays { REPLAY_CHUNK_ROWS } else { 0 },
-            launches_ahead: caps.ahead && self.rewindable && self.tap_width == 0,
+            launches_ahead: caps.ahead && self.rewindable,
         }
     }
 

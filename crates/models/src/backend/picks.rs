@@ -41,41 +41,38 @@ pub(super) fn launched_rows(rows: &[DecodeRow], picked: &Picked) -> Vec<(StreamI
 /// The picks of rows `idx` (one token row each) of `all`, in that order.
 pub(super) fn select(all: &Picked, idx: impl Iterator<Item = usize>, vocab: usize) -> Picked {
     match all {
-        Picked::Logits(v) => Picked::Logits(idx.flat_map(|i| v[i * vocab..(i + 1) * vocab].iter().copied()).collect()),
+        Picked::Logits(v) => Picked::Logits(select_rows(v, idx, vocab)),
         Picked::Tokens(t) => Picked::Tokens(idx.map(|i| t[i]).collect()),
         Picked::Top(t) => Picked::Top(idx.map(|i| t[i].clone()).collect()),
     }
 }
 
+/// Rows `idx` of `v` (rows of `width`), in that order.
+pub(super) fn select_rows(v: &[f32], idx: impl Iterator<Item = usize>, width: usize) -> Vec<f32> {
+    idx.flat_map(|i| v[i * width..(i + 1) * width].iter().copied()).collect()
+}
+
 /// The picks of `rows` in order: the `served` rows' from `first`, the
 /// others' from `second` (both in row order).
 pub(super) fn merge(rows: &[DecodeRow], served: &[usize], first: Picked, second: Picked, vocab: usize) -> Picked {
-    fn interleave<T: Clone>(rows: &[DecodeRow], served: &[usize], a: Vec<Vec<T>>, b: Vec<Vec<T>>) -> Vec<T> {
-        let (mut a, mut b) = (a.into_iter(), b.into_iter());
-        let mut out = Vec::new();
-        for i in 0..rows.len() {
-            let part = if served.contains(&i) { a.next() } else { b.next() };
-            out.extend(part.unwrap_or_default());
-        }
-        out
-    }
-    // Split each side into per-row groups (a decode row may hold several
-    // token rows: drafts), then interleave in row order.
-    let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
-    let served_lens: Vec<usize> = served.iter().map(|&i| lens[i]).collect();
-    let rest_lens: Vec<usize> = (0..rows.len()).filter(|i| !served.contains(i)).map(|i| lens[i]).collect();
-    fn groups<T: Clone>(v: Vec<T>, lens: &[usize], width: usize) -> Vec<Vec<T>> {
-        let mut out = Vec::with_capacity(lens.len());
-        let mut it = v.into_iter();
-        for &n in lens {
-            out.push(it.by_ref().take(n * width).collect());
-        }
-        out
-    }
     match (first, second) {
-        (Picked::Logits(a), Picked::Logits(b)) => Picked::Logits(interleave(rows, served, groups(a, &served_lens, vocab), groups(b, &rest_lens, vocab))),
-        (Picked::Tokens(a), Picked::Tokens(b)) => Picked::Tokens(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
-        (Picked::Top(a), Picked::Top(b)) => Picked::Top(interleave(rows, served, groups(a, &served_lens, 1), groups(b, &rest_lens, 1))),
+        (Picked::Logits(a), Picked::Logits(b)) => Picked::Logits(merge_rows(rows, served, a, b, vocab)),
+        (Picked::Tokens(a), Picked::Tokens(b)) => Picked::Tokens(merge_rows(rows, served, a, b, 1)),
+        (Picked::Top(a), Picked::Top(b)) => Picked::Top(merge_rows(rows, served, a, b, 1)),
         (a, _) => a,
     }
+}
+
+/// The token rows of `rows` in order, each `width` wide: the `served`
+/// rows' from `first`, the others' from `second` (both in row order; a
+/// decode row may hold several token rows: drafts). What `second` holds
+/// past them (a chunk's rows) is dropped.
+pub(super) fn merge_rows<T>(rows: &[DecodeRow], served: &[usize], first: Vec<T>, second: Vec<T>, width: usize) -> Vec<T> {
+    let (mut a, mut b) = (first.into_iter(), second.into_iter());
+    let mut out = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        let from = if served.contains(&i) { &mut a } else { &mut b };
+        out.extend(from.take(r.tokens.len() * width));
+    }
+    out
 }

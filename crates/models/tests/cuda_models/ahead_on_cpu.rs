@@ -149,11 +149,15 @@ fn three_streams(dev: AheadCpu) -> (ModelBackend<AheadCpu>, HashMap<StreamId, u3
     (be, next, lens)
 }
 
-/// Each round's picks (and chunk logits) as text, with the blocks in
-/// use after it, the streams open, and the blocks free for the plan.
-fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<(String, usize, usize, usize)> {
+/// Each round's picks (and chunk logits; with `taps`, its features) as
+/// text, with the blocks in use after it, the streams open, and the
+/// blocks free for the plan.
+fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: bool) -> Vec<(String, usize, usize, usize)> {
     let vocab = VOCAB;
     let (mut be, mut next, mut lens) = three_streams(dev);
+    if taps {
+        be.set_feature_layers(&[0], 64).unwrap();
+    }
     let prompt = |s: u64, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % vocab as u32).collect() };
     let mut log = Vec::new();
     let mut pending: Option<(StreamId, Vec<u32>)> = None;
@@ -204,10 +208,16 @@ fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<(String, usize, usize,
             Picked::Top(c) => c.iter().map(|c| c[0].0).collect(),
             Picked::Logits(l) => l.chunks(vocab).map(|r| argmax(r) as u32).collect(),
         };
-        let picked = match &out.picked {
+        let mut picked = match &out.picked {
             Picked::Logits(l) => format!("{:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()),
             other => format!("{other:?}"),
         };
+        if taps {
+            let f = be.features().unwrap();
+            let rows = rows.iter().map(|r| r.tokens.len()).sum::<usize>() + chunk.as_ref().map_or(0, |c| c.1.len());
+            assert_eq!(f.len(), rows * 64, "round {round}: one feature row a token row");
+            picked += &format!(" features {:?}", f.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
         // Blocks in use too: a stream that left keeps its blocks for the
         // round launched ahead of it, and only until that round.
         log.push((
@@ -231,9 +241,9 @@ fn drive(dev: AheadCpu, script: &[(usize, Event)]) -> Vec<(String, usize, usize,
     log
 }
 
-fn check(script: &[(usize, Event)]) {
-    let on = drive(AheadCpu(Cpu::new(Some(1)), true), script);
-    let off = drive(AheadCpu(Cpu::new(Some(1)), false), script);
+fn check(script: &[(usize, Event)], taps: bool) {
+    let on = drive(AheadCpu(Cpu::new(Some(1)), true), script, taps);
+    let off = drive(AheadCpu(Cpu::new(Some(1)), false), script, taps);
     assert_eq!(on.len(), off.len());
     for ((a, used_on, open, free_on), (b, used_off, _, free_off)) in on.iter().zip(&off) {
         assert_eq!(a, b, "ahead on and off differ");
@@ -251,14 +261,23 @@ fn check(script: &[(usize, Event)]) {
 /// for bit.
 #[test]
 fn rounds_that_differ_from_the_one_launched_ahead_on_the_cpu() {
-    check(&script(false));
+    check(&script(false), false);
 }
 
 /// A stream forgotten after a round launched ahead for it, the others
 /// going on: the launched round is not served for the stream gone.
 #[test]
 fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
-    check(&script(true));
+    check(&script(true), false);
+}
+
+/// With a feature tap (a drafter's), rounds are launched ahead too, and
+/// each round's features are its rows' in the step's order: from the
+/// round launched, the second forward, or both merged (a row served, a
+/// draft run afresh, a chunk last), as with ahead off, bit for bit.
+#[test]
+fn features_of_rounds_launched_ahead_on_the_cpu() {
+    check(&script(true), true);
 }
 
 /// A stream still open that sits a round out (a guided stream waiting

@@ -18,7 +18,8 @@ use anyhow::{anyhow, Result};
 use braid_engine::{Constraint, Grammar, Guide, TokenMask};
 use braid_formats::tokenizer::{TokenKind, Tokenizer};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::earley::SlicedBiasComputer;
+use llguidance::toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::{json, Value};
 
@@ -66,6 +67,10 @@ impl Grammars {
     /// The trie of `tok`'s vocabulary; `stop_ids` are the tokens that end
     /// a generation (allowed where the grammar is complete).
     pub fn new(tok: &Arc<Tokenizer>, stop_ids: &[u32]) -> Result<Grammars> {
+        Self::with_slices(tok, stop_ids, &slices())
+    }
+
+    fn with_slices(tok: &Arc<Tokenizer>, stop_ids: &[u32], slices: &[String]) -> Result<Grammars> {
         let n = tok.vocab_size();
         let words: Vec<Vec<u8>> = (0..n as u32)
             .map(|id| match tok.kind(id) {
@@ -88,7 +93,7 @@ impl Grammars {
         }
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&ends);
         let env: TokEnv = Arc::new(Vocab { canonical: tok.encode_piece("a").is_some(), trie, tok: tok.clone() });
-        let mut factory = ParserFactory::new_simple(&env)?;
+        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), slices)?;
         factory.quiet();
         Ok(Grammars { factory })
     }
@@ -110,6 +115,18 @@ impl Grammars {
         }
         Ok(Guide::new(Compiled(parser)))
     }
+}
+
+/// The token slices whose masks llguidance computes once and applies
+/// whole where a JSON string's body allows every token of the slice: its
+/// own (string pieces of up to 10 and 30 characters, any, whitespace),
+/// and pieces of up to 4 and 8, which a string shorter than 10 characters
+/// takes at its start (`"minLength": 3, "maxLength": 8` on Qwen2.5's 151k
+/// tokens: a mask 0.79 ms on average, 0.49 with them).
+fn slices() -> Vec<String> {
+    let mut s = SlicedBiasComputer::json_slices();
+    s.extend([4, 8].map(|n| format!(r#"[^"\\\x00-\x1F\x7F]{{1,{n}}}"#)));
+    s
 }
 
 /// The tokenizer as llguidance sees it.
@@ -232,6 +249,32 @@ mod tests {
         let regex = g.compile(&Spec::Regex("[0-9]{3}-[a-z]+".into())).unwrap();
         assert_eq!(follows(&regex, "123-ab"), Ok(false));
         assert!(follows(&regex, "12a").is_err());
+    }
+
+    // braid's token slices change how fast a mask comes, not what it
+    // allows: along a reply of short bounded strings, SmolLM2's masks
+    // equal those of llguidance's own slices.
+    #[test]
+    fn short_string_slices_give_the_same_masks() {
+        let Some(path) = braid_formats::cache::cached_model("SmolLM2-135M-Instruct.Q4_1.gguf") else {
+            eprintln!("SKIP: SmolLM2 not in the model cache (run `braid fetch smollm2`)");
+            return;
+        };
+        let tok = Arc::new(Tokenizer::from_gguf(&braid_formats::gguf::Gguf::open(&path).unwrap()).unwrap());
+        let ours = Grammars::new(&tok, &tok.stop_ids()).unwrap();
+        let theirs = Grammars::with_slices(&tok, &tok.stop_ids(), &SlicedBiasComputer::json_slices()).unwrap();
+        let schema = json!({"type": "object", "properties": {"items": {"type": "array", "minItems": 4, "maxItems": 4, "items": {"type": "string", "minLength": 3, "maxLength": 8}}}, "required": ["items"], "additionalProperties": false});
+        let spec = Spec::JsonSchema { schema, strict: true };
+        let (a, b) = (ours.compile(&spec).unwrap(), theirs.compile(&spec).unwrap());
+        let ids = tok.encode(r#"{"items": ["apple", "sun", "riverbed", "stone"]}"#, false).unwrap();
+        let (mut ca, mut cb) = (a.start().unwrap(), b.start().unwrap());
+        for (i, &t) in ids.iter().enumerate() {
+            let (ma, mb) = (ca.mask().unwrap(), cb.mask().unwrap());
+            assert!(ma.allows(t), "token {i} refused");
+            let differ = (0..tok.vocab_size() as u32).find(|&x| ma.allows(x) != mb.allows(x));
+            assert_eq!(differ, None, "the masks before token {i} differ");
+            assert_eq!(ca.commit(t).unwrap(), cb.commit(t).unwrap());
+        }
     }
 
     #[test]

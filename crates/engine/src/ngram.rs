@@ -32,6 +32,9 @@ impl Default for NgramConfig {
 struct Seq {
     tokens: Vec<u32>,
     gate: Gate,
+    /// The last proposal found a match: whether the next will is told
+    /// from it (copies run on; text that repeats nothing finds none).
+    matched: bool,
 }
 
 pub struct PromptLookup {
@@ -46,7 +49,7 @@ impl PromptLookup {
 
     fn seq(&mut self, stream: StreamId) -> &mut Seq {
         let cfg = &self.cfg;
-        self.streams.entry(stream).or_insert_with(|| Seq { tokens: Vec::new(), gate: Gate::new(cfg.max_tokens, cfg.patience) })
+        self.streams.entry(stream).or_insert_with(|| Seq { tokens: Vec::new(), gate: Gate::new(cfg.max_tokens, cfg.patience), matched: true })
     }
 }
 
@@ -93,11 +96,15 @@ impl Drafter for PromptLookup {
         // `last` is absorbed with the round that feeds it.
         s.tokens.pop();
         s.gate.proposed(out.len());
+        s.matched = !out.is_empty();
         out
     }
 
+    /// Told from the last proposal: a copy runs on, and text that repeats
+    /// nothing finds no match round after round (where a round started
+    /// ahead pays).
     fn may_propose(&self, stream: StreamId) -> bool {
-        self.streams.get(&stream).is_none_or(|s| !s.gate.skipping())
+        self.streams.get(&stream).is_none_or(|s| s.matched && !s.gate.skipping())
     }
 
     fn forget(&mut self, stream: StreamId) {
@@ -125,6 +132,20 @@ mod tests {
         // A run and a cycle continue past the end of what was seen.
         assert_eq!(lookup(&[5, 5, 5], 1, 2, 4), vec![5, 5, 5, 5]);
         assert_eq!(lookup(&[9, 1, 2, 3, 1, 2], 2, 2, 5), vec![3, 1, 2, 3, 1]);
+    }
+
+    #[test]
+    fn a_proposal_is_expected_after_a_match_not_after_none() {
+        let mut d = PromptLookup::new(NgramConfig { min_n: 2, max_n: 3, max_tokens: 4, patience: 0 });
+        d.open(1, &[1, 2, 3, 4, 5]);
+        assert!(d.may_propose(1), "nothing known yet");
+        assert_eq!(d.propose(1, 6), Vec::<u32>::new());
+        assert!(!d.may_propose(1), "no match last time");
+        d.absorb(1, &[6], &[]);
+        // "5 6" then "1 2": "1 2" occurred before.
+        d.absorb(1, &[1], &[]);
+        assert_eq!(d.propose(1, 2), vec![3, 4], "a stream starts at 2 tokens");
+        assert!(d.may_propose(1));
     }
 
     #[test]

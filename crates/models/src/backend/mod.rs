@@ -561,8 +561,9 @@ impl<D: Device> ModelBackend<D> {
                 let from: Vec<usize> = served.iter().map(|&(_, j)| j).collect();
                 self.dev.gather_rows(&self.scratch.logits, &from, &mut self.row);
                 self.dev.gather_rows(&self.row, &(0..from.len()).collect::<Vec<_>>(), &mut self.scratch.logits);
-                if self.tap_width > 0 {
-                    self.features = select_rows(&self.features, from.into_iter(), self.feature_dim());
+                let fw = self.feature_dim();
+                if fw > 0 {
+                    self.features = select_rows(&self.features, from.into_iter(), fw);
                 }
             }
             let total = step.rows.iter().map(|r| r.tokens.len()).sum();

@@ -68,8 +68,9 @@ __device__ __forceinline__ void copy_async_wait_all() {
 // item i's at out + off(i) (off < 0: no such row). A thread loads all its
 // remote values before using any (one round trip, not one per split). The
 // second barrier keeps every block's shared memory alive until all have
-// read it.
-template <class Off>
+// read it. At most CMAX splits (its arrays are registers: the prefill
+// kernel's, at most PF_CL_MAX, stay small whatever the decode's CL_MAX).
+template <int CMAX, class Off>
 __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, int nsplit, Off off,
                                          float* __restrict__ out, bf16_t* __restrict__ out_bf) {
 #if __CUDA_ARCH__ >= 900
@@ -82,10 +83,10 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
         const long o = off(it);
         if (o < 0) continue;
         const float* pg = cp + it * (HD + 2);
-        float ms[CL_MAX], ls[CL_MAX];
-        float2 as[CL_MAX];
+        float ms[CMAX], ls[CMAX];
+        float2 as[CMAX];
         #pragma unroll
-        for (int k = 0; k < CL_MAX; k++) {
+        for (int k = 0; k < CMAX; k++) {
             if (k < nsplit) {
                 ms[k] = ld_cluster(pg + HD, k);
                 ls[k] = ld_cluster(pg + HD + 1, k);
@@ -94,13 +95,13 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
         }
         float M = NEG_INF;
         #pragma unroll
-        for (int k = 0; k < CL_MAX; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
+        for (int k = 0; k < CMAX; k++) if (k < nsplit) M = fmaxf(M, ms[k]);
         // A split with no keys has m = -inf: weight 2^-inf = 0 (and with
         // every split empty, M is -inf and L stays 0).
         const float Mb = M == NEG_INF ? 0.f : M;
         float L = 0.f, a0 = 0.f, a1 = 0.f;
         #pragma unroll
-        for (int k = 0; k < CL_MAX; k++) {
+        for (int k = 0; k < CMAX; k++) {
             if (k < nsplit) {
                 const float w = ex2((ms[k] - Mb) * 1.4426950408889634f);
                 L += w * ls[k];
@@ -278,7 +279,7 @@ __device__ __forceinline__ void attn_decode_body(
             }
         }
     }
-    if (CL && nsplit > 1) cl_merge(cp, G, split, nsplit, [&](int g) { return (long)row * q_cols + (kvh * G + g) * HD; }, out, out_bf);
+    if (CL && nsplit > 1) cl_merge<CL_MAX>(cp, G, split, nsplit, [&](int g) { return (long)row * q_cols + (kvh * G + g) * HD; }, out, out_bf);
 }
 
 #define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \
@@ -342,6 +343,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 #define PF_KT (HD <= 64 ? 64 : HD <= 128 ? 32 : 16)
 #define PF_KP (HD + 8)
 #define PF_BQ 64
+// Most key splits of a chunk's cluster (attention.rs caps the split count
+// there).
+#define PF_CL_MAX 8
 #define PF_THREADS 128
 
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -607,7 +611,7 @@ __device__ __forceinline__ void attn_prefill_body(
             }
         }
         if (CL) {
-            cl_merge(cp, PF_BQ, split, nsplit, [&](int r) {
+            cl_merge<PF_CL_MAX>(cp, PF_BQ, split, nsplit, [&](int r) {
                 const int p = i0 + r;
                 return p < n_packed ? (long)(q_start + p / G) * q_cols + (kvh * G + p % G) * HD : -1L;
             }, out, out_bf);

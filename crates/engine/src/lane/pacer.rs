@@ -443,11 +443,27 @@ impl Pacer {
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.stream == stream);
         let share = if this_pass.is_some() { share } else { share / 2.0 };
+        let most = self.replayed.min(left);
+        // A size that has added more than a larger one (SmolLM2's 32 rows
+        // against its 48 on the H100: past 32 rows in all the products
+        // take another kernel) is passed over: the larger serves better,
+        // and a climb through it ran one round past the share each pass.
+        let dominated = |n: usize| {
+            Self::least_added(&self.added, decode, n)
+                .is_some_and(|a| replayed_sizes(most).any(|m| m > n && Self::least_added(&self.added, decode, m).is_some_and(|b| b <= a)))
+        };
+        let up = |n: usize| {
+            let mut m = size_up(n);
+            while m < most && dominated(m) {
+                m = size_up(m);
+            }
+            m
+        };
         // What sizes added before, read against the plain round now.
         let plain = self.plain_of(decode).max(1e-9);
         // Climbed from the largest size run within the share, or past one
         // that ran over it while no second size above that has.
-        let next_up = this_pass.map_or(size_up(0), |p| {
+        let next_up = this_pass.map_or(up(0), |p| {
             let within = p.seen.iter().filter(|(_, &f)| f <= share).map(|(&n, _)| n).max().unwrap_or(0);
             let over: Vec<usize> = p.seen.iter().filter(|(&n, &f)| f > share && n > within).map(|(&n, _)| n).collect();
             // The size running now, new to the pass and expected within
@@ -460,7 +476,7 @@ impl Pacer {
                 .filter(|&(s, n)| s == stream && n > within && over.is_empty() && !p.seen.contains_key(&n))
                 .map(|(_, n)| n)
                 .filter(|&n| p.expected(decode, n, p.growth, plain).is_some_and(|f| f <= share));
-            size_up(match (over.len(), running) {
+            up(match (over.len(), running) {
                 (1, _) => over[0],
                 (_, Some(n)) => n,
                 _ => within,
@@ -470,9 +486,8 @@ impl Pacer {
             Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }, plain),
             None => Self::least_added(&self.added, decode, n).map(|a| a / plain),
         };
-        let most = self.replayed.min(left);
-        let within = replayed_sizes(most).find(|&n| expected(n).is_some_and(|f| f <= share));
-        let probe = size_up(within.unwrap_or(0));
+        let within = replayed_sizes(most).find(|&n| !dominated(n) && expected(n).is_some_and(|f| f <= share));
+        let probe = up(within.unwrap_or(0));
         if probe <= most && expected(probe).is_none() {
             probe
         } else {

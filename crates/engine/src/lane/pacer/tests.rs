@@ -584,10 +584,11 @@ fn a_size_dearer_than_the_next_does_not_hold_a_pass_below_it() {
     // 64 rows add 0.6 ms, within the share's 0.66: most of the pass runs them.
     let at_64 = rounds.iter().filter(|&&r| r == 64).count();
     assert!(at_64 * 64 > 1200, "{rounds:?}");
-    // Each size past the share runs once at most.
-    for size in [32, 80] {
-        assert!(rounds.iter().filter(|&&r| r == size).count() <= 1, "{rounds:?}");
-    }
+    // 32 rows, dearer than 48 in the warm-up, never run (the climb goes
+    // from 24 to 48); a size past the share runs once at most.
+    assert!(!rounds.contains(&32), "{rounds:?}");
+    assert!(rounds.iter().filter(|&&r| r == 80).count() <= 1, "{rounds:?}");
+    assert!(rounds.iter().all(|&r| served(r, 0) <= 0.45 * 1.47), "a round past the share: {rounds:?}");
 }
 
 /// [`sized_pass`] as the lane runs a pass: each chunk sized a round ahead

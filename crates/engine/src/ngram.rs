@@ -32,8 +32,8 @@ impl Default for NgramConfig {
 struct Seq {
     tokens: Vec<u32>,
     gate: Gate,
-    /// The last proposal found a match: whether the next will is told
-    /// from it (copies run on; text that repeats nothing finds none).
+    /// The last proposal found a match, so the next is expected to as well
+    /// (copies run on; text that repeats nothing finds none).
     matched: bool,
 }
 

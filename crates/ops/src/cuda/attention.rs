@@ -17,8 +17,9 @@ use crate::AttnSeq;
 
 /// Query rows per block of the prefill attention kernel (PF_BQ).
 const PREFILL_ROWS: usize = 64;
-/// Most key splits of a chunk's cluster (`PF_CL_MAX` in attention.cu).
-const PF_CL_MAX: usize = 8;
+/// Most key splits of a chunk's cluster (`PF_CL_MAX` in attention.cu,
+/// defined from this: the merge's register arrays are this long).
+pub(super) const PF_CL_MAX: usize = 8;
 
 #[derive(Clone, Copy)]
 pub(super) struct AttnFns {
@@ -257,7 +258,7 @@ impl Cuda {
             // The count depends on the shape only (a split past the keys
             // walks none), so a recorded chunk's graph serves every position.
             // A tile and KV head's splits as one cluster (at most
-            // PF_CL_MAX blocks, attention.cu) merge in shared memory.
+            // PF_CL_MAX blocks) merge in shared memory.
             let ctas = work * kvh;
             let max = if fns.prefill_cl.is_some() { self.inner.tuning.attn_prefill_splits.min(PF_CL_MAX) } else { self.inner.tuning.attn_prefill_splits };
             let nsplit = (self.inner.tuning.attn_prefill_blocks_per_sm * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max.max(1));

@@ -343,9 +343,8 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const un
 #define PF_KT (HD <= 64 ? 64 : HD <= 128 ? 32 : 16)
 #define PF_KP (HD + 8)
 #define PF_BQ 64
-// Most key splits of a chunk's cluster (attention.rs caps the split count
-// there).
-#define PF_CL_MAX 8
+// PF_CL_MAX, the most key splits of a chunk's cluster, comes from
+// attention.rs (kernels.rs defines it), which caps the split count.
 #define PF_THREADS 128
 
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {

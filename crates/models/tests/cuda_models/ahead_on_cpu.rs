@@ -329,8 +329,7 @@ fn no_round_is_launched_ahead_while_an_open_stream_sits_out() {
 /// round, run before it on the device. The step after, saying none, does.
 #[test]
 fn no_round_is_launched_ahead_when_drafts_come_next() {
-    let (mut be, next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
-    let mut next = next;
+    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
     let mut round = |drafts: bool| -> bool {
         let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
         let Picked::Tokens(t) = be.round(Step { next_drafts: drafts, ..Step::new(&rows, None, Pick::Argmax) }).unwrap().picked else {

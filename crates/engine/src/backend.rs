@@ -34,6 +34,25 @@ pub struct Picks {
     /// [`Step::penalties`] are applied before an argmax or top-k pick, so
     /// a penalised stream's row need not come back whole.
     pub penalties: bool,
+    /// [`Pick::Draw`] runs where the logits are: sampled rows (top-p,
+    /// min-p, plain temperature) need not come back whole.
+    pub draw: bool,
+}
+
+/// One decode token row's sampling in a [`Pick::Draw`] round: its
+/// sampler's filters and the uniform number in [0, 1) its next draw
+/// takes. A backend returns a token drawn from the row's distribution
+/// under those filters (temperature 0: the argmax), the same token for the
+/// same row and `u`; where it draws it is its own (see
+/// [`crate::sampling::draw_row`] for how the host does).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Draw {
+    pub temperature: f32,
+    /// 0: no top-k filter.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub u: f64,
 }
 
 /// A sampler's penalty on one logit of a round's decode token rows (see
@@ -260,6 +279,10 @@ pub enum Pick {
     /// The row's `k` largest logits with their tokens, largest first (the
     /// lower token first on ties, NaN as -inf); `k` at most `Picks::top_k`.
     TopK(usize),
+    /// Each row's token drawn where the logits are, as [`Step::draws`]
+    /// says for that row (after its penalties, within its mask), returned
+    /// as [`Picked::Tokens`].
+    Draw,
 }
 
 /// One round: the decode rows of every decoding stream (each one token, or
@@ -298,12 +321,14 @@ pub struct Step<'a> {
     /// pick where [`Picks::penalties`] says so (a round whose rows come
     /// back whole returns them raw: the host applies them).
     pub penalties: &'a [Penalty],
+    /// A [`Pick::Draw`] round's draws, one per decode token row.
+    pub draws: &'a [Draw],
 }
 
 impl<'a> Step<'a> {
     /// A step that names no next chunk and has no masks.
     pub fn new(rows: &'a [DecodeRow], chunk: Option<(StreamId, Chunk<'a>)>, pick: Pick) -> Step<'a> {
-        Step { rows, chunk, pick, next_chunk: None, next_plain: false, next_drafts: false, masks: None, penalties: &[] }
+        Step { rows, chunk, pick, next_chunk: None, next_plain: false, next_drafts: false, masks: None, penalties: &[], draws: &[] }
     }
 }
 

@@ -24,7 +24,7 @@ use crate::backend::{Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, Mar
 use crate::blocks::{BlockPool, BlockTable};
 use crate::drafter::Drafter;
 use crate::guide::{Constraint, Grammar, TokenMask};
-use crate::sampling::{argmax, top_n};
+use crate::sampling::{argmax, draw_row, top_n};
 use crate::stop::TokenText;
 
 /// The fake model's next token after a sequence of length `len` ending in
@@ -297,8 +297,15 @@ impl FakeBackend {
             Pick::Logits => {}
             Pick::Argmax => ensure!(caps.picks.argmax, "argmax picks are not declared by this fake"),
             Pick::TopK(k) => ensure!(k >= 1 && k <= caps.picks.top_k, "top-{k} picks are not declared by this fake (top_k {})", caps.picks.top_k),
+            Pick::Draw => ensure!(caps.picks.draw, "draw picks are not declared by this fake"),
         }
         let token_rows: usize = step.rows.iter().map(|r| r.tokens.len()).sum();
+        ensure!(
+            step.draws.len() == if step.pick == Pick::Draw { token_rows } else { 0 },
+            "{} draws for a {:?} round of {token_rows} token rows",
+            step.draws.len(),
+            step.pick
+        );
         ensure!(step.penalties.is_empty() || caps.picks.penalties, "penalties are not declared by this fake");
         ensure!(
             step.penalties.iter().all(|p| (p.row as usize) < token_rows && (p.token as usize) < caps.vocab_size),
@@ -417,6 +424,9 @@ impl FakeBackend {
             (Pick::Logits, _) | (_, Some(None)) => Picked::Logits(logits),
             (Pick::Argmax, _) => Picked::Tokens(logits.chunks(vocab).map(argmax).collect()),
             (Pick::TopK(k), _) => Picked::Top(logits.chunks(vocab).map(|row| top_n(row, k)).collect()),
+            // Drawn as the host's sampler draws, so a lane drawing here
+            // gives the tokens it samples from whole rows.
+            (Pick::Draw, _) => Picked::Tokens(logits.chunks(vocab).zip(step.draws).map(|(row, d)| draw_row(row, d)).collect()),
         };
         Ok(RoundOut { picked, chunk_logits })
     }

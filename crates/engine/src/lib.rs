@@ -52,8 +52,8 @@ pub mod sampling;
 pub mod stop;
 
 pub use backend::{
-    image_token_ids, replayed_size, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks, PromptImage,
-    RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
+    image_token_ids, replayed_size, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Draw, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks,
+    PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 pub use blocks::{window_start, Attached, BlockId, BlockPool, BlockTable};
 pub use draft_model::{DraftModel, DraftModelConfig};
@@ -65,5 +65,5 @@ pub use lane::{
 pub use ngram::{NgramConfig, PromptLookup};
 pub use pass::{chunk_end, prefill_whole, whole_images, CutPlan, Pass, StepOutcome, WholePass};
 pub use prefix::{PrefixIndex, SeenPrefixes};
-pub use sampling::{Sampled, Sampler, SamplingParams};
+pub use sampling::{draw_row, Sampled, Sampler, SamplingParams};
 pub use stop::{StopRules, TextStops, TokenText};

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::backend::Penalty;
+use crate::backend::{Draw, Penalty};
 use crate::guide::{Guide, TokenMask};
 use crate::rng::Rng;
 
@@ -454,7 +454,7 @@ impl Sampler {
         if let Some(m) = mask {
             m.apply(logits);
         }
-        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits, None) };
         // Every allowed logit -inf or NaN (a broken row): argmax fell on
         // token 0; take an allowed one instead.
         let token = mask.map_or(token, |m| m.allowed_or_first(token));
@@ -493,11 +493,34 @@ impl Sampler {
             return first;
         }
         let k = self.params.top_k.min(top.len());
-        self.pick(key(max), Some(top[..k].to_vec()), None, Some(first))
+        self.pick(key(max), Some(top[..k].to_vec()), None, Some(first), None)
     }
 
-    /// Temperature, then top-k, top-p and min-p, then one draw.
-    fn draw(&mut self, logits: &[f32]) -> u32 {
+    /// This stream's next `n` token rows' draws for a [`crate::Pick::Draw`]
+    /// round, into `out`: its filters and the numbers its next `n` draws
+    /// take (the generator is not advanced: [`Sampler::drawn`] does, per
+    /// row kept, so rows a rejected draft leaves unsampled take nothing).
+    pub fn draws(&self, n: usize, out: &mut Vec<Draw>) {
+        let p = &self.params;
+        let mut rng = self.rng.clone();
+        for _ in 0..n {
+            let (temperature, u) = if p.is_greedy() { (0.0, 0.0) } else { (p.temperature, rng.next_f64()) };
+            out.push(Draw { temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, u });
+        }
+    }
+
+    /// A backend drew this stream's token from a row with the number
+    /// [`Sampler::draws`] named first: the generator moves past it, as
+    /// [`Sampler::sample`] of the row would have.
+    pub fn drawn(&mut self) {
+        if !self.params.is_greedy() {
+            self.rng.next_f64();
+        }
+    }
+
+    /// Temperature, then top-k, top-p and min-p, then one draw (with `u`,
+    /// else the next number of the generator).
+    fn draw(&mut self, logits: &[f32], u: Option<f64>) -> u32 {
         let p = &self.params;
         let v = logits.len();
         let max = row_max(logits);
@@ -506,14 +529,15 @@ impl Sampler {
         }
         // Candidates, most likely first, when top-k narrows the set.
         let cands = (p.top_k > 0 && p.top_k < v).then(|| top_n(logits, p.top_k));
-        self.pick(max, cands, Some(logits), None)
+        self.pick(max, cands, Some(logits), None, u)
     }
 
     /// The rest of [`Sampler::draw`] from the row's largest logit `max`
     /// and its top-k candidates (if top-k narrowed the set; then `logits`
     /// may be `None`): top-p, min-p, one draw. `fallback`: the row's
     /// argmax, should the filters leave nothing (`None`: find it in `logits`).
-    fn pick(&mut self, max: f32, mut cands: Option<Vec<(u32, f32)>>, logits: Option<&[f32]>, fallback: Option<u32>) -> u32 {
+    /// `u`: the draw's number (`None`: the generator's next).
+    fn pick(&mut self, max: f32, mut cands: Option<Vec<(u32, f32)>>, logits: Option<&[f32]>, fallback: Option<u32>, u: Option<f64>) -> u32 {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         // Unnormalised probability at temperature T; in (0, 1].
@@ -570,7 +594,7 @@ impl Sampler {
             }
         }
 
-        let u = self.rng.next_f64();
+        let u = u.unwrap_or_else(|| self.rng.next_f64());
         match cands {
             Some(c) if !c.is_empty() => {
                 let total: f64 = c.iter().map(|&(_, l)| weight(l) as f64).sum();
@@ -591,6 +615,17 @@ impl Sampler {
             }
         }
     }
+}
+
+/// The token the host's [`Sampler`] draws from `logits` (left as they are)
+/// under `d`'s filters with `d.u` as its number: what a [`crate::Pick::Draw`]
+/// round returns where the host draws (the fake backend's).
+pub fn draw_row(logits: &[f32], d: &Draw) -> u32 {
+    if d.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    let params = SamplingParams { temperature: d.temperature, top_k: d.top_k, top_p: d.top_p, min_p: d.min_p, seed: Some(0), ..SamplingParams::default() };
+    Sampler::new(&params, &[]).draw(logits, Some(d.u))
 }
 
 #[cfg(test)]

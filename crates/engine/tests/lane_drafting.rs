@@ -395,7 +395,7 @@ fn penalised_draft_rows_count_the_drafts_before_them() {
     let mut fc = FakeConfig::default();
     fc.caps.vocab_size = vocab;
     let (plain, _, _) = run_requests(fc.clone(), None, reqs());
-    fc.caps.picks = Picks { argmax: true, top_k: 0, penalties: true };
+    fc.caps.picks = Picks { argmax: true, top_k: 0, penalties: true, ..Picks::default() };
     let (drafted, stats, log) = run_requests(fc, Some(0), reqs());
     assert_eq!(plain, drafted);
     assert!(stats.draft_accepted > 0, "the drafter was never right");

@@ -78,7 +78,7 @@ fn a_rounds_pick_is_the_least_that_every_row_allows() {
     let rank = |p: Pick| match p {
         Pick::Argmax => 0,
         Pick::TopK(_) => 1,
-        Pick::Logits => 2,
+        Pick::Logits | Pick::Draw => 2,
     };
     let mut seen = HashMap::new();
     for call in log.snapshot() {
@@ -132,6 +132,56 @@ fn top_k_rounds_draw_the_host_samplers_tokens() {
     }
 }
 
+// A backend that draws sampled tokens itself gets every round whose rows
+// need no whole row back (top-p, min-p, plain temperature, top-k past what
+// it returns, penalties it applies, drafts), each row with its stream's
+// next number; the tokens are those of sampling whole rows on the host,
+// seed for seed, also when a stream that wants logprobs turns rounds back
+// to whole rows mid-way and when rejected drafts leave numbers unused.
+#[test]
+fn drawn_rounds_give_the_host_samplers_tokens() {
+    let req = |seed: u64, s: SamplingParams, p: &[u32], n: usize| Request { sampling: SamplingParams { seed: Some(seed), ..s }, ..greedy(p.to_vec(), n) };
+    let top_p = SamplingParams { temperature: 1.5, top_p: 0.8, ..Default::default() };
+    let min_p = SamplingParams { temperature: 0.9, min_p: 0.2, ..Default::default() };
+    let plain = SamplingParams { temperature: 1.2, ..Default::default() };
+    let wide_k = SamplingParams { temperature: 1.1, top_k: 20, top_p: 0.9, ..Default::default() };
+    let penalised = SamplingParams { temperature: 1.3, top_p: 0.9, presence_penalty: 0.8, ..Default::default() };
+    let run = |picks: Picks| {
+        let mut fc = slow();
+        fc.caps.picks = picks;
+        let (lane, log) = lane_with_drafter(fc, no_marks(), 2);
+        let (p1, p2) = (prompt(9, 51), prompt(13, 52));
+        let reqs = vec![
+            req(1, top_p.clone(), &p1, 30),
+            req(2, min_p.clone(), &p2, 30),
+            req(3, plain.clone(), &p1, 30),
+            req(4, wide_k.clone(), &p2, 30),
+            req(5, penalised.clone(), &p1, 30),
+            greedy(p2.clone(), 30),
+        ];
+        let subs: Vec<_> = reqs.into_iter().map(|r| lane.submit(r).unwrap()).collect();
+        // A stream that wants its rows whole joins while they decode.
+        wait_event(&subs[0], |e| matches!(e, Event::Token { .. }));
+        let late = lane.submit(Request { logprobs: Some(2), ..req(6, top_p.clone(), &p2, 6) }).unwrap();
+        let mut tokens: Vec<Vec<u32>> = subs.iter().map(|s| drain(s).tokens).collect();
+        tokens.push(drain(&late).tokens);
+        (tokens, log.picks(), lane.stats())
+    };
+    let (host, host_picks, _) = run(Picks::default());
+    assert!(host_picks.iter().all(|&p| p == Pick::Logits));
+    let (dev, dev_picks, stats) = run(Picks { argmax: true, top_k: 8, penalties: true, draw: true });
+    assert_eq!(dev, host, "rounds drawn by the backend changed the tokens");
+    let drawn = dev_picks.iter().filter(|&&p| p == Pick::Draw).count();
+    assert!(drawn >= 10 && stats.draw_rounds == drawn as u64, "{dev_picks:?}");
+    assert!(dev_picks.contains(&Pick::Logits), "the logprobs stream's rounds come back whole: {dev_picks:?}");
+    assert!(stats.draft_proposed > stats.draft_accepted && stats.draft_accepted > 0, "drafts verified from drawn rows, some rejected");
+    // Sampling is not greedy: the seeded streams differ from the argmax.
+    assert_ne!(dev[0], oracle(&prompt(9, 51), 30, 64));
+    // Without draws declared, such rows come back whole.
+    let (_, picks, _) = run(Picks { argmax: true, top_k: 8, penalties: true, draw: false });
+    assert!(!picks.contains(&Pick::Draw));
+}
+
 // A backend that applies penalties before it picks gets the rounds of
 // penalised streams (greedy and top-k, repetition, presence and frequency
 // penalties) as argmax and top-k rounds, and the tokens are those of
@@ -160,7 +210,7 @@ fn penalised_streams_pick_where_the_logits_are_and_draw_the_hosts_tokens() {
     };
     let (host, host_picks) = run(Picks::default());
     assert!(host_picks.iter().all(|&p| p == Pick::Logits));
-    let (dev, dev_picks) = run(Picks { argmax: true, top_k: 8, penalties: true });
+    let (dev, dev_picks) = run(Picks { argmax: true, top_k: 8, penalties: true, ..Picks::default() });
     assert_eq!(dev, host, "penalties applied before the pick changed the tokens");
     assert!(dev_picks.iter().filter(|&&p| p == Pick::TopK(6)).count() >= 10, "{dev_picks:?}");
     assert!(!dev_picks.contains(&Pick::Logits), "{dev_picks:?}");
@@ -168,7 +218,7 @@ fn penalised_streams_pick_where_the_logits_are_and_draw_the_hosts_tokens() {
     assert_ne!(dev[0], oracle(&prompt(9, 41), 24, 64));
     // Without penalties declared, a penalised stream's rows come back whole
     // (the plain greedy stream, alone at the end, is picked).
-    let (_, picks) = run(Picks { argmax: true, top_k: 8, penalties: false });
+    let (_, picks) = run(Picks { argmax: true, top_k: 8, ..Picks::default() });
     assert!(!picks.iter().any(|p| matches!(p, Pick::TopK(_))) && picks.iter().filter(|&&p| p == Pick::Logits).count() >= 20, "{picks:?}");
 }
 

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use braid_formats::TensorView;
 
 mod checks;
@@ -269,7 +269,7 @@ impl Penalty {
 }
 
 /// What [`Device::pick`] finds in each row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RowPick<'a> {
     /// The index of the row's largest value (the first on ties; NaN never wins).
     Argmax,
@@ -287,12 +287,33 @@ pub enum RowPick<'a> {
     /// a temperature among its top k gets the candidates the host would
     /// find in its masked row.
     TopKAllowed(usize, &'a [u32]),
+    /// Each row's token drawn as its [`DrawRow`] says (one per row),
+    /// within the columns the bits allow if any (as
+    /// [`RowPick::ArgmaxAllowed`] takes them): see [`draw_host`].
+    Draw(&'a [DrawRow], Option<&'a [u32]>),
+}
+
+/// How [`RowPick::Draw`] draws one row's token: at `temperature` (0: the
+/// row's argmax, as [`RowPick::ArgmaxAllowed`] finds it), among its `top_k`
+/// largest values (0: all), then the fewest largest that hold `top_p` of
+/// what is left, then those at least `min_p` times as likely as the
+/// largest; `u` in [0, 1) picks among them (see [`draw_host`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrawRow {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub u: f32,
 }
 
 /// What [`Device::pick`] found, one entry per row.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RowPicked {
     Argmax(Vec<u32>),
+    /// [`RowPick::Draw`]'s tokens.
+    Drawn(Vec<u32>),
     TopK(Vec<Vec<(u32, f32)>>),
 }
 
@@ -309,6 +330,8 @@ pub struct DeviceCaps {
     /// The largest `k` of [`RowPick::TopK`] found where the values are (0:
     /// the rows are downloaded).
     pub top_k: usize,
+    /// [`RowPick::Draw`] runs where the values are.
+    pub draw: bool,
     /// [`Device::forward_ahead`] does something here.
     pub ahead: bool,
     /// Keyed forwards replay a recording (CUDA graphs): a shape that recurs
@@ -465,6 +488,12 @@ pub trait Device: Send + Sync + 'static {
             }
             RowPick::TopK(k) => RowPicked::TopK(top_k_host(&data, cols, k)),
             RowPick::TopKAllowed(k, bits) => RowPicked::TopK(top_k_allowed_host(data, cols, k, bits)?),
+            RowPick::Draw(draws, bits) => {
+                ensure!(draws.len() == rows, "{} draws for {rows} rows", draws.len());
+                let words = bits.map(|b| checks::allowed_bits(b, rows, cols)).transpose()?.unwrap_or(0);
+                let row = |r: usize| draw_host(&data[r * cols..(r + 1) * cols], &draws[r], bits.map(|b| &b[r * words..(r + 1) * words]));
+                RowPicked::Drawn((0..rows).map(row).collect())
+            }
         })
     }
 
@@ -654,6 +683,63 @@ pub fn argmax_allowed_host(row: &[f32], bits: &[u32]) -> u32 {
     best.map_or(0, |b| b.0 as u32)
 }
 
+/// [`RowPick::Draw`] of one row on the host. A column's weight is
+/// `exp((x - max) / temperature)` in f32 (0 where NaN or not allowed), so
+/// the largest weighs 1. The kept columns are those whose weight is at
+/// least a floor: the `top_k`-th largest weight, then the smallest weight
+/// whose column and every larger one hold `top_p` of the mass above that,
+/// then `min_p`; ties at a floor are kept. The token is the first kept
+/// column, in column order, where the running mass passes `u` times the
+/// kept mass (masses summed in f64 here; a device may sum in another
+/// order, so a draw within rounding of a boundary may differ).
+pub fn draw_host(row: &[f32], d: &DrawRow, bits: Option<&[u32]>) -> u32 {
+    let all = vec![u32::MAX; row.len().div_ceil(32)];
+    let bits = bits.unwrap_or(&all);
+    let first = argmax_allowed_host(row, bits);
+    let allowed = |c: usize| bits.get(c / 32).is_some_and(|w| w >> (c % 32) & 1 == 1);
+    let max = if allowed(first as usize) { row.get(first as usize).copied().filter(|v| !v.is_nan()).unwrap_or(f32::NEG_INFINITY) } else { f32::NEG_INFINITY };
+    if d.temperature <= 0.0 || max == f32::NEG_INFINITY {
+        return first;
+    }
+    let inv_t = 1.0 / d.temperature;
+    let w: Vec<f32> = row.iter().enumerate().map(|(c, &x)| if allowed(c) && !x.is_nan() { ((x - max) * inv_t).exp() } else { 0.0 }).collect();
+    let mut sorted = w.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let mut floor = 0f32;
+    let k = d.top_k as usize;
+    if k > 0 && k < w.len() {
+        floor = sorted[k - 1];
+    }
+    if d.top_p < 1.0 {
+        let above: Vec<f32> = sorted.iter().copied().take_while(|&x| x >= floor).collect();
+        let goal = d.top_p as f64 * above.iter().map(|&x| x as f64).sum::<f64>();
+        let mut cum = 0.0;
+        if let Some(&x) = above.iter().find(|&&x| {
+            cum += x as f64;
+            cum >= goal
+        }) {
+            floor = floor.max(x);
+        }
+    }
+    if d.min_p > 0.0 {
+        floor = floor.max(d.min_p);
+    }
+    let kept = |x: f32| x >= floor && x > 0.0;
+    let target = d.u as f64 * w.iter().filter(|&&x| kept(x)).map(|&x| x as f64).sum::<f64>();
+    let mut cum = 0.0;
+    let mut last = first;
+    for (c, &x) in w.iter().enumerate() {
+        if kept(x) {
+            cum += x as f64;
+            last = c as u32;
+            if cum > target {
+                return last;
+            }
+        }
+    }
+    last
+}
+
 /// [`RowPick::TopKAllowed`] of rows of `cols` values on the host: the
 /// disallowed columns set to -inf, then [`top_k_host`].
 pub fn top_k_allowed_host(mut data: Vec<f32>, cols: usize, k: usize, bits: &[u32]) -> Result<Vec<Vec<(u32, f32)>>> {
@@ -684,6 +770,48 @@ pub fn top_k_host(data: &[f32], cols: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `draw_host` over evenly spread numbers lands on each token as often
+    /// as the filtered, renormalised softmax says (computed here by
+    /// sorting), under each filter; greedy and masked rows take the argmax.
+    #[test]
+    fn draws_follow_the_filtered_softmax() {
+        // No ties: at a floor `draw_host` keeps every tie, which a sorted cut would not.
+        let row: Vec<f32> = (0..40).map(|i| (i as f32 * 1.37).sin() * 3.0 + i as f32 * 1e-3).collect();
+        let cases = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.3, 10, 0.9, 0.0), (1.0, 0, 1.0, 0.2), (2.0, 5, 1.0, 0.0), (1.0, 0, 0.3, 0.05)];
+        for (t, k, p, min_p) in cases {
+            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut order: Vec<(usize, f64)> = row.iter().enumerate().map(|(i, &x)| (i, (((x - max) / t) as f64).exp())).collect();
+            order.sort_by(|a, b| b.1.total_cmp(&a.1));
+            if k > 0 {
+                order.truncate(k);
+            }
+            let goal = p * order.iter().map(|o| o.1).sum::<f64>();
+            let mut cum = 0.0;
+            let keep = order.iter().position(|o| {
+                cum += o.1;
+                cum >= goal
+            });
+            order.truncate(keep.map_or(order.len(), |c| c + 1));
+            order.retain(|o| o.1 >= min_p);
+            let total: f64 = order.iter().map(|o| o.1).sum();
+            let n = 20_000;
+            let mut count = vec![0usize; row.len()];
+            for j in 0..n {
+                let d = DrawRow { temperature: t, top_k: k as u32, top_p: p as f32, min_p: min_p as f32, u: ((j as f64 + 0.5) / n as f64) as f32 };
+                count[draw_host(&row, &d, None) as usize] += 1;
+            }
+            for (i, &c) in count.iter().enumerate() {
+                let want = order.iter().find(|o| o.0 == i).map_or(0.0, |o| o.1 / total);
+                assert!((c as f64 / n as f64 - want).abs() <= 2.0 / n as f64, "case {t} {k} {p} {min_p}: token {i} drawn {c} of {n}, want {want}");
+            }
+        }
+        let greedy = DrawRow { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.5 };
+        assert_eq!(draw_host(&row, &greedy, None), argmax_host(&row));
+        let bits = [1u32 << 7, 0];
+        let d = DrawRow { temperature: 1.0, u: 0.9, ..greedy };
+        assert_eq!(draw_host(&row, &d, Some(&bits)), 7, "the one column allowed");
+    }
 
     #[test]
     fn argmax_allowed_is_the_argmax_of_the_masked_row() {

@@ -189,6 +189,12 @@ impl Metrics {
             counter(&mut out, "braid_top_k_rounds_total", "Decode rounds drawn from the backend's top-k candidates (no logits rows moved).", l.top_rounds);
             counter(
                 &mut out,
+                "braid_draw_rounds_total",
+                "Decode rounds whose sampled tokens the backend drew (top-p, min-p; no logits rows moved).",
+                l.draw_rounds,
+            );
+            counter(
+                &mut out,
                 "braid_itl_target_misses_total",
                 "Rounds beside a prompt whose decode rows alone the pacer predicted past --itl-target (the prompt then took one row).",
                 l.itl_target_misses,

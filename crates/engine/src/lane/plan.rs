@@ -27,6 +27,10 @@ pub(super) enum Need {
     /// the row.
     MaskedArgmax,
     MaskedTop(usize),
+    /// Sampled with no top-k filter (top-p, min-p or plain temperature,
+    /// within its mask if guided): drawn where the backend draws, else the
+    /// whole row.
+    Draw,
     /// The whole row.
     Logits,
 }
@@ -42,7 +46,7 @@ impl Need {
         match (sampler.params().is_greedy(), sampler.params().guide.is_some(), sampler.params().top_k) {
             (true, false, _) => Need::Argmax,
             (true, true, _) => Need::MaskedArgmax,
-            (false, _, 0) => Need::Logits,
+            (false, _, 0) => Need::Draw,
             (false, false, k) => Need::Top(k),
             (false, true, k) => Need::MaskedTop(k),
         }
@@ -249,8 +253,10 @@ fn sized(p: &Prefill<'_>, rows: Option<usize>, room: usize) -> Option<PlannedChu
 /// What the backend returns per decode token row: the argmax when every
 /// stream takes it (and the backend picks it), the top k when every stream
 /// samples from its top k alone (k below the vocabulary and within what the
-/// backend returns; a greedy guided row's top 1 is its masked argmax), else
-/// whole logits rows.
+/// backend returns; a greedy guided row's top 1 is its masked argmax), the
+/// drawn tokens where the backend draws and no stream needs its row (for
+/// logprobs, or penalties the backend does not apply), else whole logits
+/// rows.
 fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -> Pick {
     if needs.clone().next().is_none() {
         return Pick::Logits;
@@ -258,13 +264,14 @@ fn pick(needs: impl Iterator<Item = Need> + Clone, picks: Picks, vocab: usize) -
     if picks.argmax && needs.clone().all(|n| matches!(n, Need::Argmax | Need::MaskedArgmax)) {
         return Pick::Argmax;
     }
-    let mut k = needs.map(|n| match n {
+    let mut k = needs.clone().map(|n| match n {
         Need::Argmax | Need::MaskedArgmax => Some(1),
         Need::Top(n) | Need::MaskedTop(n) => Some(n),
-        Need::Logits => None,
+        Need::Draw | Need::Logits => None,
     });
     match k.try_fold(1, |k, n| n.map(|n| k.max(n))) {
         Some(k) if k <= picks.top_k.min(vocab.saturating_sub(1)) => Pick::TopK(k),
+        _ if picks.draw && needs.clone().all(|n| n != Need::Logits) => Pick::Draw,
         _ => Pick::Logits,
     }
 }
@@ -495,6 +502,11 @@ mod tests {
             (Pick::TopK(1), Pick::TopK(12))
         );
         assert_eq!((pick_of(&[MaskedTop(40)], both), pick_of(&[MaskedTop(3), Logits], both)), (Pick::Logits, Pick::Logits));
+        // Drawn where the backend draws, unless a row must come back whole.
+        let draws = Picks { draw: true, ..both };
+        assert_eq!((pick_of(&[Argmax, Draw], both), pick_of(&[Argmax, Draw], draws)), (Pick::Logits, Pick::Draw));
+        assert_eq!((pick_of(&[Top(5), Top(40), MaskedArgmax], draws), pick_of(&[Top(5), Draw, Logits], draws)), (Pick::Draw, Pick::Logits));
+        assert_eq!((pick_of(&[Argmax, Top(5)], draws), pick_of(&[Argmax], draws)), (Pick::TopK(5), Pick::Argmax), "top k and argmax stay as they were");
         // Drafts and a chunk leave the pick as it is.
         let c = cuts(20, 8, false);
         let mut v = view(vec![Decoder { need: Argmax, ..dec(0, 3, &[1, 2]) }], pass(1, &c, 0));

@@ -17,7 +17,7 @@ use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
 use super::stream::{sample_row, Phase};
 use super::FinishReason;
-use crate::backend::{Backend, Chunk, Penalty, Pick, Picked, RoundMasks, Step, StreamId};
+use crate::backend::{Backend, Chunk, Draw, Penalty, Pick, Picked, RoundMasks, Step, StreamId};
 use crate::pass::{CutPlan, StepOutcome};
 use crate::sampling::Sampled;
 
@@ -220,6 +220,16 @@ impl Core {
         out
     }
 
+    /// Each token row's draw for a [`Pick::Draw`] round of `plan`: its
+    /// stream's filters and next numbers, a draft's rows taking them in turn.
+    fn draws(&self, plan: &RoundPlan) -> Vec<Draw> {
+        let mut out = Vec::new();
+        for (r, &at) in plan.rows.iter().zip(&plan.at) {
+            self.running[at].sampler.draws(r.tokens.len(), &mut out);
+        }
+        out
+    }
+
     /// Run `plan` (not empty) and hand its results to its streams.
     pub(super) fn run_round(&mut self, plan: RoundPlan) {
         let decode_rows: usize = plan.rows.iter().map(|r| r.tokens.len()).sum();
@@ -251,15 +261,23 @@ impl Core {
         let next_plain = announced == Next::Plain;
         let next_drafts = self.drafts_next(&plan);
         let next_chunk = next.as_ref().map(|(id, start, end, prompt, want)| (*id, Chunk { start: *start, tokens: &prompt[*start..*end], want_logits: *want }));
-        let picks_on_device = matches!(plan.pick, Pick::Argmax | Pick::TopK(_));
+        let picks_on_device = plan.pick != Pick::Logits;
         let pick_masks = picks_on_device.then(|| PickMasks::of(&self.running, &self.mask_workers, &plan.rows, &plan.at)).flatten();
         let masks = pick_masks.as_ref().map(|m| m as &dyn RoundMasks);
         let penalties = if picks_on_device { self.penalties(&plan) } else { Vec::new() };
+        let draws = if plan.pick == Pick::Draw { self.draws(&plan) } else { Vec::new() };
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out =
-                    self.backend.round(Step { next_chunk, next_plain, next_drafts, masks, penalties: &penalties, ..Step::new(&plan.rows, None, plan.pick) });
+                let out = self.backend.round(Step {
+                    next_chunk,
+                    next_plain,
+                    next_drafts,
+                    masks,
+                    penalties: &penalties,
+                    draws: &draws,
+                    ..Step::new(&plan.rows, None, plan.pick)
+                });
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -282,6 +300,7 @@ impl Core {
                             next_drafts,
                             masks,
                             penalties: &penalties,
+                            draws: &draws,
                             ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick)
                         };
                         let out = b.round(step);
@@ -441,7 +460,8 @@ impl Core {
         match plan.pick {
             Pick::Argmax => self.stats.greedy_rounds += 1,
             Pick::TopK(_) => self.stats.top_rounds += 1,
-            Pick::Logits => {}
+            Pick::Draw if matches!(picked, Picked::Tokens(_)) => self.stats.draw_rounds += 1,
+            Pick::Draw | Pick::Logits => {}
         }
         // Masks the backend's pick took reach their streams first.
         self.take_masks();
@@ -563,12 +583,13 @@ fn leading_features(backend: &dyn Backend, n: usize) -> Vec<f32> {
 
 /// `picked` if it is what `pick` asked for, one entry per token row (or
 /// logits, for an argmax or top-k round with `masked` rows: a mask was
-/// late).
+/// late; or for a draw round, which a backend may return whole).
 fn check(picked: Picked, pick: Pick, masked: bool, rows: usize, vocab: usize) -> Result<Picked> {
     let ok = match (&picked, pick) {
         (Picked::Logits(l), Pick::Logits) => l.len() == rows * vocab,
         (Picked::Logits(l), Pick::Argmax | Pick::TopK(_)) if masked => l.len() == rows * vocab,
-        (Picked::Tokens(t), Pick::Argmax) => t.len() == rows,
+        (Picked::Logits(l), Pick::Draw) => l.len() == rows * vocab,
+        (Picked::Tokens(t), Pick::Argmax | Pick::Draw) => t.len() == rows,
         (Picked::Top(c), Pick::TopK(k)) => c.len() == rows && c.iter().all(|r| r.len() == k),
         _ => false,
     };

@@ -47,6 +47,9 @@ pub struct LaneStats {
     /// Decode rounds picked by top-k on the backend, tokens drawn from the
     /// candidates (k values a row moved, not the row).
     pub top_rounds: u64,
+    /// Decode rounds whose sampled tokens the backend drew (no logits rows
+    /// moved).
+    pub draw_rounds: u64,
     /// Seconds spent in plain decode rounds (no chunk; the backend call alone).
     pub plain_round_secs: f64,
     pub plain_rounds: u64,

@@ -223,8 +223,8 @@ impl Stream {
 
 /// Sample token row `row` of a round for `s` (its row `j`): its sampler
 /// over the logits (within its mask, when guided), over the top
-/// candidates (found within the mask), or the backend's argmax as it is
-/// (within the mask).
+/// candidates (found within the mask), or the backend's argmax or draw as
+/// it is (within the mask).
 pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize) -> Result<Sampled, String> {
     // A guided row past its masks is never reached (see `masks`).
     let mask = match &s.guided {
@@ -235,7 +235,12 @@ pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usi
         Picked::Logits(l) => s.sampler.sample_masked(&mut l[row * vocab..(row + 1) * vocab], s.logprobs, mask),
         // Every allowed logit -inf or NaN (a broken row): as on the host,
         // the lowest allowed token.
-        Picked::Tokens(t) => Sampled { token: within(mask, t[row]), logprob: None, top: Vec::new() },
+        // An argmax, or a token drawn with the number the sampler would
+        // have drawn next (its generator moves past it).
+        Picked::Tokens(t) => {
+            s.sampler.drawn();
+            Sampled { token: within(mask, t[row]), logprob: None, top: Vec::new() }
+        }
         Picked::Top(c) => Sampled { token: within(mask, s.sampler.sample_top(&c[row])), logprob: None, top: Vec::new() },
     };
     if sampled.token as usize >= vocab {

@@ -32,12 +32,28 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    replayed_size, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks,
+    replayed_size, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Draw, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks,
     PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
-use braid_ops::{Device, Forward, KvDtype, RowPick, RowPicked};
+use braid_ops::{Device, DrawRow, Forward, KvDtype, RowPick, RowPicked};
 
 use crate::{Batch, Memory, Model, Scratch};
+
+/// How a forward's decode rows are picked: a step's pick with its masks,
+/// penalties and draws.
+#[derive(Clone, Copy)]
+struct Picking<'a> {
+    pick: Pick,
+    masks: Option<&'a dyn RoundMasks>,
+    penalties: &'a [Penalty],
+    draws: &'a [Draw],
+}
+
+impl<'a> Picking<'a> {
+    fn of(step: &Step<'a>) -> Picking<'a> {
+        Picking { pick: step.pick, masks: step.masks, penalties: step.penalties, draws: step.draws }
+    }
+}
 
 mod ahead;
 mod layout;
@@ -450,6 +466,7 @@ impl<D: Device> ModelBackend<D> {
         pick: Pick,
         allowed: Option<&[u32]>,
         penalties: &[Penalty],
+        draws: &[Draw],
         ahead: Option<Option<(StreamId, Chunk<'_>)>>,
     ) -> Result<Picked> {
         let penalties: Vec<braid_ops::Penalty> =
@@ -462,20 +479,37 @@ impl<D: Device> ModelBackend<D> {
             let cols = self.dev.shape(&self.scratch.logits).1;
             self.dev.resize(&mut self.scratch.logits, n, cols);
         }
-        let picked = match pick {
-            Pick::Logits => Picked::Logits(self.dev.download(&self.scratch.logits)?),
-            Pick::Argmax => match self.dev.pick(&self.scratch.logits, allowed.map_or(RowPick::Argmax, RowPick::ArgmaxAllowed), &penalties, ahead.is_some())? {
-                RowPicked::Argmax(t) => Picked::Tokens(t),
-                RowPicked::TopK(_) => bail!("the device answered an argmax with top-k candidates"),
-            },
+        // A draw's number just below 1 stays below 1 in f32.
+        let below_one = 1.0 - f32::EPSILON / 2.0;
+        let draws: Vec<DrawRow> = draws
+            .iter()
+            .map(|d| DrawRow {
+                temperature: d.temperature,
+                top_k: d.top_k.min(u32::MAX as usize) as u32,
+                top_p: d.top_p,
+                min_p: d.min_p,
+                u: (d.u as f32).min(below_one),
+            })
+            .collect();
+        let on_device = match pick {
+            Pick::Logits => None,
+            Pick::Argmax => Some(allowed.map_or(RowPick::Argmax, RowPick::ArgmaxAllowed)),
             Pick::TopK(k) => {
                 ensure!((1..=self.dev.caps().top_k).contains(&k), "top-{k} candidates are not found on this device");
-                let pick = allowed.map_or(RowPick::TopK(k), |a| RowPick::TopKAllowed(k, a));
-                match self.dev.pick(&self.scratch.logits, pick, &penalties, false)? {
-                    RowPicked::TopK(t) => Picked::Top(t),
-                    RowPicked::Argmax(_) => bail!("the device answered a top-k with argmax tokens"),
-                }
+                Some(allowed.map_or(RowPick::TopK(k), |a| RowPick::TopKAllowed(k, a)))
             }
+            Pick::Draw => {
+                ensure!(self.dev.caps().draw && draws.len() == n, "{} draws for {n} rows on a device that draws: {}", draws.len(), self.dev.caps().draw);
+                Some(RowPick::Draw(&draws, allowed))
+            }
+        };
+        let picked = match on_device {
+            None => Picked::Logits(self.dev.download(&self.scratch.logits)?),
+            Some(p) => match (pick, self.dev.pick(&self.scratch.logits, p, &penalties, pick == Pick::Argmax && ahead.is_some())?) {
+                (Pick::Argmax, RowPicked::Argmax(t)) | (Pick::Draw, RowPicked::Drawn(t)) => Picked::Tokens(t),
+                (Pick::TopK(_), RowPicked::TopK(t)) => Picked::Top(t),
+                (_, other) => bail!("the device answered a {pick:?} pick with {other:?}"),
+            },
         };
         ensure!(picked.rows(self.model.vocab()) == n, "picked {} rows of {n}", picked.rows(self.model.vocab()));
         if let Some(next) = ahead {
@@ -489,15 +523,8 @@ impl<D: Device> ModelBackend<D> {
     /// `next`: what the step says of the next round (`Step::next_chunk`,
     /// `Step::next_plain`), `None` where the round after may not be
     /// launched ahead (see [`ModelBackend::may_launch_ahead`]).
-    fn run(
-        &mut self,
-        rows: &[DecodeRow],
-        chunk: Option<(StreamId, Chunk<'_>)>,
-        pick: Pick,
-        masks: Option<&dyn RoundMasks>,
-        penalties: &[Penalty],
-        next: Option<NextRound<'_>>,
-    ) -> Result<RoundOut> {
+    fn run(&mut self, rows: &[DecodeRow], chunk: Option<(StreamId, Chunk<'_>)>, picking: Picking<'_>, next: Option<NextRound<'_>>) -> Result<RoundOut> {
+        let pick = picking.pick;
         // Nothing to run (a round launched ahead served every row): no
         // forward, which on a GPU would record an empty graph.
         if rows.is_empty() && chunk.is_none() {
@@ -526,9 +553,9 @@ impl<D: Device> ModelBackend<D> {
             return Ok(RoundOut { picked: empty(pick), chunk_logits });
         }
         // Asked now, with the forward on its way.
-        let (pick, allowed) = resolve(pick, masks, total, self.model.vocab());
+        let (pick, allowed) = resolve(pick, picking.masks, total, self.model.vocab());
         let ahead = next.and_then(|n| self.ahead(rows, chunk.is_some(), pick, n));
-        let picked = self.pick_rows(rows, pick, allowed.as_deref(), penalties, ahead)?;
+        let picked = self.pick_rows(rows, pick, allowed.as_deref(), picking.penalties, picking.draws, ahead)?;
         Ok(RoundOut { picked, chunk_logits })
     }
 
@@ -548,7 +575,7 @@ impl<D: Device> ModelBackend<D> {
         let launched = self.launched.as_ref().map_or(0, |l| l.rows.len());
         let served = self.take_launched(step)?;
         let out = if served.is_empty() {
-            self.run(step.rows, step.chunk, step.pick, step.masks, step.penalties, Some(NextRound::of(step)))?
+            self.run(step.rows, step.chunk, Picking::of(step), Some(NextRound::of(step)))?
         } else if served.len() == step.rows.len() && step.chunk.is_none() {
             // Every row asked for was launched: the round launched ahead,
             // or it with rows no longer asked for (a stream gone, one
@@ -569,19 +596,19 @@ impl<D: Device> ModelBackend<D> {
             let total = step.rows.iter().map(|r| r.tokens.len()).sum();
             let (pick, allowed) = resolve(step.pick, step.masks, total, self.model.vocab());
             let ahead = self.ahead(step.rows, false, pick, NextRound::of(step));
-            RoundOut { picked: self.pick_rows(step.rows, pick, allowed.as_deref(), step.penalties, ahead)?, chunk_logits: None }
+            RoundOut { picked: self.pick_rows(step.rows, pick, allowed.as_deref(), step.penalties, step.draws, ahead)?, chunk_logits: None }
         } else {
             // Part of the round was launched ahead; the rest (and the chunk)
-            // run now. Guided or penalised rows take logits here (the lane
-            // masks and penalises them): a rare round, not worth splitting
-            // their masks and penalties.
-            let pick = if step.masks.is_some() || !step.penalties.is_empty() { Pick::Logits } else { step.pick };
-            let all = self.pick_rows(&[], pick, None, &[], None)?;
+            // run now. Guided, penalised or drawn rows take logits here (the
+            // lane masks, penalises and samples them): a rare round, not
+            // worth splitting their masks, penalties and draws.
+            let pick = if step.masks.is_some() || !step.penalties.is_empty() || step.pick == Pick::Draw { Pick::Logits } else { step.pick };
+            let all = self.pick_rows(&[], pick, None, &[], &[], None)?;
             let vocab = self.model.vocab();
             let first = select(&all, served.iter().map(|&(_, j)| j), vocab);
             let (fw, launched_features) = (self.feature_dim(), std::mem::take(&mut self.features));
             let rest: Vec<DecodeRow> = (0..step.rows.len()).filter(|i| !served.iter().any(|&(k, _)| k == *i)).map(|i| step.rows[i].clone()).collect();
-            let second = self.run(&rest, step.chunk, pick, None, &[], None)?;
+            let second = self.run(&rest, step.chunk, Picking { pick, masks: None, penalties: &[], draws: &[] }, None)?;
             let served_rows: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
             if fw > 0 {
                 // The step's rows in order, then the chunk's (the second forward's last).
@@ -619,7 +646,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             images: self.model.vision().is_some(),
             feature_dim: self.feature_dim(),
             // Every device's pick applies penalties (the default on the rows it downloads).
-            picks: Picks { argmax: caps.argmax, top_k: caps.top_k, penalties: true },
+            picks: Picks { argmax: caps.argmax, top_k: caps.top_k, penalties: true, draw: caps.draw },
             replayed_chunk_rows: if caps.replays { REPLAY_CHUNK_ROWS } else { 0 },
             launches_ahead: caps.ahead && self.rewindable,
         }

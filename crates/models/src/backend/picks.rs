@@ -3,12 +3,12 @@
 
 use braid_engine::{DecodeRow, Pick, Picked, RoundMasks, StreamId};
 
-/// The pick of an argmax or top-k round with guided rows, once their masks
+/// The pick of an argmax, top-k or draw round with guided rows, once their masks
 /// are asked for: the same pick within each row's mask (the bits of every
 /// row, an unguided one's all set), or the rows themselves when a mask is
 /// late.
 pub(super) fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, vocab: usize) -> (Pick, Option<Vec<u32>>) {
-    let Some(masks) = masks.filter(|_| matches!(pick, Pick::Argmax | Pick::TopK(_))) else { return (pick, None) };
+    let Some(masks) = masks.filter(|_| pick != Pick::Logits) else { return (pick, None) };
     let Some(masks) = masks.masks().filter(|m| m.len() == rows) else { return (Pick::Logits, None) };
     let words = vocab.div_ceil(32);
     let mut bits = vec![u32::MAX; rows * words];
@@ -25,7 +25,7 @@ pub(super) fn resolve(pick: Pick, masks: Option<&dyn RoundMasks>, rows: usize, v
 pub(super) fn empty(pick: Pick) -> Picked {
     match pick {
         Pick::Logits => Picked::Logits(Vec::new()),
-        Pick::Argmax => Picked::Tokens(Vec::new()),
+        Pick::Argmax | Pick::Draw => Picked::Tokens(Vec::new()),
         Pick::TopK(_) => Picked::Top(Vec::new()),
     }
 }

@@ -544,3 +544,42 @@ fn backend_top_k_rounds_equal_host_top_k() {
     }
     assert_eq!(runs[0], runs[1], "device top-k candidates differ from the host's");
 }
+
+/// Rounds drawn on the device (top-p, min-p, plain temperature beside a
+/// greedy row; only token ids come back) give the tokens `draw_host` draws
+/// from the same round's logits with the same numbers, but for draws within
+/// rounding of a boundary (at most one in 20 here).
+#[test]
+fn backend_draw_rounds_equal_host_draws() {
+    let Some(dev) = gpu() else { return };
+    let draw = |i: usize, round: usize| {
+        let kinds = [(0.0, 0, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (1.3, 0, 1.0, 0.0)];
+        let (temperature, top_k, top_p, min_p) = kinds[(i + round) % kinds.len()];
+        Draw { temperature, top_k, top_p, min_p, u: ((i * 7 + round * 13) % 97) as f64 / 97.0 }
+    };
+    let (mut be, mut last) = three_prompted_streams(&dev);
+    assert!(be.capabilities().picks.draw);
+    let (mut drawn, mut differ) = (0, 0);
+    for round in 0..20 {
+        let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![last[s as usize]] }).collect();
+        let draws: Vec<Draw> = (0..3).map(|i| draw(i, round)).collect();
+        // The same round twice: once for its logits (then rewound), once drawn.
+        let logits = be.decode_logits(&rows).unwrap();
+        for s in 0..3u64 {
+            be.rewind(s, 10 + 5 * s as usize + round).unwrap();
+        }
+        let got = tokens(be.round(Step { draws: &draws, ..Step::new(&rows, None, Pick::Draw) }).unwrap());
+        for (i, d) in draws.iter().enumerate() {
+            let row = DrawRow { temperature: d.temperature, top_k: d.top_k as u32, top_p: d.top_p, min_p: d.min_p, u: d.u as f32 };
+            let want = braid_ops::draw_host(&logits[i * 1000..(i + 1) * 1000], &row, None);
+            if d.temperature == 0.0 {
+                assert_eq!(got[i], want, "a greedy row in a draw round");
+            } else {
+                drawn += 1;
+                differ += usize::from(got[i] != want);
+            }
+        }
+        last = got;
+    }
+    assert!(differ * 20 <= drawn, "{differ} of {drawn} draws differ from the host's");
+}

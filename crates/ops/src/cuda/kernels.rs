@@ -113,6 +113,7 @@ base_kernels!(
     scale_cols,
     topk_merge,
     penalize,
+    draw_rows,
     gemm_skinny,
     gemm_skinny_gated;
     gemv: gemv,

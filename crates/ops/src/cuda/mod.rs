@@ -342,7 +342,14 @@ impl Device for Cuda {
     fn caps(&self) -> DeviceCaps {
         // cuBLAS chooses kernels (and reduction orders) by shape: not batch-invariant.
         let graphs = self.inner.tuning.graphs;
-        DeviceCaps { batch_invariant: false, argmax: true, top_k: sampling::TOPK_MAX, ahead: self.inner.tuning.ahead && graphs, replays: graphs }
+        DeviceCaps {
+            batch_invariant: false,
+            argmax: true,
+            top_k: sampling::TOPK_MAX,
+            draw: self.inner.tuning.draw,
+            ahead: self.inner.tuning.ahead && graphs,
+            replays: graphs,
+        }
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
@@ -442,6 +449,7 @@ impl Device for Cuda {
             RowPick::ArgmaxAllowed(bits) => RowPicked::Argmax(self.argmax_then(x, Some(bits), launch_ahead)?),
             RowPick::TopK(k) => RowPicked::TopK(self.top_k(x, k, None)?),
             RowPick::TopKAllowed(k, bits) => RowPicked::TopK(self.top_k(x, k, Some(bits))?),
+            RowPick::Draw(draws, bits) => RowPicked::Drawn(self.draw(x, draws, bits)?),
         })
     }
 

@@ -7,7 +7,10 @@ use cudarc::driver::{result as drv, sys};
 
 use super::rt::{cu, DevBuf};
 use super::{Cuda, CudaTensor};
-use crate::Penalty;
+use crate::{DrawRow, Penalty};
+
+/// Threads of a `draw_rows` block (its `DRAW_THREADS`).
+const DRAW_THREADS: u32 = 512;
 
 /// Most candidates `top_k` finds per row, and the keys one block sorts.
 pub(super) const TOPK_MAX: usize = 64;
@@ -34,6 +37,8 @@ pub(super) struct Scratch {
     topk_out: DevBuf,
     /// The penalties of a pick (grown as needed).
     penalty_buf: DevBuf,
+    /// A draw's rows (`DrawRow`s), then its token ids (grown as needed).
+    draw_buf: DevBuf,
     ids_back: Option<IdsBack>,
 }
 
@@ -46,6 +51,7 @@ impl Scratch {
             topk_part: DevBuf::empty(ctx),
             topk_out: DevBuf::empty(ctx),
             penalty_buf: DevBuf::empty(ctx),
+            draw_buf: DevBuf::empty(ctx),
             ids_back: None,
         }
     }
@@ -255,5 +261,49 @@ impl Cuda {
                     .collect()
             })
             .collect())
+    }
+
+    /// Each row's token drawn as its `DrawRow` says (`RowPick::Draw`;
+    /// `draw_host` finds the same on the host, to rounding): one block a
+    /// row, the row read a few times over, only the ids back.
+    pub fn draw(&self, t: &CudaTensor, draws: &[DrawRow], allowed: Option<&[u32]>) -> Result<Vec<u32>> {
+        if !self.ready() {
+            self.sync()?;
+        }
+        let rows = t.rows;
+        ensure!(draws.len() == rows, "{} draws for {rows} rows", draws.len());
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        for d in draws {
+            ensure!((0.0..1.0).contains(&d.u) && d.top_p > 0.0 && d.top_p <= 1.0 && (0.0..=1.0).contains(&d.min_p), "a draw out of range: {d:?}");
+        }
+        let allow = self.put_allowed(t, allowed)?;
+        // `DrawRow` is `repr(C)`: five 4-byte fields, as the kernel reads them.
+        let words: Vec<u32> = draws.iter().flat_map(|d| [d.temperature.to_bits(), d.top_k, d.top_p.to_bits(), d.min_p.to_bits(), d.u.to_bits()]).collect();
+        let buf = {
+            let mut st = self.st();
+            let buf = &mut st.sampling.draw_buf;
+            let bytes = words.len() * 4 + rows * 4;
+            if buf.bytes < bytes {
+                *buf = DevBuf::new(self.ctx(), bytes.max(1 << 14))?;
+            }
+            buf.ptr
+        };
+        let ids = buf + words.len() as u64 * 4;
+        unsafe { cu(drv::memcpy_htod_async(buf, &words, self.stream() as sys::CUstream), "draw upload")? };
+        self.launch(self.inner.fns.draw_rows)
+            .blocks(rows)
+            .block(DRAW_THREADS)
+            .ptr(t.fptr())
+            .int(t.cols)
+            .ptr(buf)
+            .ptr(allow)
+            .int(t.cols.div_ceil(32))
+            .ptr(ids)
+            .run()?;
+        let mut out = vec![0u32; rows];
+        self.read_back(&mut out, ids, "draw download")?;
+        Ok(out)
     }
 }

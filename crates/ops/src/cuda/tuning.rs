@@ -98,6 +98,9 @@ pub struct Tuning {
     /// Decode rounds replay as CUDA graphs ([`super::Cuda::graph`]): one
     /// launch for a whole forward (`Cuda::set_graphs` changes it later).
     pub graphs: bool,
+    /// Sampled rows (top-p, min-p, plain temperature) are drawn here
+    /// (`RowPick::Draw`) instead of coming back whole.
+    pub draw: bool,
 }
 
 impl Default for Tuning {
@@ -124,6 +127,7 @@ impl Default for Tuning {
             launch_ahead: true,
             branches: true,
             graphs: true,
+            draw: true,
         }
     }
 }
@@ -192,6 +196,7 @@ impl Tuning {
             launch_ahead: on("LAUNCH_AHEAD", d.launch_ahead),
             branches: on("BRANCHES", d.branches),
             graphs: on("GRAPHS", d.graphs),
+            draw: on("DRAW", d.draw),
         }
     }
 

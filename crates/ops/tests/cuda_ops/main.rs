@@ -13,8 +13,8 @@
 use braid_ops::cpu::Cpu;
 use braid_ops::cuda::{Cuda, CudaKv, Tuning};
 use braid_ops::{
-    Act, AttnSeq, BlockSparse, DeltaShape, Device, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, Penalty, RecurrentOps, Rope, RowPick, RowPicked,
-    SparseAttentionOps, SsmShape, StateSeq,
+    Act, AttnSeq, BlockSparse, DeltaShape, Device, DrawRow, Forward, KvDtype, KvPoolSpec, KvShape, Map, MoeOps, Penalty, RecurrentOps, Rope, RowPick,
+    RowPicked, SparseAttentionOps, SsmShape, StateSeq,
 };
 use half::bf16;
 
@@ -459,6 +459,74 @@ fn top_k_rows_equal_the_hosts() {
             }
         }
     }
+}
+
+/// Tokens drawn where the logits are (`RowPick::Draw`) are those
+/// `draw_host` draws from the same rows and numbers, but for draws within
+/// rounding of a boundary (the device sums in another order and takes a
+/// faster exp): greedy rows, top-p, top-k past what `TopK` finds, min-p,
+/// plain temperature, masks, NaN, -inf and ties, rows up to 262,144 wide.
+/// The same call twice gives the same tokens.
+#[test]
+fn draws_equal_the_hosts_but_at_rounding() {
+    let Some(d) = gpu() else { return };
+    assert!(d.caps().draw);
+    let mut r = Rng(seed());
+    let kinds = [
+        DrawRow { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 },
+        DrawRow { temperature: 0.8, top_k: 0, top_p: 0.9, min_p: 0.0, u: 0.0 },
+        DrawRow { temperature: 1.2, top_k: 50, top_p: 0.8, min_p: 0.0, u: 0.0 },
+        DrawRow { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.05, u: 0.0 },
+        DrawRow { temperature: 0.7, top_k: 0, top_p: 1.0, min_p: 0.0, u: 0.0 },
+        DrawRow { temperature: 1.5, top_k: 1000, top_p: 0.95, min_p: 0.0, u: 0.0 },
+        DrawRow { temperature: 1.0, top_k: 0, top_p: 0.5, min_p: 0.1, u: 0.0 },
+    ];
+    let (mut drawn, mut differ) = (0usize, 0usize);
+    for (rows, cols, amp) in [(7usize, 3usize, 2.0f32), (7, 1000, 4.0), (14, 49152, 6.0), (7, 151936, 8.0), (3, 262144, 10.0)] {
+        let mut x = r.vec(rows * cols, amp);
+        for row in 0..rows {
+            let b = row * cols;
+            x[b + cols / 2] = amp + 1.0; // a tie for the largest
+            x[b + cols - 1] = amp + 1.0;
+            x[b] = f32::NAN;
+            if cols > 2 {
+                x[b + 1] = f32::NEG_INFINITY;
+            }
+        }
+        let g = d.upload(&x, rows, cols).unwrap();
+        let words = cols.div_ceil(32);
+        let mut bits = vec![u32::MAX; rows * words];
+        for row in (2..rows).step_by(3) {
+            bits[row * words..(row + 1) * words].iter_mut().enumerate().for_each(|(w, b)| *b = 0x0f0f_00ffu32.rotate_left(w as u32 * 5));
+        }
+        for round in 0..24 {
+            let draws: Vec<DrawRow> = (0..rows).map(|i| DrawRow { u: r.f().abs().fract().min(0.999_999), ..kinds[(i + round) % kinds.len()] }).collect();
+            for allowed in [None, Some(bits.as_slice())] {
+                let want: Vec<u32> =
+                    (0..rows).map(|i| braid_ops::draw_host(&x[i * cols..(i + 1) * cols], &draws[i], allowed.map(|b| &b[i * words..(i + 1) * words]))).collect();
+                let got = match d.pick(&g, RowPick::Draw(&draws, allowed), &[], false).unwrap() {
+                    RowPicked::Drawn(t) => t,
+                    other => panic!("pick(Draw) answered {other:?}"),
+                };
+                let again = d.pick(&g, RowPick::Draw(&draws, allowed), &[], false).unwrap();
+                assert_eq!(again, RowPicked::Drawn(got.clone()), "the same draw twice");
+                for i in 0..rows {
+                    if draws[i].temperature == 0.0 {
+                        assert_eq!(got[i], want[i], "greedy row {i} of {rows}x{cols}");
+                    } else {
+                        drawn += 1;
+                        differ += usize::from(got[i] != want[i]);
+                    }
+                    if let Some(b) = allowed {
+                        let t = got[i] as usize;
+                        assert!(b[i * words + t / 32] >> (t % 32) & 1 == 1 || b[i * words..(i + 1) * words].iter().all(|&w| w == 0), "token {t} not allowed");
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("draws: {differ} of {drawn} differ from the host's");
+    assert!(differ * 100 <= drawn, "{differ} of {drawn} draws differ from the host's");
 }
 
 /// Penalties applied where the logits are give the values, the argmax and

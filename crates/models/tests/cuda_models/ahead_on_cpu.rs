@@ -15,7 +15,7 @@ use braid_formats::{Bytes, DType, TensorView};
 use braid_ops::cpu::{Cpu, CpuKv, CpuTensor, CpuWeight};
 use braid_ops::{Act, DeviceCaps, Map, Rope};
 
-/// The CPU device, claiming `ahead` (and top-k on the host).
+/// The CPU device, claiming `ahead` (and top-k and draws on the host).
 #[derive(Clone, Copy)]
 pub struct AheadCpu(Cpu, bool);
 
@@ -27,7 +27,7 @@ impl Device for AheadCpu {
         format!("cpu claiming ahead {}", self.1)
     }
     fn caps(&self) -> DeviceCaps {
-        DeviceCaps { ahead: self.1, argmax: true, top_k: 64, ..self.0.caps() }
+        DeviceCaps { ahead: self.1, argmax: true, top_k: 64, draw: true, ..self.0.caps() }
     }
     fn tensor(&self, r: usize, c: usize) -> CpuTensor {
         self.0.tensor(r, c)
@@ -196,7 +196,22 @@ fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: bool) -> Vec<(String, u
         let rows = decode_rows(&next, draft, other, reversed, vocab);
         let chunk = pending.take();
         let step_chunk = chunk.as_ref().map(|(s, p)| (*s, Chunk { start: 0, tokens: p.as_slice(), want_logits: true }));
-        let out = be.round(Step::new(&rows, step_chunk, pick)).unwrap();
+        // A draw round's rows: the first greedy, the rest top-p at their own numbers.
+        let token_rows: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        let draws: Vec<Draw> = match pick {
+            Pick::Draw => (0..token_rows)
+                .map(|i| Draw { temperature: if i == 0 { 0.0 } else { 0.9 }, top_k: 0, top_p: 0.9, min_p: 0.0, u: ((round * 7 + i * 3) % 10) as f64 / 10.0 })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut out = be.round(Step { draws: &draws, ..Step::new(&rows, step_chunk, pick) }).unwrap();
+        // A draw round may come back whole (where part of it was launched
+        // ahead): drawn here then, as the device would.
+        if let (Pick::Draw, Picked::Logits(l)) = (pick, &out.picked) {
+            let row_draw = |d: &Draw| DrawRow { temperature: d.temperature, top_k: d.top_k as u32, top_p: d.top_p, min_p: d.min_p, u: d.u as f32 };
+            let drawn = l.chunks(vocab).zip(&draws).map(|(row, d)| braid_ops::draw_host(row, &row_draw(d), None)).collect();
+            out.picked = Picked::Tokens(drawn);
+        }
         if let Some((s, p)) = &chunk {
             let l = out.chunk_logits.as_ref().unwrap();
             log.push((format!("round {round}: chunk logits {:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), 0, 0, 0));
@@ -278,6 +293,23 @@ fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
 #[test]
 fn features_of_rounds_launched_ahead_on_the_cpu() {
     check(&script(true), true);
+}
+
+/// Draw rounds (a row greedy, the rest top-p) right after a round
+/// launched ahead: served by it whole, in another order, or in part (a
+/// stream fed another token): the same tokens as with ahead off.
+#[test]
+fn draw_rounds_after_a_round_launched_ahead_on_the_cpu() {
+    let mut s = script(false);
+    s.extend([
+        (8, Event::Pick(Pick::Draw)),
+        (11, Event::Pick(Pick::Draw)),
+        (24, Event::Other(1)),
+        (24, Event::Pick(Pick::Draw)),
+        (27, Event::Pick(Pick::Draw)),
+        (28, Event::Pick(Pick::Draw)),
+    ]);
+    check(&s, false);
 }
 
 /// A stream still open that sits a round out (a guided stream waiting

@@ -266,18 +266,12 @@ impl Core {
         let masks = pick_masks.as_ref().map(|m| m as &dyn RoundMasks);
         let penalties = if picks_on_device { self.penalties(&plan) } else { Vec::new() };
         let draws = if plan.pick == Pick::Draw { self.draws(&plan) } else { Vec::new() };
+        // The round's step; a chunk, if any, goes in where the pass cuts it.
+        let step = Step { next_chunk, next_plain, next_drafts, masks, penalties: &penalties, draws: &draws, ..Step::new(&plan.rows, None, plan.pick) };
         let t = Instant::now();
         let stepped = match plan.chunk {
             None => {
-                let out = self.backend.round(Step {
-                    next_chunk,
-                    next_plain,
-                    next_drafts,
-                    masks,
-                    penalties: &penalties,
-                    draws: &draws,
-                    ..Step::new(&plan.rows, None, plan.pick)
-                });
+                let out = self.backend.round(step);
                 features = leading_features(&*self.backend, decode_rows * dim);
                 picked = Some(out.map(|o| o.picked));
                 None
@@ -294,16 +288,7 @@ impl Core {
                     pass.step(backend, drafter)
                 } else {
                     pass.step_via(backend, drafter, decode_rows, |b, stream, chunk| {
-                        let step = Step {
-                            next_chunk,
-                            next_plain,
-                            next_drafts,
-                            masks,
-                            penalties: &penalties,
-                            draws: &draws,
-                            ..Step::new(&plan.rows, Some((stream, chunk)), plan.pick)
-                        };
-                        let out = b.round(step);
+                        let out = b.round(Step { chunk: Some((stream, chunk)), ..step });
                         features = leading_features(b, decode_rows * dim);
                         let (p, logits) = match out {
                             Ok(o) => (Ok(o.picked), Ok(o.chunk_logits)),

@@ -813,6 +813,25 @@ mod tests {
         assert_eq!(draw_host(&row, &d, Some(&bits)), 7, "the one column allowed");
     }
 
+    /// Broken rows and edge numbers draw a token in the row, never panic:
+    /// every value NaN or -inf (the first allowed column), nothing allowed
+    /// (0), a number just below 1 (the last kept), a tiny temperature (the
+    /// argmax), top-p and min-p at their ends.
+    #[test]
+    fn draws_of_broken_rows_and_edge_numbers() {
+        let d = DrawRow { temperature: 1.0, top_k: 0, top_p: 0.9, min_p: 0.0, u: 0.5 };
+        assert_eq!(draw_host(&[f32::NAN, f32::NEG_INFINITY, f32::NAN], &d, None), 0);
+        assert_eq!(draw_host(&[f32::NAN, f32::NEG_INFINITY, 1.0], &d, Some(&[0b011])), 0, "first allowed of a row all NaN or -inf");
+        assert_eq!(draw_host(&[1.0, 2.0, 3.0], &d, Some(&[0])), 0, "nothing allowed");
+        let row = [0.5f32, 0.1, 0.4, 0.3];
+        let last = DrawRow { top_p: 1.0, u: 1.0 - f32::EPSILON / 2.0, ..d };
+        assert_eq!(draw_host(&row, &last, None), 3, "a number just below 1: the last kept column");
+        assert_eq!(draw_host(&row, &DrawRow { temperature: 1e-6, u: 0.99, ..d }, None), 0, "a tiny temperature: the argmax");
+        assert_eq!(draw_host(&row, &DrawRow { top_p: 1e-6, u: 0.99, ..d }, None), 0, "top-p near 0 keeps the largest");
+        assert_eq!(draw_host(&row, &DrawRow { top_p: 1.0, min_p: 1.0, u: 0.99, ..d }, None), 0, "min-p 1 keeps the largest");
+        assert_eq!(draw_host(&row, &DrawRow { top_k: 1, top_p: 1.0, u: 0.99, ..d }, None), 0, "top-k 1 keeps the largest");
+    }
+
     #[test]
     fn argmax_allowed_is_the_argmax_of_the_masked_row() {
         let mut rng = 7u64;

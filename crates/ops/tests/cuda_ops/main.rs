@@ -525,6 +525,15 @@ fn draws_equal_the_hosts_but_at_rounding() {
             }
         }
     }
+    // Broken rows: all NaN, NaN and -inf within a mask, nothing allowed.
+    let (cols, words) = (40usize, 2usize);
+    let mut x = vec![f32::NAN; 3 * cols];
+    x[cols..2 * cols].iter_mut().step_by(2).for_each(|v| *v = f32::NEG_INFINITY);
+    let bits = [u32::MAX, u32::MAX, 0b0110, 0, 0, 0];
+    let draws = [DrawRow { temperature: 1.0, top_k: 0, top_p: 0.9, min_p: 0.0, u: 0.5 }; 3];
+    let g = d.upload(&x, 3, cols).unwrap();
+    let want: Vec<u32> = (0..3).map(|i| braid_ops::draw_host(&x[i * cols..(i + 1) * cols], &draws[i], Some(&bits[i * words..(i + 1) * words]))).collect();
+    assert_eq!(d.pick(&g, RowPick::Draw(&draws, Some(&bits)), &[], false).unwrap(), RowPicked::Drawn(want), "broken rows");
     eprintln!("draws: {differ} of {drawn} differ from the host's");
     assert!(differ * 100 <= drawn, "{differ} of {drawn} draws differ from the host's");
 }

@@ -129,7 +129,7 @@ pub fn prompt_ids(m: &Loaded, prompt: &str, chat: bool, system: Option<&str>) ->
 /// token, each as the model's processor writes an image: `\n\n`, its
 /// rows, `\n\n`); the images as the lane takes them.
 fn with_images(m: &Loaded, files: &[std::path::PathBuf], prompt: &mut Vec<u32>) -> Result<Vec<braid_engine::PromptImage>> {
-    use braid_formats::images::{decode_image, pixels_hash, ImageLimits};
+    use braid_formats::images::{decode_image, pixels_hash, ImageLimits, Pacing};
     if files.is_empty() {
         return Ok(Vec::new());
     }
@@ -144,8 +144,8 @@ fn with_images(m: &Loaded, files: &[std::path::PathBuf], prompt: &mut Vec<u32>) 
     let mut images = Vec::new();
     for f in files {
         let bytes = std::fs::read(f).with_context(|| format!("could not read the image {}", f.display()))?;
-        let img = decode_image(&bytes, &ImageLimits::default()).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
-        let pixels = v.prep.pixels(&img).with_context(|| f.display().to_string())?;
+        let img = decode_image(&bytes, &ImageLimits::default(), &mut Pacing::off()).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
+        let pixels = v.prep.pixels(&img, &mut Pacing::off()).with_context(|| f.display().to_string())?;
         head.extend_from_slice(&gap);
         let (block, image) = braid_server::image_block(v, at + head.len(), pixels_hash(&pixels), pixels.into());
         head.extend(block);

@@ -168,7 +168,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             metrics_public: a.metrics_public,
             allowed_hosts: a.allowed_hosts.clone(),
             allowed_origins: a.allowed_origins.clone(),
-            images: braid_server::ImageRules { allow_urls: a.allow_image_urls, ..Default::default() },
+            images: braid_server::ImageRules { allow_urls: a.allow_image_urls, duty: image_duty(&a.model)?, ..Default::default() },
             speculative: braid_server::Speculation { method: a.draft.method(), opt_in: a.speculative_opt_in },
             max_n: a.max_choices.max(1),
             max_choices: a.max_choices.max(1),
@@ -248,6 +248,17 @@ async fn go_live(server: &Server, a: &ServeArgs, path: &Path, name: &str, sampli
 }
 
 /// A timeout flag's value.
+/// The most of a core a request's image decoding takes at a time: a
+/// quarter where the model runs on the CPU with a thread on every core.
+/// There a round waits on the slowest of its threads, and an image decoded
+/// in one burst (tens of ms) beside it took a round on two cores from 21 ms
+/// to 33-51; with spare cores or a GPU, all it gets.
+fn image_duty(m: &ModelArgs) -> Result<f64> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu_bound = crate::load::device_choice(&m.device)? == crate::load::DeviceChoice::Cpu && m.threads.is_none_or(|t| t >= cores);
+    Ok(if cpu_bound { 0.25 } else { 1.0 })
+}
+
 fn secs(flag: &str, v: f64) -> Result<Duration> {
     if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
         anyhow::bail!("{flag} must be between 0 and 86400 seconds, got {v}");

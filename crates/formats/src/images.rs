@@ -6,8 +6,9 @@
 //! truncated, too large, a decompression bomb), and none panics.
 
 use std::hash::{BuildHasher, Hash, Hasher};
-use std::io::Cursor;
+use std::io::{BufRead, Cursor, Read, Seek, SeekFrom};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use base64::Engine as _;
@@ -54,8 +55,82 @@ pub enum ImageError {
     Corrupt { format: String, detail: String },
 }
 
-/// The bytes of a `data:image/...;base64,...` URL.
-pub fn data_url_bytes(url: &str, limits: &ImageLimits) -> Result<Vec<u8>, ImageError> {
+/// Work cut into slices with pauses between them, so that a thread
+/// sharing its cores with a CPU lane's rounds takes at most `duty` of a
+/// core, a fraction of a millisecond at a time, instead of one burst that
+/// stalls a round (each round waits on the slowest of its threads).
+#[derive(Clone, Debug)]
+pub struct Pacing {
+    duty: f64,
+    since: Instant,
+}
+
+/// The longest a paced slice runs before its pause.
+const SLICE: Duration = Duration::from_micros(500);
+
+impl Pacing {
+    /// No pauses.
+    pub fn off() -> Pacing {
+        Pacing::at(1.0)
+    }
+
+    /// At most `duty` (in (0, 1]; 1: no pauses) of a core.
+    pub fn at(duty: f64) -> Pacing {
+        Pacing { duty: duty.clamp(0.01, 1.0), since: Instant::now() }
+    }
+
+    /// Between two pieces of work: past a slice, pause for as long as
+    /// keeps the work within its duty.
+    pub fn tick(&mut self) {
+        if self.duty >= 1.0 {
+            return;
+        }
+        let busy = self.since.elapsed();
+        if busy >= SLICE {
+            std::thread::sleep(busy.mul_f64(1.0 / self.duty - 1.0));
+            self.since = Instant::now();
+        }
+    }
+}
+
+/// Encoded bytes read a little at a time, pacing between reads (the
+/// decoders work as they read).
+struct PacedBytes<'a> {
+    cur: Cursor<&'a [u8]>,
+    pace: &'a mut Pacing,
+}
+
+/// Bytes a paced read hands over at once.
+const PACED_READ: usize = 8 << 10;
+
+impl Read for PacedBytes<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.pace.tick();
+        let n = buf.len().min(PACED_READ);
+        self.cur.read(&mut buf[..n])
+    }
+}
+
+impl BufRead for PacedBytes<'_> {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        self.pace.tick();
+        let b = self.cur.fill_buf()?;
+        Ok(&b[..b.len().min(PACED_READ)])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.cur.consume(n)
+    }
+}
+
+impl Seek for PacedBytes<'_> {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        self.cur.seek(to)
+    }
+}
+
+/// The bytes of a `data:image/...;base64,...` URL (decoded in pieces, paced).
+pub fn data_url_bytes(url: &str, limits: &ImageLimits, pace: &mut Pacing) -> Result<Vec<u8>, ImageError> {
     let clip = |s: &str| s.chars().take(40).collect::<String>();
     let rest = url.strip_prefix("data:").ok_or_else(|| ImageError::NotDataUrl(format!("it begins `{}`", clip(url))))?;
     let (head, data) = rest.split_once(',').ok_or_else(|| ImageError::NotDataUrl("no `,` before the data".into()))?;
@@ -67,15 +142,25 @@ pub fn data_url_bytes(url: &str, limits: &ImageLimits) -> Result<Vec<u8>, ImageE
     if estimate > limits.max_bytes + 3 {
         return Err(ImageError::TooManyBytes { got: estimate, max: limits.max_bytes });
     }
-    let bytes = base64::engine::general_purpose::STANDARD.decode(data.trim()).map_err(|e| ImageError::Base64(e.to_string()))?;
+    let (data, b64) = (data.trim(), &base64::engine::general_purpose::STANDARD);
+    let mut bytes = Vec::with_capacity(estimate);
+    // Whole 4-character groups a piece, so only the last piece pads.
+    for piece in data.as_bytes().chunks(64 << 10) {
+        if b64.decode_vec(piece, &mut bytes).is_err() {
+            // Named as a decode of the whole names it (its offset).
+            return Err(ImageError::Base64(b64.decode(data).err().map_or_else(|| "invalid".into(), |e| e.to_string())));
+        }
+        pace.tick();
+    }
     if bytes.len() > limits.max_bytes {
         return Err(ImageError::TooManyBytes { got: bytes.len(), max: limits.max_bytes });
     }
     Ok(bytes)
 }
 
-/// Decode a PNG, JPEG or WebP image to RGB (alpha dropped), within `limits`.
-pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, ImageError> {
+/// Decode a PNG, JPEG or WebP image to RGB (alpha dropped), within `limits`
+/// (paced as it reads the encoded bytes).
+pub fn decode_image(bytes: &[u8], limits: &ImageLimits, pace: &mut Pacing) -> Result<RgbImage, ImageError> {
     if bytes.len() > limits.max_bytes {
         return Err(ImageError::TooManyBytes { got: bytes.len(), max: limits.max_bytes });
     }
@@ -90,8 +175,8 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, Imag
         image::ImageError::Limits(_) => ImageError::Bomb { max_mib: limits.max_alloc >> 20 },
         e => ImageError::Corrupt { format: name.into(), detail: e.to_string() },
     };
-    let reader = |bytes| {
-        let mut r = ImageReader::with_format(Cursor::new(bytes), format);
+    let reader = |bytes, pace| {
+        let mut r = ImageReader::with_format(PacedBytes { cur: Cursor::new(bytes), pace }, format);
         let mut l = image::Limits::default();
         l.max_image_width = Some(limits.max_side);
         l.max_image_height = Some(limits.max_side);
@@ -113,7 +198,7 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, Imag
     if u64::from(width) * u64::from(height) * 4 > limits.max_alloc {
         return Err(ImageError::Bomb { max_mib: limits.max_alloc >> 20 });
     }
-    Ok(reader(bytes).decode().map_err(corrupt)?.to_rgb8())
+    Ok(reader(bytes, pace).decode().map_err(corrupt)?.to_rgb8())
 }
 
 /// How a model's processor turns an image into pixels: resized to a square
@@ -179,8 +264,8 @@ impl ImagePrep {
         Ok(p)
     }
 
-    /// The model's input: `[3, side, side]`, channels first.
-    pub fn pixels(&self, img: &RgbImage) -> Result<Vec<f32>> {
+    /// The model's input: `[3, side, side]`, channels first (paced a row at a time).
+    pub fn pixels(&self, img: &RgbImage, pace: &mut Pacing) -> Result<Vec<f32>> {
         let side = self.side;
         let resized;
         let img = if img.dimensions() == (side, side) {
@@ -195,6 +280,9 @@ impl ImagePrep {
         let n = (side * side) as usize;
         let mut out = vec![0f32; 3 * n];
         for (i, px) in img.pixels().enumerate() {
+            if i % side as usize == 0 {
+                pace.tick();
+            }
             for c in 0..3 {
                 let mut v = px.0[c] as f32;
                 if let Some(r) = self.rescale {
@@ -253,36 +341,81 @@ mod tests {
 
     #[test]
     fn a_png_decodes_and_normalises() {
-        let img = decode_image(&png(4, 4), &ImageLimits::default()).unwrap();
-        let px = ImagePrep::siglip(4).pixels(&img).unwrap();
+        let img = decode_image(&png(4, 4), &ImageLimits::default(), &mut Pacing::off()).unwrap();
+        let px = ImagePrep::siglip(4).pixels(&img, &mut Pacing::off()).unwrap();
         assert_eq!(px.len(), 48);
         // Pixel (1, 0): red 1, green 0, blue 1 -> (v / 255 - 0.5) / 0.5.
         assert_eq!(px[1], (1.0f32 / 255.0 - 0.5) / 0.5);
         assert_eq!(px[16 + 1], -1.0);
         // Resized when the side differs.
-        assert_eq!(ImagePrep::siglip(8).pixels(&img).unwrap().len(), 3 * 64);
+        assert_eq!(ImagePrep::siglip(8).pixels(&img, &mut Pacing::off()).unwrap().len(), 3 * 64);
     }
 
     #[test]
     fn bad_images_are_named() {
         let l = ImageLimits::default();
-        assert_eq!(decode_image(b"hello world, not an image", &l), Err(ImageError::UnknownFormat));
+        assert_eq!(decode_image(b"hello world, not an image", &l, &mut Pacing::off()), Err(ImageError::UnknownFormat));
         let p = png(16, 16);
-        assert!(matches!(decode_image(&p[..p.len() / 2], &l), Err(ImageError::Corrupt { .. })));
+        assert!(matches!(decode_image(&p[..p.len() / 2], &l, &mut Pacing::off()), Err(ImageError::Corrupt { .. })));
         let small = ImageLimits { max_side: 8, ..l };
-        assert_eq!(decode_image(&p, &small), Err(ImageError::TooLarge { width: 16, height: 16, max: 8 }));
+        assert_eq!(decode_image(&p, &small, &mut Pacing::off()), Err(ImageError::TooLarge { width: 16, height: 16, max: 8 }));
         let tight = ImageLimits { max_alloc: 512, ..l };
-        assert_eq!(decode_image(&p, &tight), Err(ImageError::Bomb { max_mib: 0 }));
+        assert_eq!(decode_image(&p, &tight, &mut Pacing::off()), Err(ImageError::Bomb { max_mib: 0 }));
         let gif = b"GIF89a\x01\x00\x01\x00\x00\x00\x00;";
-        assert!(matches!(decode_image(gif, &l), Err(ImageError::Unsupported(_))));
-        assert!(matches!(data_url_bytes("http://example.invalid/cat.png", &l), Err(ImageError::NotDataUrl(_))));
-        assert!(matches!(data_url_bytes("data:image/png;base64,@@@", &l), Err(ImageError::Base64(_))));
+        assert!(matches!(decode_image(gif, &l, &mut Pacing::off()), Err(ImageError::Unsupported(_))));
+        assert!(matches!(data_url_bytes("http://example.invalid/cat.png", &l, &mut Pacing::off()), Err(ImageError::NotDataUrl(_))));
+        assert!(matches!(data_url_bytes("data:image/png;base64,@@@", &l, &mut Pacing::off()), Err(ImageError::Base64(_))));
+    }
+
+    /// Paced work (the base64 in pieces, the decoder reading a little at a
+    /// time, the pixels a row at a time) gives what unpaced work gives,
+    /// and pauses: at a quarter duty it takes at least about four times
+    /// its busy time. A bad character past the first piece is still named.
+    #[test]
+    fn paced_decoding_equals_unpaced_and_pauses() {
+        // Noise, so the PNG and its base64 span several pieces (64 KiB).
+        let mut x = 7u32;
+        let img = RgbImage::from_fn(300, 300, |_, _| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            image::Rgb([x as u8, (x >> 8) as u8, (x >> 16) as u8])
+        });
+        let mut p = Cursor::new(Vec::new());
+        img.write_to(&mut p, ImageFormat::Png).unwrap();
+        let p = p.into_inner();
+        let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&p));
+        assert!(url.len() > 3 * (64 << 10), "{} bytes", url.len());
+        let (l, prep) = (ImageLimits::default(), ImagePrep::siglip(224));
+        let run = |pace: &mut Pacing| {
+            let bytes = data_url_bytes(&url, &l, pace).unwrap();
+            let img = decode_image(&bytes, &l, pace).unwrap();
+            (bytes, prep.pixels(&img, pace).unwrap())
+        };
+        // The busy time: the faster of two unpaced runs (the first warms up).
+        let mut busy = Duration::MAX;
+        let mut off = None;
+        for _ in 0..2 {
+            let t = Instant::now();
+            off = Some(run(&mut Pacing::off()));
+            busy = busy.min(t.elapsed());
+        }
+        let off = off.unwrap();
+        let t = Instant::now();
+        let paced = run(&mut Pacing::at(0.25));
+        assert_eq!(paced, off);
+        assert_eq!(off.0, p);
+        assert!(t.elapsed() >= busy.mul_f64(2.0), "paced at a quarter: {:?}, unpaced {busy:?}", t.elapsed());
+        let mut bad = url.clone();
+        bad.replace_range(url.len() - 10..url.len() - 9, "@");
+        let Err(ImageError::Base64(e)) = data_url_bytes(&bad, &l, &mut Pacing::off()) else { panic!("a bad character passed") };
+        assert!(e.contains(&format!("{}", bad.len() - 10 - "data:image/png;base64,".len())), "{e}");
     }
 
     #[test]
     fn a_data_url_round_trips() {
         let p = png(3, 2);
         let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&p));
-        assert_eq!(data_url_bytes(&url, &ImageLimits::default()).unwrap(), p);
+        assert_eq!(data_url_bytes(&url, &ImageLimits::default(), &mut Pacing::off()).unwrap(), p);
     }
 }

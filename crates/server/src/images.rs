@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use braid_engine::{image_token_ids, PromptImage};
-use braid_formats::images::{data_url_bytes, decode_image, pixels_hash, ImageLimits, ImagePrep};
+use braid_formats::images::{data_url_bytes, decode_image, pixels_hash, ImageLimits, ImagePrep, Pacing};
 
 use crate::error::ApiError;
 use crate::params::{ImagePart, Message};
@@ -27,12 +27,23 @@ pub struct VisionInfo {
 }
 
 /// How images may reach the server.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ImageRules {
     pub limits: ImageLimits,
     /// Fetch `http(s)` image URLs (off: only `data:` URLs are taken; the
     /// server reaches nothing on a client's behalf).
     pub allow_urls: bool,
+    /// The most of a core decoding an image may take at a time (1: all it
+    /// gets), in slices of under a millisecond: below 1 where the model
+    /// runs on every core of the CPU, whose rounds a burst of other work
+    /// stalls (see [`Pacing`]).
+    pub duty: f64,
+}
+
+impl Default for ImageRules {
+    fn default() -> Self {
+        ImageRules { limits: ImageLimits::default(), allow_urls: false, duty: 1.0 }
+    }
 }
 
 /// One decoded image: the model's pixels and their hash.
@@ -79,6 +90,7 @@ fn lower_priority() {
 
 fn decode_parts(v: &VisionInfo, parts: &[&ImagePart], rules: &ImageRules) -> Result<Vec<Decoded>, ApiError> {
     let mut out = Vec::with_capacity(parts.len());
+    let pace = &mut Pacing::at(rules.duty);
     for p in parts {
         let bad = |why: String| ApiError::param(&p.at, format!("`{}`: {why}", p.at)).with_code("invalid_image");
         let url = p.url.trim_start();
@@ -91,10 +103,10 @@ fn decode_parts(v: &VisionInfo, parts: &[&ImagePart], rules: &ImageRules) -> Res
             }
             fetch(url, &rules.limits).map_err(bad)?
         } else {
-            data_url_bytes(url, &rules.limits).map_err(|e| bad(e.to_string()))?
+            data_url_bytes(url, &rules.limits, pace).map_err(|e| bad(e.to_string()))?
         };
-        let img = decode_image(&bytes, &rules.limits).map_err(|e| bad(e.to_string()))?;
-        let pixels = v.prep.pixels(&img).map_err(|e| bad(format!("{e:#}")))?;
+        let img = decode_image(&bytes, &rules.limits, pace).map_err(|e| bad(e.to_string()))?;
+        let pixels = v.prep.pixels(&img, pace).map_err(|e| bad(format!("{e:#}")))?;
         out.push(Decoded { hash: pixels_hash(&pixels), pixels: pixels.into() });
     }
     Ok(out)

@@ -252,7 +252,7 @@ async fn go_live(server: &Server, a: &ServeArgs, path: &Path, name: &str, sampli
 /// quarter where the model runs on the CPU with a thread on every core.
 /// There a round waits on the slowest of its threads, and an image decoded
 /// in one burst (tens of ms) beside it took a round on two cores from 21 ms
-/// to 33-51; with spare cores or a GPU, all it gets.
+/// to 43-59 (paced: 25-49); with spare cores or a GPU, all it gets.
 fn image_duty(m: &ModelArgs) -> Result<f64> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cpu_bound = crate::load::device_choice(&m.device)? == crate::load::DeviceChoice::Cpu && m.threads.is_none_or(|t| t >= cores);

@@ -247,7 +247,6 @@ async fn go_live(server: &Server, a: &ServeArgs, path: &Path, name: &str, sampli
     Ok(())
 }
 
-/// A timeout flag's value.
 /// The most of a core a request's image decoding takes at a time: a
 /// quarter where the model runs on the CPU with a thread on every core.
 /// There a round waits on the slowest of its threads, and an image decoded
@@ -259,6 +258,7 @@ fn image_duty(m: &ModelArgs) -> Result<f64> {
     Ok(if cpu_bound { 0.25 } else { 1.0 })
 }
 
+/// A timeout flag's value.
 fn secs(flag: &str, v: f64) -> Result<Duration> {
     if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
         anyhow::bail!("{flag} must be between 0 and 86400 seconds, got {v}");

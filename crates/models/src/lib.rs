@@ -30,7 +30,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use braid_ops::{AllOps, AttnSeq, Device, KvShape, Map};
 
-pub use backend::{BackendConfig, ModelBackend, REPLAY_CHUNK_ROWS};
+pub use backend::{device_draw, BackendConfig, ModelBackend, REPLAY_CHUNK_ROWS};
 pub use siglip::Mmproj;
 pub use source::Source;
 

@@ -55,6 +55,13 @@ impl<'a> Picking<'a> {
     }
 }
 
+/// A lane's draw as the device takes it (see `RowPick::Draw`).
+pub fn device_draw(d: &Draw) -> DrawRow {
+    // A number just below 1 stays below 1 in f32.
+    let below_one = 1.0 - f32::EPSILON / 2.0;
+    DrawRow { temperature: d.temperature, top_k: d.top_k.min(u32::MAX as usize) as u32, top_p: d.top_p, min_p: d.min_p, u: (d.u as f32).min(below_one) }
+}
+
 mod ahead;
 mod layout;
 mod picks;
@@ -479,18 +486,7 @@ impl<D: Device> ModelBackend<D> {
             let cols = self.dev.shape(&self.scratch.logits).1;
             self.dev.resize(&mut self.scratch.logits, n, cols);
         }
-        // A draw's number just below 1 stays below 1 in f32.
-        let below_one = 1.0 - f32::EPSILON / 2.0;
-        let draws: Vec<DrawRow> = draws
-            .iter()
-            .map(|d| DrawRow {
-                temperature: d.temperature,
-                top_k: d.top_k.min(u32::MAX as usize) as u32,
-                top_p: d.top_p,
-                min_p: d.min_p,
-                u: (d.u as f32).min(below_one),
-            })
-            .collect();
+        let rows_drawn: Vec<DrawRow>;
         let on_device = match pick {
             Pick::Logits => None,
             Pick::Argmax => Some(allowed.map_or(RowPick::Argmax, RowPick::ArgmaxAllowed)),
@@ -500,7 +496,8 @@ impl<D: Device> ModelBackend<D> {
             }
             Pick::Draw => {
                 ensure!(self.dev.caps().draw && draws.len() == n, "{} draws for {n} rows on a device that draws: {}", draws.len(), self.dev.caps().draw);
-                Some(RowPick::Draw(&draws, allowed))
+                rows_drawn = draws.iter().map(device_draw).collect();
+                Some(RowPick::Draw(&rows_drawn, allowed))
             }
         };
         let picked = match on_device {

@@ -208,8 +208,7 @@ fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: bool) -> Vec<(String, u
         // A draw round may come back whole (where part of it was launched
         // ahead): drawn here then, as the device would.
         if let (Pick::Draw, Picked::Logits(l)) = (pick, &out.picked) {
-            let row_draw = |d: &Draw| DrawRow { temperature: d.temperature, top_k: d.top_k as u32, top_p: d.top_p, min_p: d.min_p, u: d.u as f32 };
-            let drawn = l.chunks(vocab).zip(&draws).map(|(row, d)| braid_ops::draw_host(row, &row_draw(d), None)).collect();
+            let drawn = l.chunks(vocab).zip(&draws).map(|(row, d)| braid_ops::draw_host(row, &device_draw(d), None)).collect();
             out.picked = Picked::Tokens(drawn);
         }
         if let Some((s, p)) = &chunk {

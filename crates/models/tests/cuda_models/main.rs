@@ -16,9 +16,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use braid_engine::{Backend, Chunk, DecodeRow, Draw, Pick, Picked, RoundMasks, RoundOut, Step, StreamId, TokenMask};
-use braid_models::{BackendConfig, Batch, Memory, Model, ModelBackend, Scratch};
+use braid_models::{device_draw, BackendConfig, Batch, Memory, Model, ModelBackend, Scratch};
 use braid_ops::cuda::{Cuda, Tuning};
-use braid_ops::{AttnSeq, Device, DrawRow, Forward, KvDtype, KvPoolSpec};
+use braid_ops::{AttnSeq, Device, Forward, KvDtype, KvPoolSpec};
 use serde_json::Value;
 
 #[path = "../../../ops/tests/common/gpu.rs"]

@@ -570,8 +570,7 @@ fn backend_draw_rounds_equal_host_draws() {
         }
         let got = tokens(be.round(Step { draws: &draws, ..Step::new(&rows, None, Pick::Draw) }).unwrap());
         for (i, d) in draws.iter().enumerate() {
-            let row = DrawRow { temperature: d.temperature, top_k: d.top_k as u32, top_p: d.top_p, min_p: d.min_p, u: d.u as f32 };
-            let want = braid_ops::draw_host(&logits[i * 1000..(i + 1) * 1000], &row, None);
+            let want = braid_ops::draw_host(&logits[i * 1000..(i + 1) * 1000], &device_draw(d), None);
             if d.temperature == 0.0 {
                 assert_eq!(got[i], want, "a greedy row in a draw round");
             } else {

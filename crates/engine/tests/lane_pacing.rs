@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use braid_engine::fake::{Call, FakeConfig};
@@ -41,6 +42,12 @@ fn paced_told(target: Option<Duration>, share: Option<f32>, replayed: usize, chu
     paced_ahead(target, share, replayed, chunk_tokens, round_costs, false, cost)
 }
 
+/// Held while a lane runs timed rounds: the tests of this file run in
+/// parallel, and on two cores their lanes' host work made each other's
+/// plain rounds look long, so a chunk's share looked small (one run let
+/// 192 rows pass a share that 160 already passed).
+static TIMED: Mutex<()> = Mutex::new(());
+
 /// [`paced_told`] on a backend that launches rounds ahead or not, its
 /// rounds costing `cost`.
 fn paced_ahead(
@@ -58,6 +65,8 @@ fn paced_ahead(
     fc.caps.replayed_chunk_rows = replayed;
     fc.caps.launches_ahead = ahead;
     let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, round_costs, ..no_marks() };
+    // A test that failed while holding it leaves it poisoned; the runs after are still timed alone.
+    let _alone = TIMED.lock().unwrap_or_else(|e| e.into_inner());
     let (lane, log) = lane(fc, lc);
     // Four streams decode, then an 1800-row prompt arrives.
     let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();

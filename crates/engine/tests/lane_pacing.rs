@@ -146,8 +146,7 @@ fn a_target_and_a_share_take_the_largest_replayed_sizes_within_them() {
     assert!(share.iter().all(|&n| replayed_size(n) && n <= 160), "{share:?}");
     assert!(share.iter().filter(|&&n| n == 160).count() <= 2, "{share:?}");
     let after = share.iter().rposition(|&n| n == 160).expect("the probe passes the share") + 1;
-    // (On a loaded machine the probe took longer, leaving one 128 before the pass's end.)
-    assert!(share[after..].iter().all(|&n| n <= 128) && share[after..].contains(&128), "{share:?}");
+    assert!(share[after..].iter().all(|&n| n <= 128) && share[after..].iter().filter(|&&n| n == 128).count() >= 2, "{share:?}");
 }
 
 /// The rounds a warm-up would time: each count of decode rows (of 9

@@ -11,6 +11,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::Result;
 
@@ -497,5 +498,13 @@ pub trait Backend: Send {
     /// own.
     fn lost(&self) -> Option<String> {
         None
+    }
+
+    /// The clock the lane times rounds by, for its pacer: the wall clock,
+    /// unless the backend keeps time of its own (a fake whose rounds cost
+    /// what a script says, so pacing tests do not hang on a loaded
+    /// machine's timing).
+    fn now(&self) -> Instant {
+        Instant::now()
     }
 }

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
 
@@ -179,8 +179,10 @@ pub struct FakeConfig {
     pub max_marks: Option<usize>,
     /// Sleep in every round with decode rows (to let a test act between rounds).
     pub decode_delay: Option<Duration>,
-    /// A scripted cost: every round sleeps `f(decode rows, chunk rows)`
-    /// (for pacing tests, whose checks read the script, not the clock).
+    /// A scripted cost: every round takes `f(decode rows, chunk rows)` on
+    /// the backend's own clock ([`Backend::now`]), which only rounds move,
+    /// so the lane's pacer sees the script's costs exactly (pacing tests;
+    /// no real time passes, so a loaded machine cannot skew them).
     pub round_cost: Option<fn(usize, usize) -> Duration>,
     /// Sleep in every call that runs a prompt chunk.
     pub prefill_delay: Option<Duration>,
@@ -251,6 +253,9 @@ pub struct FakeBackend {
     images: HashMap<StreamId, Vec<PromptImage>>,
     /// `encode_images_step` calls so far, per stream being encoded.
     encoding: HashMap<StreamId, usize>,
+    /// With `round_cost`, the clock's reading: its start and the scripted
+    /// time since.
+    clock: (Instant, Duration),
 }
 
 impl FakeBackend {
@@ -267,6 +272,7 @@ impl FakeBackend {
             features: Vec::new(),
             encoding: HashMap::new(),
             images: HashMap::new(),
+            clock: (Instant::now(), Duration::ZERO),
         }
     }
 
@@ -392,7 +398,7 @@ impl FakeBackend {
         }
         if let Some(cost) = self.cfg.round_cost {
             let decode: usize = step.rows.iter().map(|r| r.tokens.len()).sum();
-            std::thread::sleep(cost(decode, step.chunk.map_or(0, |(_, c)| c.tokens.len())));
+            self.clock.1 += cost(decode, step.chunk.map_or(0, |(_, c)| c.tokens.len()));
         }
         self.check(&step)?;
         self.features.clear();
@@ -494,6 +500,13 @@ impl Backend for FakeBackend {
 
     fn features(&self) -> Option<&[f32]> {
         (self.cfg.caps.feature_dim > 0).then_some(&self.features[..])
+    }
+
+    fn now(&self) -> Instant {
+        match self.cfg.round_cost {
+            Some(_) => self.clock.0 + self.clock.1,
+            None => Instant::now(),
+        }
     }
 
     fn attach_prefix(&mut self, stream: StreamId, prompt: &[u32], salt: u64, max_len: usize) -> Result<usize> {
@@ -617,6 +630,9 @@ impl<B: Backend> Backend for Held<B> {
     }
     fn features(&self) -> Option<&[f32]> {
         self.inner.features()
+    }
+    fn now(&self) -> Instant {
+        self.inner.now()
     }
     fn attach_prefix(&mut self, stream: StreamId, prompt: &[u32], salt: u64, max_len: usize) -> Result<usize> {
         self.inner.attach_prefix(stream, prompt, salt, max_len)

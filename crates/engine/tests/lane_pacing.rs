@@ -1,13 +1,11 @@
 //! The pacer through a lane, against a recording fake whose rounds cost
-//! what a script says (they sleep it): with an inter-token-latency target a
+//! what a script says, on the fake's own clock (no real time passes, so
+//! the pacer sees exactly the script): with an inter-token-latency target a
 //! prompt arriving beside decoding streams is cut so that rounds keep
-//! within the target, and it advances every round. The checks read the
-//! script's cost of each logged round, not the clock: a loaded machine
-//! makes rounds look dearer, so the pacer errs small, never large.
+//! within the target, and it advances every round.
 
 mod common;
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use braid_engine::fake::{Call, FakeConfig};
@@ -42,12 +40,6 @@ fn paced_told(target: Option<Duration>, share: Option<f32>, replayed: usize, chu
     paced_ahead(target, share, replayed, chunk_tokens, round_costs, false, cost)
 }
 
-/// Held while a lane runs timed rounds: the tests of this file run in
-/// parallel, and on two cores their lanes' host work made each other's
-/// plain rounds look long, so a chunk's share looked small (one run let
-/// 192 rows pass a share that 160 already passed).
-static TIMED: Mutex<()> = Mutex::new(());
-
 /// [`paced_told`] on a backend that launches rounds ahead or not, its
 /// rounds costing `cost`.
 fn paced_ahead(
@@ -65,8 +57,6 @@ fn paced_ahead(
     fc.caps.replayed_chunk_rows = replayed;
     fc.caps.launches_ahead = ahead;
     let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, round_costs, ..no_marks() };
-    // A test that failed while holding it leaves it poisoned; the runs after are still timed alone.
-    let _alone = TIMED.lock().unwrap_or_else(|e| e.into_inner());
     let (lane, log) = lane(fc, lc);
     // Four streams decode, then an 1800-row prompt arrives.
     let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();
@@ -139,9 +129,7 @@ fn a_target_and_a_share_take_the_largest_replayed_sizes_within_them() {
     // A share of 1.9 plain rounds (7.2 ms beside four streams' 3.8) holds
     // 144 rows: untold, it probes up a size at a time, passes the share
     // once (160 rows, 2.1), then keeps to 128 (1.7). (Each size runs twice
-    // as it probes: the next chunk is sized a round early. The margins
-    // leave room for the clock: on a loaded machine a plain round timed
-    // long once let 160 rows pass a share of 2.)
+    // as it probes: the next chunk is sized a round early.)
     let share = shared_chunks(&paced_with(None, Some(1.9), 256, 4096));
     assert!(share.iter().all(|&n| replayed_size(n) && n <= 160), "{share:?}");
     assert!(share.iter().filter(|&&n| n == 160).count() <= 2, "{share:?}");

@@ -7,8 +7,6 @@
 //! draft has one row). A chunk rides in the same call; a chunk alone goes
 //! through `prefill_step`, the whole pass's chunk body.
 
-use std::time::Instant;
-
 use anyhow::{anyhow, bail, Result};
 
 use super::masks::{Held, PickMasks};
@@ -73,10 +71,10 @@ impl Core {
             _ => sh,
         });
         let budget = self.pacer.encode_budget(next);
-        let t = Instant::now();
+        let t = self.backend.now();
         let Phase::Prefilling { pass, .. } = &mut self.running[at].phase else { unreachable!("found above") };
         let made = pass.encode_step(&mut *self.backend, budget);
-        let took = t.elapsed();
+        let took = self.backend.now().saturating_duration_since(t);
         self.stats.image_encode_secs += took.as_secs_f64();
         // Not the loop's own time: the pacer sets it aside from the next round's.
         self.round_end = self.round_end.map(|e| e + took);
@@ -268,7 +266,7 @@ impl Core {
         let draws = if plan.pick == Pick::Draw { self.draws(&plan) } else { Vec::new() };
         // The round's step; a chunk, if any, goes in where the pass cuts it.
         let step = Step { next_chunk, next_plain, next_drafts, masks, penalties: &penalties, draws: &draws, ..Step::new(&plan.rows, None, plan.pick) };
-        let t = Instant::now();
+        let t = self.backend.now();
         let stepped = match plan.chunk {
             None => {
                 let out = self.backend.round(step);
@@ -300,12 +298,13 @@ impl Core {
                 })
             }
         };
-        let secs = t.elapsed().as_secs_f64();
+        let end = self.backend.now();
+        let secs = end.saturating_duration_since(t).as_secs_f64();
         let masked = pick_masks.is_some();
         drop(pick_masks);
         // The loop's own time since the last call (an idle wait is not).
-        let overhead = self.round_end.map_or(0.0, |e| t.duration_since(e).as_secs_f64()).min(MAX_OVERHEAD);
-        self.round_end = Some(Instant::now());
+        let overhead = self.round_end.map_or(0.0, |e| t.saturating_duration_since(e).as_secs_f64()).min(MAX_OVERHEAD);
+        self.round_end = Some(end);
         tracing::trace!(decode_rows, chunk_rows = plan.chunk.map_or(0, |c| c.end - c.start), pick = ?plan.pick, ms = secs * 1e3, overhead_ms = overhead * 1e3, "round");
         if picked.as_ref().is_none_or(Result::is_ok) && stepped.as_ref().is_none_or(Result::is_ok) {
             let decode_ctx = plan.rows.iter().map(|r| self.running.iter().find(|s| s.id == r.stream).map_or(0, |s| s.len)).sum();

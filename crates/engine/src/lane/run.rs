@@ -202,7 +202,7 @@ impl Core {
     /// Take commands: block while there is nothing to do, wait briefly when
     /// the last round made no progress, else just drain.
     fn intake(&mut self, idle: bool, stalled: bool) {
-        let t = Instant::now();
+        let t = self.backend.now();
         let first = if idle {
             self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
         } else if stalled {
@@ -217,7 +217,7 @@ impl Core {
         if idle {
             self.round_end = None;
         } else if stalled {
-            self.round_end = self.round_end.map(|e| e + t.elapsed());
+            self.round_end = self.round_end.map(|e| e + self.backend.now().saturating_duration_since(t));
         }
         match first {
             Ok(c) => self.command(c),

@@ -281,8 +281,12 @@ fn lane_run(m: Loaded, n: usize, tg: usize, draft_max_streams: usize) -> Result<
         Ok(tok) => (0..n)
             .map(|i| tok.encode(&format!("# Python\n# Write a function that {} (version {i}).\ndef ", tasks[i % tasks.len()]), true))
             .collect::<Result<_>>()?,
-        // No tokenizer: distinct token ids.
-        Err(_) => (0..n).map(|i| (0..24u32).map(|t| 100 + t * 7 + i as u32).collect()).collect(),
+        // No tokenizer: distinct token ids, within the vocabulary (a tiny
+        // fixture's is 256).
+        Err(_) => {
+            let vocab = m.vocab.max(1) as u32;
+            (0..n).map(|i| (0..24u32).map(|t| (100 + t * 7 + i as u32) % vocab).collect()).collect()
+        }
     };
     let config = LaneConfig { max_context: m.context, max_running: n.max(1), draft_max_streams, ..LaneConfig::default() };
     let text: Arc<dyn TokenText> = match m.tokenizer() {

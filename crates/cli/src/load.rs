@@ -273,9 +273,10 @@ fn load_on<D: AllOps + Clone>(dev: D, args: &ModelArgs, path: PathBuf, cfg: Back
         Some(dir) => {
             let dir = PathBuf::from(dir);
             let d = DFlash::load(&dev, &dir, &src).with_context(|| format!("loading the drafter in {}", dir.display()))?;
-            d.attach(&mut backend).with_context(|| format!("the drafter in {} does not fit {}", dir.display(), path.display()))?;
             // The drafter's context rows need as much room as the target's.
-            Some(Box::new(DFlashDrafter::new(dev, d, kv_tokens, block_tokens, kv_dtype)?))
+            let mut drafter = DFlashDrafter::new(dev, d, kv_tokens, block_tokens, kv_dtype)?;
+            drafter.share_taps(&mut backend).with_context(|| format!("the drafter in {} does not fit {}", dir.display(), path.display()))?;
+            Some(Box::new(drafter))
         }
     };
     Ok(Loaded { path, tokenizer: tokenizer.map(Arc::new), missing, template, backend: Box::new(backend), drafter, device, vocab, context, vision })

@@ -39,9 +39,11 @@ use std::path::Path;
 use anyhow::{bail, ensure, Context, Result};
 use braid_engine::{Drafter, Gate, StreamId};
 use braid_formats::safetensors::HfFolder;
+use braid_formats::{Bytes, TensorView};
 use braid_ops::{Act, AttnSeq, Device, KvDtype, KvPoolSpec, KvShape, Map, Rope};
 use serde_json::Value;
 
+use crate::backend::SharedTaps;
 use crate::blocks::{gated_mlp, Attention};
 use crate::config::HfConfig;
 use crate::llama::hf_rope;
@@ -201,7 +203,10 @@ struct Markov<D: Device> {
 pub struct DFlash<D: Device> {
     pub cfg: DFlashConfig,
     layers: Vec<Layer<D>>,
-    fc: D::Weight,
+    /// `fc` split by its input columns, one part per tap: the context
+    /// projection is the sum of each tap's rows through its part, so the
+    /// taps need not sit side by side (on a device they stay apart).
+    fc: Vec<D::Weight>,
     hidden_norm: D::Tensor,
     norm: D::Tensor,
     embed: D::Weight,
@@ -241,11 +246,12 @@ impl<D: Device> DFlash<D> {
                 w_down: w(&p("mlp.down_proj"))?,
             });
         }
-        let fc = w("fc.weight")?;
-        let (fc_out, fc_in) = dev.weight_shape(&fc);
+        let fc_view = folder.tensor("fc.weight")?;
+        let (fc_out, fc_in) = (fc_view.rows(), fc_view.cols());
         let taps = cfg.target_layers.len();
         ensure!(fc_out == cfg.hidden, "{}: fc maps to {fc_out} columns, the drafter is {} wide", dir.display(), cfg.hidden);
-        ensure!(fc_in % taps == 0, "{}: fc reads {fc_in} columns, not a multiple of its {taps} target layers", dir.display());
+        ensure!(taps > 0 && fc_in % taps == 0, "{}: fc reads {fc_in} columns, not a multiple of its {taps} target layers", dir.display());
+        let fc = split_cols(&fc_view, taps)?.iter().map(|v| dev.weight(v)).collect::<Result<Vec<_>>>()?;
         // DeepSeek's DSpark ships its own embedding and head; others borrow the target's.
         let embed = if folder.has_tensor("embed_tokens.weight") { w("embed_tokens.weight")? } else { dev.weight(&target.tensor("token_embd.weight")?)? };
         let (rows, width) = dev.weight_shape(&embed);
@@ -356,22 +362,43 @@ fn read_i64(folder: &HfFolder, name: &str) -> Result<Vec<i64>> {
     bail!("{}: no tensor named `{name}`", folder.dir().display())
 }
 
+/// `view`'s columns in `parts` equal parts, each a weight of its own (a
+/// dense type's bytes, sliced row by row).
+fn split_cols(view: &TensorView, parts: usize) -> Result<Vec<TensorView>> {
+    let (rows, cols) = (view.rows(), view.cols());
+    let bytes = view.dtype.bytes_for(rows * cols).filter(|_| !view.dtype.is_quantized());
+    ensure!(bytes == Some(view.data.len()), "{}: a {} tensor cannot be split by columns", view.name, view.dtype.name());
+    let (es, w) = (view.data.len() / (rows * cols).max(1), cols / parts);
+    Ok((0..parts)
+        .map(|i| {
+            let mut data = Vec::with_capacity(rows * w * es);
+            for r in 0..rows {
+                let at = (r * cols + i * w) * es;
+                data.extend_from_slice(&view.data[at..at + w * es]);
+            }
+            TensorView { name: format!("{}[{i}]", view.name), dtype: view.dtype, shape: vec![rows, w], data: Bytes::from_vec(data) }
+        })
+        .collect())
+}
+
 /// One stream's drafter state: the context rows' keys and values (in
-/// `blocks`, KV rows `0..ctx` at positions `base..base + ctx`), the
-/// feature rows absorbed since the last proposal, and how long its
-/// proposals should be.
+/// `blocks`, KV rows `0..ctx` at positions `base..base + ctx`), and how
+/// long its proposals should be.
 struct DraftStream {
     base: usize,
     ctx: usize,
-    pending: Vec<f32>,
     blocks: Vec<u32>,
     gate: Gate,
+    /// Absorbing failed (its pool full): the context has a hole, so the
+    /// stream gets no more proposals.
+    failed: bool,
 }
 
 /// [`DFlash`] as the engine's [`Drafter`]: it keeps each stream's context
-/// keys and values in a paged pool of its own, and proposes greedily, as
-/// many tokens as the stream's [`Gate`] allows (the head runs on those
-/// rows only; the whole block runs through the layers, as trained).
+/// keys and values in a paged pool of its own, made as each stream's rows
+/// are absorbed, and proposes greedily, as many tokens as the stream's
+/// [`Gate`] allows (the head runs on those rows only; the whole block runs
+/// through the layers, as trained).
 pub struct DFlashDrafter<D: Device> {
     dev: D,
     model: DFlash<D>,
@@ -380,18 +407,27 @@ pub struct DFlashDrafter<D: Device> {
     free: Vec<u32>,
     streams: HashMap<StreamId, DraftStream>,
     s: Scratch<D>,
+    /// The target's rows where its backend keeps them ([`DFlashDrafter::share_taps`]).
+    taps: Option<SharedTaps<D>>,
     /// The last proposal's block logits (`block_size - 1` rows of
     /// `logits_width`; DSpark's with the Markov bias), for tests and tools.
     pub last_logits: Vec<f32>,
     /// DSpark's confidence in each row of the last proposal (empty without
     /// a confidence head).
     pub last_confidence: Vec<f32>,
-    /// Why the last proposal came back empty, if it failed.
+    /// Why the last proposal or absorb failed, if it did.
     pub last_error: Option<String>,
     /// Proposals in a row with nothing accepted before a stream skips as
     /// many rounds (0: never).
     pub patience: usize,
 }
+
+/// Scratch slots of the drafter's own: the context rows, the Markov head's
+/// embedding and bias, then one a tap for the tapped rows.
+const CTX: usize = 0;
+const MARKOV_E: usize = 1;
+const MARKOV_BIAS: usize = 2;
+const TAP: usize = 3;
 
 impl<D: Device> DFlashDrafter<D> {
     /// A drafter over `model` whose pool holds `kv_tokens` context rows
@@ -411,11 +447,21 @@ impl<D: Device> DFlashDrafter<D> {
             free: (0..blocks as u32).rev().collect(),
             streams: HashMap::new(),
             s,
+            taps: None,
             last_logits: Vec::new(),
             last_confidence: Vec::new(),
             last_error: None,
             patience: 4,
         })
+    }
+
+    /// Tap `backend` (the target, on this drafter's device) for the layers
+    /// this drafter reads, and read its rows where it keeps them: no
+    /// feature row goes through the host.
+    pub fn share_taps(&mut self, backend: &mut ModelBackend<D>) -> Result<()> {
+        self.model.attach(backend)?;
+        self.taps = Some(backend.share_taps());
+        Ok(())
     }
 
     pub fn model(&self) -> &DFlash<D> {
@@ -424,7 +470,67 @@ impl<D: Device> DFlashDrafter<D> {
 
     fn stream(&mut self, id: StreamId) -> &mut DraftStream {
         let gate = Gate::new(self.model.cfg.block_size - 1, self.patience);
-        self.streams.entry(id).or_insert_with(|| DraftStream { base: 0, ctx: 0, pending: Vec::new(), blocks: Vec::new(), gate })
+        self.streams.entry(id).or_insert_with(|| DraftStream { base: 0, ctx: 0, blocks: Vec::new(), gate, failed: false })
+    }
+
+    /// Give `stream` pool blocks for `rows` KV rows.
+    fn reserve(&mut self, stream: StreamId, rows: usize) -> Result<()> {
+        let need = rows.div_ceil(self.block_tokens);
+        let have = self.stream(stream).blocks.len();
+        if need > have {
+            ensure!(self.free.len() >= need - have, "the drafter's KV pool is full");
+            let got: Vec<u32> = (0..need - have).filter_map(|_| self.free.pop()).collect();
+            self.stream(stream).blocks.extend(got);
+        }
+        Ok(())
+    }
+
+    /// The pool slots of `stream`'s KV rows `rows`.
+    fn slots(&self, stream: StreamId, rows: std::ops::Range<usize>) -> Vec<u32> {
+        let (bt, blocks) = (self.block_tokens, &self.streams[&stream].blocks);
+        rows.map(|j| blocks[j / bt] * bt as u32 + (j % bt) as u32).collect()
+    }
+
+    /// Make `stream`'s context keys and values for its next `rows` rows,
+    /// whose feature rows are in the tap slots (one tensor a tap).
+    fn absorb_rows(&mut self, stream: StreamId, rows: usize) -> Result<()> {
+        let (base, ctx) = {
+            let st = self.stream(stream);
+            (st.base, st.ctx)
+        };
+        self.reserve(stream, ctx + rows)?;
+        let pos: Vec<u32> = (base + ctx..base + ctx + rows).map(|p| p as u32).collect();
+        let slots = self.slots(stream, ctx..ctx + rows);
+        self.context(&pos, &slots);
+        self.stream(stream).ctx += rows;
+        Ok(())
+    }
+
+    /// Put `rows` feature rows of `features` (every tap side by side, as a
+    /// backend hands them to the host) into the tap slots.
+    fn upload_taps(&mut self, features: &[f32], rows: usize) -> Result<()> {
+        let w = self.model.target_hidden;
+        let taps = self.model.fc.len();
+        for i in 0..taps {
+            let part: Vec<f32> = features.chunks_exact(taps * w).flat_map(|r| &r[i * w..(i + 1) * w]).copied().collect();
+            *self.s.extra(&self.dev, TAP + i) = self.dev.upload(&part, rows, w)?;
+        }
+        Ok(())
+    }
+
+    /// Put the first `rows` rows `stream` fed the target in its last
+    /// forward into the tap slots, from where its backend keeps them.
+    /// False if it keeps none.
+    fn take_taps(&mut self, stream: StreamId, rows: usize) -> bool {
+        let Some(shared) = &self.taps else { return false };
+        let mut store = shared.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((taps, first)) = store.take(stream, rows) else { return false };
+        let at: Vec<usize> = (first..first + rows).collect();
+        for (i, t) in taps.iter().enumerate() {
+            let out = self.s.extra(&self.dev, TAP + i);
+            self.dev.gather_rows(t, &at, out);
+        }
+        true
     }
 
     /// The block after `last` for `stream`: the logits of its first `rows`
@@ -433,39 +539,24 @@ impl<D: Device> DFlashDrafter<D> {
     pub fn propose_block(&mut self, stream: StreamId, last: u32, rows: usize) -> Result<Vec<u32>> {
         let bs = self.model.cfg.block_size;
         let rows = rows.clamp(1, bs - 1);
-        let fdim = self.model.feature_dim();
-        let bt = self.block_tokens;
         let st = self.streams.get(&stream).with_context(|| format!("stream {stream} is not open in the drafter"))?;
-        let new = st.pending.len() / fdim;
+        ensure!(!st.failed, "stream {stream}'s context is incomplete");
         let (base, ctx) = (st.base, st.ctx);
-        // Blocks for the context and the block rows (the block's own rows
-        // are written past the context and overwritten by later context).
-        let need = (ctx + new + bs).div_ceil(bt);
-        let have = st.blocks.len();
-        if need > have {
-            ensure!(self.free.len() >= need - have, "the drafter's KV pool is full");
-            let got: Vec<u32> = (0..need - have).filter_map(|_| self.free.pop()).collect();
-            self.stream(stream).blocks.extend(got);
-        }
-        let st = self.streams.get_mut(&stream).expect("present");
-        let pending = std::mem::take(&mut st.pending);
-        let blocks = st.blocks.clone();
-        let slot = |j: usize| blocks[j / bt] * bt as u32 + (j % bt) as u32;
-        let ctx_pos: Vec<u32> = (base + ctx..base + ctx + new).map(|p| p as u32).collect();
-        let ctx_slots: Vec<u32> = (ctx..ctx + new).map(slot).collect();
-        let block_pos: Vec<u32> = (base + ctx + new..base + ctx + new + bs).map(|p| p as u32).collect();
-        let block_slots: Vec<u32> = (ctx + new..ctx + new + bs).map(slot).collect();
+        // The block's rows are written past the context, and overwritten by
+        // later context.
+        self.reserve(stream, ctx + bs)?;
+        let blocks = self.streams[&stream].blocks.clone();
+        let block_pos: Vec<u32> = (base + ctx..base + ctx + bs).map(|p| p as u32).collect();
+        let block_slots = self.slots(stream, ctx..ctx + bs);
         let mut tokens = vec![self.model.cfg.mask_token; bs];
         tokens[0] = last;
-        let kv_len = ctx + new + bs;
+        let kv_len = ctx + bs;
         // Every block row is its own one-row sequence over all the keys:
         // attention over the pool is causal, and one row at the end of its
         // sequence sees every key, so the block attends both ways.
         let seqs: Vec<AttnSeq<'_>> = (0..bs).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len, blocks: &blocks, window: None }).collect();
-        let feats = if new > 0 { Some(self.dev.upload(&pending, new, fdim)?) } else { None };
-        self.forward(feats.as_ref(), &ctx_pos, &ctx_slots, &tokens, &block_pos, &block_slots, &seqs, rows);
+        self.block(&tokens, &block_pos, &block_slots, &seqs, rows);
         let mut logits = self.dev.download(&self.s.logits)?;
-        self.streams.get_mut(&stream).expect("present").ctx += new;
         let width = self.model.logits_width();
         ensure!(logits.len() == rows * width, "the drafter returned {} logits, expected {}", logits.len(), rows * width);
         let picks = if self.model.markov.is_some() {
@@ -492,13 +583,13 @@ impl<D: Device> DFlashDrafter<D> {
         let mut prev = last;
         let mut picks = Vec::with_capacity(logits.len() / width);
         for (k, row) in logits.chunks_exact_mut(width).enumerate() {
-            let mut e = std::mem::replace(s.extra(dev, 1), dev.tensor(0, 0));
-            let mut bias = std::mem::replace(s.extra(dev, 2), dev.tensor(0, 0));
+            let mut e = std::mem::replace(s.extra(dev, MARKOV_E), dev.tensor(0, 0));
+            let mut bias = std::mem::replace(s.extra(dev, MARKOV_BIAS), dev.tensor(0, 0));
             dev.embed(&m.w1, &[prev], 1.0, &mut e);
             dev.matmul(&e, &[&m.w2], &mut [&mut bias]);
             let (e_host, b) = (dev.download(&e)?, dev.download(&bias)?);
-            *s.extra(dev, 1) = e;
-            *s.extra(dev, 2) = bias;
+            *s.extra(dev, MARKOV_E) = e;
+            *s.extra(dev, MARKOV_BIAS) = bias;
             ensure!(b.len() == width, "the Markov head gave {} biases for {width} logits", b.len());
             row.iter_mut().zip(&b).for_each(|(l, b)| *l += b);
             if let Some((w, bias)) = &m.confidence {
@@ -512,42 +603,46 @@ impl<D: Device> DFlashDrafter<D> {
         Ok(picks)
     }
 
-    /// The drafter's forward: context keys and values into the pool, then
-    /// the block through every layer; the logits of block rows `1..=rows`
-    /// end in `s.logits`.
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &mut self,
-        feats: Option<&D::Tensor>,
-        ctx_pos: &[u32],
-        ctx_slots: &[u32],
-        tokens: &[u32],
-        block_pos: &[u32],
-        block_slots: &[u32],
-        seqs: &[AttnSeq<'_>],
-        rows: usize,
-    ) {
+    /// Context rows into the pool: the tapped rows in the tap slots
+    /// projected by `fc` and normed, then every layer's keys and values
+    /// from them (not normed by the layer's input norm), at `pos`, into
+    /// `slots`.
+    fn context(&mut self, pos: &[u32], slots: &[u32]) {
+        let (dev, m, s, kv) = (&self.dev, &self.model, &mut self.s, &mut self.kv);
+        let c = &m.cfg;
+        let hd = c.head_dim;
+        let mut ctx = std::mem::replace(s.extra(dev, CTX), dev.tensor(0, 0));
+        for (i, fc) in m.fc.iter().enumerate() {
+            let tap = std::mem::replace(s.extra(dev, TAP + i), dev.tensor(0, 0));
+            if i == 0 {
+                dev.matmul(&tap, &[fc], &mut [&mut s.out]);
+            } else {
+                dev.matmul(&tap, &[fc], &mut [&mut s.h]);
+                dev.add(&mut s.out, &s.h);
+            }
+            *s.extra(dev, TAP + i) = tap;
+        }
+        dev.rms_norm(&s.out, &m.hidden_norm, c.eps, &mut ctx);
+        for (l, b) in m.layers.iter().enumerate() {
+            let Some((_, k_norm)) = &b.attn.qk_norm else { unreachable!("DFlash layers load with q/k norms") };
+            dev.matmul(&ctx, &[&b.attn.wk, &b.attn.wv], &mut [&mut s.k_raw, &mut s.v]);
+            dev.rms_norm(&s.k_raw, k_norm, c.eps, &mut s.k);
+            dev.rope(&mut s.k, pos, hd, &c.rope);
+            dev.kv_write(kv, l, &s.k, &s.v, slots);
+        }
+        *s.extra(dev, CTX) = ctx;
+    }
+
+    /// The block through every layer, over the context already in the
+    /// pool; the logits of block rows `1..=rows` end in `s.logits`.
+    fn block(&mut self, tokens: &[u32], block_pos: &[u32], block_slots: &[u32], seqs: &[AttnSeq<'_>], rows: usize) {
         let (dev, m, s, kv) = (&self.dev, &self.model, &mut self.s, &mut self.kv);
         let c = &m.cfg;
         let hd = c.head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut ctx = std::mem::replace(s.extra(dev, 0), dev.tensor(0, 0));
-        if let Some(f) = feats {
-            dev.matmul(f, &[&m.fc], &mut [&mut s.out]);
-            dev.rms_norm(&s.out, &m.hidden_norm, c.eps, &mut ctx);
-        }
         dev.embed(&m.embed, tokens, c.embed_scale, &mut s.x);
         for (l, b) in m.layers.iter().enumerate() {
             let Some((q_norm, k_norm)) = &b.attn.qk_norm else { unreachable!("DFlash layers load with q/k norms") };
-            // The context's keys and values: from the projected features, not
-            // normed by the layer's input norm.
-            if feats.is_some() {
-                dev.matmul(&ctx, &[&b.attn.wk, &b.attn.wv], &mut [&mut s.k_raw, &mut s.v]);
-                dev.rms_norm(&s.k_raw, k_norm, c.eps, &mut s.k);
-                dev.rope(&mut s.k, ctx_pos, hd, &c.rope);
-                dev.kv_write(kv, l, &s.k, &s.v, ctx_slots);
-            }
-            // The block's queries, keys and values.
             dev.rms_norm(&s.x, &b.attn_norm, c.eps, &mut s.h);
             dev.matmul(&s.h, &[&b.attn.wq, &b.attn.wk, &b.attn.wv], &mut [&mut s.q_raw, &mut s.k_raw, &mut s.v]);
             dev.rms_norm(&s.q_raw, q_norm, c.eps, &mut s.q);
@@ -563,7 +658,6 @@ impl<D: Device> DFlashDrafter<D> {
             gated_mlp(dev, s, Act::Silu, &b.w_gate, &b.w_up, &b.w_down);
             dev.add(&mut s.x, &s.out);
         }
-        *s.extra(dev, 0) = ctx;
         let rows: Vec<usize> = (1..=rows).collect();
         dev.gather_rows(&s.x, &rows, &mut s.last);
         dev.rms_norm(&s.last, &m.norm, c.eps, &mut s.h);
@@ -590,10 +684,17 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
         let dim = self.model.feature_dim();
         let st = self.stream(stream);
         st.gate.absorbed(rows);
-        // A backend tapping other rows than this drafter reads is refused
-        // when the drafter is attached; anything else is not this drafter's.
-        if rows > 0 && features.len() == rows * dim {
-            st.pending.extend_from_slice(features);
+        if rows == 0 || st.failed {
+            return;
+        }
+        // Host rows where the lane hands them; else the backend's, on the
+        // device. (A backend tapping other rows than this drafter reads is
+        // refused when the drafter is attached.)
+        let ready = if features.len() == rows * dim { self.upload_taps(features, rows).map(|()| true) } else { Ok(self.take_taps(stream, rows)) };
+        let made = ready.and_then(|ready| if ready { self.absorb_rows(stream, rows) } else { Ok(()) });
+        if let Err(e) = made {
+            self.last_error = Some(format!("{e:#}"));
+            self.stream(stream).failed = true;
         }
     }
 

@@ -24,10 +24,15 @@ use fixtures_common::*;
 /// What the lane handed the drafter: each absorb's stream, tokens and features.
 type Log = Arc<Mutex<Vec<(StreamId, Vec<u32>, Vec<f32>)>>>;
 
-/// The DFlash drafter, recording what it absorbs.
+/// A proposal's stream, tokens and block logits.
+type Proposal = (StreamId, Vec<u32>, Vec<f32>);
+type Proposals = Arc<Mutex<Vec<Proposal>>>;
+
+/// The DFlash drafter, recording what it absorbs and proposes.
 struct Recording {
     inner: DFlashDrafter<Cpu>,
     log: Log,
+    proposals: Proposals,
 }
 
 impl Drafter for Recording {
@@ -41,6 +46,9 @@ impl Drafter for Recording {
     fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
         let p = self.inner.propose(stream, last);
         assert_eq!(self.inner.last_error, None, "the drafter failed");
+        if !p.is_empty() {
+            self.proposals.lock().unwrap().push((stream, p.clone(), self.inner.last_logits.clone()));
+        }
         p
     }
     fn forget(&mut self, stream: StreamId) {
@@ -67,8 +75,10 @@ fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
 #[derive(Clone)]
 enum Kind {
     None,
-    /// A block drafter (DFlash or DSpark) from the fixture folder of this name.
-    DFlash(Log, &'static str),
+    /// A block drafter (DFlash or DSpark) from the fixture folder of this
+    /// name, fed the host rows the lane hands on, or (`true`) reading them
+    /// where the backend keeps them (`share_taps`).
+    DFlash(Log, Proposals, &'static str, bool),
     Ngram,
     /// A draft model: the fixture of this name, on a backend of its own.
     Model(&'static str),
@@ -81,11 +91,16 @@ fn lane(fx: &Fixture, kind: &Kind) -> Lane {
     let mut backend = fx.backend();
     let drafter: Option<Box<dyn Drafter>> = match kind {
         Kind::None => None,
-        Kind::DFlash(log, name) => {
+        Kind::DFlash(log, proposals, name, shared) => {
             let target = Source::open(&fx.dir).unwrap();
             let model = DFlash::load(&Cpu::new(None), &fixtures_dir().join(name), &target).unwrap();
-            model.attach(&mut backend).unwrap();
-            Some(Box::new(Recording { inner: DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap(), log: log.clone() }))
+            let mut inner = DFlashDrafter::new(Cpu::new(None), model, 4096, 4, KvDtype::F32).unwrap();
+            if *shared {
+                inner.share_taps(&mut backend).unwrap();
+            } else {
+                inner.model().attach(&mut backend).unwrap();
+            }
+            Some(Box::new(Recording { inner, log: log.clone(), proposals: proposals.clone() }))
         }
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
         Kind::Model(name) => {
@@ -123,7 +138,7 @@ fn block_drafting_is_lossless(drafter: &'static str) {
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
     for seed in [None, Some(42)] {
         let (plain_alone, plain_together, _) = serve(&fx, &prompts, seed, Kind::None);
-        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default(), drafter));
+        let (alone, together, stats) = serve(&fx, &prompts, seed, Kind::DFlash(Log::default(), Proposals::default(), drafter, true));
         assert_eq!(alone, plain_alone, "seed {seed:?}: drafted streams alone differ from plain ones");
         assert_eq!(together, plain_together, "seed {seed:?}: drafted streams together differ from plain ones");
         assert_eq!(together, alone, "seed {seed:?}");
@@ -142,6 +157,22 @@ fn block_drafting_is_lossless(drafter: &'static str) {
     }
 }
 
+/// A run of `prompts` together with the DFlash drafter reading the
+/// backend's kept rows (`shared`) or the lane's host rows: the replies,
+/// and each stream's proposals in order.
+fn proposals(fx: &Fixture, prompts: &[Vec<u32>], shared: bool) -> (Vec<Vec<u32>>, Vec<Proposal>) {
+    let (log, proposals) = (Log::default(), Proposals::default());
+    let l = lane(fx, &Kind::DFlash(log.clone(), proposals.clone(), "dflash_gemma3", shared));
+    let hs: Vec<_> = prompts.iter().map(|p| l.submit(request(p.clone(), None)).unwrap()).collect();
+    let outs = hs.into_iter().map(tokens).collect();
+    // Shared, no row went through the host; else every absorb had its rows.
+    assert!(log.lock().unwrap().iter().all(|(_, t, f)| f.is_empty() == shared || t.is_empty()));
+    let mut p = proposals.lock().unwrap().clone();
+    // Each stream's in order (the sort is stable).
+    p.sort_by_key(|e| e.0);
+    (outs, p)
+}
+
 #[test]
 fn the_drafter_absorbs_every_prompt_rows_real_features() {
     let fx = Fixture::load("gemma3_text");
@@ -149,7 +180,7 @@ fn the_drafter_absorbs_every_prompt_rows_real_features() {
     let width = reference["features"].shape[1];
     let prompt = fx.tokens[..17].to_vec();
     let log: Log = Arc::default();
-    let l = lane(&fx, &Kind::DFlash(log.clone(), "dflash_gemma3"));
+    let l = lane(&fx, &Kind::DFlash(log.clone(), Proposals::default(), "dflash_gemma3", false));
     let out = tokens(l.submit(request(prompt.clone(), None)).unwrap());
     assert_eq!(out.len(), 24);
     let log = log.lock().unwrap();
@@ -343,5 +374,24 @@ fn sampling_with_a_draft_model_follows_the_targets_distribution() {
         let critical = k * (1.0 - 2.0 / (9.0 * k) + 3.72 * (2.0 / (9.0 * k)).sqrt()).powi(3);
         eprintln!("{what}: {} draws, chi-square {chi:.1} on {df} df (critical {critical:.1})", seen.values().sum::<u64>());
         assert!(df >= 3 && chi < critical, "{what}: chi-square {chi:.1} on {df} df");
+    }
+}
+
+#[test]
+fn rows_kept_on_the_device_draft_as_the_hosts_do() {
+    // The target's rows reach the drafter two ways: copied to the host and
+    // handed on by the lane, or kept where the backend made them and read
+    // by stream. Four streams together: the same replies, and each
+    // stream's proposals the same tokens from the same block logits.
+    let fx = Fixture::load("gemma3_text");
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
+    let (host_out, host) = proposals(&fx, &prompts, false);
+    let (kept_out, kept) = proposals(&fx, &prompts, true);
+    assert_eq!(kept_out, host_out);
+    assert!(host.len() >= 8, "{} proposals", host.len());
+    assert_eq!(kept.len(), host.len());
+    for ((s, t, l), (hs, ht, hl)) in kept.iter().zip(&host) {
+        assert_eq!((s, t), (hs, ht), "stream {s}'s proposal");
+        assert_close("block logits", l, hl, hl.len(), 1e-5);
     }
 }

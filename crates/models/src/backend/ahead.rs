@@ -157,6 +157,8 @@ impl<D: Device> ModelBackend<D> {
         let logit_rows: Vec<usize> = (0..parts.len()).collect();
         let lens: Vec<usize> = l.rows.iter().map(|(s, _)| self.streams[s].len).collect();
         self.forward(&parts, &logit_rows, false)?;
+        // Only the served streams fed these rows, as far as the lane knows.
+        self.keep_taps(&parts, |s| step.rows.iter().zip(0..).any(|(r, i)| r.stream == s && served.iter().any(|&(k, _)| k == i)));
         for (j, &(s, _)) in l.rows.iter().enumerate() {
             if !served.iter().any(|&(_, k)| k == j) {
                 self.streams.get_mut(&s).expect("a launched stream is open").len = lens[j];

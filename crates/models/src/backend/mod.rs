@@ -66,12 +66,14 @@ mod ahead;
 mod layout;
 mod picks;
 mod rows;
+mod taps;
 
 use ahead::{Launched, NextRound};
 pub use layout::KvLayout;
 use layout::WindowGroup;
 use picks::{empty, launched_rows, merge, merge_rows, resolve, select, select_rows};
 use rows::{image_rows, RowArrays};
+pub use taps::{DeviceTaps, SharedTaps};
 
 /// Forwards whose streams each run at most this many rows (decode, drafts)
 /// are keyed for replay, and so are those that add a prompt chunk of a
@@ -212,8 +214,11 @@ pub struct ModelBackend<D: Device> {
     /// Width of one tapped layer's rows (0: no taps; see `set_feature_layers`).
     tap_width: usize,
     /// The last forward's feature rows: every row's tapped layers side by
-    /// side, in `scratch.taps` order.
+    /// side, in `scratch.taps` order (none while `shared_taps`).
     features: Vec<f32>,
+    /// Where the tapped rows stay on the device for a drafter there
+    /// (`share_taps`), instead of `features`.
+    shared_taps: Option<SharedTaps<D>>,
     /// The image rows of the passes under way (`encode_images`).
     images: HashMap<StreamId, Images<D::Tensor>>,
     /// The image rows being made.
@@ -270,6 +275,7 @@ impl<D: Device> ModelBackend<D> {
             row,
             tap_width: 0,
             features: Vec::new(),
+            shared_taps: None,
             images: HashMap::new(),
             encoding: HashMap::new(),
         })
@@ -301,15 +307,19 @@ impl<D: Device> ModelBackend<D> {
         Ok(())
     }
 
-    /// The width of a feature row: every tap side by side (0: no taps).
+    /// The width of a feature row on the host: every tap side by side (0:
+    /// no taps, or none copied to the host: `shared_taps`).
     fn feature_dim(&self) -> usize {
+        if self.shared_taps.is_some() {
+            return 0;
+        }
         self.scratch.taps.len() * self.tap_width
     }
 
     /// The tapped rows of the forward just run, side by side on the host.
     fn collect_features(&mut self, rows: usize) -> Result<()> {
         let taps = self.scratch.taps.len();
-        if taps == 0 {
+        if taps == 0 || self.shared_taps.is_some() {
             return Ok(());
         }
         let w = self.tap_width;
@@ -537,6 +547,7 @@ impl<D: Device> ModelBackend<D> {
             }
         }
         self.forward(&parts, &logit_rows, chunk.is_some())?;
+        self.keep_taps(&parts, |_| true);
         let chunk_logits = match chunk {
             Some((_, c)) if c.want_logits => {
                 self.dev.gather_rows(&self.scratch.logits, &[total], &mut self.row);
@@ -687,7 +698,7 @@ impl<D: Device> Backend for ModelBackend<D> {
     }
 
     fn features(&self) -> Option<&[f32]> {
-        (self.tap_width > 0).then_some(self.features.as_slice())
+        (self.feature_dim() > 0).then_some(self.features.as_slice())
     }
 
     fn cancel_prefill(&mut self, _stream: StreamId) {
@@ -882,6 +893,7 @@ impl<D: Device> Backend for ModelBackend<D> {
     fn forget(&mut self, stream: StreamId) {
         self.images.remove(&stream);
         self.encoding.remove(&stream);
+        self.forget_taps(stream);
         let Some(st) = self.streams.remove(&stream) else { return };
         self.free_slots.push(st.slot);
         match self.launched.as_mut() {

@@ -12,7 +12,7 @@
 //! accepted that the target did not pick, a rewind off by one) picks a
 //! token far from it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use braid_engine::{DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules};
 use braid_models::dflash::{DFlash, DFlashDrafter};
@@ -34,11 +34,7 @@ fn lane(dev: &Cuda, fx: &Fixture, kind: Kind) -> Lane {
     let mut target = backend(dev, &fx.dir);
     let drafter: Option<Box<dyn Drafter>> = match kind {
         Kind::None => None,
-        Kind::Block(name) => {
-            let model = DFlash::load(dev, &fixture_dir(name), &Source::open(&fx.dir).unwrap()).unwrap();
-            model.attach(&mut target).unwrap();
-            Some(Box::new(DFlashDrafter::new(dev.clone(), model, 4096, 16, KvDtype::F16).unwrap()))
-        }
+        Kind::Block(name) => Some(Box::new(block_drafter(dev, fx, &mut target, name, true))),
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
         Kind::Model(name) => {
             let draft = backend(dev, &fixture_dir(name));
@@ -54,6 +50,51 @@ fn request(prompt: &[u32]) -> Request {
         sampling: SamplingParams::greedy(),
         stop: StopRules { max_tokens: Some(24), ignore_eos: true, ..Default::default() },
         ..Default::default()
+    }
+}
+
+/// The block drafter in fixture folder `name` for `target`, reading its
+/// rows on the device (`shared`) or from the host copies the lane hands on.
+fn block_drafter(dev: &Cuda, fx: &Fixture, target: &mut ModelBackend<Cuda>, name: &str, shared: bool) -> DFlashDrafter<Cuda> {
+    let model = DFlash::load(dev, &fixture_dir(name), &Source::open(&fx.dir).unwrap()).unwrap();
+    let mut d = DFlashDrafter::new(dev.clone(), model, 4096, 16, KvDtype::F16).unwrap();
+    if shared {
+        d.share_taps(target).unwrap();
+    } else {
+        d.model().attach(target).unwrap();
+    }
+    d
+}
+
+/// Each proposal's stream, tokens and block logits.
+type Proposals = Arc<Mutex<Vec<(u64, Vec<u32>, Vec<f32>)>>>;
+
+/// A block drafter that records its proposals.
+struct Recording {
+    inner: DFlashDrafter<Cuda>,
+    proposals: Proposals,
+}
+
+impl Drafter for Recording {
+    fn open(&mut self, stream: u64, prefix: &[u32]) {
+        self.inner.open(stream, prefix)
+    }
+    fn absorb(&mut self, stream: u64, tokens: &[u32], features: &[f32]) {
+        self.inner.absorb(stream, tokens, features)
+    }
+    fn propose(&mut self, stream: u64, last: u32) -> Vec<u32> {
+        let p = self.inner.propose(stream, last);
+        assert_eq!(self.inner.last_error, None, "the drafter failed");
+        if !p.is_empty() {
+            self.proposals.lock().unwrap().push((stream, p.clone(), self.inner.last_logits.clone()));
+        }
+        p
+    }
+    fn forget(&mut self, stream: u64) {
+        self.inner.forget(stream)
+    }
+    fn cap(&mut self, stream: u64, max: usize) {
+        self.inner.cap(stream, max)
     }
 }
 
@@ -145,4 +186,37 @@ fn a_draft_model_is_lossless_on_the_gpu() {
         // The target drafting for itself: most drafts are its own picks.
         assert!(stats.draft_accepted * 10 >= stats.draft_proposed * 7, "{stats:?}");
     }
+}
+
+#[test]
+fn rows_kept_on_the_gpu_draft_as_the_hosts_do() {
+    // The target's rows kept on the device and read by stream
+    // (`share_taps`) against the same rows copied to the host and back:
+    // each prompt alone, the same replies and the same proposals.
+    let Some(dev) = gpu() else { return };
+    let fx = Fixture::load("gemma3_text");
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| fx.tokens[i * 3..i * 3 + 9 + 4 * i].to_vec()).collect();
+    let run = |shared: bool| {
+        let mut target = backend(&dev, &fx.dir);
+        let inner = block_drafter(&dev, &fx, &mut target, "dflash_gemma3", shared);
+        let proposals = Proposals::default();
+        let drafter: Box<dyn Drafter> = Box::new(Recording { inner, proposals: proposals.clone() });
+        let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, draft_max_streams: 8, ..LaneConfig::default() };
+        let l = Lane::spawn_with_drafter(Box::new(target), Some(drafter), Arc::new(NoText), config);
+        let outs: Vec<Vec<u32>> = prompts.iter().map(|p| fixtures_common::tokens(l.submit(request(p)).unwrap())).collect();
+        drop(l);
+        let p = proposals.lock().unwrap().clone();
+        (outs, p)
+    };
+    let (host_out, host) = run(false);
+    let (kept_out, kept) = run(true);
+    assert_eq!(kept_out, host_out);
+    assert!(host.len() >= 8, "{} proposals", host.len());
+    assert_eq!(kept.len(), host.len());
+    for ((s, t, l), (hs, ht, hl)) in kept.iter().zip(&host) {
+        assert_eq!((s, t), (hs, ht), "stream {s}'s proposal");
+        let d = l.iter().zip(hl).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(l.len() == hl.len() && d <= 1e-3, "stream {s}: block logits differ by {d}");
+    }
+    eprintln!("{} proposals the same on {}", kept.len(), dev.name());
 }

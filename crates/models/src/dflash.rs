@@ -409,6 +409,10 @@ pub struct DFlashDrafter<D: Device> {
     s: Scratch<D>,
     /// The target's rows where its backend keeps them ([`DFlashDrafter::share_taps`]).
     taps: Option<SharedTaps<D>>,
+    /// Absorbs whose rows are taken there and not yet made context:
+    /// stream, forward, first row, rows. They are made a forward at a time
+    /// ([`DFlashDrafter::flush`]), so a round's streams cost one pass.
+    pending: Vec<(StreamId, u64, usize, usize)>,
     /// The last proposal's block logits (`block_size - 1` rows of
     /// `logits_width`; DSpark's with the Markov bias), for tests and tools.
     pub last_logits: Vec<f32>,
@@ -448,6 +452,7 @@ impl<D: Device> DFlashDrafter<D> {
             streams: HashMap::new(),
             s,
             taps: None,
+            pending: Vec::new(),
             last_logits: Vec::new(),
             last_confidence: Vec::new(),
             last_error: None,
@@ -518,25 +523,83 @@ impl<D: Device> DFlashDrafter<D> {
         Ok(())
     }
 
-    /// Put the first `rows` rows `stream` fed the target in its last
-    /// forward into the tap slots, from where its backend keeps them.
-    /// False if it keeps none.
+    /// Take the first `rows` rows `stream` fed the target in its last
+    /// forward, where its backend keeps them, to be made context at the
+    /// next [`DFlashDrafter::flush`]. False if it keeps none.
     fn take_taps(&mut self, stream: StreamId, rows: usize) -> bool {
         let Some(shared) = &self.taps else { return false };
-        let mut store = shared.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((taps, first)) = store.take(stream, rows) else { return false };
-        let at: Vec<usize> = (first..first + rows).collect();
-        for (i, t) in taps.iter().enumerate() {
-            let out = self.s.extra(&self.dev, TAP + i);
-            self.dev.gather_rows(t, &at, out);
-        }
+        let Some((seq, first)) = shared.lock().unwrap_or_else(|e| e.into_inner()).take(stream, rows) else { return false };
+        self.pending.push((stream, seq, first, rows));
         true
+    }
+
+    /// Make the context rows of the absorbs taken and not yet made: all
+    /// the streams' rows of one forward in one pass (one gather a tap, one
+    /// projection), not a pass a stream. Before a proposal reads them, and
+    /// at the lane's every turn.
+    fn flush(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        let mut seqs: Vec<u64> = Vec::new();
+        for p in &pending {
+            if !seqs.contains(&p.1) {
+                seqs.push(p.1);
+            }
+        }
+        for seq in seqs {
+            let items: Vec<(StreamId, usize, usize)> = pending.iter().filter(|p| p.1 == seq).map(|p| (p.0, p.2, p.3)).collect();
+            let (mut at, mut pos, mut slots, mut made) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for &(stream, first, n) in &items {
+                if self.stream(stream).failed {
+                    continue;
+                }
+                let (base, ctx) = (self.streams[&stream].base, self.streams[&stream].ctx);
+                if let Err(e) = self.reserve(stream, ctx + n) {
+                    self.last_error = Some(format!("{e:#}"));
+                    self.stream(stream).failed = true;
+                    continue;
+                }
+                at.extend(first..first + n);
+                pos.extend((base + ctx..base + ctx + n).map(|p| p as u32));
+                slots.extend(self.slots(stream, ctx..ctx + n));
+                made.push((stream, n));
+            }
+            let read = {
+                let (dev, s) = (&self.dev, &mut self.s);
+                let shared = self.taps.as_ref().expect("rows are taken only where they are shared");
+                let mut store = shared.lock().unwrap_or_else(|e| e.into_inner());
+                match store.read(seq, items.len()) {
+                    Some(taps) => {
+                        if !at.is_empty() {
+                            for (i, t) in taps.iter().enumerate() {
+                                dev.gather_rows(t, &at, s.extra(dev, TAP + i));
+                            }
+                        }
+                        true
+                    }
+                    None => false,
+                }
+            };
+            if !read {
+                // Not kept (cannot happen while pinned): the streams' contexts have a hole.
+                for &(stream, _) in &made {
+                    self.stream(stream).failed = true;
+                }
+                continue;
+            }
+            if !made.is_empty() {
+                self.context(&pos, &slots);
+                for (stream, n) in made {
+                    self.stream(stream).ctx += n;
+                }
+            }
+        }
     }
 
     /// The block after `last` for `stream`: the logits of its first `rows`
     /// proposals (`rows` rows of `logits_width`, at most `block_size - 1`)
     /// into `last_logits`, and the greedy tokens.
     pub fn propose_block(&mut self, stream: StreamId, last: u32, rows: usize) -> Result<Vec<u32>> {
+        self.flush();
         let bs = self.model.cfg.block_size;
         let rows = rows.clamp(1, bs - 1);
         let st = self.streams.get(&stream).with_context(|| format!("stream {stream} is not open in the drafter"))?;
@@ -687,12 +750,16 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
         if rows == 0 || st.failed {
             return;
         }
-        // Host rows where the lane hands them; else the backend's, on the
-        // device. (A backend tapping other rows than this drafter reads is
-        // refused when the drafter is attached.)
-        let ready = if features.len() == rows * dim { self.upload_taps(features, rows).map(|()| true) } else { Ok(self.take_taps(stream, rows)) };
-        let made = ready.and_then(|ready| if ready { self.absorb_rows(stream, rows) } else { Ok(()) });
-        if let Err(e) = made {
+        // Host rows where the lane hands them, made context now; else the
+        // backend's, on the device, taken for the next flush. (A backend
+        // tapping other rows than this drafter reads is refused when the
+        // drafter is attached.)
+        if features.len() != rows * dim {
+            self.take_taps(stream, rows);
+            return;
+        }
+        self.flush();
+        if let Err(e) = self.upload_taps(features, rows).and_then(|()| self.absorb_rows(stream, rows)) {
             self.last_error = Some(format!("{e:#}"));
             self.stream(stream).failed = true;
         }
@@ -722,6 +789,8 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
     }
 
     fn forget(&mut self, stream: StreamId) {
+        // Its rows taken and not made release their forward here.
+        self.flush();
         if let Some(st) = self.streams.remove(&stream) {
             self.free.extend(st.blocks);
         }
@@ -729,5 +798,11 @@ impl<D: Device> Drafter for DFlashDrafter<D> {
 
     fn cap(&mut self, stream: StreamId, max: usize) {
         self.stream(stream).gate.cap(max);
+    }
+
+    fn pace(&mut self, _drafting: bool) {
+        // Before the lane's next round: a round's absorbs are made in one
+        // pass whether or not any stream proposed.
+        self.flush();
     }
 }

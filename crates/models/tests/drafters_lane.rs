@@ -57,6 +57,12 @@ impl Drafter for Recording {
     fn cap(&mut self, stream: StreamId, max: usize) {
         self.inner.cap(stream, max)
     }
+    fn may_propose(&self, stream: StreamId) -> bool {
+        self.inner.may_propose(stream)
+    }
+    fn pace(&mut self, drafting: bool) {
+        self.inner.pace(drafting)
+    }
 }
 
 fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {

@@ -29,6 +29,9 @@ pub struct DeviceTaps<D: Device> {
     kept: Vec<Kept<D::Tensor>>,
     /// Per stream: the forward (`seq`), its first row there, and how many.
     streams: HashMap<StreamId, (u64, usize, usize)>,
+    /// Forwards a reader took rows of and has not read yet, and how many
+    /// takes each: kept until it has.
+    pins: HashMap<u64, usize>,
     seq: u64,
 }
 
@@ -38,7 +41,7 @@ const SPARE: usize = 2;
 
 impl<D: Device> DeviceTaps<D> {
     fn new() -> DeviceTaps<D> {
-        DeviceTaps { kept: Vec::new(), streams: HashMap::new(), seq: 0 }
+        DeviceTaps { kept: Vec::new(), streams: HashMap::new(), pins: HashMap::new(), seq: 0 }
     }
 
     /// Keep the rows `tapped` holds (`rows` each, one tensor per tap) and
@@ -69,11 +72,11 @@ impl<D: Device> DeviceTaps<D> {
         }
     }
 
-    /// Mark free the forwards no stream points at, and drop all but
-    /// [`SPARE`] of the free ones.
+    /// Mark free the forwards no stream points at and none has pinned,
+    /// and drop all but [`SPARE`] of the free ones.
     fn free_unused(&mut self) {
         for k in &mut self.kept {
-            if k.seq != 0 && !self.streams.values().any(|e| e.0 == k.seq) {
+            if k.seq != 0 && !self.streams.values().any(|e| e.0 == k.seq) && !self.pins.contains_key(&k.seq) {
                 k.seq = 0;
             }
         }
@@ -84,15 +87,29 @@ impl<D: Device> DeviceTaps<D> {
         });
     }
 
-    /// The first `n` rows `stream` fed in its last forward, one tensor per
-    /// tap and the first row in each, and forget them (a stream's rows are
-    /// taken once). `None` if it fed fewer.
-    pub fn take(&mut self, stream: StreamId, n: usize) -> Option<(&[D::Tensor], usize)> {
+    /// Where the first `n` rows `stream` fed in its last forward are: the
+    /// forward and the first row. A stream's rows are taken once; the
+    /// forward stays until [`DeviceTaps::read`] gives it back. `None` if
+    /// it fed fewer.
+    pub fn take(&mut self, stream: StreamId, n: usize) -> Option<(u64, usize)> {
         let (seq, first, rows) = self.streams.remove(&stream)?;
-        if n > rows {
+        if n > rows || !self.kept.iter().any(|k| k.seq == seq) {
             return None;
         }
-        self.kept.iter().find(|k| k.seq == seq).map(|k| (&k.taps[..], first))
+        *self.pins.entry(seq).or_insert(0) += 1;
+        Some((seq, first))
+    }
+
+    /// Forward `seq`'s rows, one tensor per tap, for the `takes` takes of
+    /// it now read: after this call they may go.
+    pub fn read(&mut self, seq: u64, takes: usize) -> Option<&[D::Tensor]> {
+        if let Some(p) = self.pins.get_mut(&seq) {
+            *p = p.saturating_sub(takes);
+            if *p == 0 {
+                self.pins.remove(&seq);
+            }
+        }
+        self.kept.iter().find(|k| k.seq == seq).map(|k| &k.taps[..])
     }
 
     /// The stream is gone.
@@ -135,5 +152,46 @@ impl<D: Device> ModelBackend<D> {
         if let Some(shared) = &self.shared_taps {
             shared.lock().unwrap_or_else(|e| e.into_inner()).forget(stream);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use braid_ops::cpu::Cpu;
+    use braid_ops::Device;
+
+    use super::DeviceTaps;
+
+    /// One tap of `rows` rows, row `r` holding `base + r`.
+    fn tap(dev: &Cpu, rows: usize, base: f32) -> Vec<<Cpu as Device>::Tensor> {
+        let data: Vec<f32> = (0..rows).map(|r| base + r as f32).collect();
+        vec![dev.upload(&data, rows, 1).unwrap()]
+    }
+
+    #[test]
+    fn a_taken_forward_stays_until_read_and_each_stream_finds_its_rows() {
+        let dev = Cpu::new(None);
+        let mut t = DeviceTaps::<Cpu>::new();
+        // Forward 1: stream 1's two rows, then stream 2's three.
+        t.keep(&dev, &tap(&dev, 5, 100.0), 5, &[(1, 0, 2), (2, 2, 3)]);
+        let (seq1, first) = t.take(2, 2).expect("stream 2 fed three rows");
+        assert_eq!(first, 2);
+        assert!(t.take(2, 1).is_none(), "a stream's rows are taken once");
+        assert!(t.take(1, 3).is_none(), "stream 1 fed two rows, not three");
+        // Later forwards without streams 1 and 2 (it took its rows; 1 took
+        // nothing and was forgotten): forward 1 is pinned by the take.
+        t.forget(1);
+        for f in 0..4 {
+            t.keep(&dev, &tap(&dev, 1, f as f32), 1, &[(3, 0, 1)]);
+        }
+        let rows = t.read(seq1, 1).expect("a taken forward stays until read");
+        assert_eq!(dev.download(&rows[0]).unwrap(), vec![100.0, 101.0, 102.0, 103.0, 104.0]);
+        // Read, it goes at the next forward, and no more than SPARE free
+        // forwards are kept beside the one stream 3 points at.
+        t.keep(&dev, &tap(&dev, 1, 9.0), 1, &[(3, 0, 1)]);
+        assert!(t.read(seq1, 0).is_none(), "read and unpinned, forward 1 was reused or dropped");
+        assert!(t.kept.len() <= 1 + super::SPARE, "{} forwards kept", t.kept.len());
+        let (seq, first) = t.take(3, 1).unwrap();
+        assert_eq!(dev.download(&t.read(seq, 1).unwrap()[0]).unwrap()[first], 9.0);
     }
 }

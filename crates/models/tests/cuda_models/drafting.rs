@@ -96,6 +96,12 @@ impl Drafter for Recording {
     fn cap(&mut self, stream: u64, max: usize) {
         self.inner.cap(stream, max)
     }
+    fn may_propose(&self, stream: u64) -> bool {
+        self.inner.may_propose(stream)
+    }
+    fn pace(&mut self, drafting: bool) {
+        self.inner.pace(drafting)
+    }
 }
 
 /// Greedy replies to `prompts`, each alone, then all together; and the

@@ -546,7 +546,10 @@ impl<D: Device> DFlashDrafter<D> {
             }
         }
         for seq in seqs {
-            let items: Vec<(StreamId, usize, usize)> = pending.iter().filter(|p| p.1 == seq).map(|p| (p.0, p.2, p.3)).collect();
+            // In the forward's row order: where every row was taken, the
+            // kept rows are read where they are, with no gather.
+            let mut items: Vec<(StreamId, usize, usize)> = pending.iter().filter(|p| p.1 == seq).map(|p| (p.0, p.2, p.3)).collect();
+            items.sort_by_key(|i| i.1);
             let (mut at, mut pos, mut slots, mut made) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for &(stream, first, n) in &items {
                 if self.stream(stream).failed {
@@ -563,34 +566,31 @@ impl<D: Device> DFlashDrafter<D> {
                 slots.extend(self.slots(stream, ctx..ctx + n));
                 made.push((stream, n));
             }
-            let read = {
-                let (dev, s) = (&self.dev, &mut self.s);
-                let shared = self.taps.as_ref().expect("rows are taken only where they are shared");
-                let mut store = shared.lock().unwrap_or_else(|e| e.into_inner());
-                match store.read(seq, items.len()) {
-                    Some(taps) => {
-                        if !at.is_empty() {
-                            for (i, t) in taps.iter().enumerate() {
-                                dev.gather_rows(t, &at, s.extra(dev, TAP + i));
-                            }
-                        }
-                        true
-                    }
-                    None => false,
-                }
-            };
-            if !read {
+            let shared = self.taps.clone().expect("rows are taken only where they are shared");
+            let mut store = shared.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(taps) = store.read(seq, items.len()) else {
                 // Not kept (cannot happen while pinned): the streams' contexts have a hole.
                 for &(stream, _) in &made {
                     self.stream(stream).failed = true;
                 }
                 continue;
+            };
+            if made.is_empty() {
+                continue;
             }
-            if !made.is_empty() {
-                self.context(&pos, &slots);
-                for (stream, n) in made {
-                    self.stream(stream).ctx += n;
+            let whole = taps.first().is_some_and(|t| self.dev.shape(t).0 == at.len()) && at.iter().enumerate().all(|(i, &r)| i == r);
+            if whole {
+                let taps: Vec<&D::Tensor> = taps.iter().collect();
+                make_context(&self.dev, &self.model, &mut self.s, &mut self.kv, &taps, &pos, &slots);
+            } else {
+                for (i, t) in taps.iter().enumerate() {
+                    self.dev.gather_rows(t, &at, self.s.extra(&self.dev, TAP + i));
                 }
+                drop(store);
+                self.context(&pos, &slots);
+            }
+            for (stream, n) in made {
+                self.stream(stream).ctx += n;
             }
         }
     }
@@ -671,29 +671,11 @@ impl<D: Device> DFlashDrafter<D> {
     /// from them (not normed by the layer's input norm), at `pos`, into
     /// `slots`.
     fn context(&mut self, pos: &[u32], slots: &[u32]) {
-        let (dev, m, s, kv) = (&self.dev, &self.model, &mut self.s, &mut self.kv);
-        let c = &m.cfg;
-        let hd = c.head_dim;
-        let mut ctx = std::mem::replace(s.extra(dev, CTX), dev.tensor(0, 0));
-        for (i, fc) in m.fc.iter().enumerate() {
-            let tap = std::mem::replace(s.extra(dev, TAP + i), dev.tensor(0, 0));
-            if i == 0 {
-                dev.matmul(&tap, &[fc], &mut [&mut s.out]);
-            } else {
-                dev.matmul(&tap, &[fc], &mut [&mut s.h]);
-                dev.add(&mut s.out, &s.h);
-            }
-            *s.extra(dev, TAP + i) = tap;
+        let taps: Vec<D::Tensor> = (0..self.model.fc.len()).map(|i| std::mem::replace(self.s.extra(&self.dev, TAP + i), self.dev.tensor(0, 0))).collect();
+        make_context(&self.dev, &self.model, &mut self.s, &mut self.kv, &taps.iter().collect::<Vec<_>>(), pos, slots);
+        for (i, t) in taps.into_iter().enumerate() {
+            *self.s.extra(&self.dev, TAP + i) = t;
         }
-        dev.rms_norm(&s.out, &m.hidden_norm, c.eps, &mut ctx);
-        for (l, b) in m.layers.iter().enumerate() {
-            let Some((_, k_norm)) = &b.attn.qk_norm else { unreachable!("DFlash layers load with q/k norms") };
-            dev.matmul(&ctx, &[&b.attn.wk, &b.attn.wv], &mut [&mut s.k_raw, &mut s.v]);
-            dev.rms_norm(&s.k_raw, k_norm, c.eps, &mut s.k);
-            dev.rope(&mut s.k, pos, hd, &c.rope);
-            dev.kv_write(kv, l, &s.k, &s.v, slots);
-        }
-        *s.extra(dev, CTX) = ctx;
     }
 
     /// The block through every layer, over the context already in the
@@ -732,6 +714,31 @@ impl<D: Device> DFlashDrafter<D> {
             dev.map(&mut s.logits, Map::Softcap(cap));
         }
     }
+}
+
+/// [`DFlashDrafter::context`] over the tapped rows `taps` (one tensor a
+/// tap), wherever they are.
+fn make_context<D: Device>(dev: &D, m: &DFlash<D>, s: &mut Scratch<D>, kv: &mut D::Kv, taps: &[&D::Tensor], pos: &[u32], slots: &[u32]) {
+    let c = &m.cfg;
+    let hd = c.head_dim;
+    let mut ctx = std::mem::replace(s.extra(dev, CTX), dev.tensor(0, 0));
+    for (i, (fc, tap)) in m.fc.iter().zip(taps).enumerate() {
+        if i == 0 {
+            dev.matmul(tap, &[fc], &mut [&mut s.out]);
+        } else {
+            dev.matmul(tap, &[fc], &mut [&mut s.h]);
+            dev.add(&mut s.out, &s.h);
+        }
+    }
+    dev.rms_norm(&s.out, &m.hidden_norm, c.eps, &mut ctx);
+    for (l, b) in m.layers.iter().enumerate() {
+        let Some((_, k_norm)) = &b.attn.qk_norm else { unreachable!("DFlash layers load with q/k norms") };
+        dev.matmul(&ctx, &[&b.attn.wk, &b.attn.wv], &mut [&mut s.k_raw, &mut s.v]);
+        dev.rms_norm(&s.k_raw, k_norm, c.eps, &mut s.k);
+        dev.rope(&mut s.k, pos, hd, &c.rope);
+        dev.kv_write(kv, l, &s.k, &s.v, slots);
+    }
+    *s.extra(dev, CTX) = ctx;
 }
 
 impl<D: Device> Drafter for DFlashDrafter<D> {

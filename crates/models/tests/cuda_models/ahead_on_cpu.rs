@@ -152,12 +152,13 @@ fn three_streams(dev: AheadCpu) -> (ModelBackend<AheadCpu>, HashMap<StreamId, u3
 /// Each round's picks (and chunk logits; with `taps`, its features) as
 /// text, with the blocks in use after it, the streams open, and the
 /// blocks free for the plan.
-fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: bool) -> Vec<(String, usize, usize, usize)> {
+fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: Taps) -> Vec<(String, usize, usize, usize)> {
     let vocab = VOCAB;
     let (mut be, mut next, mut lens) = three_streams(dev);
-    if taps {
+    if taps != Taps::Off {
         be.set_feature_layers(&[0], 64).unwrap();
     }
+    let kept = (taps == Taps::Kept).then(|| be.share_taps());
     let prompt = |s: u64, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % vocab as u32).collect() };
     let mut log = Vec::new();
     let mut pending: Option<(StreamId, Vec<u32>)> = None;
@@ -226,7 +227,18 @@ fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: bool) -> Vec<(String, u
             Picked::Logits(l) => format!("{:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()),
             other => format!("{other:?}"),
         };
-        if taps {
+        if let Some(kept) = &kept {
+            // Each stream's rows where the backend keeps them, by its id.
+            let mut store = kept.lock().unwrap();
+            let fed = rows.iter().map(|r| (r.stream, r.tokens.len())).chain(chunk.as_ref().map(|(s, p)| (*s, p.len())));
+            let mut f = Vec::new();
+            for (s, n) in fed {
+                let (seq, first) = store.take(s, n).unwrap_or_else(|| panic!("round {round}: stream {s}'s rows are not kept"));
+                let all = be.device().download(&store.read(seq, 1).unwrap()[0]).unwrap();
+                f.extend_from_slice(&all[first * 64..(first + n) * 64]);
+            }
+            picked += &format!(" kept rows {:?}", f.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        } else if taps == Taps::Host {
             let f = be.features().unwrap();
             let rows = rows.iter().map(|r| r.tokens.len()).sum::<usize>() + chunk.as_ref().map_or(0, |c| c.1.len());
             assert_eq!(f.len(), rows * 64, "round {round}: one feature row a token row");
@@ -255,7 +267,16 @@ fn drive(dev: AheadCpu, script: &[(usize, Event)], taps: bool) -> Vec<(String, u
     log
 }
 
-fn check(script: &[(usize, Event)], taps: bool) {
+/// Where a round's tapped rows go: none tapped, to the host
+/// (`features()`), or kept on the device (`share_taps`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Taps {
+    Off,
+    Host,
+    Kept,
+}
+
+fn check(script: &[(usize, Event)], taps: Taps) {
     let on = drive(AheadCpu(Cpu::new(Some(1)), true), script, taps);
     let off = drive(AheadCpu(Cpu::new(Some(1)), false), script, taps);
     assert_eq!(on.len(), off.len());
@@ -275,14 +296,14 @@ fn check(script: &[(usize, Event)], taps: bool) {
 /// for bit.
 #[test]
 fn rounds_that_differ_from_the_one_launched_ahead_on_the_cpu() {
-    check(&script(false), false);
+    check(&script(false), Taps::Off);
 }
 
 /// A stream forgotten after a round launched ahead for it, the others
 /// going on: the launched round is not served for the stream gone.
 #[test]
 fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
-    check(&script(true), false);
+    check(&script(true), Taps::Off);
 }
 
 /// With a feature tap (a drafter's), rounds are launched ahead too, and
@@ -291,7 +312,16 @@ fn a_stream_leaving_after_a_round_launched_ahead_on_the_cpu() {
 /// draft run afresh, a chunk last), as with ahead off, bit for bit.
 #[test]
 fn features_of_rounds_launched_ahead_on_the_cpu() {
-    check(&script(true), true);
+    check(&script(true), Taps::Host);
+}
+
+/// The same with the tapped rows kept on the device for a drafter there
+/// (`share_taps`): each stream's rows are found by its id after every
+/// round, served by the round launched ahead or run afresh, as with ahead
+/// off, bit for bit.
+#[test]
+fn kept_rows_of_rounds_launched_ahead_on_the_cpu() {
+    check(&script(true), Taps::Kept);
 }
 
 /// Draw rounds (a row greedy, the rest top-p) right after a round
@@ -308,7 +338,7 @@ fn draw_rounds_after_a_round_launched_ahead_on_the_cpu() {
         (27, Event::Pick(Pick::Draw)),
         (28, Event::Pick(Pick::Draw)),
     ]);
-    check(&s, false);
+    check(&s, Taps::Off);
 }
 
 /// A stream still open that sits a round out (a guided stream waiting

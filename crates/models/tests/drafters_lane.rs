@@ -10,10 +10,10 @@
 
 mod fixtures_common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use braid_engine::{
-    Backend, DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules, StreamId,
+    Backend, DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules,
 };
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::Source;
@@ -21,49 +21,8 @@ use braid_ops::cpu::Cpu;
 use braid_ops::KvDtype;
 use fixtures_common::*;
 
-/// What the lane handed the drafter: each absorb's stream, tokens and features.
-type Log = Arc<Mutex<Vec<(StreamId, Vec<u32>, Vec<f32>)>>>;
-
-/// A proposal's stream, tokens and block logits.
-type Proposal = (StreamId, Vec<u32>, Vec<f32>);
-type Proposals = Arc<Mutex<Vec<Proposal>>>;
-
-/// The DFlash drafter, recording what it absorbs and proposes.
-struct Recording {
-    inner: DFlashDrafter<Cpu>,
-    log: Log,
-    proposals: Proposals,
-}
-
-impl Drafter for Recording {
-    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
-        self.inner.open(stream, prefix)
-    }
-    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
-        self.log.lock().unwrap().push((stream, tokens.to_vec(), features.to_vec()));
-        self.inner.absorb(stream, tokens, features)
-    }
-    fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
-        let p = self.inner.propose(stream, last);
-        assert_eq!(self.inner.last_error, None, "the drafter failed");
-        if !p.is_empty() {
-            self.proposals.lock().unwrap().push((stream, p.clone(), self.inner.last_logits.clone()));
-        }
-        p
-    }
-    fn forget(&mut self, stream: StreamId) {
-        self.inner.forget(stream)
-    }
-    fn cap(&mut self, stream: StreamId, max: usize) {
-        self.inner.cap(stream, max)
-    }
-    fn may_propose(&self, stream: StreamId) -> bool {
-        self.inner.may_propose(stream)
-    }
-    fn pace(&mut self, drafting: bool) {
-        self.inner.pace(drafting)
-    }
-}
+/// What the lane handed the drafter.
+type Log = Absorbs;
 
 fn request(prompt: Vec<u32>, seed: Option<u64>) -> Request {
     Request {
@@ -106,7 +65,7 @@ fn lane(fx: &Fixture, kind: &Kind) -> Lane {
             } else {
                 inner.model().attach(&mut backend).unwrap();
             }
-            Some(Box::new(Recording { inner, log: log.clone(), proposals: proposals.clone() }))
+            Some(Box::new(Recording { inner, absorbs: log.clone(), proposals: proposals.clone() }))
         }
         Kind::Ngram => Some(Box::new(PromptLookup::new(NgramConfig { min_n: 1, ..NgramConfig::default() }))),
         Kind::Model(name) => {

@@ -12,14 +12,14 @@
 //! accepted that the target did not pick, a rewind off by one) picks a
 //! token far from it.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use braid_engine::{DraftModel, DraftModelConfig, Drafter, Lane, LaneConfig, LaneStats, NgramConfig, PromptLookup, Request, SamplingParams, StopRules};
 use braid_models::dflash::{DFlash, DFlashDrafter};
 use braid_models::Source;
 
 use super::*;
-use fixtures_common::{Fixture, NoText};
+use fixtures_common::{Absorbs, Fixture, NoText, Proposals, Recording};
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -64,44 +64,6 @@ fn block_drafter(dev: &Cuda, fx: &Fixture, target: &mut ModelBackend<Cuda>, name
         d.model().attach(target).unwrap();
     }
     d
-}
-
-/// Each proposal's stream, tokens and block logits.
-type Proposals = Arc<Mutex<Vec<(u64, Vec<u32>, Vec<f32>)>>>;
-
-/// A block drafter that records its proposals.
-struct Recording {
-    inner: DFlashDrafter<Cuda>,
-    proposals: Proposals,
-}
-
-impl Drafter for Recording {
-    fn open(&mut self, stream: u64, prefix: &[u32]) {
-        self.inner.open(stream, prefix)
-    }
-    fn absorb(&mut self, stream: u64, tokens: &[u32], features: &[f32]) {
-        self.inner.absorb(stream, tokens, features)
-    }
-    fn propose(&mut self, stream: u64, last: u32) -> Vec<u32> {
-        let p = self.inner.propose(stream, last);
-        assert_eq!(self.inner.last_error, None, "the drafter failed");
-        if !p.is_empty() {
-            self.proposals.lock().unwrap().push((stream, p.clone(), self.inner.last_logits.clone()));
-        }
-        p
-    }
-    fn forget(&mut self, stream: u64) {
-        self.inner.forget(stream)
-    }
-    fn cap(&mut self, stream: u64, max: usize) {
-        self.inner.cap(stream, max)
-    }
-    fn may_propose(&self, stream: u64) -> bool {
-        self.inner.may_propose(stream)
-    }
-    fn pace(&mut self, drafting: bool) {
-        self.inner.pace(drafting)
-    }
 }
 
 /// Greedy replies to `prompts`, each alone, then all together; and the
@@ -206,7 +168,7 @@ fn rows_kept_on_the_gpu_draft_as_the_hosts_do() {
         let mut target = backend(&dev, &fx.dir);
         let inner = block_drafter(&dev, &fx, &mut target, "dflash_gemma3", shared);
         let proposals = Proposals::default();
-        let drafter: Box<dyn Drafter> = Box::new(Recording { inner, proposals: proposals.clone() });
+        let drafter: Box<dyn Drafter> = Box::new(Recording { inner, absorbs: Absorbs::default(), proposals: proposals.clone() });
         let config = LaneConfig { chunk_tokens: 5, max_rows: Some(3), max_running: 8, draft_max_streams: 8, ..LaneConfig::default() };
         let l = Lane::spawn_with_drafter(Box::new(target), Some(drafter), Arc::new(NoText), config);
         let outs: Vec<Vec<u32>> = prompts.iter().map(|p| fixtures_common::tokens(l.submit(request(p)).unwrap())).collect();

@@ -40,10 +40,13 @@ macro_rules! fixture_checks {
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use braid_engine::{image_token_ids, Backend, Chunk, DecodeRow, Event, PromptImage, StreamHandle, StreamId, TokenText};
+use std::sync::{Arc, Mutex};
+
+use braid_engine::{image_token_ids, Backend, Chunk, DecodeRow, Drafter, Event, PromptImage, StreamHandle, StreamId, TokenText};
+use braid_models::dflash::DFlashDrafter;
 use braid_models::{BackendConfig, LayerState, ModelBackend};
 use braid_ops::cpu::Cpu;
-use braid_ops::KvDtype;
+use braid_ops::{Device, KvDtype};
 use serde_json::Value;
 
 /// Chunk caps of the stepped passes; `usize::MAX` is the whole prompt.
@@ -451,4 +454,49 @@ pub fn tokens(h: StreamHandle) -> Vec<u32> {
         _ => None,
     })
     .collect()
+}
+
+/// What the lane handed a drafter: each absorb's stream, tokens and features.
+pub type Absorbs = Arc<Mutex<Vec<(StreamId, Vec<u32>, Vec<f32>)>>>;
+
+/// A proposal's stream, tokens and block logits.
+pub type Proposal = (StreamId, Vec<u32>, Vec<f32>);
+pub type Proposals = Arc<Mutex<Vec<Proposal>>>;
+
+/// A DFlash or DSpark drafter recording what it absorbs and proposes; a
+/// failed proposal fails the test.
+pub struct Recording<D: Device> {
+    pub inner: DFlashDrafter<D>,
+    pub absorbs: Absorbs,
+    pub proposals: Proposals,
+}
+
+impl<D: Device> Drafter for Recording<D> {
+    fn open(&mut self, stream: StreamId, prefix: &[u32]) {
+        self.inner.open(stream, prefix)
+    }
+    fn absorb(&mut self, stream: StreamId, tokens: &[u32], features: &[f32]) {
+        self.absorbs.lock().unwrap().push((stream, tokens.to_vec(), features.to_vec()));
+        self.inner.absorb(stream, tokens, features)
+    }
+    fn propose(&mut self, stream: StreamId, last: u32) -> Vec<u32> {
+        let p = self.inner.propose(stream, last);
+        assert_eq!(self.inner.last_error, None, "the drafter failed");
+        if !p.is_empty() {
+            self.proposals.lock().unwrap().push((stream, p.clone(), self.inner.last_logits.clone()));
+        }
+        p
+    }
+    fn forget(&mut self, stream: StreamId) {
+        self.inner.forget(stream)
+    }
+    fn cap(&mut self, stream: StreamId, max: usize) {
+        self.inner.cap(stream, max)
+    }
+    fn may_propose(&self, stream: StreamId) -> bool {
+        self.inner.may_propose(stream)
+    }
+    fn pace(&mut self, drafting: bool) {
+        self.inner.pace(drafting)
+    }
 }

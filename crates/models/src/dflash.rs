@@ -496,16 +496,21 @@ impl<D: Device> DFlashDrafter<D> {
         rows.map(|j| blocks[j / bt] * bt as u32 + (j % bt) as u32).collect()
     }
 
-    /// Make `stream`'s context keys and values for its next `rows` rows,
-    /// whose feature rows are in the tap slots (one tensor a tap).
-    fn absorb_rows(&mut self, stream: StreamId, rows: usize) -> Result<()> {
+    /// The positions and pool slots of `stream`'s next `rows` context
+    /// rows, their blocks reserved.
+    fn place(&mut self, stream: StreamId, rows: usize) -> Result<(Vec<u32>, Vec<u32>)> {
         let (base, ctx) = {
             let st = self.stream(stream);
             (st.base, st.ctx)
         };
         self.reserve(stream, ctx + rows)?;
-        let pos: Vec<u32> = (base + ctx..base + ctx + rows).map(|p| p as u32).collect();
-        let slots = self.slots(stream, ctx..ctx + rows);
+        Ok(((base + ctx..base + ctx + rows).map(|p| p as u32).collect(), self.slots(stream, ctx..ctx + rows)))
+    }
+
+    /// Make `stream`'s context keys and values for its next `rows` rows,
+    /// whose feature rows are in the tap slots (one tensor a tap).
+    fn absorb_rows(&mut self, stream: StreamId, rows: usize) -> Result<()> {
+        let (pos, slots) = self.place(stream, rows)?;
         self.context(&pos, &slots);
         self.stream(stream).ctx += rows;
         Ok(())
@@ -555,16 +560,18 @@ impl<D: Device> DFlashDrafter<D> {
                 if self.stream(stream).failed {
                     continue;
                 }
-                let (base, ctx) = (self.streams[&stream].base, self.streams[&stream].ctx);
-                if let Err(e) = self.reserve(stream, ctx + n) {
-                    self.last_error = Some(format!("{e:#}"));
-                    self.stream(stream).failed = true;
-                    continue;
+                match self.place(stream, n) {
+                    Ok((p, s)) => {
+                        at.extend(first..first + n);
+                        pos.extend(p);
+                        slots.extend(s);
+                        made.push((stream, n));
+                    }
+                    Err(e) => {
+                        self.last_error = Some(format!("{e:#}"));
+                        self.stream(stream).failed = true;
+                    }
                 }
-                at.extend(first..first + n);
-                pos.extend((base + ctx..base + ctx + n).map(|p| p as u32));
-                slots.extend(self.slots(stream, ctx..ctx + n));
-                made.push((stream, n));
             }
             let shared = self.taps.clone().expect("rows are taken only where they are shared");
             let mut store = shared.lock().unwrap_or_else(|e| e.into_inner());

@@ -35,7 +35,7 @@
 //! pacer choose; otherwise the pass keeps its own cuts.
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use crate::backend::{replayed_size, replayed_sizes, StreamId};
@@ -245,7 +245,7 @@ pub(super) struct Pacer {
     /// at the time: the warm-up times short contexts, whose plain rounds
     /// are shorter than an arrival's (kept as fractions, its figures read
     /// SmolLM2's sizes 1.3-2x dear on the H200).
-    added: HashMap<(usize, usize), f64>,
+    added: Added,
     /// What the current pass's chunks have shown (see [`PassCosts`]).
     pass: Option<PassCosts>,
     /// The chunk of the round about to run, its stream and rows, until
@@ -290,7 +290,7 @@ struct PassCosts {
     /// times each size once, at short contexts: on the H100 its figures for
     /// SmolLM2's shape read twice what a pass's 16-row chunks cost, and held
     /// every chunk to 16 rows while 24 would have done.
-    base: HashMap<(usize, usize), f64>,
+    base: Added,
     growth: f64,
     /// The last shared round was set aside as a spike (see [`SPIKE`]); a
     /// second in a row is believed.
@@ -302,7 +302,38 @@ impl PassCosts {
     /// add, as a fraction of a plain round of `plain` seconds: its last
     /// round in this pass, else its figure before the pass times `scale`.
     fn expected(&self, decode: usize, rows: usize, scale: f64, plain: f64) -> Option<f64> {
-        self.seen.get(&rows).copied().or_else(|| Pacer::least_added(&self.base, decode, rows).map(|a| a / plain * scale))
+        self.seen.get(&rows).copied().or_else(|| self.base.least(decode, rows).map(|a| a / plain * scale))
+    }
+}
+
+/// The least a chunk of each size has added beside each count of decode
+/// rows: by size, then decode rows, so the nearest count is a range lookup.
+/// (A scan of every entry per lookup, with the ~400 a 32-stream warm-up
+/// times, made the pacer's sizing ~60 µs, which the lane spent between
+/// the rounds of every pass.)
+#[derive(Clone, Debug, Default)]
+struct Added(HashMap<usize, BTreeMap<usize, f64>>);
+
+impl Added {
+    fn saw(&mut self, decode: usize, rows: usize, secs: f64) {
+        self.0.entry(rows).or_default().entry(decode).and_modify(|a| *a = a.min(secs)).or_insert(secs);
+    }
+
+    /// What a chunk of `rows` added beside `decode` decode rows, or beside
+    /// the nearest count seen with it (the warm-up times a few); ties to
+    /// the fewer rows.
+    fn least(&self, decode: usize, rows: usize) -> Option<f64> {
+        let by = self.0.get(&rows)?;
+        match (by.range(..=decode).next_back(), by.range(decode + 1..).next()) {
+            (Some((&d0, &a0)), Some((&d1, &a1))) => Some(if decode - d0 <= d1 - decode { a0 } else { a1 }),
+            (Some((_, &a)), None) | (None, Some((_, &a))) => Some(a),
+            (None, None) => None,
+        }
+    }
+
+    /// ((decode rows, chunk rows), seconds added), in no order.
+    fn iter(&self) -> impl Iterator<Item = ((usize, usize), f64)> + '_ {
+        self.0.iter().flat_map(|(&n, by)| by.iter().map(move |(&d, &a)| ((d, n), a)))
     }
 }
 
@@ -337,7 +368,7 @@ impl Pacer {
             first: None,
             shared_since_plain: 0,
             replayed: 0,
-            added: HashMap::new(),
+            added: Added::default(),
             pass: None,
             in_flight: None,
             target_misses: Cell::new(0),
@@ -367,7 +398,7 @@ impl Pacer {
         }
         // What a pass's first sizes start from: read against what its
         // chunks then add (the "round with a prompt chunk" lines).
-        let mut added: Vec<_> = self.added.iter().filter_map(|(&(d, n), &a)| plain.get(&d).map(|&p| (d, n, (a / p.max(1e-9) * 1e3).round() / 1e3))).collect();
+        let mut added: Vec<_> = self.added.iter().filter_map(|((d, n), a)| plain.get(&d).map(|&p| (d, n, (a / p.max(1e-9) * 1e3).round() / 1e3))).collect();
         added.sort_unstable_by_key(|a| (a.0, a.1));
         tracing::debug!(?added, "what each chunk size added to a plain round in the warm-up (decode rows, chunk rows, fraction)");
         // The plain rounds those fractions are of (the warm-up's contexts
@@ -381,22 +412,13 @@ impl Pacer {
     /// round: the least seen counts (a step shows in every round, a spike
     /// in one, and must not bar a size for good).
     fn saw_added(&mut self, decode: usize, rows: usize, secs: f64) {
-        self.added.entry((decode, rows)).and_modify(|a| *a = a.min(secs)).or_insert(secs);
+        self.added.saw(decode, rows, secs);
     }
 
     /// The plain round a chunk beside `decode` decode rows is read against:
     /// the last of as many rows, else the last of any (none yet: 0).
     fn plain_of(&self, decode: usize) -> f64 {
         self.plain_by_rows.get(&decode).copied().filter(|&p| p > 0.0).unwrap_or(self.plain_secs)
-    }
-
-    /// In `added` (or a snapshot of it), what a chunk of `rows` added
-    /// beside `decode` decode rows, or beside the nearest count seen with it
-    /// (the warm-up times a few).
-    fn least_added(added: &HashMap<(usize, usize), f64>, decode: usize, rows: usize) -> Option<f64> {
-        // Ties to the fewer rows, so the choice does not hang on the map's order.
-        let near = added.iter().filter(|((_, n), _)| *n == rows).min_by_key(|((d, _), _)| (d.abs_diff(decode), *d));
-        near.map(|(_, &f)| f)
     }
 
     /// The backend replays chunks of up to `rows` rows
@@ -448,10 +470,8 @@ impl Pacer {
         // against its 48 on the H100: past 32 rows in all the products
         // take another kernel) is passed over: the larger serves better,
         // and a climb through it ran one round past the share each pass.
-        let dominated = |n: usize| {
-            Self::least_added(&self.added, decode, n)
-                .is_some_and(|a| replayed_sizes(most).any(|m| m > n && Self::least_added(&self.added, decode, m).is_some_and(|b| b <= a)))
-        };
+        let dominated =
+            |n: usize| self.added.least(decode, n).is_some_and(|a| replayed_sizes(most).any(|m| m > n && self.added.least(decode, m).is_some_and(|b| b <= a)));
         let up = |n: usize| {
             let mut m = size_up(n);
             while m < most && dominated(m) {
@@ -484,7 +504,7 @@ impl Pacer {
         });
         let expected = |n: usize| match this_pass {
             Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }, plain),
-            None => Self::least_added(&self.added, decode, n).map(|a| a / plain),
+            None => self.added.least(decode, n).map(|a| a / plain),
         };
         let within = replayed_sizes(most).find(|&n| !dominated(n) && expected(n).is_some_and(|f| f <= share));
         let probe = up(within.unwrap_or(0));
@@ -744,7 +764,7 @@ impl Pacer {
                         return;
                     }
                     pass.spiked = false;
-                    if let Some(b) = Self::least_added(&pass.base, decode, rows).map(|a| a / plain) {
+                    if let Some(b) = pass.base.least(decode, rows).map(|a| a / plain) {
                         let ratio = if f > b { (f + GROWTH_FLOOR) / (b + GROWTH_FLOOR) } else { f / b.max(1e-6) };
                         pass.growth = ratio.clamp(0.25, 4.0);
                     }

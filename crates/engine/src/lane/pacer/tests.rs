@@ -508,7 +508,7 @@ fn a_timed_chunk_is_read_against_the_plain_round_before_it() {
     let round = |c: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
     let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
     p.learn(&[round(0, 1.0), round(64, 1.5), round(0, 2.0), round(64, 2.4)]);
-    let a = Pacer::least_added(&p.added, 6, 64).expect("64 rows timed");
+    let a = p.added.least(6, 64).expect("64 rows timed");
     assert!((a - 0.4e-3).abs() < 1e-9, "{a}");
 }
 
@@ -641,4 +641,29 @@ fn a_pass_sized_a_round_ahead_climbs_a_size_a_round() {
     // No round past the share either way (0.45 of 1.47 ms).
     assert!(told.iter().all(|&r| served(r) <= 0.45 * 1.47), "{told:?}");
     assert!(told.len() < untold.len(), "told {} rounds, untold {}", told.len(), untold.len());
+}
+
+#[test]
+fn the_nearest_decode_count_is_looked_up_as_a_scan_would_find_it() {
+    // Against the scan it replaced: the nearest count with that size, ties
+    // to the fewer rows, the least seconds per (count, size) kept.
+    let mut a = Added::default();
+    let mut all: HashMap<(usize, usize), f64> = HashMap::new();
+    let mut x = 12345u64;
+    let mut next = |m: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % m
+    };
+    for _ in 0..400 {
+        let (d, n, secs) = (next(40) as usize, [1, 8, 16, 24, 48, 64][next(6) as usize], next(1000) as f64 * 1e-6);
+        a.saw(d, n, secs);
+        all.entry((d, n)).and_modify(|s| *s = s.min(secs)).or_insert(secs);
+    }
+    for d in 0..45 {
+        for n in [1, 2, 8, 16, 24, 48, 64] {
+            let scan = all.iter().filter(|((_, m), _)| *m == n).min_by_key(|((e, _), _)| (e.abs_diff(d), *e)).map(|(_, &s)| s);
+            assert_eq!(a.least(d, n), scan, "{d} decode rows, {n} chunk rows");
+        }
+    }
+    assert_eq!(a.iter().count(), all.len());
 }

@@ -11,7 +11,7 @@ fn kernels_compile_for_hopper_and_ampere() {
         eprintln!("SKIP: libnvrtc not found");
         return;
     }
-    let (head_dims, groups) = ([32, 64, 96, 128, 256], [1, 4, 8, 16]);
+    let (head_dims, groups) = ([32, 64, 80, 96, 128, 256, 512], [1, 3, 4, 8, 16]);
     for arch in ["sm_90a", "sm_80"] {
         let t = std::time::Instant::now();
         braid_ops::cuda::compile_check(arch, &head_dims, &groups).unwrap_or_else(|e| panic!("{arch}: {e:#}"));

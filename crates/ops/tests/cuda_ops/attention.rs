@@ -119,6 +119,10 @@ fn decode_attention_against_f64() {
         Case { bt: 16, heads: 8, kv_heads: 8, hd: 128, window: None, softcap: None, seqs: vec![(1, 5000)] },
         Case { bt: 16, heads: 4, kv_heads: 1, hd: 256, window: Some(100), softcap: Some(50.0), seqs: vec![(3, 40), (1, 700)] },
         Case { bt: 16, heads: 16, kv_heads: 2, hd: 64, window: None, softcap: None, seqs: (0..70).map(|i| (1 + i % 4, 4 + i * 13)).collect() },
+        // SmolLM2's 9 heads over 3, from one key to several tiles a split.
+        Case { bt: 16, heads: 9, kv_heads: 3, hd: 64, window: None, softcap: None, seqs: vec![(1, 1), (1, 250), (1, 2000), (1, 4001), (1, 129), (1, 33)] },
+        // Head dim 80 (no power of two) with 16 heads a KV head: half-size tiles.
+        Case { bt: 16, heads: 16, kv_heads: 1, hd: 80, window: None, softcap: Some(30.0), seqs: vec![(1, 300), (1, 77), (2, 31)] },
         // With two KV heads a 30-row chunk keeps this kernel too.
         Case { bt: 16, heads: 16, kv_heads: 2, hd: 64, window: None, softcap: None, seqs: vec![(30, 1030), (1, 500)] },
         // Gemma 4's global layers: head dim 512, 8 query heads a KV head;

@@ -285,13 +285,19 @@ struct PassCosts {
     /// chunk aside: it can be dearer once).
     seen: HashMap<usize, f64>,
     /// What each size had added at the pass's start (`Pacer::added` then),
-    /// and how much dearer or cheaper the pass's last chunk was than that:
-    /// sizes not run in this pass are expected to differ alike. The warm-up
-    /// times each size once, at short contexts: on the H100 its figures for
-    /// SmolLM2's shape read twice what a pass's 16-row chunks cost, and held
-    /// every chunk to 16 rows while 24 would have done.
+    /// and how much dearer or cheaper the pass's last chunk was than that
+    /// (`growth`) and each size's last (`grown`): a size not run in this
+    /// pass is expected to differ as the last chunk or the nearest size
+    /// below it did, whichever grew more. The warm-up times each size once, at short
+    /// contexts: on the H100 its figures for SmolLM2's shape read twice what
+    /// a pass's 16-row chunks cost, and held every chunk to 16 rows while 24
+    /// would have done. They are not off alike for every size either (in a
+    /// SmolLM2 pass 48 rows cost 0.56 of the warm-up's figure, 112 rows
+    /// 0.91): read as a 48-row chunk a cut left had grown, 112 rows were
+    /// expected at 0.38 of a plain round and added 0.62.
     base: Added,
     growth: f64,
+    grown: BTreeMap<usize, f64>,
     /// The last shared round was set aside as a spike (see [`SPIKE`]); a
     /// second in a row is believed.
     spiked: bool,
@@ -303,6 +309,14 @@ impl PassCosts {
     /// round in this pass, else its figure before the pass times `scale`.
     fn expected(&self, decode: usize, rows: usize, scale: f64, plain: f64) -> Option<f64> {
         self.seen.get(&rows).copied().or_else(|| self.base.least(decode, rows).map(|a| a / plain * scale))
+    }
+
+    /// How much dearer than before the pass a size not run in it is
+    /// expected: as the last chunk, or as the largest size below it that
+    /// ran, whichever grew more (a 32-row remainder after 80-row chunks,
+    /// read as 16 rows had grown, came out within the share and was not).
+    fn growth_for(&self, rows: usize) -> f64 {
+        self.grown.range(..rows).next_back().map_or(self.growth, |(_, &g)| g.max(self.growth))
     }
 }
 
@@ -438,7 +452,8 @@ impl Pacer {
     ///
     /// A size's expectation is what it added in its last round of
     /// `stream`'s pass; not run in this pass, its least seen before the pass,
-    /// scaled as the pass's last chunk's was, but scaled down (cheaper than
+    /// scaled as the last chunk or the nearest size below it run in the pass
+    /// was, whichever grew more (see [`PassCosts::base`]), but scaled down (cheaper than
     /// seen) only up to one size past the largest the pass has run: the
     /// warm-up's figures are not off alike for every size (on the H100 they
     /// read SmolLM2's 16-row chunks at twice their cost, and scaled down by
@@ -495,7 +510,7 @@ impl Pacer {
                 .in_flight
                 .filter(|&(s, n)| s == stream && n > within && over.is_empty() && !p.seen.contains_key(&n))
                 .map(|(_, n)| n)
-                .filter(|&n| p.expected(decode, n, p.growth, plain).is_some_and(|f| f <= share));
+                .filter(|&n| p.expected(decode, n, p.growth_for(n), plain).is_some_and(|f| f <= share));
             up(match (over.len(), running) {
                 (1, _) => over[0],
                 (_, Some(n)) => n,
@@ -503,7 +518,7 @@ impl Pacer {
             })
         });
         let expected = |n: usize| match this_pass {
-            Some(p) => p.expected(decode, n, if n <= next_up { p.growth } else { p.growth.max(1.0) }, plain),
+            Some(p) => p.expected(decode, n, if n <= next_up { p.growth_for(n) } else { p.growth_for(n).max(1.0) }, plain),
             None => self.added.least(decode, n).map(|a| a / plain),
         };
         let within = replayed_sizes(most).find(|&n| !dominated(n) && expected(n).is_some_and(|f| f <= share));
@@ -747,7 +762,8 @@ impl Pacer {
                 self.last = Some((id, rows, added, r.secs));
                 self.shared_since_plain += 1;
                 if self.pass.as_ref().is_none_or(|p| p.stream != id) {
-                    self.pass = Some(PassCosts { stream: id, seen: HashMap::new(), base: self.added.clone(), growth: 1.0, spiked: false });
+                    self.pass =
+                        Some(PassCosts { stream: id, seen: HashMap::new(), base: self.added.clone(), growth: 1.0, grown: BTreeMap::new(), spiked: false });
                 }
                 // Not a pass's first chunk: it can be dearer once.
                 if self.plain_secs > 0.0 && !first {
@@ -758,7 +774,7 @@ impl Pacer {
                     };
                     let picks_sizes = self.picks_sizes();
                     let pass = self.pass.as_mut().expect("a pass was just opened");
-                    let spike = pass.expected(decode, rows, pass.growth, plain).is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1);
+                    let spike = pass.expected(decode, rows, pass.growth_for(rows), plain).is_some_and(|e| f > SPIKE.0 * e && f > e + SPIKE.1);
                     if picks_sizes && !pass.spiked && spike {
                         pass.spiked = true;
                         return;
@@ -767,6 +783,7 @@ impl Pacer {
                     if let Some(b) = pass.base.least(decode, rows).map(|a| a / plain) {
                         let ratio = if f > b { (f + GROWTH_FLOOR) / (b + GROWTH_FLOOR) } else { f / b.max(1e-6) };
                         pass.growth = ratio.clamp(0.25, 4.0);
+                        pass.grown.insert(rows, pass.growth);
                     }
                     pass.seen.insert(rows, f);
                     self.saw_added(decode, rows, f * plain);

@@ -70,6 +70,11 @@ if runs:
             print(f"chunk rows: warm-up's / this arrival's fraction added beside {decode} decode rows:",
                   " ".join(f"{n}:{f:.2f}/{statistics.median(by_size[n]) / usual - 1:.2f}" if n in by_size else f"{n}:{f:.2f}/-"
                            for n, f in sorted(told.items())))
+        # The largest round's chunk, and whether it was the first of its size
+        # in the pass (a size the pacer's climb tried on the warm-up's word).
+        big = max((i for i in range(a, b + 1) if rows[i][0] > 0), key=lambda i: rows[i][2] + rows[i][3])
+        first = all(rows[i][1] != rows[big][1] for i in range(a, big) if rows[i][0] > 0)
+        print(f"largest round: {rows[big][1]} chunk rows, {'the first' if first else 'not the first'} of its size in the arrival")
         # The largest gap of as many decoding rounds just before (the quiet
         # window the probe's max_gap_before_ms reads from the client's side).
         quiet = [rows[i][2] + rows[i][3] for i in range(max(0, a - 1 - len(during)), a - 1) if rows[i][0] > 0]

@@ -288,13 +288,13 @@ struct PassCosts {
     /// and how much dearer or cheaper the pass's last chunk was than that
     /// (`growth`) and each size's last (`grown`): a size not run in this
     /// pass is expected to differ as the last chunk or the nearest size
-    /// below it did, whichever grew more. The warm-up times each size once, at short
-    /// contexts: on the H100 its figures for SmolLM2's shape read twice what
-    /// a pass's 16-row chunks cost, and held every chunk to 16 rows while 24
-    /// would have done. They are not off alike for every size either (in a
-    /// SmolLM2 pass 48 rows cost 0.56 of the warm-up's figure, 112 rows
-    /// 0.91): read as a 48-row chunk a cut left had grown, 112 rows were
-    /// expected at 0.38 of a plain round and added 0.62.
+    /// below it did, whichever grew more. The warm-up times each size once,
+    /// at short contexts: on the H100 its figures for SmolLM2's shape read
+    /// twice what a pass's 16-row chunks cost, and held every chunk to 16
+    /// rows while 24 would have done. They are not off alike for every size
+    /// either (in a SmolLM2 pass 48 rows cost 0.56 of the warm-up's figure,
+    /// 112 rows 0.91): read as a 48-row chunk a cut left had grown, 112 rows
+    /// were expected at 0.38 of a plain round and added 0.62.
     base: Added,
     growth: f64,
     grown: BTreeMap<usize, f64>,
@@ -453,9 +453,9 @@ impl Pacer {
     /// A size's expectation is what it added in its last round of
     /// `stream`'s pass; not run in this pass, its least seen before the pass,
     /// scaled as the last chunk or the nearest size below it run in the pass
-    /// was, whichever grew more (see [`PassCosts::base`]), but scaled down (cheaper than
-    /// seen) only up to one size past the largest the pass has run: the
-    /// warm-up's figures are not off alike for every size (on the H100 they
+    /// was, whichever grew more (see [`PassCosts::base`]), but scaled down
+    /// (cheaper than seen) only up to one size past the largest the pass has
+    /// run: the warm-up's figures are not off alike for every size (on the H100 they
     /// read SmolLM2's 16-row chunks at twice their cost, and scaled down by
     /// that, sizes up to 256 rows were tried one after another, each past
     /// the share). So a pass climbs a size at a time where the warm-up read

@@ -292,14 +292,20 @@ fn shared_chunks_keep_to_the_replayed_sizes() {
 const H100_LLAMA: [(usize, f64); 9] = [(1, 0.05), (2, 0.08), (4, 0.1), (8, 0.15), (16, 0.25), (24, 0.55), (32, 0.58), (48, 0.66), (64, 0.72)];
 
 /// A pacer under `share` on a backend replaying up to 64 rows, told the
-/// warm-up's rounds of six streams (`added`: rows, ms).
+/// warm-up's rounds of six streams (`added`: rows, ms), plain rounds of 1.47 ms.
 fn warmed(share: f32, added: &[(usize, f64)]) -> Pacer {
-    let mut p = Pacer::new(None, Some(share), None, true).replaying(64);
-    let six = |rows: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: rows, chunk_start: 0, secs: (1.47 + ms) * 1e-3 };
+    warmed_on(share, 64, 1.47, added)
+}
+
+/// [`warmed`] on a backend replaying up to `replayed` rows, plain rounds
+/// of `plain` ms.
+fn warmed_on(share: f32, replayed: usize, plain: f64, added: &[(usize, f64)]) -> Pacer {
+    let mut p = Pacer::new(None, Some(share), None, true).replaying(replayed);
+    let six = |rows: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: rows, chunk_start: 0, secs: (plain + ms) * 1e-3 };
     let mut rounds = vec![six(0, 0.0)];
     rounds.extend(added.iter().map(|&(rows, ms)| six(rows, ms)));
     p.learn(&rounds);
-    p.ran(Ran { shape: Shape { decode_rows: 6, ..four() }, chunk: None, secs: 1.47e-3, overhead: 0.0 });
+    p.ran(Ran { shape: Shape { decode_rows: 6, ..four() }, chunk: None, secs: plain * 1e-3, overhead: 0.0 });
     p
 }
 
@@ -307,12 +313,19 @@ fn warmed(share: f32, added: &[(usize, f64)]) -> Pacer {
 /// `pos` adding `added(rows, pos)` ms to a 1.47 ms plain round. Returns
 /// each round's chunk rows (0: a plain round).
 fn sized_pass(p: &mut Pacer, len: usize, added: impl Fn(usize, usize) -> f64) -> Vec<usize> {
+    sized_pass_on(p, len, len, 64, 1.47, added)
+}
+
+/// [`sized_pass`] cut every `cut` rows (a chunk keeps within a cut), on a
+/// backend replaying up to `replayed` rows, plain rounds of `plain` ms.
+fn sized_pass_on(p: &mut Pacer, len: usize, cut: usize, replayed: usize, plain: f64, added: impl Fn(usize, usize) -> f64) -> Vec<usize> {
     let six = Shape { decode_rows: 6, ..four() };
     let (mut pos, mut rounds) = (0, Vec::new());
     while pos < len && rounds.len() < 1000 {
-        match to_replayed(p.budget(3, pos, six, false, len - pos), len - pos, true, 64) {
+        let left = ((pos / cut + 1) * cut).min(len) - pos;
+        match to_replayed(p.budget(3, pos, six, false, left), left, true, replayed) {
             Budget::Chunk(Some(r)) => {
-                p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (1.47 + added(r, pos)) * 1e-3, overhead: 0.0 });
+                p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (plain + added(r, pos)) * 1e-3, overhead: 0.0 });
                 rounds.push(r);
                 pos += r;
             }
@@ -685,22 +698,10 @@ fn a_size_not_run_in_the_pass_is_expected_as_the_nearest_run_below_it() {
     // Cuts every 600 rows hold some chunks to what is left before them (a
     // 48 after 80s); the size tried next was read as that 48 had grown and
     // came out at 0.38 where it added 0.62 (the largest gap of its pass).
-    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(112);
-    let six = |rows: usize, f: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: rows, chunk_start: 0, secs: (1.0 + f) * 1e-3 };
-    let mut rounds = vec![six(0, 0.0)];
-    rounds.extend(SMOLLM2_WARM.iter().map(|&(n, f)| six(n, f)));
-    p.learn(&rounds);
-    let shape = Shape { decode_rows: 6, ..four() };
-    p.ran(Ran { shape, chunk: None, secs: 1.0e-3, overhead: 0.0 });
-    let (mut pos, mut added) = (0, Vec::new());
-    while pos < 1800 {
-        let left = (pos / 600 + 1) * 600 - pos;
-        let Budget::Chunk(Some(r)) = to_replayed(p.budget(3, pos, shape, false, left), left, true, 112) else { panic!("no size") };
-        let f = smollm2_pass(r);
-        p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..shape }, chunk: Some(3), secs: (1.0 + f) * 1e-3, overhead: 0.0 });
-        added.push((r, f));
-        pos += r;
-    }
+    // Plain rounds of 1 ms: the fractions above are ms.
+    let mut p = warmed_on(0.45, 112, 1.0, &SMOLLM2_WARM);
+    let rounds = sized_pass_on(&mut p, 1800, 600, 112, 1.0, |rows, _| smollm2_pass(rows));
+    let added: Vec<(usize, f64)> = rounds.iter().map(|&r| (r, smollm2_pass(r))).collect();
     // Nothing past what 96 rows would add (0.47, a little over the share).
     assert!(added.iter().all(|&(_, f)| f <= 0.47), "{added:?}");
     assert!(added.iter().filter(|&&(r, _)| r == 80).count() >= 10, "the pass keeps to 80 rows: {added:?}");

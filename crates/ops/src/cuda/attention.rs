@@ -27,6 +27,9 @@ pub(super) struct AttnFns {
     /// The decode kernel whose key splits merge inside a thread-block
     /// cluster (Hopper on): no combine launch.
     decode_cl: Option<usize>,
+    /// The decode kernel reading keys into registers, a few lanes a key,
+    /// and its cluster form (where the shape and `attn_decode_warps` allow).
+    lanes: Option<(usize, Option<usize>)>,
     combine: usize,
     prefill: Option<usize>,
     /// The prefill kernel whose key splits merge inside a cluster (Hopper
@@ -83,6 +86,20 @@ impl Cuda {
             } else {
                 None
             },
+            lanes: if lanes_fit(&self.inner.tuning, hd, g) {
+                let cl = if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster {
+                    let f = m.func("attn_decode_lanes_cl")?;
+                    if self.inner.tuning.attn_cluster_max > 8 {
+                        rt::allow_large_clusters(f)?;
+                    }
+                    Some(f)
+                } else {
+                    None
+                };
+                Some((m.func("attn_decode_lanes")?, cl))
+            } else {
+                None
+            },
             combine: m.func("attn_combine")?,
             // Past head dim 256 every row takes the decode kernel (see attention.cu).
             prefill: if self.inner.cc.0 >= 8 && hd <= 256 { Some(m.func("attn_prefill")?) } else { None },
@@ -93,6 +110,12 @@ impl Cuda {
         st.prof.names.insert(f.decode, format!("attn_decode hd{hd} g{g}"));
         if let Some(c) = f.decode_cl {
             st.prof.names.insert(c, format!("attn_decode_cl hd{hd} g{g}"));
+        }
+        if let Some((l, cl)) = f.lanes {
+            st.prof.names.insert(l, format!("attn_decode_lanes hd{hd} g{g}"));
+            if let Some(c) = cl {
+                st.prof.names.insert(c, format!("attn_decode_lanes_cl hd{hd} g{g}"));
+            }
         }
         st.prof.names.insert(f.combine, format!("attn_combine hd{hd}"));
         if let Some(p) = f.prefill {
@@ -294,11 +317,16 @@ impl Cuda {
                 self.inner.tuning.attn_max_splits
             };
             let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
-            let cluster = fns.decode_cl.filter(|_| nsplit > 1);
+            // Few (row, KV head) pairs: the lanes kernel (tuning.rs says why).
+            let (plain, cluster, threads) = match fns.lanes.filter(|_| ctas <= self.inner.tuning.attn_decode_lanes_pairs) {
+                Some((f, cl)) => (f, cl, 32 * self.inner.tuning.attn_decode_warps as u32),
+                None => (f_dec, fns.decode_cl, 128),
+            };
+            let cluster = cluster.filter(|_| nsplit > 1);
             let part = if nsplit > 1 && cluster.is_none() { self.attn_part(scratch, work * heads * nsplit * (hd + 2) * 4)? } else { 0 };
-            paged(cluster.unwrap_or(f_dec))
+            paged(cluster.unwrap_or(plain))
                 .grid((nsplit as u32, kvh as u32, work as u32))
-                .block(128)
+                .block(threads)
                 .cluster(if cluster.is_some() { nsplit as u32 } else { 1 })
                 .int(nsplit)
                 .f32(scale)
@@ -314,4 +342,11 @@ impl Cuda {
         }
         Ok(())
     }
+}
+
+/// Whether `attn_decode_lanes` serves a head dim and group (its `#if` in
+/// attention.cu): a key's row over a power-of-two count of lanes, the
+/// query heads' values in registers, the warps' partials in 48 KB.
+fn lanes_fit(t: &super::Tuning, hd: usize, g: usize) -> bool {
+    t.attn_decode_warps > 0 && hd.is_power_of_two() && (16..=256).contains(&hd) && g <= 8 && g * hd <= 1024
 }

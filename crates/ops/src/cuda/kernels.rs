@@ -53,10 +53,11 @@ pub fn recurrent_source(t: &Tuning) -> String {
 /// The attention module for head dim `hd` and `g` query heads per KV head.
 pub fn attention_source(t: &Tuning, hd: usize, g: usize) -> String {
     format!(
-        "{}#define HD {hd}\n#define G {g}\n#define CL_MAX {}\n#define PF_CL_MAX {}\n{PRELUDE}{ATTENTION}",
+        "{}#define HD {hd}\n#define G {g}\n#define CL_MAX {}\n#define PF_CL_MAX {}\n#define DL_WARPS {}\n{PRELUDE}{ATTENTION}",
         pdl_define(t),
         t.attn_cluster_max,
-        super::attention::PF_CL_MAX
+        super::attention::PF_CL_MAX,
+        t.attn_decode_warps.max(1)
     )
 }
 

@@ -42,6 +42,21 @@ pub struct Tuning {
     /// Most key splits of the decode attention (1–64): enough to fill the
     /// GPU at one stream.
     pub attn_max_splits: usize,
+    /// Warps a block of the decode attention that reads keys straight
+    /// into registers, a few lanes a key (`attn_decode_lanes`; 1–8, 0: the
+    /// tiled kernel `attn_decode` everywhere). Head dims 16–256 a power of
+    /// two, at most 8 query heads a KV head; other shapes take the tiled one.
+    /// H100, six SmolLM2 rows a round: 1.131 -> 0.992 ms at 250 tokens,
+    /// 1.305 -> 1.136 at 2,000, 1.659 -> 1.304 at 4,000 (4 warps: 0.988,
+    /// 1.207, 1.445).
+    pub attn_decode_warps: usize,
+    /// Up to how many (query row, KV head) pairs a decode launch takes the
+    /// lanes kernel: a launch of few pairs waits on memory one step after
+    /// another, which the lanes kernel shortens; with more, the tiled
+    /// kernel's copies keep more bytes in flight an SM (H100, SmolLM2: 32
+    /// rows 1.98 -> 2.12 ms a round with lanes; 6 rows beside a 16-row
+    /// chunk, 1.52 -> 1.69).
+    pub attn_decode_lanes_pairs: usize,
     /// From how many query rows a sequence runs the tensor-core prefill
     /// attention (at least 2); fewer take the split-KV decode kernel, a
     /// row per work item: on the H200 a 5-row chunk at ~1000 keys cost
@@ -113,6 +128,8 @@ impl Default for Tuning {
             skinny_max_rows: 32,
             skinny_pdl_per_sm: 1,
             attn_max_splits: 16,
+            attn_decode_warps: 8,
+            attn_decode_lanes_pairs: 32,
             attn_prefill_from: 17,
             attn_prefill_splits: 8,
             attn_prefill_blocks_per_sm: 2,
@@ -154,6 +171,7 @@ impl Tuning {
             gemv_blocks_per_sm: self.gemv_blocks_per_sm.clamp(1, 64),
             gemv_max_rows: self.gemv_max_rows.min(8),
             attn_max_splits: self.attn_max_splits.clamp(1, 64),
+            attn_decode_warps: self.attn_decode_warps.min(8),
             attn_prefill_from: self.attn_prefill_from.max(2),
             attn_prefill_splits: self.attn_prefill_splits.clamp(1, 64),
             attn_prefill_blocks_per_sm: self.attn_prefill_blocks_per_sm.clamp(1, 16),
@@ -164,7 +182,7 @@ impl Tuning {
 
     /// The defaults, each overridden by its `BRAID_CUDA_*` variable: a
     /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
-    /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_PDL_PER_SM`, `_ATTN_SPLITS`,
+    /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_PDL_PER_SM`, `_ATTN_SPLITS`, `_ATTN_DEC_WARPS`, `_ATTN_DEC_PAIRS`,
     /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`, `_ATTN_PREFILL_BLOCKS`,
     /// `_ATTN_CLUSTER`, `_ATTN_CLUSTER_MAX`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
@@ -182,6 +200,8 @@ impl Tuning {
             skinny_max_rows: num("SKINNY_ROWS", d.skinny_max_rows),
             skinny_pdl_per_sm: num("SKINNY_PDL_PER_SM", d.skinny_pdl_per_sm),
             attn_max_splits: num("ATTN_SPLITS", d.attn_max_splits),
+            attn_decode_warps: num("ATTN_DEC_WARPS", d.attn_decode_warps),
+            attn_decode_lanes_pairs: num("ATTN_DEC_PAIRS", d.attn_decode_lanes_pairs),
             attn_prefill_from: num("ATTN_PREFILL_FROM", d.attn_prefill_from),
             attn_prefill_splits: num("ATTN_PREFILL_SPLITS", d.attn_prefill_splits),
             attn_prefill_blocks_per_sm: num("ATTN_PREFILL_BLOCKS", d.attn_prefill_blocks_per_sm),

@@ -121,6 +121,9 @@ fn decode_attention_against_f64() {
         Case { bt: 16, heads: 16, kv_heads: 2, hd: 64, window: None, softcap: None, seqs: (0..70).map(|i| (1 + i % 4, 4 + i * 13)).collect() },
         // SmolLM2's 9 heads over 3, from one key to several tiles a split.
         Case { bt: 16, heads: 9, kv_heads: 3, hd: 64, window: None, softcap: None, seqs: vec![(1, 1), (1, 250), (1, 2000), (1, 4001), (1, 129), (1, 33)] },
+        // A block size that is no power of two (the table lookup divides),
+        // a window cutting into a split, 8 heads a KV head (2 loads a lane).
+        Case { bt: 24, heads: 16, kv_heads: 2, hd: 128, window: Some(333), softcap: None, seqs: vec![(1, 1000), (2, 47), (1, 3)] },
         // Head dim 80 (no power of two) with 16 heads a KV head: half-size tiles.
         Case { bt: 16, heads: 16, kv_heads: 1, hd: 80, window: None, softcap: Some(30.0), seqs: vec![(1, 300), (1, 77), (2, 31)] },
         // With two KV heads a 30-row chunk keeps this kernel too.
@@ -131,9 +134,17 @@ fn decode_attention_against_f64() {
         Case { bt: 16, heads: 16, kv_heads: 2, hd: 512, window: Some(64), softcap: Some(30.0), seqs: vec![(1, 500), (70, 200)] },
     ];
     // Also with clusters past the portable 8 blocks (Hopper): more key
-    // splits, merged in the cluster as before.
-    let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..d.tuning().clone() }).unwrap();
-    for dev in [&d, &wide] {
+    // splits, merged in the cluster as before; with the tiled kernel
+    // where the lanes kernel serves by default; and the lanes kernel for
+    // every launch, with 1 warp a block and no clusters (the splits merged
+    // by a launch), and with 4.
+    let t = d.tuning().clone();
+    let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..t.clone() }).unwrap();
+    let tiled = Cuda::with_tuning(0, Tuning { attn_decode_warps: 0, ..t.clone() }).unwrap();
+    let all = usize::MAX;
+    let one = Cuda::with_tuning(0, Tuning { attn_decode_warps: 1, attn_decode_lanes_pairs: all, attn_cluster: false, ..t.clone() }).unwrap();
+    let four = Cuda::with_tuning(0, Tuning { attn_decode_warps: 4, attn_decode_lanes_pairs: all, ..t.clone() }).unwrap();
+    for dev in [&d, &wide, &tiled, &one, &four] {
         for c in &cases {
             run_attention_case(dev, &mut r, c, 1e-4);
         }

@@ -52,13 +52,14 @@ struct Call<'a, 's> {
 /// The modules compiled so far, and the split-KV scratch.
 pub(super) struct Attn {
     fns: HashMap<(usize, usize), AttnFns>,
-    /// Two: a chunk's attention and the decode rows' run side by side.
-    part: [DevBuf; 2],
+    /// Three: a chunk's attention, a short chunk's and the decode rows'
+    /// run side by side.
+    part: [DevBuf; 3],
 }
 
 impl Attn {
     pub fn new(ctx: usize) -> Attn {
-        Attn { fns: HashMap::new(), part: [DevBuf::empty(ctx), DevBuf::empty(ctx)] }
+        Attn { fns: HashMap::new(), part: [DevBuf::empty(ctx), DevBuf::empty(ctx), DevBuf::empty(ctx)] }
     }
 }
 
@@ -180,19 +181,38 @@ impl Cuda {
             return Ok(());
         }
         let few = self.few_rows(kvh);
-        if self.attn_fns(hd, g)?.prefill.is_some() && max_q > few && seqs.iter().any(|s| s.q_len > 0 && s.q_len <= few) {
-            // A decode round sharing its forward with a prompt chunk: the
-            // decode rows keep the split-KV kernel (one prefill block
-            // walking a long context alone would stall them), and the two
-            // launches run side by side (they write other rows of `out`;
-            // the decode rows' split scratch is the second one).
-            let (short, long): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().partition(|s| s.q_len <= few);
-            let o = &*out;
-            return self.branches(&mut [&mut || self.attention_launches(Call { seqs: &long, ..c }, o, 0), &mut || {
-                self.attention_launches(Call { seqs: &short, ..c }, o, 1)
-            }]);
+        let fns = self.attn_fns(hd, g)?;
+        // The rows by kernel: a prompt chunk past `few` rows (the prefill
+        // kernel), a short chunk's (the tiled decode kernel), decode rows.
+        // A round sharing its forward with a chunk runs them as launches
+        // side by side (they write other rows of `out`; each has its own
+        // split scratch): one prefill block walking a long context alone
+        // would stall the decode rows, and a short chunk's rows beside
+        // them would take their launch past the lanes kernel's pairs.
+        let long = |s: &AttnSeq<'_>| fns.prefill.is_some() && s.q_len > few;
+        let singles = seqs.iter().filter(|s| s.q_len == 1).count();
+        let apart = fns.lanes.is_some() && singles * kvh <= self.inner.tuning.attn_decode_lanes_pairs;
+        let mut groups: [Vec<AttnSeq<'_>>; 3] = Default::default();
+        for s in seqs.iter().filter(|s| s.q_len > 0) {
+            let at = if long(s) {
+                0
+            } else if apart && s.q_len == 1 {
+                2
+            } else {
+                1
+            };
+            groups[at].push(*s);
         }
-        self.attention_launches(c, out, 0)
+        if groups.iter().filter(|g| !g.is_empty()).count() < 2 {
+            return self.attention_launches(c, out, 0);
+        }
+        let o = &*out;
+        let mut launches: Vec<Box<dyn FnMut() -> Result<()> + '_>> = Vec::new();
+        for (scratch, group) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+            launches.push(Box::new(move || self.attention_launches(Call { seqs: group, ..c }, o, scratch)));
+        }
+        let mut parts: Vec<&mut dyn FnMut() -> Result<()>> = launches.iter_mut().map(|l| &mut **l as &mut dyn FnMut() -> Result<()>).collect();
+        self.branches(&mut parts)
     }
 
     /// Up to how many query rows a sequence takes the split-KV decode
@@ -208,7 +228,7 @@ impl Cuda {
 
     /// The launches of [`Self::attention_cmds`] for `seqs`, all of one
     /// kind (decode rows, or prompt chunks past [`Self::few_rows`]), with
-    /// split scratch `scratch` (0 or 1: two launches side by side need two).
+    /// split scratch `scratch` (0-2: launches side by side need their own).
     fn attention_launches(&self, c: Call<'_, '_>, out: &CudaTensor, scratch: usize) -> Result<()> {
         let Call { q, kv, layer, seqs, scale, softcap } = c;
         let shape = kv.spec.layers[layer];

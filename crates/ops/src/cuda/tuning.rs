@@ -51,11 +51,16 @@ pub struct Tuning {
     /// 1.207, 1.445).
     pub attn_decode_warps: usize,
     /// Up to how many (query row, KV head) pairs a decode launch takes the
-    /// lanes kernel: a launch of few pairs waits on memory one step after
-    /// another, which the lanes kernel shortens; with more, the tiled
-    /// kernel's copies keep more bytes in flight an SM (H100, SmolLM2: 32
-    /// rows 1.98 -> 2.12 ms a round with lanes; 6 rows beside a 16-row
-    /// chunk, 1.52 -> 1.69).
+    /// lanes kernel (0: none): a launch of few pairs waits on memory one
+    /// step after another, which the lanes kernel shortens; with more, the
+    /// tiled kernel's copies keep more bytes in flight an SM (H100,
+    /// SmolLM2: 32 rows 1.98 -> 2.12 ms a round with lanes; 6 rows beside
+    /// a 16-row chunk, 1.52 -> 1.69). 32 is the candidate; the default
+    /// stays 0 until a served arrival has run with a round's decode rows
+    /// launched apart from a short chunk's: without that, rounds with a
+    /// chunk lost the lanes kernel, the pacer ran 8-row chunks and an
+    /// 1800-token arrival's TTFT went from ~45-70 ms to 202-272 ms
+    /// (docs/dev/cuda-sessions.md, stop 53).
     pub attn_decode_lanes_pairs: usize,
     /// From how many query rows a sequence runs the tensor-core prefill
     /// attention (at least 2); fewer take the split-KV decode kernel, a
@@ -129,7 +134,7 @@ impl Default for Tuning {
             skinny_pdl_per_sm: 1,
             attn_max_splits: 16,
             attn_decode_warps: 8,
-            attn_decode_lanes_pairs: 32,
+            attn_decode_lanes_pairs: 0,
             attn_prefill_from: 17,
             attn_prefill_splits: 8,
             attn_prefill_blocks_per_sm: 2,

@@ -134,17 +134,15 @@ fn decode_attention_against_f64() {
         Case { bt: 16, heads: 16, kv_heads: 2, hd: 512, window: Some(64), softcap: Some(30.0), seqs: vec![(1, 500), (70, 200)] },
     ];
     // Also with clusters past the portable 8 blocks (Hopper): more key
-    // splits, merged in the cluster as before; with the tiled kernel
-    // where the lanes kernel serves by default; and the lanes kernel for
-    // every launch, with 1 warp a block and no clusters (the splits merged
-    // by a launch), and with 4.
-    let t = d.tuning().clone();
-    let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..t.clone() }).unwrap();
-    let tiled = Cuda::with_tuning(0, Tuning { attn_decode_warps: 0, ..t.clone() }).unwrap();
-    let all = usize::MAX;
-    let one = Cuda::with_tuning(0, Tuning { attn_decode_warps: 1, attn_decode_lanes_pairs: all, attn_cluster: false, ..t.clone() }).unwrap();
-    let four = Cuda::with_tuning(0, Tuning { attn_decode_warps: 4, attn_decode_lanes_pairs: all, ..t.clone() }).unwrap();
-    for dev in [&d, &wide, &tiled, &one, &four] {
+    // splits, merged in the cluster as before; with the lanes kernel for
+    // launches of up to 32 (row, KV head) pairs (a round's decode rows
+    // apart from a short chunk's); and for every launch, with 1 warp a
+    // block and no clusters (the splits merged by a launch), and with 4.
+    let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..d.tuning().clone() }).unwrap();
+    let lanes = lanes_device(&d, 8, 32, true);
+    let one = lanes_device(&d, 1, usize::MAX, false);
+    let four = lanes_device(&d, 4, usize::MAX, true);
+    for dev in [&d, &wide, &lanes, &one, &four] {
         for c in &cases {
             run_attention_case(dev, &mut r, c, 1e-4);
         }
@@ -178,9 +176,21 @@ fn prefill_attention_against_f64() {
         Case { bt: 16, heads: 4, kv_heads: 4, hd: 128, window: Some(90), softcap: None, seqs: vec![(70, 600), (19, 19)] },
         Case { bt: 16, heads: 12, kv_heads: 2, hd: 64, window: Some(33), softcap: None, seqs: vec![(45, 1200)] },
     ];
-    for c in &cases {
-        run_attention_case(&d, &mut r, c, 1.5e-2);
+    // Also with the lanes kernel for the decode rows: up to three
+    // launches side by side (a long chunk's, a short chunk's, the
+    // decode rows').
+    let lanes = lanes_device(&d, 8, 32, true);
+    for dev in [&d, &lanes] {
+        for c in &cases {
+            run_attention_case(dev, &mut r, c, 1.5e-2);
+        }
     }
+}
+
+/// A device whose decode launches of up to `pairs` (row, KV head) pairs
+/// take the lanes kernel, `warps` warps a block.
+fn lanes_device(d: &Cuda, warps: usize, pairs: usize, cluster: bool) -> Cuda {
+    Cuda::with_tuning(0, Tuning { attn_decode_warps: warps, attn_decode_lanes_pairs: pairs, attn_cluster: cluster, ..d.tuning().clone() }).unwrap()
 }
 
 /// A pool of two groups (layers 0 and 2 of 4 blocks, layer 1 of 2): a

@@ -485,8 +485,16 @@ impl Pacer {
         // against its 48 on the H100: past 32 rows in all the products
         // take another kernel) is passed over: the larger serves better,
         // and a climb through it ran one round past the share each pass.
-        let dominated =
-            |n: usize| self.added.least(decode, n).is_some_and(|a| replayed_sizes(most).any(|m| m > n && self.added.least(decode, m).is_some_and(|b| b <= a)));
+        // Not for a larger size this pass ran over the share: it serves
+        // no better (sixteen SmolLM2 streams on the H100: 64 rows, read
+        // cheaper than 16-48 before the pass, ran over in it, and the pass
+        // ran 8-row chunks for 200 rounds).
+        let over_in_pass = |m: usize| this_pass.is_some_and(|p| p.seen.get(&m).is_some_and(|&f| f > share));
+        let dominated = |n: usize| {
+            self.added
+                .least(decode, n)
+                .is_some_and(|a| replayed_sizes(most).any(|m| m > n && !over_in_pass(m) && self.added.least(decode, m).is_some_and(|b| b <= a)))
+        };
         let up = |n: usize| {
             let mut m = size_up(n);
             while m < most && dominated(m) {

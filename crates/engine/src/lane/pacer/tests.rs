@@ -706,3 +706,20 @@ fn a_size_not_run_in_the_pass_is_expected_as_the_nearest_run_below_it() {
     assert!(added.iter().all(|&(_, f)| f <= 0.47), "{added:?}");
     assert!(added.iter().filter(|&&(r, _)| r == 80).count() >= 10, "the pass keeps to 80 rows: {added:?}");
 }
+
+#[test]
+fn a_size_that_ran_over_the_share_passes_over_no_size_below_it() {
+    // Sixteen SmolLM2 streams on the H100 (plain rounds ~1 ms): the
+    // warm-up read 64 rows cheaper than 16-48, so those were passed over
+    // for it; in the pass 64 rows ran over the share, and the pass then
+    // ran 8-row chunks for 200 rounds, 16 rows (within the share) never
+    // tried.
+    let told = [(1, 0.17), (2, 0.2), (4, 0.25), (8, 0.43), (16, 0.6), (24, 0.95), (32, 1.14), (48, 0.66), (64, 0.56), (80, 0.65)];
+    let cost = [(1, 0.08), (2, 0.09), (4, 0.1), (8, 0.19), (16, 0.3), (24, 0.5), (32, 0.6), (48, 0.46), (64, 0.5), (80, 0.6)];
+    let actual = |rows: usize, _| cost.iter().find(|c| c.0 == rows).map_or(1.0, |c| c.1);
+    let mut p = warmed_on(0.45, 80, 1.0, &told);
+    let rounds = sized_pass_on(&mut p, 1800, 1800, 80, 1.0, actual);
+    let eights = rounds.iter().filter(|&&r| r == 8).count();
+    assert!(rounds.contains(&16) && eights <= 4, "{} rounds: {rounds:?}", rounds.len());
+    assert!(rounds.len() < 130, "{} rounds: {rounds:?}", rounds.len());
+}

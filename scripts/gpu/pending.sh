@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU calls prepared in stop 53 and not yet run (docs/dev/cuda-sessions.md,
-# "Stop 53"), in one call of ~450 s, from the repository root on the device:
+# "Stop 53"), in one call of up to ~560 s, from the repository root on the device:
 # the attention tests (the lanes decode kernel at 32 pairs beside the
 # default, with a round's decode rows launched apart from a short chunk's)
 # and cuda_models rounds:: drafting::; mixed rounds with
@@ -38,7 +38,7 @@ wait $gg; el stall
 for run in "6:smollm2:1" "6:llama1b:1" "6:smollm2:2" "6:llama1b:2" "16:smollm2:1"; do
   IFS=: read -r n mod seed <<< "$run"
   for pairs in 0 32; do
-    before 560 || continue
+    before 480 || continue
     BRAID_CUDA_ATTN_DEC_PAIRS=$pairs STREAMS=$n OUT=$OUT/stall-$mod-$n-$seed-$pairs SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 \
       | tail -2 | sed "s/^/$mod streams $n seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
   done

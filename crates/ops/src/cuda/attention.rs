@@ -76,31 +76,21 @@ impl Cuda {
             return Ok(*a);
         }
         let m = rt::compile_and_load(&kernels::attention_source(&self.inner.tuning, hd, g), &self.inner.arch)?;
+        // A decode kernel's cluster form (Hopper on), allowed past 8 blocks where asked.
+        let clustered = |name: &str| -> Result<Option<usize>> {
+            if self.inner.cc.0 < 9 || !self.inner.tuning.attn_cluster {
+                return Ok(None);
+            }
+            let f = m.func(name)?;
+            if self.inner.tuning.attn_cluster_max > 8 {
+                rt::allow_large_clusters(f)?;
+            }
+            Ok(Some(f))
+        };
         let f = AttnFns {
             decode: m.func("attn_decode")?,
-            decode_cl: if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster {
-                let f = m.func("attn_decode_cl")?;
-                if self.inner.tuning.attn_cluster_max > 8 {
-                    rt::allow_large_clusters(f)?;
-                }
-                Some(f)
-            } else {
-                None
-            },
-            lanes: if lanes_fit(&self.inner.tuning, hd, g) {
-                let cl = if self.inner.cc.0 >= 9 && self.inner.tuning.attn_cluster {
-                    let f = m.func("attn_decode_lanes_cl")?;
-                    if self.inner.tuning.attn_cluster_max > 8 {
-                        rt::allow_large_clusters(f)?;
-                    }
-                    Some(f)
-                } else {
-                    None
-                };
-                Some((m.func("attn_decode_lanes")?, cl))
-            } else {
-                None
-            },
+            decode_cl: clustered("attn_decode_cl")?,
+            lanes: if lanes_fit(&self.inner.tuning, hd, g) { Some((m.func("attn_decode_lanes")?, clustered("attn_decode_lanes_cl")?)) } else { None },
             combine: m.func("attn_combine")?,
             // Past head dim 256 every row takes the decode kernel (see attention.cu).
             prefill: if self.inner.cc.0 >= 8 && hd <= 256 { Some(m.func("attn_prefill")?) } else { None },

@@ -119,6 +119,26 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
 #endif
 }
 
+// A decode work item's query row, its block table, and the keys [a, b)
+// its split walks: from the window's first key on (a sliding-window
+// layer's blocks before it may be let go, their table entries stand-ins,
+// never read), in chunks of a multiple of 16 keys a split.
+struct DecKeys {
+    int row, a, b;
+    const unsigned* blocks;
+};
+__device__ __forceinline__ DecKeys dec_keys(const unsigned* __restrict__ meta, int off_rows, int off_bt, int z, int split, int nsplit) {
+    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
+    const unsigned* st = meta + 5 * s;
+    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
+    const int pos = kv_len - q_len + i;
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    int chunk = (pos + 1 - lo + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    const int a = lo + split * chunk;
+    return DecKeys{q_start + (int)i, a, min(pos + 1, a + chunk), meta + off_bt + st[4]};
+}
+
 // Decode attention: one block per (split, kv head, query row). Each block
 // walks its share of the row's keys in tiles of DEC_TK. The tile's key
 // slots come from the uploaded block table before the wait for q's
@@ -145,20 +165,9 @@ __device__ __forceinline__ void attn_decode_body(
     __shared__ float m_s[G], l_s[G], corr_s[G];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int z = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
-    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
-    const unsigned* st = meta + 5 * s;
-    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
-    const unsigned* blocks = meta + off_bt + st[4];
-    const int row = q_start + i;
-    const int pos = kv_len - q_len + i;
-    // Keys from the window's first on: a sliding-window layer's blocks
-    // before it may be let go (their table entries stand-ins), never read.
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int n = pos + 1 - lo;
-    int chunk = (n + nsplit - 1) / nsplit;
-    chunk = (chunk + 15) & ~15;
-    const int a = lo + split * chunk;
-    const int b = min(pos + 1, a + chunk);
+    const DecKeys r = dec_keys(meta, off_rows, off_bt, z, split, nsplit);
+    const int row = r.row, a = r.a, b = r.b;
+    const unsigned* blocks = r.blocks;
     if (tid < DEC_TK) slot_s[tid] = a + tid < b ? (int)blocks[(a + tid) / bt] * bt + (a + tid) % bt : 0;
     if (tid < G) { m_s[tid] = NEG_INF; l_s[tid] = 0.f; }
     PDL_POST();
@@ -323,18 +332,9 @@ __device__ __forceinline__ void attn_decode_lanes_body(
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int kq = lane / DL_LPK, dc = lane % DL_LPK;
     const int z = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
-    const unsigned s = meta[off_rows + 2 * z], i = meta[off_rows + 2 * z + 1];
-    const unsigned* st = meta + 5 * s;
-    const int q_start = st[0], q_len = st[1], kv_len = st[2], window = st[3];
-    const unsigned* blocks = meta + off_bt + st[4];
-    const int row = q_start + i;
-    const int pos = kv_len - q_len + i;
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int n = pos + 1 - lo;
-    int chunk = (n + nsplit - 1) / nsplit;
-    chunk = (chunk + 15) & ~15;
-    const int a = lo + split * chunk;
-    const int b = min(pos + 1, a + chunk);
+    const DecKeys r = dec_keys(meta, off_rows, off_bt, z, split, nsplit);
+    const int row = r.row, a = r.a, b = r.b;
+    const unsigned* blocks = r.blocks;
     // Key j of a step from `base`: base + j * DL_KPW + kq; its slot, or -1 past b.
     int slot[DL_U];
     int base = a + warp * DL_STEP;

@@ -119,6 +119,12 @@ __device__ __forceinline__ void cl_merge(const float* cp, int items, int split, 
 #endif
 }
 
+// The decode kernels' arguments (their bodies, and the kernels that take them).
+#define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \
+    int bt, const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads, \
+    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part
+#define DEC_PASS q, q_cols, kc, vc, kv_w, bt, meta, off_rows, off_bt, nsplit, scale, softcap, heads, out, out_bf, part
+
 // A decode work item's query row, its block table, and the keys [a, b)
 // its split walks: from the window's first key on (a sliding-window
 // layer's blocks before it may be let go, their table entries stand-ins,
@@ -151,11 +157,7 @@ __device__ __forceinline__ DecKeys dec_keys(const unsigned* __restrict__ meta, i
 // one thread-block cluster) in its shared memory, where the cluster's
 // blocks merge them (cl_merge).
 template <bool CL>
-__device__ __forceinline__ void attn_decode_body(
-    const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
-    const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
-    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
-{
+__device__ __forceinline__ void attn_decode_body(DEC_ARGS) {
     PDL_PRE();
     // K rows, then V rows; after the last tile, the splits' partials (cp).
     __shared__ uint4 kv_s[2][DEC_TK][DEC_RP];
@@ -291,10 +293,6 @@ __device__ __forceinline__ void attn_decode_body(
     if (CL && nsplit > 1) cl_merge<CL_MAX>(cp, G, split, nsplit, [&](int g) { return (long)row * q_cols + (kvh * G + g) * HD; }, out, out_bf);
 }
 
-#define DEC_ARGS const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, \
-    int bt, const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads, \
-    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part
-#define DEC_PASS q, q_cols, kc, vc, kv_w, bt, meta, off_rows, off_bt, nsplit, scale, softcap, heads, out, out_bf, part
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(DEC_ARGS) { attn_decode_body<false>(DEC_PASS); }
 // Launched with clusters of nsplit blocks along x (Hopper on): no attn_combine.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_cl(DEC_ARGS) { attn_decode_body<true>(DEC_PASS); }
@@ -321,11 +319,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_cl(DEC_ARG
 #define DL_NO ((G * HD + DL_THREADS - 1) / DL_THREADS)
 
 template <bool CL>
-__device__ __forceinline__ void attn_decode_lanes_body(
-    const float* __restrict__ q, int q_cols, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc, int kv_w, int bt,
-    const unsigned* __restrict__ meta, int off_rows, int off_bt, int nsplit, float scale, float softcap, int heads,
-    float* __restrict__ out, bf16_t* __restrict__ out_bf, float* __restrict__ part)
-{
+__device__ __forceinline__ void attn_decode_lanes_body(DEC_ARGS) {
     PDL_PRE();
     // Each warp's (acc, m, l) a head; then the block's, for the merge (cp).
     __shared__ float red[DL_WARPS][G][HD + 2];

@@ -28,7 +28,7 @@ pub(super) struct AttnFns {
     /// cluster (Hopper on): no combine launch.
     decode_cl: Option<usize>,
     /// The decode kernel reading keys into registers, a few lanes a key,
-    /// and its cluster form (where the shape and `attn_decode_warps` allow).
+    /// and its cluster form (where it is on and the shape allows: `lanes_fit`).
     lanes: Option<(usize, Option<usize>)>,
     combine: usize,
     prefill: Option<usize>,
@@ -197,11 +197,13 @@ impl Cuda {
             return self.attention_launches(c, out, 0);
         }
         let o = &*out;
-        let mut launches: Vec<Box<dyn FnMut() -> Result<()> + '_>> = Vec::new();
-        for (scratch, group) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
-            launches.push(Box::new(move || self.attention_launches(Call { seqs: group, ..c }, o, scratch)));
-        }
-        let mut parts: Vec<&mut dyn FnMut() -> Result<()>> = launches.iter_mut().map(|l| &mut **l as &mut dyn FnMut() -> Result<()>).collect();
+        let mut launches: Vec<_> = groups
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_empty())
+            .map(|(scratch, group)| move || self.attention_launches(Call { seqs: group, ..c }, o, scratch))
+            .collect();
+        let mut parts: Vec<&mut dyn FnMut() -> Result<()>> = launches.iter_mut().map(|l| l as &mut dyn FnMut() -> Result<()>).collect();
         self.branches(&mut parts)
     }
 
@@ -354,9 +356,10 @@ impl Cuda {
     }
 }
 
-/// Whether `attn_decode_lanes` serves a head dim and group (its `#if` in
+/// Whether `attn_decode_lanes` is on (warps a block, and launches that
+/// may take it) and serves a head dim and group (its `#if` in
 /// attention.cu): a key's row over a power-of-two count of lanes, the
 /// query heads' values in registers, the warps' partials in 48 KB.
 fn lanes_fit(t: &super::Tuning, hd: usize, g: usize) -> bool {
-    t.attn_decode_warps > 0 && hd.is_power_of_two() && (16..=256).contains(&hd) && g <= 8 && g * hd <= 1024
+    t.attn_decode_warps > 0 && t.attn_decode_lanes_pairs > 0 && hd.is_power_of_two() && (16..=256).contains(&hd) && g <= 8 && g * hd <= 1024
 }

@@ -723,3 +723,62 @@ fn a_size_that_ran_over_the_share_passes_over_no_size_below_it() {
     assert!(rounds.contains(&16) && eights <= 4, "{} rounds: {rounds:?}", rounds.len());
     assert!(rounds.len() < 130, "{} rounds: {rounds:?}", rounds.len());
 }
+
+/// Sixteen SmolLM2 streams on the H100 (stop 54): plain rounds of 1.18 ms
+/// after ~0.05 ms of the loop's own work, then an arrival's admission took
+/// 0.5 ms and the round after it read 0.86 ms (launched ahead, it had run
+/// through the admission). Taken as a plain round, it made 64 rows read
+/// 0.46 of one (the share 0.45) where they added 0.34, and the pass ran
+/// 92 rounds of 16 rows.
+#[test]
+fn a_round_after_a_long_stretch_of_the_loops_own_work_is_not_a_plain_round() {
+    let warm: [(usize, f64); 12] = [
+        (1, 0.179),
+        (2, 0.193),
+        (4, 0.258),
+        (8, 0.422),
+        (16, 0.604),
+        (24, 0.958),
+        (32, 1.123),
+        (48, 0.651),
+        (64, 0.548),
+        (80, 0.635),
+        (96, 0.706),
+        (128, 0.797),
+    ];
+    let run = |admission: f64| {
+        let mut p = Pacer::new(None, Some(0.45), None, true).replaying(128);
+        let round =
+            |rows: usize, fraction: f64| RoundCost { decode_rows: 16, decode_ctx: 1600, chunk_rows: rows, chunk_start: 0, secs: 0.995e-3 * (1.0 + fraction) };
+        p.learn(&std::iter::once(round(0, 0.0)).chain(warm.iter().map(|&(r, f)| round(r, f))).collect::<Vec<_>>());
+        let sixteen = Shape { decode_rows: 16, decode_ctx: 16 * 1500, ..Shape::default() };
+        for _ in 0..50 {
+            p.ran(Ran { shape: sixteen, chunk: None, secs: 1.18e-3, overhead: 0.05e-3 });
+        }
+        p.ran(Ran { shape: sixteen, chunk: None, secs: 1.18e-3 - admission, overhead: 0.05e-3 + admission });
+        // What each size adds in the pass (ms): the trace's rounds.
+        let added = |rows: usize| match rows {
+            r if r <= 8 => 0.06,
+            16 => 0.11,
+            24 | 32 => 0.9,
+            48 => 0.42,
+            64 => 0.40,
+            80 => 0.52,
+            r => 0.52 + (r - 80) as f64 * 0.006,
+        };
+        let (mut pos, mut rounds) = (0, 0);
+        while pos < 1800 && rounds < 1000 {
+            let left = 1800 - pos;
+            let Budget::Chunk(Some(r)) = to_replayed(p.budget(5, pos, sixteen, false, left), left, true, 128) else { panic!("a size") };
+            p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..sixteen }, chunk: Some(5), secs: (1.18 + added(r)) * 1e-3, overhead: 0.08e-3 });
+            pos += r;
+            rounds += 1;
+        }
+        rounds
+    };
+    // With no admission to speak of, the pass runs 64-row chunks.
+    let quiet = run(0.0);
+    assert!(quiet <= 40, "{quiet} rounds");
+    // The admission's round changes nothing.
+    assert_eq!(run(0.32e-3), quiet);
+}

@@ -215,7 +215,8 @@ impl Cuda {
     /// prefill kernel's a tile and query head, and each walks its share of
     /// the keys alone.
     fn few_rows(&self, kv_heads: usize) -> usize {
-        (self.inner.tuning.attn_prefill_from.max(2) - 1).max((128 / kv_heads.max(1)).min(32))
+        let t = &self.inner.tuning;
+        (t.attn_prefill_from.max(2) - 1).max((128 / kv_heads.max(1)).min(t.attn_decode_max_rows))
     }
 
     /// The launches of [`Self::attention_cmds`] for `seqs`, all of one

@@ -219,16 +219,24 @@ impl Cuda {
         let prof = self.prof_begin();
         let r = self.execute_on(cmd, None);
         if let Some(ev) = prof {
-            let name = match cmd {
-                Cmd::Kernel { f, .. } => self.kernel_name(*f),
-                Cmd::Gemm { m, n, k, .. } => format!("gemm out {m} rows {n} in {k}"),
-                Cmd::Copy { .. } => "copy".into(),
-                Cmd::Zero { .. } => "clear".into(),
-                Cmd::Branch(bs) => format!("{} branches", bs.len()),
-            };
-            self.prof_end(ev, name);
+            self.prof_end(ev, self.cmd_name(cmd));
         }
         r
+    }
+
+    /// What the profile calls `cmd`: a branch set by each branch's first
+    /// command (a mixed round has several sets of two, told apart so).
+    fn cmd_name(&self, cmd: &Cmd) -> String {
+        match cmd {
+            Cmd::Kernel { f, .. } => self.kernel_name(*f),
+            Cmd::Gemm { m, n, k, .. } => format!("gemm out {m} rows {n} in {k}"),
+            Cmd::Copy { .. } => "copy".into(),
+            Cmd::Zero { .. } => "clear".into(),
+            Cmd::Branch(bs) => {
+                let firsts: Vec<String> = bs.iter().filter_map(|b| b.first()).map(|c| self.cmd_name(c)).collect();
+                format!("side by side: {}", firsts.join(" | "))
+            }
+        }
     }
 
     /// Run `cmd` on the device's stream, or on `side`'s.

@@ -54,13 +54,12 @@ pub struct Tuning {
     /// lanes kernel (0: none): a launch of few pairs waits on memory one
     /// step after another, which the lanes kernel shortens; with more, the
     /// tiled kernel's copies keep more bytes in flight an SM (H100,
-    /// SmolLM2: 32 rows 1.98 -> 2.12 ms a round with lanes; 6 rows beside
-    /// a 16-row chunk, 1.52 -> 1.69). 32 is the candidate; the default
-    /// stays 0 until a served arrival has run with a round's decode rows
-    /// launched apart from a short chunk's: without that, rounds with a
-    /// chunk lost the lanes kernel, the pacer ran 8-row chunks and an
-    /// 1800-token arrival's TTFT went from ~45-70 ms to 202-272 ms
-    /// (docs/dev/cuda-sessions.md, stop 53).
+    /// SmolLM2: 32 rows 1.98 -> 2.12 ms a round with lanes). Off: at 32,
+    /// six SmolLM2 rows' plain rounds were 11-14% shorter at 2,000-4,000
+    /// keys, but a round beside an 8-32-row chunk (its rows in the tiled
+    /// kernel, the single rows in the lanes kernel beside it) 0.1-0.25 ms
+    /// longer, and an 1800-token arrival's newcomer waited 124-213 ms
+    /// instead of 41-71 (docs/dev/cuda-sessions.md, stop 54).
     pub attn_decode_lanes_pairs: usize,
     /// From how many query rows a sequence runs the tensor-core prefill
     /// attention (at least 2); fewer take the split-KV decode kernel, a
@@ -69,6 +68,14 @@ pub struct Tuning {
     /// every key alone). Models with few KV heads keep more rows in the
     /// decode kernel (`attention.rs`).
     pub attn_prefill_from: usize,
+    /// The most rows a sequence keeps in the decode kernel where few KV
+    /// heads let it keep more than `attn_prefill_from` allows (128 rows x
+    /// KV heads; at most 32). At 32, SmolLM2's 17-32-row chunks take the
+    /// decode kernel, and on the H100 beside six streams at 2,000 / 4,000
+    /// keys a 32-row chunk added more than a 64-row one in the prefill
+    /// kernel (+0.69 / +1.04 ms against +0.54 / +0.46; stop 54): a knob
+    /// to weigh 16 against it.
+    pub attn_decode_max_rows: usize,
     /// Most key splits of the prefill attention (1: none), used when its
     /// tiles alone leave most SMs idle (a short chunk at a long context).
     pub attn_prefill_splits: usize,
@@ -136,6 +143,7 @@ impl Default for Tuning {
             attn_decode_warps: 8,
             attn_decode_lanes_pairs: 0,
             attn_prefill_from: 17,
+            attn_decode_max_rows: 32,
             attn_prefill_splits: 8,
             attn_prefill_blocks_per_sm: 2,
             attn_cluster: true,
@@ -178,6 +186,7 @@ impl Tuning {
             attn_max_splits: self.attn_max_splits.clamp(1, 64),
             attn_decode_warps: self.attn_decode_warps.min(8),
             attn_prefill_from: self.attn_prefill_from.max(2),
+            attn_decode_max_rows: self.attn_decode_max_rows.min(32),
             attn_prefill_splits: self.attn_prefill_splits.clamp(1, 64),
             attn_prefill_blocks_per_sm: self.attn_prefill_blocks_per_sm.clamp(1, 16),
             attn_cluster_max: self.attn_cluster_max.clamp(2, 16),
@@ -188,7 +197,7 @@ impl Tuning {
     /// The defaults, each overridden by its `BRAID_CUDA_*` variable: a
     /// number, or for a switch `0` to turn it off (`BRAID_CUDA_GEMV_MINB`,
     /// `_GEMV_DEEP`, `_GEMV_BLOCKS`, `_GEMV_ROWS`, `_SKINNY_ROWS`, `_SKINNY_PDL_PER_SM`, `_ATTN_SPLITS`, `_ATTN_DEC_WARPS`, `_ATTN_DEC_PAIRS`,
-    /// `_ATTN_PREFILL_FROM`, `_ATTN_PREFILL_SPLITS`, `_ATTN_PREFILL_BLOCKS`,
+    /// `_ATTN_PREFILL_FROM`, `_ATTN_DEC_ROWS`, `_ATTN_PREFILL_SPLITS`, `_ATTN_PREFILL_BLOCKS`,
     /// `_ATTN_CLUSTER`, `_ATTN_CLUSTER_MAX`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
     /// `_BRANCHES`, `_GRAPHS`).
@@ -208,6 +217,7 @@ impl Tuning {
             attn_decode_warps: num("ATTN_DEC_WARPS", d.attn_decode_warps),
             attn_decode_lanes_pairs: num("ATTN_DEC_PAIRS", d.attn_decode_lanes_pairs),
             attn_prefill_from: num("ATTN_PREFILL_FROM", d.attn_prefill_from),
+            attn_decode_max_rows: num("ATTN_DEC_ROWS", d.attn_decode_max_rows),
             attn_prefill_splits: num("ATTN_PREFILL_SPLITS", d.attn_prefill_splits),
             attn_prefill_blocks_per_sm: num("ATTN_PREFILL_BLOCKS", d.attn_prefill_blocks_per_sm),
             attn_cluster: on("ATTN_CLUSTER", d.attn_cluster),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (its 16-core CPU), after scripts/gpu/pending.sh on the
-# same warm machine (the same .peer/ and .device-bin/): the image arrival
+# On the GPU machine (its 16-core CPU), with .device-bin/ from
+# scripts/gpu/build.sh and .peer/ as side_by_side.sh says: the image arrival
 # beside 4 decoding streams, and a text arrival, each through a fresh
 # `braid serve --device cpu` with the round trace kept (scripts/gpu/gaps.py
 # reads it; the logs come back xz-compressed). The vision-stall model is made

@@ -1,48 +1,40 @@
 #!/usr/bin/env bash
-# The GPU calls prepared in stop 53 and not yet run (docs/dev/cuda-sessions.md,
-# "Stop 53"), in one call of up to ~560 s, from the repository root on the device:
-# the attention tests (the lanes decode kernel at 32 pairs beside the
-# default, with a round's decode rows launched apart from a short chunk's)
-# and cuda_models rounds:: drafting::; mixed rounds with
-# BRAID_CUDA_ATTN_DEC_PAIRS=32 and 0; then the stall with each (SmolLM2 and
-# Llama-1B, seeds 1 and 2), and at 16 streams (the pacer's `f6994e1`).
-# If the arrival's TTFT and ratio hold with 32, make it the default
-# (`Tuning::attn_decode_lanes_pairs`). Results under $OUT.
+# The GPU call prepared in stop 54 and not yet run (docs/dev/cuda-sessions.md,
+# "Stop 54"), up to ~560 s, from the repository root on the device:
+# * SmolLM2's 16-32-row chunks in the prefill kernel instead of the decode
+#   kernel (BRAID_CUDA_ATTN_DEC_ROWS=16 against the default 32): mixed
+#   rounds at 1,000-4,000 keys beside 6 and 16 streams, then the 16-stream
+#   arrival (stop 54's pass ran 92 rounds of 16 rows: the round after the
+#   admission read short, which `23ddfac` leaves out, expecting ~30 rounds
+#   of 48-64 rows; and 24 and 32 rows read dear);
+# * the 32-stream arrival with the probe and the server on cores of their
+#   own (PROBE_CPUS / SERVE_CPUS): are the host's slow rounds the probe's?
+# If ATTN_DEC_ROWS=16 shortens the 16-stream TTFT without a larger gap,
+# make it the default (`Tuning::attn_decode_max_rows`).
 #
-# Before it, here: scripts/gpu/build.sh (.device-bin/), and a git-ignored .peer/
-# holding ../shared/gpu as gpu/, ../shared/bench/stall_probe.py, the `gguf`
-# wheel unpacked as gguf-py/ (`pip download --no-deps gguf`, then
-# `python3 -m zipfile -e gguf-*.whl .peer/gguf-py`), and meta.json
-# (`python3 .peer/gpu/dump_meta.py SMOLLM2.gguf .peer/meta.json .peer/gguf-py`).
-# Carry [".device-bin", ".peer"].
+# Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
+# scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
+# device tool brings back at most eight files: everything is in one tar.
 set -uo pipefail
-OUT=${OUT:-/tmp/v53}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/v54}; mkdir -p "$OUT"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/times.txt"; }
 before() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }
 B=.device-bin
 . scripts/gpu/unpack.sh
 export BRAID_TESTDATA=$PWD/testdata BRAID_MODELS=$PWD/$B/models
-mkdir -p $BRAID_MODELS $HOME/lc
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-( for s in smollm2 llama1b; do [ -s $HOME/lc/rand-$s.gguf ] || python3 .peer/gpu/make_random_gguf.py .peer/gguf-py .peer/meta.json $HOME/lc/rand-$s.gguf $s > "$OUT/gguf-$s.log" 2>&1; done ) &
-gg=$!
-el ops; timeout 200 $B/cuda_ops --test-threads=1 --nocapture attention 2>&1 | grep -E "^test |rel err|panicked|result" > "$OUT/cuda_ops.log"; grep -E "result|FAIL|panicked" "$OUT/cuda_ops.log"
-el models; timeout 120 $B/cuda_models --test-threads=1 rounds:: drafting:: 2>&1 | grep -E "^test |panicked|result" > "$OUT/cuda_models.log"; grep -E "result|FAIL|panicked" "$OUT/cuda_models.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 el mixed
-for p in smollm2-135m llama-3.2-1b; do for c in 250 2000 4000; do for pairs in 0 32; do
-  before 260 || continue
-  r=$(BRAID_CUDA_ATTN_DEC_PAIRS=$pairs timeout 60 $B/gpu_bench --preset $p --mixed 6:$c:$c:0,8,16,32,64 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
-  echo "$p ctx $c pairs=$pairs: $r" | tee -a "$OUT/mixed.txt"
+for n in 6 16; do for c in 1000 2000 4000; do for rows in 32 16; do
+  before 150 || continue
+  r=$(BRAID_CUDA_ATTN_DEC_ROWS=$rows timeout 60 $B/gpu_bench --preset smollm2-135m --mixed $n:$c:$c:0,16,24,32,48,64 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
+  echo "smollm2 $n streams ctx $c dec_rows=$rows: $r" | tee -a "$OUT/mixed.txt"
 done; done; done
-wait $gg; el stall
-for run in "6:smollm2:1" "6:llama1b:1" "6:smollm2:2" "6:llama1b:2" "16:smollm2:1"; do
-  IFS=: read -r n mod seed <<< "$run"
-  for pairs in 0 32; do
-    before 480 || continue
-    BRAID_CUDA_ATTN_DEC_PAIRS=$pairs STREAMS=$n OUT=$OUT/stall-$mod-$n-$seed-$pairs SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 \
-      | tail -2 | sed "s/^/$mod streams $n seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
-  done
+el stall
+for run in "16:32::" "16:16::" "32:32::" "32:32:12-15:0-11" "6:16::"; do
+  IFS=: read -r n rows pc sc <<< "$run"
+  before 470 || continue
+  BRAID_CUDA_ATTN_DEC_ROWS=$rows PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$OUT/stall-$n-$rows-${pc:-all} SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
+    timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n dec_rows $rows probe cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
 done
 el done
-# The device tool brings back a limited number of files: the traces in one.
-cd "$OUT" && tar cJf /tmp/traces.tar.xz stall-*/*.log 2>/dev/null && mv /tmp/traces.tar.xz "$OUT/" && rm -rf stall-*
+cd "$OUT" && tar cJf /tmp/v54.tar.xz stall-*/ *.txt 2>/dev/null && rm -rf stall-* && mv /tmp/v54.tar.xz "$OUT/all.tar.xz"

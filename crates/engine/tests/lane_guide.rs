@@ -7,7 +7,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use braid_engine::fake::{fake_allows, fake_guided, Call, FakeConfig, FakeGrammar};
+use braid_engine::fake::{fake_allows, fake_guided, fake_next, Call, FakeConfig, FakeGrammar};
 use braid_engine::{Event, FinishReason, Guide, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
 use common::*;
 
@@ -37,16 +37,24 @@ fn a_guided_stream_samples_within_its_mask() {
     let out = drain(&lane.submit(guided(p.clone(), 30, &g)).unwrap());
     assert_eq!(out.tokens, fake_guided(&p, 30, 64, EVERY));
     assert_ne!(out.tokens, oracle(&p, 30, 64), "the grammar should change the greedy output");
-    // Sampled at a temperature, with logprobs: still within the mask.
+    // Greedy on a backend that picks nothing: each argmax is checked, and a
+    // mask computed only where the grammar refused it.
+    let refused = (0..30).filter(|&n| !fake_allows(EVERY, n, fake_next(*[&p[..], &out.tokens[..n]].concat().last().unwrap(), p.len() + n, 64))).count();
+    assert!(refused > 0 && refused < 30, "{refused} of 30 refused: the test proves nothing");
+    assert_eq!(g.masks.load(Ordering::SeqCst), refused, "masks computed");
+    assert!(g.checks.load(Ordering::SeqCst) >= 30);
+    wait_until("the check count", || lane.stats().guided_checks == (30 - refused) as u64);
+    // Sampled at a temperature, with logprobs: still within the mask, each
+    // mask computed ahead.
     let mut r = guided(prompt(5, 51), 60, &g);
     r.sampling = SamplingParams { temperature: 1.5, seed: Some(4), guide: r.sampling.guide, ..SamplingParams::default() };
     r.logprobs = Some(2);
     let out = drain(&lane.submit(r).unwrap());
     assert_eq!(out.tokens.len(), 60);
     assert_within(&out.tokens);
-    assert!(g.masks.load(Ordering::SeqCst) >= 90);
+    assert!(g.masks.load(Ordering::SeqCst) >= refused + 60);
     // The lane publishes its counters after the round that ended the stream.
-    wait_until("the mask count", || lane.stats().guided_masks >= 90);
+    wait_until("the mask count", || lane.stats().guided_masks >= (refused + 60) as u64);
 }
 
 #[test]
@@ -205,7 +213,9 @@ fn a_slow_mask_never_stalls_the_other_streams() {
     let pa = prompt(3, 56);
     let a = decoding(&lane, pa.clone(), LONG);
     let pb = prompt(5, 57);
-    let b = lane.submit(guided(pb.clone(), 8, &g)).unwrap();
+    // Greedy on a backend that picks nothing: only the tokens its grammar
+    // refuses wait for a mask (about one in three).
+    let b = lane.submit(guided(pb.clone(), 24, &g)).unwrap();
     let (mut gaps, mut last, mut b_done) = (Vec::new(), Instant::now(), false);
     let mut out_b = Vec::new();
     while !b_done {
@@ -223,7 +233,7 @@ fn a_slow_mask_never_stalls_the_other_streams() {
         }
     }
     a.cancel();
-    assert_eq!(out_b, fake_guided(&pb, 8, 64, EVERY));
+    assert_eq!(out_b, fake_guided(&pb, 24, 64, EVERY));
     let worst = gaps.iter().max().unwrap();
     // Rounds take ~1 ms; a mask takes 40.
     assert!(*worst < Duration::from_millis(25), "the unguided stream waited {worst:?} for a mask");
@@ -258,6 +268,10 @@ impl braid_engine::Constraint for PanickingConstraint {
         }
         self.inner.mask()
     }
+    // By its masks, so a check may panic too (on the lane's thread).
+    fn allows(&mut self, token: u32) -> Result<bool, String> {
+        self.mask().map(|m| m.allows(token))
+    }
     fn commit(&mut self, token: u32) -> Result<bool, String> {
         self.inner.commit(token)
     }
@@ -270,14 +284,23 @@ impl braid_engine::Constraint for PanickingConstraint {
 fn a_grammar_that_panics_fails_its_stream_and_the_workers_serve_on() {
     // One mask worker: the panic must not take it away from the next stream.
     let (lane, _log) = lane(FakeConfig::default(), LaneConfig { mask_threads: 1, ..no_marks() });
+    // Sampled: its masks are computed ahead, on the worker.
+    let mut r = greedy(prompt(4, 58), 30);
+    r.sampling = SamplingParams { temperature: 0.9, seed: Some(2), guide: Some(Guide::new(Panicking { at: 5 })), ..SamplingParams::default() };
+    let out = drain(&lane.submit(r).unwrap());
+    assert!(out.error.as_deref().is_some_and(|e| e.contains("panicked") && e.contains("mask 5 broke")), "{:?}", out.error);
+    assert_eq!(out.tokens.len(), 4, "the tokens before the broken mask came");
+    // Greedy: it checks its tokens on the lane's thread (this grammar by
+    // its masks), where the panic fails the stream, not the lane.
     let mut r = greedy(prompt(4, 58), 30);
     r.sampling.guide = Some(Guide::new(Panicking { at: 5 }));
     let out = drain(&lane.submit(r).unwrap());
     assert!(out.error.as_deref().is_some_and(|e| e.contains("panicked") && e.contains("mask 5 broke")), "{:?}", out.error);
-    assert_eq!(out.tokens.len(), 4, "the tokens before the broken mask came");
+    assert!(out.tokens.len() < 5, "{} tokens", out.tokens.len());
     let p = prompt(7, 59);
     let out = drain(&lane.submit(guided(p.clone(), 20, &grammar())).unwrap());
     assert_eq!((out.reason, out.error), (Some(FinishReason::Length), None));
     assert_eq!(out.tokens, fake_guided(&p, 20, 64, EVERY));
     assert!(lane.alive());
+    assert_eq!(lane.stats().lane_failures, 0);
 }

@@ -61,6 +61,8 @@ pub fn with_layout(schema: &Value, strict: bool) -> Result<Value, String> {
 /// Compiles grammars for one model's vocabulary.
 pub struct Grammars {
     factory: ParserFactory,
+    /// The tokenizer tokenizes a piece as the model's does (see [`Follow::allows`]).
+    canonical: bool,
 }
 
 impl Grammars {
@@ -92,10 +94,11 @@ impl Grammars {
             ends.push(eos);
         }
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&ends);
-        let env: TokEnv = Arc::new(Vocab { canonical: tok.encode_piece("a").is_some(), trie, tok: tok.clone() });
+        let canonical = tok.encode_piece("a").is_some();
+        let env: TokEnv = Arc::new(Vocab { canonical, trie, tok: tok.clone() });
         let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), slices)?;
         factory.quiet();
-        Ok(Grammars { factory })
+        Ok(Grammars { factory, canonical })
     }
 
     /// A guide for `spec`, or why llguidance refuses it.
@@ -113,7 +116,7 @@ impl Grammars {
         if let Some(e) = probe.get_error() {
             return Err(e);
         }
-        Ok(Guide::new(Compiled(parser)))
+        Ok(Guide::new(Compiled { parser, canonical: self.canonical }))
     }
 }
 
@@ -160,32 +163,55 @@ impl TokenizerEnv for Vocab {
 
 /// A compiled grammar; each stream follows a clone of its fresh parser
 /// (clones share the lexer's cache, which warms up for all of them).
-struct Compiled(TokenParser);
+struct Compiled {
+    parser: TokenParser,
+    canonical: bool,
+}
 
 impl Grammar for Compiled {
     fn start(&self) -> Result<Box<dyn Constraint>, String> {
-        let m = Matcher::new(Ok(self.0.clone()));
+        let m = Matcher::new(Ok(self.parser.clone()));
         match m.get_error() {
             Some(e) => Err(e),
-            None => Ok(Box::new(Follow(m))),
+            None => Ok(Box::new(Follow { m, canonical: self.canonical })),
         }
     }
 }
 
-struct Follow(Matcher);
+struct Follow {
+    m: Matcher,
+    canonical: bool,
+}
 
 impl Constraint for Follow {
     fn mask(&mut self) -> Result<TokenMask, String> {
-        self.0.compute_mask().map(|v| TokenMask::from_words(v.into())).map_err(|e| format!("{e:#}"))
+        self.m.compute_mask().map(|v| TokenMask::from_words(v.into())).map_err(|e| format!("{e:#}"))
+    }
+
+    /// The token's bytes through the parser, as the mask would have it:
+    /// where the grammar forces bytes a canonical tokenizer tokenizes, the
+    /// mask allows only the first of those tokens (llguidance's
+    /// fast-forward), so a token that would merely fit the bytes is refused
+    /// too. (braid's grammars never turn forcing off.)
+    fn allows(&mut self, token: u32) -> Result<bool, String> {
+        if self.m.is_stopped() {
+            return Ok(false);
+        }
+        if self.canonical {
+            if let Some(&first) = self.m.compute_ff_tokens().first() {
+                return Ok(first == token);
+            }
+        }
+        self.m.validate_tokens(&[token]).map(|n| n == 1).map_err(|e| format!("{e:#}"))
     }
 
     fn commit(&mut self, token: u32) -> Result<bool, String> {
-        self.0.consume_token(token).map_err(|e| format!("{e:#}"))?;
-        Ok(self.0.is_stopped())
+        self.m.consume_token(token).map_err(|e| format!("{e:#}"))?;
+        Ok(self.m.is_stopped())
     }
 
     fn rollback(&mut self, tokens: usize) -> Result<(), String> {
-        self.0.rollback(tokens).map_err(|e| format!("{e:#}"))
+        self.m.rollback(tokens).map_err(|e| format!("{e:#}"))
     }
 }
 
@@ -279,6 +305,60 @@ mod tests {
             let differ = (0..tok.vocab_size() as u32).find(|&x| ma.allows(x) != mb.allows(x));
             assert_eq!(differ, None, "the masks before token {i} differ");
             assert_eq!(ca.commit(t).unwrap(), cb.commit(t).unwrap());
+        }
+    }
+
+    /// Along `ids` (which the grammar takes), `allows` says of each token
+    /// of `check` what the mask before it says.
+    fn allows_agrees_with_masks(g: &Guide, ids: &[u32], check: impl Fn(&TokenMask) -> Vec<u32>) {
+        let (mut c, mut probe) = (g.start().unwrap(), g.start().unwrap());
+        for (i, &t) in ids.iter().enumerate() {
+            let mask = c.mask().unwrap();
+            assert!(mask.allows(t), "token {i} refused by its mask");
+            for x in check(&mask) {
+                assert_eq!(probe.allows(x).unwrap(), mask.allows(x), "token {x} before token {i}");
+            }
+            c.commit(t).unwrap();
+            probe.commit(t).unwrap();
+        }
+    }
+
+    // A greedy stream checks its argmax with `allows` and computes a mask
+    // only when refused: the two must agree, where bytes are forced (the
+    // mask then allows one token) and where the model chooses.
+    #[test]
+    fn a_token_check_says_what_the_mask_says() {
+        let tok = bytes_tokenizer();
+        let g = Grammars::new(&tok, &[256]).unwrap();
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["ab", "abc"]}}, "name": {"type": "string", "maxLength": 4}}, "required": ["n", "tags", "name"], "additionalProperties": false});
+        let cases = [
+            (Spec::JsonSchema { schema, strict: true }, r#"{"n": -12, "tags": ["abc", "ab"], "name": "x\"y"}"#),
+            (Spec::JsonObject, r#"{"a": [1, {"b": null}], "c": "d"}"#),
+            (Spec::Regex("[0-9]{2}-(ab|cd)+".into()), "42-abcdab"),
+        ];
+        for (spec, text) in cases {
+            let guide = g.compile(&spec).unwrap();
+            let mut ids: Vec<u32> = text.bytes().map(u32::from).collect();
+            let end = matches!(spec, Spec::Regex(_)).then_some(256);
+            ids.extend(end);
+            allows_agrees_with_masks(&guide, &ids, |_| (0..257).collect());
+        }
+        // SmolLM2's vocabulary, where tokens span JSON's pieces: every
+        // allowed token and one in seven of the rest, at every step.
+        let Some(path) = braid_formats::cache::cached_model("SmolLM2-135M-Instruct.Q4_1.gguf") else {
+            eprintln!("SKIP: SmolLM2 not in the model cache (run `braid fetch smollm2`)");
+            return;
+        };
+        let tok = Arc::new(Tokenizer::from_gguf(&braid_formats::gguf::Gguf::open(&path).unwrap()).unwrap());
+        let g = Grammars::new(&tok, &tok.stop_ids()).unwrap();
+        let n = tok.vocab_size() as u32;
+        let words = json!({"type": "object", "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 3, "items": {"type": "string", "minLength": 3, "maxLength": 8}}}, "required": ["items"], "additionalProperties": false});
+        let record = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days", "unit"], "additionalProperties": false});
+        let cases = [(words, r#"{"items": ["apple", "riverbed", "sun"]}"#), (record, r#"{"city": "Paris, France", "days": 3, "unit": "celsius"}"#)];
+        for (schema, text) in cases {
+            let guide = g.compile(&Spec::JsonSchema { schema, strict: true }).unwrap();
+            let ids = tok.encode(text, false).unwrap();
+            allows_agrees_with_masks(&guide, &ids, |m| (0..n).filter(|&x| m.allows(x) || x % 7 == 0).collect());
         }
     }
 

@@ -21,6 +21,17 @@
 //! is missing after that, the round returns logits and the stream waits as
 //! above. Guided streams with penalties, logprobs or no
 //! top-k take whole logits rows and their masks apply on the host.
+//!
+//! A greedy stream whose rows come back whole anyway (a backend that picks
+//! nothing, the CPU's) computes no mask ahead ([`Guided::Checks`]): its
+//! token is its row's argmax when the grammar takes that token (one
+//! token's bytes through the grammar, microseconds). Only when the grammar
+//! refuses it does a worker compute the mask, the row waiting for it as a
+//! late mask's rows do; the lane waits for it a little ([`CHECK_WAIT`])
+//! before the next round, which it would otherwise miss. The token is the
+//! masked argmax either way; a model that follows its grammar leaves the
+//! mask workers idle, and on a CPU they take the forward's cores. A round
+//! with draft rows computes its masks ahead, as before.
 
 use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -28,10 +39,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::run::{panic_text, Core};
+use super::stats::LaneStats;
 use super::stream::{Phase, Stream};
 use super::Command;
 use crate::backend::{DecodeRow, Picked, RoundMasks, StreamId};
 use crate::guide::{Constraint, TokenMask};
+use crate::sampling::Sampled;
 
 /// How long a backend's pick waits for a guided row's mask still on its
 /// way. The round's forward runs meanwhile; without the mask the round
@@ -41,11 +54,23 @@ use crate::guide::{Constraint, TokenMask};
 /// is called, before the worker has the mask of the token just committed.
 const MASK_WAIT: Duration = Duration::from_micros(500);
 
+/// How long the lane waits, before its next round, for the mask of a
+/// token a checking stream's grammar refused: without it the stream sits
+/// that round out. A CPU round takes 10-30 ms; SmolLM2's masks 0.1-0.6 ms,
+/// Qwen2.5's 0.3-1.4.
+const CHECK_WAIT: Duration = Duration::from_millis(1);
+
 /// A guided stream's constraint: with a worker, or here with the masks of
 /// the stream's next rows (mask `j` for the row after draft token `j - 1`).
 pub(super) enum Guided {
     Away,
-    Here { constraint: Box<dyn Constraint>, masks: Vec<TokenMask> },
+    Here {
+        constraint: Box<dyn Constraint>,
+        masks: Vec<TokenMask>,
+    },
+    /// Greedy, no penalty, no logprobs, rows back whole: each token is
+    /// checked first, and a mask computed only when it is refused.
+    Checks(Box<dyn Constraint>),
 }
 
 impl Guided {
@@ -54,17 +79,57 @@ impl Guided {
     pub fn mask(&self, j: usize) -> Option<&TokenMask> {
         match self {
             Guided::Here { masks, .. } => masks.get(j),
-            Guided::Away => None,
+            Guided::Away | Guided::Checks(_) => None,
         }
     }
 
     /// Accept a sampled token; true when the grammar is complete.
     pub fn commit(&mut self, token: u32) -> Result<bool, String> {
         match self {
-            Guided::Here { constraint, .. } => constraint.commit(token),
+            Guided::Here { constraint, .. } | Guided::Checks(constraint) => constraint.commit(token),
             Guided::Away => Err("the constraint was committed to while a worker held it".into()),
         }
     }
+}
+
+/// Sample a logits row of `s` (its row `j` of a round): within the row's
+/// mask when guided, or for a stream that checks first, the argmax if its
+/// grammar takes it, else the argmax within the mask computed now. `row`
+/// is scratch (see [`crate::Sampler::sample_masked`]).
+pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &mut LaneStats) -> Result<Sampled, String> {
+    let mask = match &mut s.guided {
+        // A row the lane has not checked (a draft's that came late): the
+        // mask, if needed, is computed here.
+        Some(Guided::Checks(c)) => {
+            // Greedy with no penalty: the row is left as it was.
+            let first = s.sampler.sample_masked(row, None, None);
+            if guarded(|| c.allows(first.token))? {
+                return Ok(first);
+            }
+            stats.guided_masks += 1;
+            let mask = guarded(|| c.mask())?;
+            return Ok(s.sampler.sample_masked(row, None, Some(&mask)));
+        }
+        Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
+        None => None,
+    };
+    Ok(s.sampler.sample_masked(row, s.logprobs, mask))
+}
+
+/// `f`, a grammar's call on the lane's thread: a panic in it is the
+/// stream's error, as on a worker (see [`run`]).
+fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_text(&*p))))
+}
+
+/// What checking a row's argmax found (see [`Core::check_first`]).
+pub(super) enum Checked {
+    /// Sample the row: no check was due, or the grammar takes the argmax.
+    Take,
+    /// The grammar refused it: the row waits for its mask.
+    Refused,
+    /// The grammar failed; so did the stream.
+    Failed,
 }
 
 /// Results a waiting stream's rows left, to sample once its masks come.
@@ -100,12 +165,14 @@ pub(super) struct MaskWorkers {
     /// Jobs done that a backend's pick took from `done` (see [`PickMasks`]),
     /// for [`Core::take_masks`].
     early: RefCell<Vec<Done>>,
+    /// Checking streams whose refused token's mask a worker computes.
+    refused: Vec<StreamId>,
 }
 
 impl MaskWorkers {
     pub fn new(threads: usize, wake: Sender<Command>) -> MaskWorkers {
         let (done_tx, done) = mpsc::channel();
-        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done, early: RefCell::new(Vec::new()) }
+        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done, early: RefCell::new(Vec::new()), refused: Vec::new() }
     }
 
     fn send(&mut self, job: Job) {
@@ -121,6 +188,19 @@ impl MaskWorkers {
         };
         // No worker could start: compute here rather than never.
         let _ = self.done_tx.send(run(job));
+    }
+
+    /// Wait until `until` for the refused tokens' masks (kept in `early`).
+    fn wait_refused(&mut self, until: Instant) {
+        let early = self.early.get_mut();
+        early.extend(self.done.try_iter());
+        while self.refused.iter().any(|id| !early.iter().any(|d| d.stream == *id)) {
+            match self.done.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                Ok(done) => early.push(done),
+                Err(_) => break,
+            }
+        }
+        self.refused.clear();
     }
 
     fn spawn(&self) -> Option<Sender<Job>> {
@@ -148,6 +228,8 @@ enum RowsOf {
     Free(usize),
     Here(usize, Vec<TokenMask>),
     Away(usize, StreamId),
+    /// A stream that checks first has no masks to give: its rows come back whole.
+    Checks,
 }
 
 /// The masks of an argmax round's guided rows (see [`RoundMasks`]): those
@@ -167,6 +249,7 @@ impl PickMasks<'_> {
             None => RowsOf::Free(n),
             Some(Guided::Here { masks, .. }) => RowsOf::Here(n, masks.clone()),
             Some(Guided::Away) => RowsOf::Away(n, running[a].id),
+            Some(Guided::Checks(_)) => RowsOf::Checks,
         });
         guided.then(|| PickMasks { rows: rows.collect(), workers })
     }
@@ -193,6 +276,7 @@ impl RoundMasks for PickMasks<'_> {
                     // The stream fails when the lane takes it.
                     Err(_) => return None,
                 },
+                RowsOf::Checks => return None,
             };
             // Rows past a stream's masks are never sampled (see `masks_for`).
             out.extend((0..n).map(|j| masks.and_then(|m| m.get(j)).cloned()));
@@ -242,6 +326,7 @@ impl Core {
     pub(super) fn start_guide(&mut self, s: &mut Stream) {
         let Some(guide) = s.sampler.params().guide.clone() else { return };
         match guide.start() {
+            Ok(constraint) if self.checks_first(s) => s.guided = Some(Guided::Checks(constraint)),
             Ok(constraint) => {
                 self.mask_workers.send(Job { stream: s.id, constraint, draft: Vec::new() });
                 s.guided = Some(Guided::Away);
@@ -250,13 +335,58 @@ impl Core {
         }
     }
 
+    /// Whether `s` checks its tokens first ([`Guided::Checks`]): greedy,
+    /// with no penalty or logprobs (its row's argmax is then its token, the
+    /// row left as it was), on a backend that picks nothing (its rows come
+    /// back whole anyway; a backend that picks on the device needs the
+    /// masks when it picks).
+    fn checks_first(&self, s: &Stream) -> bool {
+        let (sampler, picks) = (&s.sampler, self.caps.picks);
+        sampler.params().is_greedy() && !sampler.penalised() && s.logprobs.is_none() && !picks.argmax && picks.top_k == 0 && !picks.draw
+    }
+
     /// Hand the constraint of the stream at `at` (decoding, its newest
     /// token committed) to a worker for its next rows' masks.
+    /// A stream that checks first keeps its constraint while it has no
+    /// draft to verify.
     pub(super) fn send_guide(&mut self, at: usize) {
+        let checks = matches!(&self.running[at].phase, Phase::Decoding { draft, .. } if draft.is_empty()) && self.checks_first(&self.running[at]);
         let s = &mut self.running[at];
-        let (Some(g @ Guided::Here { .. }), Phase::Decoding { draft, .. }) = (&mut s.guided, &s.phase) else { return };
-        let Guided::Here { constraint, .. } = std::mem::replace(g, Guided::Away) else { return };
-        self.mask_workers.send(Job { stream: s.id, constraint, draft: draft.clone() });
+        let Phase::Decoding { draft, .. } = &s.phase else { return };
+        match s.guided.take() {
+            Some(Guided::Here { constraint, .. } | Guided::Checks(constraint)) if checks => s.guided = Some(Guided::Checks(constraint)),
+            Some(Guided::Here { constraint, .. } | Guided::Checks(constraint)) => {
+                self.mask_workers.send(Job { stream: s.id, constraint, draft: draft.clone() });
+                s.guided = Some(Guided::Away);
+            }
+            other => s.guided = other,
+        }
+    }
+
+    /// For a stream that checks first, whether the grammar takes the argmax
+    /// of its logits `row`; when it refuses it, a worker computes the mask
+    /// (the caller holds the row for it).
+    pub(super) fn check_first(&mut self, at: usize, row: &mut [f32]) -> Checked {
+        let s = &mut self.running[at];
+        let Some(Guided::Checks(c)) = &mut s.guided else { return Checked::Take };
+        // Greedy with no penalty: the row is left as it was.
+        let token = s.sampler.sample_masked(row, None, None).token;
+        match guarded(|| c.allows(token)) {
+            Ok(true) => {
+                self.stats.guided_checks += 1;
+                Checked::Take
+            }
+            Ok(false) => {
+                let Some(Guided::Checks(constraint)) = s.guided.replace(Guided::Away) else { unreachable!("matched above") };
+                self.mask_workers.send(Job { stream: s.id, constraint, draft: Vec::new() });
+                self.mask_workers.refused.push(s.id);
+                Checked::Refused
+            }
+            Err(e) => {
+                s.fail(format!("the grammar failed: {e}"));
+                Checked::Failed
+            }
+        }
     }
 
     /// Hand finished masks to their streams (dropped if a stream is gone).
@@ -299,6 +429,9 @@ impl Core {
 
     /// Sample the waiting streams whose masks came; true if any did.
     pub(super) fn settle(&mut self) -> bool {
+        if !self.mask_workers.refused.is_empty() {
+            self.mask_workers.wait_refused(Instant::now() + CHECK_WAIT);
+        }
         self.take_masks();
         let mut moved = false;
         for at in 0..self.running.len() {
@@ -335,6 +468,9 @@ mod tests {
             self.calls.push(format!("mask@{}", self.seq.len()));
             let from = self.seq.last().map_or(0, |&t| t + 1);
             Ok(TokenMask::of(self.vocab as usize, from..self.vocab))
+        }
+        fn allows(&mut self, token: u32) -> Result<bool, String> {
+            Ok(token < self.vocab && self.seq.last().is_none_or(|&t| token > t))
         }
         fn commit(&mut self, token: u32) -> Result<bool, String> {
             self.calls.push(format!("commit {token}"));

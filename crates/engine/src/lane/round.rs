@@ -9,7 +9,7 @@
 
 use anyhow::{anyhow, bail, Result};
 
-use super::masks::{Held, PickMasks};
+use super::masks::{sample_logits, Checked, Held, PickMasks};
 use super::pacer::{to_replayed, Budget, Ran, Shape};
 use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
@@ -386,10 +386,14 @@ impl Core {
             Some(l) if l.len() == vocab => l,
             other => return s.fail(format!("the backend returned {} logits for the last prompt row, expected {vocab}", other.map_or(0, |l| l.len()))),
         };
-        if self.masks_ready(at) {
-            self.first_token(at, logits);
-        } else {
-            self.hold(at, Held::First(logits));
+        let mut logits = logits;
+        if !self.masks_ready(at) {
+            return self.hold(at, Held::First(logits));
+        }
+        match self.check_first(at, &mut logits) {
+            Checked::Take => self.first_token(at, logits),
+            Checked::Refused => self.hold(at, Held::First(logits)),
+            Checked::Failed => {}
         }
     }
 
@@ -397,8 +401,10 @@ impl Core {
     /// last-row logits.
     pub(super) fn first_token(&mut self, at: usize, mut logits: Vec<f32>) {
         let s = &mut self.running[at];
-        let mask = s.guided.as_ref().and_then(|g| g.mask(0));
-        let sampled = s.sampler.sample_masked(&mut logits, s.logprobs, mask);
+        let sampled = match sample_logits(s, &mut logits, 0, &mut self.stats) {
+            Ok(x) => x,
+            Err(msg) => return s.fail(msg),
+        };
         let last = sampled.token;
         if !self.emit(at, sampled) {
             let propose = self.proposing(1);
@@ -454,13 +460,20 @@ impl Core {
         for (row, &at) in plan.rows.iter().zip(&plan.at) {
             let n = row.tokens.len();
             let kept = features.get(offset * dim..(offset + n) * dim).unwrap_or(&[]);
-            match &picked {
+            let checked = match &mut picked {
                 // A guided stream's rows came back as logits (see `masks`).
-                Picked::Logits(l) if !self.masks_ready(at) => {
+                Picked::Logits(_) if !self.masks_ready(at) => Checked::Refused,
+                Picked::Logits(l) if n == 1 => self.check_first(at, &mut l[offset * vocab..(offset + 1) * vocab]),
+                _ => Checked::Take,
+            };
+            match (checked, &picked) {
+                (Checked::Take, _) => self.verify(at, &row.tokens, &mut picked, offset, kept),
+                (Checked::Refused, Picked::Logits(l)) => {
                     let logits = l[offset * vocab..(offset + n) * vocab].to_vec();
                     self.hold(at, Held::Round { fed: row.tokens.clone(), logits, features: kept.to_vec() });
                 }
-                _ => self.verify(at, &row.tokens, &mut picked, offset, kept),
+                (Checked::Refused, _) => unreachable!("only logits rows are held"),
+                (Checked::Failed, _) => {}
             }
             offset += n;
         }
@@ -479,7 +492,7 @@ impl Core {
         let mut ended = false;
         for j in 0..=draft.len() {
             let s = &mut self.running[at];
-            let sampled = match sample_row(s, picked, offset + j, j, vocab) {
+            let sampled = match sample_row(s, picked, offset + j, j, vocab, &mut self.stats) {
                 Ok(x) => x,
                 Err(msg) => return s.fail(msg),
             };

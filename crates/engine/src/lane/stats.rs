@@ -76,6 +76,9 @@ pub struct LaneStats {
     pub draft_accept_lengths: Vec<u64>,
     /// Masks computed for guided streams (drafted rows' included).
     pub guided_masks: u64,
+    /// Tokens a guided stream that checks first took without a mask (its
+    /// grammar took its argmax).
+    pub guided_checks: u64,
     /// Times a guided stream's rows waited for their masks (it sat out
     /// rounds while the others went on).
     pub mask_waits: u64,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::masks::{Guided, Held};
+use super::masks::{sample_logits, Guided, Held};
 use super::plan::Need;
 use super::{Event, EventSink, FinishReason, LaneStats, Pending, StreamShared, Timing, Usage};
 use crate::backend::{Picked, PromptImage, StreamId};
@@ -225,14 +225,19 @@ impl Stream {
 /// over the logits (within its mask, when guided), over the top
 /// candidates (found within the mask), or the backend's argmax or draw as
 /// it is (within the mask).
-pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize) -> Result<Sampled, String> {
-    // A guided row past its masks is never reached (see `masks`).
+pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize, stats: &mut LaneStats) -> Result<Sampled, String> {
+    if let Picked::Logits(l) = picked {
+        return sample_logits(s, &mut l[row * vocab..(row + 1) * vocab], j, stats).and_then(|x| within_vocab(x, vocab));
+    }
+    // A guided row past its masks is never reached (see `masks`); a stream
+    // that checks first has its rows back whole.
     let mask = match &s.guided {
+        Some(Guided::Checks(_)) => return Err("a guided stream that checks its tokens first had its row picked by the backend".into()),
         Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
         None => None,
     };
     let sampled = match picked {
-        Picked::Logits(l) => s.sampler.sample_masked(&mut l[row * vocab..(row + 1) * vocab], s.logprobs, mask),
+        Picked::Logits(_) => unreachable!("taken above"),
         // Every allowed logit -inf or NaN (a broken row): as on the host,
         // the lowest allowed token.
         // An argmax, or a token drawn with the number the sampler would
@@ -243,6 +248,10 @@ pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usi
         }
         Picked::Top(c) => Sampled { token: within(mask, s.sampler.sample_top(&c[row])), logprob: None, top: Vec::new() },
     };
+    within_vocab(sampled, vocab)
+}
+
+fn within_vocab(sampled: Sampled, vocab: usize) -> Result<Sampled, String> {
     if sampled.token as usize >= vocab {
         return Err(format!("the backend picked token {}, past the vocabulary of {vocab}", sampled.token));
     }

@@ -11,6 +11,11 @@
 #   own (PROBE_CPUS / SERVE_CPUS): are the host's slow rounds the probe's?
 # If ATTN_DEC_ROWS=16 shortens the 16-stream TTFT without a larger gap,
 # make it the default (`Tuning::attn_decode_max_rows`).
+# * a guided stream's cost (stop 55): a greedy guided stream whose mask
+#   came late now takes its argmax when its grammar does (a copy of its
+#   constraint on the lane's thread) instead of sitting out a round;
+#   bench_guided.py's words and records on both shapes (H100, stop 54's
+#   build: words 9.8-31.9% slower, records 0.5-1.1%).
 #
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
 # scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
@@ -36,5 +41,16 @@ for run in "16:32::" "16:16::" "32:32::" "32:32:12-15:0-11" "6:16::"; do
   BRAID_CUDA_ATTN_DEC_ROWS=$rows PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$OUT/stall-$n-$rows-${pc:-all} SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
     timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n dec_rows $rows probe cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
 done
+el guided
+for mod in llama1b smollm2; do
+  before 545 || continue
+  $B/braid serve --device cuda -m "$HOME/lc/rand-$mod.gguf" --port 8111 > "$OUT/guided-$mod.log" 2>&1 &
+  pid=$!
+  for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
+  for sch in words record; do
+    echo "$mod $sch: $(timeout 40 python3 scripts/bench_guided.py http://127.0.0.1:8111 --tokens 128 --runs 3 --schema $sch 2>&1 | tail -1)" | tee -a "$OUT/guided.txt"
+  done
+  kill $pid; wait $pid 2>/dev/null
+done
 el done
-cd "$OUT" && tar cJf /tmp/v54.tar.xz stall-*/ *.txt 2>/dev/null && rm -rf stall-* && mv /tmp/v54.tar.xz "$OUT/all.tar.xz"
+cd "$OUT" && tar cJf /tmp/v54.tar.xz stall-*/ guided-*.log *.txt 2>/dev/null && rm -rf stall-* && mv /tmp/v54.tar.xz "$OUT/all.tar.xz"

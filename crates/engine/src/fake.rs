@@ -820,4 +820,8 @@ impl Constraint for FakeConstraint {
         self.seq.truncate(keep);
         Ok(())
     }
+
+    fn fork(&self) -> Option<Box<dyn Constraint>> {
+        Some(Box::new(FakeConstraint { grammar: self.grammar.clone(), seq: self.seq.clone() }))
+    }
 }

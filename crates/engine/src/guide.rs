@@ -123,6 +123,14 @@ pub trait Constraint: Send {
     /// Take back the last `tokens` committed (for masks computed ahead,
     /// over a draft).
     fn rollback(&mut self, tokens: usize) -> Result<(), String>;
+
+    /// An independent copy in the same place, sharing nothing that would
+    /// make one wait while the other computes a mask (None: this grammar
+    /// cannot be copied). A greedy stream picked on the device keeps one
+    /// on the lane's thread to check a token whose mask came late.
+    fn fork(&self) -> Option<Box<dyn Constraint>> {
+        None
+    }
 }
 
 /// A grammar as a stream's sampling parameters carry it. Two guides are

@@ -23,6 +23,13 @@ fn guided(prompt: Vec<u32>, max_tokens: usize, g: &FakeGrammar) -> Request {
     r
 }
 
+/// How many of `tokens` (greedy and guided, after `prompt`) were not the
+/// row's argmax: the grammar refused that.
+fn refusals(prompt: &[u32], tokens: &[u32]) -> usize {
+    let seq = [prompt, tokens].concat();
+    (0..tokens.len()).filter(|&n| !fake_allows(EVERY, n, fake_next(seq[prompt.len() + n - 1], prompt.len() + n, 64))).count()
+}
+
 fn assert_within(tokens: &[u32]) {
     for (n, &t) in tokens.iter().enumerate() {
         assert!(fake_allows(EVERY, n, t), "token {t} at {n} is outside its mask");
@@ -39,7 +46,7 @@ fn a_guided_stream_samples_within_its_mask() {
     assert_ne!(out.tokens, oracle(&p, 30, 64), "the grammar should change the greedy output");
     // Greedy on a backend that picks nothing: each argmax is checked, and a
     // mask computed only where the grammar refused it.
-    let refused = (0..30).filter(|&n| !fake_allows(EVERY, n, fake_next(*[&p[..], &out.tokens[..n]].concat().last().unwrap(), p.len() + n, 64))).count();
+    let refused = refusals(&p, &out.tokens);
     assert!(refused > 0 && refused < 30, "{refused} of 30 refused: the test proves nothing");
     assert_eq!(g.masks.load(Ordering::SeqCst), refused, "masks computed");
     assert!(g.checks.load(Ordering::SeqCst) >= 30);
@@ -143,6 +150,28 @@ fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
             assert!(waits <= 3, "{waits} waits for masks while rounds take a ms");
         }
     }
+}
+
+// A greedy stream picked on the device whose masks come late (5 ms against
+// ~1 ms rounds) goes on with each token its grammar takes, checked on the
+// lane's thread by a copy of its constraint: it sits out rounds only for
+// the tokens its grammar refuses, and its tokens are still the masked
+// argmax.
+#[test]
+fn a_late_mask_holds_back_only_a_refused_token() {
+    let mut fc = slow();
+    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+    let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+    let g = FakeGrammar { delay: Some(Duration::from_millis(5)), ..grammar() };
+    let p = prompt(6, 61);
+    let out = drain(&lane.submit(guided(p.clone(), 30, &g)).unwrap()).tokens;
+    assert_eq!(out, fake_guided(&p, 30, 64, EVERY));
+    let refused = refusals(&p, &out);
+    assert!(refused > 0 && refused < 30, "{refused} of 30 refused: the test proves nothing");
+    wait_until("the counts", || lane.stats().guided_checks > 0);
+    let st = lane.stats();
+    assert!(st.guided_checks as usize >= 30 - refused - 3, "{} tokens taken on a check, {refused} of 30 refused", st.guided_checks);
+    assert!(st.mask_waits as usize <= refused, "{} waits for masks, {refused} refused", st.mask_waits);
 }
 
 // A backend that picks as soon as it is called (a GPU's round launched

@@ -213,6 +213,12 @@ impl Constraint for Follow {
     fn rollback(&mut self, tokens: usize) -> Result<(), String> {
         self.m.rollback(tokens).map_err(|e| format!("{e:#}"))
     }
+
+    /// A deep clone: a plain one shares the lexer's cache, behind a lock
+    /// a mask computation holds.
+    fn fork(&self) -> Option<Box<dyn Constraint>> {
+        Some(Box::new(Follow { m: self.m.deep_clone(), canonical: self.canonical }))
+    }
 }
 
 #[cfg(test)]
@@ -309,10 +315,14 @@ mod tests {
     }
 
     /// Along `ids` (which the grammar takes), `allows` says of each token
-    /// of `check` what the mask before it says.
+    /// of `check` what the mask before it says; a fork made halfway says
+    /// the same from there on.
     fn allows_agrees_with_masks(g: &Guide, ids: &[u32], check: impl Fn(&TokenMask) -> Vec<u32>) {
         let (mut c, mut probe) = (g.start().unwrap(), g.start().unwrap());
         for (i, &t) in ids.iter().enumerate() {
+            if i == ids.len() / 2 {
+                probe = c.fork().expect("llguidance's matcher forks");
+            }
             let mask = c.mask().unwrap();
             assert!(mask.allows(t), "token {i} refused by its mask");
             for x in check(&mask) {

@@ -32,6 +32,15 @@
 //! masked argmax either way; a model that follows its grammar leaves the
 //! mask workers idle, and on a CPU they take the forward's cores. A round
 //! with draft rows computes its masks ahead, as before.
+//!
+//! A greedy stream picked on the device needs its masks when the backend
+//! picks; when one comes late, the round returns logits. Such a stream
+//! keeps a copy of its constraint on the lane's thread ([`Checker`]): the
+//! row's argmax is checked there, and when the grammar takes it the
+//! stream goes on at once instead of sitting out a round for the mask.
+//! The constraint with the worker falls behind by the tokens so taken; it
+//! takes them when it comes back, and the masks it brought (stale) are
+//! computed again.
 
 use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -110,16 +119,56 @@ pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &m
             let mask = guarded(|| c.mask())?;
             return Ok(s.sampler.sample_masked(row, None, Some(&mask)));
         }
+        // A row whose mask came late, its argmax checked (`check_late`).
+        Some(Guided::Away) if s.checker.is_some() => {
+            let first = s.sampler.sample_masked(row, None, None);
+            let ch = s.checker.as_mut().expect("matched above");
+            return match guarded(|| ch.constraint.allows(first.token))? {
+                true => Ok(first),
+                false => Err(format!("no mask for row {j} of a guided stream")),
+            };
+        }
         Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
         None => None,
     };
     Ok(s.sampler.sample_masked(row, s.logprobs, mask))
 }
 
+/// A copy of a guided stream's constraint, kept on the lane's thread (see
+/// the module's doc).
+pub(super) struct Checker {
+    constraint: Box<dyn Constraint>,
+    /// Tokens the stream took while its constraint was with a worker.
+    behind: Vec<u32>,
+}
+
+/// Commit a sampled token to the stream's constraint (and its checker);
+/// true when the grammar is complete.
+pub(super) fn commit(s: &mut Stream, token: u32) -> Result<bool, String> {
+    let checked = match &mut s.checker {
+        Some(ch) => Some(ch.constraint.commit(token)?),
+        None => None,
+    };
+    match (&mut s.guided, &mut s.checker, checked) {
+        (Some(Guided::Away), Some(ch), Some(complete)) => {
+            ch.behind.push(token);
+            Ok(complete)
+        }
+        (Some(g), ..) => g.commit(token),
+        (None, ..) => Ok(false),
+    }
+}
+
 /// `f`, a grammar's call on the lane's thread: a panic in it is the
 /// stream's error, as on a worker (see [`run`]).
 fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_text(&*p))))
+}
+
+/// Greedy, with no penalty or logprobs: its row's argmax is its token, and
+/// taking it leaves the row as it was.
+fn greedy_plain(s: &Stream) -> bool {
+    s.sampler.params().is_greedy() && !s.sampler.penalised() && s.logprobs.is_none()
 }
 
 /// What checking a row's argmax found (see [`Core::check_first`]).
@@ -228,7 +277,8 @@ enum RowsOf {
     Free(usize),
     Here(usize, Vec<TokenMask>),
     Away(usize, StreamId),
-    /// A stream that checks first has no masks to give: its rows come back whole.
+    /// A stream that checks first has no masks to give, nor one whose
+    /// worker is behind it: their rows come back whole.
     Checks,
 }
 
@@ -248,6 +298,8 @@ impl PickMasks<'_> {
         let rows = rows.iter().map(|r| r.tokens.len()).zip(at).map(|(n, &a)| match &running[a].guided {
             None => RowsOf::Free(n),
             Some(Guided::Here { masks, .. }) => RowsOf::Here(n, masks.clone()),
+            // Behind: the worker's masks are for an earlier place.
+            Some(Guided::Away) if running[a].checker.as_ref().is_some_and(|c| !c.behind.is_empty()) => RowsOf::Checks,
             Some(Guided::Away) => RowsOf::Away(n, running[a].id),
             Some(Guided::Checks(_)) => RowsOf::Checks,
         });
@@ -328,6 +380,9 @@ impl Core {
         match guide.start() {
             Ok(constraint) if self.checks_first(s) => s.guided = Some(Guided::Checks(constraint)),
             Ok(constraint) => {
+                if greedy_plain(s) {
+                    s.checker = constraint.fork().map(|constraint| Checker { constraint, behind: Vec::new() });
+                }
                 self.mask_workers.send(Job { stream: s.id, constraint, draft: Vec::new() });
                 s.guided = Some(Guided::Away);
             }
@@ -341,8 +396,28 @@ impl Core {
     /// back whole anyway; a backend that picks on the device needs the
     /// masks when it picks).
     fn checks_first(&self, s: &Stream) -> bool {
-        let (sampler, picks) = (&s.sampler, self.caps.picks);
-        sampler.params().is_greedy() && !sampler.penalised() && s.logprobs.is_none() && !picks.argmax && picks.top_k == 0 && !picks.draw
+        let picks = self.caps.picks;
+        greedy_plain(s) && !picks.argmax && picks.top_k == 0 && !picks.draw
+    }
+
+    /// For a stream whose mask came late, whether its checker takes the
+    /// argmax of its logits `row` (no checker: it waits for the mask).
+    pub(super) fn check_late(&mut self, at: usize, row: &mut [f32]) -> Checked {
+        let s = &mut self.running[at];
+        let Some(ch) = s.checker.as_mut() else { return Checked::Refused };
+        // Greedy with no penalty: the row is left as it was.
+        let token = s.sampler.sample_masked(row, None, None).token;
+        match guarded(|| ch.constraint.allows(token)) {
+            Ok(true) => {
+                self.stats.guided_checks += 1;
+                Checked::Take
+            }
+            Ok(false) => Checked::Refused,
+            Err(e) => {
+                s.fail(format!("the grammar failed: {e}"));
+                Checked::Failed
+            }
+        }
     }
 
     /// Hand the constraint of the stream at `at` (decoding, its newest
@@ -390,15 +465,20 @@ impl Core {
     }
 
     /// Hand finished masks to their streams (dropped if a stream is gone).
+    /// A constraint the stream's checker went on without takes the tokens
+    /// taken meanwhile, and goes back to a worker for masks where the
+    /// stream now is.
     pub(super) fn take_masks(&mut self) {
         let early = std::mem::take(self.mask_workers.early.get_mut());
+        let mut behind = Vec::new();
         for done in early.into_iter().chain(std::iter::from_fn(|| self.mask_workers.done.try_recv().ok())) {
             let Some(s) = self.running.iter_mut().chain(self.queue.iter_mut()).find(|s| s.id == done.stream) else { continue };
             if s.ended() {
                 continue;
             }
+            let taken = s.checker.as_mut().map(|c| std::mem::take(&mut c.behind)).unwrap_or_default();
             match done.masks {
-                Ok(masks) => {
+                Ok(masks) if taken.is_empty() => {
                     self.stats.guided_masks += masks.len() as u64;
                     // Draft tokens past the masks are never accepted:
                     // they need not run.
@@ -407,8 +487,27 @@ impl Core {
                     }
                     s.guided = Some(Guided::Here { constraint: done.constraint, masks });
                 }
+                Ok(_) => {
+                    let mut constraint = done.constraint;
+                    match taken.iter().try_for_each(|&t| constraint.commit(t).map(drop)) {
+                        Ok(()) => {
+                            s.guided = Some(Guided::Here { constraint, masks: Vec::new() });
+                            behind.push(s.id);
+                        }
+                        Err(e) => s.fail(format!("the grammar failed: {e}")),
+                    }
+                }
                 Err(e) => s.fail(format!("the grammar failed: {e}")),
             }
+        }
+        for id in behind {
+            let Some(s) = self.running.iter_mut().find(|s| s.id == id) else { continue };
+            let draft = match &s.phase {
+                Phase::Decoding { draft, .. } => draft.clone(),
+                _ => Vec::new(),
+            };
+            let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { continue };
+            self.mask_workers.send(Job { stream: id, constraint, draft });
         }
     }
 

@@ -9,7 +9,7 @@
 
 use anyhow::{anyhow, bail, Result};
 
-use super::masks::{sample_logits, Checked, Held, PickMasks};
+use super::masks::{commit, sample_logits, Checked, Held, PickMasks};
 use super::pacer::{to_replayed, Budget, Ran, Shape};
 use super::plan::{plan, Decoder, LaneView, Memory, Prefill, RoundPlan};
 use super::run::Core;
@@ -387,10 +387,8 @@ impl Core {
             other => return s.fail(format!("the backend returned {} logits for the last prompt row, expected {vocab}", other.map_or(0, |l| l.len()))),
         };
         let mut logits = logits;
-        if !self.masks_ready(at) {
-            return self.hold(at, Held::First(logits));
-        }
-        match self.check_first(at, &mut logits) {
+        let checked = if self.masks_ready(at) { self.check_first(at, &mut logits) } else { self.check_late(at, &mut logits) };
+        match checked {
             Checked::Take => self.first_token(at, logits),
             Checked::Refused => self.hold(at, Held::First(logits)),
             Checked::Failed => {}
@@ -424,8 +422,7 @@ impl Core {
         if s.emit(sampled, &self.cfg.eos_ids, &*self.text, &mut self.stats) {
             return true;
         }
-        let Some(g) = s.guided.as_mut() else { return false };
-        match g.commit(token) {
+        match commit(s, token) {
             Ok(false) => false,
             Ok(true) => {
                 let tail = s.text.finish();
@@ -462,6 +459,7 @@ impl Core {
             let kept = features.get(offset * dim..(offset + n) * dim).unwrap_or(&[]);
             let checked = match &mut picked {
                 // A guided stream's rows came back as logits (see `masks`).
+                Picked::Logits(l) if !self.masks_ready(at) && n == 1 => self.check_late(at, &mut l[offset * vocab..(offset + 1) * vocab]),
                 Picked::Logits(_) if !self.masks_ready(at) => Checked::Refused,
                 Picked::Logits(l) if n == 1 => self.check_first(at, &mut l[offset * vocab..(offset + 1) * vocab]),
                 _ => Checked::Take,

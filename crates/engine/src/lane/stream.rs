@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::masks::{sample_logits, Guided, Held};
+use super::masks::{sample_logits, Checker, Guided, Held};
 use super::plan::Need;
 use super::{Event, EventSink, FinishReason, LaneStats, Pending, StreamShared, Timing, Usage};
 use crate::backend::{Picked, PromptImage, StreamId};
@@ -63,6 +63,9 @@ pub(super) struct Stream {
     pub sampler: Sampler,
     /// The stream's constraint and its masks, when its sampling has a guide.
     pub guided: Option<Guided>,
+    /// A greedy guided stream picked on the device: a copy of its
+    /// constraint on the lane's thread (see `masks`).
+    pub checker: Option<Checker>,
     pub text: TextStops,
     /// Tokens sampled so far.
     pub completion: usize,
@@ -96,6 +99,7 @@ impl Stream {
             id: p.id,
             sampler: Sampler::new(&p.req.sampling, &prompt),
             guided: None,
+            checker: None,
             text: TextStops::new(&p.req.stop.stop_strings),
             claim: prompt.len() + reserve,
             prompt,

@@ -189,6 +189,19 @@ impl Metrics {
             counter(&mut out, "braid_top_k_rounds_total", "Decode rounds drawn from the backend's top-k candidates (no logits rows moved).", l.top_rounds);
             counter(
                 &mut out,
+                "braid_guided_masks_total",
+                "Token masks computed for streams under a grammar (response_format, tools, grammar, regex).",
+                l.guided_masks,
+            );
+            counter(
+                &mut out,
+                "braid_guided_checks_total",
+                "Tokens a greedy stream under a grammar took on a one-token check, with no mask computed.",
+                l.guided_checks,
+            );
+            counter(&mut out, "braid_guided_mask_waits_total", "Times a stream under a grammar sat out rounds waiting for its mask.", l.mask_waits);
+            counter(
+                &mut out,
                 "braid_draw_rounds_total",
                 "Decode rounds whose sampled tokens the backend drew (top-p, min-p; no logits rows moved).",
                 l.draw_rounds,
@@ -272,6 +285,15 @@ mod tests {
         assert!(s.contains("braid_requests_total{model_name=\"my \\\"model\\\"\",route=\"/v1/completions\",status=\"400\"} 1\n"), "{s}");
         assert!(s.contains("braid_finished_streams_total{model_name=\"my \\\"model\\\"\",finish_reason=\"stop\"} 2\n"), "{s}");
         assert!(s.contains("braid_model_loaded{model_name=\"my \\\"model\\\"\"} 0\n"), "{s}");
+    }
+
+    #[test]
+    fn guided_counters_are_served() {
+        let lane = LaneStats { guided_masks: 7, guided_checks: 40, mask_waits: 2, ..LaneStats::default() };
+        let s = Metrics::default().render("m", None, Some(&lane));
+        for (name, n) in [("braid_guided_masks_total", 7), ("braid_guided_checks_total", 40), ("braid_guided_mask_waits_total", 2)] {
+            assert!(s.contains(&format!("{name}{{model_name=\"m\"}} {n}\n")), "{name}: {s}");
+        }
     }
 
     #[test]

@@ -218,6 +218,7 @@ pub fn run(a: RunArgs) -> Result<()> {
                 }
             }
             Event::Error(e) => bail!("generation failed: {e}"),
+            Event::GrammarError(e) => bail!("the output could not follow the grammar: {}", e.lines().next().unwrap_or(&e)),
             Event::Queued { .. } | Event::Started { .. } => {}
         }
     }

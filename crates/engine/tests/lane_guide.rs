@@ -309,6 +309,60 @@ impl braid_engine::Constraint for PanickingConstraint {
     }
 }
 
+/// A grammar whose constraints fail (an error, not a panic) at their
+/// `at`-th mask: one past a grammar library's limits, say.
+#[derive(Clone)]
+struct Failing {
+    at: usize,
+}
+
+struct FailingConstraint {
+    inner: Box<dyn braid_engine::Constraint>,
+    at: usize,
+    masks: usize,
+}
+
+impl braid_engine::Grammar for Failing {
+    fn start(&self) -> Result<Box<dyn braid_engine::Constraint>, String> {
+        Ok(Box::new(FailingConstraint { inner: braid_engine::Grammar::start(&grammar())?, at: self.at, masks: 0 }))
+    }
+}
+
+impl braid_engine::Constraint for FailingConstraint {
+    fn mask(&mut self) -> Result<braid_engine::TokenMask, String> {
+        self.masks += 1;
+        if self.masks >= self.at {
+            return Err("too many items".into());
+        }
+        self.inner.mask()
+    }
+    fn allows(&mut self, token: u32) -> Result<bool, String> {
+        self.mask().map(|m| m.allows(token))
+    }
+    fn commit(&mut self, token: u32) -> Result<bool, String> {
+        self.inner.commit(token)
+    }
+    fn rollback(&mut self, tokens: usize) -> Result<(), String> {
+        self.inner.rollback(tokens)
+    }
+}
+
+// A grammar that fails is the request's fault, told apart from the
+// server's (`Event::GrammarError`), whether its masks come from a worker
+// (sampled) or its tokens are checked on the lane's thread (greedy).
+#[test]
+fn a_failing_grammar_is_the_requests_error() {
+    let (lane, _log) = lane(FakeConfig::default(), no_marks());
+    for temperature in [0.0, 0.9] {
+        let mut r = greedy(prompt(4, 62), 30);
+        r.sampling = SamplingParams { temperature, seed: Some(1), guide: Some(Guide::new(Failing { at: 4 })), ..SamplingParams::default() };
+        let out = drain(&lane.submit(r).unwrap());
+        assert!(out.grammar_failed && out.error.as_deref().is_some_and(|e| e.contains("too many items")), "temperature {temperature}: {:?}", out.error);
+        assert!(out.tokens.len() < 4, "{} tokens", out.tokens.len());
+    }
+    assert!(lane.alive());
+}
+
 #[test]
 fn a_grammar_that_panics_fails_its_stream_and_the_workers_serve_on() {
     // One mask worker: the panic must not take it away from the next stream.
@@ -318,6 +372,7 @@ fn a_grammar_that_panics_fails_its_stream_and_the_workers_serve_on() {
     r.sampling = SamplingParams { temperature: 0.9, seed: Some(2), guide: Some(Guide::new(Panicking { at: 5 })), ..SamplingParams::default() };
     let out = drain(&lane.submit(r).unwrap());
     assert!(out.error.as_deref().is_some_and(|e| e.contains("panicked") && e.contains("mask 5 broke")), "{:?}", out.error);
+    assert!(!out.grammar_failed, "a grammar library's panic is the server's error, not the request's");
     assert_eq!(out.tokens.len(), 4, "the tokens before the broken mask came");
     // Greedy: it checks its tokens on the lane's thread (this grammar by
     // its masks), where the panic fails the stream, not the lane.

@@ -302,7 +302,7 @@ pub(crate) async fn warm_with(app: Arc<App>, headers: &HeaderMap, map: &serde_js
                 Some((_, Event::Started { cached_tokens })) => cached = cached_tokens,
                 Some((_, Event::Finished { reason: FinishReason::Warmed, .. })) => break,
                 Some((_, Event::Finished { reason, .. })) => return Err(ApiError::unavailable(format!("The warm feed ended early ({}).", reason.as_str()))),
-                Some((_, Event::Error(m))) => return Err(ApiError::internal_logged(&format!("warming failed: {m}"))),
+                Some((_, Event::Error(m) | Event::GrammarError(m))) => return Err(ApiError::internal_logged(&format!("warming failed: {m}"))),
                 Some(_) => {}
                 None => return Err(ApiError::unavailable("The lane stopped before the warm feed finished.")),
             },
@@ -357,6 +357,16 @@ fn fit(common: &Common, prompt: usize, context: usize, endpoint: Endpoint, defau
         .with_code("context_length_exceeded")),
         None => Ok((context - prompt).min(default_max.unwrap_or(usize::MAX))),
     }
+}
+
+/// A stream's grammar failed mid-generation: the request's grammar (a
+/// schema that allows no finite output, say), so a 400. The grammar
+/// library's message goes on with its parser state, for the log; the
+/// client gets its first line.
+fn grammar_failed(m: &str) -> ApiError {
+    tracing::info!("a request's grammar failed mid-generation: {m}");
+    let first = m.lines().next().unwrap_or(m);
+    ApiError::invalid(format!("The output could not follow the request's grammar: {first}")).with_code("invalid_grammar")
 }
 
 /// Why the lane refused a stream, as the client sees it: a full queue is
@@ -497,7 +507,8 @@ pub(crate) enum Update {
         deltas: Vec<Delta>,
         reason: &'static str,
     },
-    Error(String),
+    /// The request failed: the lane's error, classified.
+    Error(ApiError),
     Nothing,
 }
 
@@ -645,7 +656,7 @@ impl Run {
             }
             Event::Finished { reason, usage, tail, timing } => {
                 if let Err(e) = self.feed.ended() {
-                    return Update::Error(refused(e).message);
+                    return Update::Error(refused(e));
                 }
                 let Some(choice) = self.choices.get_mut(index) else { return Update::Nothing };
                 choice.queued = Some(timing.queued);
@@ -666,7 +677,8 @@ impl Run {
                 };
                 Update::Finished { index, text, deltas, reason: choice.finish_reason().unwrap_or("stop") }
             }
-            Event::Error(m) => Update::Error(m),
+            Event::Error(m) => Update::Error(ApiError::internal_logged(&format!("generation failed: {m}"))),
+            Event::GrammarError(m) => Update::Error(grammar_failed(&m)),
         }
     }
 
@@ -781,10 +793,7 @@ impl Run {
     pub(crate) fn frames(&self, update: Update, out: &mut VecDeque<Bytes>) {
         match update {
             Update::Nothing => {}
-            Update::Error(m) => {
-                let e = ApiError::internal_logged(&format!("generation failed: {m}"));
-                out.push_back(sse(&e.body()));
-            }
+            Update::Error(e) => out.push_back(sse(&e.body())),
             Update::Token { index, text, logprob } => {
                 // A frame a token, its text empty while its bytes end inside
                 // a character (the token completing it carries the text): a
@@ -928,8 +937,8 @@ pub(crate) async fn whole(mut run: Run, mut rx: mpsc::UnboundedReceiver<(usize, 
         tokio::select! {
             ev = rx.recv() => match ev {
                 Some((i, ev)) => {
-                    if let Update::Error(m) = run.apply(i, ev) {
-                        return Err(ApiError::internal_logged(&format!("generation failed: {m}")));
+                    if let Update::Error(e) = run.apply(i, ev) {
+                        return Err(e);
                     }
                 }
                 None => return Err(ApiError::unavailable("The lane stopped before the request finished.")),

@@ -62,7 +62,7 @@ impl<W: Writer> Streaming<W> {
         tokio::select! {
             ev = self.rx.recv() => match ev {
                 Some((i, ev)) => match self.run.apply(i, ev) {
-                    Update::Error(m) => self.fail(ApiError::internal_logged(&format!("generation failed: {m}"))),
+                    Update::Error(e) => self.fail(e),
                     update => {
                         self.writer.update(&self.run, update, &mut self.out);
                         if self.run.all_finished() {

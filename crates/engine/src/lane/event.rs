@@ -109,6 +109,10 @@ pub enum Event {
     Finished { reason: FinishReason, usage: Usage, tail: String, timing: Timing },
     /// The stream failed (a backend error); nothing follows.
     Error(String),
+    /// The request's grammar could not be followed (it allowed nothing
+    /// more, or grew past the grammar library's limits): the request's
+    /// fault, not the server's; nothing follows.
+    GrammarError(String),
 }
 
 /// Why a submission was refused.

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use super::run::{panic_text, Core};
 use super::stats::LaneStats;
-use super::stream::{Phase, Stream};
+use super::stream::{Failed, Phase, Stream};
 use super::Command;
 use crate::backend::{DecodeRow, Picked, RoundMasks, StreamId};
 use crate::guide::{Constraint, TokenMask};
@@ -105,7 +105,7 @@ impl Guided {
 /// mask when guided, or for a stream that checks first, the argmax if its
 /// grammar takes it, else the argmax within the mask computed now. `row`
 /// is scratch (see [`crate::Sampler::sample_masked`]).
-pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &mut LaneStats) -> Result<Sampled, String> {
+pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &mut LaneStats) -> Result<Sampled, Failed> {
     let mask = match &mut s.guided {
         // A row the lane has not checked (a draft's that came late): the
         // mask, if needed, is computed here.
@@ -125,10 +125,10 @@ pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &m
             let ch = s.checker.as_mut().expect("matched above");
             return match guarded(|| ch.constraint.allows(first.token))? {
                 true => Ok(first),
-                false => Err(format!("no mask for row {j} of a guided stream")),
+                false => Err(Failed::Other(format!("no mask for row {j} of a guided stream"))),
             };
         }
-        Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
+        Some(g) => Some(g.mask(j).ok_or_else(|| Failed::Other(format!("no mask for row {j} of a guided stream")))?),
         None => None,
     };
     Ok(s.sampler.sample_masked(row, s.logprobs, mask))
@@ -159,10 +159,14 @@ pub(super) fn commit(s: &mut Stream, token: u32) -> Result<bool, String> {
     }
 }
 
-/// `f`, a grammar's call on the lane's thread: a panic in it is the
-/// stream's error, as on a worker (see [`run`]).
-fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_text(&*p))))
+/// `f`, a grammar's call on the lane's thread: its error is the
+/// grammar's, and a panic in it the stream's error, as on a worker (see
+/// [`run`]).
+fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, Failed> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(Failed::Grammar),
+        Err(p) => Err(Failed::Other(format!("the grammar panicked: {}", panic_text(&*p)))),
+    }
 }
 
 /// Greedy, with no penalty or logprobs: its row's argmax is its token, and
@@ -199,7 +203,7 @@ struct Job {
 struct Done {
     stream: StreamId,
     constraint: Box<dyn Constraint>,
-    masks: Result<Vec<TokenMask>, String>,
+    masks: Result<Vec<TokenMask>, Failed>,
 }
 
 /// The mask workers: threads started with the first guided stream, fed
@@ -342,8 +346,7 @@ impl RoundMasks for PickMasks<'_> {
 /// otherwise wait for ever for masks that never come.
 fn run(mut job: Job) -> Done {
     let t = std::time::Instant::now();
-    let masks = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| masks_for(&mut *job.constraint, &job.draft)))
-        .unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_text(&*p))));
+    let masks = guarded(|| masks_for(&mut *job.constraint, &job.draft));
     tracing::trace!(stream = job.stream, rows = masks.as_ref().map_or(0, Vec::len), ms = t.elapsed().as_secs_f64() * 1e3, "masks");
     Done { stream: job.stream, constraint: job.constraint, masks }
 }
@@ -386,7 +389,7 @@ impl Core {
                 self.mask_workers.send(Job { stream: s.id, constraint, draft: Vec::new() });
                 s.guided = Some(Guided::Away);
             }
-            Err(e) => s.fail(format!("the grammar could not start: {e}")),
+            Err(e) => s.fail_grammar(format!("the grammar could not start: {e}")),
         }
     }
 
@@ -413,8 +416,8 @@ impl Core {
                 Checked::Take
             }
             Ok(false) => Checked::Refused,
-            Err(e) => {
-                s.fail(format!("the grammar failed: {e}"));
+            Err(f) => {
+                s.failed(f);
                 Checked::Failed
             }
         }
@@ -457,8 +460,8 @@ impl Core {
                 self.mask_workers.refused.push(s.id);
                 Checked::Refused
             }
-            Err(e) => {
-                s.fail(format!("the grammar failed: {e}"));
+            Err(f) => {
+                s.failed(f);
                 Checked::Failed
             }
         }
@@ -494,10 +497,10 @@ impl Core {
                             s.guided = Some(Guided::Here { constraint, masks: Vec::new() });
                             behind.push(s.id);
                         }
-                        Err(e) => s.fail(format!("the grammar failed: {e}")),
+                        Err(e) => s.fail_grammar(e),
                     }
                 }
-                Err(e) => s.fail(format!("the grammar failed: {e}")),
+                Err(f) => s.failed(f),
             }
         }
         for id in behind {

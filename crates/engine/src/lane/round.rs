@@ -401,7 +401,7 @@ impl Core {
         let s = &mut self.running[at];
         let sampled = match sample_logits(s, &mut logits, 0, &mut self.stats) {
             Ok(x) => x,
-            Err(msg) => return s.fail(msg),
+            Err(f) => return s.failed(f),
         };
         let last = sampled.token;
         if !self.emit(at, sampled) {
@@ -430,7 +430,7 @@ impl Core {
                 true
             }
             Err(e) => {
-                s.fail(format!("the grammar refused token {token}: {e}"));
+                s.fail_grammar(format!("the grammar refused token {token}: {e}"));
                 true
             }
         }
@@ -492,7 +492,7 @@ impl Core {
             let s = &mut self.running[at];
             let sampled = match sample_row(s, picked, offset + j, j, vocab, &mut self.stats) {
                 Ok(x) => x,
-                Err(msg) => return s.fail(msg),
+                Err(f) => return s.failed(f),
             };
             let tok = sampled.token;
             kept = j + 1;

@@ -175,6 +175,23 @@ impl Stream {
         self.phase = Phase::Ended(End::Failed);
     }
 
+    /// The stream's grammar could not be followed: the request's fault.
+    pub fn fail_grammar(&mut self, msg: String) {
+        if self.ended() {
+            return;
+        }
+        self.send(Event::GrammarError(msg));
+        self.phase = Phase::Ended(End::Failed);
+    }
+
+    /// End the stream with `f`.
+    pub fn failed(&mut self, f: Failed) {
+        match f {
+            Failed::Grammar(m) => self.fail_grammar(m),
+            Failed::Other(m) => self.fail(m),
+        }
+    }
+
     /// Room for more tokens (prompt + completion below `max_total`).
     pub fn room(&self) -> usize {
         self.max_total.saturating_sub(self.prompt.len() + self.completion)
@@ -225,19 +242,26 @@ impl Stream {
     }
 }
 
+/// Why a row could not be sampled: its grammar (see [`Stream::fail_grammar`]),
+/// or anything else (a backend's broken result, a grammar library's panic).
+pub(super) enum Failed {
+    Grammar(String),
+    Other(String),
+}
+
 /// Sample token row `row` of a round for `s` (its row `j`): its sampler
 /// over the logits (within its mask, when guided), over the top
 /// candidates (found within the mask), or the backend's argmax or draw as
 /// it is (within the mask).
-pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize, stats: &mut LaneStats) -> Result<Sampled, String> {
+pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usize, vocab: usize, stats: &mut LaneStats) -> Result<Sampled, Failed> {
     if let Picked::Logits(l) = picked {
         return sample_logits(s, &mut l[row * vocab..(row + 1) * vocab], j, stats).and_then(|x| within_vocab(x, vocab));
     }
     // A guided row past its masks is never reached (see `masks`); a stream
     // that checks first has its rows back whole.
     let mask = match &s.guided {
-        Some(Guided::Checks(_)) => return Err("a guided stream that checks its tokens first had its row picked by the backend".into()),
-        Some(g) => Some(g.mask(j).ok_or_else(|| format!("no mask for row {j} of a guided stream"))?),
+        Some(Guided::Checks(_)) => return Err(Failed::Other("a guided stream that checks its tokens first had its row picked by the backend".into())),
+        Some(g) => Some(g.mask(j).ok_or_else(|| Failed::Other(format!("no mask for row {j} of a guided stream")))?),
         None => None,
     };
     let sampled = match picked {
@@ -255,9 +279,9 @@ pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usi
     within_vocab(sampled, vocab)
 }
 
-fn within_vocab(sampled: Sampled, vocab: usize) -> Result<Sampled, String> {
+fn within_vocab(sampled: Sampled, vocab: usize) -> Result<Sampled, Failed> {
     if sampled.token as usize >= vocab {
-        return Err(format!("the backend picked token {}, past the vocabulary of {vocab}", sampled.token));
+        return Err(Failed::Other(format!("the backend picked token {}, past the vocabulary of {vocab}", sampled.token)));
     }
     Ok(sampled)
 }

@@ -79,6 +79,8 @@ pub struct Outcome {
     pub reason: Option<FinishReason>,
     pub usage: Usage,
     pub error: Option<String>,
+    /// The error was the stream's grammar's (`Event::GrammarError`).
+    pub grammar_failed: bool,
 }
 
 /// Read a stream's events up to its last one.
@@ -102,6 +104,11 @@ pub fn drain(h: &StreamHandle) -> Outcome {
                 o.error = Some(e);
                 return o;
             }
+            Event::GrammarError(e) => {
+                o.error = Some(e);
+                o.grammar_failed = true;
+                return o;
+            }
             _ => {}
         }
     }
@@ -114,7 +121,7 @@ pub fn wait_event(h: &StreamHandle, pred: impl Fn(&Event) -> bool) -> Event {
         if pred(&ev) {
             return ev;
         }
-        assert!(!matches!(ev, Event::Finished { .. } | Event::Error(_)), "the stream ended first: {ev:?}");
+        assert!(!matches!(ev, Event::Finished { .. } | Event::Error(_) | Event::GrammarError(_)), "the stream ended first: {ev:?}");
     }
 }
 

@@ -110,11 +110,17 @@ impl Grammars {
             Spec::Regex(rx) => TopLevelGrammar::from_regex(rx),
         };
         let parser = self.factory.create_parser(grammar).map_err(|e| format!("{e:#}"))?;
-        // A grammar whose start fails (nothing it could produce) is the
-        // request's fault, found now rather than mid-stream.
-        let probe = Matcher::new(Ok(parser.clone()));
+        // A grammar whose start fails (nothing it could produce), or whose
+        // forced opening does (a schema no finite JSON satisfies forces
+        // `{"c": {"c": ...` past the parser's limits), is the request's
+        // fault, found now rather than mid-stream. The library's message
+        // goes on with its parser state: the first line says it.
+        let mut probe = Matcher::new(Ok(parser.clone()));
+        if probe.get_error().is_none() {
+            probe.consume_ff_tokens();
+        }
         if let Some(e) = probe.get_error() {
-            return Err(e);
+            return Err(e.lines().next().unwrap_or_default().to_string());
         }
         Ok(Guide::new(Compiled { parser, canonical: self.canonical }))
     }
@@ -381,6 +387,11 @@ mod tests {
             Spec::JsonSchema { schema: json!(true), strict: false },
             Spec::Lark("start: foo".into()),
             Spec::Regex("(unclosed".into()),
+            // Every object must hold another: no finite output.
+            Spec::JsonSchema {
+                schema: json!({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}, "$ref": "#/$defs/n"}),
+                strict: false,
+            },
         ] {
             let e = g.compile(&bad).expect_err(&format!("{bad:?} compiled"));
             assert!(!e.is_empty());

@@ -242,6 +242,26 @@ async fn embeddings_say_no_embedding_model_is_loaded() {
     server.shutdown().await.unwrap();
 }
 
+// A grammar that fails mid-generation is the request's fault: a 400
+// `invalid_grammar` (whole), or that error as the stream's last event
+// after the tokens that came; the library's parser dump stays in the log.
+#[tokio::test]
+async fn a_grammar_failing_mid_generation_is_a_400() {
+    let (server, _) = start(config()).await;
+    let addr = server.local_addr();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "response_format": {"type": "json_object"}});
+    let e = post(addr, "/v1/chat/completions", &body).await.expect_error(400);
+    assert_eq!((e["type"].as_str(), e["code"].as_str()), (Some("invalid_request_error"), Some("invalid_grammar")), "{e}");
+    let first = fake::GRAMMAR_FAILURE.lines().next().unwrap();
+    assert!(e["message"].as_str().unwrap().ends_with(first), "{e}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = post_stream(addr, "/v1/chat/completions", &streamed).await.events().await;
+    assert_eq!(stream_texts(&events, 1), vec![REPLY[..3].to_string()], "the tokens before the failure came");
+    assert_eq!(events.last().unwrap()["error"]["code"], "invalid_grammar", "{events:?}");
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn the_chat_page_is_served_at_the_root_without_a_key() {
     let (server, _) = start(ServerConfig { api_keys: vec!["k".into()], ..config() }).await;

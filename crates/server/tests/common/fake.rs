@@ -63,6 +63,9 @@ struct State {
     running: usize,
 }
 
+/// What a guided stream's grammar says when it fails (see `FakeLane`).
+pub const GRAMMAR_FAILURE: &str = "parser error: Too many items (limit 50000)\n<state>\nTokens: ...\n</state>";
+
 pub struct FakeLane {
     pub max_running: usize,
     pub queue: usize,
@@ -151,6 +154,13 @@ impl Generator for FakeLane {
                 // Like EOS: the reply's end stops the stream unless ignored.
                 if n == bytes.len() && !req.stop.ignore_eos {
                     break FinishReason::Stop;
+                }
+                // A guided stream's grammar fails after three tokens (the
+                // real lane's `GrammarError`, with a library's long message).
+                if n == 3 && req.sampling.guide.is_some() {
+                    leave();
+                    sink.send(Event::GrammarError(GRAMMAR_FAILURE.into()));
+                    return;
                 }
                 std::thread::sleep(tick);
                 let b = bytes[n % bytes.len()];

@@ -766,13 +766,16 @@ pub fn fake_guided(prompt: &[u32], n: usize, vocab: usize, every: usize) -> Vec<
 /// `length` tokens if set. Its constraints refuse a token the rule forbids
 /// (so a stream that sampled outside its mask fails), count the masks they
 /// compute and the tokens they check, and take `delay` per mask (to be
-/// slower than a round).
+/// slower than a round), or `slow` for every `slow_every`-th.
 #[derive(Clone, Debug, Default)]
 pub struct FakeGrammar {
     pub vocab: usize,
     pub every: usize,
     pub length: Option<usize>,
     pub delay: Option<Duration>,
+    /// Every `slow_every`-th mask takes `slow` instead (0: none).
+    pub slow_every: usize,
+    pub slow: Duration,
     pub masks: Arc<AtomicUsize>,
     /// Tokens checked one at a time ([`Constraint::allows`]).
     pub checks: Arc<AtomicUsize>,
@@ -792,10 +795,12 @@ impl Grammar for FakeGrammar {
 impl Constraint for FakeConstraint {
     fn mask(&mut self) -> Result<TokenMask, String> {
         let g = &self.grammar;
-        if let Some(d) = g.delay {
-            std::thread::sleep(d);
+        let nth = g.masks.fetch_add(1, Ordering::SeqCst) + 1;
+        match g.delay {
+            _ if g.slow_every > 0 && nth.is_multiple_of(g.slow_every) => std::thread::sleep(g.slow),
+            Some(d) => std::thread::sleep(d),
+            None => {}
         }
-        g.masks.fetch_add(1, Ordering::SeqCst);
         let n = self.seq.len();
         Ok(TokenMask::of(g.vocab, (0..g.vocab as u32).filter(|&t| fake_allows(g.every, n, t))))
     }

@@ -174,6 +174,32 @@ fn a_late_mask_holds_back_only_a_refused_token() {
     assert!(st.mask_waits as usize <= refused, "{} waits for masks, {refused} refused", st.mask_waits);
 }
 
+// After a late mask the checker takes the stream on, and its constraint,
+// back behind it, must catch up and not stay a token behind (every round
+// after would return logits): with one mask in ten slow (2 ms against
+// ~1 ms rounds, the rest 0.1 ms), the rounds whose masks were missing are
+// a few after each slow one (22 of 120 here; 111 when it stayed behind).
+// The pick asks at once (a round launched ahead), so a mask sent a token
+// late is always missing.
+#[test]
+fn after_a_late_mask_the_masks_apply_on_the_device_again() {
+    let mut fc = slow();
+    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+    fc.masks_first = true;
+    let missing = fc.masks_missing.clone();
+    let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+    // A grammar that refuses few argmaxes: a refused one waits for its
+    // mask, and waiting would catch the constraint up anyway.
+    let g =
+        FakeGrammar { vocab: 64, every: 61, delay: Some(Duration::from_micros(100)), slow_every: 10, slow: Duration::from_millis(2), ..FakeGrammar::default() };
+    let p = prompt(6, 63);
+    let out = drain(&lane.submit(guided(p.clone(), 120, &g)).unwrap()).tokens;
+    assert_eq!(out, fake_guided(&p, 120, 64, 61));
+    let (missing, slow) = (missing.load(Ordering::SeqCst), g.masks.load(Ordering::SeqCst) / 10);
+    assert!(slow >= 3, "{slow} slow masks: the test proves nothing");
+    assert!(missing <= slow * 5, "{missing} of 120 rounds without their masks, {slow} masks slow");
+}
+
 // A backend that picks as soon as it is called (a GPU's round launched
 // ahead) asks for the mask of the token just committed while its worker is
 // still at it: the pick waits a little for the mask instead of taking the

@@ -39,8 +39,11 @@
 //! row's argmax is checked there, and when the grammar takes it the
 //! stream goes on at once instead of sitting out a round for the mask.
 //! The constraint with the worker falls behind by the tokens so taken; it
-//! takes them when it comes back, and the masks it brought (stale) are
-//! computed again.
+//! takes them when it comes back, its masks (stale) dropped, and stays
+//! here without masks until the stream's next token is taken (by the
+//! checker again), then goes to a worker for the masks after it. Sent back
+//! at once, it would be behind again by that token, and every round after
+//! would return logits.
 
 use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -70,7 +73,8 @@ const MASK_WAIT: Duration = Duration::from_micros(500);
 const CHECK_WAIT: Duration = Duration::from_millis(1);
 
 /// A guided stream's constraint: with a worker, or here with the masks of
-/// the stream's next rows (mask `j` for the row after draft token `j - 1`).
+/// the stream's next rows (mask `j` for the row after draft token `j - 1`;
+/// none when it came back behind its checker).
 pub(super) enum Guided {
     Away,
     Here {
@@ -119,8 +123,8 @@ pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &m
             let mask = guarded(|| c.mask())?;
             return Ok(s.sampler.sample_masked(row, None, Some(&mask)));
         }
-        // A row whose mask came late, its argmax checked (`check_late`).
-        Some(Guided::Away) if s.checker.is_some() => {
+        // A row whose mask came late or stale, its argmax checked (`check_late`).
+        Some(g) if g.mask(j).is_none() && s.checker.is_some() => {
             let first = s.sampler.sample_masked(row, None, None);
             let ch = s.checker.as_mut().expect("matched above");
             return match guarded(|| ch.constraint.allows(first.token))? {
@@ -301,6 +305,8 @@ impl PickMasks<'_> {
         let guided = at.iter().any(|&a| running[a].guided.is_some());
         let rows = rows.iter().map(|r| r.tokens.len()).zip(at).map(|(n, &a)| match &running[a].guided {
             None => RowsOf::Free(n),
+            // Back behind its checker: no masks until its next token.
+            Some(Guided::Here { masks, .. }) if masks.is_empty() => RowsOf::Checks,
             Some(Guided::Here { masks, .. }) => RowsOf::Here(n, masks.clone()),
             // Behind: the worker's masks are for an earlier place.
             Some(Guided::Away) if running[a].checker.as_ref().is_some_and(|c| !c.behind.is_empty()) => RowsOf::Checks,
@@ -415,6 +421,7 @@ impl Core {
                 self.stats.guided_checks += 1;
                 Checked::Take
             }
+            // The caller holds the row (see `hold`).
             Ok(false) => Checked::Refused,
             Err(f) => {
                 s.failed(f);
@@ -469,8 +476,8 @@ impl Core {
 
     /// Hand finished masks to their streams (dropped if a stream is gone).
     /// A constraint the stream's checker went on without takes the tokens
-    /// taken meanwhile, and goes back to a worker for masks where the
-    /// stream now is.
+    /// taken meanwhile and stays here, without masks (see the module's
+    /// doc); a stream waiting for a mask sends it back at once.
     pub(super) fn take_masks(&mut self) {
         let early = std::mem::take(self.mask_workers.early.get_mut());
         let mut behind = Vec::new();
@@ -503,30 +510,41 @@ impl Core {
                 Err(f) => s.failed(f),
             }
         }
+        // A stream waiting for a refused token's mask needs it now.
         for id in behind {
-            let Some(s) = self.running.iter_mut().find(|s| s.id == id) else { continue };
-            let draft = match &s.phase {
-                Phase::Decoding { draft, .. } => draft.clone(),
-                _ => Vec::new(),
-            };
+            let Some(s) = self.running.iter_mut().find(|s| s.id == id && matches!(s.phase, Phase::Waiting(_))) else { continue };
             let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { continue };
-            self.mask_workers.send(Job { stream: id, constraint, draft });
+            self.mask_workers.send(Job { stream: id, constraint, draft: Vec::new() });
         }
     }
 
     /// Whether the stream at `at` can sample now: it has no guide, or its
-    /// masks are back.
+    /// masks are back (a constraint back behind its checker has none).
     pub(super) fn masks_ready(&mut self, at: usize) -> bool {
         if matches!(self.running[at].guided, Some(Guided::Away)) {
             self.take_masks();
         }
-        !matches!(self.running[at].guided, Some(Guided::Away))
+        match &self.running[at].guided {
+            Some(Guided::Away) => false,
+            Some(Guided::Here { masks, .. }) => !masks.is_empty(),
+            _ => true,
+        }
     }
 
-    /// Park a stream's results until its masks come.
+    /// Park a stream's results until its masks come. A constraint here
+    /// without masks (back behind its checker) goes to a worker for them.
     pub(super) fn hold(&mut self, at: usize, held: Held) {
         self.stats.mask_waits += 1;
-        self.running[at].phase = Phase::Waiting(held);
+        let s = &mut self.running[at];
+        if matches!(&s.guided, Some(Guided::Here { masks, .. }) if masks.is_empty()) {
+            let draft = match &held {
+                Held::Round { fed, .. } => fed[1..].to_vec(),
+                Held::First(_) => Vec::new(),
+            };
+            let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { unreachable!("matched above") };
+            self.mask_workers.send(Job { stream: s.id, constraint, draft });
+        }
+        s.phase = Phase::Waiting(held);
     }
 
     /// Sample the waiting streams whose masks came; true if any did.
@@ -538,7 +556,8 @@ impl Core {
         let mut moved = false;
         for at in 0..self.running.len() {
             let s = &mut self.running[at];
-            if !matches!(s.phase, Phase::Waiting(_)) || matches!(s.guided, Some(Guided::Away)) {
+            let no_masks = matches!(&s.guided, Some(Guided::Away)) || matches!(&s.guided, Some(Guided::Here { masks, .. }) if masks.is_empty());
+            if !matches!(s.phase, Phase::Waiting(_)) || no_masks {
                 continue;
             }
             let Phase::Waiting(held) = std::mem::replace(&mut s.phase, Phase::Decoding { last: 0, draft: Vec::new() }) else { continue };

@@ -258,6 +258,31 @@ fn guided_drafting_is_lossless() {
     }
 }
 
+// Picked on the device, with masks now and then late and drafts to
+// verify: a late round's draft rows wait for their masks, a lone row may
+// go on by its checker, and the tokens are still the masked argmax's,
+// drafted or not.
+#[test]
+fn guided_drafting_with_late_masks_on_the_device_is_lossless() {
+    let run = |drafter: bool| {
+        let mut fc = slow();
+        fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+        let lc = LaneConfig { mask_threads: 1, draft_max_streams: 4, ..no_marks() };
+        let (lane, _log) = if drafter { lane_with_drafter(fc, lc, 5) } else { lane(fc, lc) };
+        let g = FakeGrammar { delay: Some(Duration::from_micros(100)), slow_every: 4, slow: Duration::from_millis(3), ..grammar() };
+        let hs: Vec<StreamHandle> = (0..2).map(|i| lane.submit(guided(prompt(5 + i, 64 + i as u32), 40, &g)).unwrap()).collect();
+        let outs: Vec<Vec<u32>> = hs.iter().map(|h| drain(h).tokens).collect();
+        (outs, lane.stats())
+    };
+    let (plain, _) = run(false);
+    let (drafted, stats) = run(true);
+    assert_eq!(plain, drafted);
+    for (i, toks) in plain.iter().enumerate() {
+        assert_eq!(*toks, fake_guided(&prompt(5 + i, 64 + i as u32), 40, 64, EVERY));
+    }
+    assert!(stats.draft_accepted > 0, "{stats:?}");
+}
+
 // A mask slower than a round holds back its own stream only: the other
 // stream's tokens keep their pace while the guided one waits for masks,
 // and the guided stream's tokens are still right.

@@ -510,11 +510,17 @@ impl Core {
                 Err(f) => s.failed(f),
             }
         }
-        // A stream waiting for a refused token's mask needs it now.
+        // A stream waiting for its rows' masks needs them now (one per
+        // draft token its held rows verify).
         for id in behind {
-            let Some(s) = self.running.iter_mut().find(|s| s.id == id && matches!(s.phase, Phase::Waiting(_))) else { continue };
+            let Some(s) = self.running.iter_mut().find(|s| s.id == id) else { continue };
+            let draft = match &s.phase {
+                Phase::Waiting(Held::Round { fed, .. }) => fed[1..].to_vec(),
+                Phase::Waiting(Held::First(_)) => Vec::new(),
+                _ => continue,
+            };
             let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { continue };
-            self.mask_workers.send(Job { stream: id, constraint, draft: Vec::new() });
+            self.mask_workers.send(Job { stream: id, constraint, draft });
         }
     }
 

@@ -321,72 +321,36 @@ fn a_slow_mask_never_stalls_the_other_streams() {
     wait_until("a wait for masks (else the test proves nothing)", || lane.stats().mask_waits > 0);
 }
 
-/// A grammar whose constraints panic at their `at`-th mask (a bug in a
-/// grammar library, say).
+/// A grammar whose constraints break at their `at`-th mask: they panic (a
+/// bug in a grammar library, say), or fail (past its limits).
 #[derive(Clone)]
-struct Panicking {
+struct Breaking {
     at: usize,
+    panics: bool,
 }
 
-struct PanickingConstraint {
+struct BreakingConstraint {
     inner: Box<dyn braid_engine::Constraint>,
-    at: usize,
+    how: Breaking,
     masks: usize,
 }
 
-impl braid_engine::Grammar for Panicking {
+impl braid_engine::Grammar for Breaking {
     fn start(&self) -> Result<Box<dyn braid_engine::Constraint>, String> {
-        Ok(Box::new(PanickingConstraint { inner: braid_engine::Grammar::start(&grammar())?, at: self.at, masks: 0 }))
+        Ok(Box::new(BreakingConstraint { inner: braid_engine::Grammar::start(&grammar())?, how: self.clone(), masks: 0 }))
     }
 }
 
-impl braid_engine::Constraint for PanickingConstraint {
+impl braid_engine::Constraint for BreakingConstraint {
     fn mask(&mut self) -> Result<braid_engine::TokenMask, String> {
         self.masks += 1;
-        if self.masks == self.at {
-            panic!("mask {} broke", self.masks);
+        match self.how {
+            Breaking { at, panics: true } if self.masks >= at => panic!("mask {} broke", self.masks),
+            Breaking { at, panics: false } if self.masks >= at => Err("too many items".into()),
+            _ => self.inner.mask(),
         }
-        self.inner.mask()
     }
-    // By its masks, so a check may panic too (on the lane's thread).
-    fn allows(&mut self, token: u32) -> Result<bool, String> {
-        self.mask().map(|m| m.allows(token))
-    }
-    fn commit(&mut self, token: u32) -> Result<bool, String> {
-        self.inner.commit(token)
-    }
-    fn rollback(&mut self, tokens: usize) -> Result<(), String> {
-        self.inner.rollback(tokens)
-    }
-}
-
-/// A grammar whose constraints fail (an error, not a panic) at their
-/// `at`-th mask: one past a grammar library's limits, say.
-#[derive(Clone)]
-struct Failing {
-    at: usize,
-}
-
-struct FailingConstraint {
-    inner: Box<dyn braid_engine::Constraint>,
-    at: usize,
-    masks: usize,
-}
-
-impl braid_engine::Grammar for Failing {
-    fn start(&self) -> Result<Box<dyn braid_engine::Constraint>, String> {
-        Ok(Box::new(FailingConstraint { inner: braid_engine::Grammar::start(&grammar())?, at: self.at, masks: 0 }))
-    }
-}
-
-impl braid_engine::Constraint for FailingConstraint {
-    fn mask(&mut self) -> Result<braid_engine::TokenMask, String> {
-        self.masks += 1;
-        if self.masks >= self.at {
-            return Err("too many items".into());
-        }
-        self.inner.mask()
-    }
+    // By its masks, so a check may break too (on the lane's thread).
     fn allows(&mut self, token: u32) -> Result<bool, String> {
         self.mask().map(|m| m.allows(token))
     }
@@ -406,7 +370,7 @@ fn a_failing_grammar_is_the_requests_error() {
     let (lane, _log) = lane(FakeConfig::default(), no_marks());
     for temperature in [0.0, 0.9] {
         let mut r = greedy(prompt(4, 62), 30);
-        r.sampling = SamplingParams { temperature, seed: Some(1), guide: Some(Guide::new(Failing { at: 4 })), ..SamplingParams::default() };
+        r.sampling = SamplingParams { temperature, seed: Some(1), guide: Some(Guide::new(Breaking { at: 4, panics: false })), ..SamplingParams::default() };
         let out = drain(&lane.submit(r).unwrap());
         assert!(out.grammar_failed && out.error.as_deref().is_some_and(|e| e.contains("too many items")), "temperature {temperature}: {:?}", out.error);
         assert!(out.tokens.len() < 4, "{} tokens", out.tokens.len());
@@ -420,7 +384,7 @@ fn a_grammar_that_panics_fails_its_stream_and_the_workers_serve_on() {
     let (lane, _log) = lane(FakeConfig::default(), LaneConfig { mask_threads: 1, ..no_marks() });
     // Sampled: its masks are computed ahead, on the worker.
     let mut r = greedy(prompt(4, 58), 30);
-    r.sampling = SamplingParams { temperature: 0.9, seed: Some(2), guide: Some(Guide::new(Panicking { at: 5 })), ..SamplingParams::default() };
+    r.sampling = SamplingParams { temperature: 0.9, seed: Some(2), guide: Some(Guide::new(Breaking { at: 5, panics: true })), ..SamplingParams::default() };
     let out = drain(&lane.submit(r).unwrap());
     assert!(out.error.as_deref().is_some_and(|e| e.contains("panicked") && e.contains("mask 5 broke")), "{:?}", out.error);
     assert!(!out.grammar_failed, "a grammar library's panic is the server's error, not the request's");
@@ -428,7 +392,7 @@ fn a_grammar_that_panics_fails_its_stream_and_the_workers_serve_on() {
     // Greedy: it checks its tokens on the lane's thread (this grammar by
     // its masks), where the panic fails the stream, not the lane.
     let mut r = greedy(prompt(4, 58), 30);
-    r.sampling.guide = Some(Guide::new(Panicking { at: 5 }));
+    r.sampling.guide = Some(Guide::new(Breaking { at: 5, panics: true }));
     let out = drain(&lane.submit(r).unwrap());
     assert!(out.error.as_deref().is_some_and(|e| e.contains("panicked") && e.contains("mask 5 broke")), "{:?}", out.error);
     assert!(out.tokens.len() < 5, "{} tokens", out.tokens.len());

@@ -131,6 +131,14 @@ def prompt_text(rng, long):
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"words": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 8}}, "n": {"type": "integer"}},
+    "required": ["words", "n"],
+    "additionalProperties": False,
+}
+
+
 def plan(rng, disconnects):
     """One request: its body and how its client behaves."""
     chat = rng.random() < 0.5
@@ -143,6 +151,14 @@ def plan(rng, disconnects):
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
+    # A quarter under a grammar: greedy ones check their tokens on the
+    # lane's thread, sampled ones take masks from the workers; both must
+    # let go of what they hold when their client leaves.
+    if rng.random() < 0.25:
+        if chat:
+            body["response_format"] = rng.choice([{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}])
+        else:
+            body["regex"] = "[a-z]{2,8}( [a-z]{2,8}){0,6}"
     leave = None
     if disconnects and rng.random() < 0.33:
         leave = rng.choice(["queue", "prefill", "stream"])
@@ -327,6 +343,8 @@ def main():
             log(f"  {k}: baseline {base[k]:g}, after {after[k]:g}")
         log(f"  RSS: baseline {rss_base:.0f} MB, after {rss_after:.0f} MB")
         log(f"  lane: cancelled {m.get('braid_cancelled_streams_total', 0):g}, lane failures {m.get('braid_lane_failures_total', 0):g}")
+        guided = m.get("braid_guided_checks_total", 0) + m.get("braid_guided_masks_total", 0)
+        log(f"  guided: {m.get('braid_guided_checks_total', 0):g} tokens checked, {m.get('braid_guided_masks_total', 0):g} masks")
         for k in IDLE_KEYS:
             if not after[k] <= base[k]:
                 failures.append(f"{k} is {after[k]:g} after the run, {base[k]:g} at idle before it")
@@ -336,6 +354,8 @@ def main():
             failures.append(f"requests failed: {errors}")
         if tally["completed"] == 0:
             failures.append("no request completed")
+        if guided == 0 and sent >= 20:
+            failures.append("no request ran under a grammar")
         if m.get("braid_lane_failures_total", 0) > 0:
             failures.append("the lane caught a panic")
     finally:

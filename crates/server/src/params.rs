@@ -381,6 +381,7 @@ fn common(f: &Fields, max_n: usize, logprobs: Option<usize>, max_tokens: Option<
         // Negative seeds are fine: only the bits matter.
         Some(Value::Number(n)) if n.is_u64() => n.as_u64(),
         Some(Value::Number(n)) if n.is_i64() => n.as_i64().map(|v| v as u64),
+        Some(Value::Number(n)) => return Err(ApiError::param("seed", format!("`seed` must be a 64-bit integer, got {n}."))),
         Some(other) => return Err(f.wrong("seed", "an integer", other)),
     };
     let stop = stops(f)?;

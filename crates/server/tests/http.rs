@@ -283,6 +283,7 @@ async fn bad_requests_get_openai_errors() {
         ("/v1/completions", json!({"prompt": "x", "stop": 5}), 400, Some("stop"), &[]),
         ("/v1/completions", json!({"prompt": "x", "stop": ["a", 1]}), 400, Some("stop[1]"), &[]),
         ("/v1/completions", json!({"prompt": "x", "seed": "s"}), 400, Some("seed"), &[]),
+        ("/v1/completions", json!({"prompt": "x", "seed": 1.5}), 400, Some("seed"), &["64-bit integer", "1.5"]),
         ("/v1/completions", json!({"prompt": "x", "stream": "yes"}), 400, Some("stream"), &["boolean"]),
         ("/v1/completions", json!({"prompt": "x", "echo": true}), 400, Some("echo"), &["not supported"]),
         ("/v1/completions", json!({"prompt": ""}), 400, Some("prompt"), &["empty"]),

@@ -60,7 +60,8 @@ enum Cmd {
 /// Options shared by every command that loads a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// GGUF file, HF model folder, or known model name (smollm2, gemma3-270m).
+    /// GGUF file, HF model folder, or known model name (smollm2, gemma3-270m,
+    /// qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; fetched when missing).
     #[arg(long, short = 'm', default_value = fetch::DEFAULT_MODEL, env = "BRAID_MODEL")]
     pub model: String,
     /// CPU threads (default: all cores).

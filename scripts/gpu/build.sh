@@ -10,6 +10,16 @@ mkdir -p .device-bin
 [ "${TUNING:-1}" = 0 ] && feat=() || feat=(--features braid-ops/cuda-tuning)
 cargo build --release -p braid "${feat[@]}"
 cp target/release/braid .device-bin/
+# BEFORE=REV: also the server as of REV (.device-bin/braid-before, built in
+# a worktree under target/), for an A/B in one device call.
+progs=(braid gpu_bench stall_probe cuda_ops cuda_models)
+if [ -n "${BEFORE:-}" ]; then
+  rm -rf target/before && git worktree prune && git worktree add --detach target/before "$BEFORE"
+  (cd target/before && CARGO_TARGET_DIR=../before-target cargo build --release -p braid "${feat[@]}")
+  cp target/before-target/release/braid .device-bin/braid-before
+  git worktree remove --force target/before
+  progs+=(braid-before)
+fi
 cargo build --release -p braid-models --features cuda "${feat[@]}" --example gpu_bench
 cp target/release/examples/gpu_bench .device-bin/
 cargo build --release -p braid-server --example stall_probe
@@ -24,7 +34,6 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$2" | tail -1)
   cp "$exe" ".device-bin/$2"
 done
-progs=(braid gpu_bench stall_probe cuda_ops cuda_models)
 (cd .device-bin && strip "${progs[@]}")
 # Compressed, they and the working tree fit the device tool's carry
 # (64 MiB); scripts/gpu/unpack.sh restores them there.

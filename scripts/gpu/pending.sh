@@ -15,7 +15,9 @@
 #   came late now takes its argmax when its grammar does (a copy of its
 #   constraint on the lane's thread) instead of sitting out a round;
 #   bench_guided.py's words and records on both shapes (H100, stop 54's
-#   build: words 9.8-31.9% slower, records 0.5-1.1%).
+#   build: words 9.8-31.9% slower, records 0.5-1.1%). Built with
+#   `BEFORE=0239ac0 scripts/gpu/build.sh`, the build before the checker
+#   runs too, interleaved, for an A/B in the same call.
 #
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
 # scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
@@ -42,15 +44,16 @@ for run in "16:32::" "16:16::" "32:32::" "32:32:12-15:0-11" "6:16::"; do
     timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n dec_rows $rows probe cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
 done
 el guided
-for mod in llama1b smollm2; do
+builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
+for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
   before 545 || continue
-  $B/braid serve --device cuda -m "$HOME/lc/rand-$mod.gguf" --port 8111 > "$OUT/guided-$mod.log" 2>&1 &
+  $B/$bin serve --device cuda -m "$HOME/lc/rand-$mod.gguf" --port 8111 > "$OUT/guided-$mod-$bin.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
   for sch in words record; do
-    echo "$mod $sch: $(timeout 40 python3 scripts/bench_guided.py http://127.0.0.1:8111 --tokens 128 --runs 3 --schema $sch 2>&1 | tail -1)" | tee -a "$OUT/guided.txt"
+    echo "$mod $bin $sch: $(timeout 40 python3 scripts/bench_guided.py http://127.0.0.1:8111 --tokens 128 --runs 3 --schema $sch 2>&1 | tail -1)" | tee -a "$OUT/guided.txt"
   done
   kill $pid; wait $pid 2>/dev/null
-done
+done; done
 el done
 cd "$OUT" && tar cJf /tmp/v54.tar.xz stall-*/ guided-*.log *.txt 2>/dev/null && rm -rf stall-* && mv /tmp/v54.tar.xz "$OUT/all.tar.xz"

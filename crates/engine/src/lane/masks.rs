@@ -39,11 +39,12 @@
 //! row's argmax is checked there, and when the grammar takes it the
 //! stream goes on at once instead of sitting out a round for the mask.
 //! The constraint with the worker falls behind by the tokens so taken; it
-//! takes them when it comes back, its masks (stale) dropped, and stays
-//! here without masks until the stream's next token is taken (by the
-//! checker again), then goes to a worker for the masks after it. Sent back
-//! at once, it would be behind again by that token, and every round after
-//! would return logits.
+//! takes them when it comes back, its masks (stale) dropped, and goes back
+//! for masks where the stream now is. Coming back while the round that
+//! holds the stream's next row is being finished, it stays here without
+//! masks until that row's token is taken (by the checker again), then
+//! goes: sent at once, it would be behind again by that token, and every
+//! round after would return logits.
 
 use std::cell::RefCell;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -224,12 +225,14 @@ pub(super) struct MaskWorkers {
     early: RefCell<Vec<Done>>,
     /// Checking streams whose refused token's mask a worker computes.
     refused: Vec<StreamId>,
+    /// Streams whose rows of the round being finished are not sampled yet.
+    pub(super) rows_pending: Vec<StreamId>,
 }
 
 impl MaskWorkers {
     pub fn new(threads: usize, wake: Sender<Command>) -> MaskWorkers {
         let (done_tx, done) = mpsc::channel();
-        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done, early: RefCell::new(Vec::new()), refused: Vec::new() }
+        MaskWorkers { threads: threads.max(1), wake, jobs: None, done_tx, done, early: RefCell::new(Vec::new()), refused: Vec::new(), rows_pending: Vec::new() }
     }
 
     fn send(&mut self, job: Job) {
@@ -476,8 +479,8 @@ impl Core {
 
     /// Hand finished masks to their streams (dropped if a stream is gone).
     /// A constraint the stream's checker went on without takes the tokens
-    /// taken meanwhile and stays here, without masks (see the module's
-    /// doc); a stream waiting for a mask sends it back at once.
+    /// taken meanwhile and goes back for masks where the stream now is
+    /// (see the module's doc).
     pub(super) fn take_masks(&mut self) {
         let early = std::mem::take(self.mask_workers.early.get_mut());
         let mut behind = Vec::new();
@@ -510,13 +513,16 @@ impl Core {
                 Err(f) => s.failed(f),
             }
         }
-        // A stream waiting for its rows' masks needs them now (one per
-        // draft token its held rows verify).
+        // Back for masks where the stream now is (one per draft token its
+        // held or next rows verify), unless its row in the round being
+        // finished is still to take its token.
         for id in behind {
             let Some(s) = self.running.iter_mut().find(|s| s.id == id) else { continue };
             let draft = match &s.phase {
                 Phase::Waiting(Held::Round { fed, .. }) => fed[1..].to_vec(),
                 Phase::Waiting(Held::First(_)) => Vec::new(),
+                Phase::Decoding { .. } if self.mask_workers.rows_pending.contains(&id) => continue,
+                Phase::Decoding { draft, .. } => draft.clone(),
                 _ => continue,
             };
             let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { continue };

@@ -451,11 +451,13 @@ impl Core {
             Pick::Draw | Pick::Logits => {}
         }
         // Masks the backend's pick took reach their streams first.
+        self.mask_workers.rows_pending = plan.at.iter().map(|&at| self.running[at].id).collect();
         self.take_masks();
         let (dim, vocab) = (self.caps.feature_dim, self.caps.vocab_size);
         let mut offset = 0;
         for (row, &at) in plan.rows.iter().zip(&plan.at) {
             let n = row.tokens.len();
+            let id = self.running[at].id;
             let kept = features.get(offset * dim..(offset + n) * dim).unwrap_or(&[]);
             let checked = match &mut picked {
                 // A guided stream's rows came back as logits (see `masks`).
@@ -473,6 +475,7 @@ impl Core {
                 (Checked::Refused, _) => unreachable!("only logits rows are held"),
                 (Checked::Failed, _) => {}
             }
+            self.mask_workers.rows_pending.retain(|&p| p != id);
             offset += n;
         }
     }

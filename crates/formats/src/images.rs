@@ -63,6 +63,8 @@ pub enum ImageError {
 pub struct Pacing {
     duty: f64,
     since: Instant,
+    /// Time spent in its pauses so far.
+    paused: Duration,
 }
 
 /// The longest a paced slice runs before its pause.
@@ -76,7 +78,12 @@ impl Pacing {
 
     /// At most `duty` (in (0, 1]; 1: no pauses) of a core.
     pub fn at(duty: f64) -> Pacing {
-        Pacing { duty: duty.clamp(0.01, 1.0), since: Instant::now() }
+        Pacing { duty: duty.clamp(0.01, 1.0), since: Instant::now(), paused: Duration::ZERO }
+    }
+
+    /// How long its pauses took so far.
+    pub fn paused(&self) -> Duration {
+        self.paused
     }
 
     /// Between two pieces of work: past a slice, pause for as long as
@@ -87,8 +94,10 @@ impl Pacing {
         }
         let busy = self.since.elapsed();
         if busy >= SLICE {
+            let t = Instant::now();
             std::thread::sleep(busy.mul_f64(1.0 / self.duty - 1.0));
             self.since = Instant::now();
+            self.paused += self.since - t;
         }
     }
 }
@@ -392,20 +401,19 @@ mod tests {
             let img = decode_image(&bytes, &l, pace).unwrap();
             (bytes, prep.pixels(&img, pace).unwrap())
         };
-        // The busy time: the faster of two unpaced runs (the first warms up).
-        let mut busy = Duration::MAX;
-        let mut off = None;
-        for _ in 0..2 {
-            let t = Instant::now();
-            off = Some(run(&mut Pacing::off()));
-            busy = busy.min(t.elapsed());
-        }
-        let off = off.unwrap();
+        let off = run(&mut Pacing::off());
+        // At a quarter of a core, each slice of work (a preempted one
+        // included: wall time) is followed by a pause three times as long;
+        // only the last slice, shorter than `SLICE`, goes unpaused. Read off
+        // the pacing's own clock, so a loaded machine cannot fail it.
         let t = Instant::now();
-        let paced = run(&mut Pacing::at(0.25));
+        let mut pace = Pacing::at(0.25);
+        let paced = run(&mut pace);
+        let (paused, work) = (pace.paused(), t.elapsed() - pace.paused());
         assert_eq!(paced, off);
         assert_eq!(off.0, p);
-        assert!(t.elapsed() >= busy.mul_f64(2.0), "paced at a quarter: {:?}, unpaced {busy:?}", t.elapsed());
+        assert!(work > 2 * SLICE, "{work:?} of work: too little to pace");
+        assert!(paused >= (work - SLICE).mul_f64(2.5), "paused {paused:?} over {work:?} of work, at a quarter of a core");
         let mut bad = url.clone();
         bad.replace_range(url.len() - 10..url.len() - 9, "@");
         let Err(ImageError::Base64(e)) = data_url_bytes(&bad, &l, &mut Pacing::off()) else { panic!("a bad character passed") };

@@ -57,7 +57,7 @@ use super::stream::{Failed, Phase, Stream};
 use super::Command;
 use crate::backend::{DecodeRow, Picked, RoundMasks, StreamId};
 use crate::guide::{Constraint, TokenMask};
-use crate::sampling::Sampled;
+use crate::sampling::{Sampled, Sampler};
 
 /// How long a backend's pick waits for a guided row's mask still on its
 /// way. The round's forward runs meanwhile; without the mask the round
@@ -104,6 +104,26 @@ impl Guided {
             Guided::Away => Err("the constraint was committed to while a worker held it".into()),
         }
     }
+
+    /// Here, but without masks: back behind the stream's checker.
+    fn bare(&self) -> bool {
+        matches!(self, Guided::Here { masks, .. } if masks.is_empty())
+    }
+
+    /// Its stream's rows cannot be sampled yet: the constraint is with a
+    /// worker, or here without masks.
+    fn waits(&self) -> bool {
+        matches!(self, Guided::Away) || self.bare()
+    }
+}
+
+/// The argmax of `row` and whether `c` allows it. Only for a stream that
+/// samples greedily with no penalty ([`greedy_plain`]): the row is left as
+/// it was.
+fn argmax_allowed(sampler: &mut Sampler, c: &mut dyn Constraint, row: &mut [f32]) -> Result<(Sampled, bool), Failed> {
+    let first = sampler.sample_masked(row, None, None);
+    let allowed = guarded(|| c.allows(first.token))?;
+    Ok((first, allowed))
 }
 
 /// Sample a logits row of `s` (its row `j` of a round): within the row's
@@ -115,9 +135,8 @@ pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &m
         // A row the lane has not checked (a draft's that came late): the
         // mask, if needed, is computed here.
         Some(Guided::Checks(c)) => {
-            // Greedy with no penalty: the row is left as it was.
-            let first = s.sampler.sample_masked(row, None, None);
-            if guarded(|| c.allows(first.token))? {
+            let (first, allowed) = argmax_allowed(&mut s.sampler, &mut **c, row)?;
+            if allowed {
                 return Ok(first);
             }
             stats.guided_masks += 1;
@@ -126,11 +145,10 @@ pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &m
         }
         // A row whose mask came late or stale, its argmax checked (`check_late`).
         Some(g) if g.mask(j).is_none() && s.checker.is_some() => {
-            let first = s.sampler.sample_masked(row, None, None);
             let ch = s.checker.as_mut().expect("matched above");
-            return match guarded(|| ch.constraint.allows(first.token))? {
-                true => Ok(first),
-                false => Err(Failed::Other(format!("no mask for row {j} of a guided stream"))),
+            return match argmax_allowed(&mut s.sampler, &mut *ch.constraint, row)? {
+                (first, true) => Ok(first),
+                (_, false) => Err(Failed::Other(format!("no mask for row {j} of a guided stream"))),
             };
         }
         Some(g) => Some(g.mask(j).ok_or_else(|| Failed::Other(format!("no mask for row {j} of a guided stream")))?),
@@ -180,7 +198,7 @@ fn greedy_plain(s: &Stream) -> bool {
     s.sampler.params().is_greedy() && !s.sampler.penalised() && s.logprobs.is_none()
 }
 
-/// What checking a row's argmax found (see [`Core::check_first`]).
+/// What checking a row's argmax found (see [`Core::check`]).
 pub(super) enum Checked {
     /// Sample the row: no check was due, or the grammar takes the argmax.
     Take,
@@ -197,6 +215,16 @@ pub(super) enum Held {
     /// A decode round's rows: the tokens they fed (the last token, then
     /// the draft verified), their logits rows and their feature rows.
     Round { fed: Vec<u32>, logits: Vec<f32>, features: Vec<f32> },
+}
+
+impl Held {
+    /// The draft tokens the held rows verify (a mask is needed for each).
+    fn draft(&self) -> Vec<u32> {
+        match self {
+            Held::Round { fed, .. } => fed[1..].to_vec(),
+            Held::First(_) => Vec::new(),
+        }
+    }
 }
 
 struct Job {
@@ -309,7 +337,7 @@ impl PickMasks<'_> {
         let rows = rows.iter().map(|r| r.tokens.len()).zip(at).map(|(n, &a)| match &running[a].guided {
             None => RowsOf::Free(n),
             // Back behind its checker: no masks until its next token.
-            Some(Guided::Here { masks, .. }) if masks.is_empty() => RowsOf::Checks,
+            Some(g) if g.bare() => RowsOf::Checks,
             Some(Guided::Here { masks, .. }) => RowsOf::Here(n, masks.clone()),
             // Behind: the worker's masks are for an earlier place.
             Some(Guided::Away) if running[a].checker.as_ref().is_some_and(|c| !c.behind.is_empty()) => RowsOf::Checks,
@@ -412,20 +440,30 @@ impl Core {
         greedy_plain(s) && !picks.argmax && picks.top_k == 0 && !picks.draw
     }
 
+    /// For a lone row of the stream at `at` that came back as logits:
+    /// whether it is sampled now or waits for its mask. A stream that
+    /// checks first checks its argmax; one whose mask is late, by its
+    /// checker if it has one.
+    pub(super) fn check(&mut self, at: usize, row: &mut [f32]) -> Checked {
+        if self.masks_ready(at) {
+            self.check_first(at, row)
+        } else {
+            self.check_late(at, row)
+        }
+    }
+
     /// For a stream whose mask came late, whether its checker takes the
     /// argmax of its logits `row` (no checker: it waits for the mask).
-    pub(super) fn check_late(&mut self, at: usize, row: &mut [f32]) -> Checked {
+    fn check_late(&mut self, at: usize, row: &mut [f32]) -> Checked {
         let s = &mut self.running[at];
         let Some(ch) = s.checker.as_mut() else { return Checked::Refused };
-        // Greedy with no penalty: the row is left as it was.
-        let token = s.sampler.sample_masked(row, None, None).token;
-        match guarded(|| ch.constraint.allows(token)) {
-            Ok(true) => {
+        match argmax_allowed(&mut s.sampler, &mut *ch.constraint, row) {
+            Ok((_, true)) => {
                 self.stats.guided_checks += 1;
                 Checked::Take
             }
             // The caller holds the row (see `hold`).
-            Ok(false) => Checked::Refused,
+            Ok((_, false)) => Checked::Refused,
             Err(f) => {
                 s.failed(f);
                 Checked::Failed
@@ -454,17 +492,15 @@ impl Core {
     /// For a stream that checks first, whether the grammar takes the argmax
     /// of its logits `row`; when it refuses it, a worker computes the mask
     /// (the caller holds the row for it).
-    pub(super) fn check_first(&mut self, at: usize, row: &mut [f32]) -> Checked {
+    fn check_first(&mut self, at: usize, row: &mut [f32]) -> Checked {
         let s = &mut self.running[at];
         let Some(Guided::Checks(c)) = &mut s.guided else { return Checked::Take };
-        // Greedy with no penalty: the row is left as it was.
-        let token = s.sampler.sample_masked(row, None, None).token;
-        match guarded(|| c.allows(token)) {
-            Ok(true) => {
+        match argmax_allowed(&mut s.sampler, &mut **c, row) {
+            Ok((_, true)) => {
                 self.stats.guided_checks += 1;
                 Checked::Take
             }
-            Ok(false) => {
+            Ok((_, false)) => {
                 let Some(Guided::Checks(constraint)) = s.guided.replace(Guided::Away) else { unreachable!("matched above") };
                 self.mask_workers.send(Job { stream: s.id, constraint, draft: Vec::new() });
                 self.mask_workers.refused.push(s.id);
@@ -519,8 +555,7 @@ impl Core {
         for id in behind {
             let Some(s) = self.running.iter_mut().find(|s| s.id == id) else { continue };
             let draft = match &s.phase {
-                Phase::Waiting(Held::Round { fed, .. }) => fed[1..].to_vec(),
-                Phase::Waiting(Held::First(_)) => Vec::new(),
+                Phase::Waiting(held) => held.draft(),
                 Phase::Decoding { .. } if self.mask_workers.rows_pending.contains(&id) => continue,
                 Phase::Decoding { draft, .. } => draft.clone(),
                 _ => continue,
@@ -536,11 +571,7 @@ impl Core {
         if matches!(self.running[at].guided, Some(Guided::Away)) {
             self.take_masks();
         }
-        match &self.running[at].guided {
-            Some(Guided::Away) => false,
-            Some(Guided::Here { masks, .. }) => !masks.is_empty(),
-            _ => true,
-        }
+        !self.running[at].guided.as_ref().is_some_and(Guided::waits)
     }
 
     /// Park a stream's results until its masks come. A constraint here
@@ -548,13 +579,9 @@ impl Core {
     pub(super) fn hold(&mut self, at: usize, held: Held) {
         self.stats.mask_waits += 1;
         let s = &mut self.running[at];
-        if matches!(&s.guided, Some(Guided::Here { masks, .. }) if masks.is_empty()) {
-            let draft = match &held {
-                Held::Round { fed, .. } => fed[1..].to_vec(),
-                Held::First(_) => Vec::new(),
-            };
-            let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { unreachable!("matched above") };
-            self.mask_workers.send(Job { stream: s.id, constraint, draft });
+        if s.guided.as_ref().is_some_and(Guided::bare) {
+            let Some(Guided::Here { constraint, .. }) = s.guided.replace(Guided::Away) else { unreachable!("bare is here") };
+            self.mask_workers.send(Job { stream: s.id, constraint, draft: held.draft() });
         }
         s.phase = Phase::Waiting(held);
     }
@@ -568,8 +595,7 @@ impl Core {
         let mut moved = false;
         for at in 0..self.running.len() {
             let s = &mut self.running[at];
-            let no_masks = matches!(&s.guided, Some(Guided::Away)) || matches!(&s.guided, Some(Guided::Here { masks, .. }) if masks.is_empty());
-            if !matches!(s.phase, Phase::Waiting(_)) || no_masks {
+            if !matches!(s.phase, Phase::Waiting(_)) || s.guided.as_ref().is_some_and(Guided::waits) {
                 continue;
             }
             let Phase::Waiting(held) = std::mem::replace(&mut s.phase, Phase::Decoding { last: 0, draft: Vec::new() }) else { continue };

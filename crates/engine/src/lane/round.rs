@@ -387,8 +387,7 @@ impl Core {
             other => return s.fail(format!("the backend returned {} logits for the last prompt row, expected {vocab}", other.map_or(0, |l| l.len()))),
         };
         let mut logits = logits;
-        let checked = if self.masks_ready(at) { self.check_first(at, &mut logits) } else { self.check_late(at, &mut logits) };
-        match checked {
+        match self.check(at, &mut logits) {
             Checked::Take => self.first_token(at, logits),
             Checked::Refused => self.hold(at, Held::First(logits)),
             Checked::Failed => {}
@@ -461,9 +460,8 @@ impl Core {
             let kept = features.get(offset * dim..(offset + n) * dim).unwrap_or(&[]);
             let checked = match &mut picked {
                 // A guided stream's rows came back as logits (see `masks`).
-                Picked::Logits(l) if !self.masks_ready(at) && n == 1 => self.check_late(at, &mut l[offset * vocab..(offset + 1) * vocab]),
+                Picked::Logits(l) if n == 1 => self.check(at, &mut l[offset * vocab..(offset + 1) * vocab]),
                 Picked::Logits(_) if !self.masks_ready(at) => Checked::Refused,
-                Picked::Logits(l) if n == 1 => self.check_first(at, &mut l[offset * vocab..(offset + 1) * vocab]),
                 _ => Checked::Take,
             };
             match (checked, &picked) {

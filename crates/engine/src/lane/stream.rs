@@ -168,19 +168,19 @@ impl Stream {
 
     /// End with an error (once).
     pub fn fail(&mut self, msg: String) {
-        if self.ended() {
-            return;
-        }
-        self.send(Event::Error(msg));
-        self.phase = Phase::Ended(End::Failed);
+        self.end_failed(Event::Error(msg));
     }
 
     /// The stream's grammar could not be followed: the request's fault.
     pub fn fail_grammar(&mut self, msg: String) {
+        self.end_failed(Event::GrammarError(msg));
+    }
+
+    fn end_failed(&mut self, event: Event) {
         if self.ended() {
             return;
         }
-        self.send(Event::GrammarError(msg));
+        self.send(event);
         self.phase = Phase::Ended(End::Failed);
     }
 

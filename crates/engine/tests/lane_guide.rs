@@ -30,6 +30,14 @@ fn refusals(prompt: &[u32], tokens: &[u32]) -> usize {
     (0..tokens.len()).filter(|&n| !fake_allows(EVERY, n, fake_next(seq[prompt.len() + n - 1], prompt.len() + n, 64))).count()
 }
 
+/// A fake whose decode rounds take ~1 ms and that picks argmax and top-k
+/// on the device (asking for guided rows' masks when it picks), as CUDA.
+fn on_device() -> FakeConfig {
+    let mut fc = slow();
+    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+    fc
+}
+
 fn assert_within(tokens: &[u32]) {
     for (n, &t) in tokens.iter().enumerate() {
         assert!(fake_allows(EVERY, n, t), "token {t} at {n} is outside its mask");
@@ -108,7 +116,7 @@ fn sampled_guided_rows_take_their_top_k_within_their_masks_on_the_device() {
     assert!(rounds.iter().all(|&p| p == Pick::Logits));
     assert_ne!(host, fake_guided(&prompt(6, 54), 24, 64, EVERY), "sampling at 0.8 should leave the greedy path");
     for delay in [None, Some(Duration::from_millis(5))] {
-        let (tokens, rounds, waits) = run(Picks { argmax: true, top_k: 8, ..Picks::default() }, delay);
+        let (tokens, rounds, waits) = run(on_device().caps.picks, delay);
         assert_eq!(tokens, host, "delay {delay:?}");
         assert!(rounds.len() >= 23, "{} rounds with the guided stream", rounds.len());
         assert!(rounds.iter().all(|&p| p == Pick::TopK(5)), "a round with the guided stream asked for {rounds:?}");
@@ -126,9 +134,7 @@ fn sampled_guided_rows_take_their_top_k_within_their_masks_on_the_device() {
 #[test]
 fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
     for delay in [None, Some(Duration::from_millis(5))] {
-        let mut fc = slow();
-        fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
-        let (lane, log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+        let (lane, log) = lane(on_device(), LaneConfig { mask_threads: 1, ..no_marks() });
         let g = FakeGrammar { delay, ..grammar() };
         let (pa, pb) = (prompt(3, 58), prompt(6, 59));
         let a = decoding(&lane, pa.clone(), 120);
@@ -159,9 +165,7 @@ fn greedy_guided_rows_are_picked_within_their_masks_on_the_device() {
 // argmax.
 #[test]
 fn a_late_mask_holds_back_only_a_refused_token() {
-    let mut fc = slow();
-    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
-    let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+    let (lane, _log) = lane(on_device(), LaneConfig { mask_threads: 1, ..no_marks() });
     let g = FakeGrammar { delay: Some(Duration::from_millis(5)), ..grammar() };
     let p = prompt(6, 61);
     let out = drain(&lane.submit(guided(p.clone(), 30, &g)).unwrap()).tokens;
@@ -183,8 +187,7 @@ fn a_late_mask_holds_back_only_a_refused_token() {
 // late is always missing.
 #[test]
 fn after_a_late_mask_the_masks_apply_on_the_device_again() {
-    let mut fc = slow();
-    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+    let mut fc = on_device();
     fc.masks_first = true;
     let missing = fc.masks_missing.clone();
     let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
@@ -206,8 +209,7 @@ fn after_a_late_mask_the_masks_apply_on_the_device_again() {
 // round's logits, which ends launching ahead.
 #[test]
 fn a_pick_asked_at_once_waits_a_little_for_a_mask_on_its_way() {
-    let mut fc = slow();
-    fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+    let mut fc = on_device();
     fc.masks_first = true;
     let missing = fc.masks_missing.clone();
     let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
@@ -265,8 +267,7 @@ fn guided_drafting_is_lossless() {
 #[test]
 fn guided_drafting_with_late_masks_on_the_device_is_lossless() {
     let run = |drafter: bool| {
-        let mut fc = slow();
-        fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
+        let fc = on_device();
         let lc = LaneConfig { mask_threads: 1, draft_max_streams: 4, ..no_marks() };
         let (lane, _log) = if drafter { lane_with_drafter(fc, lc, 5) } else { lane(fc, lc) };
         let g = FakeGrammar { delay: Some(Duration::from_micros(100)), slow_every: 4, slow: Duration::from_millis(3), ..grammar() };

@@ -61,8 +61,6 @@ pub fn with_layout(schema: &Value, strict: bool) -> Result<Value, String> {
 /// Compiles grammars for one model's vocabulary.
 pub struct Grammars {
     factory: ParserFactory,
-    /// The tokenizer tokenizes a piece as the model's does (see [`Follow::allows`]).
-    canonical: bool,
 }
 
 impl Grammars {
@@ -94,11 +92,10 @@ impl Grammars {
             ends.push(eos);
         }
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&ends);
-        let canonical = tok.encode_piece("a").is_some();
-        let env: TokEnv = Arc::new(Vocab { canonical, trie, tok: tok.clone() });
+        let env: TokEnv = Arc::new(Vocab { canonical: tok.encode_piece("a").is_some(), trie, tok: tok.clone() });
         let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), slices)?;
         factory.quiet();
-        Ok(Grammars { factory, canonical })
+        Ok(Grammars { factory })
     }
 
     /// A guide for `spec`, or why llguidance refuses it.
@@ -122,7 +119,7 @@ impl Grammars {
         if let Some(e) = probe.get_error() {
             return Err(e.lines().next().unwrap_or_default().to_string());
         }
-        Ok(Guide::new(Compiled { parser, canonical: self.canonical }))
+        Ok(Guide::new(Compiled(parser)))
     }
 }
 
@@ -169,23 +166,25 @@ impl TokenizerEnv for Vocab {
 
 /// A compiled grammar; each stream follows a clone of its fresh parser
 /// (clones share the lexer's cache, which warms up for all of them).
-struct Compiled {
-    parser: TokenParser,
-    canonical: bool,
-}
+struct Compiled(TokenParser);
 
 impl Grammar for Compiled {
     fn start(&self) -> Result<Box<dyn Constraint>, String> {
-        let m = Matcher::new(Ok(self.parser.clone()));
+        let m = Matcher::new(Ok(self.0.clone()));
         match m.get_error() {
             Some(e) => Err(e),
-            None => Ok(Box::new(Follow { m, canonical: self.canonical })),
+            None => {
+                let canonical = m.tok_env().is_ok_and(|env| env.tokenize_is_canonical());
+                Ok(Box::new(Follow { m, canonical }))
+            }
         }
     }
 }
 
 struct Follow {
     m: Matcher,
+    /// Its vocabulary tokenizes a piece as the model's does: forced bytes
+    /// then become forced tokens (see [`Follow::allows`]).
     canonical: bool,
 }
 

@@ -35,7 +35,7 @@ impl Cuda {
                 self.launch(self.inner.fns.embed)
                     .blocks(ids.len())
                     .block(256)
-                    .ptr(table.buf.ptr)
+                    .ptr(table.ptr())
                     .ptr(p)
                     .int(table.cols)
                     .int(table.rows)

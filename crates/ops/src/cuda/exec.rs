@@ -297,9 +297,9 @@ impl Cuda {
     pub(super) fn note_weight(&self, w: &CudaWeight, table: bool) {
         if let Some(r) = self.st().exec.rec.as_mut() {
             if table {
-                r.tables.insert(w.buf.ptr);
+                r.tables.insert(w.ptr());
             } else {
-                r.weights.insert(w.buf.ptr, w as *const CudaWeight);
+                r.weights.insert(w.ptr(), w as *const CudaWeight);
             }
         }
     }
@@ -559,7 +559,8 @@ impl Cuda {
     /// ([`fuse::fold_plan`]), once, before anything is served.
     pub(super) fn prepare_forward(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         rt::make_current(self.ctx())?;
-        if !self.inner.tuning.norm_fold {
+        let t = &self.inner.tuning;
+        if !t.norm_fold && !t.pack {
             return Ok(());
         }
         self.begin_recording(true);
@@ -568,12 +569,18 @@ impl Cuda {
         rt::free_deferred();
         r?;
         self.check_error()?;
-        for (w, g) in fuse::fold_plan(&rec.ops, &rec.tables, &rec.cuts) {
-            let Some(&wp) = rec.weights.get(&w) else { continue };
-            // SAFETY: the weights belong to the model `run` borrows, which
-            // outlives this call.
-            let weight = unsafe { &*wp };
-            self.fold_norm(weight, g)?;
+        if t.norm_fold {
+            for (w, g) in fuse::fold_plan(&rec.ops, &rec.tables, &rec.cuts) {
+                let Some(&wp) = rec.weights.get(&w) else { continue };
+                // SAFETY: the weights belong to the model `run` borrows, which
+                // outlives this call.
+                let weight = unsafe { &*wp };
+                self.fold_norm(weight, g)?;
+            }
+        }
+        if t.pack {
+            self.sync()?;
+            self.pack_weights(&rec.ops, &rec.weights)?;
         }
         self.sync()
     }

@@ -146,12 +146,12 @@ impl Cuda {
         let b = self.random_weight(n, n, 2, 1.0)?;
         let c = DevBuf::new(self.ctx(), n * n * 2)?;
         for _ in 0..3 {
-            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, GemmOut::Bf16)?;
+            self.gemm(a.ptr(), b.ptr(), c.ptr, n, n, n, GemmOut::Bf16)?;
         }
         self.sync()?;
         let t = std::time::Instant::now();
         for _ in 0..iters {
-            self.gemm(a.buf.ptr, b.buf.ptr, c.ptr, n, n, n, GemmOut::Bf16)?;
+            self.gemm(a.ptr(), b.ptr(), c.ptr, n, n, n, GemmOut::Bf16)?;
         }
         self.sync()?;
         Ok(2.0 * (n as f64).powi(3) * iters as f64 / t.elapsed().as_secs_f64() / 1e12)

@@ -156,7 +156,7 @@ impl Cuda {
             return Ok(());
         }
         let n = w.rows * w.cols;
-        self.launch(self.inner.fns.scale_cols).elementwise(n).ptr(w.buf.ptr).ptr(g).u64(n as u64).int(w.cols).run()?;
+        self.launch(self.inner.fns.scale_cols).elementwise(n).ptr(w.ptr()).ptr(g).u64(n as u64).int(w.cols).run()?;
         w.folded.store(g, Ordering::Relaxed);
         Ok(())
     }

@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 use super::exec::{Cmd, Recording};
 use super::fuse::{self, Group, OpRec, TRef, Tail, WRef};
 use super::gemm::GemmOut;
+use super::tensor::{adjacent, PACK_ROWS};
 use super::Cuda;
 
 /// The buffers whose bf16 copy is current, as lowering goes.
@@ -248,6 +249,24 @@ impl Cuda {
                 self.gemv_gated_cmd(input, wg, wu, act, out)?;
             } else if self.skinny_fits(rows, k) {
                 self.skinny_gated_cmd(input.x.b, rows, k, wg.ptr, wu.ptr, m, act, out)?;
+            } else if m.is_multiple_of(8) && adjacent(&[wg, wu]) {
+                // Gate and up packed at prepare: one GEMM writes each row's
+                // gate then up values, [rows, 2m] bf16, into gate's f32
+                // buffer (as many bytes, and dead after the group).
+                self.gemm(wg.ptr, input.x.b, gate.f, 2 * m, rows, k, GemmOut::Bf16)?;
+                let (units, m8) = ((rows * m / 8) as u64, (m / 8) as u64);
+                let up_at = gate.f + 2 * m as u64;
+                self.launch(self.inner.fns.act_mul_bf8)
+                    .elementwise(units as usize)
+                    .ptr(gate.f)
+                    .ptr(up_at)
+                    .ptr(out.f)
+                    .ptr(out.b)
+                    .u64(units)
+                    .i32(act)
+                    .u64(m8)
+                    .u64(2 * m8)
+                    .run()?;
             } else {
                 let xb = input.x.b;
                 self.branches(&mut [&mut || self.gemm(wg.ptr, xb, gate.b, m, rows, k, GemmOut::Bf16), &mut || {
@@ -256,8 +275,22 @@ impl Cuda {
                 let len = rows * m;
                 // Eight values a thread where the length allows (the buffers
                 // start 256-byte aligned).
-                let (f, units) = if len.is_multiple_of(8) { (self.inner.fns.act_mul_bf8, len / 8) } else { (self.inner.fns.act_mul_bf, len) };
-                self.launch(f).elementwise(units).ptr(gate.b).ptr(up.b).ptr(out.f).ptr(out.b).u64(units as u64).i32(act).run()?;
+                if len.is_multiple_of(8) {
+                    let units = (len / 8) as u64;
+                    self.launch(self.inner.fns.act_mul_bf8)
+                        .elementwise(units as usize)
+                        .ptr(gate.b)
+                        .ptr(up.b)
+                        .ptr(out.f)
+                        .ptr(out.b)
+                        .u64(units)
+                        .i32(act)
+                        .u64(units)
+                        .u64(units)
+                        .run()?;
+                } else {
+                    self.launch(self.inner.fns.act_mul_bf).elementwise(len).ptr(gate.b).ptr(up.b).ptr(out.f).ptr(out.b).u64(len as u64).i32(act).run()?;
+                }
             }
         }
         // Only gate's and up's bf16 halves, at most, hold values now.
@@ -290,6 +323,9 @@ impl Cuda {
             None => Input::plain(*x),
         };
         if !gemv {
+            if let Some(src) = self.packed_qkv(input, ws, norm.is_some(), bf)? {
+                return self.lower_rope_kv_from(&ops[rq], &ops[rk], &ops[kv], src, bf);
+            }
             self.lower_mm(input, ws, outs, norm.is_some(), bf)?;
             return self.lower_rope_kv(&ops[rq], &ops[rk], &ops[kv], bf);
         }
@@ -337,8 +373,34 @@ impl Cuda {
         Ok(())
     }
 
+    /// q, k and v as one cuBLAS GEMM over their packed weights, into the
+    /// device's `pack_out` buffer (f32, a row's q, k and v side by side),
+    /// where cuBLAS would run anyway and the rows fit: the buffer's address
+    /// and row width. None where they do not: the caller runs a GEMM each.
+    fn packed_qkv(&self, input: Input, ws: &[WRef], folded: bool, bf: &mut Bf) -> Result<Option<(u64, usize)>> {
+        let x = input.x;
+        let width: usize = ws.iter().map(|w| w.rows).sum();
+        let fits = x.rows > 0 && x.rows <= PACK_ROWS && !self.gemv_fits(x.rows, x.cols) && !self.skinny_fits(x.rows, x.cols) && adjacent(ws);
+        let Some(out) = self.st().pack_out.last().map(|b| (b.ptr, b.bytes)).filter(|&(_, bytes)| fits && bytes >= PACK_ROWS * width * 4) else {
+            return Ok(None);
+        };
+        if !folded {
+            refuse_folded(ws, x.rows)?;
+        }
+        self.ensure_bf(&x, bf)?;
+        self.gemm(ws[0].ptr, x.b, out.0, width, x.rows, x.cols, GemmOut::F32)?;
+        Ok(Some((out.0, width)))
+    }
+
     /// RoPE of q and k and the KV write in one kernel.
     fn lower_rope_kv(&self, rope_q: &OpRec, rope_k: &OpRec, kv: &OpRec, bf: &mut Bf) -> Result<()> {
+        self.lower_rope_kv_from(rope_q, rope_k, kv, (0, 0), bf)
+    }
+
+    /// As [`Self::lower_rope_kv`], q, k and v first copied in from `src`
+    /// (its address and row width; address 0: none), where one GEMM wrote
+    /// them side by side ([`Self::packed_qkv`]).
+    fn lower_rope_kv_from(&self, rope_q: &OpRec, rope_k: &OpRec, kv: &OpRec, src: (u64, usize), bf: &mut Bf) -> Result<()> {
         let (
             &OpRec::Rope { x: q, pos, head_dim, dims, theta, scale, neox },
             &OpRec::Rope { x: k, .. },
@@ -372,10 +434,15 @@ impl Cuda {
                 .flag(neox)
                 .ptr(kc)
                 .ptr(vc)
+                .ptr(src.0)
+                .int(src.1)
                 .run()?;
         }
         bf.remove(&q.f);
         bf.remove(&k.f);
+        if src.0 != 0 {
+            bf.remove(&v.f);
+        }
         Ok(())
     }
 

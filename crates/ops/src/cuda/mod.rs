@@ -62,6 +62,12 @@ struct State {
     attn: attention::Attn,
     sampling: sampling::Scratch,
     prof: profile::Profile,
+    /// Where one GEMM over packed q, k and v weights writes (f32, up to
+    /// [`tensor::PACK_ROWS`] rows of the widest list), before `rope_kv`
+    /// splits it. Every one made stays: graphs hold their addresses.
+    pack_out: Vec<DevBuf>,
+    /// Lists of weights packed ([`Cuda::packed_weights`]).
+    packed: usize,
 }
 
 struct Inner {
@@ -187,6 +193,8 @@ impl Cuda {
                     attn: attention::Attn::new(raw_ctx),
                     sampling: sampling::Scratch::new(raw_ctx),
                     prof,
+                    pack_out: Vec::new(),
+                    packed: 0,
                 }),
                 hybrid: recurrent::Hybrid::default(),
             }),

@@ -5,13 +5,15 @@
 //! The `Device` methods that allocate or copy (`tensor`, `upload`,
 //! `download`, `weight`, `vector`, `kv_pool`) are implemented here.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Result};
 use braid_formats::{DType, TensorView};
 use cudarc::driver::{result as drv, sys};
 
-use super::fuse::{TRef, WRef};
+use super::fuse::{OpRec, TRef, WRef};
 use super::rt::{self, cu, DevBuf};
 use super::Cuda;
 use crate::KvPoolSpec;
@@ -43,11 +45,26 @@ impl CudaTensor {
     }
 }
 
+/// Most rows of the product that one GEMM over packed q, k and v weights
+/// computes ([`Cuda::pack_weights`]): past them, a GEMM each is large
+/// enough alone.
+pub(super) const PACK_ROWS: usize = 256;
+
+/// Whether `ws` lie one after another in memory, in order, as one
+/// `[sum of rows, cols]` weight ([`Cuda::pack_weights`]).
+pub(super) fn adjacent(ws: &[WRef]) -> bool {
+    ws.windows(2).all(|p| p[0].cols == p[1].cols && p[0].ptr + (p[0].rows * p[0].cols * 2) as u64 == p[1].ptr)
+}
+
 /// A bf16 weight `[rows = out, cols = in]`.
 pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
-    pub(super) buf: DevBuf,
+    /// Where its values start: `mem`'s start, or, once packed beside the
+    /// weights one product reads with it ([`Cuda::pack_weights`]), its
+    /// place in their shared buffer.
+    ptr: AtomicU64,
+    mem: Mutex<Arc<DevBuf>>,
     /// The RMSNorm weight (its f32 buffer) folded into the columns at
     /// load, if any (`Device::prepare`): the weight then serves only the
     /// products that read that norm.
@@ -55,9 +72,21 @@ pub struct CudaWeight {
 }
 
 impl CudaWeight {
+    pub(super) fn new(rows: usize, cols: usize, buf: DevBuf) -> CudaWeight {
+        CudaWeight { rows, cols, ptr: AtomicU64::new(buf.ptr), mem: Mutex::new(Arc::new(buf)), folded: AtomicU64::new(0) }
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.ptr.load(Ordering::Relaxed)
+    }
+
+    fn bytes(&self) -> usize {
+        self.rows * self.cols * 2
+    }
+
     /// The weight as a recorded op names it.
     pub(super) fn wref(&self) -> WRef {
-        WRef { ptr: self.buf.ptr, rows: self.rows, cols: self.cols, folded: self.folded.load(Ordering::Relaxed) }
+        WRef { ptr: self.ptr(), rows: self.rows, cols: self.cols, folded: self.folded.load(Ordering::Relaxed) }
     }
 }
 
@@ -170,13 +199,78 @@ impl Cuda {
         Ok(CudaKv { spec: spec.clone(), k, v })
     }
 
+    /// The weights each multi-weight product of a recorded forward reads
+    /// (q, k and v; gate and up), moved into one buffer in that order:
+    /// past the skinny GEMM's rows, one cuBLAS GEMM then computes them
+    /// all (`lower.rs`), where a GEMM each left a mixed round's products
+    /// too small to fill the GPU. The old buffers are freed. A weight that
+    /// two such lists read, or of another width, stays where it is.
+    pub(super) fn pack_weights(&self, ops: &[OpRec], weights: &HashMap<u64, *const CudaWeight>) -> Result<()> {
+        let mut lists: Vec<Vec<u64>> = Vec::new();
+        for op in ops {
+            if let OpRec::Mm { ws, .. } = op {
+                let list: Vec<u64> = ws.iter().map(|w| w.ptr).collect();
+                if !lists.contains(&list) {
+                    lists.push(list);
+                }
+            }
+        }
+        // Each weight in one list, or in none packed.
+        let mut uses: HashMap<u64, usize> = HashMap::new();
+        for p in lists.iter().flatten() {
+            *uses.entry(*p).or_default() += 1;
+        }
+        let (mut packed, mut widest) = (0, 0);
+        for list in lists.iter().filter(|l| l.len() >= 2) {
+            let distinct: HashSet<&u64> = list.iter().collect();
+            // SAFETY: the weights belong to the model the recorded forward
+            // borrowed, which outlives `Device::prepare`.
+            let ws: Option<Vec<&CudaWeight>> = list.iter().map(|p| weights.get(p).map(|&w| unsafe { &*w })).collect();
+            let Some(ws) = ws else { continue };
+            let cols = ws[0].cols;
+            let fits =
+                distinct.len() == list.len() && list.iter().all(|p| uses[p] == 1) && ws.iter().all(|w| w.cols == cols && w.rows > 0) && cols.is_multiple_of(8);
+            if !fits || adjacent(&ws.iter().map(|w| w.wref()).collect::<Vec<_>>()) {
+                continue;
+            }
+            let mem = Arc::new(DevBuf::new(self.ctx(), ws.iter().map(|w| w.bytes()).sum())?);
+            let mut off = 0;
+            for w in &ws {
+                unsafe { cu(drv::memcpy_dtod_async(mem.ptr + off as u64, w.ptr(), w.bytes(), self.stream() as sys::CUstream), "weight pack")? };
+                off += w.bytes();
+            }
+            self.sync()?;
+            let mut off = 0;
+            for w in &ws {
+                w.ptr.store(mem.ptr + off as u64, Ordering::Relaxed);
+                *w.mem.lock().unwrap_or_else(|e| e.into_inner()) = mem.clone();
+                off += w.bytes();
+            }
+            packed += 1;
+            widest = widest.max(ws.iter().map(|w| w.rows).sum::<usize>() * usize::from(ws.len() == 3));
+        }
+        let have = self.st().pack_out.last().map_or(0, |b| b.bytes);
+        if widest * PACK_ROWS * 4 > have {
+            let buf = DevBuf::new(self.ctx(), widest * PACK_ROWS * 4)?;
+            self.st().pack_out.push(buf);
+        }
+        self.st().packed += packed;
+        Ok(())
+    }
+
+    /// How many lists of weights `Device::prepare` has packed so far
+    /// ([`Cuda::pack_weights`]).
+    pub fn packed_weights(&self) -> usize {
+        self.st().packed
+    }
+
     /// A weight of uniform random values in `[-amp, amp)` made on the device.
     pub fn random_weight(&self, rows: usize, cols: usize, seed: u64, amp: f32) -> Result<CudaWeight> {
         rt::make_current(self.ctx())?;
         let n = rows * cols;
         let buf = DevBuf::new(self.ctx(), n * 2)?;
         self.launch(self.inner.fns.fill_random_bf16).grid((1024, 1, 1)).block(256).ptr(buf.ptr).u64(n as u64).u64(seed).f32(amp).f32(0.0).run()?;
-        Ok(CudaWeight { rows, cols, buf, folded: AtomicU64::new(0) })
+        Ok(CudaWeight::new(rows, cols, buf))
     }
 
     /// A one-row tensor filled with `v`.
@@ -200,7 +294,7 @@ impl Cuda {
         if !bits.is_empty() {
             unsafe { cu(drv::memcpy_htod_async(buf.ptr, bits, self.stream() as sys::CUstream), "weight upload")? };
         }
-        Ok(CudaWeight { rows, cols, buf, folded: AtomicU64::new(0) })
+        Ok(CudaWeight::new(rows, cols, buf))
     }
 
     /// Device-to-device copy bandwidth in GB/s (bytes read + written).

@@ -128,6 +128,10 @@ pub struct Tuning {
     /// Sampled rows (top-p, min-p, plain temperature) are drawn here
     /// (`RowPick::Draw`) instead of coming back whole.
     pub draw: bool,
+    /// The weights one product reads together (q, k and v; gate and up)
+    /// share one buffer after `Device::prepare`, so that past the skinny
+    /// GEMM's rows one cuBLAS GEMM computes them all (`Cuda::pack_weights`).
+    pub pack: bool,
 }
 
 impl Default for Tuning {
@@ -158,6 +162,7 @@ impl Default for Tuning {
             branches: true,
             graphs: true,
             draw: true,
+            pack: true,
         }
     }
 }
@@ -200,7 +205,7 @@ impl Tuning {
     /// `_ATTN_PREFILL_FROM`, `_ATTN_DEC_ROWS`, `_ATTN_PREFILL_SPLITS`, `_ATTN_PREFILL_BLOCKS`,
     /// `_ATTN_CLUSTER`, `_ATTN_CLUSTER_MAX`, `_PDL`, `_PDL_EARLY`, `_NORM_FOLD`,
     /// `_NORM_FOLD_ROWS`, `_ROPE_FOLD`, `_AHEAD`, `_LAUNCH_AHEAD`,
-    /// `_BRANCHES`, `_GRAPHS`).
+    /// `_BRANCHES`, `_GRAPHS`, `_DRAW`, `_PACK`).
     #[cfg(feature = "cuda-tuning")]
     pub fn from_env() -> Tuning {
         let d = Tuning::default();
@@ -232,6 +237,7 @@ impl Tuning {
             branches: on("BRANCHES", d.branches),
             graphs: on("GRAPHS", d.graphs),
             draw: on("DRAW", d.draw),
+            pack: on("PACK", d.pack),
         }
     }
 

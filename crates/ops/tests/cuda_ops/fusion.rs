@@ -238,6 +238,12 @@ impl Group {
         }
     }
 
+    /// Whether the group has a product of several weights (which
+    /// `prepare` packs into one buffer).
+    fn packs(&self) -> bool {
+        !matches!(self, Group::Resid | Group::AddNorm { .. })
+    }
+
     /// Whether `prepare` folds a norm into this group's products.
     fn folds(&self) -> bool {
         !matches!(self, Group::Resid | Group::AddNorm { product: false })
@@ -324,6 +330,8 @@ fn run_group(d: &Cuda, h: &GHost, g: Group, mode: Mode, rows: usize, key: u64) -
 /// where the gated product takes cuBLAS), and with their norms folded at
 /// `prepare` within bf16 rounding; the KV written the same; a keyed forward
 /// (captured, then replayed as a CUDA graph) gives the eager folded bits.
+/// After `prepare` a product's weights share one buffer, so past the
+/// skinny GEMM's rows q, k and v, and gate and up, are one GEMM each.
 #[test]
 fn every_fusion_group_equals_the_unfused_ops() {
     let Some(d) = gpu() else { return };
@@ -356,7 +364,12 @@ fn fusion_groups(d: &Cuda, row_counts: &[usize]) {
             let mut runs = Vec::new();
             for mode in MODES {
                 key += 1;
+                let packed = d.packed_weights();
                 let (res, stats) = run_group(d, &h, g, mode, rows, key);
+                // `prepare` packs the weights of each product of several
+                // (once per mode: each has weights of its own).
+                let want = usize::from(matches!(mode, Mode::Folded | Mode::Graph) && g.packs() && d.tuning().pack);
+                assert_eq!(d.packed_weights() - packed, want, "{g:?} {rows} rows, {mode:?}: lists of weights packed");
                 if mode == Mode::Graph {
                     assert!(stats.0 >= 1 && stats.0 + stats.1 == 2, "{g:?} {rows} rows: graph replays/captures {stats:?}");
                 }

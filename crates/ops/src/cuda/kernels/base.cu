@@ -173,15 +173,28 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 // but not stored.
 // Many rows (prefill): one block per row, threads over (head, pair), then
 // the row's KV write.
-extern "C" __global__ void rope_kv_rows(float* q, float* k, const float* __restrict__ v, const unsigned* __restrict__ pos,
+extern "C" __global__ void rope_kv_rows(float* q, float* k, float* v, const unsigned* __restrict__ pos,
                                    const unsigned* __restrict__ slots, int nslots, int q_cols, int kv_w, int head_dim, int dims,
-                                   float theta, float pscale, int neox, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc) {
+                                   float theta, float pscale, int neox, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+                                   const float* __restrict__ src, int ld) {
     PDL_ENTRY();
     const int half = dims / 2;
     const int qh = q_cols / head_dim, kh = kv_w / head_dim;
     const float p = (float)pos[blockIdx.x] / pscale;
     float* qrow = q + (long)blockIdx.x * q_cols;
     float* krow = k + (long)blockIdx.x * kv_w;
+    if (src) {
+        // One GEMM wrote the row's q, k and v side by side, ld wide.
+        const float* s = src + (long)blockIdx.x * ld;
+        float* vrow = v + (long)blockIdx.x * kv_w;
+        for (int i = threadIdx.x; i < q_cols + 2 * kv_w; i += blockDim.x) {
+            const float x = s[i];
+            if (i < q_cols) qrow[i] = x;
+            else if (i < q_cols + kv_w) krow[i - q_cols] = x;
+            else vrow[i - q_cols - kv_w] = x;
+        }
+        __syncthreads();
+    }
     for (int t = threadIdx.x; t < (qh + kh) * half; t += blockDim.x) {
         const int h = t / half;
         rope_pair(h < qh ? qrow + h * head_dim : krow + (h - qh) * head_dim, t % half, dims, p, theta, neox);
@@ -200,15 +213,27 @@ extern "C" __global__ void rope_kv_rows(float* q, float* k, const float* __restr
 // Few rows (decode): one block per (row, head), RoPE of that q or k head; a
 // k head's block then writes its k and v slice to the KV cache (a single
 // block per row was latency-bound: 5.9 µs a layer at one stream).
-extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__ v, const unsigned* __restrict__ pos,
+extern "C" __global__ void rope_kv(float* q, float* k, float* v, const unsigned* __restrict__ pos,
                                    const unsigned* __restrict__ slots, int nslots, int q_cols, int kv_w, int head_dim, int dims,
-                                   float theta, float pscale, int neox, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc) {
+                                   float theta, float pscale, int neox, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+                                   const float* __restrict__ src, int ld) {
     PDL_ENTRY();
     const int half = dims / 2;
     const int qh = q_cols / head_dim;
     const int row = blockIdx.x, h = blockIdx.y;
     const float p = (float)pos[row] / pscale;
     float* hd = h < qh ? q + (long)row * q_cols + h * head_dim : k + (long)row * kv_w + (h - qh) * head_dim;
+    if (src) {
+        // One GEMM wrote the row's q, k and v side by side, ld wide: this
+        // block's head, and a k head's v beside it.
+        const float* s = src + (long)row * ld + (h < qh ? h * head_dim : q_cols + (h - qh) * head_dim);
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) hd[i] = s[i];
+        if (h >= qh) {
+            float* vd = v + (long)row * kv_w + (h - qh) * head_dim;
+            for (int i = threadIdx.x; i < head_dim; i += blockDim.x) vd[i] = s[kv_w + i];
+        }
+        __syncthreads();
+    }
     for (int i = threadIdx.x; i < half; i += blockDim.x) rope_pair(hd, i, dims, p, theta, neox);
     if (h >= qh && row < nslots) {
         __syncthreads();

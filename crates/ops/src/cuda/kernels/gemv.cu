@@ -317,11 +317,14 @@ extern "C" __global__ void act_mul_bf(const bf16_t* __restrict__ g, const bf16_t
 }
 
 // The same over 8 values a thread (16-byte loads and stores): n8 = n / 8.
+// Gate's and up's rows are m8 units wide, ld8 apart (m8 = ld8 = n8: one
+// row each; ld8 = 2 m8: a row's gate then its up, one GEMM's output).
 extern "C" __global__ void act_mul_bf8(const uint4* __restrict__ g, const uint4* __restrict__ u, float4* __restrict__ out,
-                                       uint4* __restrict__ out_bf, long n8, int act) {
+                                       uint4* __restrict__ out_bf, long n8, int act, long m8, long ld8) {
     PDL_ENTRY();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n8; i += (long)gridDim.x * blockDim.x) {
-        const uint4 gv = g[i], uv = u[i];
+        const long at = (i / m8) * ld8 + i % m8;
+        const uint4 gv = g[at], uv = u[at];
         const unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
         float v[8];
         #pragma unroll

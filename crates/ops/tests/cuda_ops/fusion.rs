@@ -330,14 +330,18 @@ fn run_group(d: &Cuda, h: &GHost, g: Group, mode: Mode, rows: usize, key: u64) -
 /// where the gated product takes cuBLAS), and with their norms folded at
 /// `prepare` within bf16 rounding; the KV written the same; a keyed forward
 /// (captured, then replayed as a CUDA graph) gives the eager folded bits.
-/// After `prepare` a product's weights share one buffer, so past the
-/// skinny GEMM's rows q, k and v, and gate and up, are one GEMM each.
+/// With `Tuning::pack`, after `prepare` a product's weights share one
+/// buffer, so past the skinny GEMM's rows q, k and v, and gate and up, are
+/// one GEMM each.
 #[test]
 fn every_fusion_group_equals_the_unfused_ops() {
     let Some(d) = gpu() else { return };
     fusion_groups(&d, &[1, 2, 3, 4, 6, 17, 32, GMAX]);
     // Past the GEMV's rows, cuBLAS as well as the skinny GEMM.
     fusion_groups(&gpu_cublas(), &[6]);
+    // Each product's weights packed at `prepare`: one cuBLAS GEMM for q,
+    // k and v, one for gate and up.
+    fusion_groups(&Cuda::with_tuning(0, Tuning { pack: true, ..Tuning::default() }).unwrap(), &[6, GMAX]);
 }
 
 fn fusion_groups(d: &Cuda, row_counts: &[usize]) {

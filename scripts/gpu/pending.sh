@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
 # The next GPU call (docs/dev/cuda-sessions.md, "Stop 56"), up to ~570 s,
-# from the repository root on the device:
-# * correctness of packed weights (`Tuning::pack`: q/k/v and gate/up of
-#   one product in one buffer, one cuBLAS GEMM each past the skinny
-#   GEMM's rows): `cuda_ops fusion::` and `forwards::`, `cuda_models
-#   rounds::`;
-# * a guided stream's cost (stop 55): a greedy guided stream whose mask
-#   came late takes its argmax when its grammar does instead of sitting out
-#   a round; bench_guided.py's words and records on both shapes, against
-#   the build before it (`BEFORE=0239ac0 scripts/gpu/build.sh`), servers
-#   interleaved;
-# * mixed rounds with and without packing (SmolLM2 and Llama-1B, 6 streams
-#   at 2,000 keys, 0-128 chunk rows): what a chunk row costs now;
-# * the six-stream SmolLM2 arrival with and without packing, and the
-#   16-stream one (stop 54's `ran_ahead` fix, not yet run on a GPU).
+# from the repository root on the device. Stop 56 ran it short (SHORT=1:
+# 189 s); what it left for a whole call:
+# * correctness with packed weights on by default (`Tuning::pack`):
+#   `cuda_ops fusion:: forwards::` (the count of packed lists now takes
+#   weights allocated side by side already) and `cuda_models rounds::`;
+# * the checker's A/B (stop 56: 5.2 / 6.3% slower with it, 3.7 / 4.4%
+#   without, one run each): words and records on both shapes against
+#   `BEFORE=0239ac0 scripts/gpu/build.sh`'s build;
+# * mixed rounds packed and not (6 streams, 2,000 keys, 0-128 chunk rows);
+# * the SmolLM2 arrival at 6 streams packed and not, and at 16.
+# SHORT=1 (a call of ~330 s): no cuda_models, words alone.
 #
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
 # scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
@@ -37,16 +34,17 @@ done
 el tests
 BRAID_CUDA_PACK=1 timeout 90 $B/cuda_ops --test-threads 1 fusion:: forwards:: > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_ops rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_ops.txt" | tee -a "$OUT/tests.txt"
-BRAID_CUDA_PACK=1 timeout 90 $B/cuda_models --test-threads 1 rounds:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
+[ -n "${SHORT:-}" ] || BRAID_CUDA_PACK=1 timeout 90 $B/cuda_models --test-threads 1 rounds:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el guided
+schemas="words record"; [ -n "${SHORT:-}" ] && schemas=words
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
   before 220 || continue
   $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
-  for sch in words record; do
+  for sch in $schemas; do
     echo "$mod $bin $sch: $(timeout 40 python3 scripts/bench_guided.py http://127.0.0.1:8111 --tokens 128 --runs 3 --schema $sch 2>&1 | tail -1)" | tee -a "$OUT/guided.txt"
   done
   kill $pid; wait $pid 2>/dev/null

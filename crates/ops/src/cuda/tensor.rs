@@ -230,7 +230,13 @@ impl Cuda {
             let cols = ws[0].cols;
             let fits =
                 distinct.len() == list.len() && list.iter().all(|p| uses[p] == 1) && ws.iter().all(|w| w.cols == cols && w.rows > 0) && cols.is_multiple_of(8);
-            if !fits || adjacent(&ws.iter().map(|w| w.wref()).collect::<Vec<_>>()) {
+            if !fits {
+                continue;
+            }
+            if adjacent(&ws.iter().map(|w| w.wref()).collect::<Vec<_>>()) {
+                // Allocated side by side already (a fresh device's
+                // consecutive allocations often are).
+                packed += 1;
                 continue;
             }
             let mem = Arc::new(DevBuf::new(self.ctx(), ws.iter().map(|w| w.bytes()).sum())?);
@@ -258,8 +264,8 @@ impl Cuda {
         Ok(())
     }
 
-    /// How many lists of weights `Device::prepare` has packed so far
-    /// ([`Cuda::pack_weights`]).
+    /// How many lists of weights `Device::prepare` has found side by side
+    /// so far, moved there or allocated so ([`Cuda::pack_weights`]).
     pub fn packed_weights(&self) -> usize {
         self.st().packed
     }

@@ -370,8 +370,8 @@ fn fusion_groups(d: &Cuda, row_counts: &[usize]) {
                 key += 1;
                 let packed = d.packed_weights();
                 let (res, stats) = run_group(d, &h, g, mode, rows, key);
-                // `prepare` packs the weights of each product of several
-                // (once per mode: each has weights of its own).
+                // `prepare` puts the weights of each product of several side
+                // by side (once per mode: each has weights of its own).
                 let want = usize::from(matches!(mode, Mode::Folded | Mode::Graph) && g.packs() && d.tuning().pack);
                 assert_eq!(d.packed_weights() - packed, want, "{g:?} {rows} rows, {mode:?}: lists of weights packed");
                 if mode == Mode::Graph {

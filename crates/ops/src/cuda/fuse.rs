@@ -293,6 +293,33 @@ pub fn fold_plan(ops: &[OpRec], embed_tables: &HashSet<u64>, cuts: &[usize]) -> 
         .collect()
 }
 
+/// Which weights to move into one buffer each, from one recorded forward:
+/// the lists of two or more distinct weights one product reads, of one
+/// width (a multiple of 8: each part then starts 16-byte aligned), none of
+/// them read by any other product ([`super::Cuda::pack_weights`]).
+pub fn pack_plan(ops: &[OpRec]) -> Vec<Vec<WRef>> {
+    let mut lists: Vec<Vec<WRef>> = Vec::new();
+    for op in ops {
+        if let OpRec::Mm { ws, .. } = op {
+            if !lists.contains(ws) {
+                lists.push(ws.clone());
+            }
+        }
+    }
+    let mut uses: HashMap<u64, usize> = HashMap::new();
+    for w in lists.iter().flatten() {
+        *uses.entry(w.ptr).or_default() += 1;
+    }
+    lists.retain(|ws| {
+        let distinct: HashSet<u64> = ws.iter().map(|w| w.ptr).collect();
+        ws.len() >= 2
+            && distinct.len() == ws.len()
+            && ws.iter().all(|w| uses[&w.ptr] == 1 && w.cols == ws[0].cols && w.rows > 0)
+            && ws[0].cols.is_multiple_of(8)
+    });
+    lists
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -661,5 +688,28 @@ mod tests {
             OpRec::Gated { act: 0, gate: t(GATE, 1, 64), up: t(UP, 1, 64), out: x },
         ];
         assert_eq!(plan(&ops, Tail::End)[0], Group::NormMm { norm: 0, mm: 1 });
+    }
+
+    /// A Llama layer packs q/k/v and gate/up, never a single weight; a
+    /// weight another product reads too, or a list of mixed widths, stays.
+    #[test]
+    fn products_of_several_weights_pack_unless_shared() {
+        let mut ops = llama_layer(0, 4, false);
+        ops.extend(llama_layer(1, 4, false));
+        ops.extend(head(4));
+        let ptrs = |plan: Vec<Vec<WRef>>| plan.iter().map(|ws| ws.iter().map(|w| w.ptr).collect::<Vec<_>>()).collect::<Vec<_>>();
+        assert_eq!(ptrs(pack_plan(&ops)), vec![vec![1, 2, 3], vec![5, 6], vec![11, 12, 13], vec![15, 16]]);
+        // The same forward recorded twice: each list once.
+        let twice: Vec<OpRec> = ops.iter().chain(ops.iter()).cloned().collect();
+        assert_eq!(pack_plan(&twice).len(), 4);
+        // Layer 1's up read alone elsewhere: its gate/up stays apart.
+        ops.push(OpRec::Mm { x: t(H, 4, 64), ws: vec![w(16, 0)], outs: vec![t(OUT, 4, 64)] });
+        assert_eq!(ptrs(pack_plan(&ops)), vec![vec![1, 2, 3], vec![5, 6], vec![11, 12, 13]]);
+        // Widths that differ, or one that is not a multiple of 8.
+        let mm = |ws: Vec<WRef>| OpRec::Mm { x: t(H, 4, 64), outs: ws.iter().map(|_| t(OUT, 4, 64)).collect(), ws };
+        let odd = |ptr: u64, cols: usize| WRef { ptr, rows: 64, cols, folded: 0 };
+        assert!(pack_plan(&[mm(vec![odd(40, 64), odd(41, 72)]), mm(vec![odd(50, 60), odd(51, 60)])]).is_empty());
+        // A weight twice in one list.
+        assert!(pack_plan(&[mm(vec![w(60, 0), w(60, 0)])]).is_empty());
     }
 }

@@ -5,7 +5,7 @@
 //! The `Device` methods that allocate or copy (`tensor`, `upload`,
 //! `download`, `weight`, `vector`, `kv_pool`) are implemented here.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, ensure, Result};
 use braid_formats::{DType, TensorView};
 use cudarc::driver::{result as drv, sys};
 
-use super::fuse::{OpRec, TRef, WRef};
+use super::fuse::{self, OpRec, TRef, WRef};
 use super::rt::{self, cu, DevBuf};
 use super::Cuda;
 use crate::KvPoolSpec;
@@ -203,40 +203,20 @@ impl Cuda {
     /// (q, k and v; gate and up), moved into one buffer in that order:
     /// past the skinny GEMM's rows, one cuBLAS GEMM then computes them
     /// all (`lower.rs`), where a GEMM each left a mixed round's products
-    /// too small to fill the GPU. The old buffers are freed. A weight that
-    /// two such lists read, or of another width, stays where it is.
+    /// too small to fill the GPU. The old buffers are freed. Which lists:
+    /// [`fuse::pack_plan`].
     pub(super) fn pack_weights(&self, ops: &[OpRec], weights: &HashMap<u64, *const CudaWeight>) -> Result<()> {
-        let mut lists: Vec<Vec<u64>> = Vec::new();
-        for op in ops {
-            if let OpRec::Mm { ws, .. } = op {
-                let list: Vec<u64> = ws.iter().map(|w| w.ptr).collect();
-                if !lists.contains(&list) {
-                    lists.push(list);
-                }
-            }
-        }
-        // Each weight in one list, or in none packed.
-        let mut uses: HashMap<u64, usize> = HashMap::new();
-        for p in lists.iter().flatten() {
-            *uses.entry(*p).or_default() += 1;
-        }
         let (mut packed, mut widest) = (0, 0);
-        for list in lists.iter().filter(|l| l.len() >= 2) {
-            let distinct: HashSet<&u64> = list.iter().collect();
+        for list in fuse::pack_plan(ops) {
             // SAFETY: the weights belong to the model the recorded forward
             // borrowed, which outlives `Device::prepare`.
-            let ws: Option<Vec<&CudaWeight>> = list.iter().map(|p| weights.get(p).map(|&w| unsafe { &*w })).collect();
+            let ws: Option<Vec<&CudaWeight>> = list.iter().map(|w| weights.get(&w.ptr).map(|&w| unsafe { &*w })).collect();
             let Some(ws) = ws else { continue };
-            let cols = ws[0].cols;
-            let fits =
-                distinct.len() == list.len() && list.iter().all(|p| uses[p] == 1) && ws.iter().all(|w| w.cols == cols && w.rows > 0) && cols.is_multiple_of(8);
-            if !fits {
-                continue;
-            }
-            if adjacent(&ws.iter().map(|w| w.wref()).collect::<Vec<_>>()) {
+            widest = widest.max(ws.iter().map(|w| w.rows).sum::<usize>() * usize::from(ws.len() == 3));
+            packed += 1;
+            if adjacent(&list) {
                 // Allocated side by side already (a fresh device's
                 // consecutive allocations often are).
-                packed += 1;
                 continue;
             }
             let mem = Arc::new(DevBuf::new(self.ctx(), ws.iter().map(|w| w.bytes()).sum())?);
@@ -252,8 +232,6 @@ impl Cuda {
                 *w.mem.lock().unwrap_or_else(|e| e.into_inner()) = mem.clone();
                 off += w.bytes();
             }
-            packed += 1;
-            widest = widest.max(ws.iter().map(|w| w.rows).sum::<usize>() * usize::from(ws.len() == 3));
         }
         let have = self.st().pack_out.last().map_or(0, |b| b.bytes);
         if widest * PACK_ROWS * 4 > have {

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The next GPU call (docs/dev/cuda-sessions.md, "Stop 56"), up to ~570 s,
-# from the repository root on the device. Stop 56 ran it short (SHORT=1:
-# 189 s); what it left for a whole call:
+# from the repository root on the device; stop 56's short call left:
 # * correctness with packed weights on by default (`Tuning::pack`):
-#   `cuda_ops fusion:: forwards::` (the count of packed lists now takes
-#   weights allocated side by side already) and `cuda_models rounds::`;
-# * the checker's A/B (stop 56: 5.2 / 6.3% slower with it, 3.7 / 4.4%
-#   without, one run each): words and records on both shapes against
-#   `BEFORE=0239ac0 scripts/gpu/build.sh`'s build;
-# * mixed rounds packed and not (6 streams, 2,000 keys, 0-128 chunk rows);
-# * the SmolLM2 arrival at 6 streams packed and not, and at 16.
-# SHORT=1 (a call of ~330 s): no cuda_models, words alone.
+#   `cuda_ops` and `cuda_models rounds:: forwards::`;
+# * the checker's A/B (stop 56: words 5.2 / 6.3% slower with it, 3.7 /
+#   4.4% without, one run each): words and records on both shapes against
+#   `BEFORE=0239ac0 scripts/gpu/build.sh`'s build, each pair twice;
+# * arrivals: SmolLM2 seeds 2 and 3 and Llama-1B seed 1 at six streams;
+#   SmolLM2 with 17-32-row chunks in the prefill kernel
+#   (`BRAID_CUDA_ATTN_DEC_ROWS=16`: a 32-row chunk beside six streams
+#   reads 1.97 ms against 1.56 for 48 rows); 32 streams with the probe and
+#   the server on cores of their own.
 #
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
 # scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
@@ -32,35 +32,29 @@ for s in smollm2 llama1b; do
   [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
 done
 el tests
-BRAID_CUDA_PACK=1 timeout 90 $B/cuda_ops --test-threads 1 fusion:: forwards:: > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_ops rc $?" | tee -a "$OUT/tests.txt"
+timeout 150 $B/cuda_ops --test-threads 1 > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_ops rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_ops.txt" | tee -a "$OUT/tests.txt"
-[ -n "${SHORT:-}" ] || BRAID_CUDA_PACK=1 timeout 90 $B/cuda_models --test-threads 1 rounds:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
+timeout 120 $B/cuda_models --test-threads 1 rounds:: forwards:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el guided
-schemas="words record"; [ -n "${SHORT:-}" ] && schemas=words
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
-for mod in llama1b smollm2; do for bin in "${builds[@]}"; do
-  before 220 || continue
-  $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin.log" 2>&1 &
+for mod in llama1b smollm2; do for pass in 1 2; do for bin in "${builds[@]}"; do
+  before 330 || continue
+  $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin-$pass.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
-  for sch in $schemas; do
-    echo "$mod $bin $sch: $(timeout 40 python3 scripts/bench_guided.py http://127.0.0.1:8111 --tokens 128 --runs 3 --schema $sch 2>&1 | tail -1)" | tee -a "$OUT/guided.txt"
+  for sch in words record; do
+    echo "$mod $bin (pass $pass) $sch: $(timeout 40 python3 scripts/bench_guided.py http://127.0.0.1:8111 --tokens 128 --runs 3 --schema $sch 2>&1 | tail -1)" | tee -a "$OUT/guided.txt"
   done
   kill $pid; wait $pid 2>/dev/null
-done; done
-el mixed
-for preset in smollm2-135m llama-3.2-1b; do for pack in 1 0; do
-  before 290 || continue
-  r=$(BRAID_CUDA_PACK=$pack timeout 60 $B/gpu_bench --preset $preset --mixed 6:2000:2000:0,16,32,48,64,96,128 2>/dev/null | grep "^| [0-9]" | awk -F'|' '{printf "%s:%s ", $2+0, $3+0}')
-  echo "$preset 6 streams ctx 2000 pack=$pack: $r" | tee -a "$OUT/mixed.txt"
-done; done
+done; done; done
 el stall
-for run in "6:1" "6:0" "16:1"; do
-  IFS=: read -r n pack <<< "$run"
-  before 320 || continue
-  BRAID_CUDA_PACK=$pack STREAMS=$n OUT=$RAW/stall-$n-$pack SEEDS=1 MODELS=smollm2 PROBE=rust BRAID_ONLY=1 \
-    timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/smollm2 streams $n pack $pack: /" | tee -a "$OUT/stall.txt"
+# STREAMS:MODEL:SEED:ATTN_DEC_ROWS:PROBE_CPUS:SERVE_CPUS
+for run in "6:smollm2:2:32::" "6:smollm2:3:32::" "6:llama1b:1:32::" "6:smollm2:2:16::" "32:smollm2:1:32:12-15:0-11"; do
+  IFS=: read -r n mod seed rows pc sc <<< "$run"
+  before 490 || continue
+  BRAID_CUDA_ATTN_DEC_ROWS=$rows PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$RAW/stall-$n-$mod-$seed-$rows SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 \
+    timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/$mod streams $n seed $seed dec_rows $rows cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
 done
 el done
 cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

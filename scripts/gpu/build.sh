@@ -12,7 +12,7 @@ cargo build --release -p braid "${feat[@]}"
 cp target/release/braid .device-bin/
 # BEFORE=REV: also the server as of REV (.device-bin/braid-before, built in
 # a worktree under target/), for an A/B in one device call.
-progs=(braid gpu_bench stall_probe cuda_ops cuda_models)
+progs=(braid gpu_bench stall_probe metronome cuda_ops cuda_models)
 if [ -n "${BEFORE:-}" ]; then
   rm -rf target/before && git worktree prune && git worktree add --detach target/before "$BEFORE"
   (cd target/before && CARGO_TARGET_DIR=../before-target cargo build --release -p braid "${feat[@]}")
@@ -22,8 +22,8 @@ if [ -n "${BEFORE:-}" ]; then
 fi
 cargo build --release -p braid-models --features cuda "${feat[@]}" --example gpu_bench
 cp target/release/examples/gpu_bench .device-bin/
-cargo build --release -p braid-server --example stall_probe
-cp target/release/examples/stall_probe .device-bin/
+cargo build --release -p braid-server --example stall_probe --example metronome
+cp target/release/examples/stall_probe target/release/examples/metronome .device-bin/
 # Test executables (cargo names them by hash: ask cargo which).
 for t in "braid-ops cuda_ops" "braid-models cuda_models"; do
   set -- $t

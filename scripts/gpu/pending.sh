@@ -6,6 +6,8 @@
 # * the checker's A/B (stop 56: words 5.2 / 6.3% slower with it, 3.7 /
 #   4.4% without, one run each): words and records on both shapes against
 #   `BEFORE=0239ac0 scripts/gpu/build.sh`'s build, each pair twice;
+# * the server stack's own spread: the probe against a metronome lane
+#   (every stream a token each 1 ms), at 6 and 32 streams;
 # * arrivals: SmolLM2 seeds 2 and 3 and Llama-1B seed 1 at six streams;
 #   SmolLM2 with 17-32-row chunks in the prefill kernel
 #   (`BRAID_CUDA_ATTN_DEC_ROWS=16`: a 32-row chunk beside six streams
@@ -36,6 +38,22 @@ timeout 150 $B/cuda_ops --test-threads 1 > "$RAW/cuda_ops.txt" 2>&1; echo "cuda_
 tail -3 "$RAW/cuda_ops.txt" | tee -a "$OUT/tests.txt"
 timeout 120 $B/cuda_models --test-threads 1 rounds:: forwards:: > "$RAW/cuda_models.txt" 2>&1; echo "cuda_models rc $?" | tee -a "$OUT/tests.txt"
 tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
+el metronome
+# What the HTTP stack and the probe add to perfectly even 1 ms rounds (the
+# server crate's `metronome` example): the gaps' median, p99 and largest.
+$B/metronome --port 8112 --tick-us 1000 > "$RAW/metronome.log" 2>&1 &
+mpid=$!
+sleep 1
+for n in 6 32; do
+  timeout 30 $B/stall_probe http://127.0.0.1:8112 --streams $n --gen 4000 --long-tokens 1800 --ignore-eos --dump "$RAW/metronome-$n.json" > /dev/null 2>&1
+  python3 - "$RAW/metronome-$n.json" $n <<'PY' | tee -a "$OUT/metronome.txt"
+import json, statistics, sys
+d = json.load(open(sys.argv[1]))
+gaps = sorted(1e3 * (b - a) for s in d["streams"] for a, b in zip(s, s[1:]))
+print(f"metronome 1 ms, {sys.argv[2]} streams: {len(gaps)} gaps, median {statistics.median(gaps):.3f} ms, p99 {gaps[int(0.99 * len(gaps))]:.3f}, p99.9 {gaps[int(0.999 * len(gaps))]:.3f}, largest {gaps[-1]:.3f}")
+PY
+done
+kill $mpid
 el guided
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for pass in 1 2; do for bin in "${builds[@]}"; do

@@ -4,11 +4,12 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use braid_engine::fake::{fake_allows, fake_guided, fake_next, Call, FakeConfig, FakeGrammar};
-use braid_engine::{Event, FinishReason, Guide, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
+use braid_engine::{Event, FinishReason, Guide, Lane, LaneConfig, Pick, Picks, Request, SamplingParams, StreamHandle};
 use common::*;
 
 const EVERY: usize = 3;
@@ -36,6 +37,16 @@ fn on_device() -> FakeConfig {
     let mut fc = slow();
     fc.caps.picks = Picks { argmax: true, top_k: 8, ..Picks::default() };
     fc
+}
+
+/// A lane on a device-picking fake whose pick asks for its masks as soon
+/// as it is called (a round launched ahead), with one mask worker; and the
+/// count of rounds picked without a guided row's mask.
+fn asked_at_once() -> (Lane, Arc<AtomicUsize>) {
+    let mut fc = on_device();
+    fc.masks_first = true;
+    let missing = fc.masks_missing.clone();
+    (lane(fc, LaneConfig { mask_threads: 1, ..no_marks() }).0, missing)
 }
 
 fn assert_within(tokens: &[u32]) {
@@ -187,10 +198,7 @@ fn a_late_mask_holds_back_only_a_refused_token() {
 // late is always missing.
 #[test]
 fn after_a_late_mask_the_masks_apply_on_the_device_again() {
-    let mut fc = on_device();
-    fc.masks_first = true;
-    let missing = fc.masks_missing.clone();
-    let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+    let (lane, missing) = asked_at_once();
     // A grammar that refuses few argmaxes: a refused one waits for its
     // mask, and waiting would catch the constraint up anyway.
     let g =
@@ -209,10 +217,7 @@ fn after_a_late_mask_the_masks_apply_on_the_device_again() {
 // round's logits, which ends launching ahead.
 #[test]
 fn a_pick_asked_at_once_waits_a_little_for_a_mask_on_its_way() {
-    let mut fc = on_device();
-    fc.masks_first = true;
-    let missing = fc.masks_missing.clone();
-    let (lane, _log) = lane(fc, LaneConfig { mask_threads: 1, ..no_marks() });
+    let (lane, missing) = asked_at_once();
     // Each mask takes 0.2 ms: less than the wait, more than the lane takes
     // from a commit to the next round.
     let g = FakeGrammar { delay: Some(Duration::from_micros(200)), ..grammar() };

@@ -97,6 +97,12 @@ impl Guided {
         }
     }
 
+    /// The mask for row `j`, which its stream samples within: missing is
+    /// the lane's own error (such rows are held, never sampled).
+    pub(super) fn mask_for(&self, j: usize) -> Result<&TokenMask, Failed> {
+        self.mask(j).ok_or_else(|| no_mask(j))
+    }
+
     /// Accept a sampled token; true when the grammar is complete.
     pub fn commit(&mut self, token: u32) -> Result<bool, String> {
         match self {
@@ -115,6 +121,10 @@ impl Guided {
     fn waits(&self) -> bool {
         matches!(self, Guided::Away) || self.bare()
     }
+}
+
+fn no_mask(j: usize) -> Failed {
+    Failed::Other(format!("no mask for row {j} of a guided stream"))
 }
 
 /// The argmax of `row` and whether `c` allows it. Only for a stream that
@@ -148,10 +158,10 @@ pub(super) fn sample_logits(s: &mut Stream, row: &mut [f32], j: usize, stats: &m
             let ch = s.checker.as_mut().expect("matched above");
             return match argmax_allowed(&mut s.sampler, &mut *ch.constraint, row)? {
                 (first, true) => Ok(first),
-                (_, false) => Err(Failed::Other(format!("no mask for row {j} of a guided stream"))),
+                (_, false) => Err(no_mask(j)),
             };
         }
-        Some(g) => Some(g.mask(j).ok_or_else(|| Failed::Other(format!("no mask for row {j} of a guided stream")))?),
+        Some(g) => Some(g.mask_for(j)?),
         None => None,
     };
     Ok(s.sampler.sample_masked(row, s.logprobs, mask))

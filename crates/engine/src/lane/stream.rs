@@ -261,7 +261,7 @@ pub(super) fn sample_row(s: &mut Stream, picked: &mut Picked, row: usize, j: usi
     // that checks first has its rows back whole.
     let mask = match &s.guided {
         Some(Guided::Checks(_)) => return Err(Failed::Other("a guided stream that checks its tokens first had its row picked by the backend".into())),
-        Some(g) => Some(g.mask(j).ok_or_else(|| Failed::Other(format!("no mask for row {j} of a guided stream")))?),
+        Some(g) => Some(g.mask_for(j)?),
         None => None,
     };
     let sampled = match picked {

@@ -579,7 +579,7 @@ impl Cuda {
             }
         }
         if t.pack {
-            self.sync()?;
+            // On the stream after the folds: the copies take folded values.
             self.pack_weights(&rec.ops, &rec.weights)?;
         }
         self.sync()

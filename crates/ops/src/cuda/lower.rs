@@ -249,47 +249,42 @@ impl Cuda {
                 self.gemv_gated_cmd(input, wg, wu, act, out)?;
             } else if self.skinny_fits(rows, k) {
                 self.skinny_gated_cmd(input.x.b, rows, k, wg.ptr, wu.ptr, m, act, out)?;
-            } else if m.is_multiple_of(8) && adjacent(&[wg, wu]) {
-                // Gate and up packed at prepare: one GEMM writes each row's
-                // gate then up values, [rows, 2m] bf16, into gate's f32
-                // buffer (as many bytes, and dead after the group).
-                self.gemm(wg.ptr, input.x.b, gate.f, 2 * m, rows, k, GemmOut::Bf16)?;
-                let (units, m8) = ((rows * m / 8) as u64, (m / 8) as u64);
-                let up_at = gate.f + 2 * m as u64;
-                self.launch(self.inner.fns.act_mul_bf8)
-                    .elementwise(units as usize)
-                    .ptr(gate.f)
-                    .ptr(up_at)
-                    .ptr(out.f)
-                    .ptr(out.b)
-                    .u64(units)
-                    .i32(act)
-                    .u64(m8)
-                    .u64(2 * m8)
-                    .run()?;
             } else {
-                let xb = input.x.b;
-                self.branches(&mut [&mut || self.gemm(wg.ptr, xb, gate.b, m, rows, k, GemmOut::Bf16), &mut || {
-                    self.gemm(wu.ptr, xb, up.b, m, rows, k, GemmOut::Bf16)
-                }])?;
-                let len = rows * m;
-                // Eight values a thread where the length allows (the buffers
-                // start 256-byte aligned).
-                if len.is_multiple_of(8) {
-                    let units = (len / 8) as u64;
-                    self.launch(self.inner.fns.act_mul_bf8)
-                        .elementwise(units as usize)
-                        .ptr(gate.b)
-                        .ptr(up.b)
+                // Gate and up as bf16 (half the bytes of f32 both ways): the
+                // activation reads them eight values a thread where it can,
+                // `(gate, up, units, row units, row stride)`.
+                let (len, m8) = (rows * m, (m / 8) as u64);
+                let eights = if m.is_multiple_of(8) && adjacent(&[wg, wu]) {
+                    // Packed at prepare: one GEMM writes each row's gate
+                    // then up values, [rows, 2m], into gate's f32 buffer (as
+                    // many bytes, and dead after the group).
+                    self.gemm(wg.ptr, input.x.b, gate.f, 2 * m, rows, k, GemmOut::Bf16)?;
+                    Some((gate.f, gate.f + 2 * m as u64, len / 8, m8, 2 * m8))
+                } else {
+                    let xb = input.x.b;
+                    self.branches(&mut [&mut || self.gemm(wg.ptr, xb, gate.b, m, rows, k, GemmOut::Bf16), &mut || {
+                        self.gemm(wu.ptr, xb, up.b, m, rows, k, GemmOut::Bf16)
+                    }])?;
+                    // One row each (the buffers start 256-byte aligned).
+                    let n8 = (len / 8) as u64;
+                    len.is_multiple_of(8).then_some((gate.b, up.b, len / 8, n8, n8))
+                };
+                match eights {
+                    Some((g, u, units, m8, ld8)) => self
+                        .launch(self.inner.fns.act_mul_bf8)
+                        .elementwise(units)
+                        .ptr(g)
+                        .ptr(u)
                         .ptr(out.f)
                         .ptr(out.b)
-                        .u64(units)
+                        .u64(units as u64)
                         .i32(act)
-                        .u64(units)
-                        .u64(units)
-                        .run()?;
-                } else {
-                    self.launch(self.inner.fns.act_mul_bf).elementwise(len).ptr(gate.b).ptr(up.b).ptr(out.f).ptr(out.b).u64(len as u64).i32(act).run()?;
+                        .u64(m8)
+                        .u64(ld8)
+                        .run()?,
+                    None => {
+                        self.launch(self.inner.fns.act_mul_bf).elementwise(len).ptr(gate.b).ptr(up.b).ptr(out.f).ptr(out.b).u64(len as u64).i32(act).run()?
+                    }
                 }
             }
         }

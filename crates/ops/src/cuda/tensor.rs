@@ -225,6 +225,8 @@ impl Cuda {
                 unsafe { cu(drv::memcpy_dtod_async(mem.ptr + off as u64, w.ptr(), w.bytes(), self.stream() as sys::CUstream), "weight pack")? };
                 off += w.bytes();
             }
+            // The old buffers go once their copies land: a list at a time,
+            // so at most one list's weights are held twice.
             self.sync()?;
             let mut off = 0;
             for w in &ws {

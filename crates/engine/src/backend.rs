@@ -122,6 +122,15 @@ pub struct Capabilities {
     /// replayed (a CUDA graph), far cheaper than one run afresh; the pacer
     /// keeps shared chunks to those sizes (0: any size costs the same).
     pub replayed_chunk_rows: usize,
+    /// A chunk beside decode rows whose size does not replay runs as the
+    /// next replayed size up (within `replayed_chunk_rows`), the rows past
+    /// its end fed stand-in tokens. Their KV lands past the stream's
+    /// length, where any later row overwrites it before it is read
+    /// (attention-only models), so the results are the chunk's own. A
+    /// pass's last rows then take one round, not one per bit of the
+    /// remainder (on the H100, SmolLM2's 1799-row arrival ended in chunks
+    /// of 24, 8, 4, 2 and 1 rows: five rounds for 39 rows).
+    pub pads_chunks: bool,
     /// After a greedy round the backend starts the round after on the
     /// device before it is asked (with the chunk [`Step::next_chunk`]
     /// names): a chunk the round before did not name then runs as a

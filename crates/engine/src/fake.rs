@@ -218,6 +218,7 @@ impl Default for FakeConfig {
                 feature_dim: 2,
                 picks: Picks::default(),
                 replayed_chunk_rows: 0,
+                pads_chunks: false,
                 launches_ahead: false,
             },
             block_tokens: 4,

@@ -58,14 +58,17 @@ const TRUSTED_AFTER: usize = 6;
 /// up to `replayed`; see `Capabilities::replayed_chunk_rows`) where the
 /// chunk shares its round with decode rows: the largest size within the
 /// budget and the `left` rows before the pass's next cut, so its last
-/// chunks too (a remainder of 37 rows runs as 32, 4 and 1). A larger budget
+/// chunks too (a remainder of 37 rows runs as 32, 4 and 1), unless the
+/// backend pads a chunk to the next size (`pads`), which takes the `left`
+/// rows at once where that size is within the budget. A larger budget
 /// is held to `replayed`: a chunk run afresh cost more than its rows (on
 /// the H200, 11–23 ms for 48–322 rows beside six decoding streams, against
 /// ~3 ms for a replayed 64).
-pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize) -> Budget {
+pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed: usize, pads: bool) -> Budget {
     match budget {
         Budget::Chunk(Some(rows)) if decoding && replayed > 0 => match rows.min(left).min(replayed) {
             0 => budget,
+            _ if pads && padded(left) <= rows.min(replayed) => Budget::Chunk(Some(left)),
             r => Budget::Chunk(replayed_sizes(r).next()),
         },
         b => b,
@@ -75,6 +78,15 @@ pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed:
 /// The next replayed size past `rows`.
 fn size_up(rows: usize) -> usize {
     (rows + 1..).find(|&n| replayed_size(n)).expect("sizes go on")
+}
+
+/// The replayed size a chunk of `rows` runs as where the backend pads.
+fn padded(rows: usize) -> usize {
+    if replayed_size(rows) {
+        rows
+    } else {
+        size_up(rows)
+    }
 }
 
 /// How many prompt rows the next round may take.
@@ -264,6 +276,10 @@ pub(super) struct Pacer {
     /// The backend's largest replayed chunk (0: it replays none), which a
     /// share reads as sizes to choose from ([`Pacer::sized`]).
     replayed: usize,
+    /// The backend pads a chunk to the next replayed size
+    /// (`Capabilities::pads_chunks`): a pass's last rows, however many,
+    /// are one size.
+    pads: bool,
     /// The least a chunk of each size has added beside each count of
     /// decode rows, in seconds (the warm-up's rounds and those run), keyed
     /// (decode rows, chunk rows). Read as a fraction of the plain round
@@ -407,6 +423,7 @@ impl Pacer {
             first: None,
             shared_since_plain: 0,
             replayed: 0,
+            pads: false,
             added: Added::default(),
             pass: None,
             in_flight: None,
@@ -461,9 +478,11 @@ impl Pacer {
     }
 
     /// The backend replays chunks of up to `rows` rows
-    /// (`Capabilities::replayed_chunk_rows`; 0: none).
-    pub fn replaying(mut self, rows: usize) -> Pacer {
+    /// (`Capabilities::replayed_chunk_rows`; 0: none), and pads others to
+    /// the next replayed size or not (`Capabilities::pads_chunks`).
+    pub fn replaying(mut self, rows: usize, pads: bool) -> Pacer {
         self.replayed = rows;
+        self.pads = pads;
         self
     }
 
@@ -505,7 +524,7 @@ impl Pacer {
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.stream == stream);
         let share = if this_pass.is_some() { share } else { share / 2.0 };
-        let most = self.replayed.min(left);
+        let most = self.replayed.min(if self.pads { padded(left) } else { left });
         // A size that has added more than a larger one (SmolLM2's 32 rows
         // against its 48 on the H100: past 32 rows in all the products
         // take another kernel) is passed over: the larger serves better,

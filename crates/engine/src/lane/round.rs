@@ -161,7 +161,7 @@ impl Core {
     fn budget(&self, stream: StreamId, pos: usize, cuts: &CutPlan, next: Shape, timed: bool) -> Budget {
         let left = cuts.chunk_end_capped(pos, None) - pos;
         let b = self.pacer.budget(stream, pos, next, timed, left);
-        to_replayed(b, left, next.decode_rows > 0, self.caps.replayed_chunk_rows)
+        to_replayed(b, left, next.decode_rows > 0, self.caps.replayed_chunk_rows, self.caps.pads_chunks)
     }
 
     /// What the round after `plan` will carry if its decode rows come as

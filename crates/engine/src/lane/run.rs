@@ -80,7 +80,7 @@ impl Core {
             0 => 16,
             b => b,
         };
-        let mut pacer = Pacer::new(cfg.itl_target, cfg.prefill_share, cfg.max_rows, caps.free_cuts()).replaying(caps.replayed_chunk_rows);
+        let mut pacer = Pacer::new(cfg.itl_target, cfg.prefill_share, cfg.max_rows, caps.free_cuts()).replaying(caps.replayed_chunk_rows, caps.pads_chunks);
         pacer.learn(&cfg.round_costs);
         Core {
             mask_workers: MaskWorkers::new(cfg.mask_threads, wake),

@@ -8,7 +8,7 @@ use braid_engine::{replayed_size, Chunk, DecodeRow, Pick, Step, StreamId};
 use braid_ops::{Device, Forward};
 
 use super::rows::RowArrays;
-use super::{ModelBackend, StreamState, REPLAY_CHUNK_ROWS};
+use super::{pad, ModelBackend, StreamState, REPLAY_CHUNK_ROWS};
 
 /// What a step says of the round after it (`Step::next_chunk`,
 /// `Step::next_plain`, `Step::next_drafts`).
@@ -71,13 +71,14 @@ impl<D: Device> ModelBackend<D> {
     /// its pick reads them.
     fn ahead_chunk_ready(&mut self, rows: &[DecodeRow], (stream, c): (StreamId, Chunk<'_>)) -> bool {
         let vocab = self.model.vocab();
+        let n = self.chunk_rows(stream, &c, rows.len());
         let ok = self.streams.get(&stream).is_some_and(|s| s.len == c.start)
-            && replayed_size(c.tokens.len())
-            && c.tokens.len() <= REPLAY_CHUNK_ROWS
+            && replayed_size(n)
+            && n <= REPLAY_CHUNK_ROWS
             && !self.images.contains_key(&stream)
             && (!c.want_logits || rows.len() < self.logit_rows_held)
             && c.tokens.iter().all(|&t| (t as usize) < vocab);
-        ok && self.reserve(stream, c.start + c.tokens.len()).is_ok()
+        ok && self.reserve(stream, c.start + n).is_ok()
     }
 
     /// Prepare (the host work of) the round after `rows`: the same streams,
@@ -86,8 +87,11 @@ impl<D: Device> ModelBackend<D> {
     pub(super) fn prepare_ahead(&mut self, rows: &[DecodeRow], next: Option<(StreamId, Chunk<'_>)>) {
         let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let mut logit_rows: Vec<usize> = (0..parts.len()).collect();
+        let padded;
         if let Some((stream, c)) = next {
-            parts.push((stream, c.tokens));
+            // Padded as the step will run it (`run`), so it finds this launch.
+            padded = pad(c.tokens, self.chunk_rows(stream, &c, rows.len()));
+            parts.push((stream, &padded));
             if c.want_logits {
                 logit_rows.push(rows.len() + c.tokens.len() - 1);
             }

@@ -28,6 +28,7 @@
 //! that joined) run in a forward of their own, and a round started with a
 //! chunk serves only the very step it was started for.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
@@ -56,6 +57,15 @@ impl<'a> Picking<'a> {
 }
 
 /// A lane's draw as the device takes it (see `RowPick::Draw`).
+/// `tokens` run as `rows` rows: the last token stands in for the rows past
+/// its end (see `ModelBackend::chunk_rows`).
+fn pad(tokens: &[u32], rows: usize) -> Cow<'_, [u32]> {
+    match tokens.last() {
+        Some(&last) if rows > tokens.len() => Cow::Owned(tokens.iter().copied().chain(std::iter::repeat_n(last, rows - tokens.len())).collect()),
+        _ => Cow::Borrowed(tokens),
+    }
+}
+
 pub fn device_draw(d: &Draw) -> DrawRow {
     // A number just below 1 stays below 1 in f32.
     let below_one = 1.0 - f32::EPSILON / 2.0;
@@ -362,6 +372,29 @@ impl<D: Device> ModelBackend<D> {
         Ok(())
     }
 
+    /// Whether a chunk of a size that does not replay may run as the next
+    /// replayed size (`Capabilities::pads_chunks`): the device replays,
+    /// the pad rows' KV past the stream's length is overwritten before
+    /// any read (attention only: no recurrent state takes them in), and
+    /// no feature taps would hand them to a drafter.
+    fn pads_chunks(&self) -> bool {
+        self.dev.caps().replays && self.rewindable && self.tap_width == 0 && self.shared_taps.is_none()
+    }
+
+    /// The rows a chunk of `stream` beside `decode_rows` decode rows runs
+    /// as: its own, or where it can be padded, the next replayed size
+    /// (within the replayed sizes, the round's rows and the context).
+    fn chunk_rows(&self, stream: StreamId, c: &Chunk<'_>, decode_rows: usize) -> usize {
+        let n = c.tokens.len();
+        if decode_rows == 0 || replayed_size(n) || !self.pads_chunks() || self.images.contains_key(&stream) {
+            return n;
+        }
+        match (n + 1..=REPLAY_CHUNK_ROWS).find(|&m| replayed_size(m)) {
+            Some(m) if decode_rows + m <= self.cfg.max_batch && c.start + m <= self.cfg.context => m,
+            _ => n,
+        }
+    }
+
     /// Blocks of `stream`'s window group (held, and entries in all), for tests.
     pub fn window_blocks(&self, stream: StreamId) -> Option<(usize, usize)> {
         self.streams.get(&stream).filter(|_| self.win.is_some()).map(|st| (st.win.held(), st.win.blocks.len()))
@@ -418,8 +451,9 @@ impl<D: Device> ModelBackend<D> {
             if let Some(&(a, b)) = spans.iter().find(|&&(a, b)| a < end && end < b) {
                 bail!("the chunk {start}..{end} of stream {stream} ends inside the image at rows {a}..{b}");
             }
+            let decode_rows = total;
             total += chunk.tokens.len();
-            self.reserve(*stream, chunk.start + chunk.tokens.len())?;
+            self.reserve(*stream, chunk.start + self.chunk_rows(*stream, chunk, decode_rows))?;
         }
         ensure!(total <= self.cfg.max_batch, "a round of {total} rows exceeds max batch {}", self.cfg.max_batch);
         Ok(())
@@ -540,13 +574,25 @@ impl<D: Device> ModelBackend<D> {
         let mut parts: Vec<(StreamId, &[u32])> = rows.iter().map(|r| (r.stream, r.tokens.as_slice())).collect();
         let total: usize = rows.iter().map(|r| r.tokens.len()).sum();
         let mut logit_rows: Vec<usize> = (0..total).collect();
+        let padded;
         if let Some((stream, c)) = &chunk {
-            parts.push((*stream, c.tokens));
+            let mut n = self.chunk_rows(*stream, c, total);
+            // Padded beside fewer rows than its step reserved for (part of
+            // the step was launched ahead): the pad rows need blocks too.
+            if n > c.tokens.len() && self.reserve(*stream, c.start + n).is_err() {
+                n = c.tokens.len();
+            }
+            padded = pad(c.tokens, n);
+            parts.push((*stream, &padded));
             if c.want_logits {
                 logit_rows.push(total + c.tokens.len() - 1);
             }
         }
         self.forward(&parts, &logit_rows, chunk.is_some())?;
+        if let Some((stream, c)) = &chunk {
+            // The pad rows are not the stream's: their KV lies past its length.
+            self.streams.get_mut(stream).expect("checked by reserve_step").len = c.start + c.tokens.len();
+        }
         self.keep_taps(&parts, |_| true);
         let chunk_logits = match chunk {
             Some((_, c)) if c.want_logits => {
@@ -657,6 +703,7 @@ impl<D: Device> Backend for ModelBackend<D> {
             picks: Picks { argmax: caps.argmax, top_k: caps.top_k, penalties: true, draw: caps.draw },
             replayed_chunk_rows: if caps.replays { REPLAY_CHUNK_ROWS } else { 0 },
             launches_ahead: caps.ahead && self.rewindable,
+            pads_chunks: self.pads_chunks(),
         }
     }
 

@@ -15,19 +15,20 @@ use braid_formats::{Bytes, DType, TensorView};
 use braid_ops::cpu::{Cpu, CpuKv, CpuTensor, CpuWeight};
 use braid_ops::{Act, DeviceCaps, Map, Rope};
 
-/// The CPU device, claiming `ahead` (and top-k and draws on the host).
+/// The CPU device, claiming `ahead` (and top-k and draws on the host),
+/// and with the second flag `replays` (so the backend pads chunks).
 #[derive(Clone, Copy)]
-pub struct AheadCpu(Cpu, bool);
+pub struct AheadCpu(Cpu, bool, bool);
 
 impl Device for AheadCpu {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
     type Kv = CpuKv;
     fn name(&self) -> String {
-        format!("cpu claiming ahead {}", self.1)
+        format!("cpu claiming ahead {}, replays {}", self.1, self.2)
     }
     fn caps(&self) -> DeviceCaps {
-        DeviceCaps { ahead: self.1, argmax: true, top_k: 64, draw: true, ..self.0.caps() }
+        DeviceCaps { ahead: self.1, replays: self.2, argmax: true, top_k: 64, draw: true, ..self.0.caps() }
     }
     fn tensor(&self, r: usize, c: usize) -> CpuTensor {
         self.0.tensor(r, c)
@@ -277,8 +278,8 @@ enum Taps {
 }
 
 fn check(script: &[(usize, Event)], taps: Taps) {
-    let on = drive(AheadCpu(Cpu::new(Some(1)), true), script, taps);
-    let off = drive(AheadCpu(Cpu::new(Some(1)), false), script, taps);
+    let on = drive(AheadCpu(Cpu::new(Some(1)), true, false), script, taps);
+    let off = drive(AheadCpu(Cpu::new(Some(1)), false, false), script, taps);
     assert_eq!(on.len(), off.len());
     for ((a, used_on, open, free_on), (b, used_off, _, free_off)) in on.iter().zip(&off) {
         assert_eq!(a, b, "ahead on and off differ");
@@ -348,7 +349,7 @@ fn draw_rounds_after_a_round_launched_ahead_on_the_cpu() {
 /// not, nor rows asked in another order.
 #[test]
 fn no_round_is_launched_ahead_while_an_open_stream_sits_out() {
-    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
+    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true, false));
     let round = |be: &mut ModelBackend<AheadCpu>, next: &mut HashMap<StreamId, u32>, streams: &[StreamId], pick: Pick| -> bool {
         let rows: Vec<DecodeRow> = streams.iter().map(|&s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
         let firsts: Vec<u32> = match be.round(Step::new(&rows, None, pick)).unwrap().picked {
@@ -390,7 +391,7 @@ fn no_round_is_launched_ahead_while_an_open_stream_sits_out() {
 /// round, run before it on the device. The step after, saying none, does.
 #[test]
 fn no_round_is_launched_ahead_when_drafts_come_next() {
-    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
+    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true, false));
     let mut round = |drafts: bool| -> bool {
         let rows: Vec<DecodeRow> = (0..3).map(|s| DecodeRow { stream: s, tokens: vec![next[&s]] }).collect();
         let Picked::Tokens(t) = be.round(Step { next_drafts: drafts, ..Step::new(&rows, None, Pick::Argmax) }).unwrap().picked else {
@@ -423,8 +424,8 @@ impl RoundMasks for Masks {
 /// ahead.
 #[test]
 fn masked_argmax_rounds_pick_what_the_host_would() {
-    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
-    let (mut host, mut host_next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), false));
+    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true, false));
+    let (mut host, mut host_next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), false, false));
     // Stream 1 guided: a mask allowing a third of the vocabulary, which
     // changes with the round.
     let mask = |round: usize| TokenMask::of(VOCAB, (0..VOCAB as u32).filter(|t| (t + round as u32).is_multiple_of(3)));
@@ -486,8 +487,8 @@ fn masked_argmax_rounds_pick_what_the_host_would() {
 /// mask gives the logits.
 #[test]
 fn masked_top_k_rounds_find_what_the_host_would() {
-    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true));
-    let (mut host, _, _) = three_streams(AheadCpu(Cpu::new(Some(1)), false));
+    let (mut be, mut next, _) = three_streams(AheadCpu(Cpu::new(Some(1)), true, false));
+    let (mut host, _, _) = three_streams(AheadCpu(Cpu::new(Some(1)), false, false));
     // Stream 1's mask allows 3 tokens a round: fewer than k.
     let mask = |round: usize| TokenMask::of(VOCAB, (0..3u32).map(|i| (i * 37 + round as u32 * 11) % VOCAB as u32));
     let k = 5;
@@ -513,6 +514,58 @@ fn masked_top_k_rounds_find_what_the_host_would() {
                 streams.iter().enumerate().for_each(|(i, &s)| _ = next.insert(s, argmax(&l[i * VOCAB..(i + 1) * VOCAB]) as u32));
             }
             other => panic!("round {round}: {other:?}"),
+        }
+    }
+}
+
+/// A prompt fed in chunks of sizes that do not replay (5, 7, 13, 20 rows)
+/// beside three decoding streams, each chunk named a round ahead, then
+/// decoded with them: each round's picks and the chunks' last-row logits
+/// as bits, and after the last chunk the blocks held past the streams'
+/// lengths; first, whether the backend says it pads chunks.
+fn odd_chunks(dev: AheadCpu) -> (Vec<String>, usize) {
+    let (mut be, mut next, _) = three_streams(dev);
+    let mut log = vec![format!("pads chunks: {}", be.capabilities().pads_chunks)];
+    let prompt: Vec<u32> = (0..45u32).map(|i| (i * 13 + 5) % VOCAB as u32).collect();
+    let cuts = [0, 5, 12, 25, 45];
+    let chunk = |i: usize| Chunk { start: cuts[i], tokens: &prompt[cuts[i]..cuts[i + 1]], want_logits: true };
+    be.open(9).unwrap();
+    let mut ahead_blocks = 0;
+    for round in 0..10 {
+        let rows = decode_rows(&next, None, None, false, VOCAB);
+        let this = (round < 4).then(|| (9, chunk(round)));
+        let named = (round < 3).then(|| (9, chunk(round + 1)));
+        let out = be.round(Step { next_chunk: named, ..Step::new(&rows, this, Pick::Argmax) }).unwrap();
+        let Picked::Tokens(t) = &out.picked else { panic!("round {round}: {:?}", out.picked) };
+        for (r, &tok) in rows.iter().zip(t) {
+            next.insert(r.stream, tok);
+        }
+        if let Some(l) = &out.chunk_logits {
+            log.push(format!("round {round}: chunk logits {:?}", l.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+            if round == 3 {
+                next.insert(9, argmax(l) as u32);
+                ahead_blocks = be.fill().blocks_ahead;
+            }
+        }
+        log.push(format!("round {round}: {t:?}"));
+    }
+    (log, ahead_blocks)
+}
+
+#[test]
+fn chunks_padded_to_a_replayed_size_give_the_chunks_own_results_on_the_cpu() {
+    // The CPU is batch-invariant: pad rows past a chunk's end must change
+    // no bit of its rows, the other rows of its round, or the rounds after
+    // (which write over the pad rows' KV before reading it).
+    for ahead in [false, true] {
+        let (kept, kept_ahead) = odd_chunks(AheadCpu(Cpu::new(Some(1)), ahead, false));
+        let (padded, padded_ahead) = odd_chunks(AheadCpu(Cpu::new(Some(1)), ahead, true));
+        assert_eq!((&kept[0][..], &padded[0][..]), ("pads chunks: false", "pads chunks: true"));
+        assert_eq!(kept[1..], padded[1..], "ahead {ahead}");
+        if !ahead {
+            // The last chunk, rows 25..45, ran as 24 rows (25..49): their
+            // fourth block is held past the stream's 45 rows.
+            assert_eq!((kept_ahead, padded_ahead), (0, 1));
         }
     }
 }

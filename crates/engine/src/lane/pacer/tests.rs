@@ -256,7 +256,7 @@ fn a_fixed_cost_of_sharing_a_round_does_not_hold_chunks_to_one_row() {
 
 #[test]
 fn shared_chunks_keep_to_the_replayed_sizes() {
-    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64);
+    let r = |rows: Option<usize>, left: usize, decoding: bool| to_replayed(Budget::Chunk(rows), left, decoding, 64, false);
     // Within the replayed sizes: the largest within the budget and the prompt.
     assert_eq!(r(Some(40), 1000, true), Budget::Chunk(Some(32)));
     assert_eq!(r(Some(63), 1000, true), Budget::Chunk(Some(48)));
@@ -264,7 +264,7 @@ fn shared_chunks_keep_to_the_replayed_sizes() {
     assert_eq!(r(Some(64), 30, true), Budget::Chunk(Some(24)));
     assert_eq!(r(Some(1), 1000, true), Budget::Chunk(Some(1)));
     // Past 32 rows three halves of a power of two replay too.
-    let wide = |rows: usize| to_replayed(Budget::Chunk(Some(rows)), 1000, true, 256);
+    let wide = |rows: usize| to_replayed(Budget::Chunk(Some(rows)), 1000, true, 256, false);
     assert_eq!(wide(110), Budget::Chunk(Some(96)));
     assert_eq!(wide(255), Budget::Chunk(Some(224)));
     assert_eq!(wide(300), Budget::Chunk(Some(256)));
@@ -282,8 +282,64 @@ fn shared_chunks_keep_to_the_replayed_sizes() {
     // The pass's own cuts, chunks alone, and backends that replay nothing keep the budget.
     assert_eq!(r(None, 1000, true), Budget::Chunk(None));
     assert_eq!(r(Some(50), 1000, false), Budget::Chunk(Some(50)));
-    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0), Budget::Chunk(Some(50)));
-    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64), Budget::Measure);
+    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 1000, true, 0, false), Budget::Chunk(Some(50)));
+    assert_eq!(to_replayed(Budget::Measure, 1000, true, 64, false), Budget::Measure);
+}
+
+#[test]
+fn a_backend_that_pads_takes_a_remainder_in_one_chunk() {
+    let r = |rows: usize, left: usize| to_replayed(Budget::Chunk(Some(rows)), left, true, 256, true);
+    // 37 rows run as 48 within a budget of 48 or more; not within 40.
+    assert_eq!(r(48, 37), Budget::Chunk(Some(37)));
+    assert_eq!(r(64, 37), Budget::Chunk(Some(37)));
+    assert_eq!(r(40, 37), Budget::Chunk(Some(32)));
+    assert_eq!(r(256, 200), Budget::Chunk(Some(200)));
+    // Mid-pass nothing changes: the largest replayed size within the budget.
+    assert_eq!(r(110, 1000), Budget::Chunk(Some(96)));
+    assert_eq!(r(300, 1000), Budget::Chunk(Some(256)));
+    // Nor past the largest replayed size, nor for a chunk alone.
+    assert_eq!(to_replayed(Budget::Chunk(Some(300)), 250, true, 128, true), Budget::Chunk(Some(128)));
+    assert_eq!(to_replayed(Budget::Chunk(Some(50)), 37, false, 256, true), Budget::Chunk(Some(50)));
+}
+
+/// SmolLM2's shape beside six streams on the H100 (stop 56's trace): what
+/// each replayed size added to a 1.08 ms plain round, as a fraction of it.
+const H100_SMOLLM2: [(usize, f64); 17] = [
+    (1, 0.01),
+    (2, 0.02),
+    (4, 0.17),
+    (8, 0.21),
+    (16, 0.36),
+    (24, 0.56),
+    (32, 0.84),
+    (48, 0.44),
+    (64, 0.41),
+    (80, 0.41),
+    (96, 0.43),
+    (112, 0.47),
+    (128, 0.52),
+    (160, 0.53),
+    (192, 0.64),
+    (224, 0.71),
+    (256, 0.85),
+];
+
+#[test]
+fn padded_chunks_end_a_pass_in_fewer_rounds_within_the_share() {
+    let plain = 1.08;
+    let added = |rows: usize, _| H100_SMOLLM2.iter().find(|r| r.0 == rows).map_or(1.0, |r| r.1) * plain;
+    let pass = |pads: bool| {
+        let mut p = warmed_on(0.45, 256, plain, &H100_SMOLLM2.map(|(r, f)| (r, f * plain)));
+        p.pads = pads;
+        sized_pass_on(&mut p, 1799, 1799, 256, plain, added)
+    };
+    let (kept, padded_pass) = (pass(false), pass(true));
+    assert_eq!(padded_pass.iter().sum::<usize>(), 1799);
+    // Without padding the last rows go as the bits of the remainder.
+    assert!(kept.iter().rev().take(3).all(|&r| r < 24), "{kept:?}");
+    assert!(padded_pass.len() < kept.len(), "padded {padded_pass:?}, kept {kept:?}");
+    // No round past the share either way: each chunk costs what its padded size does.
+    assert!(padded_pass.iter().all(|&r| added(padded(r), 0) <= 0.45 * plain + 1e-9), "{padded_pass:?}");
 }
 
 /// Llama-1B's shape on the H100 beside six streams: a plain round of
@@ -300,7 +356,7 @@ fn warmed(share: f32, added: &[(usize, f64)]) -> Pacer {
 /// [`warmed`] on a backend replaying up to `replayed` rows, plain rounds
 /// of `plain` ms.
 fn warmed_on(share: f32, replayed: usize, plain: f64, added: &[(usize, f64)]) -> Pacer {
-    let mut p = Pacer::new(None, Some(share), None, true).replaying(replayed);
+    let mut p = Pacer::new(None, Some(share), None, true).replaying(replayed, false);
     let six = |rows: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: rows, chunk_start: 0, secs: (plain + ms) * 1e-3 };
     let mut rounds = vec![six(0, 0.0)];
     rounds.extend(added.iter().map(|&(rows, ms)| six(rows, ms)));
@@ -323,9 +379,11 @@ fn sized_pass_on(p: &mut Pacer, len: usize, cut: usize, replayed: usize, plain: 
     let (mut pos, mut rounds) = (0, Vec::new());
     while pos < len && rounds.len() < 1000 {
         let left = ((pos / cut + 1) * cut).min(len) - pos;
-        match to_replayed(p.budget(3, pos, six, false, left), left, true, replayed) {
+        match to_replayed(p.budget(3, pos, six, false, left), left, true, replayed, p.pads) {
             Budget::Chunk(Some(r)) => {
-                p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (plain + added(r, pos)) * 1e-3, overhead: 0.0 });
+                // A padded chunk costs what its replayed size does.
+                let cost = added(if p.pads { padded(r) } else { r }, pos);
+                p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (plain + cost) * 1e-3, overhead: 0.0 });
                 rounds.push(r);
                 pos += r;
             }
@@ -380,7 +438,7 @@ fn sizes_that_grow_past_the_share_with_the_position_give_way() {
 
 #[test]
 fn without_a_warm_up_a_share_probes_up_one_size_a_round() {
-    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
+    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64, false);
     p.ran(Ran { shape: Shape { decode_rows: 6, ..four() }, chunk: None, secs: 1.47e-3, overhead: 0.0 });
     let rounds = sized_pass(&mut p, 1000, |rows, _| h100_llama(rows));
     // 1 (the first, not learnt from), then 1, 2, 4, ... up to the first
@@ -464,7 +522,7 @@ fn a_pass_ends_in_the_sizes_within_the_share() {
 fn what_a_size_adds_is_read_beside_as_many_decode_rows() {
     // 64 rows add half of a one-stream round but a tenth of a 32-stream
     // one: beside 30 decode rows the 32-stream rounds count.
-    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
+    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64, false);
     let round = |d: usize, c: usize, ms: f64| RoundCost { decode_rows: d, decode_ctx: 9 * d, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
     p.learn(&[round(1, 0, 1.0), round(1, 32, 1.3), round(1, 64, 1.5), round(32, 0, 3.0), round(32, 32, 3.2), round(32, 64, 3.3)]);
     for d in [1, 30] {
@@ -519,7 +577,7 @@ fn a_timed_chunk_is_read_against_the_plain_round_before_it() {
     // chunk against its own pass's plain round (0.5 and 0.4 ms, not 1.4
     // against the first's), and the least kept.
     let round = |c: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
-    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64);
+    let mut p = Pacer::new(None, Some(0.45), None, true).replaying(64, false);
     p.learn(&[round(0, 1.0), round(64, 1.5), round(0, 2.0), round(64, 2.4)]);
     let a = p.added.least(6, 64).expect("64 rows timed");
     assert!((a - 0.4e-3).abs() < 1e-9, "{a}");
@@ -532,7 +590,7 @@ fn what_a_size_added_in_the_warm_up_is_read_against_the_plain_round_now() {
     // ms, so 48 rows are a third of it, within a share of 0.4 (and, in a
     // pass's first chunk, of half that: 24 rows, 0.18 ms).
     let round = |c: usize, ms: f64| RoundCost { decode_rows: 6, decode_ctx: 60, chunk_rows: c, chunk_start: 0, secs: ms * 1e-3 };
-    let mut p = Pacer::new(None, Some(0.4), None, true).replaying(64);
+    let mut p = Pacer::new(None, Some(0.4), None, true).replaying(64, false);
     p.learn(&[round(0, 1.0), round(16, 1.15), round(24, 1.18), round(32, 1.4), round(48, 1.5), round(64, 1.7)]);
     let six = Shape { decode_rows: 6, ..four() };
     p.ran(Ran { shape: six, chunk: None, secs: 1.5e-3, overhead: 0.0 });
@@ -609,7 +667,7 @@ fn a_size_dearer_than_the_next_does_not_hold_a_pass_below_it() {
 /// (told to the pacer with [`Pacer::starting`] when `told`).
 fn named_pass(p: &mut Pacer, len: usize, told: bool, added: impl Fn(usize) -> f64) -> Vec<usize> {
     let six = Shape { decode_rows: 6, ..four() };
-    let size = |p: &Pacer, pos: usize| match to_replayed(p.budget(3, pos, six, false, len - pos), len - pos, true, 128) {
+    let size = |p: &Pacer, pos: usize| match to_replayed(p.budget(3, pos, six, false, len - pos), len - pos, true, 128, false) {
         Budget::Chunk(Some(r)) => r,
         b => panic!("a share on a replaying backend gives a size: {b:?}"),
     };
@@ -747,7 +805,7 @@ fn a_round_after_a_long_stretch_of_the_loops_own_work_is_not_a_plain_round() {
         (128, 0.797),
     ];
     let run = |admission: f64| {
-        let mut p = Pacer::new(None, Some(0.45), None, true).replaying(128);
+        let mut p = Pacer::new(None, Some(0.45), None, true).replaying(128, false);
         let round =
             |rows: usize, fraction: f64| RoundCost { decode_rows: 16, decode_ctx: 1600, chunk_rows: rows, chunk_start: 0, secs: 0.995e-3 * (1.0 + fraction) };
         p.learn(&std::iter::once(round(0, 0.0)).chain(warm.iter().map(|&(r, f)| round(r, f))).collect::<Vec<_>>());
@@ -769,7 +827,7 @@ fn a_round_after_a_long_stretch_of_the_loops_own_work_is_not_a_plain_round() {
         let (mut pos, mut rounds) = (0, 0);
         while pos < 1800 && rounds < 1000 {
             let left = 1800 - pos;
-            let Budget::Chunk(Some(r)) = to_replayed(p.budget(5, pos, sixteen, false, left), left, true, 128) else { panic!("a size") };
+            let Budget::Chunk(Some(r)) = to_replayed(p.budget(5, pos, sixteen, false, left), left, true, 128, false) else { panic!("a size") };
             p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..sixteen }, chunk: Some(5), secs: (1.18 + added(r)) * 1e-3, overhead: 0.08e-3 });
             pos += r;
             rounds += 1;

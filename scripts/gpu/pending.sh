@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next GPU call (docs/dev/cuda-sessions.md, "Stop 56"), up to ~570 s,
+# The next GPU call (docs/dev/cuda-sessions.md, "Stop 57"), up to ~590 s,
 # from the repository root on the device; stop 56's short call left:
 # * correctness with packed weights on by default (`Tuning::pack`):
 #   `cuda_ops` and `cuda_models rounds:: forwards::`;
@@ -8,7 +8,10 @@
 #   `BEFORE=0239ac0 scripts/gpu/build.sh`'s build, each pair twice;
 # * the server stack's own spread: the probe against a metronome lane
 #   (every stream a token each 1 ms), at 6 and 32 streams;
-# * arrivals: SmolLM2 seeds 2 and 3 and Llama-1B seed 1 at six streams;
+# * arrivals: SmolLM2 seeds 1-3 and Llama-1B seed 1 at six streams, with
+#   padded chunks (stop 57: a pass's last rows in one round; stop 56's
+#   seed 1 ended in chunks of 24, 8, 4, 2 and 1 rows, 20 rounds, TTFT
+#   31.7 ms);
 #   SmolLM2 with 17-32-row chunks in the prefill kernel
 #   (`BRAID_CUDA_ATTN_DEC_ROWS=16`: a 32-row chunk beside six streams
 #   reads 1.97 ms against 1.56 for 48 rows); 32 streams with the probe and
@@ -68,7 +71,7 @@ for mod in llama1b smollm2; do for pass in 1 2; do for bin in "${builds[@]}"; do
 done; done; done
 el stall
 # STREAMS:MODEL:SEED:ATTN_DEC_ROWS:PROBE_CPUS:SERVE_CPUS
-for run in "6:smollm2:2:32::" "6:smollm2:3:32::" "6:llama1b:1:32::" "6:smollm2:2:16::" "32:smollm2:1:32:12-15:0-11"; do
+for run in "6:smollm2:1:32::" "6:smollm2:2:32::" "6:smollm2:3:32::" "6:llama1b:1:32::" "6:smollm2:2:16::" "32:smollm2:1:32:12-15:0-11"; do
   IFS=: read -r n mod seed rows pc sc <<< "$run"
   before 490 || continue
   BRAID_CUDA_ATTN_DEC_ROWS=$rows PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$RAW/stall-$n-$mod-$seed-$rows SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 \

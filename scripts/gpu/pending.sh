@@ -12,7 +12,9 @@
 #   padded chunks (stop 57: a pass's last rows in one round; stop 56's
 #   seed 1 ended in chunks of 24, 8, 4, 2 and 1 rows, 20 rounds, TTFT
 #   31.7 ms);
-#   SmolLM2 with 17-32-row chunks in the prefill kernel
+#   seed 1 again with the lanes decode kernel for up to 32 pairs
+#   (`BRAID_CUDA_ATTN_DEC_PAIRS=32`); SmolLM2 with 17-32-row chunks in the
+#   prefill kernel
 #   (`BRAID_CUDA_ATTN_DEC_ROWS=16`: a 32-row chunk beside six streams
 #   reads 1.97 ms against 1.56 for 48 rows); 32 streams with the probe and
 #   the server on cores of their own.
@@ -60,7 +62,7 @@ kill $mpid
 el guided
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for pass in 1 2; do for bin in "${builds[@]}"; do
-  before 330 || continue
+  before 300 || continue
   $B/$bin serve --device cuda -m "$M/rand-$mod.gguf" --port 8111 > "$RAW/guided-$mod-$bin-$pass.log" 2>&1 &
   pid=$!
   for i in $(seq 120); do curl -sf localhost:8111/health > /dev/null && break; sleep 0.5; done
@@ -70,12 +72,16 @@ for mod in llama1b smollm2; do for pass in 1 2; do for bin in "${builds[@]}"; do
   kill $pid; wait $pid 2>/dev/null
 done; done; done
 el stall
-# STREAMS:MODEL:SEED:ATTN_DEC_ROWS:PROBE_CPUS:SERVE_CPUS
-for run in "6:smollm2:1:32::" "6:smollm2:2:32::" "6:smollm2:3:32::" "6:llama1b:1:32::" "6:smollm2:2:16::" "32:smollm2:1:32:12-15:0-11"; do
-  IFS=: read -r n mod seed rows pc sc <<< "$run"
+# STREAMS:MODEL:SEED:ATTN_DEC_ROWS:ATTN_DEC_PAIRS:PROBE_CPUS:SERVE_CPUS, most
+# wanted first. PAIRS 32: the decode rows of plain rounds and of rounds
+# with a chunk past 32 rows in the lanes kernel (flatter with the context:
+# 1.305 -> 1.136 ms at 2,000 keys, stop 54), short chunks' rounds as now.
+for run in "6:smollm2:1:32:0::" "6:smollm2:1:32:32::" "6:llama1b:1:32:0::" "6:smollm2:2:32:0::" "6:smollm2:3:32:0::" "6:smollm2:2:16:0::" "32:smollm2:1:32:0:12-15:0-11"; do
+  IFS=: read -r n mod seed rows pairs pc sc <<< "$run"
   before 490 || continue
-  BRAID_CUDA_ATTN_DEC_ROWS=$rows PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$RAW/stall-$n-$mod-$seed-$rows SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 \
-    timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 | sed "s/^/$mod streams $n seed $seed dec_rows $rows cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
+  BRAID_CUDA_ATTN_DEC_ROWS=$rows BRAID_CUDA_ATTN_DEC_PAIRS=$pairs PROBE_CPUS=$pc SERVE_CPUS=$sc STREAMS=$n OUT=$RAW/stall-$n-$mod-$seed-$rows-$pairs SEEDS=$seed \
+    MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 |
+    sed "s/^/$mod streams $n seed $seed dec_rows $rows pairs $pairs cpus ${pc:-all}: /" | tee -a "$OUT/stall.txt"
 done
 el done
 cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

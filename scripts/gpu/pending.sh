@@ -48,19 +48,21 @@ tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el metronome
 # What the HTTP stack and the probe add to perfectly even 1 ms rounds (the
 # server crate's `metronome` example): the gaps' median, p99 and largest.
-$B/metronome --port 8112 --tick-us 1000 > "$RAW/metronome.log" 2>&1 &
-mpid=$!
-sleep 1
-for n in 6 32; do
-  timeout 30 $B/stall_probe http://127.0.0.1:8112 --streams $n --gen 4000 --long-tokens 1800 --ignore-eos --dump "$RAW/metronome-$n.json" > /dev/null 2>&1
-  python3 - "$RAW/metronome-$n.json" $n <<'PY' | tee -a "$OUT/metronome.txt"
+# Each: WORKERS (tokio's, "" its default: a worker a core):STREAMS.
+for run in ":6" ":32" "2:6"; do
+  IFS=: read -r w n <<< "$run"
+  env ${w:+TOKIO_WORKER_THREADS=$w} $B/metronome --port 8112 --tick-us 1000 > "$RAW/metronome-$w-$n.log" 2>&1 &
+  mpid=$!
+  sleep 1
+  timeout 30 $B/stall_probe http://127.0.0.1:8112 --streams $n --gen 4000 --long-tokens 1800 --ignore-eos --dump "$RAW/metronome-$w-$n.json" > /dev/null 2>&1
+  python3 - "$RAW/metronome-$w-$n.json" "$n streams, workers ${w:-default}" <<'PY' | tee -a "$OUT/metronome.txt"
 import json, statistics, sys
 d = json.load(open(sys.argv[1]))
 gaps = sorted(1e3 * (b - a) for s in d["streams"] for a, b in zip(s, s[1:]))
-print(f"metronome 1 ms, {sys.argv[2]} streams: {len(gaps)} gaps, median {statistics.median(gaps):.3f} ms, p99 {gaps[int(0.99 * len(gaps))]:.3f}, p99.9 {gaps[int(0.999 * len(gaps))]:.3f}, largest {gaps[-1]:.3f}")
+print(f"metronome 1 ms, {sys.argv[2]}: {len(gaps)} gaps, median {statistics.median(gaps):.3f} ms, p99 {gaps[int(0.99 * len(gaps))]:.3f}, p99.9 {gaps[int(0.999 * len(gaps))]:.3f}, largest {gaps[-1]:.3f}")
 PY
+  kill $mpid; wait $mpid 2> /dev/null
 done
-kill $mpid
 el guided
 builds=(braid); [ -x $B/braid-before ] && builds+=(braid-before)
 for mod in llama1b smollm2; do for pass in 1 2; do for bin in "${builds[@]}"; do

@@ -451,9 +451,13 @@ impl<D: Device> ModelBackend<D> {
             if let Some(&(a, b)) = spans.iter().find(|&&(a, b)| a < end && end < b) {
                 bail!("the chunk {start}..{end} of stream {stream} ends inside the image at rows {a}..{b}");
             }
-            let decode_rows = total;
+            let padded = self.chunk_rows(*stream, chunk, total);
             total += chunk.tokens.len();
-            self.reserve(*stream, chunk.start + self.chunk_rows(*stream, chunk, decode_rows))?;
+            // The pad rows' blocks where the pool has them (else the chunk
+            // runs as it is: `run` pads only what is reserved).
+            if padded == chunk.tokens.len() || self.reserve(*stream, chunk.start + padded).is_err() {
+                self.reserve(*stream, chunk.start + chunk.tokens.len())?;
+            }
         }
         ensure!(total <= self.cfg.max_batch, "a round of {total} rows exceeds max batch {}", self.cfg.max_batch);
         Ok(())

@@ -120,24 +120,29 @@ impl braid_models::random::RandomInit for AheadCpu {
 /// (logits as bits) and chunk logits, as text.
 const VOCAB: usize = 100;
 
-/// A tiny random Llama on `dev`, and streams 0, 1, 2 prefilled with
-/// their next tokens and lengths.
-fn three_streams(dev: AheadCpu) -> (ModelBackend<AheadCpu>, HashMap<StreamId, u32>, HashMap<StreamId, usize>) {
-    let vocab = VOCAB;
-    let cfg = braid_models::llama::LlamaConfig {
+/// A backend of a tiny random Llama on `dev`.
+fn tiny_llama(dev: AheadCpu, cfg: BackendConfig) -> ModelBackend<AheadCpu> {
+    let llama = braid_models::llama::LlamaConfig {
         hidden: 64,
         layers: 2,
         heads: 4,
         kv_heads: 2,
         head_dim: 16,
         ffn: 128,
-        vocab,
+        vocab: VOCAB,
         eps: 1e-5,
         rope: Rope::new(1e4, 16, true),
         context: 512,
     };
-    let model = braid_models::random::llama(&dev, cfg, 5, false).unwrap();
-    let mut be = ModelBackend::new(dev, Box::new(model), BackendConfig { kv_tokens: 2048, context: 512, ..Default::default() }).unwrap();
+    let model = braid_models::random::llama(&dev, llama, 5, false).unwrap();
+    ModelBackend::new(dev, Box::new(model), cfg).unwrap()
+}
+
+/// A tiny random Llama on `dev`, and streams 0, 1, 2 prefilled with
+/// their next tokens and lengths.
+fn three_streams(dev: AheadCpu) -> (ModelBackend<AheadCpu>, HashMap<StreamId, u32>, HashMap<StreamId, usize>) {
+    let vocab = VOCAB;
+    let mut be = tiny_llama(dev, BackendConfig { kv_tokens: 2048, context: 512, ..Default::default() });
     let prompt = |s: u64, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + 7 * s as u32) % vocab as u32).collect() };
     let (mut next, mut lens) = (HashMap::new(), HashMap::new());
     for s in 0..3u64 {
@@ -568,4 +573,33 @@ fn chunks_padded_to_a_replayed_size_give_the_chunks_own_results_on_the_cpu() {
             assert_eq!((kept_ahead, padded_ahead), (0, 1));
         }
     }
+}
+
+#[test]
+fn a_chunk_is_not_padded_into_blocks_the_pool_lacks_on_the_cpu() {
+    // Three blocks of 16: stream 0's 10 rows hold one, stream 1's first
+    // chunk (20 rows, run as 24) two. Its second chunk, rows 20..30, would
+    // run as 16 rows (20..36) in a fourth block there is not: it runs as
+    // its own 10 rows, the results those of a backend that never pads.
+    let run = |replays: bool| {
+        let mut be = tiny_llama(AheadCpu(Cpu::new(Some(1)), false, replays), BackendConfig { kv_tokens: 48, context: 512, ..Default::default() });
+        let prompt: Vec<u32> = (0..30u32).map(|i| (i * 17 + 3) % VOCAB as u32).collect();
+        be.open(0).unwrap();
+        let l = be.prefill_step(0, Chunk { start: 0, tokens: &prompt[..10], want_logits: true }).unwrap().unwrap();
+        let mut next = argmax(&l) as u32;
+        be.open(1).unwrap();
+        let mut log = Vec::new();
+        for (a, b) in [(0, 20), (20, 30)] {
+            let rows = [DecodeRow { stream: 0, tokens: vec![next] }];
+            let chunk = Chunk { start: a, tokens: &prompt[a..b], want_logits: true };
+            let out = be.round(Step::new(&rows, Some((1, chunk)), Pick::Argmax)).unwrap();
+            let Picked::Tokens(t) = &out.picked else { panic!("{:?}", out.picked) };
+            next = t[0];
+            log.push(format!("{t:?} {:?}", out.chunk_logits.unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+        }
+        (log, be.fill().blocks_used)
+    };
+    let (kept, padded) = (run(false), run(true));
+    assert_eq!(kept, padded);
+    assert_eq!(padded.1, 3);
 }

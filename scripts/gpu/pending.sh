@@ -50,14 +50,16 @@ tail -3 "$RAW/cuda_models.txt" | tee -a "$OUT/tests.txt"
 el metronome
 # What the HTTP stack and the probe add to perfectly even 1 ms rounds (the
 # server crate's `metronome` example): the gaps' median, p99 and largest.
-# Each: WORKERS (tokio's, "" its default: a worker a core):STREAMS.
-for run in ":6" ":32" "2:6"; do
-  IFS=: read -r w n <<< "$run"
-  env ${w:+TOKIO_WORKER_THREADS=$w} $B/metronome --port 8112 --tick-us 1000 > "$RAW/metronome-$w-$n.log" 2>&1 &
+# Each: WORKERS (tokio's, "" its default: a worker a core):STREAMS:PROBE
+# FLAGS (--spin: the probe's threads poll, a core each; stop 57 read p99
+# 1.21-1.32 ms with any worker count: is it the probe's wake-up?).
+for run in ":6:" ":6:--spin" ":32:" "2:6:"; do
+  IFS=: read -r w n pf <<< "$run"
+  env ${w:+TOKIO_WORKER_THREADS=$w} $B/metronome --port 8112 --tick-us 1000 > "$RAW/metronome-$w-$n$pf.log" 2>&1 &
   mpid=$!
   sleep 1
-  timeout 30 $B/stall_probe http://127.0.0.1:8112 --streams $n --gen 4000 --long-tokens 1800 --ignore-eos --dump "$RAW/metronome-$w-$n.json" > /dev/null 2>&1
-  python3 - "$RAW/metronome-$w-$n.json" "$n streams, workers ${w:-default}" <<'PY' | tee -a "$OUT/metronome.txt"
+  timeout 30 $B/stall_probe http://127.0.0.1:8112 --streams $n --gen 4000 --long-tokens 1800 --ignore-eos $pf --dump "$RAW/metronome-$w-$n$pf.json" > /dev/null 2>&1
+  python3 - "$RAW/metronome-$w-$n$pf.json" "$n streams, workers ${w:-default} $pf" <<'PY' | tee -a "$OUT/metronome.txt"
 import json, statistics, sys
 d = json.load(open(sys.argv[1]))
 gaps = sorted(1e3 * (b - a) for s in d["streams"] for a, b in zip(s, s[1:]))

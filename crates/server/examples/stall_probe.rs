@@ -9,8 +9,8 @@
 //! `cargo run --release -p braid-server --example stall_probe -- URL
 //! [--streams 6] [--gen 4000] [--short-tokens 32] [--long-tokens 1800]
 //! [--newcomer-max-tokens 16] [--arrival-after 2] [--ignore-eos] [--seed 1]
-//! [--label TEXT] [--timeout 120] [--dump FILE]`. Loopback URLs only; the last line
-//! printed is the JSON object.
+//! [--label TEXT] [--timeout 120] [--dump FILE] [--spin]`. Loopback URLs only; the
+//! last line printed is the JSON object.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -59,12 +59,16 @@ struct Opts {
     /// Write every stream's token times here (JSON), to line them up
     /// against the server's round trace.
     dump: Option<String>,
+    /// Each stream's thread spins on a non-blocking socket instead of
+    /// sleeping in `read`: a core a stream, and no wake-up between the
+    /// server's write and the stamp (is the spread the probe's own?).
+    spin: bool,
 }
 
 fn parse() -> Result<Opts> {
     let mut args = std::env::args().skip(1);
     const USAGE: &str = "usage: stall_probe URL [--streams 6] [--gen 4000] [--short-tokens 32] [--long-tokens 1800] \
-[--newcomer-max-tokens 16] [--arrival-after 2] [--ignore-eos] [--seed 1] [--label TEXT] [--timeout 120] [--dump FILE]";
+[--newcomer-max-tokens 16] [--arrival-after 2] [--ignore-eos] [--seed 1] [--label TEXT] [--timeout 120] [--dump FILE] [--spin]";
     let url = args.next().ok_or_else(|| anyhow!(USAGE))?;
     if url == "--help" || url == "-h" {
         println!("{USAGE}");
@@ -88,6 +92,7 @@ fn parse() -> Result<Opts> {
         label: String::new(),
         timeout: 120.0,
         dump: None,
+        spin: false,
     };
     while let Some(a) = args.next() {
         let mut val = || args.next().ok_or_else(|| anyhow!("{a} needs a value"));
@@ -103,6 +108,7 @@ fn parse() -> Result<Opts> {
             "--timeout" => o.timeout = val()?.parse()?,
             "--dump" => o.dump = Some(val()?),
             "--ignore-eos" => o.ignore_eos = true,
+            "--spin" => o.spin = true,
             other => bail!("unknown option {other}"),
         }
     }
@@ -217,11 +223,14 @@ fn start(o: &Opts, body: &Value, t0: Instant, stop: Arc<AtomicBool>) -> Result<S
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(Duration::from_millis(200)))?;
     let req = request(o, body);
+    let spin = o.spin;
     let times = Arc::new(Mutex::new(Vec::new()));
     let sent = t0.elapsed().as_secs_f64();
     sock.write_all(&req)?;
     let mine = times.clone();
     let handle = thread::spawn(move || -> Result<()> {
+        // The request is written: from here on a spinning thread polls.
+        sock.set_nonblocking(spin)?;
         let mut ev = Events::default();
         let mut buf = vec![0u8; 65536];
         while !ev.done && !stop.load(Ordering::Relaxed) {

@@ -153,6 +153,12 @@ pub fn replayed_size(rows: usize) -> bool {
     rows.is_power_of_two() || rows == 24 || (rows >= 48 && matches!(odd, 3 | 5 | 7) && rows / odd >= 16)
 }
 
+/// The least replayed size of at least `rows` rows: what a chunk of `rows`
+/// runs as where the backend pads it (`Capabilities::pads_chunks`).
+pub fn replayed_size_up(rows: usize) -> usize {
+    (rows.max(1)..).find(|&n| replayed_size(n)).expect("sizes go on")
+}
+
 /// The replayed sizes up to `most`, largest first.
 pub fn replayed_sizes(most: usize) -> impl Iterator<Item = usize> {
     (1..=most).rev().filter(|&n| replayed_size(n))

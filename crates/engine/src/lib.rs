@@ -52,8 +52,8 @@ pub mod sampling;
 pub mod stop;
 
 pub use backend::{
-    image_token_ids, replayed_size, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Draw, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks,
-    PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
+    image_token_ids, replayed_size, replayed_size_up, replayed_sizes, Backend, Capabilities, Chunk, DecodeRow, Draw, Encoded, Fill, MarkId, Penalty, Pick,
+    Picked, Picks, PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 pub use blocks::{window_start, Attached, BlockId, BlockPool, BlockTable};
 pub use draft_model::{DraftModel, DraftModelConfig};

@@ -38,7 +38,7 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use crate::backend::{replayed_size, replayed_sizes, StreamId};
+use crate::backend::{replayed_size_up, replayed_sizes, StreamId};
 
 /// Rows of a pass's first chunk under `prefill_share`, before any cost is
 /// known: small, since in a shared forward each row adds its full cost to
@@ -54,7 +54,7 @@ const REMEASURE_EVERY: usize = 8;
 /// until then chunks probe, doubling while rounds stay within the target.
 const TRUSTED_AFTER: usize = 6;
 
-/// `budget` kept to the chunk sizes a backend replays ([`replayed_size`]
+/// `budget` kept to the chunk sizes a backend replays ([`replayed_size`](crate::replayed_size)
 /// up to `replayed`; see `Capabilities::replayed_chunk_rows`) where the
 /// chunk shares its round with decode rows: the largest size within the
 /// budget and the `left` rows before the pass's next cut, so its last
@@ -68,7 +68,7 @@ pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed:
     match budget {
         Budget::Chunk(Some(rows)) if decoding && replayed > 0 => match rows.min(left).min(replayed) {
             0 => budget,
-            _ if pads && padded(left) <= rows.min(replayed) => Budget::Chunk(Some(left)),
+            _ if pads && replayed_size_up(left) <= rows.min(replayed) => Budget::Chunk(Some(left)),
             r => Budget::Chunk(replayed_sizes(r).next()),
         },
         b => b,
@@ -77,16 +77,7 @@ pub(super) fn to_replayed(budget: Budget, left: usize, decoding: bool, replayed:
 
 /// The next replayed size past `rows`.
 fn size_up(rows: usize) -> usize {
-    (rows + 1..).find(|&n| replayed_size(n)).expect("sizes go on")
-}
-
-/// The replayed size a chunk of `rows` runs as where the backend pads.
-fn padded(rows: usize) -> usize {
-    if replayed_size(rows) {
-        rows
-    } else {
-        size_up(rows)
-    }
+    replayed_size_up(rows + 1)
 }
 
 /// How many prompt rows the next round may take.
@@ -524,7 +515,7 @@ impl Pacer {
     pub fn sized(&self, stream: StreamId, share: f64, decode: usize, left: usize) -> usize {
         let this_pass = self.pass.as_ref().filter(|p| p.stream == stream);
         let share = if this_pass.is_some() { share } else { share / 2.0 };
-        let most = self.replayed.min(if self.pads { padded(left) } else { left });
+        let most = self.replayed.min(if self.pads { replayed_size_up(left) } else { left });
         // A size that has added more than a larger one (SmolLM2's 32 rows
         // against its 48 on the H100: past 32 rows in all the products
         // take another kernel) is passed over: the larger serves better,

@@ -33,8 +33,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Result};
 use braid_engine::{
-    replayed_size, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Draw, Encoded, Fill, MarkId, Penalty, Pick, Picked, Picks,
-    PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
+    replayed_size, replayed_size_up, window_start, Backend, BlockPool, BlockTable, Capabilities, Chunk, DecodeRow, Draw, Encoded, Fill, MarkId, Penalty, Pick,
+    Picked, Picks, PromptImage, RoundMasks, RoundOut, Step, StreamId, IMAGE_IDS,
 };
 use braid_ops::{Device, DrawRow, Forward, KvDtype, RowPick, RowPicked};
 
@@ -56,7 +56,6 @@ impl<'a> Picking<'a> {
     }
 }
 
-/// A lane's draw as the device takes it (see `RowPick::Draw`).
 /// `tokens` run as `rows` rows: the last token stands in for the rows past
 /// its end (see `ModelBackend::chunk_rows`).
 fn pad(tokens: &[u32], rows: usize) -> Cow<'_, [u32]> {
@@ -66,6 +65,7 @@ fn pad(tokens: &[u32], rows: usize) -> Cow<'_, [u32]> {
     }
 }
 
+/// A lane's draw as the device takes it (see `RowPick::Draw`).
 pub fn device_draw(d: &Draw) -> DrawRow {
     // A number just below 1 stays below 1 in f32.
     let below_one = 1.0 - f32::EPSILON / 2.0;
@@ -386,12 +386,22 @@ impl<D: Device> ModelBackend<D> {
     /// (within the replayed sizes, the round's rows and the context).
     fn chunk_rows(&self, stream: StreamId, c: &Chunk<'_>, decode_rows: usize) -> usize {
         let n = c.tokens.len();
-        if decode_rows == 0 || replayed_size(n) || !self.pads_chunks() || self.images.contains_key(&stream) {
+        if decode_rows == 0 || !self.pads_chunks() || self.images.contains_key(&stream) {
             return n;
         }
-        match (n + 1..=REPLAY_CHUNK_ROWS).find(|&m| replayed_size(m)) {
-            Some(m) if decode_rows + m <= self.cfg.max_batch && c.start + m <= self.cfg.context => m,
+        match replayed_size_up(n) {
+            m if m <= REPLAY_CHUNK_ROWS && decode_rows + m <= self.cfg.max_batch && c.start + m <= self.cfg.context => m,
             _ => n,
+        }
+    }
+
+    /// [`Self::chunk_rows`], its pad rows' blocks given to `stream` where
+    /// the pool has them; else the chunk's own rows (their blocks are the
+    /// caller's to give).
+    fn reserve_padded(&mut self, stream: StreamId, c: &Chunk<'_>, decode_rows: usize) -> usize {
+        match self.chunk_rows(stream, c, decode_rows) {
+            n if n > c.tokens.len() && self.reserve(stream, c.start + n).is_ok() => n,
+            _ => c.tokens.len(),
         }
     }
 
@@ -451,13 +461,11 @@ impl<D: Device> ModelBackend<D> {
             if let Some(&(a, b)) = spans.iter().find(|&&(a, b)| a < end && end < b) {
                 bail!("the chunk {start}..{end} of stream {stream} ends inside the image at rows {a}..{b}");
             }
-            let padded = self.chunk_rows(*stream, chunk, total);
+            // The pad rows' blocks where the pool has them (`run` pads only
+            // what is reserved), and the chunk's own.
+            self.reserve_padded(*stream, chunk, total);
             total += chunk.tokens.len();
-            // The pad rows' blocks where the pool has them (else the chunk
-            // runs as it is: `run` pads only what is reserved).
-            if padded == chunk.tokens.len() || self.reserve(*stream, chunk.start + padded).is_err() {
-                self.reserve(*stream, chunk.start + chunk.tokens.len())?;
-            }
+            self.reserve(*stream, chunk.start + chunk.tokens.len())?;
         }
         ensure!(total <= self.cfg.max_batch, "a round of {total} rows exceeds max batch {}", self.cfg.max_batch);
         Ok(())
@@ -580,13 +588,9 @@ impl<D: Device> ModelBackend<D> {
         let mut logit_rows: Vec<usize> = (0..total).collect();
         let padded;
         if let Some((stream, c)) = &chunk {
-            let mut n = self.chunk_rows(*stream, c, total);
-            // Padded beside fewer rows than its step reserved for (part of
-            // the step was launched ahead): the pad rows need blocks too.
-            if n > c.tokens.len() && self.reserve(*stream, c.start + n).is_err() {
-                n = c.tokens.len();
-            }
-            padded = pad(c.tokens, n);
+            // Reserved by `reserve_step` already, but for a chunk run beside
+            // fewer rows than its step (part of it was launched ahead).
+            padded = pad(c.tokens, self.reserve_padded(*stream, c, total));
             parts.push((*stream, &padded));
             if c.want_logits {
                 logit_rows.push(total + c.tokens.len() - 1);

@@ -339,7 +339,7 @@ fn padded_chunks_end_a_pass_in_fewer_rounds_within_the_share() {
     assert!(kept.iter().rev().take(3).all(|&r| r < 24), "{kept:?}");
     assert!(padded_pass.len() < kept.len(), "padded {padded_pass:?}, kept {kept:?}");
     // No round past the share either way: each chunk costs what its padded size does.
-    assert!(padded_pass.iter().all(|&r| added(padded(r), 0) <= 0.45 * plain + 1e-9), "{padded_pass:?}");
+    assert!(padded_pass.iter().all(|&r| added(replayed_size_up(r), 0) <= 0.45 * plain + 1e-9), "{padded_pass:?}");
 }
 
 /// Llama-1B's shape on the H100 beside six streams: a plain round of
@@ -382,7 +382,7 @@ fn sized_pass_on(p: &mut Pacer, len: usize, cut: usize, replayed: usize, plain: 
         match to_replayed(p.budget(3, pos, six, false, left), left, true, replayed, p.pads) {
             Budget::Chunk(Some(r)) => {
                 // A padded chunk costs what its replayed size does.
-                let cost = added(if p.pads { padded(r) } else { r }, pos);
+                let cost = added(if p.pads { replayed_size_up(r) } else { r }, pos);
                 p.ran(Ran { shape: Shape { chunk_rows: r, chunk_start: pos, ..six }, chunk: Some(3), secs: (plain + cost) * 1e-3, overhead: 0.0 });
                 rounds.push(r);
                 pos += r;

@@ -140,8 +140,9 @@ pub struct ServeArgs {
 pub fn serve(a: ServeArgs) -> Result<()> {
     // A worker a core (tokio's default; `TOKIO_WORKER_THREADS` sets it), so
     // a round's frames for many streams go out side by side rather than
-    // through two workers. They sleep between rounds: on the CPU they take
-    // little from the forward.
+    // through two workers. Where the forward takes every core they sleep
+    // between rounds; elsewhere one polls while requests run
+    // (`ServerConfig::keep_hot`).
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         // An empty key would turn authentication off without a word.
@@ -177,6 +178,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 body_timeout: secs("--body-timeout", a.body_timeout)?,
                 max_connections: fit_connections(a.max_connections)?,
             },
+            keep_hot: !takes_every_core(&a.model)?,
             ..ServerConfig::default()
         };
         // Listen first: /health says 503 until the model is loaded.
@@ -248,14 +250,20 @@ async fn go_live(server: &Server, a: &ServeArgs, path: &Path, name: &str, sampli
 }
 
 /// The most of a core a request's image decoding takes at a time: a
-/// quarter where the model runs on the CPU with a thread on every core.
-/// There a round waits on the slowest of its threads, and an image decoded
-/// in one burst (tens of ms) beside it took a round on two cores from 21 ms
-/// to 43-59 (paced: 25-49); with spare cores or a GPU, all it gets.
+/// quarter where the forward takes every core. There a round waits on the
+/// slowest of its threads, and an image decoded in one burst (tens of ms)
+/// beside it took a round on two cores from 21 ms to 43-59 (paced:
+/// 25-49); with spare cores or a GPU, all it gets.
 fn image_duty(m: &ModelArgs) -> Result<f64> {
+    Ok(if takes_every_core(m)? { 0.25 } else { 1.0 })
+}
+
+/// Whether the model runs on the CPU with a thread on every core: then
+/// nothing else may keep a core busy (no hot async worker, image decoding
+/// paced).
+fn takes_every_core(m: &ModelArgs) -> Result<bool> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cpu_bound = crate::load::device_choice(&m.device)? == crate::load::DeviceChoice::Cpu && m.threads.is_none_or(|t| t >= cores);
-    Ok(if cpu_bound { 0.25 } else { 1.0 })
+    Ok(crate::load::device_choice(&m.device)? == crate::load::DeviceChoice::Cpu && m.threads.is_none_or(|t| t >= cores))
 }
 
 /// A timeout flag's value.

@@ -7,7 +7,7 @@
 //! lane's rounds stayed within ~1.1 ms (docs/dev/cuda-sessions.md, stop 56).
 //!
 //! `cargo run --release -p braid-server --example metronome -- [--port 8112]
-//! [--tick-us 1000]`, then e.g. `stall_probe http://127.0.0.1:8112
+//! [--tick-us 1000] [--keep-hot]`, then e.g. `stall_probe http://127.0.0.1:8112
 //! --streams 6 --gen 4000 --long-tokens 1800 --ignore-eos`. The byte-level
 //! tokenizer of the server's tests: a token is a byte.
 
@@ -84,19 +84,20 @@ impl Generator for Metronome {
 }
 
 fn main() -> Result<()> {
-    let (mut port, mut tick_us) = (8112u16, 1000u64);
+    let (mut port, mut tick_us, mut keep_hot) = (8112u16, 1000u64, false);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
             "--port" => port = val()?.parse().context("--port")?,
             "--tick-us" => tick_us = val()?.parse().context("--tick-us")?,
-            _ => bail!("usage: metronome [--port 8112] [--tick-us 1000]"),
+            "--keep-hot" => keep_hot = true,
+            _ => bail!("usage: metronome [--port 8112] [--tick-us 1000] [--keep-hot]"),
         }
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let cfg = ServerConfig { port, model_name: "metronome".into(), max_body_bytes: 16 << 20, ..ServerConfig::default() };
+        let cfg = ServerConfig { port, model_name: "metronome".into(), max_body_bytes: 16 << 20, keep_hot, ..ServerConfig::default() };
         let server = Server::bind(cfg).await?;
         server.ready_with(Arc::new(Metronome::start(Duration::from_micros(tick_us))), fake::model_info(false, 1 << 20));
         eprintln!("metronome: a token every {tick_us} µs to every stream, on {}", server.local_addr());

@@ -555,7 +555,9 @@ struct Feed {
 
 impl Feed {
     fn new(app: &Arc<App>, gen: Arc<dyn Generator>, pending: VecDeque<(usize, Request)>, tx: mpsc::UnboundedSender<(usize, Event)>) -> Feed {
-        app.active.fetch_add(1, Ordering::SeqCst);
+        if app.active.fetch_add(1, Ordering::SeqCst) == 0 {
+            app.busy.notify_one();
+        }
         let tickets = Vec::with_capacity(pending.len());
         Feed { app: app.clone(), gen, pending, tx: Some(tx), in_flight: 0, tickets }
     }

@@ -13,7 +13,8 @@
 # it), or in the same call before the measurements (~230-280 s):
 #   bash scripts/gpu/build_llamacpp.sh
 # Results under $OUT (default /tmp/side-by-side). BRAID_ARGS go to braid
-# serve (e.g. --itl-target 3); SEEDS (default "1 2 3"), STREAMS (6), PROBE_SWITCH, PROBE,
+# serve (e.g. --itl-target 3), BRAID_BIN picks the binary in .device-bin
+# (braid; braid-before for an A/B); SEEDS (default "1 2 3"), STREAMS (6), PROBE_SWITCH, PROBE,
 # MODELS ("smollm2 llama1b"); BRAID_ONLY=1 skips the bench and llama.cpp
 # (a quick look at braid's stall alone); PEER_ONLY=1 skips braid (llama.cpp
 # in one call, braid in the next on the same warm machine, each with its
@@ -74,7 +75,7 @@ for mod in $MODELS_BRAID; do
     # The lane's round trace too: scripts/gpu/gaps.py reads the arrival
     # from it as the server saw it (the probe's own clock adds its threads').
     # Graphs recorded after the warm-up (exec=debug) name rounds run eagerly.
-    RUST_LOG=info,braid_engine::lane::round=trace,braid_engine::lane::pacer=debug,braid_ops::cuda::exec=debug "${ON_SERVE[@]}" $B/braid serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
+    RUST_LOG=info,braid_engine::lane::round=trace,braid_engine::lane::pacer=debug,braid_ops::cuda::exec=debug "${ON_SERVE[@]}" $B/${BRAID_BIN:-braid} serve --device cuda -m "$M/rand-$mod.gguf" --port 8088 ${BRAID_ARGS:-} \
       > "$OUT/braid-serve-$mod-$seed.log" 2>&1 &
     sp=$!
     probe braid $mod 8088 "$seed"

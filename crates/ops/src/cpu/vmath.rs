@@ -110,7 +110,7 @@ pub fn has_avx512() -> bool {
         1 => false,
         2 => true,
         _ => {
-            let capped = matches!(std::env::var("BRAID_CPU_ISA").as_deref(), Ok("avx2" | "scalar"));
+            let capped = matches!(std::env::var("BRAID_CPU_ISA").as_deref(), Ok("avx2" | "avxvnni" | "scalar"));
             let yes = !capped
                 && has_avx2()
                 && is_x86_feature_detected!("avx512f")

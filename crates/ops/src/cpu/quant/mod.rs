@@ -77,8 +77,9 @@ impl QMatRef<'_> {
 
 /// Which kernels run: the portable scalar ones, AVX2+FMA+F16C, or those
 /// plus one `vpdpbusd` for each u8 x i8 dot of 32 bytes: AVX-VNNI's, or
-/// AVX512-VNNI's on 256-bit registers (CPUs with AVX-512 but no AVX-VNNI,
-/// such as AMD Zen 4). The two VNNI kinds give bit-identical results.
+/// AVX512-VNNI's, whose decode tiles stay on 256-bit registers and whose
+/// float and long-prompt tiles take 512 bits. The kinds give bit-identical
+/// results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
@@ -88,8 +89,12 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best kernels this CPU runs. `BRAID_CPU_ISA=scalar` (or `avx2`)
-    /// caps the choice, for debugging and comparisons.
+    /// The best kernels this CPU runs: AVX-512 VNNI's where the CPU has
+    /// it, also beside AVX-VNNI, since only those run float weights and
+    /// long prompts as packed 512-bit tiles (on this 2-core AMD EPYC with
+    /// both, an 896-px image's tower 77 -> 50 s, Qwen2.5-Coder-0.5B pp512
+    /// ~1.3x). `BRAID_CPU_ISA=scalar`, `avx2` or `avxvnni` caps the
+    /// choice, for debugging and comparisons.
     pub fn best() -> Isa {
         use std::sync::atomic::{AtomicU8, Ordering};
         static BEST: AtomicU8 = AtomicU8::new(0);
@@ -101,10 +106,10 @@ impl Isa {
         let cap = match std::env::var("BRAID_CPU_ISA").as_deref() {
             Ok("scalar") => 0,
             Ok("avx2") => 1,
+            Ok("avxvnni") => 2,
             _ => 3,
         };
-        // The VEX kind where both exist: it needs no AVX-512 state.
-        let i = [2, 3, 1, 0].into_iter().filter(|&i| i <= cap).find(|&i| ALL[i].available()).unwrap_or(0);
+        let i = [3, 2, 1, 0].into_iter().filter(|&i| i <= cap).find(|&i| ALL[i].available()).unwrap_or(0);
         BEST.store(i as u8 + 1, Ordering::Relaxed);
         ALL[i]
     }

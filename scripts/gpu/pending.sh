@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next GPU call (docs/dev/cuda-sessions.md, "Stop 58"), up to ~560 s,
+# The next GPU call (docs/dev/cuda-sessions.md, "Stop 58"), up to ~580 s,
 # from the repository root on the device:
 # * the server stack's own spread: the probe against a metronome lane
 #   (every stream a token each 1 ms), with and without a hot async worker
@@ -9,7 +9,9 @@
 #   (braid-before: `BEFORE=8d8618a scripts/gpu/build.sh`), interleaved:
 #   SmolLM2 seeds 1-3 and Llama-1B seed 1 at six streams, 32 streams, and
 #   SmolLM2 with the lanes decode kernel for up to 32 pairs (stop 57: plain
-#   rounds 0.918 ms against 1.075 at the arrival, but 32 rounds).
+#   rounds 0.918 ms against 1.075 at the arrival, but 32 rounds);
+# * issue 20's image arrival on the host's CPU (scripts/gpu/image_cpu.sh),
+#   now with the AVX-512 kernels where the CPU also has AVX-VNNI.
 #
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and
 # scripts/gpu/peer.sh (.peer/). Carry [".device-bin", ".peer/gpu",
@@ -54,12 +56,18 @@ done
 el stall
 # BIN:STREAMS:MODEL:SEED:ATTN_DEC_PAIRS, the A/B pairs side by side.
 for run in "braid:6:smollm2:1:0" "braid-before:6:smollm2:1:0" "braid:6:smollm2:2:0" "braid-before:6:smollm2:2:0" "braid:6:llama1b:1:0" "braid-before:6:llama1b:1:0" \
-  "braid:6:smollm2:3:0" "braid:32:smollm2:1:0" "braid:6:smollm2:1:32" "braid-before:32:smollm2:1:0" "braid-before:6:smollm2:3:0"; do
+  "braid:32:smollm2:1:0" "braid:6:smollm2:1:32"; do
   IFS=: read -r bin n mod seed pairs <<< "$run"
-  before 520 || continue
+  before 330 || continue
   BRAID_BIN=$bin BRAID_CUDA_ATTN_DEC_PAIRS=$pairs STREAMS=$n OUT=$RAW/stall-$bin-$n-$mod-$seed-$pairs SEEDS=$seed \
     MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 |
     sed "s/^/$bin $mod streams $n seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
 done
+el image
+# Issue 20's bar on the host's 16 cores: the image arrival beside four
+# streams (--threads 12), then a text arrival if there is time.
+ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+before 420 && ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+lscpu | grep -iE "model name|flags" | cut -c1-400 >> "$OUT/gpu.txt"
 el done
 cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

@@ -58,7 +58,7 @@ el stall
 for run in "braid:6:smollm2:1:0" "braid-before:6:smollm2:1:0" "braid:6:smollm2:2:0" "braid-before:6:smollm2:2:0" "braid:6:llama1b:1:0" "braid-before:6:llama1b:1:0" \
   "braid:32:smollm2:1:0" "braid:6:smollm2:1:32"; do
   IFS=: read -r bin n mod seed pairs <<< "$run"
-  before 330 || continue
+  before 180 || continue
   BRAID_BIN=$bin BRAID_CUDA_ATTN_DEC_PAIRS=$pairs STREAMS=$n OUT=$RAW/stall-$bin-$n-$mod-$seed-$pairs SEEDS=$seed \
     MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 |
     sed "s/^/$bin $mod streams $n seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
@@ -66,8 +66,8 @@ done
 el image
 # Issue 20's bar on the host's 16 cores: the image arrival beside four
 # streams (--threads 12), then a text arrival if there is time.
-ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
-before 420 && ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+before 240 && ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+before 300 && ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
 lscpu | grep -iE "model name|flags" | cut -c1-400 >> "$OUT/gpu.txt"
 el done
 cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

@@ -830,16 +830,18 @@ mod tests {
         use super::{attend, best_kernel, Kernel};
         // Head dims of eight past a multiple of sixteen too (SigLIP's 72:
         // AVX-512 with a last pass of eight lanes).
-        let odd = [(72, 2, 4, 300, None), (40, 1, 3, 90, Some(30)), (24, 2, 2, 60, None)];
+        // SigLIP's one query head a KV head (its patches' rows go as heads).
+        let odd = [(72, 2, 4, 300, None), (40, 1, 3, 90, Some(30)), (24, 2, 2, 60, None), (72, 3, 3, 200, None), (64, 2, 2, 150, Some(40))];
         for case in CASES.into_iter().chain([(64, 3, 9, 1300, None), (32, 2, 4, 1200, Some(700)), (128, 2, 8, 600, None)]).chain(odd) {
             let kernels: Vec<Kernel> = [Kernel::Generic, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|&k| k <= best_kernel(case.0)).collect();
             for dtype in [crate::KvDtype::F16, crate::KvDtype::F32] {
                 let s = setup_in(case, dtype);
                 let n = s.n;
                 let whole = |a: usize, b: usize| vec![AttnSeq { q_start: 0, q_len: b - a, kv_len: b, blocks: &s.blocks, window: s.window }];
-                // 20 single queries over all keys, and two decode rows beside them.
-                let fan: Vec<AttnSeq<'_>> = (0..22)
-                    .map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: if i < 20 { n } else { n - 1 - i % 2 }, blocks: &s.blocks, window: s.window })
+                // 21 single queries over all keys (five blocks of four and
+                // one), and two decode rows beside them.
+                let fan: Vec<AttnSeq<'_>> = (0..23)
+                    .map(|i| AttnSeq { q_start: i, q_len: 1, kv_len: if i < 21 { n } else { n - 2 + i % 2 }, blocks: &s.blocks, window: s.window })
                     .collect();
                 // (A long context's prompt block late in it, not the whole
                 // prompt: the generic kernel is slow.)

@@ -199,25 +199,33 @@ impl Tile<'_, '_> {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
     unsafe fn run<R: Elem>(&self, rows: &Rows<R>, hoff: usize, next: Option<&Rows<R>>, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
         let (c, t, t0) = (self.c, self.t, self.t0);
-        for i in 0..t.rows {
+        // One query head a KV head over the same keys (an image's patches
+        // in SigLIP): up to GB rows at a time, as a group's heads go, so
+        // they share each key's and value's load. Row i + g then sits
+        // where head g of row i would: `i + g` in the state, `q.cols` on
+        // in `q`.
+        let rows_as_heads = c.group == 1 && t.fan;
+        let mut i = 0;
+        while i < t.rows {
             let pos = if t.fan { self.first_pos } else { self.first_pos + i };
             let (a, b) = (t0.max(window_lo(&c.seqs[t.seq], pos)) - t0, (t0 + KB).min(pos + 1).saturating_sub(t0));
-            if a >= b {
-                continue;
-            }
-            let mut g0 = 0;
-            while g0 < c.group {
-                // The next tile's rows once, spread over the first step's keys.
-                let next = if i == 0 && g0 == 0 { next } else { None };
-                let st = Step { c, t, i, g0, a, b, rows, hoff, next };
-                match c.group - g0 {
-                    1 => step::<R, 1>(&st, m, l, acc),
-                    2 => step::<R, 2>(&st, m, l, acc),
-                    3 => step::<R, 3>(&st, m, l, acc),
-                    _ => step::<R, GB>(&st, m, l, acc),
+            let (width, qs) = if rows_as_heads { ((t.rows - i).min(GB), c.q.cols) } else { (c.group, c.hd) };
+            if a < b {
+                let mut g0 = 0;
+                while g0 < width {
+                    // The next tile's rows once, spread over the first step's keys.
+                    let next = if i == 0 && g0 == 0 { next } else { None };
+                    let st = Step { c, t, i, g0, qs, a, b, rows, hoff, next };
+                    match width - g0 {
+                        1 => step::<R, 1>(&st, m, l, acc),
+                        2 => step::<R, 2>(&st, m, l, acc),
+                        3 => step::<R, 3>(&st, m, l, acc),
+                        _ => step::<R, GB>(&st, m, l, acc),
+                    }
+                    g0 += GB;
                 }
-                g0 += GB;
             }
+            i += if rows_as_heads { width } else { 1 };
         }
     }
 }
@@ -227,6 +235,9 @@ struct Step<'a, 'b, R> {
     t: &'a Task,
     i: usize,
     g0: usize,
+    /// From one of the step's queries to the next in `q`: a head (`hd`),
+    /// or a row where the rows go as heads.
+    qs: usize,
     a: usize,
     b: usize,
     rows: &'a Rows<R>,
@@ -247,11 +258,11 @@ unsafe fn step<R: Elem, const G: usize>(st: &Step<'_, '_, R>, m: &mut [f32], l: 
     let mut sc = [[0f32; KB]; G];
     if G <= 3 {
         for j in (a / 16 * 16..b).step_by(16) {
-            scores16::<R, G>(q, hd, &st.rows.k, st.hoff, j, &mut sc);
+            scores16::<R, G>(q, hd, st.qs, &st.rows.k, st.hoff, j, &mut sc);
         }
     } else {
         for j in (a / 8 * 8..b).step_by(8) {
-            scores8x4(q, hd, &st.rows.k, st.hoff, j, &mut sc);
+            scores8x4(q, hd, st.qs, &st.rows.k, st.hoff, j, &mut sc);
         }
     }
     // Lanes of keys a..b (a tile is at most 64 keys).
@@ -356,15 +367,16 @@ fn l2(a: __m512, b: __m512) -> __m512 {
     _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)))
 }
 
-/// `s[g][j..j + 16]` for `g < G <= 3`: eight key pairs per head.
+/// `s[g][j..j + 16]` for `g < G <= 3`: eight key pairs per head (query
+/// `g` at `q + g * qs`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*const R; KB], hoff: usize, j: usize, s: &mut [[f32; KB]; G]) {
+unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, qs: usize, kr: &[*const R; KB], hoff: usize, j: usize, s: &mut [[f32; KB]; G]) {
     let mut acc = [[_mm512_setzero_ps(); 8]; G];
     for d in (0..hd).step_by(8) {
         let mut qv = [_mm512_setzero_ps(); G];
         for g in 0..G {
-            qv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * hd + d)));
+            qv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * qs + d)));
         }
         for p in 0..8 {
             let kv = R::pair8(kr[j + 2 * p].add(hoff + d), kr[j + 2 * p + 1].add(hoff + d));
@@ -381,12 +393,12 @@ unsafe fn scores16<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*con
 /// `s[g][j..j + 8]` for four heads: four key pairs per head.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores8x4<R: Elem, const G: usize>(q: *const f32, hd: usize, kr: &[*const R; KB], hoff: usize, j: usize, s: &mut [[f32; KB]; G]) {
+unsafe fn scores8x4<R: Elem, const G: usize>(q: *const f32, hd: usize, qs: usize, kr: &[*const R; KB], hoff: usize, j: usize, s: &mut [[f32; KB]; G]) {
     let mut acc = [[_mm512_setzero_ps(); 4]; 4];
     for d in (0..hd).step_by(8) {
         let mut qv = [_mm512_setzero_ps(); 4];
         for g in 0..4 {
-            qv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * hd + d)));
+            qv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * qs + d)));
         }
         for p in 0..4 {
             let kv = R::pair8(kr[j + 2 * p].add(hoff + d), kr[j + 2 * p + 1].add(hoff + d));

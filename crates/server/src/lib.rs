@@ -131,7 +131,8 @@ pub struct ServerConfig {
     /// asleep, so a round's tokens leave as it ends instead of after a
     /// sleeping thread wakes (on a virtual machine, waking an idle core
     /// took 0.1-0.3 ms: gaps of 1.2-1.3 ms behind even 1 ms rounds). It
-    /// costs a core while requests run: for a model on a GPU.
+    /// costs a core while requests run: for a model that leaves one free
+    /// (on a GPU, or on fewer CPU threads than cores).
     pub keep_hot: bool,
 }
 

@@ -829,8 +829,8 @@ mod tests {
     fn every_kernel_gives_the_same_bits() {
         use super::{attend, best_kernel, Kernel};
         // Head dims of eight past a multiple of sixteen too (SigLIP's 72:
-        // AVX-512 with a last pass of eight lanes).
-        // SigLIP's one query head a KV head (its patches' rows go as heads).
+        // AVX-512 with a last pass of eight lanes), and one query head a
+        // KV head (SigLIP's: the patches' rows go as heads).
         let odd = [(72, 2, 4, 300, None), (40, 1, 3, 90, Some(30)), (24, 2, 2, 60, None), (72, 3, 3, 200, None), (64, 2, 2, 150, Some(40))];
         for case in CASES.into_iter().chain([(64, 3, 9, 1300, None), (32, 2, 4, 1200, Some(700)), (128, 2, 8, 600, None)]).chain(odd) {
             let kernels: Vec<Kernel> = [Kernel::Generic, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|&k| k <= best_kernel(case.0)).collect();

@@ -101,7 +101,8 @@ pub fn has_avx2() -> bool {
 }
 
 /// [`has_avx2`] and AVX-512 F, BW, VL and DQ, unless `BRAID_CPU_ISA` caps
-/// the kernels at `avx2` or `scalar` (as it does the matmuls').
+/// the kernels below AVX-512 ([`Isa::cap`](super::quant::Isa::cap), as it
+/// does the matmuls').
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512() -> bool {
     use std::sync::atomic::{AtomicU8, Ordering};
@@ -110,8 +111,7 @@ pub fn has_avx512() -> bool {
         1 => false,
         2 => true,
         _ => {
-            let capped = matches!(std::env::var("BRAID_CPU_ISA").as_deref(), Ok("avx2" | "avxvnni" | "scalar"));
-            let yes = !capped
+            let yes = super::quant::Isa::cap() == super::quant::Isa::Avx512Vnni
                 && has_avx2()
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")

@@ -80,7 +80,8 @@ impl QMatRef<'_> {
 /// AVX512-VNNI's, whose decode tiles stay on 256-bit registers and whose
 /// float and long-prompt tiles take 512 bits. The kinds give bit-identical
 /// results.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Ordered narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
     Avx2,
@@ -91,10 +92,10 @@ pub enum Isa {
 impl Isa {
     /// The best kernels this CPU runs: AVX-512 VNNI's where the CPU has
     /// it, also beside AVX-VNNI, since only those run float weights and
-    /// long prompts as packed 512-bit tiles (on this 2-core AMD EPYC with
+    /// long prompts as packed 512-bit tiles (on a 2-core AMD EPYC with
     /// both, an 896-px image's tower 77 -> 50 s, Qwen2.5-Coder-0.5B pp512
-    /// ~1.3x). `BRAID_CPU_ISA=scalar`, `avx2` or `avxvnni` caps the
-    /// choice, for debugging and comparisons.
+    /// ~1.09x: docs/CPU.md). `BRAID_CPU_ISA` caps the choice ([`Isa::cap`]),
+    /// for debugging and comparisons.
     pub fn best() -> Isa {
         use std::sync::atomic::{AtomicU8, Ordering};
         static BEST: AtomicU8 = AtomicU8::new(0);
@@ -103,15 +104,21 @@ impl Isa {
             0 => {}
             i => return ALL[i as usize - 1],
         }
-        let cap = match std::env::var("BRAID_CPU_ISA").as_deref() {
-            Ok("scalar") => 0,
-            Ok("avx2") => 1,
-            Ok("avxvnni") => 2,
-            _ => 3,
-        };
-        let i = [3, 2, 1, 0].into_iter().filter(|&i| i <= cap).find(|&i| ALL[i].available()).unwrap_or(0);
+        let cap = Isa::cap();
+        let i = [3, 2, 1, 0].into_iter().filter(|&i| ALL[i] <= cap).find(|&i| ALL[i].available()).unwrap_or(0);
         BEST.store(i as u8 + 1, Ordering::Relaxed);
         ALL[i]
+    }
+
+    /// The widest kernels `BRAID_CPU_ISA` (`scalar`, `avx2` or `avxvnni`)
+    /// allows, the matmuls' and the other kernels' alike.
+    pub(crate) fn cap() -> Isa {
+        match std::env::var("BRAID_CPU_ISA").as_deref() {
+            Ok("scalar") => Isa::Scalar,
+            Ok("avx2") => Isa::Avx2,
+            Ok("avxvnni") => Isa::AvxVnni,
+            _ => Isa::Avx512Vnni,
+        }
     }
 
     /// How logs and `braid bench` name these kernels.

@@ -17,7 +17,7 @@ for arr in ${ARRS:-image text}; do
   sp=$!
   for _ in $(seq 1 240); do curl -sf 127.0.0.1:8099/health > /dev/null && break; sleep 0.5; done
   if [ $arr = image ]; then prog=(python3 scripts/bench/image_stall.py --probe .peer/stall_probe.py --); else prog=(python3 .peer/stall_probe.py); fi
-  timeout ${T:-110} "${prog[@]}" http://127.0.0.1:8099 --streams 4 --gen ${GEN:-3000} --long-tokens 40 --ignore-eos on --seed 5 --timeout 100 > "$OUT/probe-$arr.txt" 2>&1
+  timeout ${T:-110} "${prog[@]}" http://127.0.0.1:8099 --streams 4 --gen ${GEN:-3000} --long-tokens 40 --ignore-eos on --seed 5 --timeout 100 --dump "$OUT/dump-$arr.json" > "$OUT/probe-$arr.txt" 2>&1
   tail -3 "$OUT/probe-$arr.txt"
   kill $sp; wait $sp 2>/dev/null
   python3 scripts/gpu/gaps.py "$OUT/serve-$arr.log" | tail -2

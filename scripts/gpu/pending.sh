@@ -46,6 +46,8 @@ if [ "${PART:-1}" = 2 ]; then
   cd "$RAW" && tar cJf "$OUT/all2.tar.xz" . 2>/dev/null
   exit
 fi
+el tests
+timeout 90 $B/cuda_ops attention_against 2>&1 | tail -3 | tee -a "$OUT/times.txt"
 el image
 ARRS="text" OUT=$RAW/img T=60 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"
 ARRS="image" OUT=$RAW/img T=100 bash scripts/gpu/image_cpu.sh 2>&1 | tee -a "$OUT/img.txt"

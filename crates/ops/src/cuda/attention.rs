@@ -52,14 +52,14 @@ struct Call<'a, 's> {
 /// The modules compiled so far, and the split-KV scratch.
 pub(super) struct Attn {
     fns: HashMap<(usize, usize), AttnFns>,
-    /// Two: a chunk's attention and the decode rows' (with a short
-    /// chunk's) run side by side.
-    part: [DevBuf; 2],
+    /// Three: a chunk's attention, a short chunk's and the decode rows'
+    /// run side by side.
+    part: [DevBuf; 3],
 }
 
 impl Attn {
     pub fn new(ctx: usize) -> Attn {
-        Attn { fns: HashMap::new(), part: [DevBuf::empty(ctx), DevBuf::empty(ctx)] }
+        Attn { fns: HashMap::new(), part: [DevBuf::empty(ctx), DevBuf::empty(ctx), DevBuf::empty(ctx)] }
     }
 }
 
@@ -173,26 +173,38 @@ impl Cuda {
         let few = self.few_rows(kvh);
         let fns = self.attn_fns(hd, g)?;
         // The rows by kernel: a prompt chunk past `few` rows (the prefill
-        // kernel), and the rest (decode rows, a short chunk's: the decode
-        // kernel). A round sharing its forward with a chunk runs them as
-        // launches side by side (they write other rows of `out`; each has
-        // its own split scratch): one prefill block walking a long context
-        // alone would stall the decode rows.
+        // kernel), a short chunk's (the tiled decode kernel), decode rows.
+        // A round sharing its forward with a chunk runs them as launches
+        // side by side (they write other rows of `out`; each has its own
+        // split scratch): one prefill block walking a long context alone
+        // would stall the decode rows, and a short chunk's rows beside
+        // them would take their launch past the lanes kernel's pairs.
         let long = |s: &AttnSeq<'_>| fns.prefill.is_some() && s.q_len > few;
-        // The lanes kernel serves rounds of single rows only. Beside a
-        // chunk's launch its decode rows took longer than in the tiled
-        // kernel (H100, SmolLM2 beside 8-32-row chunks: +0.1-0.25 ms a
-        // round), and a pass's chunks read that much dearer against the
-        // faster plain round.
-        let lanes = seqs.iter().all(|s| s.q_len <= 1);
-        let (chunks, rest): (Vec<AttnSeq<'_>>, Vec<AttnSeq<'_>>) = seqs.iter().filter(|s| s.q_len > 0).partition(|s| long(s));
-        if chunks.is_empty() || rest.is_empty() {
-            return self.attention_launches(c, out, 0, lanes);
+        let singles = seqs.iter().filter(|s| s.q_len == 1).count();
+        let apart = fns.lanes.is_some() && singles * kvh <= self.inner.tuning.attn_decode_lanes_pairs;
+        let mut groups: [Vec<AttnSeq<'_>>; 3] = Default::default();
+        for s in seqs.iter().filter(|s| s.q_len > 0) {
+            let at = if long(s) {
+                0
+            } else if apart && s.q_len == 1 {
+                2
+            } else {
+                1
+            };
+            groups[at].push(*s);
+        }
+        if groups.iter().filter(|g| !g.is_empty()).count() < 2 {
+            return self.attention_launches(c, out, 0);
         }
         let o = &*out;
-        let mut long = || self.attention_launches(Call { seqs: &chunks, ..c }, o, 0, false);
-        let mut short = || self.attention_launches(Call { seqs: &rest, ..c }, o, 1, false);
-        self.branches(&mut [&mut long, &mut short])
+        let mut launches: Vec<_> = groups
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_empty())
+            .map(|(scratch, group)| move || self.attention_launches(Call { seqs: group, ..c }, o, scratch))
+            .collect();
+        let mut parts: Vec<&mut dyn FnMut() -> Result<()>> = launches.iter_mut().map(|l| l as &mut dyn FnMut() -> Result<()>).collect();
+        self.branches(&mut parts)
     }
 
     /// Up to how many query rows a sequence takes the split-KV decode
@@ -209,10 +221,8 @@ impl Cuda {
 
     /// The launches of [`Self::attention_cmds`] for `seqs`, all of one
     /// kind (decode rows, or prompt chunks past [`Self::few_rows`]), with
-    /// split scratch `scratch` (0-1: launches side by side need their own);
-    /// `lanes`: decode rows may take the lanes kernel (a round of single
-    /// rows only).
-    fn attention_launches(&self, c: Call<'_, '_>, out: &CudaTensor, scratch: usize, lanes: bool) -> Result<()> {
+    /// split scratch `scratch` (0-2: launches side by side need their own).
+    fn attention_launches(&self, c: Call<'_, '_>, out: &CudaTensor, scratch: usize) -> Result<()> {
         let Call { q, kv, layer, seqs, scale, softcap } = c;
         let shape = kv.spec.layers[layer];
         let (hd, kvh) = (shape.head_dim, shape.kv_heads);
@@ -321,7 +331,7 @@ impl Cuda {
             };
             let nsplit = (4 * self.inner.sms).div_ceil(ctas.max(1)).clamp(1, max);
             // Few (row, KV head) pairs: the lanes kernel (tuning.rs says why).
-            let (plain, cluster, threads) = match fns.lanes.filter(|_| lanes && ctas <= self.inner.tuning.attn_decode_lanes_pairs) {
+            let (plain, cluster, threads) = match fns.lanes.filter(|_| ctas <= self.inner.tuning.attn_decode_lanes_pairs) {
                 Some((f, cl)) => (f, cl, 32 * self.inner.tuning.attn_decode_warps as u32),
                 None => (f_dec, fns.decode_cl, 128),
             };

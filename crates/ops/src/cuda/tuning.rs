@@ -50,9 +50,8 @@ pub struct Tuning {
     /// 1.305 -> 1.136 at 2,000, 1.659 -> 1.304 at 4,000 (4 warps: 0.988,
     /// 1.207, 1.445).
     pub attn_decode_warps: usize,
-    /// Up to how many (query row, KV head) pairs a round of single rows
-    /// takes the lanes kernel (0: none; a round with a prompt chunk keeps
-    /// the tiled one, `attention.rs`): a launch of few pairs waits on memory one
+    /// Up to how many (query row, KV head) pairs a decode launch takes the
+    /// lanes kernel (0: none): a launch of few pairs waits on memory one
     /// step after another, which the lanes kernel shortens; with more, the
     /// tiled kernel's copies keep more bytes in flight an SM (H100,
     /// SmolLM2: 32 rows 1.98 -> 2.12 ms a round with lanes). Off: at 32,

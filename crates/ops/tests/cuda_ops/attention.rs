@@ -135,10 +135,9 @@ fn decode_attention_against_f64() {
     ];
     // Also with clusters past the portable 8 blocks (Hopper): more key
     // splits, merged in the cluster as before; with the lanes kernel for
-    // rounds of single rows of up to 32 (row, KV head) pairs, and for
-    // every such round, with 1 warp a block and no clusters (the splits
-    // merged by a launch), and with 4 (cases with a longer sequence keep
-    // the tiled kernel).
+    // launches of up to 32 (row, KV head) pairs (a round's decode rows
+    // apart from a short chunk's); and for every launch, with 1 warp a
+    // block and no clusters (the splits merged by a launch), and with 4.
     let wide = Cuda::with_tuning(0, Tuning { attn_cluster_max: 16, ..d.tuning().clone() }).unwrap();
     let lanes = lanes_device(&d, 8, 32, true);
     let one = lanes_device(&d, 1, usize::MAX, false);
@@ -177,8 +176,9 @@ fn prefill_attention_against_f64() {
         Case { bt: 16, heads: 4, kv_heads: 4, hd: 128, window: Some(90), softcap: None, seqs: vec![(70, 600), (19, 19)] },
         Case { bt: 16, heads: 12, kv_heads: 2, hd: 64, window: Some(33), softcap: None, seqs: vec![(45, 1200)] },
     ];
-    // Also where the lanes kernel takes decode rounds: beside a chunk
-    // the decode rows keep the tiled kernel.
+    // Also with the lanes kernel for the decode rows: up to three
+    // launches side by side (a long chunk's, a short chunk's, the
+    // decode rows').
     let lanes = lanes_device(&d, 8, 32, true);
     for dev in [&d, &lanes] {
         for c in &cases {

@@ -309,6 +309,12 @@ const SPIKE: (f64, f64) = (2.0, 0.25);
 /// sizes are then expected cheaper only up to one past those run.)
 const GROWTH_FLOOR: f64 = 0.1;
 
+/// How much dearer than a larger size the warm-up may read a size and
+/// still be taken to cost no more than it ([`PassCosts::expected`]): it
+/// times each size once. A kernel change between sizes reads more (on the
+/// H100 SmolLM2's 32 rows against its 48 and 64: 1.15-1.9x).
+const ALIKE: f64 = 0.1;
+
 /// What a pass's shared chunks have added, kept from its first to its last.
 #[derive(Clone, Debug)]
 struct PassCosts {
@@ -339,8 +345,19 @@ impl PassCosts {
     /// What a chunk of `rows` beside `decode` decode rows is expected to
     /// add, as a fraction of a plain round of `plain` seconds: its last
     /// round in this pass, else its figure before the pass times `scale`.
+    /// A size not run in the pass costs no more than a larger one did in
+    /// it where the warm-up read the two alike ([`ALIKE`]): on the H100 a
+    /// pass's 63-row remainder after 80-row chunks within the share, read
+    /// as the warm-up's 64 rows (4% dearer than its 80) grown as 8-row
+    /// chunks had, ran as eight rounds of 8 rows.
     fn expected(&self, decode: usize, rows: usize, scale: f64, plain: f64) -> Option<f64> {
-        self.seen.get(&rows).copied().or_else(|| self.base.least(decode, rows).map(|a| a / plain * scale))
+        if let Some(&f) = self.seen.get(&rows) {
+            return Some(f);
+        }
+        let base = self.base.least(decode, rows)?;
+        let alike = |m: usize| self.base.least(decode, m).is_some_and(|b| base <= b * (1.0 + ALIKE));
+        let bound = self.seen.iter().filter(|&(&m, _)| m > rows && alike(m)).map(|(_, &f)| f).fold(f64::INFINITY, f64::min);
+        Some((base / plain * scale).min(bound))
     }
 
     /// How much dearer than before the pass a size not run in it is

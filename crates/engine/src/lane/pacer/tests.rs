@@ -840,3 +840,63 @@ fn a_round_after_a_long_stretch_of_the_loops_own_work_is_not_a_plain_round() {
     // The admission's round changes nothing.
     assert_eq!(run(0.32e-3), quiet);
 }
+
+#[test]
+fn a_remainder_runs_as_a_size_the_warm_up_read_like_a_larger_one_run() {
+    // SmolLM2's shape beside six streams on the H100 with the lanes decode
+    // kernel (stop 57): the warm-up's fractions of its 0.874 ms plain
+    // round; served, the plain round took 0.918 ms, 80-row chunks added
+    // 0.35-0.44 of it as the pass moved on, 8 rows 0.12-0.23. Its last
+    // 63 rows ran as eight 8-row chunks: 64 rows, read at the warm-up's
+    // figure (4% over 80's) grown as the 8-row chunks had, came out past
+    // the share. Read as no dearer than the 80 rows just run, they take
+    // one round.
+    let told = [
+        (1, 0.04),
+        (2, 0.071),
+        (4, 0.062),
+        (8, 0.35),
+        (16, 0.673),
+        (24, 0.894),
+        (32, 1.227),
+        (48, 0.708),
+        (64, 0.657),
+        (80, 0.631),
+        (96, 0.66),
+        (112, 0.645),
+        (128, 0.701),
+        (160, 0.741),
+        (192, 0.796),
+        (224, 0.783),
+        (256, 0.951),
+    ];
+    let (warm_plain, plain) = (0.874, 0.918);
+    let mut p = warmed_on(0.45, 256, warm_plain, &told.map(|(r, f)| (r, f * warm_plain)));
+    p.pads = true;
+    for _ in 0..20 {
+        p.ran(Ran { shape: Shape { decode_rows: 6, ..four() }, chunk: None, secs: plain * 1e-3, overhead: 0.0 });
+    }
+    // Served fractions at position `pos` of 1799: 0.06 more at the end.
+    let served = |rows: usize, pos: usize| {
+        let f = match rows {
+            1 | 2 => 0.03,
+            4 => 0.07,
+            8 => 0.12,
+            16 => 0.28,
+            24 => 0.45,
+            32 => 0.8,
+            48 => 0.36,
+            64 => 0.34,
+            80 => 0.38,
+            96 => 0.4,
+            112 => 0.42,
+            _ => 0.5,
+        };
+        (f + 0.06 * pos as f64 / 1799.0) * plain
+    };
+    let rounds = sized_pass_on(&mut p, 1799, 1799, 256, plain, served);
+    assert_eq!(rounds.iter().sum::<usize>(), 1799);
+    let tail = rounds.iter().rev().take_while(|&&r| r < 64).count();
+    assert!(tail <= 1, "the last rows took {tail} rounds: {rounds:?}");
+    assert!(rounds[2..].iter().all(|&r| r > 8), "{rounds:?}");
+}

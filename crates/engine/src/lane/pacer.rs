@@ -23,10 +23,13 @@
 //!     streams: 16 rows +0.3 ms, 24 rows +0.59, 32 rows +0.62), which a
 //!     steering that scales the last chunk by its cost overshot and
 //!     undershot by turns;
-//!   * elsewhere (the CPU) each chunk's rows add about that fraction,
-//!     steered by the last chunk's measured cost. A fixed cost of sharing a
-//!     round at all is paid by any chunk, so it is told apart (from the
-//!     pass's first chunk and its last) and not counted against the share:
+//!   * elsewhere (the CPU) each chunk's rows add about that fraction: the
+//!     most rows whose round the cost model predicts within the share of
+//!     the plain round it predicts beside them, once it has seen a few
+//!     chunks; before that, steered by the last chunk's measured cost. A
+//!     fixed cost of sharing a round at all is paid by any chunk, so it is
+//!     told apart (the model's term for it; while steering, from the pass's
+//!     first chunk and its last) and not counted against the share:
 //!     counted, it held every chunk to one row and an 1800-token prompt to
 //!     1800 rounds.
 //!
@@ -53,6 +56,13 @@ const REMEASURE_EVERY: usize = 8;
 /// Rounds with a chunk the cost model needs before a target trusts it;
 /// until then chunks probe, doubling while rounds stay within the target.
 const TRUSTED_AFTER: usize = 6;
+
+/// The same for a share on a backend that replays no chunk sizes, whose
+/// chunks are steered until then: its rounds are noisy against what a
+/// chunk adds (on two cores a row ~0.75 ms beside a 10 ms round that
+/// varies by one or two), and a model of six such rounds ran 4- and
+/// 7-row chunks where two were due.
+const SHARE_TRUSTED_AFTER: usize = 12;
 
 /// `budget` kept to the chunk sizes a backend replays ([`replayed_size`](crate::replayed_size)
 /// up to `replayed`; see `Capabilities::replayed_chunk_rows`) where the
@@ -235,6 +245,11 @@ impl CostModel {
     /// The predicted seconds of a round of shape `s`.
     pub fn predict(&self, s: &Shape) -> f64 {
         features(s).iter().zip(&self.fit()).map(|(x, t)| x * t).sum()
+    }
+
+    /// What carrying a chunk at all adds to a round, whatever its rows.
+    pub fn chunk_fixed(&self) -> f64 {
+        self.fit()[FEATURES - 1]
     }
 }
 
@@ -621,9 +636,27 @@ impl Pacer {
         if !timed && (self.plain_secs == 0.0 || self.shared_since_plain >= REMEASURE_EVERY) {
             return Budget::Measure;
         }
-        // A chunk costs a fixed part plus a part per row, both unknown and
-        // changing with the position, so the size is steered by the last
-        // chunk: scaled by budget / time taken.
+        // Once the cost model has seen a few chunks it sizes them: the most
+        // rows whose round it predicts within the share of the plain round
+        // it predicts beside them, its fixed cost of carrying a chunk at
+        // all set aside (see the module doc). Steered by the last chunk
+        // alone, a size followed the noise of single rounds: on two cores,
+        // where a row adds ~0.75 ms to a 10 ms round and rounds vary by a
+        // millisecond or two, a 0.15 share ran chunks of 1-9 rows and
+        // rounds of up to 1.8 plain ones.
+        if self.model.chunk_rounds >= SHARE_TRUSTED_AFTER {
+            let plain = self.model.predict(&Shape { chunk_rows: 0, ..next });
+            let room = plain * (1.0 + share) + self.model.chunk_fixed();
+            // Grown by half at most, as steered: one overshoot is one long gap.
+            let most = match self.last {
+                Some((id, rows, ..)) if id == stream => rows + rows / 2 + 1,
+                _ => usize::MAX,
+            };
+            return Budget::Chunk(Some(self.cap(self.rows_within(start, next, room).min(most))));
+        }
+        // Before that, a chunk costs a fixed part plus a part per row, both
+        // unknown and changing with the position, so the size is steered by
+        // the last chunk: scaled by budget / time taken.
         let rows = match self.last {
             Some((id, rows, secs, _)) if id == stream => {
                 let scaled = self.scaled(id, rows, secs, share);
@@ -707,9 +740,16 @@ impl Pacer {
             }
             return 1;
         }
-        // The largest rows within the room (the prediction grows with
-        // rows), and no more than twice what the model has seen (half
-        // again, rounded down to a replayed size, could stay where it is).
+        self.rows_within(start, next, room)
+    }
+
+    /// The most prompt rows (at least one) whose round beside `next`,
+    /// from position `start`, the model predicts within `room` seconds:
+    /// the prediction grows with rows. No more than twice what the model
+    /// has seen (half again, rounded down to a replayed size, could stay
+    /// where it is).
+    fn rows_within(&self, start: usize, next: Shape, room: f64) -> usize {
+        let with = |rows: usize| Shape { chunk_rows: rows, chunk_start: start, ..next };
         let seen = self.model.max_seen.max(1);
         let (mut lo, mut hi) = (1usize, self.max_rows.unwrap_or(usize::MAX).min(2 * seen + 1));
         while lo < hi {

@@ -647,12 +647,16 @@ impl Pacer {
         if self.model.chunk_rounds >= SHARE_TRUSTED_AFTER {
             let plain = self.model.predict(&Shape { chunk_rows: 0, ..next });
             let room = plain * (1.0 + share) + self.model.chunk_fixed();
-            // Grown by half at most, as steered: one overshoot is one long gap.
-            let most = match self.last {
-                Some((id, rows, ..)) if id == stream => rows + rows / 2 + 1,
-                _ => usize::MAX,
-            };
-            return Budget::Chunk(Some(self.cap(self.rows_within(start, next, room).min(most))));
+            let mut rows = self.rows_within(start, next, room);
+            if let Some((_, last, ..)) = self.last.filter(|l| l.0 == stream && rows > l.1) {
+                // A row past the last size a round: while chunks keep one
+                // size the model cannot split its fixed cost from the rows',
+                // and where it read most as fixed every size above looked
+                // nearly free (a pass ran 3-8 rows where 2 were due). A
+                // size one up that runs over shows the split.
+                rows = rows.min(last + 1);
+            }
+            return Budget::Chunk(Some(self.cap(rows)));
         }
         // Before that, a chunk costs a fixed part plus a part per row, both
         // unknown and changing with the position, so the size is steered by

@@ -14,22 +14,22 @@ import json
 import statistics
 import sys
 
-dumps = [(path, json.load(open(path))) for path in sys.argv[1:]]
 
 
-def window(d):
+def background(d):
+    """The background streams' token times, their last, and where the
+    arrival's window ends (the newcomer's first token, or that last)."""
     bg = [ts for name, ts in d["streams"].items() if name != "newcomer" and ts]
     end = max(ts[-1] for ts in bg)
-    return min(d["t_newcomer_first"] or end, end) - d["t_arrival"]
+    return bg, end, min(d["t_newcomer_first"] or end, end)
 
 
-longest = max(window(d) for _, d in dumps)
+dumps = [(path, json.load(open(path))) for path in sys.argv[1:]]
+longest = max(background(d)[2] - d["t_arrival"] for _, d in dumps)
 for path, d in dumps:
     t_arr, t_first = d["t_arrival"], d["t_newcomer_first"]
-    bg = [ts for name, ts in d["streams"].items() if name != "newcomer" and ts]
-    end = max(ts[-1] for ts in bg)
+    bg, end, w_end = background(d)
     base = statistics.median([(b - a) * 1e3 for ts in bg for a, b in zip(ts, ts[1:]) if b <= t_arr])
-    w_end = min(t_first or end, end)
 
     def largest(lo, hi):
         gaps = [(b - a) * 1e3 for ts in bg for a, b in zip(ts, ts[1:]) if b > lo and a < hi]
